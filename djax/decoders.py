@@ -1,0 +1,232 @@
+"""Decoding strategies: which masked positions of the current block to commit this step.
+
+Every function works on a whole batch at once (`[batch, block]` arrays) and inside the
+compiled loop. Logits may be split over the vocabulary across the mesh axis `axis_name`;
+the (token, confidence) reduction then combines per-device maxima and sums with
+`pmax`/`psum` instead of gathering full logits, and stays exact.
+
+Semantics (../shared/ALGORITHMS.md): confidence is softmax(clean logits)[token]; the
+prediction is argmax at temperature 0, a Gumbel-max sample of softmax(logits / T) above;
+the mask id is never predicted, so it is never committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+FIXED_DECODERS = ("low_confidence", "random")
+DECODERS = (*FIXED_DECODERS, "threshold", "factor", "credit", "hierarchy")
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderSpec:
+    """The decoder and its parameters (static: part of the compiled program's key).
+
+    threshold: τ of `threshold` and `credit`, τ_high of `hierarchy`; low_threshold: τ_low of
+    `hierarchy`; factor: f of `factor`; credit_*: α, γ, β of `credit`.
+    """
+
+    name: str = "threshold"
+    threshold: float = 0.9
+    low_threshold: float = 0.4
+    factor: float = 1.0
+    credit_alpha: float = 0.7
+    credit_gamma: float = 0.2
+    credit_beta: float = 0.8
+    temperature: float = 0.0
+
+    @property
+    def fixed_steps(self) -> bool:
+        return self.name in FIXED_DECODERS
+
+
+# ---------------------------------------------------------------- vocabulary reductions
+
+
+def _vocab_offset(local_vocab: int, axis_name: str | None) -> Array | int:
+    return 0 if axis_name is None else jax.lax.axis_index(axis_name) * local_vocab
+
+
+def _argmax_global(values: Array, axis_name: str | None) -> tuple[Array, Array]:
+    """Max and first arg-max over the last (possibly split) vocabulary axis."""
+    local_arg = jnp.argmax(values, axis=-1).astype(jnp.int32)
+    local_max = jnp.max(values, axis=-1)
+    if axis_name is None:
+        return local_max, local_arg
+    global_max = jax.lax.pmax(local_max, axis_name)
+    candidate = local_arg + _vocab_offset(values.shape[-1], axis_name)
+    big = jnp.iinfo(jnp.int32).max
+    arg = jax.lax.pmin(jnp.where(local_max == global_max, candidate, big), axis_name)
+    return global_max, arg
+
+
+def _logsumexp_global(logits: Array, axis_name: str | None) -> Array:
+    local_max = jnp.max(logits, axis=-1)
+    global_max = local_max if axis_name is None else jax.lax.pmax(local_max, axis_name)
+    total = jnp.sum(jnp.exp(logits - global_max[..., None]), axis=-1)
+    if axis_name is not None:
+        total = jax.lax.psum(total, axis_name)
+    return global_max + jnp.log(total)
+
+
+def _take_global(logits: Array, token: Array, axis_name: str | None) -> Array:
+    """logits[..., token] where `token` is a global vocabulary id."""
+    local = token - _vocab_offset(logits.shape[-1], axis_name)
+    inside = (local >= 0) & (local < logits.shape[-1])
+    value = jnp.take_along_axis(
+        logits, jnp.clip(local, 0, logits.shape[-1] - 1)[..., None], axis=-1
+    )[..., 0]
+    value = jnp.where(inside, value, 0.0)
+    return value if axis_name is None else jax.lax.psum(value, axis_name)
+
+
+def gumbel_noise(key: Array, shape: tuple[int, ...], axis_name: str | None) -> Array:
+    """Gumbel noise over the *full* vocabulary, sliced to this device's part, so a split
+    vocabulary samples exactly what one device would."""
+    if axis_name is None:
+        return jax.random.gumbel(key, shape, jnp.float32)
+    n = jax.lax.axis_size(axis_name)
+    full = jax.random.gumbel(key, shape[:-1] + (shape[-1] * n,), jnp.float32)
+    return jax.lax.dynamic_slice_in_dim(
+        full, _vocab_offset(shape[-1], axis_name), shape[-1], axis=-1
+    )
+
+
+def predict(
+    logits: Array, temperature: float, key: Array, mask_id: int, axis_name: str | None = None
+) -> tuple[Array, Array]:
+    """Token and confidence at each position.
+
+    logits: [batch, block, vocab_local] fp32. Returns token [batch, block] int32 (never the
+    mask id) and confidence = softmax(logits)[token] [batch, block] fp32.
+    """
+    local_mask = mask_id - _vocab_offset(logits.shape[-1], axis_name)
+    vocab_ids = jnp.arange(logits.shape[-1])
+    choosable = jnp.where(vocab_ids == local_mask, NEG_INF, logits)
+    if temperature > 0:
+        choosable = choosable / temperature + gumbel_noise(key, logits.shape, axis_name)
+    _, token = _argmax_global(choosable, axis_name)
+    confidence = jnp.exp(
+        _take_global(logits, token, axis_name) - _logsumexp_global(logits, axis_name)
+    )
+    return token, confidence
+
+
+def probabilities(logits: Array, axis_name: str | None = None) -> Array:
+    """softmax over the (possibly split) vocabulary: [..., vocab_local]."""
+    return jnp.exp(logits - _logsumexp_global(logits, axis_name)[..., None])
+
+
+# ---------------------------------------------------------------- commit rules
+
+
+def _rank(score: Array) -> Array:
+    """0 for the highest score of each row, ties broken by lower position."""
+    order = jnp.argsort(-score, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1, stable=True)
+
+
+def commit_top_k(score: Array, masked: Array, k: Array) -> Array:
+    """The k highest-scoring masked positions of each row. score: [batch, block]; k: [batch]."""
+    ranked = _rank(jnp.where(masked, score, NEG_INF))
+    return masked & (ranked < k[:, None])
+
+
+def commit_threshold(confidence: Array, masked: Array, threshold: Array | float) -> Array:
+    """Masked positions with confidence ≥ τ; if none, the single most confident one."""
+    best = jnp.max(jnp.where(masked, confidence, NEG_INF), axis=-1, keepdims=True)
+    return masked & (confidence >= jnp.minimum(threshold, best - 1e-5))
+
+
+def commit_factor(confidence: Array, masked: Array, factor: float) -> Array:
+    """Longest prefix of the descending masked confidences whose n-th element (1-based)
+    satisfies (n + 1)(1 − p_n) < f; at least one."""
+    score = jnp.where(masked, confidence, NEG_INF)
+    ordered = -jnp.sort(-score, axis=-1)
+    n = jnp.arange(1, score.shape[-1] + 1)
+    passes = ((n + 1) * (1 - ordered) < factor) & (ordered > NEG_INF)
+    count = jnp.sum(jnp.cumprod(passes, axis=-1), axis=-1)
+    return commit_top_k(confidence, masked, jnp.maximum(count, 1))
+
+
+def commit_hierarchy(confidence: Array, masked: Array, high: float, low: float) -> Array:
+    """Each maximal run of consecutive masked positions commits its most confident position
+    if p > low; every position with p > high commits; the most confident always does."""
+    block = masked.shape[-1]
+    starts = masked & ~jnp.pad(masked, ((0, 0), (1, 0)))[:, :block]
+    run = jnp.cumsum(starts, axis=-1)
+    score = jnp.where(masked, confidence, NEG_INF)
+    same_run = (run[:, :, None] == run[:, None, :]) & masked[:, :, None] & masked[:, None, :]
+    idx = jnp.arange(block)
+    # j beats i within a run: higher score, or equal score at a lower position.
+    beats = (score[:, None, :] > score[:, :, None]) | (
+        (score[:, None, :] == score[:, :, None]) & (idx[None, :] < idx[:, None])
+    )
+    run_best = masked & ~jnp.any(same_run & beats, axis=-1)
+    commit = (run_best & (confidence > low)) | (masked & (confidence > high))
+    return commit | commit_top_k(confidence, masked, jnp.ones(masked.shape[0], jnp.int32))
+
+
+def fixed_schedule(masks_at_start: Array, steps: int, step: Array) -> Array:
+    """LLaDA's schedule: M masks over s steps commit M // s per step, plus one in the
+    first M % s steps. masks_at_start: [batch]; step: step index within the block."""
+    return masks_at_start // steps + (step < masks_at_start % steps).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------- credit decoder
+
+
+def credit_update(
+    credit: Array,
+    logits: Array,
+    masked: Array,
+    spec: DecoderSpec,
+    first_step: Array,
+    axis_name: str | None,
+) -> tuple[Array, Array]:
+    """Decay, accumulate and fuse the credit matrix.
+
+    credit: [batch, block, vocab_local] fp32 (zero at block start). Each step after the
+    first multiplies it by β; each masked position adds p1^γ at its top-1 token. Returns
+    (new credit, fused logits z + α·log(1 + C)).
+    """
+    credit = jnp.where(first_step, credit, credit * spec.credit_beta)
+    top_logit, top_token = _argmax_global(logits, axis_name)
+    p1 = jnp.exp(top_logit - _logsumexp_global(logits, axis_name))
+    local = top_token - _vocab_offset(logits.shape[-1], axis_name)
+    hit = (jnp.arange(logits.shape[-1]) == local[..., None]) & masked[..., None]
+    credit = credit + jnp.where(hit, (p1**spec.credit_gamma)[..., None], 0.0)
+    return credit, logits + spec.credit_alpha * jnp.log1p(credit)
+
+
+def decide(
+    spec: DecoderSpec,
+    confidence: Array,
+    masked: Array,
+    *,
+    k: Array | None = None,
+    threshold: Array | float | None = None,
+    key: Array | None = None,
+) -> Array:
+    """The commit mask [batch, block] of the configured rule.
+
+    k: tokens per row this step (fixed decoders); threshold: τ for this step (annealed
+    under iteration smoothing); key: randomness of the `random` decoder.
+    """
+    tau = spec.threshold if threshold is None else threshold
+    if spec.name == "low_confidence":
+        return commit_top_k(confidence, masked, k)
+    if spec.name == "random":
+        return commit_top_k(jax.random.uniform(key, confidence.shape), masked, k)
+    if spec.name in ("threshold", "credit"):
+        return commit_threshold(confidence, masked, tau)
+    if spec.name == "factor":
+        return commit_factor(confidence, masked, spec.factor)
+    if spec.name == "hierarchy":
+        return commit_hierarchy(confidence, masked, spec.threshold, spec.low_threshold)
+    raise ValueError(f"decoder={spec.name!r}; expected one of {DECODERS}")

@@ -1,0 +1,1 @@
+"""The small dLLM that ships with djax: its tokenizer, task, trainer and packaged weights."""

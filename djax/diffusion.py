@@ -1,0 +1,285 @@
+"""The diffusion iteration manager: a whole generation as one device program.
+
+Outer `lax.while_loop` over blocks (stops when every row has hit a stop token), inner
+`lax.while_loop` over denoising steps (stops when the block has no masks). A block's first
+step is a refresh (a whole-sequence forward that also fills the K/V buffers); later steps
+are cached window forwards per the `CachePolicy`, or whole-sequence forwards under `none`.
+The carry holds the tokens, the K/V buffers, the RNG key, counters and decoder state, so
+nothing waits on the host between steps.
+
+`run_generation` is written for one device's share: inside `shard_map` it sees its rows
+(data axis) and its weight shards (model axis, `axis_name`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from djax import decoders
+from djax.decoders import DecoderSpec
+from djax.kv_cache import CachePolicy, init_buffers
+from djax.models.layers import TransformerLM, Window
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything static about one compiled generation program.
+
+    prompt_len: the (bucketed, left-padded) prompt length P; the answer region is
+    `[P, P + gen_length)`, split into blocks of `block_len`. steps_per_block: used by the
+    fixed-steps decoders. stop_ids: ids that end a row (early stop); fill_id: what the rest
+    of a stopped row becomes (EOS).
+    """
+
+    batch: int
+    prompt_len: int
+    gen_length: int
+    block_len: int
+    steps_per_block: int
+    decoder: DecoderSpec
+    cache: CachePolicy
+    mask_id: int
+    fill_id: int
+    stop_ids: tuple[int, ...]
+    early_stop: bool = True
+    smoothing: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_length
+
+    @property
+    def n_blocks(self) -> int:
+        return self.gen_length // self.block_len
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class State:
+    """The loop carry. kv: per-layer (keys, values) or None (`none` policy); credit:
+    [batch, block, vocab_local] or None; soft: expected embeddings of the block's masked
+    positions from the previous step [batch, block, model] or None."""
+
+    tokens: Array
+    kv: Any
+    key: Array
+    step: Array
+    step_in_block: Array
+    block: Array
+    forwards: Array
+    refreshes: Array
+    stopped: Array
+    block_masks: Array
+    credit: Any
+    soft: Any
+
+
+class _Generation:
+    """Closes over the module, params and static plan; its methods build the loop bodies."""
+
+    def __init__(
+        self,
+        module: TransformerLM,
+        params: dict,
+        plan: Plan,
+        key_valid: Array,
+        positions: Array,
+        axis_name: str | None,
+    ):
+        self.module, self.params, self.plan = module, params, plan
+        self.key_valid, self.positions, self.axis_name = key_valid, positions, axis_name
+
+    def _apply(self, *args, **kwargs):
+        return self.module.apply({"params": self.params}, *args, **kwargs)
+
+    def block_start(self, state: State) -> Array:
+        return self.plan.prompt_len + state.block * self.plan.block_len
+
+    def block_tokens(self, tokens: Array, block_start: Array) -> Array:
+        return jax.lax.dynamic_slice_in_dim(tokens, block_start, self.plan.block_len, axis=1)
+
+    def _inputs(self, state: State, start: Array, width: int, block_start: Array) -> Array:
+        """Embeddings of `width` positions from `start`, smoothed at the block's masks."""
+        ids = jax.lax.dynamic_slice_in_dim(state.tokens, start, width, axis=1)
+        x = self._apply(ids, method="embed")
+        if not self.plan.smoothing:
+            return x
+        offset = block_start - start
+        weight = jnp.minimum(0.15 + 0.02 * state.step, 0.3).astype(x.dtype)
+        block_x = jax.lax.dynamic_slice_in_dim(x, offset, self.plan.block_len, axis=1)
+        masked = self.block_tokens(state.tokens, block_start) == self.plan.mask_id
+        block_x = jnp.where(masked[..., None], block_x + weight * state.soft, block_x)
+        return jax.lax.dynamic_update_slice_in_dim(x, block_x, offset, axis=1)
+
+    def step(self, state: State, refresh: bool) -> State:
+        """One denoising step: a forward (refresh or cached window) and a decode."""
+        plan = self.plan
+        bs = self.block_start(state)
+        if refresh:
+            with jax.named_scope("refresh"):
+                x = self._inputs(state, 0, plan.seq_len, bs)
+                hidden, kv = self._apply(
+                    x, self.positions, self.key_valid, None, Window(), bs, plan.block_len
+                )
+            kv = kv if plan.cache.cached else None
+        else:
+            window = plan.cache.window(bs, plan.prompt_len, plan.block_len, plan.seq_len)
+            width = plan.cache.window_length(plan.prompt_len, plan.block_len, plan.seq_len)
+            with jax.named_scope("block_forward"):
+                x = self._inputs(state, window.start, width, bs)
+                pos = jax.lax.dynamic_slice_in_dim(self.positions, window.start, width, axis=1)
+                hidden, kv = self._apply(
+                    x, pos, self.key_valid, state.kv, window, bs - window.start, plan.block_len
+                )
+        with jax.named_scope("decoder"):
+            state = self.decode(state, hidden, bs)
+        return dataclasses.replace(
+            state, kv=kv, forwards=state.forwards + 1, refreshes=state.refreshes + int(refresh)
+        )
+
+    def decode(self, state: State, hidden: Array, bs: Array) -> State:
+        plan, spec = self.plan, self.plan.decoder
+        logits = self._apply(hidden, method="logits")
+        block = self.block_tokens(state.tokens, bs)
+        masked = block == plan.mask_id
+        key, predict_key, decide_key = jax.random.split(state.key, 3)
+        credit, decode_logits = state.credit, logits
+        if spec.name == "credit":
+            credit, decode_logits = decoders.credit_update(
+                state.credit, logits, masked, spec, state.step_in_block == 0, self.axis_name
+            )
+        token, confidence = decoders.predict(
+            decode_logits, spec.temperature, predict_key, plan.mask_id, self.axis_name
+        )
+        threshold = None
+        if plan.smoothing:
+            threshold = jnp.maximum(1.0 - 0.02 * state.step, spec.threshold)
+        k = None
+        if spec.fixed_steps:
+            k = decoders.fixed_schedule(
+                state.block_masks, plan.steps_per_block, state.step_in_block
+            )
+        commit = decoders.decide(spec, confidence, masked, k=k, threshold=threshold, key=decide_key)
+        tokens = jax.lax.dynamic_update_slice_in_dim(
+            state.tokens, jnp.where(commit, token, block), bs, axis=1
+        )
+        soft = state.soft
+        if plan.smoothing:
+            soft = self._apply(
+                decoders.probabilities(logits, self.axis_name), method="embed_distribution"
+            )
+        return dataclasses.replace(
+            state,
+            tokens=tokens,
+            key=key,
+            credit=credit,
+            soft=soft,
+            step=state.step + 1,
+            step_in_block=state.step_in_block + 1,
+        )
+
+    def later_step(self, state: State) -> State:
+        cache = self.plan.cache
+        if not cache.cached:
+            return self.step(state, refresh=True)
+        if not cache.conditional_refresh:
+            return self.step(state, refresh=False)
+        return jax.lax.cond(
+            cache.refresh_now(state.step_in_block, state.step),
+            lambda s: self.step(s, refresh=True),
+            lambda s: self.step(s, refresh=False),
+            state,
+        )
+
+    def run_block(self, state: State) -> State:
+        plan = self.plan
+        bs = self.block_start(state)
+        masked = self.block_tokens(state.tokens, bs) == plan.mask_id
+        state = dataclasses.replace(
+            state,
+            step_in_block=jnp.zeros((), jnp.int32),
+            block_masks=jnp.sum(masked, axis=1, dtype=jnp.int32),
+            credit=None if state.credit is None else jnp.zeros_like(state.credit),
+            soft=None if state.soft is None else jnp.zeros_like(state.soft),
+        )
+        state = self.step(state, refresh=True)
+        has_masks = lambda s: jnp.any(self.block_tokens(s.tokens, bs) == plan.mask_id)
+        state = jax.lax.while_loop(has_masks, self.later_step, state)
+        return self.finish_block(state, bs)
+
+    def finish_block(self, state: State, bs: Array) -> State:
+        """Early stop: a row whose block holds a stop token gets EOS everywhere after it."""
+        plan = self.plan
+        stopped = state.stopped
+        tokens = state.tokens
+        if plan.early_stop:
+            block = self.block_tokens(tokens, bs)
+            has_stop = jnp.any(jnp.isin(block, jnp.asarray(plan.stop_ids)), axis=1)
+            later = jnp.arange(plan.seq_len) >= bs + plan.block_len
+            tokens = jnp.where(has_stop[:, None] & later[None, :], plan.fill_id, tokens)
+            stopped = stopped | has_stop
+        return dataclasses.replace(state, tokens=tokens, stopped=stopped, block=state.block + 1)
+
+
+def initial_state(
+    module: TransformerLM, params: dict, plan: Plan, tokens: Array, key: Array, dtype: Any
+) -> State:
+    batch = tokens.shape[0]
+    zero = jnp.zeros((), jnp.int32)
+    kv = None
+    if plan.cache.cached:
+        kv = init_buffers(params, module.config.n_layers, batch, plan.seq_len, dtype)
+    credit = soft = None
+    if plan.decoder.name == "credit":
+        vocab_local = params["lm_head"].shape[1]
+        credit = jnp.zeros((batch, plan.block_len, vocab_local), jnp.float32)
+    if plan.smoothing:
+        soft = jnp.zeros((batch, plan.block_len, module.config.d_model), dtype)
+    return State(
+        tokens=tokens,
+        kv=kv,
+        key=key,
+        step=zero,
+        step_in_block=zero,
+        block=zero,
+        forwards=zero,
+        refreshes=zero,
+        stopped=jnp.zeros((batch,), bool),
+        block_masks=jnp.zeros((batch,), jnp.int32),
+        credit=credit,
+        soft=soft,
+    )
+
+
+def run_generation(
+    module: TransformerLM,
+    params: dict,
+    plan: Plan,
+    tokens: Array,
+    key_valid: Array,
+    positions: Array,
+    key: Array,
+    axis_name: str | None = None,
+) -> dict[str, Array]:
+    """Denoise the answer region of `tokens` block by block.
+
+    tokens: [batch, seq] int32 — left-padded prompts, then `gen_length` mask ids;
+    key_valid: [batch, seq] bool (False on padding); positions: [batch, seq] int32 RoPE
+    positions. Returns the final tokens and counters (forwards, refreshes, blocks).
+    """
+    gen = _Generation(module, params, plan, key_valid, positions, axis_name)
+    state = initial_state(module, params, plan, tokens, key, module.dtype)
+    more = lambda s: (s.block < plan.n_blocks) & ~jnp.all(s.stopped)
+    state = jax.lax.while_loop(more, gen.run_block, state)
+    return {
+        "tokens": state.tokens,
+        "forwards": state.forwards,
+        "refreshes": state.refreshes,
+        "blocks": state.block,
+    }

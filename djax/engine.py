@@ -1,0 +1,372 @@
+"""`djax.generate`: prompts in, text and stats out.
+
+Tokenises (optionally through the chat template), left-pads the batch to a bucketed prompt
+length (few compiled shapes), picks the compiled program for (batch, bucket, plan), runs the
+whole generation on the device, and detokenises up to the first stop token. The JAX
+persistent compilation cache is on by default, so a second process does not recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from djax.decoders import DECODERS, FIXED_DECODERS, DecoderSpec
+from djax.diffusion import Plan, run_generation
+from djax.kv_cache import POLICIES, CachePolicy
+from djax.model import Model
+
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """How to generate (frozen: hashable, part of the compiled program's key).
+
+    gen_length: answer positions (rounded up to a multiple of block_length, reported in the
+    output's notes). steps: total denoising steps of the fixed-steps decoders
+    (`low_confidence`, `random`), split evenly over the blocks; default gen_length (one
+    token per step). decoder: one of `DECODERS`; threshold: τ of `threshold`/`credit`, τ_high
+    of `hierarchy`; low_threshold: τ_low of `hierarchy`; factor: f of `factor`; credit_*: α,
+    γ, β of `credit`. cache: one of `POLICIES`; refresh_every: extra refresh every k steps
+    within a block (0: never); vicinity_*: window and warm-up of `vicinity`. temperature: 0
+    is argmax. stop_ids: ids that end an answer (default: the model's EOS and end-of-turn).
+    early_stop: stop a row after the block holding its first stop token. smoothing:
+    iteration smoothing (soft embeddings of masked positions).
+    """
+
+    gen_length: int = 128
+    block_length: int = 32
+    steps: int | None = None
+    decoder: str = "threshold"
+    threshold: float = 0.9
+    low_threshold: float = 0.4
+    factor: float = 1.0
+    credit_alpha: float = 0.7
+    credit_gamma: float = 0.2
+    credit_beta: float = 0.8
+    cache: str = "dual"
+    refresh_every: int = 0
+    vicinity_before: int = 16
+    vicinity_after: int = 16
+    vicinity_warmup: int = 4
+    temperature: float = 0.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] | None = None
+    early_stop: bool = True
+    smoothing: bool = False
+
+    def __post_init__(self):
+        _check_options(self)
+
+    def decoder_spec(self) -> DecoderSpec:
+        return DecoderSpec(
+            self.decoder,
+            self.threshold,
+            self.low_threshold,
+            self.factor,
+            self.credit_alpha,
+            self.credit_gamma,
+            self.credit_beta,
+            self.temperature,
+        )
+
+    def cache_policy(self) -> CachePolicy:
+        return CachePolicy(
+            self.cache,
+            self.refresh_every,
+            self.vicinity_before,
+            self.vicinity_after,
+            self.vicinity_warmup,
+        )
+
+
+def _check_options(c: GenerationConfig) -> None:
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ValueError(message)
+
+    need(c.decoder in DECODERS, f"decoder={c.decoder!r}; expected one of {DECODERS}")
+    need(c.cache in POLICIES, f"cache={c.cache!r}; expected one of {POLICIES}")
+    need(
+        isinstance(c.gen_length, int) and c.gen_length > 0,
+        f"gen_length={c.gen_length!r}; expected a positive int",
+    )
+    need(
+        isinstance(c.block_length, int) and c.block_length > 0,
+        f"block_length={c.block_length!r}; expected a positive int",
+    )
+    need(
+        c.steps is None or (isinstance(c.steps, int) and c.steps > 0),
+        f"steps={c.steps!r}; expected a positive int or None",
+    )
+    for name in ("threshold", "low_threshold"):
+        value = getattr(c, name)
+        need(0 < value <= 1, f"{name}={value}; expected a value in (0, 1]")
+    need(c.factor > 0, f"factor={c.factor}; expected > 0")
+    need(
+        c.credit_alpha >= 0 and c.credit_gamma > 0 and 0 < c.credit_beta <= 1,
+        f"credit (alpha, gamma, beta)=({c.credit_alpha}, {c.credit_gamma}, {c.credit_beta});"
+        " expected alpha ≥ 0, gamma > 0, beta in (0, 1]",
+    )
+    need(c.temperature >= 0, f"temperature={c.temperature}; expected ≥ 0")
+    need(c.refresh_every >= 0, f"refresh_every={c.refresh_every}; expected ≥ 0")
+    need(
+        min(c.vicinity_before, c.vicinity_after, c.vicinity_warmup) >= 0,
+        "vicinity_before/after/warmup must be ≥ 0",
+    )
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """forwards: model calls for the batch, refreshes (whole-sequence forwards, every forward
+    under `cache="none"`) included; generated_tokens: over all rows, each counted up to its
+    first stop token; tokens_per_forward = generated_tokens / forwards; seconds: wall time of
+    the device program (compile excluded); compile_seconds: 0 when the program was cached."""
+
+    forwards: int
+    refreshes: int
+    blocks: int
+    generated_tokens: int
+    tokens_per_forward: float
+    seconds: float
+    tokens_per_second: float
+    compile_seconds: float
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    """token_ids/texts: each row's answer up to (not including) its first stop token;
+    answer_ids: the whole answer region [batch, gen_length]; notes: adjustments made to the
+    request (e.g. gen_length rounded up)."""
+
+    token_ids: list[list[int]]
+    texts: list[str] | None
+    answer_ids: np.ndarray
+    stats: GenerationStats
+    notes: list[str]
+
+
+def enable_compile_cache(directory: str | None = None) -> None:
+    """Turn on JAX's persistent compilation cache (default ~/.cache/djax/xla, or
+    $DJAX_COMPILE_CACHE; set it to an empty string to turn the cache off)."""
+    directory = directory or os.environ.get(
+        "DJAX_COMPILE_CACHE", str(Path.home() / ".cache" / "djax" / "xla")
+    )
+    if not directory or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def prompt_bucket(length: int, limit: int) -> int:
+    """The compiled prompt length for a prompt of `length` tokens (≤ limit)."""
+    bucket = next((b for b in PROMPT_BUCKETS if b >= length), 256 * math.ceil(length / 256))
+    return min(bucket, limit) if bucket > length else length
+
+
+def tokenize(
+    model: Model, prompts: Sequence[str] | Sequence[Sequence[int]], chat: bool
+) -> list[list[int]]:
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+        raise TypeError(
+            "prompts must be a list of strings or a list of token-id lists; "
+            f"got {type(prompts).__name__}"
+        )
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty; expected at least one prompt")
+    rows = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if model.tokenizer is None:
+                raise ValueError(
+                    f"{model.path}: has no tokenizer; pass token-id lists instead of strings"
+                )
+            if chat:
+                prompt = model.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}],
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
+                ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            else:
+                ids = model.tokenizer(prompt)["input_ids"]
+        else:
+            if chat:
+                raise ValueError("chat=True needs string prompts; got token ids")
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty; expected at least one token")
+        rows.append(list(ids))
+    return rows
+
+
+def _check_prompts(model: Model, rows: list[list[int]]) -> None:
+    cfg = model.config
+    for i, ids in enumerate(rows):
+        if cfg.mask_token_id in ids:
+            raise ValueError(
+                f"prompt {i} contains the mask id {cfg.mask_token_id} at position "
+                f"{ids.index(cfg.mask_token_id)}; masks are only for the answer"
+            )
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, {cfg.vocab_size})")
+
+
+def make_plan(
+    model: Model, config: GenerationConfig, batch: int, prompt_len: int
+) -> tuple[Plan, list[str]]:
+    """The static plan for a request, and notes on adjustments made to it."""
+    notes = []
+    block = config.block_length
+    gen = config.gen_length
+    if gen % block:
+        gen = block * math.ceil(gen / block)
+        notes.append(
+            f"gen_length {config.gen_length} is not a multiple of block_length "
+            f"{block}; rounded up to {gen}"
+        )
+    n_blocks = gen // block
+    steps = config.steps or gen
+    if config.decoder in FIXED_DECODERS and steps % n_blocks:
+        raise ValueError(
+            f"steps={steps} must be a multiple of the number of blocks "
+            f"{n_blocks} (gen_length {gen} / block_length {block})"
+        )
+    limit = model.config.max_seq_len
+    if prompt_len + gen > limit:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + gen_length ({gen}) = "
+            f"{prompt_len + gen} exceeds the model's maximum sequence length "
+            f"{limit}"
+        )
+    bucket = prompt_bucket(prompt_len, limit - gen)
+    stop_ids = config.stop_ids if config.stop_ids is not None else model.config.stop_token_ids
+    plan = Plan(
+        batch=batch,
+        prompt_len=bucket,
+        gen_length=gen,
+        block_len=block,
+        steps_per_block=max(steps // n_blocks, 1),
+        decoder=config.decoder_spec(),
+        cache=config.cache_policy(),
+        mask_id=model.config.mask_token_id,
+        fill_id=model.config.eos_token_id,
+        stop_ids=tuple(stop_ids),
+        early_stop=config.early_stop,
+        smoothing=config.smoothing,
+    )
+    return plan, notes
+
+
+def build_inputs(rows: list[list[int]], plan: Plan, pad_id: int) -> dict[str, np.ndarray]:
+    """Left-padded tokens (prompt then masks), key validity and RoPE positions."""
+    batch, seq = len(rows), plan.seq_len
+    tokens = np.full((batch, seq), pad_id, np.int32)
+    valid = np.zeros((batch, seq), bool)
+    for i, ids in enumerate(rows):
+        tokens[i, plan.prompt_len - len(ids) : plan.prompt_len] = ids
+        valid[i, plan.prompt_len - len(ids) :] = True
+    tokens[:, plan.prompt_len :] = plan.mask_id
+    positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
+    return {"tokens": tokens, "key_valid": valid, "positions": positions}
+
+
+def _program(model: Model, plan: Plan) -> Any:
+    """The jitted generation program for a model (config, dtype, options, mesh) and plan."""
+    from djax.models import build_module
+
+    if model.mesh is not None:
+        from djax.sharding import sharded_generation
+
+        return sharded_generation(model, plan)
+    module = build_module(model.config, model.dtype, None, **dict(model.options))
+
+    def program(params, tokens, key_valid, positions, key):
+        return run_generation(module, params, plan, tokens, key_valid, positions, key)
+
+    return jax.jit(program, donate_argnums=(1,))
+
+
+_EXECUTABLES: dict[tuple, Any] = {}
+
+
+def executable(model: Model, plan: Plan, args: tuple) -> tuple[Any, float]:
+    """The compiled program for these arguments' shapes, and the seconds spent compiling it
+    now (0 when this process compiled it before; from the persistent cache it is small)."""
+    shapes = tuple((a.shape, str(a.dtype)) for a in args[1:4])
+    key = (model.config, str(model.dtype), model.options, id(model.mesh), plan, shapes)
+    if key in _EXECUTABLES:
+        return _EXECUTABLES[key], 0.0
+    start = time.perf_counter()
+    compiled = _program(model, plan).lower(*args).compile()
+    _EXECUTABLES[key] = compiled
+    return compiled, time.perf_counter() - start
+
+
+def generate(
+    model: Model,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    config: GenerationConfig | None = None,
+    *,
+    chat: bool = False,
+) -> GenerationOutput:
+    """Generate an answer for each prompt.
+
+    prompts: strings (tokenised; `chat=True` applies the tokenizer's chat template) or lists
+    of token ids. Rows of different lengths are left-padded, padding keys masked.
+    """
+    config = config or GenerationConfig()
+    enable_compile_cache()
+    rows = tokenize(model, prompts, chat)
+    _check_prompts(model, rows)
+    plan, notes = make_plan(model, config, len(rows), max(len(r) for r in rows))
+    inputs = build_inputs(rows, plan, model.config.pad_token_id)
+    args = (
+        model.params,
+        jnp.asarray(inputs["tokens"]),
+        jnp.asarray(inputs["key_valid"]),
+        jnp.asarray(inputs["positions"]),
+        jax.random.key(config.seed),
+    )
+    program, compile_seconds = executable(model, plan, args)
+    start = time.perf_counter()
+    out = jax.block_until_ready(program(*args))
+    seconds = time.perf_counter() - start
+    return _output(model, plan, out, seconds, compile_seconds, notes)
+
+
+def _output(
+    model: Model, plan: Plan, out: dict, seconds: float, compile_seconds: float, notes: list[str]
+) -> GenerationOutput:
+    answers = np.asarray(out["tokens"])[:, plan.prompt_len :]
+    stops = np.isin(answers, plan.stop_ids)
+    lengths = np.where(stops.any(axis=1), stops.argmax(axis=1), answers.shape[1])
+    token_ids = [answers[i, :n].tolist() for i, n in enumerate(lengths)]
+    texts = None
+    if model.tokenizer is not None:
+        texts = [model.tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
+    forwards = int(np.max(out["forwards"]))
+    generated = int(lengths.sum())
+    stats = GenerationStats(
+        forwards=forwards,
+        refreshes=int(np.max(out["refreshes"])),
+        blocks=int(np.max(out["blocks"])),
+        generated_tokens=generated,
+        tokens_per_forward=generated / max(forwards, 1),
+        seconds=seconds,
+        tokens_per_second=generated / seconds if seconds > 0 else 0.0,
+        compile_seconds=compile_seconds,
+    )
+    return GenerationOutput(token_ids, texts, answers, stats, notes)

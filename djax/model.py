@@ -1,0 +1,218 @@
+"""`djax.load` and the loaded `Model`: config, params, tokenizer, and the Flax module that
+runs them; `forward_logits` is the full-sequence debugging and parity entry point."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from djax import checkpoint
+from djax.config import ConfigError, ModelConfig, from_hf_dict, load_hf_config, resolve_token_ids
+from djax.models import build_module
+from djax.models.layers import TransformerLM
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclasses.dataclass
+class Model:
+    """A loaded model: what `generate` and `forward_logits` take.
+
+    `params` is the plain nested dict of arrays (possibly sharded over `mesh`); `options`
+    are module options such as `attention_impl` and `moe_impl`.
+    """
+
+    config: ModelConfig
+    params: dict
+    tokenizer: Any | None
+    dtype: Any
+    path: str | None = None
+    mesh: Any | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def module(self, axis_name: str | None = None) -> TransformerLM:
+        return build_module(self.config, self.dtype, axis_name, **dict(self.options))
+
+    def with_options(self, **options: Any) -> Model:
+        merged = dict(self.options) | options
+        return dataclasses.replace(self, options=tuple(sorted(merged.items())))
+
+
+def default_dtype() -> Any:
+    """bf16 on accelerators, fp32 on the CPU (where bf16 matmuls are slow and tests want fp32)."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def load_tokenizer(folder: str | Path) -> Any | None:
+    """The folder's HF tokenizer, or None when it has no tokenizer files."""
+    folder = Path(folder)
+    if (
+        not (folder / "tokenizer.json").is_file()
+        and not (folder / "tokenizer_config.json").is_file()
+    ):
+        return None
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (folder / "tokenizer.json").is_file():
+        # Straight to the fast tokenizer: AutoTokenizer would consult config.json, whose
+        # `model_type: llada` transformers does not know.
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def read_config(folder: str | Path, tokenizer: Any | None) -> ModelConfig:
+    folder = Path(folder)
+    hf = load_hf_config(folder)
+    source = str(folder / "config.json")
+    return resolve_token_ids(from_hf_dict(hf, source), tokenizer, source)
+
+
+def load(
+    path: str | Path,
+    dtype: Any = None,
+    *,
+    mesh: Any = None,
+    allow_pickle: bool = False,
+    progress: bool = False,
+    **options: Any,
+) -> Model:
+    """Load an HF model folder or a folder written by `djax convert`.
+
+    dtype: compute and storage dtype (default: bf16 on GPU/TPU, fp32 on CPU). mesh: a
+    `jax.sharding.Mesh` from `djax.make_mesh` to load straight into shards. options:
+    module options (`attention_impl="xla"|"cudnn"`, `moe_impl="auto"|"grouped"|"dense"`).
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"model path {str(folder)!r} is not a folder; expected an HF "
+            "model folder or one written by `djax convert`"
+        )
+    dtype = jnp.dtype(dtype or default_dtype())
+    tokenizer = load_tokenizer(folder)
+    config = read_config(folder, tokenizer)
+    shardings = None
+    if mesh is not None:
+        from djax.sharding import param_shardings
+
+        shardings = param_shardings(config, dtype, mesh)
+    if checkpoint.is_converted(folder):
+        params = checkpoint.restore_orbax(folder, config, dtype, shardings)
+    else:
+        bar = _progress_bar(f"loading {folder.name}") if progress else None
+        params = checkpoint.load_hf_params(folder, config, dtype, shardings, allow_pickle, bar)
+    return Model(
+        config, params, tokenizer, dtype, str(folder), mesh, tuple(sorted(options.items()))
+    )
+
+
+def _progress_bar(description: str):
+    from tqdm import tqdm
+
+    return functools.partial(tqdm, desc=description, unit="param")
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    dtype: Any = jnp.bfloat16,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    progress: bool = True,
+) -> Path:
+    """HF folder -> orbax checkpoint folder that `djax.load` opens directly.
+
+    Copies config and tokenizer files along. Shapes and dtypes are checked against the
+    config before anything is written; a non-empty `dst` is refused unless `overwrite`.
+    """
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and any(dst.iterdir()):
+        if not overwrite:
+            raise FileExistsError(
+                f"output folder {str(dst)!r} is not empty; pass "
+                "overwrite=True (CLI: --overwrite) to replace it"
+            )
+        shutil.rmtree(dst)
+    if checkpoint.is_converted(src):
+        raise ConfigError(f"{src}: already a djax checkpoint; nothing to convert")
+    model = load(src, dtype, allow_pickle=allow_pickle, progress=progress)
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", *TOKENIZER_FILES):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+    checkpoint.save_orbax(
+        dst,
+        model.params,
+        {
+            "family": model.config.family,
+            "dtype": jnp.dtype(dtype).name,
+            "source": str(src.absolute()),
+        },
+    )
+    return dst
+
+
+@functools.lru_cache(maxsize=16)
+def _forward_fn(config: ModelConfig, dtype: Any, options: tuple) -> Any:
+    module = build_module(config, dtype, None, **dict(options))
+
+    def forward(params, token_ids, key_valid):
+        positions = jnp.maximum(jnp.cumsum(key_valid, axis=1) - 1, 0)
+        x = module.apply({"params": params}, token_ids, method="embed")
+        hidden, _ = module.apply({"params": params}, x, positions, key_valid)
+        return module.apply({"params": params}, hidden, method="logits")
+
+    return jax.jit(forward)
+
+
+def forward_logits(model: Model, token_ids: Any, attention_mask: Any = None) -> jax.Array:
+    """Full-sequence fp32 logits [batch, seq, vocab] (bidirectional attention).
+
+    token_ids: [batch, seq] ints; attention_mask: [batch, seq], 1 for real tokens and 0 for
+    padding (left padding: positions count from each row's first real token). Padding keys
+    are masked out of every row's attention.
+    """
+    ids = np.asarray(token_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(
+            f"token_ids has shape {ids.shape} and dtype {ids.dtype}; expected [batch, seq] integers"
+        )
+    if ids.size and (ids.min() < 0 or ids.max() >= model.config.vocab_size):
+        raise ValueError(
+            f"token_ids hold values in [{ids.min()}, {ids.max()}]; expected ids in "
+            f"[0, {model.config.vocab_size})"
+        )
+    mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask, bool)
+    if mask.ndim == 1:
+        mask = mask[None]
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask has shape {mask.shape}; expected {ids.shape}")
+    fn = _forward_fn(model.config, model.dtype, model.options)
+    return fn(model.params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask))
+
+
+def save_hf_config(config_dict: dict, folder: str | Path) -> None:
+    """Write an HF `config.json` (used by tests, the demo trainer and benchmarks)."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "config.json").write_text(json.dumps(config_dict, indent=2))

@@ -1,0 +1,51 @@
+"""Model families, chosen by `ModelConfig.family`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from djax.config import DENSE, MOE, ModelConfig
+from djax.models import llada, llada_moe
+from djax.models.layers import TransformerLM, Window
+from djax.models.sources import ParamSource
+
+__all__ = ["build_module", "hf_sources", "abstract_params", "init_params", "Window"]
+
+_FAMILIES = {
+    DENSE: (llada.LLaDA, llada.hf_sources),
+    MOE: (llada_moe.LLaDAMoE, llada_moe.hf_sources),
+}
+
+
+def build_module(
+    config: ModelConfig, dtype: Any = jnp.float32, axis_name: str | None = None, **options: Any
+) -> TransformerLM:
+    """The Flax module of a config's family (`options`: e.g. `attention_impl`, `moe_impl`)."""
+    module_cls, _ = _FAMILIES[config.family]
+    return module_cls(config, dtype=dtype, axis_name=axis_name, **options)
+
+
+def hf_sources(config: ModelConfig) -> list[ParamSource]:
+    """Where each param comes from in the family's HF folder layout."""
+    return _FAMILIES[config.family][1](config)
+
+
+def _init(config: ModelConfig, dtype: Any, key: jax.Array) -> dict:
+    module = build_module(config, dtype)
+    x = jnp.zeros((1, 1, config.d_model), dtype)
+    positions = jnp.zeros((1, 1), jnp.int32)
+    return module.init(key, x, positions, jnp.ones((1, 1), bool))["params"]
+
+
+def abstract_params(config: ModelConfig, dtype: Any) -> dict:
+    """The params pytree as `jax.ShapeDtypeStruct`s (no memory)."""
+    return jax.eval_shape(lambda: _init(config, dtype, jax.random.key(0)))
+
+
+def init_params(config: ModelConfig, dtype: Any, seed: int = 0, shardings: Any = None) -> dict:
+    """Random params (normal, std 0.02; norms at 1), built directly on the device(s)."""
+    fn = jax.jit(lambda key: _init(config, dtype, key), out_shardings=shardings)
+    return fn(jax.random.key(seed))

@@ -1,0 +1,303 @@
+"""Layers shared by the LLaDA model families: RMSNorm, RoPE, windowed bidirectional
+attention over fixed-shape K/V buffers, the SwiGLU MLP, and the decoder-stack skeleton.
+
+Every layer is written for the local shard of its weights: inside `shard_map` a device
+sees `heads / n` heads and `ffn / n` hidden units, and `axis_name` names the mesh axis
+over which partial outputs are summed. With `axis_name=None` it is the plain model.
+
+The forward contract (`TransformerLM.__call__`) is what the diffusion engine builds on:
+it feeds a *window* of `W` consecutive positions starting at `window.start`, writes
+their fresh K/V into the `[batch, seq, kv_heads, head_dim]` buffers (only inside
+`[window.write_lo, window.write_hi)` when given), lets the window's queries attend to every
+valid key of the whole buffer, and returns final hidden states for `hidden_len` positions
+starting `hidden_start` positions into the window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from djax.config import ModelConfig
+
+Array = jax.Array
+LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, head_dim]
+NEG_INF = -1e30
+ATTENTION_IMPLS = ("xla", "cudnn")
+
+
+def init_normal(stddev: float = 0.02):
+    return nn.initializers.normal(stddev)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """Where a forward's input sits in the sequence and which of its K/V it writes.
+
+    `start` is the sequence position of the first input token (a traced scalar is fine).
+    Fresh K/V are written for window positions in `[write_lo, write_hi)`; positions outside
+    that range keep the buffer's cached K/V. `write_lo=None` writes the whole window.
+    """
+
+    start: Any = 0
+    write_lo: Any = None
+    write_hi: Any = None
+
+
+jax.tree_util.register_dataclass(
+    Window, data_fields=["start", "write_lo", "write_hi"], meta_fields=[]
+)
+
+
+def rms_norm(x: Array, scale: Array, eps: float) -> Array:
+    """RMSNorm over the last axis, normalised in fp32, cast back, then times `scale`."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * scale.astype(x.dtype)
+
+
+def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int) -> Array:
+    """Rotate-half RoPE in fp32 on the first `rotary_dim` features.
+
+    x: [batch, seq, ..., head_dim]; positions: [batch, seq] (int).
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, rotary_dim / 2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    extra_axes = x.ndim - 3
+    angles = angles.reshape(angles.shape[:2] + (1,) * extra_axes + angles.shape[-1:])
+    rot = x[..., :rotary_dim].astype(jnp.float32)
+    half = rotary_dim // 2
+    rotated_half = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    out = (rot * jnp.cos(angles) + rotated_half * jnp.sin(angles)).astype(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return out
+    return jnp.concatenate([out, x[..., rotary_dim:]], axis=-1)
+
+
+def write_window(buffer: Array | None, fresh: Array, window: Window) -> Array:
+    """Put a window's fresh K or V into the buffer.
+
+    buffer: [batch, seq, kv_heads, head_dim] or None (the window is the whole sequence);
+    fresh: [batch, W, kv_heads, head_dim].
+    """
+    if buffer is None:
+        return fresh
+    index = (0, window.start, 0, 0)
+    if window.write_lo is not None:
+        positions = window.start + jnp.arange(fresh.shape[1])
+        keep = (positions >= window.write_lo) & (positions < window.write_hi)
+        cached = jax.lax.dynamic_slice(buffer, index, fresh.shape)
+        fresh = jnp.where(keep[None, :, None, None], fresh, cached)
+    return jax.lax.dynamic_update_slice(buffer, fresh.astype(buffer.dtype), index)
+
+
+def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "xla") -> Array:
+    """Bidirectional grouped-query attention with a key-padding mask.
+
+    q: [batch, t, kv_heads, group, head_dim]; keys, values: [batch, s, kv_heads, head_dim];
+    key_valid: [batch, s] bool. Returns [batch, t, kv_heads, group, head_dim].
+    """
+    if impl == "cudnn":
+        return _attend_cudnn(q, keys, values, key_valid)
+    scale = q.shape[-1] ** -0.5
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
+    scores = jnp.where(key_valid[:, None, None, None, :], scores * scale, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, values)
+
+
+def _attend_cudnn(q: Array, keys: Array, values: Array, key_valid: Array) -> Array:
+    b, t, k, g, d = q.shape
+    mask = key_valid[:, None, None, :]  # [batch, 1, 1, s] broadcast over heads and queries
+    out = jax.nn.dot_product_attention(
+        q.reshape(b, t, k * g, d), keys, values, mask=mask, implementation="cudnn"
+    )
+    return out.reshape(b, t, k, g, d)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        return rms_norm(x, scale, self.eps)
+
+
+class Attention(nn.Module):
+    """Self-attention of a window against the whole K/V buffer.
+
+    Weights: `qkv` [model, kv_heads, group + 2, head_dim] (per kv head: its `group` query
+    heads, then its key, then its value — one matmul, split by kv heads under tensor
+    parallelism) and `attn_out` [kv_heads, group, head_dim, model]. With `config.qk_norm`,
+    `q_norm`/`k_norm` scales [head_dim] shared by all heads are applied before RoPE.
+    """
+
+    config: ModelConfig
+    dtype: Any
+    axis_name: str | None = None
+    attention_impl: str = "xla"
+
+    @nn.compact
+    def __call__(
+        self, x: Array, positions: Array, key_valid: Array, kv: LayerKV | None, window: Window
+    ) -> tuple[Array, LayerKV]:
+        cfg = self.config
+        group = cfg.n_heads // cfg.n_kv_heads
+        qkv_kernel = self.param(
+            "qkv", init_normal(), (cfg.d_model, cfg.n_kv_heads, group + 2, cfg.head_dim), self.dtype
+        )
+        out_kernel = self.param(
+            "attn_out",
+            init_normal(),
+            (cfg.n_kv_heads, group, cfg.head_dim, cfg.d_model),
+            self.dtype,
+        )
+        qkv = jnp.einsum("btm,mkgd->btkgd", x, qkv_kernel)
+        q, k, v = qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
+        if cfg.clip_qkv is not None:  # after the q/k norm, as the LLaDA-MoE reference does
+            q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
+        q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_dim)
+        k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_dim)
+        keys = write_window(None if kv is None else kv[0], k, window)
+        values = write_window(None if kv is None else kv[1], v, window)
+        out = attend(q, keys, values, key_valid, self.attention_impl)
+        y = jnp.einsum("btkgd,kgdm->btm", out, out_kernel)
+        return _sum_over(y, self.axis_name), (keys, values)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))` with gate and up fused as [model, 2, hidden]."""
+
+    hidden: int
+    dtype: Any
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        d_model = x.shape[-1]
+        gate_up = self.param("gate_up", init_normal(), (d_model, 2, self.hidden), self.dtype)
+        down = self.param("down", init_normal(), (self.hidden, d_model), self.dtype)
+        h = jnp.einsum("btm,mcf->btcf", x, gate_up)
+        y = jnp.einsum("btf,fm->btm", jax.nn.silu(h[..., 0, :]) * h[..., 1, :], down)
+        return _sum_over(y, self.axis_name)
+
+
+def _sum_over(x: Array, axis_name: str | None) -> Array:
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+class TransformerLM(nn.Module):
+    """Embedding, pre-norm decoder layers (unrolled: one set of weights per layer), final
+    norm and output head. Subclasses choose each layer's feed-forward (`feed_forward`).
+
+    Param tree: `embed.embedding` [vocab, model], `layers_{i}.{attn_norm, attn, ff_norm,
+    ff}`, `final_norm.scale`, `lm_head.kernel` [model, vocab].
+    """
+
+    config: ModelConfig
+    dtype: Any = jnp.float32
+    axis_name: str | None = None
+    attention_impl: str = "xla"
+    moe_impl: str = "auto"  # expert path of MoE families (see llada_moe.MOE_IMPLS)
+
+    def feed_forward(self, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    def setup(self):
+        cfg = self.config
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}"
+            )
+        self.embedding = self.param(
+            "embed", init_normal(), (cfg.vocab_size, cfg.d_model), self.dtype
+        )
+        self.attn_norms = [
+            RMSNorm(cfg.rms_norm_eps, self.dtype, name=f"attn_norm_{i}")
+            for i in range(cfg.n_layers)
+        ]
+        self.attns = [
+            Attention(cfg, self.dtype, self.axis_name, self.attention_impl, name=f"attn_{i}")
+            for i in range(cfg.n_layers)
+        ]
+        self.ff_norms = [
+            RMSNorm(cfg.rms_norm_eps, self.dtype, name=f"ff_norm_{i}") for i in range(cfg.n_layers)
+        ]
+        self.ffs = [self.feed_forward(i) for i in range(cfg.n_layers)]
+        self.final_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")
+        self.lm_head = self.param(
+            "lm_head", init_normal(), (cfg.d_model, cfg.vocab_size), self.dtype
+        )
+
+    def __call__(
+        self,
+        x: Array,
+        positions: Array,
+        key_valid: Array,
+        kv: tuple[LayerKV, ...] | None = None,
+        window: Window = Window(),
+        hidden_start: Any = 0,
+        hidden_len: int | None = None,
+    ) -> tuple[Array, tuple[LayerKV, ...]]:
+        """Run the decoder stack on a window.
+
+        x: [batch, W, model] input embeddings; positions: [batch, W] RoPE positions;
+        key_valid: [batch, seq] which buffer positions are real keys; kv: per layer
+        (keys, values) [batch, seq, kv_heads, head_dim], or None when the window is the
+        whole sequence. Returns final-norm hidden states [batch, hidden_len, model] from
+        `hidden_start` (relative to the window) and the updated per-layer K/V.
+        """
+        new_kv = []
+        for i in range(self.config.n_layers):
+            with jax.named_scope(f"layer_{i}"):
+                with jax.named_scope("attention"):
+                    attn_out, layer_kv = self.attns[i](
+                        self.attn_norms[i](x),
+                        positions,
+                        key_valid,
+                        None if kv is None else kv[i],
+                        window,
+                    )
+                h = x + attn_out
+                with jax.named_scope("mlp"):
+                    x = h + self.ffs[i](self.ff_norms[i](h))
+                new_kv.append(layer_kv)
+        if hidden_len is not None and hidden_len != x.shape[1]:
+            x = jax.lax.dynamic_slice_in_dim(x, hidden_start, hidden_len, axis=1)
+        return self.final_norm(x), tuple(new_kv)
+
+    def embed(self, token_ids: Array) -> Array:
+        """token_ids: [batch, t] -> embeddings [batch, t, model] in the compute dtype."""
+        return jnp.take(self.embedding, token_ids, axis=0).astype(self.dtype)
+
+    def embed_distribution(self, probs: Array) -> Array:
+        """Expected embedding under a distribution over the (local) vocabulary.
+
+        probs: [batch, t, vocab_local] -> [batch, t, model]; summed over the mesh axis when
+        the vocabulary is split.
+        """
+        table = self.embedding
+        if probs.shape[-1] != table.shape[0]:
+            shard = jax.lax.axis_index(self.axis_name)
+            table = jax.lax.dynamic_slice_in_dim(
+                table, shard * probs.shape[-1], probs.shape[-1], axis=0
+            )
+        out = jnp.einsum("btv,vm->btm", probs.astype(self.dtype), table)
+        return out if probs.shape[-1] == self.embedding.shape[0] else _sum_over(out, self.axis_name)
+
+    def logits(self, hidden: Array) -> Array:
+        """hidden: [batch, t, model] -> fp32 logits [batch, t, vocab_local]."""
+        with jax.named_scope("head"):
+            return jnp.einsum(
+                "btm,mv->btv", hidden, self.lm_head, preferred_element_type=jnp.float32
+            )

@@ -1,0 +1,231 @@
+"""LLaDA-MoE (LLaDA-MoE-7B-A1B): OLMoE-style bidirectional mixture of experts, and its
+HF name map.
+
+Routing follows the LLaDA-MoE reference: router logits in fp32, softmax over all experts,
+optional per-expert bias added to the probabilities, top-k of the (biased) probabilities
+as the weights, renormalised only when `norm_topk_prob`, cast to the activation dtype.
+Experts are stored stacked: `gate_up` [experts, model, 2, ffn], `down` [experts, ffn,
+model]. Two expert paths compute the same function (`moe_impl`): `grouped` sorts the
+token-expert pairs by expert and runs `jax.lax.ragged_dot`; `dense` runs every local
+expert on every token and weights the outputs (zero weight where not routed).
+
+HF layout: `model.embed_tokens`, `model.layers.{i}.self_attn.{q,k,v,o}_proj`,
+`...self_attn.{q,k}_norm`, `...{input,post_attention}_layernorm`, `...mlp.gate`,
+`...mlp.expert_bias`, `...mlp.experts.{j}.{gate,up,down}_proj`,
+`...shared_expert.{gate,up,down}_proj`, dense layers `...mlp.{gate,up,down}_proj`,
+`model.norm`, `lm_head`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from djax.config import ModelConfig
+from djax.models.layers import GatedMLP, TransformerLM, _sum_over, init_normal
+from djax.models.sources import (
+    Joined,
+    ParamSource,
+    Tensor,
+    attention_sources,
+    copy,
+    gate_up,
+    transposed,
+)
+
+Array = jax.Array
+MOE_IMPLS = ("auto", "grouped", "dense")
+# `auto` runs the dense expert path up to this many tokens per forward and the grouped one
+# above it (set from bench/moe_experts.py on an H200; see bench/NOTES.md).
+DENSE_EXPERTS_MAX_TOKENS = 64
+
+
+def route(
+    x: Array, router: Array, expert_bias: Array | None, top_k: int, normalise: bool
+) -> tuple[Array, Array]:
+    """Router in fp32. x: [n, model]; router: [model, experts].
+
+    Returns (weights [n, top_k] fp32, experts [n, top_k] int32).
+    """
+    logits = jnp.einsum("nm,me->ne", x.astype(jnp.float32), router.astype(jnp.float32))
+    scores = jax.nn.softmax(logits, axis=-1)
+    if expert_bias is not None:
+        scores = scores + expert_bias.astype(jnp.float32)
+    weights, experts = jax.lax.top_k(scores, top_k)
+    if normalise:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def experts_dense(
+    x: Array, weights: Array, experts: Array, gate_up: Array, down: Array, first_expert: Any
+) -> Array:
+    """Every local expert on every token, outputs weighted by the routing weights.
+
+    x: [n, model]; weights, experts: [n, top_k]; gate_up: [local_experts, model, 2, ffn];
+    down: [local_experts, ffn, model]; first_expert: global id of local expert 0.
+    """
+    n_local = gate_up.shape[0]
+    local = experts - first_expert
+    onehot = (local[..., None] == jnp.arange(n_local)).astype(x.dtype)  # [n, top_k, e]
+    combine = jnp.einsum("nk,nke->ne", weights.astype(x.dtype), onehot)
+    h = jnp.einsum("nm,emcf->necf", x, gate_up)
+    act = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
+    y = jnp.einsum("nef,efm->nem", act, down)
+    return jnp.einsum("nem,ne->nm", y, combine)
+
+
+def experts_grouped(
+    x: Array, weights: Array, experts: Array, gate_up: Array, down: Array, first_expert: Any
+) -> Array:
+    """Token-expert pairs sorted by local expert and run as grouped matmuls (ragged_dot).
+
+    Same arguments and result as `experts_dense`; pairs routed to experts on other devices
+    sort last, outside every group, and get zero weight.
+    """
+    n, top_k = experts.shape
+    n_local, d_model, _, ffn = gate_up.shape
+    local = (experts - first_expert).reshape(-1)
+    is_local = (local >= 0) & (local < n_local)
+    sort_key = jnp.where(is_local, local, n_local)
+    order = jnp.argsort(sort_key, stable=True)
+    token = order // top_k
+    group_sizes = jnp.bincount(sort_key, length=n_local + 1)[:n_local].astype(jnp.int32)
+    h = jax.lax.ragged_dot(x[token], gate_up.reshape(n_local, d_model, 2 * ffn), group_sizes)
+    act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]
+    y = jax.lax.ragged_dot(act, down, group_sizes)
+    pair_weight = jnp.where(is_local, weights.reshape(-1), 0.0)[order].astype(x.dtype)
+    y = jnp.where(is_local[order][:, None], y * pair_weight[:, None], 0)
+    return jnp.zeros((n, d_model), x.dtype).at[token].add(y)
+
+
+def choose_moe_impl(impl: str, n_tokens: int) -> str:
+    if impl not in MOE_IMPLS:
+        raise ValueError(f"moe_impl={impl!r}; expected one of {MOE_IMPLS}")
+    if impl != "auto":
+        return impl
+    return "dense" if n_tokens <= DENSE_EXPERTS_MAX_TOKENS else "grouped"
+
+
+class MoEBlock(nn.Module):
+    """Routed experts (+ optional shared expert) for one layer.
+
+    Under expert parallelism each device holds `experts / n` whole experts; under tensor
+    parallelism of the experts each holds every expert's `ffn / n` slice. Either way the
+    local result is a partial sum, completed by `psum` over `axis_name`.
+    """
+
+    config: ModelConfig
+    dtype: Any
+    axis_name: str | None = None
+    moe_impl: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        e, m, f = cfg.n_experts, cfg.d_model, cfg.expert_hidden
+        router = self.param("router", init_normal(), (m, e), self.dtype)
+        bias = (
+            self.param("expert_bias", nn.initializers.zeros, (e,), jnp.float32)
+            if cfg.router_expert_bias
+            else None
+        )
+        gate_up = self.param("gate_up", init_normal(), (e, m, 2, f), self.dtype)
+        down = self.param("down", init_normal(), (e, f, m), self.dtype)
+        b, t, _ = x.shape
+        flat = x.reshape(b * t, m)
+        with jax.named_scope("router"):
+            weights, experts = route(flat, router, bias, cfg.experts_per_token, cfg.norm_topk_prob)
+        n_local = gate_up.shape[0]
+        first = 0 if n_local == e else jax.lax.axis_index(self.axis_name) * n_local
+        impl = choose_moe_impl(self.moe_impl, b * t)
+        run = experts_dense if impl == "dense" else experts_grouped
+        with jax.named_scope(f"experts_{impl}"):
+            y = run(flat, weights, experts, gate_up, down, first).reshape(b, t, m)
+        y = _sum_over(y, self.axis_name)
+        if cfg.shared_expert_hidden:
+            y = y + GatedMLP(cfg.shared_expert_hidden, self.dtype, self.axis_name, name="shared")(x)
+        return y
+
+
+class LLaDAMoE(TransformerLM):
+    """LLaDA-MoE: MoE feed-forward in the layers `config.moe_layers` marks, SwiGLU elsewhere."""
+
+    def feed_forward(self, layer: int) -> nn.Module:
+        cfg = self.config
+        if cfg.moe_layers[layer]:
+            return MoEBlock(cfg, self.dtype, self.axis_name, self.moe_impl, name=f"ff_{layer}")
+        return GatedMLP(cfg.mlp_hidden, self.dtype, self.axis_name, name=f"ff_{layer}")
+
+
+def _stacked_experts(names: list[tuple[str, ...]]) -> Joined:
+    """Per-expert tensors stacked on a new leading expert axis."""
+    parts = tuple(
+        Tensor(n[0]) if len(n) == 1 else Joined(tuple(Tensor(x) for x in n), axis=0, stack=True)
+        for n in names
+    )
+    return Joined(parts, axis=0, stack=True)
+
+
+def _mlp_sources(prefix: tuple[str, ...], hf: str) -> list[ParamSource]:
+    return [
+        gate_up((*prefix, "gate_up"), f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),
+        transposed((*prefix, "down"), f"{hf}.down_proj.weight"),
+    ]
+
+
+def hf_sources(config: ModelConfig) -> list[ParamSource]:
+    """Where each djax param comes from in an HF LLaDA-MoE folder."""
+    sources = [
+        copy(("embed",), "model.embed_tokens.weight"),
+        copy(("final_norm", "scale"), "model.norm.weight"),
+        transposed(("lm_head",), "lm_head.weight"),
+    ]
+    for i in range(config.n_layers):
+        hf = f"model.layers.{i}"
+        att = f"{hf}.self_attn"
+        sources += [
+            copy((f"attn_norm_{i}", "scale"), f"{hf}.input_layernorm.weight"),
+            copy((f"ff_norm_{i}", "scale"), f"{hf}.post_attention_layernorm.weight"),
+            *attention_sources(
+                config,
+                f"attn_{i}",
+                q=f"{att}.q_proj.weight",
+                k=f"{att}.k_proj.weight",
+                v=f"{att}.v_proj.weight",
+                out=f"{att}.o_proj.weight",
+            ),
+        ]
+        if config.qk_norm:
+            sources += [
+                copy((f"attn_{i}", "q_norm", "scale"), f"{att}.q_norm.weight"),
+                copy((f"attn_{i}", "k_norm", "scale"), f"{att}.k_norm.weight"),
+            ]
+        ff = f"ff_{i}"
+        if not config.moe_layers[i]:
+            sources += _mlp_sources((ff,), f"{hf}.mlp")
+            continue
+        experts = [f"{hf}.mlp.experts.{j}" for j in range(config.n_experts)]
+        sources += [
+            transposed((ff, "router"), f"{hf}.mlp.gate.weight"),
+            ParamSource(
+                (ff, "gate_up"),
+                _stacked_experts(
+                    [(f"{x}.gate_proj.weight", f"{x}.up_proj.weight") for x in experts]
+                ),
+                (0, 3, 1, 2),
+            ),
+            ParamSource(
+                (ff, "down"),
+                _stacked_experts([(f"{x}.down_proj.weight",) for x in experts]),
+                (0, 2, 1),
+            ),
+        ]
+        if config.router_expert_bias:
+            sources.append(copy((ff, "expert_bias"), f"{hf}.mlp.expert_bias"))
+        if config.shared_expert_hidden:
+            sources += _mlp_sources((ff, "shared"), f"{hf}.shared_expert")
+    return sources

@@ -1,0 +1,135 @@
+"""How a djax param is assembled from HF tensors, lazily and slice by slice.
+
+A `ParamSource` says which HF tensors make one djax param: their *raw* arrangement
+(views, concatenations and stacks of the stored `[out, in]` tensors, all contiguous
+reads) and the axis permutation that turns raw into the djax layout. The loader reads
+only the raw slice a device owns, places it, and permutes it on the device, so no full
+copy of a large model ever sits on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from djax.config import ModelConfig
+
+Index = tuple[slice, ...]
+
+
+class TensorStore(Protocol):
+    def view(self, name: str) -> np.ndarray: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One stored tensor, optionally viewed with another shape (a free reshape)."""
+
+    name: str
+    shape: tuple[int, ...] | None = None
+
+    def names(self) -> list[str]:
+        return [self.name]
+
+    def raw_shape(self, store: TensorStore) -> tuple[int, ...]:
+        return tuple(self.shape) if self.shape else tuple(store.view(self.name).shape)
+
+    def read(self, store: TensorStore, index: Index) -> np.ndarray:
+        view = store.view(self.name)
+        if self.shape:
+            view = view.reshape(self.shape)
+        return np.asarray(view[index])
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """Parts concatenated along `axis` (or stacked on a new `axis` when `stack`)."""
+
+    parts: tuple[Tensor | Joined, ...]
+    axis: int
+    stack: bool = False
+
+    def names(self) -> list[str]:
+        return [n for p in self.parts for n in p.names()]
+
+    def raw_shape(self, store: TensorStore) -> tuple[int, ...]:
+        shapes = [p.raw_shape(store) for p in self.parts]
+        first = list(shapes[0])
+        if self.stack:
+            return tuple(first[: self.axis] + [len(shapes)] + first[self.axis :])
+        first[self.axis] = sum(s[self.axis] for s in shapes)
+        return tuple(first)
+
+    def read(self, store: TensorStore, index: Index) -> np.ndarray:
+        want = index[self.axis]
+        if self.stack:
+            rest = index[: self.axis] + index[self.axis + 1 :]
+            chosen = self.parts[want]
+            return np.stack([p.read(store, rest) for p in chosen], axis=self.axis)
+        pieces, offset = [], 0
+        lo, hi, _ = want.indices(self.raw_shape(store)[self.axis])
+        for part in self.parts:
+            size = part.raw_shape(store)[self.axis]
+            a, b = max(lo, offset), min(hi, offset + size)
+            if a < b:
+                sub = index[: self.axis] + (slice(a - offset, b - offset),) + index[self.axis + 1 :]
+                pieces.append(part.read(store, sub))
+            offset += size
+        return np.concatenate(pieces, axis=self.axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSource:
+    """djax param at `path` = `raw.transpose(perm)` where `raw` is assembled by `raw`."""
+
+    path: tuple[str, ...]
+    raw: Tensor | Joined
+    perm: tuple[int, ...] | None = None
+
+    def target_shape(self, store: TensorStore) -> tuple[int, ...]:
+        shape = self.raw.raw_shape(store)
+        return shape if self.perm is None else tuple(shape[p] for p in self.perm)
+
+    def raw_index(self, target_index: Index) -> Index:
+        """The raw slice that holds a given slice of the target."""
+        if self.perm is None:
+            return target_index
+        raw = [slice(None)] * len(self.perm)
+        for target_axis, raw_axis in enumerate(self.perm):
+            raw[raw_axis] = target_index[target_axis]
+        return tuple(raw)
+
+
+def copy(path: Sequence[str], name: str) -> ParamSource:
+    return ParamSource(tuple(path), Tensor(name))
+
+
+def transposed(path: Sequence[str], name: str) -> ParamSource:
+    """A torch Linear `[out, in]` stored as `[in, out]` for `x @ w`."""
+    return ParamSource(tuple(path), Tensor(name), (1, 0))
+
+
+def gate_up(path: Sequence[str], gate: str, up: str) -> ParamSource:
+    """Gate and up `[ffn, model]` each -> fused `[model, 2, ffn]`."""
+    return ParamSource(
+        tuple(path), Joined((Tensor(gate), Tensor(up)), axis=0, stack=True), (2, 0, 1)
+    )
+
+
+def attention_sources(
+    config: ModelConfig, prefix: str, *, q: str, k: str, v: str, out: str
+) -> list[ParamSource]:
+    """q/k/v `[heads*head_dim, model]` -> fused `qkv` [model, kv_heads, group + 2, head_dim];
+    output `[model, heads*head_dim]` -> `attn_out` [kv_heads, group, head_dim, model]."""
+    kv, d, m = config.n_kv_heads, config.head_dim, config.d_model
+    group = config.n_heads // kv
+    qkv = Joined(
+        (Tensor(q, (kv, group, d, m)), Tensor(k, (kv, 1, d, m)), Tensor(v, (kv, 1, d, m))), axis=1
+    )
+    return [
+        ParamSource((prefix, "qkv"), qkv, (3, 0, 1, 2)),
+        ParamSource((prefix, "attn_out"), Tensor(out, (m, kv, group, d)), (1, 2, 3, 0)),
+    ]

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny LLaDA-layout models written to disk from torch references.
+
+Eight fake CPU devices are configured before jax is imported, so the tensor- and
+expert-parallel tests can build meshes in this process; single-device tests use device 0.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("DJAX_COMPILE_CACHE", "")  # tests must not depend on a warm cache
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+import djax  # noqa: E402
+
+from torch_reference import make_llada_dense  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session")
+def dense_folder(tmp_path_factory):
+    """LLaDA dense, GQA (4 heads, 2 kv heads), weights in two safetensors shards."""
+    folder = tmp_path_factory.mktemp("llada_dense")
+    torch_model = make_llada_dense(folder, n_kv_heads=2, shards=2, head_scale=6.0, seed=1)
+    return folder, torch_model
+
+
+@pytest.fixture(scope="session")
+def dense_model(dense_folder):
+    return djax.load(dense_folder[0], dtype=jnp.float32)

@@ -1,0 +1,116 @@
+import json
+
+import pytest
+
+from djax.config import ConfigError, from_hf_dict, load_hf_config, resolve_token_ids
+from djax.demo.tokenizer import build_char_tokenizer
+
+DENSE = {
+    "architectures": ["LLaDAModelLM"],
+    "model_type": "llada",
+    "d_model": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "mlp_hidden_size": 96,
+    "vocab_size": 128,
+    "embedding_size": 128,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "max_sequence_length": 512,
+    "mask_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 1,
+}
+MOE = {
+    "architectures": ["LLaDAMoEModelLM"],
+    "model_type": "llada",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 128,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "expert_intermediate_size": 32,
+    "eos_token_id": 1,
+    "rope_theta": 50000.0,
+}
+
+
+def test_dense_keys():
+    cfg = from_hf_dict(DENSE)
+    assert (cfg.family, cfg.head_dim, cfg.n_kv_heads, cfg.mlp_hidden) == ("llada", 16, 2, 96)
+    assert (cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id) == (2, 1, 1)
+
+
+def test_moe_keys_and_layer_pattern():
+    cfg = from_hf_dict({**MOE, "moe_layer_freq": [0, 1], "dense_intermediate_size": 48})
+    assert cfg.family == "llada_moe" and cfg.moe_layers == (False, True)
+    assert cfg.qk_norm and cfg.mask_token_id == -1  # resolved later from the tokenizer
+    assert from_hf_dict({**MOE, "moe_layer_freq": 2, "dense_intermediate_size": 8}).moe_layers == (
+        False,
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            "architectures=\\['GPT2LMHeadModel'\\] is not supported",
+        ),
+        ({"architectures": None}, "'architectures' is missing"),
+        ({"d_model": None}, "required key 'd_model' is missing"),
+        ({"n_heads": "four"}, "key 'n_heads'='four' should be of type int"),
+        ({"n_kv_heads": 3}, "n_heads=4 is not a multiple of n_kv_heads=3"),
+        ({"d_model": 66}, "d_model=66 is not a multiple of n_heads=4"),
+        ({"alibi": True}, "alibi=True is not supported"),
+        ({"weight_tying": True}, "weight_tying=True is not supported"),
+        ({"n_layers": 0}, "key 'n_layers'=0 must be positive"),
+    ],
+)
+def test_dense_config_errors(change, message):
+    with pytest.raises(ConfigError, match=message):
+        from_hf_dict({**DENSE, **change}, "my/config.json")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 exceeds num_experts=8"),
+        ({"moe_layer_freq": [1]}, "moe_layer_freq=\\[1\\] should list 0/1 for each of the 2"),
+        ({"moe_layer_freq": [0, 1]}, "'dense_intermediate_size' is missing"),
+        ({"partial_rotary_factor": 0.05}, "partial_rotary_factor=0.05 gives rotary_dim=0"),
+        ({"moe_router_score_function": "sigmoid"}, "moe_router_score_function='sigmoid' is not"),
+        ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5 is not supported"),
+        ({"attention_bias": True}, "attention_bias=True is not supported"),
+    ],
+)
+def test_moe_config_errors(change, message):
+    with pytest.raises(ConfigError, match=message):
+        from_hf_dict({**MOE, **change}, "my/config.json")
+
+
+def test_error_names_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=f"{tmp_path}/config.json: not found"):
+        load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json: not valid JSON"):
+        load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**DENSE, "n_layers": None}))
+    with pytest.raises(ConfigError, match="required key 'n_layers' is missing"):
+        from_hf_dict(load_hf_config(tmp_path), str(tmp_path / "config.json"))
+
+
+def test_token_ids_from_tokenizer():
+    tok = build_char_tokenizer()
+    cfg = resolve_token_ids(from_hf_dict(MOE), tok, "x")
+    assert cfg.mask_token_id == tok.mask_token_id == 2
+    assert cfg.eot_token_id == tok.get_vocab()["<|eot_id|>"]
+    assert cfg.stop_token_ids == (1, cfg.eot_token_id)
+    with pytest.raises(ConfigError, match="no 'mask_token_id' in config.json"):
+        resolve_token_ids(from_hf_dict(MOE), None, "x")
+    with pytest.raises(ConfigError, match="mask_token_id=500 is outside the vocabulary"):
+        resolve_token_ids(from_hf_dict({**DENSE, "mask_token_id": 500}), tok, "x")

@@ -1,0 +1,92 @@
+"""LLaDA dense forward: parity with transformers' Llama made bidirectional, padding, and the
+converted (orbax) folder."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import djax
+
+from torch_reference import make_llada_dense, rel_error, torch_logits
+
+
+def test_fp32_parity_with_torch(dense_folder, dense_model):
+    _, torch_model = dense_folder
+    ids = np.random.default_rng(0).integers(4, 100, (2, 20))
+    err = rel_error(
+        np.asarray(djax.forward_logits(dense_model, ids)), torch_logits(torch_model, ids)
+    )
+    assert err <= 1e-5, err
+
+
+def test_bf16_parity_with_torch(dense_folder):
+    folder, torch_model = dense_folder
+    model = djax.load(folder, dtype=jnp.bfloat16)
+    assert model.params["attn_0"]["qkv"].dtype == jnp.bfloat16
+    ids = np.random.default_rng(1).integers(4, 100, (2, 20))
+    err = rel_error(np.asarray(djax.forward_logits(model, ids)), torch_logits(torch_model, ids))
+    assert err <= 2e-2, err
+
+
+def test_padding_parity_with_torch(dense_folder, dense_model):
+    _, torch_model = dense_folder
+    ids = np.random.default_rng(2).integers(4, 100, (2, 12))
+    valid = np.ones_like(ids, bool)
+    valid[1, :5] = False  # left padding
+    ours = np.asarray(djax.forward_logits(dense_model, ids, valid))
+    ref = torch_logits(torch_model, ids, valid)
+    assert rel_error(ours[valid], ref[valid]) <= 1e-5
+
+
+def test_left_padded_batch_matches_rows_alone(dense_model):
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(4, 100, n) for n in (9, 4, 13)]
+    width = max(len(r) for r in rows)
+    ids = np.full((3, width), 1)
+    valid = np.zeros((3, width), bool)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = r
+        valid[i, width - len(r) :] = True
+    batch = np.asarray(djax.forward_logits(dense_model, ids, valid))
+    for i, r in enumerate(rows):
+        alone = np.asarray(djax.forward_logits(dense_model, r[None]))[0]
+        np.testing.assert_allclose(batch[i, width - len(r) :], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_mha_and_single_file(tmp_path):
+    torch_model = make_llada_dense(
+        tmp_path, n_heads=2, n_kv_heads=2, d_model=32, mlp_hidden=40, n_layers=3, seed=7
+    )
+    model = djax.load(tmp_path, dtype=jnp.float32)
+    ids = np.random.default_rng(4).integers(4, 100, (1, 16))
+    assert (
+        rel_error(np.asarray(djax.forward_logits(model, ids)), torch_logits(torch_model, ids))
+        <= 1e-5
+    )
+
+
+def test_converted_folder_gives_identical_logits(dense_folder, dense_model, tmp_path):
+    folder, _ = dense_folder
+    out = tmp_path / "converted"
+    djax.convert(folder, out, dtype=jnp.float32, progress=False)
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    converted = djax.load(out, dtype=jnp.float32)
+    ids = np.random.default_rng(5).integers(4, 100, (2, 10))
+    np.testing.assert_array_equal(
+        np.asarray(djax.forward_logits(converted, ids)),
+        np.asarray(djax.forward_logits(dense_model, ids)),
+    )
+    with pytest.raises(FileExistsError, match="is not empty; pass overwrite=True"):
+        djax.convert(folder, out, progress=False)
+    djax.convert(folder, out, dtype=jnp.bfloat16, overwrite=True, progress=False)
+    assert djax.load(out).params["embed"].dtype == jnp.float32  # default dtype on CPU
+    assert djax.load(out, dtype=jnp.bfloat16).params["embed"].dtype == jnp.bfloat16
+
+
+def test_forward_logits_input_errors(dense_model):
+    with pytest.raises(ValueError, match="token_ids hold values in \\[4, 500\\]"):
+        djax.forward_logits(dense_model, [[4, 500]])
+    with pytest.raises(ValueError, match="attention_mask has shape \\(1, 3\\); expected"):
+        djax.forward_logits(dense_model, [[4, 5]], [[1, 1, 1]])
+    with pytest.raises(ValueError, match="expected \\[batch, seq\\] integers"):
+        djax.forward_logits(dense_model, [[0.5, 1.5]])
