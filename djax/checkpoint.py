@@ -240,6 +240,26 @@ def load_hf_params(
     return params
 
 
+def save_hf(
+    folder: str | Path, config: ModelConfig, params: dict, hf_config: dict, dtype: Any = None
+) -> None:
+    """Write params as an HF folder of the model's family: `model.safetensors` with the HF
+    names and `[out, in]` layouts, and `hf_config` as `config.json` (tokenizer not included).
+    dtype: storage dtype of the tensors (default: the params' own)."""
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    for src in hf_sources(config):
+        value = np.asarray(jax.device_get(_leaf(params, src.path)))
+        if dtype is not None:
+            value = value.astype(dtype)
+        tensors.update({k: np.ascontiguousarray(v) for k, v in src.export(value).items()})
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+
+
 def save_orbax(folder: str | Path, params: dict, metadata: dict) -> None:
     """Write params as an orbax checkpoint under `folder/djax_params`, plus `djax.json`."""
     import orbax.checkpoint as ocp

@@ -95,3 +95,18 @@ def test_bad_paths(tmp_path):
     )
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         djax.load(tmp_path)
+
+
+def test_save_hf_round_trip(dense_folder, dense_model, tmp_path):
+    from djax.checkpoint import save_hf
+
+    hf_config = json.loads((dense_folder[0] / "config.json").read_text())
+    save_hf(tmp_path, dense_model.config, dense_model.params, hf_config)
+    shutil.copy(dense_folder[0] / "tokenizer.json", tmp_path)
+    original = SafetensorsStore(dense_folder[0])
+    written = SafetensorsStore(tmp_path)
+    assert sorted(written.names()) == sorted(original.names())
+    for name in original.names():
+        np.testing.assert_array_equal(
+            np.asarray(written.view(name)), np.asarray(original.view(name))
+        )

@@ -26,13 +26,19 @@ class TensorStore(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """One stored tensor, optionally viewed with another shape (a free reshape)."""
+    """One stored tensor, optionally viewed with another `shape` (a free reshape of its
+    `stored` shape)."""
 
     name: str
     shape: tuple[int, ...] | None = None
+    stored: tuple[int, ...] | None = None
 
     def names(self) -> list[str]:
         return [self.name]
+
+    def split(self, raw: np.ndarray) -> dict[str, np.ndarray]:
+        """The stored tensor of a raw array (the inverse of `read`)."""
+        return {self.name: raw.reshape(self.stored) if self.stored else raw}
 
     def raw_shape(self, store: TensorStore) -> tuple[int, ...]:
         return tuple(self.shape) if self.shape else tuple(store.view(self.name).shape)
@@ -54,6 +60,20 @@ class Joined:
 
     def names(self) -> list[str]:
         return [n for p in self.parts for n in p.names()]
+
+    def split(self, raw: np.ndarray) -> dict[str, np.ndarray]:
+        if self.stack:
+            pieces = [np.take(raw, i, axis=self.axis) for i in range(len(self.parts))]
+        else:
+            sizes = [
+                p.shape[self.axis] if isinstance(p, Tensor) and p.shape else None
+                for p in self.parts
+            ]
+            pieces = np.split(raw, np.cumsum(sizes[:-1]), axis=self.axis)
+        out: dict[str, np.ndarray] = {}
+        for part, piece in zip(self.parts, pieces, strict=True):
+            out.update(part.split(piece))
+        return out
 
     def raw_shape(self, store: TensorStore) -> tuple[int, ...]:
         shapes = [p.raw_shape(store) for p in self.parts]
@@ -93,6 +113,11 @@ class ParamSource:
         shape = self.raw.raw_shape(store)
         return shape if self.perm is None else tuple(shape[p] for p in self.perm)
 
+    def export(self, value: np.ndarray) -> dict[str, np.ndarray]:
+        """The stored HF tensors that make up a djax param value (inverse of loading)."""
+        raw = value if self.perm is None else np.transpose(value, np.argsort(self.perm))
+        return self.raw.split(raw)
+
     def raw_index(self, target_index: Index) -> Index:
         """The raw slice that holds a given slice of the target."""
         if self.perm is None:
@@ -126,10 +151,13 @@ def attention_sources(
     output `[model, heads*head_dim]` -> `attn_out` [kv_heads, group, head_dim, model]."""
     kv, d, m = config.n_kv_heads, config.head_dim, config.d_model
     group = config.n_heads // kv
-    qkv = Joined(
-        (Tensor(q, (kv, group, d, m)), Tensor(k, (kv, 1, d, m)), Tensor(v, (kv, 1, d, m))), axis=1
+    parts = (
+        Tensor(q, (kv, group, d, m), (kv * group * d, m)),
+        Tensor(k, (kv, 1, d, m), (kv * d, m)),
+        Tensor(v, (kv, 1, d, m), (kv * d, m)),
     )
+    out_view = Tensor(out, (m, kv, group, d), (m, kv * group * d))
     return [
-        ParamSource((prefix, "qkv"), qkv, (3, 0, 1, 2)),
-        ParamSource((prefix, "attn_out"), Tensor(out, (m, kv, group, d)), (1, 2, 3, 0)),
+        ParamSource((prefix, "qkv"), Joined(parts, axis=1), (3, 0, 1, 2)),
+        ParamSource((prefix, "attn_out"), out_view, (1, 2, 3, 0)),
     ]
