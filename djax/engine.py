@@ -333,13 +333,14 @@ def generate(
     _check_prompts(model, rows)
     plan, notes = make_plan(model, config, len(rows), max(len(r) for r in rows))
     inputs = build_inputs(rows, plan, model.config.pad_token_id)
-    args = (
-        model.params,
-        jnp.asarray(inputs["tokens"]),
-        jnp.asarray(inputs["key_valid"]),
-        jnp.asarray(inputs["positions"]),
-        jax.random.key(config.seed),
-    )
+    names = ("tokens", "key_valid", "positions")
+    if model.mesh is None:
+        rows = [jnp.asarray(inputs[k]) for k in names]
+    else:
+        from djax.sharding import place_rows
+
+        rows = [place_rows(model.mesh, inputs[k]) for k in names]
+    args = (model.params, *rows, jax.random.key(config.seed))
     program, compile_seconds = executable(model, plan, args)
     start = time.perf_counter()
     out = jax.block_until_ready(program(*args))

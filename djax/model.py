@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -171,17 +170,26 @@ def convert(
     return dst
 
 
+def sequence_logits(
+    module: TransformerLM, params: dict, token_ids: jax.Array, key_valid: jax.Array
+) -> jax.Array:
+    """Whole-sequence logits of `module` ([batch, seq, vocab_local] fp32); positions count
+    from each row's first valid token."""
+    positions = jnp.maximum(jnp.cumsum(key_valid, axis=1) - 1, 0)
+    x = module.apply({"params": params}, token_ids, method="embed")
+    hidden, _ = module.apply({"params": params}, x, positions, key_valid)
+    return module.apply({"params": params}, hidden, method="logits")
+
+
 @functools.lru_cache(maxsize=16)
-def _forward_fn(config: ModelConfig, dtype: Any, options: tuple) -> Any:
-    module = build_module(config, dtype, None, **dict(options))
+def _forward_fn(config: ModelConfig, dtype: Any, options: tuple, mesh: Any) -> Any:
+    if mesh is not None:
+        from djax.sharding import sharded_logits
 
-    def forward(params, token_ids, key_valid):
-        positions = jnp.maximum(jnp.cumsum(key_valid, axis=1) - 1, 0)
-        x = module.apply({"params": params}, token_ids, method="embed")
-        hidden, _ = module.apply({"params": params}, x, positions, key_valid)
-        return module.apply({"params": params}, hidden, method="logits")
-
-    return jax.jit(forward)
+        return sharded_logits(config, dtype, options, mesh)
+    return jax.jit(
+        functools.partial(sequence_logits, build_module(config, dtype, None, **dict(options)))
+    )
 
 
 def forward_logits(model: Model, token_ids: Any, attention_mask: Any = None) -> jax.Array:
@@ -208,11 +216,5 @@ def forward_logits(model: Model, token_ids: Any, attention_mask: Any = None) -> 
         mask = mask[None]
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask has shape {mask.shape}; expected {ids.shape}")
-    fn = _forward_fn(model.config, model.dtype, model.options)
+    fn = _forward_fn(model.config, model.dtype, model.options, model.mesh)
     return fn(model.params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask))
-
-
-def save_hf_config(config_dict: dict, folder: str | Path) -> None:
-    """Write an HF `config.json` (used by tests, the demo trainer and benchmarks)."""
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    (Path(folder) / "config.json").write_text(json.dumps(config_dict, indent=2))

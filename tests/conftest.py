@@ -31,3 +31,18 @@ def dense_folder(tmp_path_factory):
 @pytest.fixture(scope="session")
 def dense_model(dense_folder):
     return djax.load(dense_folder[0], dtype=jnp.float32)
+
+
+@pytest.fixture(scope="session")
+def moe_folder(tmp_path_factory):
+    """LLaDA-MoE: 8 heads, 8 experts top-2, layer 0 dense; mask id from the tokenizer."""
+    from torch_reference import make_llada_moe
+
+    folder = tmp_path_factory.mktemp("llada_moe")
+    torch_model = make_llada_moe(folder, dense_layers=(0,), n_layers=3, head_scale=6.0, seed=2)
+    return folder, torch_model
+
+
+@pytest.fixture(scope="session")
+def moe_model(moe_folder):
+    return djax.load(moe_folder[0], dtype=jnp.float32)

@@ -159,3 +159,109 @@ def torch_logits(
 def rel_error(a: np.ndarray, b: np.ndarray) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def make_llada_moe(
+    folder: str | Path,
+    *,
+    d_model: int = 64,
+    n_layers: int = 2,
+    n_heads: int = 8,
+    n_kv_heads: int = 8,
+    n_experts: int = 8,
+    top_k: int = 2,
+    expert_hidden: int = 32,
+    dense_layers: tuple[int, ...] = (),
+    dense_hidden: int = 96,
+    seed: int = 0,
+    head_scale: float = 1.0,
+    init_std: float = 0.1,
+    dtype: torch.dtype = torch.float32,
+):
+    """A random Qwen3-MoE (per-head q/k norm, softmax top-k routing without renormalising)
+    made bidirectional, saved as an HF LLaDA-MoE folder (per-expert tensor names, LLaDA-MoE
+    config keys, no mask id in the config: it comes from the tokenizer)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    head_dim = d_model // n_heads
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=d_model,
+        intermediate_size=dense_hidden,
+        moe_intermediate_size=expert_hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        head_dim=head_dim,
+        num_experts=n_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=list(dense_layers),
+        rms_norm_eps=1e-6,
+        rope_theta=50000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=init_std,
+        attention_bias=False,
+        attn_implementation="eager",
+    )
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    _randomise_norms(model, seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    model = model.to(dtype)
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for e in range(n_experts):
+                gate, up = value[e].chunk(2, dim=0)
+                tensors[f"{prefix}{e}.gate_proj.weight"] = gate
+                tensors[f"{prefix}{e}.up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(n_experts):
+                tensors[f"{prefix}{e}.down_proj.weight"] = value[e]
+        else:
+            tensors[name] = value
+    _save_tensors(tensors, folder, 1)
+    config = {
+        "architectures": ["LLaDAMoEModelLM"],
+        "model_type": "llada",
+        "vocab_size": VOCAB,
+        "hidden_size": d_model,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "expert_intermediate_size": expert_hidden,
+        "dense_intermediate_size": dense_hidden,
+        "shared_expert_intermediate_size": None,
+        "num_experts": n_experts,
+        "num_experts_per_tok": top_k,
+        "norm_topk_prob": False,
+        "qk_layernorm": True,
+        "moe_layer_freq": [0 if i in dense_layers else 1 for i in range(n_layers)],
+        "moe_router_enable_expert_bias": False,
+        "moe_router_score_function": "softmax",
+        "routed_scaling_factor": 1,
+        "rope_theta": 50000.0,
+        "rope_scaling": None,
+        "partial_rotary_factor": 1.0,
+        "clip_qkv": None,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "eos_token_id": EOS_ID,
+        "pad_token_id": EOS_ID,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    save_char_tokenizer(folder)
+    return model

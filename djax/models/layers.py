@@ -2,8 +2,9 @@
 attention over fixed-shape K/V buffers, the SwiGLU MLP, and the decoder-stack skeleton.
 
 Every layer is written for the local shard of its weights: inside `shard_map` a device
-sees `heads / n` heads and `ffn / n` hidden units, and `axis_name` names the mesh axis
-over which partial outputs are summed. With `axis_name=None` it is the plain model.
+sees `kv_heads / shards` kv heads and `ffn / shards` hidden units, and `axis_name` names the
+mesh axis over which partial outputs are summed. With `shards=1`, `axis_name=None` it is
+the plain model.
 
 The forward contract (`TransformerLM.__call__`) is what the diffusion engine builds on:
 it feeds a *window* of `W` consecutive positions starting at `window.start`, writes
@@ -143,6 +144,7 @@ class Attention(nn.Module):
     dtype: Any
     axis_name: str | None = None
     attention_impl: str = "xla"
+    shards: int = 1
 
     @nn.compact
     def __call__(
@@ -150,13 +152,14 @@ class Attention(nn.Module):
     ) -> tuple[Array, LayerKV]:
         cfg = self.config
         group = cfg.n_heads // cfg.n_kv_heads
+        kv_heads = cfg.n_kv_heads // self.shards
         qkv_kernel = self.param(
-            "qkv", init_normal(), (cfg.d_model, cfg.n_kv_heads, group + 2, cfg.head_dim), self.dtype
+            "qkv", init_normal(), (cfg.d_model, kv_heads, group + 2, cfg.head_dim), self.dtype
         )
         out_kernel = self.param(
             "attn_out",
             init_normal(),
-            (cfg.n_kv_heads, group, cfg.head_dim, cfg.d_model),
+            (kv_heads, group, cfg.head_dim, cfg.d_model),
             self.dtype,
         )
         qkv = jnp.einsum("btm,mkgd->btkgd", x, qkv_kernel)
@@ -181,12 +184,13 @@ class GatedMLP(nn.Module):
     hidden: int
     dtype: Any
     axis_name: str | None = None
+    shards: int = 1
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        d_model = x.shape[-1]
-        gate_up = self.param("gate_up", init_normal(), (d_model, 2, self.hidden), self.dtype)
-        down = self.param("down", init_normal(), (self.hidden, d_model), self.dtype)
+        d_model, hidden = x.shape[-1], self.hidden // self.shards
+        gate_up = self.param("gate_up", init_normal(), (d_model, 2, hidden), self.dtype)
+        down = self.param("down", init_normal(), (hidden, d_model), self.dtype)
         h = jnp.einsum("btm,mcf->btcf", x, gate_up)
         y = jnp.einsum("btf,fm->btm", jax.nn.silu(h[..., 0, :]) * h[..., 1, :], down)
         return _sum_over(y, self.axis_name)
@@ -209,6 +213,8 @@ class TransformerLM(nn.Module):
     axis_name: str | None = None
     attention_impl: str = "xla"
     moe_impl: str = "auto"  # expert path of MoE families (see llada_moe.MOE_IMPLS)
+    shards: int = 1  # size of the model-parallel mesh axis `axis_name`
+    split_experts: bool = False  # MoE: experts split by expert (True) or by hidden unit
 
     def feed_forward(self, layer: int) -> nn.Module:
         raise NotImplementedError
@@ -227,7 +233,9 @@ class TransformerLM(nn.Module):
             for i in range(cfg.n_layers)
         ]
         self.attns = [
-            Attention(cfg, self.dtype, self.axis_name, self.attention_impl, name=f"attn_{i}")
+            Attention(
+                cfg, self.dtype, self.axis_name, self.attention_impl, self.shards, name=f"attn_{i}"
+            )
             for i in range(cfg.n_layers)
         ]
         self.ff_norms = [
@@ -236,7 +244,7 @@ class TransformerLM(nn.Module):
         self.ffs = [self.feed_forward(i) for i in range(cfg.n_layers)]
         self.final_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")
         self.lm_head = self.param(
-            "lm_head", init_normal(), (cfg.d_model, cfg.vocab_size), self.dtype
+            "lm_head", init_normal(), (cfg.d_model, cfg.vocab_size // self.shards), self.dtype
         )
 
     def __call__(

@@ -27,7 +27,8 @@ class LLaDA(TransformerLM):
     """LLaDA dense: every layer's feed-forward is a SwiGLU MLP of `config.mlp_hidden`."""
 
     def feed_forward(self, layer: int) -> nn.Module:
-        return GatedMLP(self.config.mlp_hidden, self.dtype, self.axis_name, name=f"ff_{layer}")
+        cfg = self.config
+        return GatedMLP(cfg.mlp_hidden, self.dtype, self.axis_name, self.shards, name=f"ff_{layer}")
 
 
 def hf_sources(config: ModelConfig) -> list[ParamSource]:

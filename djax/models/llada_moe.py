@@ -122,32 +122,38 @@ class MoEBlock(nn.Module):
     dtype: Any
     axis_name: str | None = None
     moe_impl: str = "auto"
+    shards: int = 1
+    split_experts: bool = False
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         cfg = self.config
         e, m, f = cfg.n_experts, cfg.d_model, cfg.expert_hidden
+        local_e = e // self.shards if self.split_experts else e
+        local_f = f if self.split_experts else f // self.shards
         router = self.param("router", init_normal(), (m, e), self.dtype)
         bias = (
             self.param("expert_bias", nn.initializers.zeros, (e,), jnp.float32)
             if cfg.router_expert_bias
             else None
         )
-        gate_up = self.param("gate_up", init_normal(), (e, m, 2, f), self.dtype)
-        down = self.param("down", init_normal(), (e, f, m), self.dtype)
+        gate_up = self.param("gate_up", init_normal(), (local_e, m, 2, local_f), self.dtype)
+        down = self.param("down", init_normal(), (local_e, local_f, m), self.dtype)
         b, t, _ = x.shape
         flat = x.reshape(b * t, m)
         with jax.named_scope("router"):
             weights, experts = route(flat, router, bias, cfg.experts_per_token, cfg.norm_topk_prob)
-        n_local = gate_up.shape[0]
-        first = 0 if n_local == e else jax.lax.axis_index(self.axis_name) * n_local
+        first = 0 if local_e == e else jax.lax.axis_index(self.axis_name) * local_e
         impl = choose_moe_impl(self.moe_impl, b * t)
         run = experts_dense if impl == "dense" else experts_grouped
         with jax.named_scope(f"experts_{impl}"):
             y = run(flat, weights, experts, gate_up, down, first).reshape(b, t, m)
         y = _sum_over(y, self.axis_name)
         if cfg.shared_expert_hidden:
-            y = y + GatedMLP(cfg.shared_expert_hidden, self.dtype, self.axis_name, name="shared")(x)
+            shared = GatedMLP(
+                cfg.shared_expert_hidden, self.dtype, self.axis_name, self.shards, name="shared"
+            )
+            y = y + shared(x)
         return y
 
 
@@ -156,9 +162,18 @@ class LLaDAMoE(TransformerLM):
 
     def feed_forward(self, layer: int) -> nn.Module:
         cfg = self.config
+        name = f"ff_{layer}"
         if cfg.moe_layers[layer]:
-            return MoEBlock(cfg, self.dtype, self.axis_name, self.moe_impl, name=f"ff_{layer}")
-        return GatedMLP(cfg.mlp_hidden, self.dtype, self.axis_name, name=f"ff_{layer}")
+            return MoEBlock(
+                cfg,
+                self.dtype,
+                self.axis_name,
+                self.moe_impl,
+                self.shards,
+                self.split_experts,
+                name=name,
+            )
+        return GatedMLP(cfg.mlp_hidden, self.dtype, self.axis_name, self.shards, name=name)
 
 
 def _stacked_experts(names: list[tuple[str, ...]]) -> Joined:

@@ -1,0 +1,225 @@
+"""Tensor and expert parallelism: the device mesh, the param -> `PartitionSpec` table, and
+the `shard_map`-wrapped generation program.
+
+Mesh axes are `("data", "model")`, or `("data", "expert")` when experts split by expert.
+Everything model-parallel shares that second axis, of size
+`n = max(tensor_parallel, expert_parallel)`: attention heads (by kv head; output projection
+by input, then `psum`), dense MLP hidden units, the vocabulary of the output head (the
+decoder combines per-device maxima and sums instead of gathering logits), and the K/V
+buffers (by kv head). Experts are split by expert when `expert_parallel > 1` (each device
+owns `experts / n` whole experts and runs them on the replicated block tokens, then `psum`),
+otherwise by their hidden units. Rows of the batch split over `data`.
+
+Multi-host runs call `init_distributed()` first; the same mesh code then spans every host's
+devices, with no transport of our own.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from djax.config import ModelConfig
+from djax.models import abstract_params, build_module
+
+DATA, MODEL, EXPERT = "data", "model", "expert"
+
+
+def init_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    **kwargs: Any,
+) -> None:
+    """Join a multi-host run: a documented wrapper over `jax.distributed.initialize`.
+
+    Arguments default to $DJAX_COORDINATOR (host:port of process 0), $DJAX_NUM_PROCESSES and
+    $DJAX_PROCESS_ID; when those are unset too, JAX detects the cluster itself (SLURM,
+    Open MPI, Kubernetes...). Call it once per process, before any other JAX call.
+    """
+    env = os.environ
+    coordinator_address = coordinator_address or env.get("DJAX_COORDINATOR")
+    if num_processes is None and "DJAX_NUM_PROCESSES" in env:
+        num_processes = int(env["DJAX_NUM_PROCESSES"])
+    if process_id is None and "DJAX_PROCESS_ID" in env:
+        process_id = int(env["DJAX_PROCESS_ID"])
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
+
+
+def make_mesh(
+    tensor_parallel: int = 1,
+    expert_parallel: int = 1,
+    data_parallel: int = 1,
+    devices: list | None = None,
+) -> Mesh:
+    """A mesh over the first `data_parallel * n` devices, where
+    `n = max(tensor_parallel, expert_parallel)` (when both exceed 1 they must be equal).
+    Axes `("data", "model")`; the second is named `"expert"` when `expert_parallel > 1`, so
+    the mesh itself says how experts split."""
+    for name, value in (
+        ("tensor_parallel", tensor_parallel),
+        ("expert_parallel", expert_parallel),
+        ("data_parallel", data_parallel),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}; expected a positive int")
+    if tensor_parallel > 1 and expert_parallel > 1 and tensor_parallel != expert_parallel:
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel} and expert_parallel="
+            f"{expert_parallel} share one model axis; give equal sizes or set "
+            "one of them to 1"
+        )
+    n = max(tensor_parallel, expert_parallel)
+    devices = list(devices if devices is not None else jax.devices())
+    if n * data_parallel > len(devices):
+        raise ValueError(
+            f"a mesh of data_parallel={data_parallel} x model={n} needs "
+            f"{n * data_parallel} devices; {len(devices)} are available"
+        )
+    grid = np.array(devices[: n * data_parallel]).reshape(data_parallel, n)
+    return Mesh(grid, (DATA, EXPERT if expert_parallel > 1 else MODEL))
+
+
+def model_axis(mesh: Mesh) -> str:
+    """The name of the model-parallel axis (`"model"` or `"expert"`)."""
+    return mesh.axis_names[1]
+
+
+def experts_by_expert(mesh: Mesh) -> bool:
+    return model_axis(mesh) == EXPERT
+
+
+def check_divisible(config: ModelConfig, mesh: Mesh) -> None:
+    """Every split size must divide what it splits; the error names the value."""
+    n = mesh.shape[model_axis(mesh)]
+    checks = [("n_kv_heads", config.n_kv_heads), ("vocab_size", config.vocab_size)]
+    if not config.is_moe or not all(config.moe_layers):
+        checks.append(("mlp hidden size", config.mlp_hidden))
+    if config.is_moe:
+        if experts_by_expert(mesh):
+            checks.append(("num_experts", config.n_experts))
+        else:
+            checks.append(("expert hidden size", config.expert_hidden))
+        if config.shared_expert_hidden:
+            checks.append(("shared expert hidden size", config.shared_expert_hidden))
+    for name, value in checks:
+        if value % n:
+            raise ValueError(f"{name}={value} is not divisible by the model-parallel size {n}")
+
+
+def param_spec(path: tuple[str, ...], ndim: int, axis: str) -> P:
+    """The `PartitionSpec` of the param at `path` (keys of the params dict) on a mesh whose
+    model-parallel axis is `axis`."""
+    name, leaf = path[0], path[-1]
+    by_expert = axis == EXPERT
+    if name == "lm_head":
+        return P(None, axis)
+    if name.startswith("attn_") and leaf == "qkv":
+        return P(None, axis, None, None)
+    if name.startswith("attn_") and leaf == "attn_out":
+        return P(axis, None, None, None)
+    if name.startswith("ff_") and leaf == "gate_up":
+        if ndim == 4:  # stacked experts [experts, model, 2, ffn]
+            return P(axis, None, None, None) if by_expert else P(None, None, None, axis)
+        return P(None, None, axis)
+    if name.startswith("ff_") and leaf == "down":
+        if ndim == 3:  # stacked experts [experts, ffn, model]
+            return P(axis, None, None) if by_expert else P(None, axis, None)
+        return P(axis, None)
+    return P()  # embedding, norms, router, expert bias: replicated
+
+
+def param_specs(config: ModelConfig, dtype: Any, mesh: Mesh) -> dict:
+    check_divisible(config, mesh)
+    axis = model_axis(mesh)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: param_spec(tuple(k.key for k in path), leaf.ndim, axis),
+        abstract_params(config, dtype),
+    )
+
+
+def param_shardings(config: ModelConfig, dtype: Any, mesh: Mesh) -> dict:
+    """`NamedSharding`s for loading params straight into their shards."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        param_specs(config, dtype, mesh),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
+    """Place already-loaded params onto the mesh (tests and benchmarks)."""
+    dtype = jax.tree.leaves(params)[0].dtype
+    return jax.device_put(params, param_shardings(config, dtype, mesh))
+
+
+def _local_module(config: ModelConfig, dtype: Any, options: tuple, mesh: Mesh) -> Any:
+    """The module as one device sees it: its weight shards, `psum` over the model axis."""
+    axis = model_axis(mesh)
+    return build_module(
+        config, dtype, axis, shards=mesh.shape[axis], split_experts=axis == EXPERT, **dict(options)
+    )
+
+
+def sharded_logits(config: ModelConfig, dtype: Any, options: tuple, mesh: Mesh) -> Any:
+    """`djax.forward_logits` on a mesh: the sharded forward under `shard_map`, logits
+    gathered over the vocabulary at the end (a debugging and parity path)."""
+    from djax.model import sequence_logits
+
+    module = _local_module(config, dtype, options, mesh)
+    program = jax.shard_map(
+        functools.partial(sequence_logits, module),
+        mesh=mesh,
+        in_specs=(param_specs(config, dtype, mesh), P(), P()),
+        out_specs=P(None, None, model_axis(mesh)),
+        check_vma=False,
+    )
+    return jax.jit(program)
+
+
+def sharded_generation(model: Any, plan: Any) -> Any:
+    """The generation program of `djax.diffusion.run_generation`, as one `shard_map` over the
+    model's mesh, jitted. Takes host arrays like the single-device program; returns tokens
+    and counters replicated on every device (per data shard for the counters)."""
+    from djax.diffusion import run_generation
+
+    mesh = model.mesh
+    axis = model_axis(mesh)
+    module = _local_module(model.config, model.dtype, model.options, mesh)
+    specs = param_specs(model.config, model.dtype, mesh)
+
+    def local(params, tokens, key_valid, positions, key):
+        if mesh.shape[DATA] > 1:
+            key = jax.random.fold_in(key, jax.lax.axis_index(DATA))
+        out = run_generation(module, params, plan, tokens, key_valid, positions, key, axis)
+        return {k: v if k == "tokens" else jnp.reshape(v, (1,)) for k, v in out.items()}
+
+    rows = P(DATA)
+    counters = {"tokens": rows, "forwards": rows, "refreshes": rows, "blocks": rows}
+    program = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(specs, rows, rows, rows, P()),
+        out_specs=counters,
+        check_vma=False,
+    )
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(program, out_shardings=replicated, donate_argnums=(1,))
+
+
+def place_rows(mesh: Mesh, array: np.ndarray) -> jax.Array:
+    """A host array of rows as a global array split over `data` (every process passes the
+    same host array; each places its own devices' rows)."""
+    if array.shape[0] % mesh.shape[DATA]:
+        raise ValueError(
+            f"batch={array.shape[0]} is not divisible by data_parallel={mesh.shape[DATA]}"
+        )
+    sharding = NamedSharding(mesh, P(DATA))
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
