@@ -114,7 +114,7 @@ def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "
 
 def _attend_cudnn(q: Array, keys: Array, values: Array, key_valid: Array) -> Array:
     b, t, k, g, d = q.shape
-    mask = key_valid[:, None, None, :]  # [batch, 1, 1, s] broadcast over heads and queries
+    mask = jnp.broadcast_to(key_valid[:, None, None, :], (b, 1, t, keys.shape[1]))
     out = jax.nn.dot_product_attention(
         q.reshape(b, t, k * g, d), keys, values, mask=mask, implementation="cudnn"
     )

@@ -1,0 +1,172 @@
+"""Shared benchmark plumbing: model shapes, random weights built on the device, the two
+measured ceilings (HBM bandwidth, bf16 matmul rate), in-program timing, and result files.
+
+Every result file records the device, the commit, the command and the date.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from djax.config import ModelConfig, from_hf_dict
+
+RESULTS = Path(__file__).parent / "results"
+
+LLADA_8B = {
+    "architectures": ["LLaDAModelLM"],
+    "d_model": 4096,
+    "n_layers": 32,
+    "n_heads": 32,
+    "n_kv_heads": 32,
+    "mlp_hidden_size": 12288,
+    "vocab_size": 126464,
+    "embedding_size": 126464,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "max_sequence_length": 4096,
+    "mask_token_id": 126336,
+    "eos_token_id": 126081,
+    "pad_token_id": 126081,
+}
+LLADA_MOE = {
+    "architectures": ["LLaDAMoEModelLM"],
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "expert_intermediate_size": 1024,
+    "vocab_size": 157184,
+    "rope_theta": 50000.0,
+    "max_position_embeddings": 8192,
+    "mask_token_id": 156895,
+    "eos_token_id": 156892,
+    "rms_norm_eps": 1e-6,
+}
+# Same key sets, a few layers and small widths: for checking the scripts on a CPU.
+TINY = {
+    "dense": {
+        **LLADA_8B,
+        "d_model": 128,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 4,
+        "mlp_hidden_size": 256,
+        "vocab_size": 512,
+        "embedding_size": 512,
+        "mask_token_id": 500,
+        "eos_token_id": 501,
+        "pad_token_id": 501,
+    },
+    "moe": {
+        **LLADA_MOE,
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "expert_intermediate_size": 64,
+        "vocab_size": 512,
+        "mask_token_id": 500,
+        "eos_token_id": 501,
+    },
+}
+
+
+def model_config(name: str, tiny: bool = False) -> ModelConfig:
+    """`dense` (LLaDA-8B shape) or `moe` (LLaDA-MoE-7B-A1B shape)."""
+    hf = TINY[name] if tiny else {"dense": LLADA_8B, "moe": LLADA_MOE}[name]
+    return from_hf_dict(hf, f"bench:{name}")
+
+
+def weight_bytes(params: dict) -> int:
+    """Bytes of every weight a forward reads (the embedding is gathered, not read whole)."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return sum(x.nbytes for path, x in leaves if path[0].key != "embed")
+
+
+def device_info() -> dict[str, Any]:
+    devices = jax.devices()
+    return {
+        "device": devices[0].device_kind,
+        "device_count": len(devices),
+        "platform": devices[0].platform,
+        "jax": jax.__version__,
+    }
+
+
+def commit() -> str:
+    if os.environ.get("DJAX_COMMIT"):
+        return os.environ["DJAX_COMMIT"]
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def time_in_program(step, state, iters: int, repeats: int = 5) -> float:
+    """Median seconds per call of `step(state) -> state`, run `iters` times inside one
+    compiled `fori_loop` (as the engine runs forwards: no host round trip in between)."""
+    loop = jax.jit(lambda s: jax.lax.fori_loop(0, iters, lambda _, c: step(c), s))
+    jax.block_until_ready(loop(state))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(loop(state))
+        times.append((time.perf_counter() - start) / iters)
+    return float(np.median(times))
+
+
+def measure_ceilings(tiny: bool = False) -> dict[str, float]:
+    """Device-to-device bandwidth (bytes read + written) and bf16 matmul rate, measured."""
+    n = 1 << (20 if tiny else 30)  # 2 GiB of bf16 per buffer on a GPU
+    x = jnp.ones((n,), jnp.bfloat16) * 1.5
+    seconds = time_in_program(lambda a: a * 1.0001, x, 4 if tiny else 20)
+    bandwidth = 2 * x.nbytes / seconds
+    size = 256 if tiny else 8192
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+    # Scaled so repeated products keep unit variance (random data, never zeros or inf).
+    b = (jax.random.normal(jax.random.key(1), (size, size)) / np.sqrt(size)).astype(jnp.bfloat16)
+    seconds = time_in_program(lambda c: c @ b, a, 2 if tiny else 20)
+    return {"hbm_bytes_per_s": bandwidth, "matmul_flops_per_s": 2 * size**3 / seconds}
+
+
+def save(name: str, payload: dict[str, Any]) -> Path:
+    """Write a result JSON under $OUT (the device machine's return folder) when set, else
+    under bench/results/; the name carries the device and the date."""
+    info = device_info()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record = {
+        "benchmark": name,
+        **info,
+        "commit": commit(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": now.isoformat(timespec="seconds"),
+        **payload,
+    }
+    folder = Path(os.environ.get("OUT") or RESULTS)
+    folder.mkdir(parents=True, exist_ok=True)
+    kind = info["device"].replace(" ", "_")
+    path = folder / f"{name}_{kind}_{now:%Y%m%d}.json"
+    path.write_text(json.dumps(record, indent=2))
+    print(f"wrote {path}")
+    return path

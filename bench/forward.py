@@ -1,0 +1,220 @@
+"""Forward-pass speed at LLaDA-8B and LLaDA-MoE shapes, against the roofline.
+
+Random bf16 weights are built directly on the device. Times are medians of forwards run
+back to back inside one compiled loop (as the engine runs them). Cases:
+  refresh S: a whole-sequence forward over S tokens with logits for one 32-token block
+             (floor: FLOPs / measured matmul rate);
+  block:     a 32-token forward attending to a K/V buffer of `--kv-len` positions, writing
+             its K/V into the buffer (floor: bytes of weights read / measured bandwidth;
+             the K/V buffer read is reported beside it).
+MoE runs both expert paths; dense runs both attention implementations.
+
+    python bench/forward.py [--models dense moe] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import jax
+import jax.numpy as jnp
+
+from bench.common import (
+    measure_ceilings,
+    model_config,
+    save,
+    time_in_program,
+    weight_bytes,
+)
+from djax.models import build_module, init_params
+from djax.models.layers import Window
+
+BLOCK = 32
+
+
+def active_matmul_params(config, params) -> int:
+    """Weights each token multiplies by (MoE: attention, router and its top-k experts)."""
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        top, last = path[0].key, path[-1].key
+        if top in ("embed", "lm_head") or leaf.ndim < 2:
+            continue
+        if (
+            top.startswith("ff_")
+            and leaf.ndim >= 3
+            and last in ("gate_up", "down")
+            and (config.is_moe and leaf.shape[0] == config.n_experts)
+        ):
+            total += leaf.size * config.experts_per_token // config.n_experts
+        else:
+            total += leaf.size
+    return total
+
+
+def refresh_flops(config, params, seq: int) -> float:
+    attention = 4 * seq * seq * config.n_heads * config.head_dim * config.n_layers
+    return (
+        2 * seq * active_matmul_params(config, params)
+        + attention
+        + (2 * BLOCK * config.d_model * config.vocab_size)
+    )
+
+
+def kv_bytes(config, kv_len: int, dtype) -> int:
+    return (
+        2
+        * config.n_layers
+        * kv_len
+        * config.n_kv_heads
+        * config.head_dim
+        * jnp.dtype(dtype).itemsize
+    )
+
+
+def _inputs(config, seq: int, dtype):
+    x = jax.random.normal(jax.random.key(1), (1, seq, config.d_model), dtype)
+    positions = jnp.arange(seq, dtype=jnp.int32)[None]
+    return x, positions
+
+
+def time_refresh(module, params, config, seq: int, iters: int) -> float:
+    x, positions = _inputs(config, seq, module.dtype)
+    valid = jnp.ones((1, seq), bool)
+
+    def step(x):
+        hidden, _ = module.apply(
+            {"params": params}, x, positions, valid, None, Window(), seq - BLOCK, BLOCK
+        )
+        logits = module.apply({"params": params}, hidden, method="logits")
+        return x + (1e-6 * jnp.mean(logits)).astype(x.dtype)
+
+    return time_in_program(step, x, iters)
+
+
+def time_block(module, params, config, kv_len: int, iters: int) -> float:
+    x, _ = _inputs(config, BLOCK, module.dtype)
+    start = kv_len - 2 * BLOCK
+    positions = (start + jnp.arange(BLOCK, dtype=jnp.int32))[None]
+    valid = jnp.ones((1, kv_len), bool)
+    shape = (1, kv_len, config.n_kv_heads, config.head_dim)
+    kv = tuple(
+        (
+            jax.random.normal(jax.random.key(i), shape, module.dtype),
+            jax.random.normal(jax.random.key(i + 1), shape, module.dtype),
+        )
+        for i in range(config.n_layers)
+    )
+
+    def step(carry):
+        x, kv = carry
+        hidden, kv = module.apply(
+            {"params": params}, x, positions, valid, kv, Window(start), 0, BLOCK
+        )
+        logits = module.apply({"params": params}, hidden, method="logits")
+        return x + (1e-6 * jnp.mean(logits)).astype(x.dtype), kv
+
+    return time_in_program(step, (x, kv), iters)
+
+
+def ragged_dot_kernels(module, params, config) -> list[str]:
+    """Which ops XLA emits for `ragged_dot` on this backend (from the optimized HLO)."""
+    x, positions = _inputs(config, 256, module.dtype)
+    valid = jnp.ones((1, 256), bool)
+    fn = jax.jit(lambda p, x: module.apply({"params": p}, x, positions, valid)[0])
+    text = fn.lower(params, x).compile().as_text()
+    targets = {f"custom-call {t}" for t in re.findall(r'custom_call_target="([^"]+)"', text)}
+    opcodes = {f"op {op}" for op in re.findall(r"= \S+ (ragged-dot|dot)\(", text)}
+    fusions = {f"fusion kind {k}" for k in re.findall(r"kind=(k\w+)", text)}
+    return sorted(targets | opcodes | fusions)
+
+
+def attention_impls_agree(params, config, seq: int = 256) -> float:
+    """Relative L2 error of cuDNN-attention logits against the XLA einsum path (bf16), on a
+    left-padded batch so the key-padding mask is exercised."""
+    x, positions = _inputs(config, seq, jnp.bfloat16)
+    x = jnp.concatenate([x, x[:, ::-1]])
+    valid = jnp.ones((2, seq), bool).at[1, : seq // 4].set(False)
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+    out = {}
+    for impl in ("xla", "cudnn"):
+        module = build_module(config, jnp.bfloat16, None, attention_impl=impl)
+        fn = jax.jit(
+            lambda p, x, m=module: m.apply(
+                {"params": p}, m.apply({"params": p}, x, positions, valid)[0], method="logits"
+            )
+        )
+        out[impl] = fn(params, x)[valid].astype(jnp.float32)
+    return float(jnp.linalg.norm(out["cudnn"] - out["xla"]) / jnp.linalg.norm(out["xla"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["dense", "moe"])
+    parser.add_argument("--seqs", nargs="+", type=int, default=[384, 1280])
+    parser.add_argument("--kv-len", type=int, default=1280)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
+    args = parser.parse_args()
+    dtype = jnp.bfloat16
+    ceilings = measure_ceilings(args.tiny)
+    print({k: f"{v:.3e}" for k, v in ceilings.items()})
+    rows = []
+    for name in args.models:
+        config = model_config(name, args.tiny)
+        params = init_params(config, dtype, seed=0)
+        w_bytes = weight_bytes(params)
+        variants = (
+            [{"moe_impl": "dense"}, {"moe_impl": "grouped"}]
+            if config.is_moe
+            else [{"attention_impl": "xla"}, {"attention_impl": "cudnn"}]
+        )
+        for options in variants:
+            if options.get("attention_impl") == "cudnn" and jax.default_backend() != "gpu":
+                continue
+            module = build_module(config, dtype, None, **options)
+            for seq in args.seqs:
+                ms = 1e3 * time_refresh(module, params, config, seq, args.iters)
+                floor = 1e3 * refresh_flops(config, params, seq) / ceilings["matmul_flops_per_s"]
+                rows.append(
+                    {
+                        "model": name,
+                        "case": f"refresh {seq}",
+                        **options,
+                        "ms": ms,
+                        "floor_ms": floor,
+                        "floor": "flops / matmul rate",
+                        "roofline_pct": 100 * floor / ms,
+                    }
+                )
+            ms = 1e3 * time_block(module, params, config, args.kv_len, args.iters)
+            floor = 1e3 * w_bytes / ceilings["hbm_bytes_per_s"]
+            kv_ms = 1e3 * kv_bytes(config, args.kv_len, dtype) / ceilings["hbm_bytes_per_s"]
+            rows.append(
+                {
+                    "model": name,
+                    "case": f"block {BLOCK} vs kv {args.kv_len}",
+                    **options,
+                    "ms": ms,
+                    "floor_ms": floor,
+                    "floor": "weight bytes / bandwidth",
+                    "kv_read_ms": kv_ms,
+                    "roofline_pct": 100 * floor / ms,
+                    "x_floor": ms / floor,
+                }
+            )
+        extra = {}
+        if not config.is_moe and jax.default_backend() == "gpu":
+            extra["cudnn_vs_xla_rel_error"] = attention_impls_agree(params, config)
+        if config.is_moe:
+            module = build_module(config, dtype, None, moe_impl="grouped")
+            extra["ragged_dot_hlo_ops"] = ragged_dot_kernels(module, params, config)
+        rows.append({"model": name, "weight_bytes": w_bytes, **extra})
+        del params
+    for row in rows:
+        print(row)
+    save("forward", {"ceilings": ceilings, "results": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Whole-generation speed through `djax.generate`, at the setting every engine is compared on:
+batch 1, gen_length 256, block 32, 64 fixed steps (4 tokens per forward, so every engine
+does the same work), prompts of 128 and 512 tokens, caches none / prefix / dual, plus the
+threshold decoder with the dual cache. Random bf16 weights built on the device (so the
+threshold decoder commits about one token per forward: its row shows the per-forward cost).
+
+The physical limit of a run is its refreshes at the measured matmul rate plus its other
+forwards at the HBM floor; tokens/s is reported beside it. Compile time is measured for a
+new shape and again from the persistent compilation cache.
+
+    python bench/generate.py [--models dense moe] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import measure_ceilings, model_config, save, weight_bytes
+from bench.forward import refresh_flops
+from djax import GenerationConfig, Model, engine, generate
+from djax.models import init_params
+
+
+def run_case(
+    model: Model, prompt_len: int, config: GenerationConfig, ceilings: dict, repeats: int
+) -> dict:
+    rng = np.random.default_rng(prompt_len)
+    prompt = rng.integers(0, min(1000, model.config.mask_token_id), prompt_len).tolist()
+    first = generate(model, [prompt], config)
+    runs = [generate(model, [prompt], config) for _ in range(repeats)]
+    best = sorted(runs, key=lambda r: r.stats.seconds)[len(runs) // 2]
+    s = best.stats
+    seq = prompt_len + config.gen_length
+    refresh_s = refresh_flops(model.config, model.params, seq) / ceilings["matmul_flops_per_s"]
+    block_s = weight_bytes(model.params) / ceilings["hbm_bytes_per_s"]
+    limit_s = s.refreshes * refresh_s + (s.forwards - s.refreshes) * block_s
+    tokens = config.gen_length  # early stop is off: every answer position is generated
+    return {
+        "prompt_len": prompt_len,
+        "cache": config.cache,
+        "decoder": config.decoder,
+        "forwards": s.forwards,
+        "refreshes": s.refreshes,
+        "tokens_per_forward": tokens / s.forwards,
+        "seconds": s.seconds,
+        "tokens_per_s": tokens / s.seconds,
+        "ms_per_forward": 1e3 * s.seconds / s.forwards,
+        "limit_tokens_per_s": tokens / limit_s,
+        "pct_of_limit": 100 * limit_s / s.seconds,
+        "compile_s": first.stats.compile_seconds,
+    }
+
+
+def cached_compile_seconds(model: Model, config: GenerationConfig) -> float:
+    """Compile again after dropping this process's caches: the persistent cache answers."""
+    engine._EXECUTABLES.clear()
+    jax.clear_caches()
+    out = generate(model, [list(range(10, 110))], config)
+    return out.stats.compile_seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["dense", "moe"])
+    parser.add_argument("--prompts", nargs="+", type=int, default=[128, 512])
+    parser.add_argument("--caches", nargs="+", default=["none", "prefix", "dual"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--attention-impl", default="xla")
+    parser.add_argument("--moe-impl", default="auto")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
+    args = parser.parse_args()
+    engine.enable_compile_cache(tempfile.mkdtemp(prefix="djax_xla_cache_"))
+    ceilings = measure_ceilings(args.tiny)
+    base = GenerationConfig(
+        gen_length=256, block_length=32, steps=64, decoder="low_confidence", early_stop=False
+    )
+    rows = []
+    for name in args.models:
+        config = model_config(name, args.tiny)
+        params = init_params(config, jnp.bfloat16, seed=0)
+        options = (("attention_impl", args.attention_impl), ("moe_impl", args.moe_impl))
+        model = Model(config, params, None, jnp.bfloat16, options=options)
+        cases = [dataclasses.replace(base, cache=c) for c in args.caches]
+        cases.append(dataclasses.replace(base, decoder="threshold", cache="dual"))
+        for prompt_len in args.prompts:
+            for case in cases:
+                row = {"model": name, **run_case(model, prompt_len, case, ceilings, args.repeats)}
+                print(row)
+                rows.append(row)
+        rows.append(
+            {
+                "model": name,
+                "compile_s_from_persistent_cache": cached_compile_seconds(
+                    model, dataclasses.replace(base, cache="dual")
+                ),
+            }
+        )
+        print(rows[-1])
+        del model, params
+    save(
+        "generate",
+        {
+            "ceilings": ceilings,
+            "setting": dataclasses.asdict(base),
+            "batch": 1,
+            "options": vars(args),
+            "results": rows,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Profile a whole generation under `jax.profiler` and summarise where the device time goes.
+
+Writes the XProf/TensorBoard trace (and its Perfetto JSON) under `--out`, then a table of
+device time per op category — matmul, attention, MoE, norms/elementwise, decoder, copies,
+idle gaps — read from the trace's device events, readable without a viewer.
+
+    python bench/profile.py [--model dense] [--cache dual] [--out DIR] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import model_config, save
+from djax import GenerationConfig, Model, generate
+from djax.models import init_params
+
+# First match wins; tested against the kernel name plus the op/scope names in its args.
+CATEGORIES = [
+    ("copies", r"memcpy|memset|\bcopy|dynamic[-_]update[-_]slice|transpose"),
+    ("decoder", r"decoder"),
+    ("moe", r"ragged|grouped|experts|router|\bsort|top_?k|scatter|argsort"),
+    ("attention", r"fmha|flash|cudnn|attention|softmax"),
+    ("matmul", r"gemm|cublas|cutlass|nvjet|xmma|wgmma|\bdot|matmul|triton_gemm"),
+]
+
+
+def categorize(text: str) -> str:
+    for name, pattern in CATEGORIES:
+        if re.search(pattern, text, re.IGNORECASE):
+            return name
+    return "norms/elementwise"
+
+
+def device_events(trace: dict) -> list[dict]:
+    """Complete events ('X') of the device processes (pid named like /device:GPU:0)."""
+    names = {
+        e["pid"]: e.get("args", {}).get("name", "")
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    device_pids = {
+        pid for pid, name in names.items() if re.search(r"/device:(GPU|TPU)|GPU:\d", name)
+    }
+    return [
+        e
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X" and e.get("pid") in device_pids and e.get("dur", 0) > 0
+    ]
+
+
+def summarize(events: list[dict]) -> dict:
+    """Busy microseconds per category, and the idle gaps of the device between kernels."""
+    busy: dict[str, float] = defaultdict(float)
+    spans = []
+    top: dict[str, float] = defaultdict(float)
+    for e in events:
+        text = " ".join([e.get("name", "")] + [str(v) for v in e.get("args", {}).values()])
+        busy[categorize(text)] += e["dur"]
+        top[e.get("name", "")] += e["dur"]
+        spans.append((e["ts"], e["ts"] + e["dur"]))
+    if not spans:
+        return {"error": "no device events found in the trace"}
+    spans.sort()
+    covered, end = 0.0, spans[0][0]
+    for start, stop in spans:
+        if stop > end:
+            covered += stop - max(start, end)
+            end = stop
+    wall = spans[-1][1] - spans[0][0]
+    busy["idle gaps"] = wall - covered
+    kernels = sorted(top.items(), key=lambda kv: -kv[1])[:15]
+    return {
+        "wall_us": wall,
+        "busy_us": dict(busy),
+        "pct": {k: 100 * v / wall for k, v in busy.items()},
+        "top_kernels_us": dict(kernels),
+        "events": len(events),
+    }
+
+
+def print_table(summary: dict) -> None:
+    if "error" in summary:
+        print(summary["error"])
+        return
+    print(f"{'category':<20} {'ms':>9} {'% of wall':>10}")
+    for name, us in sorted(summary["busy_us"].items(), key=lambda kv: -kv[1]):
+        print(f"{name:<20} {us / 1e3:>9.2f} {summary['pct'][name]:>9.1f}%")
+    print(f"{'wall':<20} {summary['wall_us'] / 1e3:>9.2f}")
+    print("(device streams overlap, so categories may add up to more than the wall time)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="dense")
+    parser.add_argument("--cache", default="dual")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--attention-impl", default="xla")
+    parser.add_argument("--moe-impl", default="auto")
+    parser.add_argument("--out", default="/tmp/djax_profile")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    config = model_config(args.model, args.tiny)
+    options = (("attention_impl", args.attention_impl), ("moe_impl", args.moe_impl))
+    model = Model(config, init_params(config, jnp.bfloat16), None, jnp.bfloat16, options=options)
+    gen = GenerationConfig(
+        gen_length=256,
+        block_length=32,
+        steps=64,
+        decoder="low_confidence",
+        cache=args.cache,
+        early_stop=False,
+    )
+    prompt = np.arange(10, 10 + args.prompt_len).tolist()
+    generate(model, [prompt], gen)  # compile outside the trace
+    out_dir = Path(args.out)
+    with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
+        result = generate(model, [prompt], gen)
+    perfetto = sorted(out_dir.rglob("*.trace.json.gz"))
+    summary = {"error": "no perfetto trace written"}
+    if perfetto:
+        with gzip.open(perfetto[-1]) as fh:
+            summary = summarize(device_events(json.load(fh)))
+    print_table(summary)
+    save(
+        "profile",
+        {
+            "model": args.model,
+            "cache": args.cache,
+            "prompt_len": args.prompt_len,
+            "options": dict(options),
+            "generation_seconds": result.stats.seconds,
+            "forwards": result.stats.forwards,
+            "refreshes": result.stats.refreshes,
+            "trace_dir": str(out_dir),
+            "summary": summary,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
