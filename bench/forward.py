@@ -82,14 +82,14 @@ def time_refresh(module, params, config, seq: int, iters: int) -> float:
     x, positions = _inputs(config, seq, module.dtype)
     valid = jnp.ones((1, seq), bool)
 
-    def step(x):
+    def step(x, params):
         hidden, _ = module.apply(
             {"params": params}, x, positions, valid, None, Window(), seq - BLOCK, BLOCK
         )
         logits = module.apply({"params": params}, hidden, method="logits")
         return x + (1e-6 * jnp.mean(logits)).astype(x.dtype)
 
-    return time_in_program(step, x, iters)
+    return time_in_program(step, x, iters, params)
 
 
 def time_block(module, params, config, kv_len: int, iters: int) -> float:
@@ -106,7 +106,7 @@ def time_block(module, params, config, kv_len: int, iters: int) -> float:
         for i in range(config.n_layers)
     )
 
-    def step(carry):
+    def step(carry, params):
         x, kv = carry
         hidden, kv = module.apply(
             {"params": params}, x, positions, valid, kv, Window(start), 0, BLOCK
@@ -114,7 +114,7 @@ def time_block(module, params, config, kv_len: int, iters: int) -> float:
         logits = module.apply({"params": params}, hidden, method="logits")
         return x + (1e-6 * jnp.mean(logits)).astype(x.dtype), kv
 
-    return time_in_program(step, (x, kv), iters)
+    return time_in_program(step, (x, kv), iters, params)
 
 
 def ragged_dot_kernels(module, params, config) -> list[str]:
