@@ -129,8 +129,8 @@ def test_shared_expert_and_clip(moe_model):
 
 
 def test_auto_picks_by_tokens():
-    assert choose_moe_impl("auto", 32) == "dense"
-    assert choose_moe_impl("auto", 1024) == "grouped"
+    assert choose_moe_impl("auto", 32) == "grouped"
+    assert choose_moe_impl("auto", 1024) == "dense"
     assert choose_moe_impl("grouped", 32) == "grouped"
     with pytest.raises(ValueError, match="moe_impl='fast'; expected one of"):
         choose_moe_impl("fast", 32)
