@@ -1,0 +1,129 @@
+"""Tensor / expert parallelism speed: LLaDA-8B with TP=n and LLaDA-MoE with EP=n against one
+device, in the same run, at the `bench/generate.py` setting (batch 1, prompt 128, gen 256,
+block 32, dual cache, 64 fixed steps = 4 tokens per forward).
+
+Random bf16 weights are built already sharded on the devices. The block-forward time is
+measured by difference: the same generation with 128 steps instead of 64 runs the same 8
+refreshes and 64 more block forwards, so block ms = (t_128 − t_64) / 64. `--dinfer` adds
+dInfer's LLaDA-MoE setting (gen 1024, block 64, vicinity 16/16 with 4 warm-up steps, 4
+tokens per forward).
+
+    python -m bench.parallel [--sizes 1 2] [--models dense moe] [--dinfer] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import model_config, save
+from djax import GenerationConfig, Model, generate
+from djax.models import init_params
+from djax.sharding import make_mesh, param_shardings
+
+SETTING = GenerationConfig(
+    gen_length=256,
+    block_length=32,
+    steps=64,
+    decoder="low_confidence",
+    cache="dual",
+    early_stop=False,
+)
+DINFER = GenerationConfig(
+    gen_length=1024,
+    block_length=64,
+    steps=256,
+    decoder="low_confidence",
+    cache="vicinity",
+    vicinity_before=16,
+    vicinity_after=16,
+    vicinity_warmup=4,
+    early_stop=False,
+)
+
+
+def timed(model: Model, prompt: list[int], config: GenerationConfig, repeats: int) -> dict:
+    generate(model, [prompt], config)  # compile
+    runs = sorted(generate(model, [prompt], config).stats.seconds for _ in range(repeats))
+    out = generate(model, [prompt], config)
+    return {
+        "seconds": runs[len(runs) // 2],
+        "forwards": out.stats.forwards,
+        "refreshes": out.stats.refreshes,
+        "compile_s": out.stats.compile_seconds,
+    }
+
+
+def measure(model: Model, prompt: list[int], base: GenerationConfig, repeats: int) -> dict:
+    short = timed(model, prompt, base, repeats)
+    longer = timed(model, prompt, dataclasses.replace(base, steps=2 * base.steps), repeats)
+    extra = longer["forwards"] - short["forwards"]
+    return {
+        "tokens_per_s": base.gen_length / short["seconds"],
+        "tokens_per_forward": base.gen_length / short["forwards"],
+        "ms_per_forward": 1e3 * short["seconds"] / short["forwards"],
+        "block_forward_ms": 1e3 * (longer["seconds"] - short["seconds"]) / extra,
+        "forwards": short["forwards"],
+        "refreshes": short["refreshes"],
+        "seconds": short["seconds"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--models", nargs="+", default=["dense", "moe"])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dinfer", action="store_true")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    prompt = np.arange(10, 10 + args.prompt_len).tolist()
+    rows = []
+    for name in args.models:
+        config = model_config(name, args.tiny)
+        settings = [("bench", SETTING)]
+        if args.dinfer and config.is_moe:
+            settings.append(("dinfer", DINFER))
+        for n in args.sizes:
+            split = {"expert_parallel": n} if config.is_moe else {"tensor_parallel": n}
+            mesh = make_mesh(**split) if n > 1 else None
+            shardings = param_shardings(config, jnp.bfloat16, mesh) if mesh else None
+            params = init_params(config, jnp.bfloat16, seed=0, shardings=shardings)
+            model = Model(config, params, None, jnp.bfloat16, mesh=mesh)
+            for label, base in settings:
+                row = {
+                    "model": name,
+                    "setting": label,
+                    "devices": n,
+                    **split,
+                    **measure(model, prompt, base, args.repeats),
+                }
+                print(row)
+                rows.append(row)
+            del model, params
+    for row in rows:
+        one = next(
+            r
+            for r in rows
+            if r["model"] == row["model"] and r["setting"] == row["setting"] and r["devices"] == 1
+        )
+        row["speedup_vs_1"] = row["tokens_per_s"] / one["tokens_per_s"]
+    save(
+        "parallel",
+        {
+            "devices_used": max(args.sizes),
+            "setting": dataclasses.asdict(SETTING),
+            "dinfer_setting": dataclasses.asdict(DINFER),
+            "results": rows,
+            "visible_devices": len(jax.devices()),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
