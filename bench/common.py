@@ -172,7 +172,7 @@ def save(name: str, payload: dict[str, Any]) -> Path:
     folder = Path(os.environ.get("OUT") or RESULTS)
     folder.mkdir(parents=True, exist_ok=True)
     kind = info["device"].replace(" ", "_")
-    path = folder / f"{name}_{kind}_{now:%Y%m%d}.json"
+    path = folder / f"{name}_{kind}_{now:%Y%m%d_%H%M%S}.json"
     path.write_text(json.dumps(record, indent=2))
     print(f"wrote {path}")
     return path

@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--prompts", nargs="+", type=int, default=[128, 512])
     parser.add_argument("--caches", nargs="+", default=["none", "prefix", "dual"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--attention-impl", default="xla")
+    parser.add_argument("--attention-impl", default="auto")
     parser.add_argument("--moe-impl", default="auto")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = parser.parse_args()

@@ -96,23 +96,19 @@ def main() -> None:
             params = init_params(config, jnp.bfloat16, seed=0, shardings=shardings)
             model = Model(config, params, None, jnp.bfloat16, mesh=mesh)
             for label, base in settings:
-                row = {
-                    "model": name,
-                    "setting": label,
-                    "devices": n,
-                    **split,
-                    **measure(model, prompt, base, args.repeats),
-                }
+                row = {"model": name, "setting": label, "devices": n, **split}
+                try:
+                    row.update(measure(model, prompt, base, args.repeats))
+                except Exception as err:  # keep the other cases of a costly run
+                    row["error"] = f"{type(err).__name__}: {err}"[:2000]
                 print(row)
                 rows.append(row)
             del model, params
     for row in rows:
-        one = next(
-            r
-            for r in rows
-            if r["model"] == row["model"] and r["setting"] == row["setting"] and r["devices"] == 1
-        )
-        row["speedup_vs_1"] = row["tokens_per_s"] / one["tokens_per_s"]
+        key = (row["model"], row["setting"])
+        one = [r for r in rows if (r["model"], r["setting"]) == key and r["devices"] == 1]
+        if one and "tokens_per_s" in one[0] and "tokens_per_s" in row:
+            row["speedup_vs_1"] = row["tokens_per_s"] / one[0]["tokens_per_s"]
     save(
         "parallel",
         {

@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--model", default="dense")
     parser.add_argument("--cache", default="dual")
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--attention-impl", default="xla")
+    parser.add_argument("--attention-impl", default="auto")
     parser.add_argument("--moe-impl", default="auto")
     parser.add_argument("--out", default="/tmp/djax_profile")
     parser.add_argument("--tiny", action="store_true")

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--expert-parallel", type=int, default=1, help="split MoE experts over M devices"
     )
-    gen.add_argument("--attention-impl", default="xla", help="xla | cudnn")
+    gen.add_argument("--attention-impl", default="auto", help="auto (cudnn on GPU) | xla | cudnn")
     gen.add_argument("--moe-impl", default="auto", help="auto | grouped | dense")
     gen.add_argument("--json", action="store_true", help="print the output as JSON")
     _add_generation_options(gen)

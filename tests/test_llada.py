@@ -90,3 +90,13 @@ def test_forward_logits_input_errors(dense_model):
         djax.forward_logits(dense_model, [[4, 5]], [[1, 1, 1]])
     with pytest.raises(ValueError, match="expected \\[batch, seq\\] integers"):
         djax.forward_logits(dense_model, [[0.5, 1.5]])
+
+
+def test_attention_impl_names(dense_model):
+    ids = np.arange(4, 12)[None]
+    auto = djax.forward_logits(dense_model.with_options(attention_impl="auto"), ids)
+    np.testing.assert_array_equal(
+        auto, djax.forward_logits(dense_model.with_options(attention_impl="xla"), ids)
+    )  # auto is XLA on the CPU
+    with pytest.raises(ValueError, match="attention_impl='flash'; expected one of"):
+        djax.forward_logits(dense_model.with_options(attention_impl="flash"), ids)

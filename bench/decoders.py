@@ -1,0 +1,149 @@
+"""Decoders × cache policies on the demo task: exact match, tokens per forward, forwards per
+answer.
+
+    python bench/decoders.py [--model FOLDER] [--problems 256] [--batch 64] [--out FILE]
+
+Every decoder (low_confidence at 1 token per step, threshold 0.9, factor 1.0, credit,
+hierarchy 0.9/0.4) runs under every cache policy (none, prefix, dual, vicinity), plus
+threshold + dual with iteration smoothing, on the same held-out problems of
+`djax.demo.task` (test split), in batches through `djax.generate` with the chat template.
+
+How forwards are counted (see `djax.demo.evaluate`): a batch decodes in lockstep until its
+slowest row is done, so each answer is charged every forward of its batch.
+`forwards/answer` is the mean of that charge and `tokens/forward` the answer tokens (up to
+the first stop token) per charged forward. At `--batch 1` both are exact per-answer
+figures; at larger batches they are what an answer costs when served in such a batch.
+Refreshes (whole-sequence forwards) count as forwards like any other.
+
+Writes JSON (device, git commit, command line, date, every config and its totals) under
+bench/results/ and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+
+import djax
+from djax.demo import default_model_path, describe, task
+from djax.demo.evaluate import accuracy_by_task, demo_config, score
+
+DECODERS = {
+    "low_confidence": {"decoder": "low_confidence", "steps": task.GEN_LENGTH},
+    "threshold": {"decoder": "threshold", "threshold": 0.9},
+    "factor": {"decoder": "factor", "factor": 1.0},
+    "credit": {"decoder": "credit", "threshold": 0.9},
+    "hierarchy": {"decoder": "hierarchy", "threshold": 0.9, "low_threshold": 0.4},
+}
+CACHES = ("none", "prefix", "dual", "vicinity")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def runs() -> list[tuple[str, dict]]:
+    """(label, GenerationConfig fields) of every benchmarked configuration."""
+    grid = [
+        (f"{name} / {cache}", fields | {"cache": cache})
+        for name, fields in DECODERS.items()
+        for cache in CACHES
+    ]
+    smoothed = DECODERS["threshold"] | {"cache": "dual", "smoothing": True}
+    return [*grid, ("threshold / dual / smoothing", smoothed)]
+
+
+def git_commit() -> dict:
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+        except OSError:
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    status = git("status", "--porcelain")
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dirty": bool(status) if status is not None else None,
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "| decoder / cache | exact match | tokens/forward | forwards/answer | refreshes/batch"
+        " | seconds |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['label']} | {r['accuracy']:.4f} | {r['tokens_per_forward']:.2f} | "
+            f"{r['forwards_per_answer']:.2f} | {r['refreshes'] / r['batches']:.2f} | "
+            f"{r['seconds']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="model folder (default: the demo)")
+    p.add_argument("--problems", type=int, default=256, help="held-out problems")
+    p.add_argument("--seed", type=int, default=7, help="which held-out problems")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--dtype", default=None, help="compute dtype (default: djax.load's)")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/)")
+    args = p.parse_args(argv)
+
+    folder = args.model or default_model_path()
+    model = djax.load(folder, args.dtype)
+    problems = task.make_problems(args.problems, "test", args.seed)
+    device = jax.devices()[0].device_kind
+    print(f"{describe(folder) or folder}\n{args.problems} problems, batch {args.batch}, {device}")
+    rows = []
+    for label, fields in runs():
+        config = demo_config(**fields)
+        result, texts = score(model, problems, config, args.batch)
+        rows.append(
+            {
+                "label": label,
+                "config": dataclasses.asdict(config),
+                **result.summary(),
+                "by_task": accuracy_by_task(problems, texts),
+            }
+        )
+        print(
+            f"  {label}: {result.accuracy:.4f} exact, {result.tokens_per_forward:.2f} tok/fwd, "
+            f"{result.forwards_per_answer:.2f} fwd/answer",
+            flush=True,
+        )
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record = {
+        "benchmark": "decoders",
+        "device": device,
+        "platform": jax.default_backend(),
+        **git_commit(),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "date": now.isoformat(timespec="seconds"),
+        "model": str(folder),
+        "model_info": describe(folder),
+        "dtype": str(model.dtype),
+        "problems": args.problems,
+        "seed": args.seed,
+        "batch": args.batch,
+        "counting": "forwards/answer: forwards of the answer's batch (lockstep), averaged over "
+        "answers; tokens/forward: answer tokens before the first stop token per such forward",
+        "results": rows,
+    }
+    out = args.out or REPO / "bench" / "results" / (
+        f"decoders-{device.replace(' ', '_')}-{now:%Y%m%d-%H%M%S}.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2))
+    print(f"\n{markdown(rows)}\n\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
