@@ -1,7 +1,7 @@
 """Decoders × cache policies on the demo task: exact match, tokens per forward, forwards per
 answer.
 
-    python bench/decoders.py [--model FOLDER] [--problems 256] [--batch 64] [--out FILE]
+    python -m bench.decoders [--model FOLDER] [--problems 256] [--batch 64]
 
 Every decoder (low_confidence at 1 token per step, threshold 0.9, factor 1.0, credit,
 hierarchy 0.9/0.4) runs under every cache policy (none, prefix, dual, vicinity), plus
@@ -15,23 +15,20 @@ the first stop token) per charged forward. At `--batch 1` both are exact per-ans
 figures; at larger batches they are what an answer costs when served in such a batch.
 Refreshes (whole-sequence forwards) count as forwards like any other.
 
-Writes JSON (device, git commit, command line, date, every config and its totals) under
-bench/results/ and prints a markdown table.
+Writes JSON through `bench.common.save` (device, commit, command line, date, every config
+with its totals and per-task exact match) and prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 
 import djax
+from bench.common import save
 from djax.demo import default_model_path, describe, task
 from djax.demo.evaluate import accuracy_by_task, demo_config, score
 
@@ -43,7 +40,6 @@ DECODERS = {
     "hierarchy": {"decoder": "hierarchy", "threshold": 0.9, "low_threshold": 0.4},
 }
 CACHES = ("none", "prefix", "dual", "vicinity")
-REPO = Path(__file__).resolve().parent.parent
 
 
 def runs() -> list[tuple[str, dict]]:
@@ -55,21 +51,6 @@ def runs() -> list[tuple[str, dict]]:
     ]
     smoothed = DECODERS["threshold"] | {"cache": "dual", "smoothing": True}
     return [*grid, ("threshold / dual / smoothing", smoothed)]
-
-
-def git_commit() -> dict:
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
-        except OSError:
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    status = git("status", "--porcelain")
-    return {
-        "commit": git("rev-parse", "HEAD"),
-        "dirty": bool(status) if status is not None else None,
-    }
 
 
 def markdown(rows: list[dict]) -> str:
@@ -94,7 +75,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=7, help="which held-out problems")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--dtype", default=None, help="compute dtype (default: djax.load's)")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default: bench/results/)")
     args = p.parse_args(argv)
 
     folder = args.model or default_model_path()
@@ -119,30 +99,22 @@ def main(argv: list[str] | None = None) -> None:
             f"{result.forwards_per_answer:.2f} fwd/answer",
             flush=True,
         )
-    now = datetime.datetime.now(datetime.timezone.utc)
-    record = {
-        "benchmark": "decoders",
-        "device": device,
-        "platform": jax.default_backend(),
-        **git_commit(),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "date": now.isoformat(timespec="seconds"),
-        "model": str(folder),
-        "model_info": describe(folder),
-        "dtype": str(model.dtype),
-        "problems": args.problems,
-        "seed": args.seed,
-        "batch": args.batch,
-        "counting": "forwards/answer: forwards of the answer's batch (lockstep), averaged over "
-        "answers; tokens/forward: answer tokens before the first stop token per such forward",
-        "results": rows,
-    }
-    out = args.out or REPO / "bench" / "results" / (
-        f"decoders-{device.replace(' ', '_')}-{now:%Y%m%d-%H%M%S}.json"
+    print(f"\n{markdown(rows)}\n")
+    save(
+        "decoders",
+        {
+            "model": str(folder),
+            "model_info": describe(folder),
+            "dtype": str(model.dtype),
+            "problems": args.problems,
+            "seed": args.seed,
+            "batch": args.batch,
+            "counting": "forwards/answer: forwards of the answer's batch (lockstep), averaged "
+            "over answers; tokens/forward: answer tokens before the first stop token per such "
+            "forward",
+            "results": rows,
+        },
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2))
-    print(f"\n{markdown(rows)}\n\nwrote {out}")
 
 
 if __name__ == "__main__":

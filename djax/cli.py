@@ -40,33 +40,30 @@ def _field_type(field: dataclasses.Field) -> Any:
 
 
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
+    """One option per `GenerationConfig` field; unset options stay None so the model's own
+    defaults (the demo model's answer layout) can fill them."""
     for field in dataclasses.fields(GenerationConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = _field_type(field)
-        help_text = _HELP.get(field.name, "")
+        help_text = f"{_HELP.get(field.name, '')} (default: {field.default})".strip()
         if kind is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text
-            )
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         elif getattr(kind, "__origin__", None) is tuple:
-            parser.add_argument(
-                flag,
-                type=lambda s: tuple(int(x) for x in s.split(",")),
-                default=field.default,
-                help=help_text,
-            )
+            parser.add_argument(flag, type=_int_list, help=help_text)
         else:
-            parser.add_argument(
-                flag,
-                type=kind,
-                default=field.default,
-                help=f"{help_text} (default: {field.default})".strip(),
-            )
+            parser.add_argument(flag, type=kind, help=help_text)
 
 
-def _generation_config(args: argparse.Namespace) -> GenerationConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig)}
-    return GenerationConfig(**values)
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ids") from None
+
+
+def _generation_config(args: argparse.Namespace, defaults: dict[str, Any]) -> GenerationConfig:
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig)}
+    return GenerationConfig(**(defaults | {k: v for k, v in given.items() if v is not None}))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,9 +124,9 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
     import djax
     from djax import demo
 
-    config = _generation_config(args)
     path = args.model or str(demo.default_model_path())
-    is_demo = args.model is None
+    label = demo.describe(path)  # None unless the folder holds a demo model
+    config = _generation_config(args, demo.generation_defaults(path) if label else {})
     mesh = None
     if args.tensor_parallel > 1 or args.expert_parallel > 1:
         from djax.sharding import make_mesh
@@ -138,13 +135,13 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
     model = djax.load(
         path, args.dtype, mesh=mesh, attention_impl=args.attention_impl, moe_impl=args.moe_impl
     )
-    prompts = _prompts(args, demo.EXAMPLE_PROMPTS if is_demo else [])
+    prompts = _prompts(args, list(demo.EXAMPLE_PROMPTS) if label else [])
     if not prompts:
         raise SystemExit("djax: give --prompt TEXT or --prompts-file FILE")
-    chat = is_demo if args.chat is None else args.chat
+    chat = bool(label) if args.chat is None else args.chat
     out = djax.generate(model, prompts, config, chat=chat)
     return {
-        "model": path if not is_demo else f"{path} (djax demo model)",
+        "model": f"{path} ({label})" if label else path,
         "prompts": prompts,
         "texts": out.texts,
         "token_ids": out.token_ids,

@@ -10,6 +10,7 @@ import pytest
 
 import djax
 from djax.sharding import make_mesh, param_specs
+
 from torch_reference import make_llada_dense, rel_error
 
 PROMPTS = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
