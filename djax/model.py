@@ -46,9 +46,6 @@ class Model:
     mesh: Any | None = None
     options: tuple[tuple[str, Any], ...] = ()
 
-    def module(self, axis_name: str | None = None) -> TransformerLM:
-        return build_module(self.config, self.dtype, axis_name, **dict(self.options))
-
     def with_options(self, **options: Any) -> Model:
         merged = dict(self.options) | options
         return dataclasses.replace(self, options=tuple(sorted(merged.items())))

@@ -154,12 +154,6 @@ def param_shardings(config: ModelConfig, dtype: Any, mesh: Mesh) -> dict:
     )
 
 
-def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
-    """Place already-loaded params onto the mesh (tests and benchmarks)."""
-    dtype = jax.tree.leaves(params)[0].dtype
-    return jax.device_put(params, param_shardings(config, dtype, mesh))
-
-
 def _local_module(config: ModelConfig, dtype: Any, options: tuple, mesh: Mesh) -> Any:
     """The module as one device sees it: its weight shards, `psum` over the model axis."""
     axis = model_axis(mesh)

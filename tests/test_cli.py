@@ -55,3 +55,24 @@ def test_convert(capsys, dense_folder, tmp_path):
     assert djax.load(out).config == djax.load(dense_folder[0]).config
     assert main(["convert", str(dense_folder[0]), str(out)]) == 2
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_generate_on_a_moe_folder(capsys, moe_folder):
+    args = [
+        "generate",
+        "--model",
+        str(moe_folder[0]),
+        "--prompt",
+        "sort 3,1",
+        "--chat",
+        "--gen-length",
+        "16",
+        "--block-length",
+        "8",
+        "--threshold",
+        "0.5",
+        "--json",
+    ]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["stats"]["blocks"] >= 1 and len(result["texts"]) == 1
