@@ -76,3 +76,27 @@ def test_generate_on_a_moe_folder(capsys, moe_folder):
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["stats"]["blocks"] >= 1 and len(result["texts"]) == 1
+
+
+def test_converter_script(dense_folder, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "converters" / "hf_to_djax.py"
+    out = tmp_path / "converted"
+    run = subprocess.run(
+        [sys.executable, str(script), str(dense_folder[0]), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert (out / "djax.json").is_file() and (out / "config.json").is_file()
+    again = subprocess.run(
+        [sys.executable, str(script), str(dense_folder[0]), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 2 and "is not empty" in again.stderr
