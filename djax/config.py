@@ -79,15 +79,6 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        values = dict(values)
-        values["moe_layers"] = tuple(values.get("moe_layers", ()))
-        return cls(**values)
-
 
 def load_hf_config(folder: str | Path) -> dict[str, Any]:
     """Read `folder/config.json` as a dict, with a clear error if it is absent or broken."""

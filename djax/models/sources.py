@@ -118,15 +118,6 @@ class ParamSource:
         raw = value if self.perm is None else np.transpose(value, np.argsort(self.perm))
         return self.raw.split(raw)
 
-    def raw_index(self, target_index: Index) -> Index:
-        """The raw slice that holds a given slice of the target."""
-        if self.perm is None:
-            return target_index
-        raw = [slice(None)] * len(self.perm)
-        for target_axis, raw_axis in enumerate(self.perm):
-            raw[raw_axis] = target_index[target_axis]
-        return tuple(raw)
-
 
 def copy(path: Sequence[str], name: str) -> ParamSource:
     return ParamSource(tuple(path), Tensor(name))
