@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from djax.config import ModelConfig, from_hf_dict
+from djax.xla_options import compiler_options
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -123,15 +124,20 @@ def commit() -> str:
         return "unknown"
 
 
-def time_in_program(step, state, iters: int, *operands, repeats: int = 5) -> float:
+def time_in_program(
+    step, state, iters: int, *operands, repeats: int = 5, options: dict | None = None
+) -> float:
     """Median seconds per call of `step(state, *operands) -> state`, run `iters` times inside
     one compiled `fori_loop` (as the engine runs forwards: no host round trip in between).
-    Weights go in `operands`, never in a closure (they would be baked into the program)."""
+    Weights go in `operands`, never in a closure (they would be baked into the program).
+    `options`: XLA compiler options (default: the engine's, `djax.xla_options`)."""
 
     def loop(state, *operands):
         return jax.lax.fori_loop(0, iters, lambda _, c: step(c, *operands), state)
 
-    compiled = jax.jit(loop)
+    if options is None:
+        options = compiler_options(jax.default_backend())
+    compiled = jax.jit(loop).lower(state, *operands).compile(options)
     jax.block_until_ready(compiled(state, *operands))
     times = []
     for _ in range(repeats):
@@ -148,12 +154,24 @@ def measure_ceilings(tiny: bool = False) -> dict[str, float]:
     # x * 0.5 + 0.75 keeps x at 1.5: one read and one write per element, nothing to fold.
     seconds = time_in_program(lambda a: a * 0.5 + 0.75, x, 4 if tiny else 20)
     bandwidth = 2 * x.nbytes / seconds
+    # Read-only, as weights are read by a forward: a sum whose result feeds the next pass.
+    seconds = time_in_program(
+        lambda c, x: c + jnp.sum(x * c, dtype=jnp.float32) * 1e-9,
+        jnp.float32(1),
+        4 if tiny else 20,
+        x,
+    )
+    read_bandwidth = x.nbytes / seconds
     size = 256 if tiny else 8192
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
     # Scaled so repeated products keep unit variance (random data, never zeros or inf).
     b = (jax.random.normal(jax.random.key(1), (size, size)) / np.sqrt(size)).astype(jnp.bfloat16)
     seconds = time_in_program(lambda c, b: c @ b, a, 2 if tiny else 20, b)
-    return {"hbm_bytes_per_s": bandwidth, "matmul_flops_per_s": 2 * size**3 / seconds}
+    return {
+        "hbm_bytes_per_s": bandwidth,
+        "hbm_read_bytes_per_s": read_bandwidth,
+        "matmul_flops_per_s": 2 * size**3 / seconds,
+    }
 
 
 def save(name: str, payload: dict[str, Any]) -> Path:

@@ -154,6 +154,8 @@ def main() -> None:
     parser.add_argument("--seqs", nargs="+", type=int, default=[384, 1280])
     parser.add_argument("--kv-len", type=int, default=1280)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--attention-impls", nargs="+", default=["xla", "cudnn"])
+    parser.add_argument("--moe-impls", nargs="+", default=["dense", "grouped", "hopper"])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = parser.parse_args()
     dtype = jnp.bfloat16
@@ -165,12 +167,15 @@ def main() -> None:
         params = init_params(config, dtype, seed=0)
         w_bytes = weight_bytes(params)
         variants = (
-            [{"moe_impl": "dense"}, {"moe_impl": "grouped"}]
+            [{"moe_impl": i} for i in args.moe_impls]
             if config.is_moe
-            else [{"attention_impl": "xla"}, {"attention_impl": "cudnn"}]
+            else [{"attention_impl": i} for i in args.attention_impls]
         )
         for options in variants:
-            if options.get("attention_impl") == "cudnn" and jax.default_backend() != "gpu":
+            gpu_only = (
+                options.get("attention_impl") == "cudnn" or options.get("moe_impl") == "hopper"
+            )
+            if gpu_only and jax.default_backend() != "gpu":
                 continue
             module = build_module(config, dtype, None, **options)
             for seq in args.seqs:
@@ -189,6 +194,7 @@ def main() -> None:
                 )
             ms = 1e3 * time_block(module, params, config, args.kv_len, args.iters)
             floor = 1e3 * w_bytes / ceilings["hbm_bytes_per_s"]
+            read_floor = 1e3 * w_bytes / ceilings["hbm_read_bytes_per_s"]
             kv_ms = 1e3 * kv_bytes(config, args.kv_len, dtype) / ceilings["hbm_bytes_per_s"]
             rows.append(
                 {
@@ -201,6 +207,8 @@ def main() -> None:
                     "kv_read_ms": kv_ms,
                     "roofline_pct": 100 * floor / ms,
                     "x_floor": ms / floor,
+                    "read_floor_ms": read_floor,
+                    "x_read_floor": ms / read_floor,
                 }
             )
         extra = {}

@@ -23,9 +23,11 @@ import numpy as np
 from bench.common import model_config, save
 from djax import GenerationConfig, Model, generate
 from djax.models import init_params
+from djax.sharding import make_mesh, param_shardings
 
 # First match wins; tested against the kernel name plus the op/scope names in its args.
 CATEGORIES = [
+    ("collectives", r"nccl|all-?reduce|all_reduce|allreduce|all-?gather|collective"),
     ("copies", r"memcpy|memset|\bcopy|dynamic[-_]update[-_]slice|transpose"),
     ("decoder", r"decoder"),
     ("moe", r"ragged|grouped|experts|router|\bsort|top_?k|scatter|argsort"),
@@ -41,8 +43,9 @@ def categorize(text: str) -> str:
     return "norms/elementwise"
 
 
-def device_events(trace: dict) -> list[dict]:
-    """Complete events ('X') of the device processes (pid named like /device:GPU:0)."""
+def device_events(trace: dict) -> dict[str, list[dict]]:
+    """Complete events ('X') of each device process (pid named like /device:GPU:0), by
+    device name."""
     names = {
         e["pid"]: e.get("args", {}).get("name", "")
         for e in trace["traceEvents"]
@@ -51,11 +54,11 @@ def device_events(trace: dict) -> list[dict]:
     device_pids = {
         pid for pid, name in names.items() if re.search(r"/device:(GPU|TPU)|GPU:\d", name)
     }
-    return [
-        e
-        for e in trace["traceEvents"]
-        if e.get("ph") == "X" and e.get("pid") in device_pids and e.get("dur", 0) > 0
-    ]
+    events: dict[str, list[dict]] = defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("pid") in device_pids and e.get("dur", 0) > 0:
+            events[names[e["pid"]]].append(e)
+    return dict(sorted(events.items()))
 
 
 def summarize(events: list[dict]) -> dict:
@@ -106,12 +109,18 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--attention-impl", default="auto")
     parser.add_argument("--moe-impl", default="auto")
+    parser.add_argument("--devices", type=int, default=1, help="TP (dense) / EP (MoE) size")
     parser.add_argument("--out", default="/tmp/djax_profile")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     config = model_config(args.model, args.tiny)
     options = (("attention_impl", args.attention_impl), ("moe_impl", args.moe_impl))
-    model = Model(config, init_params(config, jnp.bfloat16), None, jnp.bfloat16, options=options)
+    split = {"expert_parallel": args.devices} if config.is_moe else {}
+    split = split or {"tensor_parallel": args.devices}
+    mesh = make_mesh(**split) if args.devices > 1 else None
+    shardings = param_shardings(config, jnp.bfloat16, mesh) if mesh else None
+    params = init_params(config, jnp.bfloat16, shardings=shardings)
+    model = Model(config, params, None, jnp.bfloat16, mesh=mesh, options=options)
     gen = GenerationConfig(
         gen_length=256,
         block_length=32,
@@ -126,11 +135,16 @@ def main() -> None:
     with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
         result = generate(model, [prompt], gen)
     perfetto = sorted(out_dir.rglob("*.trace.json.gz"))
-    summary = {"error": "no perfetto trace written"}
+    summaries = {"all": {"error": "no perfetto trace written"}}
     if perfetto:
         with gzip.open(perfetto[-1]) as fh:
-            summary = summarize(device_events(json.load(fh)))
-    print_table(summary)
+            per_device = device_events(json.load(fh))
+        summaries = {name: summarize(events) for name, events in per_device.items()} or {
+            "all": {"error": "no device events found in the trace"}
+        }
+    for name, summary in summaries.items():
+        print(name)
+        print_table(summary)
     save(
         "profile",
         {
@@ -142,7 +156,9 @@ def main() -> None:
             "forwards": result.stats.forwards,
             "refreshes": result.stats.refreshes,
             "trace_dir": str(out_dir),
-            "summary": summary,
+            "devices": args.devices,
+            "summary": next(iter(summaries.values())),
+            "summary_per_device": summaries,
         },
     )
 

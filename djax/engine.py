@@ -24,6 +24,7 @@ from djax.decoders import DECODERS, FIXED_DECODERS, DecoderSpec
 from djax.diffusion import Plan, run_generation
 from djax.kv_cache import POLICIES, CachePolicy
 from djax.model import Model
+from djax.xla_options import compiler_options
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
 
@@ -306,11 +307,13 @@ def executable(model: Model, plan: Plan, args: tuple) -> tuple[Any, float]:
     """The compiled program for these arguments' shapes, and the seconds spent compiling it
     now (0 when this process compiled it before; from the persistent cache it is small)."""
     shapes = tuple((a.shape, str(a.dtype)) for a in args[1:4])
+    options = compiler_options(jax.default_backend())
     key = (model.config, str(model.dtype), model.options, id(model.mesh), plan, shapes)
+    key += tuple(sorted(options.items()))
     if key in _EXECUTABLES:
         return _EXECUTABLES[key], 0.0
     start = time.perf_counter()
-    compiled = _program(model, plan).lower(*args).compile()
+    compiled = _program(model, plan).lower(*args).compile(options)
     _EXECUTABLES[key] = compiled
     return compiled, time.perf_counter() - start
 

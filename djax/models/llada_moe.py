@@ -18,6 +18,8 @@ HF layout: `model.embed_tokens`, `model.layers.{i}.self_attn.{q,k,v,o}_proj`,
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -37,12 +39,14 @@ from djax.models.sources import (
 )
 
 Array = jax.Array
-MOE_IMPLS = ("auto", "grouped", "dense")
+MOE_IMPLS = ("auto", "grouped", "dense", "hopper")
 # `auto` runs the grouped expert path up to this many tokens per forward and the dense one
 # above it: on an H200 (bench/results/forward_NVIDIA_H200_*.json) a 32-token block took
 # 6.9 ms grouped vs 9.8 ms dense, a 384-token refresh 57 ms grouped vs 15 ms dense, because
 # XLA lowers `ragged_dot` there to a dense cuBLAS matmul over every group.
 GROUPED_EXPERTS_MAX_TOKENS = 64
+# `ragged_dot_hopper` uses 64-row tiles up to this many token-expert pairs, 128 above.
+HOPPER_SMALL_ROWS = 1024
 
 
 def route(
@@ -80,10 +84,36 @@ def experts_dense(
     return jnp.einsum("nem,ne->nm", y, combine)
 
 
+def ragged_dot_hopper(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
+    """`jax.lax.ragged_dot` through JAX's Mosaic GPU grouped-matmul kernel for Hopper
+    (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`): each tile of rows reads only its
+    own group's weights. lhs: [rows, k]; rhs: [groups, k, n]; group_sizes: [groups].
+    Rows past sum(group_sizes) are left unwritten (the caller masks them)."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    block_m = 64 if lhs.shape[0] <= HOPPER_SMALL_ROWS else 128
+    return ragged_dot_mgpu.ragged_dot(
+        lhs,
+        rhs,
+        group_sizes=group_sizes,
+        block_m=block_m,
+        block_n=128,
+        block_k=64,
+        max_concurrent_steps=4,
+        grid_block_n=1,
+    )
+
+
 def experts_grouped(
-    x: Array, weights: Array, experts: Array, gate_up: Array, down: Array, first_expert: Any
+    x: Array,
+    weights: Array,
+    experts: Array,
+    gate_up: Array,
+    down: Array,
+    first_expert: Any,
+    ragged_dot: Callable[[Array, Array, Array], Array] = jax.lax.ragged_dot,
 ) -> Array:
-    """Token-expert pairs sorted by local expert and run as grouped matmuls (ragged_dot).
+    """Token-expert pairs sorted by local expert and run as grouped matmuls (`ragged_dot`).
 
     Same arguments and result as `experts_dense`; pairs routed to experts on other devices
     sort last, outside every group, and get zero weight.
@@ -96,9 +126,9 @@ def experts_grouped(
     order = jnp.argsort(sort_key, stable=True)
     token = order // top_k
     group_sizes = jnp.bincount(sort_key, length=n_local + 1)[:n_local].astype(jnp.int32)
-    h = jax.lax.ragged_dot(x[token], gate_up.reshape(n_local, d_model, 2 * ffn), group_sizes)
+    h = ragged_dot(x[token], gate_up.reshape(n_local, d_model, 2 * ffn), group_sizes)
     act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]
-    y = jax.lax.ragged_dot(act, down, group_sizes)
+    y = ragged_dot(act, down, group_sizes)
     pair_weight = jnp.where(is_local, weights.reshape(-1), 0.0)[order].astype(x.dtype)
     y = jnp.where(is_local[order][:, None], y * pair_weight[:, None], 0)
     return jnp.zeros((n, d_model), x.dtype).at[token].add(y)
@@ -147,7 +177,11 @@ class MoEBlock(nn.Module):
             weights, experts = route(flat, router, bias, cfg.experts_per_token, cfg.norm_topk_prob)
         first = 0 if local_e == e else jax.lax.axis_index(self.axis_name) * local_e
         impl = choose_moe_impl(self.moe_impl, b * t)
-        run = experts_dense if impl == "dense" else experts_grouped
+        run = {
+            "dense": experts_dense,
+            "grouped": experts_grouped,
+            "hopper": functools.partial(experts_grouped, ragged_dot=ragged_dot_hopper),
+        }[impl]
         with jax.named_scope(f"experts_{impl}"):
             y = run(flat, weights, experts, gate_up, down, first).reshape(b, t, m)
         y = _sum_over(y, self.axis_name)

@@ -1,0 +1,112 @@
+"""The routed-expert computation of one LLaDA-MoE layer (64 experts, top-8, model 2048,
+expert ffn 1024) per expert path, at block (32 tokens) and refresh (384, 1280) sizes.
+
+Paths: `dense` (every expert on every token), `grouped` (`jax.lax.ragged_dot`, also under
+XLA's experimental ragged-dot options), and `hopper` (JAX's Mosaic GPU ragged-dot kernel,
+at a few tile shapes; GPU only). Each is checked against `dense` in fp32 (relative L2
+error) and timed in-program; the floor is the bytes of the experts the tokens hit, read
+once, at the measured read bandwidth, or the routed FLOPs at the matmul rate.
+
+    python -m bench.experts [--tokens 32 384 1280] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import measure_ceilings, model_config, save, time_in_program
+from djax.models.llada_moe import experts_dense, experts_grouped, route
+
+HOPPER_TILES = (
+    {"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
+    {"block_m": 64, "block_n": 256, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
+    {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
+    {"block_m": 128, "block_n": 256, "block_k": 64, "max_concurrent_steps": 3, "grid_block_n": 2},
+)
+XLA_RAGGED_OPTIONS = {
+    "default": {},
+    "ragged_dot_fusion": {"xla_gpu_experimental_use_ragged_dot_fusion": True},
+    "ragged_dot_grouped_gemm": {"xla_gpu_experimental_use_ragged_dot_grouped_gemm": True},
+}
+
+
+def hopper_ragged_dot(tiles: dict):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    return lambda lhs, rhs, sizes: ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, **tiles)
+
+
+def paths() -> list[tuple[str, object, dict]]:
+    out = [("dense", experts_dense, {})]
+    out += [(f"grouped {k}", experts_grouped, v) for k, v in XLA_RAGGED_OPTIONS.items()]
+    if jax.default_backend() == "gpu":
+        for tiles in HOPPER_TILES:
+            label = "hopper " + " ".join(f"{k}={v}" for k, v in tiles.items())
+            run = functools.partial(experts_grouped, ragged_dot=hopper_ragged_dot(tiles))
+            out.append((label, run, {}))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[32, 384, 1280])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    cfg = model_config("moe", args.tiny)
+    e, m, f, k = cfg.n_experts, cfg.d_model, cfg.expert_hidden, cfg.experts_per_token
+    ceilings = measure_ceilings(args.tiny)
+    keys = jax.random.split(jax.random.key(0), 4)
+    gate_up = (jax.random.normal(keys[0], (e, m, 2, f)) / np.sqrt(m)).astype(jnp.bfloat16)
+    down = (jax.random.normal(keys[1], (e, f, m)) / np.sqrt(f)).astype(jnp.bfloat16)
+    router = jax.random.normal(keys[2], (m, e), jnp.bfloat16)
+    rows = []
+    for n in args.tokens:
+        x = jax.random.normal(keys[3], (n, m), jnp.bfloat16)
+        weights, experts = jax.jit(route, static_argnums=(3, 4))(x, router, None, k, False)
+        hit = int(jnp.unique(experts).size)
+        floor_bytes = hit * (gate_up[0].nbytes + down[0].nbytes)
+        flops = 2 * n * k * 3 * m * f
+        floor_s = max(
+            floor_bytes / ceilings["hbm_read_bytes_per_s"],
+            flops / ceilings["matmul_flops_per_s"],
+        )
+        reference = experts_dense(
+            x.astype(jnp.float32),
+            weights,
+            experts,
+            gate_up.astype(jnp.float32),
+            down.astype(jnp.float32),
+            0,
+        )
+        for label, run, options in paths():
+            row = {"tokens": n, "path": label, "experts_hit": hit, "floor_ms": 1e3 * floor_s}
+            try:
+                compiled = jax.jit(run).lower(x, weights, experts, gate_up, down, 0)
+                y = compiled.compile(options)(x, weights, experts, gate_up, down, 0)
+                err = jnp.linalg.norm(y.astype(jnp.float32) - reference)
+                row["rel_error"] = float(err / jnp.linalg.norm(reference))
+
+                def step(x, weights, experts, gate_up, down, run=run):
+                    y = run(x, weights, experts, gate_up, down, 0)
+                    return x + (1e-3 * y).astype(x.dtype)
+
+                seconds = time_in_program(
+                    step, x, args.iters, weights, experts, gate_up, down, options=options
+                )
+                row["ms"] = 1e3 * seconds
+                row["x_floor"] = seconds / floor_s
+            except Exception as err:  # keep the other paths of a costly run
+                row["error"] = f"{type(err).__name__}: {err}"[:1500]
+            print(row, flush=True)
+            rows.append(row)
+    save("experts", {"ceilings": ceilings, "shape": [e, m, f, k], "results": rows})
+
+
+if __name__ == "__main__":
+    main()

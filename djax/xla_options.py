@@ -1,0 +1,50 @@
+"""XLA compiler options the engine compiles its programs with.
+
+`DEFAULTS` holds the options djax sets itself, per backend platform, each chosen from a
+measured sweep (`bench/flags.py`, results in `bench/results/flags_*`). A user can add or
+override options through the `DJAX_XLA_OPTIONS` environment variable, read at each new
+compile: `name=value` pairs separated by spaces (commas inside a value are kept), e.g.
+
+    DJAX_XLA_OPTIONS="xla_gpu_enable_latency_hiding_scheduler=true xla_gpu_autotune_level=4"
+
+These are per-program XLA debug options (the `--xla_*` flags without dashes); process-wide
+settings such as NCCL's environment variables are not covered here.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "DJAX_XLA_OPTIONS"
+
+Value = str | bool | int
+
+DEFAULTS: dict[str, dict[str, Value]] = {
+    "cpu": {},
+    "gpu": {},
+}
+
+
+def _value(text: str) -> Value:
+    """XLA wants bools and ints typed: "true" -> True, "4" -> 4, anything else a string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def parse(text: str) -> dict[str, Value]:
+    """`"a=4 b=true c=X,Y"` -> {"a": 4, "b": True, "c": "X,Y"}; raises ValueError naming a
+    malformed item. An unknown option name is XLA's error, at compile time."""
+    options = {}
+    for item in text.split():
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("xla_"):
+            raise ValueError(f"{ENV}: {item!r} is not name=value with an XLA option name (xla_...)")
+        options[name] = _value(value)
+    return options
+
+
+def compiler_options(platform: str) -> dict[str, Value]:
+    """The options for a new compile on `platform` ("cpu", "gpu", ...): djax's defaults,
+    then the user's `DJAX_XLA_OPTIONS` over them."""
+    return {**DEFAULTS.get(platform, {}), **parse(os.environ.get(ENV, ""))}
