@@ -45,8 +45,15 @@ MOE_IMPLS = ("auto", "grouped", "dense", "hopper")
 # 6.9 ms grouped vs 9.8 ms dense, a 384-token refresh 57 ms grouped vs 15 ms dense, because
 # XLA lowers `ragged_dot` there to a dense cuBLAS matmul over every group.
 GROUPED_EXPERTS_MAX_TOKENS = 64
-# `ragged_dot_hopper` uses 64-row tiles up to this many token-expert pairs, 128 above.
-HOPPER_SMALL_ROWS = 1024
+# Tiles of `ragged_dot_hopper`: the fastest of bench/experts.py's set at 32, 384 and 1,280
+# tokens on an H200 (bench/results/experts_NVIDIA_H200_20261122_015220.json).
+HOPPER_TILES = {
+    "block_m": 64,
+    "block_n": 256,
+    "block_k": 64,
+    "max_concurrent_steps": 4,
+    "grid_block_n": 1,
+}
 
 
 def route(
@@ -91,17 +98,7 @@ def ragged_dot_hopper(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
     Rows past sum(group_sizes) are left unwritten (the caller masks them)."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    block_m = 64 if lhs.shape[0] <= HOPPER_SMALL_ROWS else 128
-    return ragged_dot_mgpu.ragged_dot(
-        lhs,
-        rhs,
-        group_sizes=group_sizes,
-        block_m=block_m,
-        block_n=128,
-        block_k=64,
-        max_concurrent_steps=4,
-        grid_block_n=1,
-    )
+    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, **HOPPER_TILES)
 
 
 def experts_grouped(
