@@ -1,13 +1,14 @@
 """Sweep of XLA compiler options at the `bench/generate.py` setting (batch 1, prompt 128,
 gen 256, block 32, dual cache, 4 tokens per forward), on one device or a TP/EP mesh.
 
-Each variant is a set of options passed to the engine's compiles through
-`DJAX_XLA_OPTIONS` (`djax.xla_options`); every variant compiles its own programs. For each
+Each variant is the set of XLA options the engine compiles with (`djax.xla_options`), on
+top of XLA's own defaults; every variant compiles its own programs. For each
 one: tokens/s, ms per forward and the block-forward ms by difference (`bench.parallel`),
 and the tokens of the generation, which must equal the default variant's (an option that
 changes the answer is reported, not hidden).
 
-    python -m bench.flags [--models dense moe] [--variants default ...] [--devices N] [--tiny]
+    python -m bench.flags [--models dense moe] [--variants engine ...] [--devices N]
+        [--with "OPTION=VALUE ..."] [--extra "NAME=OPTION=VALUE ..."] [--tiny]
 """
 
 from __future__ import annotations
@@ -16,29 +17,27 @@ import argparse
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bench.common import model_config, save
 from bench.parallel import SETTING, measure
-from djax import Model, generate
+from djax import Model, generate, xla_options
 from djax.models import init_params
 from djax.sharding import make_mesh, param_shardings
-from djax.xla_options import ENV
 
-COMMAND_BUFFER_DEFAULT = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
-VARIANTS: dict[str, str] = {
-    "default": "",
-    "no_command_buffer": "xla_gpu_enable_command_buffer=",
-    "command_buffer_loops": (
-        f"xla_gpu_enable_command_buffer={COMMAND_BUFFER_DEFAULT},DYNAMIC_SLICE_FUSION,"
-        "WHILE,CONDITIONAL xla_gpu_graph_min_graph_size=1"
-    ),
-    "no_triton_gemm": "xla_gpu_enable_triton_gemm=false",
-    "latency_hiding": "xla_gpu_enable_latency_hiding_scheduler=true",
-    "one_shot_all_reduce": "xla_gpu_unsupported_use_all_reduce_one_shot_kernel=true",
-    "ragged_dot_fusion": "xla_gpu_experimental_use_ragged_dot_fusion=true",
-    "ragged_dot_grouped_gemm": "xla_gpu_experimental_use_ragged_dot_grouped_gemm=true",
+# Each variant is the whole option set on top of XLA's own defaults; `engine` is what djax
+# ships (`djax.xla_options.DEFAULTS`).
+VARIANTS: dict[str, dict] = {
+    "engine": dict(xla_options.DEFAULTS["gpu"]),
+    "xla_defaults": {},
+    "no_command_buffer": {"xla_gpu_enable_command_buffer": ""},
+    "command_buffer_loops": xla_options.COMMAND_BUFFER_LOOPS,
+    "no_triton_gemm": {"xla_gpu_enable_triton_gemm": False},
+    "latency_hiding": {"xla_gpu_enable_latency_hiding_scheduler": True},
+    "one_shot_all_reduce": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True},
+    "ragged_dot_fusion": {"xla_gpu_experimental_use_ragged_dot_fusion": True},
 }
 
 
@@ -49,15 +48,26 @@ def main() -> None:
     parser.add_argument(
         "--extra", action="append", default=[], help="NAME=OPTIONS: a variant of your own"
     )
+    parser.add_argument(
+        "--with", dest="common", default="", help="OPTIONS added to every variant but engine"
+    )
     parser.add_argument("--devices", type=int, default=1, help="TP (dense) / EP (MoE) size")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--moe-impl", default="auto")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
-    variants = {name: VARIANTS[name] for name in args.variants}
-    variants.update(dict(item.split("=", 1) for item in args.extra))
+    common = xla_options.parse(args.common)
+    variants = {
+        name: VARIANTS[name] if name == "engine" else {**common, **VARIANTS[name]}
+        for name in args.variants
+    }
+    for item in args.extra:
+        name, text = item.split("=", 1)
+        variants[name] = {**common, **xla_options.parse(text)}
     prompt = np.arange(10, 10 + args.prompt_len).tolist()
+    platform = jax.default_backend()
+    os.environ.pop(xla_options.ENV, None)
     rows = []
     for name in args.models:
         config = model_config(name, args.tiny)
@@ -69,9 +79,9 @@ def main() -> None:
         options = (("moe_impl", args.moe_impl),) if config.is_moe else ()
         model = Model(config, params, None, jnp.bfloat16, mesh=mesh, options=options)
         reference = None
-        for label, text in variants.items():
-            os.environ[ENV] = text
-            row = {"model": name, "variant": label, "options": text, "devices": n, **split}
+        for label, options in variants.items():
+            xla_options.DEFAULTS[platform] = options
+            row = {"model": name, "variant": label, "options": options, "devices": n, **split}
             try:
                 row.update(measure(model, prompt, SETTING, args.repeats))
                 tokens = generate(model, [prompt], SETTING).answer_ids
@@ -81,7 +91,6 @@ def main() -> None:
                 row["error"] = f"{type(err).__name__}: {err}"[:2000]
             print(row, flush=True)
             rows.append(row)
-        os.environ.pop(ENV, None)
         del model, params
     save("flags", {"setting": dataclasses.asdict(SETTING), "options": vars(args), "results": rows})
 

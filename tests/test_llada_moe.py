@@ -14,7 +14,14 @@ from safetensors.numpy import load_file, save_file
 import djax
 from djax.checkpoint import CheckpointError
 from djax.config import from_hf_dict
-from djax.models.llada_moe import MoEBlock, choose_moe_impl, experts_dense, experts_grouped, route
+from djax.models.llada_moe import (
+    MoEBlock,
+    choose_moe_impl,
+    experts_dense,
+    experts_grouped,
+    hopper_kernel_fits,
+    route,
+)
 
 from torch_reference import MASK_ID, rel_error, torch_logits
 
@@ -105,6 +112,37 @@ def test_expert_paths_split_over_devices_sum_to_whole():
         np.testing.assert_allclose(np.asarray(parts), np.asarray(whole), rtol=1e-5, atol=1e-5)
 
 
+def _ragged_dot_unwritten_tail(lhs, rhs, group_sizes):
+    """ragged_dot that leaves rows past the groups as NaN, as the Hopper kernel leaves them
+    unwritten."""
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    inside = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(inside[:, None], out, jnp.nan)
+
+
+def test_grouped_path_masks_rows_outside_the_groups():
+    """With half the experts on this device, the other half's pairs sort past every group;
+    whatever a kernel leaves there (NaN here) must not reach the output."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(10, 8)), jnp.float32)
+    gate_up = jnp.asarray(rng.normal(size=(6, 8, 2, 4)), jnp.float32)
+    down = jnp.asarray(rng.normal(size=(6, 4, 8)), jnp.float32)
+    weights, experts = route(x, jnp.asarray(rng.normal(size=(8, 6)), jnp.float32), None, 2, False)
+    local = (gate_up[3:], down[3:])
+    out = experts_grouped(x, weights, experts, *local, 3, ragged_dot=_ragged_dot_unwritten_tail)
+    assert np.isfinite(np.asarray(out)).all()
+    expected = experts_dense(x, weights, experts, *local, 3)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_hopper_path_refuses_a_cpu(moe_model):
+    module = MoEBlock(moe_model.config, jnp.bfloat16, moe_impl="hopper")
+    x = jnp.ones((1, 4, moe_model.config.d_model), jnp.bfloat16)
+    assert not hopper_kernel_fits(jnp.bfloat16, 2048, 1024)
+    with pytest.raises(ValueError, match="moe_impl='hopper' needs a Hopper GPU"):
+        module.init(jax.random.key(0), x)
+
+
 def test_shared_expert_and_clip(moe_model):
     cfg = moe_model.config.replace(shared_expert_hidden=16, clip_qkv=0.05)
     block = MoEBlock(cfg, jnp.float32)
@@ -132,6 +170,8 @@ def test_auto_picks_by_tokens():
     assert choose_moe_impl("auto", 32) == "grouped"
     assert choose_moe_impl("auto", 1024) == "dense"
     assert choose_moe_impl("grouped", 32) == "grouped"
+    assert choose_moe_impl("auto", 1024, hopper_fits=True) == "hopper"
+    assert choose_moe_impl("dense", 32, hopper_fits=True) == "dense"
     with pytest.raises(ValueError, match="moe_impl='fast'; expected one of"):
         choose_moe_impl("fast", 32)
 

@@ -91,14 +91,32 @@ def experts_dense(
     return jnp.einsum("nem,ne->nm", y, combine)
 
 
+@jax.jit
 def ragged_dot_hopper(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
     """`jax.lax.ragged_dot` through JAX's Mosaic GPU grouped-matmul kernel for Hopper
     (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`): each tile of rows reads only its
     own group's weights. lhs: [rows, k]; rhs: [groups, k, n]; group_sizes: [groups].
-    Rows past sum(group_sizes) are left unwritten (the caller masks them)."""
+    Rows past sum(group_sizes) are left unwritten (the caller masks them).
+
+    Jitted so that every layer calls one lowered kernel per shape: lowering the kernel at
+    each call site instead cost ~2 minutes of compile time for a LLaDA-MoE generation."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, **HOPPER_TILES)
+
+
+def hopper_kernel_fits(dtype: Any, d_model: int, ffn: int) -> bool:
+    """Whether `ragged_dot_hopper` can run these expert matmuls on this backend: a Hopper
+    GPU (compute capability 9.x), 16-bit weights, and every contracted and output width a
+    whole number of tiles."""
+    devices = jax.devices()
+    hopper = devices[0].platform == "gpu" and all(
+        str(getattr(d, "compute_capability", "")).startswith("9.") for d in devices
+    )
+    tile_k, tile_n = HOPPER_TILES["block_k"], HOPPER_TILES["block_n"]
+    widths_fit = d_model % tile_k == 0 and ffn % tile_k == 0
+    widths_fit = widths_fit and d_model % tile_n == 0 and (2 * ffn) % tile_n == 0
+    return hopper and jnp.dtype(dtype).itemsize == 2 and widths_fit
 
 
 def experts_grouped(
@@ -131,11 +149,16 @@ def experts_grouped(
     return jnp.zeros((n, d_model), x.dtype).at[token].add(y)
 
 
-def choose_moe_impl(impl: str, n_tokens: int) -> str:
+def choose_moe_impl(impl: str, n_tokens: int, hopper_fits: bool = False) -> str:
+    """The expert path for `n_tokens` tokens: `impl` itself unless it is `auto`, which takes
+    `hopper` where the kernel fits, else `grouped` up to GROUPED_EXPERTS_MAX_TOKENS tokens
+    and `dense` above."""
     if impl not in MOE_IMPLS:
         raise ValueError(f"moe_impl={impl!r}; expected one of {MOE_IMPLS}")
     if impl != "auto":
         return impl
+    if hopper_fits:
+        return "hopper"
     return "grouped" if n_tokens <= GROUPED_EXPERTS_MAX_TOKENS else "dense"
 
 
@@ -173,7 +196,15 @@ class MoEBlock(nn.Module):
         with jax.named_scope("router"):
             weights, experts = route(flat, router, bias, cfg.experts_per_token, cfg.norm_topk_prob)
         first = 0 if local_e == e else jax.lax.axis_index(self.axis_name) * local_e
-        impl = choose_moe_impl(self.moe_impl, b * t)
+        hopper_fits = hopper_kernel_fits(self.dtype, m, local_f)
+        impl = choose_moe_impl(self.moe_impl, b * t, hopper_fits)
+        if impl == "hopper" and not hopper_fits:
+            raise ValueError(
+                f"moe_impl='hopper' needs a Hopper GPU (compute capability 9.x), 16-bit "
+                f"weights and widths in whole tiles {HOPPER_TILES}; got devices "
+                f"{jax.devices()[0].device_kind!r}, dtype {jnp.dtype(self.dtype).name}, "
+                f"model {m}, local expert ffn {local_f}"
+            )
         run = {
             "dense": experts_dense,
             "grouped": experts_grouped,
