@@ -4,15 +4,18 @@ Writes the XProf/TensorBoard trace (and its Perfetto JSON) under `--out`, then a
 device time per op category — matmul, attention, MoE, norms/elementwise, decoder, copies,
 idle gaps — read from the trace's device events, readable without a viewer.
 
-    python bench/profile.py [--model dense] [--cache dual] [--out DIR] [--tiny]
+    python -m bench.profile [--model dense] [--devices N] [--cache dual] [--out DIR] [--tiny]
+    python -m bench.profile --resummarize TRACE_DIR RESULT_JSON
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gzip
 import json
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,14 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import model_config, save
+from bench.common import commit, model_config, save
 from djax import GenerationConfig, Model, generate
 from djax.models import init_params
 from djax.sharding import make_mesh, param_shardings
 
 # First match wins; tested against the kernel name plus the op/scope names in its args.
 CATEGORIES = [
-    ("collectives", r"nccl|all-?reduce|all_reduce|allreduce|all-?gather|collective"),
+    ("collectives", r"nccl|psum|all-?reduce|all_reduce|allreduce|all-?gather|collective"),
     ("copies", r"memcpy|memset|\bcopy|dynamic[-_]update[-_]slice|transpose"),
     ("decoder", r"decoder"),
     ("moe", r"ragged|grouped|experts|router|\bsort|top_?k|scatter|argsort"),
@@ -62,30 +65,39 @@ def device_events(trace: dict) -> dict[str, list[dict]]:
 
 
 def summarize(events: list[dict]) -> dict:
-    """Busy microseconds per category, and the idle gaps of the device between kernels."""
+    """Busy microseconds per category, the idle gaps of the device between kernels (no
+    kernel on any stream), and how much of that idle time borders a collective (the gap
+    before a collective starts or after one ends: time spent waiting on the other devices
+    and on the hand-offs between the compute and collective streams)."""
     busy: dict[str, float] = defaultdict(float)
     spans = []
     top: dict[str, float] = defaultdict(float)
     for e in events:
         text = " ".join([e.get("name", "")] + [str(v) for v in e.get("args", {}).values()])
-        busy[categorize(text)] += e["dur"]
+        category = categorize(text)
+        busy[category] += e["dur"]
         top[e.get("name", "")] += e["dur"]
-        spans.append((e["ts"], e["ts"] + e["dur"]))
+        spans.append((e["ts"], e["ts"] + e["dur"], category))
     if not spans:
         return {"error": "no device events found in the trace"}
     spans.sort()
-    covered, end = 0.0, spans[0][0]
-    for start, stop in spans:
+    idle = idle_by_collectives = 0.0
+    end, last = spans[0][0], spans[0][2]
+    for start, stop, category in spans:
+        if start > end:
+            idle += start - end
+            if "collectives" in (last, category):
+                idle_by_collectives += start - end
         if stop > end:
-            covered += stop - max(start, end)
-            end = stop
+            end, last = stop, category
     wall = spans[-1][1] - spans[0][0]
-    busy["idle gaps"] = wall - covered
+    busy["idle gaps"] = idle
     kernels = sorted(top.items(), key=lambda kv: -kv[1])[:15]
     return {
         "wall_us": wall,
         "busy_us": dict(busy),
         "pct": {k: 100 * v / wall for k, v in busy.items()},
+        "idle_next_to_collectives_us": idle_by_collectives,
         "top_kernels_us": dict(kernels),
         "events": len(events),
     }
@@ -98,8 +110,47 @@ def print_table(summary: dict) -> None:
     print(f"{'category':<20} {'ms':>9} {'% of wall':>10}")
     for name, us in sorted(summary["busy_us"].items(), key=lambda kv: -kv[1]):
         print(f"{name:<20} {us / 1e3:>9.2f} {summary['pct'][name]:>9.1f}%")
+    if summary["idle_next_to_collectives_us"]:
+        us = summary["idle_next_to_collectives_us"]
+        print(
+            f"{'  idle by collectives':<20} {us / 1e3:>9.2f} {100 * us / summary['wall_us']:>9.1f}%"
+        )
     print(f"{'wall':<20} {summary['wall_us'] / 1e3:>9.2f}")
     print("(device streams overlap, so categories may add up to more than the wall time)")
+
+
+def trace_summaries(trace_dir: Path) -> dict[str, dict]:
+    """`summarize` of each device in the newest Perfetto trace under `trace_dir`, printed."""
+    perfetto = sorted(trace_dir.rglob("*.trace.json.gz"))
+    summaries = {"all": {"error": "no perfetto trace written"}}
+    if perfetto:
+        with gzip.open(perfetto[-1]) as fh:
+            per_device = device_events(json.load(fh))
+        summaries = {name: summarize(events) for name, events in per_device.items()} or {
+            "all": {"error": "no device events found in the trace"}
+        }
+    for name, summary in summaries.items():
+        print(name)
+        print_table(summary)
+    return summaries
+
+
+def resummarize(trace_dir: Path, result: Path) -> None:
+    """Recompute a saved profile result's summaries from its trace (e.g. after the
+    categories changed), recording when and by which command."""
+    record = json.loads(result.read_text())
+    summaries = trace_summaries(trace_dir)
+    record["summary"] = next(iter(summaries.values()))
+    record["summary_per_device"] = summaries
+    record.setdefault("resummarized", []).append(
+        {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(["python", *sys.argv]),
+            "commit": commit(),
+        }
+    )
+    result.write_text(json.dumps(record, indent=2))
+    print(f"rewrote {result}")
 
 
 def main() -> None:
@@ -112,7 +163,16 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="TP (dense) / EP (MoE) size")
     parser.add_argument("--out", default="/tmp/djax_profile")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument(
+        "--resummarize",
+        nargs=2,
+        metavar=("TRACE_DIR", "RESULT_JSON"),
+        help="only recompute RESULT_JSON's summaries from the trace in TRACE_DIR",
+    )
     args = parser.parse_args()
+    if args.resummarize:
+        resummarize(Path(args.resummarize[0]), Path(args.resummarize[1]))
+        return
     config = model_config(args.model, args.tiny)
     options = (("attention_impl", args.attention_impl), ("moe_impl", args.moe_impl))
     split = {"expert_parallel": args.devices} if config.is_moe else {}
@@ -134,17 +194,7 @@ def main() -> None:
     out_dir = Path(args.out)
     with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
         result = generate(model, [prompt], gen)
-    perfetto = sorted(out_dir.rglob("*.trace.json.gz"))
-    summaries = {"all": {"error": "no perfetto trace written"}}
-    if perfetto:
-        with gzip.open(perfetto[-1]) as fh:
-            per_device = device_events(json.load(fh))
-        summaries = {name: summarize(events) for name, events in per_device.items()} or {
-            "all": {"error": "no device events found in the trace"}
-        }
-    for name, summary in summaries.items():
-        print(name)
-        print_table(summary)
+    summaries = trace_summaries(out_dir)
     save(
         "profile",
         {
