@@ -38,7 +38,7 @@ def run_case(
     s = best.stats
     seq = prompt_len + config.gen_length
     refresh_s = refresh_flops(model.config, model.params, seq) / ceilings["matmul_flops_per_s"]
-    block_s = weight_bytes(model.params) / ceilings["hbm_bytes_per_s"]
+    block_s = weight_bytes(model.params) / ceilings["hbm_read_bytes_per_s"]
     limit_s = s.refreshes * refresh_s + (s.forwards - s.refreshes) * block_s
     tokens = config.gen_length  # early stop is off: every answer position is generated
     return {

@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--expert-parallel", type=int, default=1, help="split MoE experts over M devices"
     )
     gen.add_argument("--attention-impl", default="auto", help="auto (cudnn on GPU) | xla | cudnn")
-    gen.add_argument("--moe-impl", default="auto", help="auto | grouped | dense")
+    gen.add_argument(
+        "--moe-impl", default="auto", help="auto (hopper on H100/H200) | grouped | dense | hopper"
+    )
     gen.add_argument("--json", action="store_true", help="print the output as JSON")
     _add_generation_options(gen)
 

@@ -5,9 +5,10 @@ Routing follows the LLaDA-MoE reference: router logits in fp32, softmax over all
 optional per-expert bias added to the probabilities, top-k of the (biased) probabilities
 as the weights, renormalised only when `norm_topk_prob`, cast to the activation dtype.
 Experts are stored stacked: `gate_up` [experts, model, 2, ffn], `down` [experts, ffn,
-model]. Two expert paths compute the same function (`moe_impl`): `grouped` sorts the
-token-expert pairs by expert and runs `jax.lax.ragged_dot`; `dense` runs every local
-expert on every token and weights the outputs (zero weight where not routed).
+model]. Three expert paths compute the same function (`moe_impl`): `grouped` sorts the
+token-expert pairs by expert and runs `jax.lax.ragged_dot`; `hopper` runs the same sorted
+pairs through JAX's Mosaic GPU grouped-matmul kernel (Hopper GPUs only); `dense` runs every
+local expert on every token and weights the outputs (zero weight where not routed).
 
 HF layout: `model.embed_tokens`, `model.layers.{i}.self_attn.{q,k,v,o}_proj`,
 `...self_attn.{q,k}_norm`, `...{input,post_attention}_layernorm`, `...mlp.gate`,
@@ -40,10 +41,11 @@ from djax.models.sources import (
 
 Array = jax.Array
 MOE_IMPLS = ("auto", "grouped", "dense", "hopper")
-# `auto` runs the grouped expert path up to this many tokens per forward and the dense one
-# above it: on an H200 (bench/results/forward_NVIDIA_H200_*.json) a 32-token block took
-# 6.9 ms grouped vs 9.8 ms dense, a 384-token refresh 57 ms grouped vs 15 ms dense, because
-# XLA lowers `ragged_dot` there to a dense cuBLAS matmul over every group.
+# `auto` runs `hopper` on Hopper GPUs (LLaDA-MoE on an H200: 32-token block 5.5 ms, 384-token
+# refresh 8.3 ms; bench/results/forward_NVIDIA_H200_20261122_015632.json). Elsewhere it runs
+# the grouped path up to this many tokens per forward and the dense one above it: on the same
+# H200 a block took 6.7 ms grouped vs 9.6 ms dense, a refresh 57 ms grouped vs 15 ms dense,
+# because XLA lowers `ragged_dot` there to a dense cuBLAS matmul over every group.
 GROUPED_EXPERTS_MAX_TOKENS = 64
 # Tiles of `ragged_dot_hopper`: the fastest of bench/experts.py's set at 32, 384 and 1,280
 # tokens on an H200 (bench/results/experts_NVIDIA_H200_20261122_015220.json).
