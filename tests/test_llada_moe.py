@@ -138,7 +138,7 @@ def test_grouped_path_masks_rows_outside_the_groups():
 def test_hopper_path_refuses_a_cpu(moe_model):
     module = MoEBlock(moe_model.config, jnp.bfloat16, moe_impl="hopper")
     x = jnp.ones((1, 4, moe_model.config.d_model), jnp.bfloat16)
-    assert not hopper_kernel_fits(jnp.bfloat16, 2048, 1024)
+    assert not hopper_kernel_fits(jnp.bfloat16, 2048, 1024, 256)
     with pytest.raises(ValueError, match="moe_impl='hopper' needs a Hopper GPU"):
         module.init(jax.random.key(0), x)
 

@@ -107,10 +107,11 @@ def ragged_dot_hopper(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
     return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, **HOPPER_TILES)
 
 
-def hopper_kernel_fits(dtype: Any, d_model: int, ffn: int) -> bool:
+def hopper_kernel_fits(dtype: Any, d_model: int, ffn: int, pairs: int) -> bool:
     """Whether `ragged_dot_hopper` can run these expert matmuls on this backend: a Hopper
-    GPU (compute capability 9.x), 16-bit weights, and every contracted and output width a
-    whole number of tiles."""
+    GPU (compute capability 9.x), 16-bit weights, every contracted and output width a whole
+    number of tiles, and at least one whole row tile of token-expert `pairs` (the sizes the
+    kernel was measured at; fewer pairs take the other paths)."""
     devices = jax.devices()
     hopper = devices[0].platform == "gpu" and all(
         str(getattr(d, "compute_capability", "")).startswith("9.") for d in devices
@@ -118,7 +119,8 @@ def hopper_kernel_fits(dtype: Any, d_model: int, ffn: int) -> bool:
     tile_k, tile_n = HOPPER_TILES["block_k"], HOPPER_TILES["block_n"]
     widths_fit = d_model % tile_k == 0 and ffn % tile_k == 0
     widths_fit = widths_fit and d_model % tile_n == 0 and (2 * ffn) % tile_n == 0
-    return hopper and jnp.dtype(dtype).itemsize == 2 and widths_fit
+    enough_rows = pairs >= HOPPER_TILES["block_m"]
+    return hopper and jnp.dtype(dtype).itemsize == 2 and widths_fit and enough_rows
 
 
 def experts_grouped(
@@ -198,14 +200,16 @@ class MoEBlock(nn.Module):
         with jax.named_scope("router"):
             weights, experts = route(flat, router, bias, cfg.experts_per_token, cfg.norm_topk_prob)
         first = 0 if local_e == e else jax.lax.axis_index(self.axis_name) * local_e
-        hopper_fits = hopper_kernel_fits(self.dtype, m, local_f)
+        pairs = b * t * cfg.experts_per_token
+        hopper_fits = hopper_kernel_fits(self.dtype, m, local_f, pairs)
         impl = choose_moe_impl(self.moe_impl, b * t, hopper_fits)
         if impl == "hopper" and not hopper_fits:
             raise ValueError(
                 f"moe_impl='hopper' needs a Hopper GPU (compute capability 9.x), 16-bit "
-                f"weights and widths in whole tiles {HOPPER_TILES}; got devices "
+                f"weights, model and expert widths in whole tiles and at least block_m "
+                f"token-expert pairs (tiles {HOPPER_TILES}); got devices "
                 f"{jax.devices()[0].device_kind!r}, dtype {jnp.dtype(self.dtype).name}, "
-                f"model {m}, local expert ffn {local_f}"
+                f"model {m}, local expert ffn {local_f}, {pairs} pairs"
             )
         run = {
             "dense": experts_dense,
