@@ -1,0 +1,56 @@
+"""The profile summary the benchmark notes quote: categories, idle gaps, idle time bordering
+collectives, per device."""
+
+import pytest
+
+from bench.profile import categorize, device_events, summarize
+
+
+@pytest.mark.parametrize(
+    "name, category",
+    [
+        ("psum_1454_0_fusion_1", "collectives"),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "collectives"),
+        ("gemm_fusion_dot_1677", "matmul"),
+        ("nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN", "matmul"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", "attention"),
+        ("loop_dynamic_update_slice_fusion_31", "copies"),
+        ("loop_add_fusion_62", "norms/elementwise"),
+    ],
+)
+def test_categories(name, category):
+    assert categorize(name) == category
+
+
+def _kernel(name, start, duration, tid=1, pid=7):
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": start, "dur": duration}
+
+
+def test_summary_counts_idle_gaps_and_those_bordering_collectives():
+    events = [
+        _kernel("gemm_fusion_dot_1", 0, 10),
+        _kernel("psum_1_fusion", 30, 5, tid=2),  # 20 idle before it (bordering)
+        _kernel("loop_add_fusion_1", 40, 2),  # 5 idle after it (bordering)
+        _kernel("gemm_fusion_dot_2", 41, 9),  # overlaps: no gap
+        _kernel("loop_add_fusion_2", 60, 2),  # 10 idle between compute kernels
+    ]
+    summary = summarize(events)
+    assert summary["wall_us"] == 62
+    assert summary["busy_us"]["idle gaps"] == 35
+    assert summary["idle_next_to_collectives_us"] == 25
+    assert summary["busy_us"]["collectives"] == 5
+    assert summary["busy_us"]["matmul"] == 19
+    assert summary["busy_us"]["norms/elementwise"] == 4
+
+
+def test_device_events_split_by_device_and_skip_the_host():
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:1"}},
+        {"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/host:CPU"}},
+    ]
+    kernels = [_kernel("a", 0, 1, pid=1), _kernel("b", 0, 1, pid=2), _kernel("c", 0, 1, pid=3)]
+    kernels.append(_kernel("zero", 5, 0, pid=1))
+    per_device = device_events({"traceEvents": meta + kernels})
+    assert list(per_device) == ["/device:GPU:0", "/device:GPU:1"]
+    assert [e["name"] for e in per_device["/device:GPU:0"]] == ["a"]
