@@ -19,9 +19,9 @@ ENV = "DJAX_XLA_OPTIONS"
 
 Value = str | bool | int
 
-# Whole while-loop and conditional bodies captured as CUDA graphs, so a generation's forwards
-# launch without per-kernel host work: +2.2% tokens/s on LLaDA-8B on an H200, same tokens
-# (bench/results/flags_NVIDIA_H200_20261122_015905.json).
+# Whole while-loop and conditional bodies captured as CUDA graphs: +2.2% tokens/s on
+# LLaDA-8B on an H200 with the same tokens (bench/results/flags_NVIDIA_H200_20261122_015905
+# .json), within the run-to-run spread but never slower in any sweep.
 COMMAND_BUFFER_LOOPS: dict[str, Value] = {
     "xla_gpu_enable_command_buffer": (
         "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"

@@ -1,5 +1,7 @@
 """The engine's XLA compiler options and the DJAX_XLA_OPTIONS override."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -29,6 +31,17 @@ def test_environment_overrides_the_defaults(monkeypatch):
     assert merged["xla_gpu_graph_min_graph_size"] == 7
     assert merged["xla_gpu_new"] is True
     assert merged["xla_gpu_enable_command_buffer"] == defaults["xla_gpu_enable_command_buffer"]
+
+
+@pytest.mark.parametrize("platform", sorted(xla_options.DEFAULTS))
+def test_defaults_are_options_this_jax_knows(platform):
+    """XLA's debug options are shared by all backends: a CPU compile rejects a misspelt name
+    or enum value that a GPU compile would."""
+    lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(3))
+    out = lowered.compile(xla_options.DEFAULTS[platform])(jnp.ones(3))
+    np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
+    with pytest.raises(Exception, match="NOT_A_COMMAND"):
+        lowered.compile({"xla_gpu_enable_command_buffer": "FUSION,NOT_A_COMMAND"})
 
 
 def test_engine_compiles_with_the_options(dense_model, monkeypatch):
