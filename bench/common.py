@@ -19,7 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from djax import GenerationConfig, Model
 from djax.config import ModelConfig, from_hf_dict
+from djax.models import init_params
+from djax.sharding import make_mesh, param_shardings
 from djax.xla_options import compiler_options
 
 RESULTS = Path(__file__).parent / "results"
@@ -91,6 +94,28 @@ def model_config(name: str, tiny: bool = False) -> ModelConfig:
     """`dense` (LLaDA-8B shape) or `moe` (LLaDA-MoE-7B-A1B shape)."""
     hf = TINY[name] if tiny else {"dense": LLADA_8B, "moe": LLADA_MOE}[name]
     return from_hf_dict(hf, f"bench:{name}")
+
+
+# The setting every engine is compared on: batch 1, gen 256, block 32, 64 fixed steps (4
+# tokens per forward), dual cache, no early stop (every answer position is generated).
+SETTING = GenerationConfig(
+    gen_length=256,
+    block_length=32,
+    steps=64,
+    decoder="low_confidence",
+    cache="dual",
+    early_stop=False,
+)
+
+
+def bench_model(config: ModelConfig, devices: int = 1, options: tuple = ()) -> tuple[Model, dict]:
+    """A `Model` with random bf16 weights built on the device(s): on one device, or split
+    over a mesh of `devices` (TP for dense models, EP for MoE). Returns (model, the split)."""
+    split = {"expert_parallel" if config.is_moe else "tensor_parallel": devices}
+    mesh = make_mesh(**split) if devices > 1 else None
+    shardings = param_shardings(config, jnp.bfloat16, mesh) if mesh else None
+    params = init_params(config, jnp.bfloat16, seed=0, shardings=shardings)
+    return Model(config, params, None, jnp.bfloat16, mesh=mesh, options=options), split
 
 
 def weight_bytes(params: dict) -> int:

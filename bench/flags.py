@@ -18,14 +18,11 @@ import dataclasses
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from bench.common import model_config, save
-from bench.parallel import SETTING, measure
-from djax import Model, generate, xla_options
-from djax.models import init_params
-from djax.sharding import make_mesh, param_shardings
+from bench.common import SETTING, bench_model, model_config, save
+from bench.parallel import measure
+from djax import xla_options
 
 # Each variant is the whole option set on top of XLA's own defaults; `engine` is what djax
 # ships (`djax.xla_options.DEFAULTS`).
@@ -71,27 +68,28 @@ def main() -> None:
     rows = []
     for name in args.models:
         config = model_config(name, args.tiny)
-        n = args.devices
-        split = {"expert_parallel": n} if config.is_moe else {"tensor_parallel": n}
-        mesh = make_mesh(**split) if n > 1 else None
-        shardings = param_shardings(config, jnp.bfloat16, mesh) if mesh else None
-        params = init_params(config, jnp.bfloat16, seed=0, shardings=shardings)
-        options = (("moe_impl", args.moe_impl),) if config.is_moe else ()
-        model = Model(config, params, None, jnp.bfloat16, mesh=mesh, options=options)
+        module_options = (("moe_impl", args.moe_impl),) if config.is_moe else ()
+        model, split = bench_model(config, args.devices, module_options)
         reference = None
         for label, options in variants.items():
             xla_options.DEFAULTS[platform] = options
-            row = {"model": name, "variant": label, "options": options, "devices": n, **split}
+            row = {
+                "model": name,
+                "variant": label,
+                "options": options,
+                "devices": args.devices,
+                **split,
+            }
             try:
                 row.update(measure(model, prompt, SETTING, args.repeats))
-                tokens = generate(model, [prompt], SETTING).answer_ids
+                tokens = row.pop("answer_ids")
                 reference = tokens if reference is None else reference
                 row["tokens_match_first_variant"] = bool(np.array_equal(tokens, reference))
             except Exception as err:  # keep the other variants of a costly run
                 row["error"] = f"{type(err).__name__}: {err}"[:2000]
             print(row, flush=True)
             rows.append(row)
-        del model, params
+        del model
     save("flags", {"setting": dataclasses.asdict(SETTING), "options": vars(args), "results": rows})
 
 

@@ -18,13 +18,11 @@ import dataclasses
 import tempfile
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from bench.common import measure_ceilings, model_config, save, weight_bytes
+from bench.common import SETTING, bench_model, measure_ceilings, model_config, save, weight_bytes
 from bench.forward import refresh_flops
 from djax import GenerationConfig, Model, engine, generate
-from djax.models import init_params
 
 
 def run_case(
@@ -77,15 +75,12 @@ def main() -> None:
     args = parser.parse_args()
     engine.enable_compile_cache(tempfile.mkdtemp(prefix="djax_xla_cache_"))
     ceilings = measure_ceilings(args.tiny)
-    base = GenerationConfig(
-        gen_length=256, block_length=32, steps=64, decoder="low_confidence", early_stop=False
-    )
+    base = SETTING
     rows = []
     for name in args.models:
         config = model_config(name, args.tiny)
-        params = init_params(config, jnp.bfloat16, seed=0)
         options = (("attention_impl", args.attention_impl), ("moe_impl", args.moe_impl))
-        model = Model(config, params, None, jnp.bfloat16, options=options)
+        model, _ = bench_model(config, 1, options)
         cases = [dataclasses.replace(base, cache=c) for c in args.caches]
         cases.append(dataclasses.replace(base, decoder="threshold", cache="dual"))
         for prompt_len in args.prompts:
@@ -102,7 +97,7 @@ def main() -> None:
             }
         )
         print(rows[-1])
-        del model, params
+        del model
     save(
         "generate",
         {

@@ -17,22 +17,11 @@ import argparse
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from bench.common import model_config, save
+from bench.common import SETTING, bench_model, model_config, save
 from djax import GenerationConfig, Model, generate
-from djax.models import init_params
-from djax.sharding import make_mesh, param_shardings
 
-SETTING = GenerationConfig(
-    gen_length=256,
-    block_length=32,
-    steps=64,
-    decoder="low_confidence",
-    cache="dual",
-    early_stop=False,
-)
 DINFER = GenerationConfig(
     gen_length=1024,
     block_length=64,
@@ -54,10 +43,13 @@ def timed(model: Model, prompt: list[int], config: GenerationConfig, repeats: in
         "forwards": first.stats.forwards,
         "refreshes": first.stats.refreshes,
         "compile_s": first.stats.compile_seconds,
+        "answer_ids": first.answer_ids,
     }
 
 
 def measure(model: Model, prompt: list[int], base: GenerationConfig, repeats: int) -> dict:
+    """Speed figures at `base` (and at twice its steps, for the block forward by difference);
+    `answer_ids` holds the generated tokens at `base`, for comparing runs."""
     short = timed(model, prompt, base, repeats)
     longer = timed(model, prompt, dataclasses.replace(base, steps=2 * base.steps), repeats)
     extra = longer["forwards"] - short["forwards"]
@@ -70,6 +62,7 @@ def measure(model: Model, prompt: list[int], base: GenerationConfig, repeats: in
         "refreshes": short["refreshes"],
         "seconds": short["seconds"],
         "compile_s": short["compile_s"],
+        "answer_ids": short["answer_ids"],
     }
 
 
@@ -90,20 +83,17 @@ def main() -> None:
         if args.dinfer and config.is_moe:
             settings.append(("dinfer", DINFER))
         for n in args.sizes:
-            split = {"expert_parallel": n} if config.is_moe else {"tensor_parallel": n}
-            mesh = make_mesh(**split) if n > 1 else None
-            shardings = param_shardings(config, jnp.bfloat16, mesh) if mesh else None
-            params = init_params(config, jnp.bfloat16, seed=0, shardings=shardings)
-            model = Model(config, params, None, jnp.bfloat16, mesh=mesh)
+            model, split = bench_model(config, n)
             for label, base in settings:
                 row = {"model": name, "setting": label, "devices": n, **split}
                 try:
                     row.update(measure(model, prompt, base, args.repeats))
+                    row.pop("answer_ids")
                 except Exception as err:  # keep the other cases of a costly run
                     row["error"] = f"{type(err).__name__}: {err}"[:2000]
                 print(row)
                 rows.append(row)
-            del model, params
+            del model
     for row in rows:
         key = (row["model"], row["setting"])
         one = [r for r in rows if (r["model"], r["setting"]) == key and r["devices"] == 1]

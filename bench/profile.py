@@ -11,6 +11,7 @@ idle gaps — read from the trace's device events, readable without a viewer.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gzip
 import json
@@ -20,13 +21,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from bench.common import commit, model_config, save
-from djax import GenerationConfig, Model, generate
-from djax.models import init_params
-from djax.sharding import make_mesh, param_shardings
+from bench.common import SETTING, bench_model, commit, model_config, save
+from djax import generate
 
 # First match wins; tested against the kernel name plus the op/scope names in its args.
 CATEGORIES = [
@@ -175,20 +173,8 @@ def main() -> None:
         return
     config = model_config(args.model, args.tiny)
     options = (("attention_impl", args.attention_impl), ("moe_impl", args.moe_impl))
-    split = {"expert_parallel": args.devices} if config.is_moe else {}
-    split = split or {"tensor_parallel": args.devices}
-    mesh = make_mesh(**split) if args.devices > 1 else None
-    shardings = param_shardings(config, jnp.bfloat16, mesh) if mesh else None
-    params = init_params(config, jnp.bfloat16, shardings=shardings)
-    model = Model(config, params, None, jnp.bfloat16, mesh=mesh, options=options)
-    gen = GenerationConfig(
-        gen_length=256,
-        block_length=32,
-        steps=64,
-        decoder="low_confidence",
-        cache=args.cache,
-        early_stop=False,
-    )
+    model, _ = bench_model(config, args.devices, options)
+    gen = dataclasses.replace(SETTING, cache=args.cache)
     prompt = np.arange(10, 10 + args.prompt_len).tolist()
     generate(model, [prompt], gen)  # compile outside the trace
     out_dir = Path(args.out)
