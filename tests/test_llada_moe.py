@@ -99,12 +99,19 @@ def test_routing_and_expert_paths_match_numpy(bias, normalise):
         assert rel_error(np.asarray(out), ref) < 1e-5, run.__name__
 
 
+def _routed_experts(seed, n=10, m=8, e=6, f=4, k=2, dtype=jnp.float32):
+    """Random tokens [n, m], experts gate_up [e, m, 2, f] / down [e, f, m] scaled to unit
+    output variance, and the top-k routing of the tokens (weights, expert ids)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(n, m)), dtype)
+    gate_up = jnp.asarray(rng.normal(size=(e, m, 2, f)) / np.sqrt(m), dtype)
+    down = jnp.asarray(rng.normal(size=(e, f, m)) / np.sqrt(f), dtype)
+    weights, experts = route(x, jnp.asarray(rng.normal(size=(m, e)), dtype), None, k, False)
+    return x, weights, experts, gate_up, down
+
+
 def test_expert_paths_split_over_devices_sum_to_whole():
-    rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.normal(size=(10, 8)), jnp.float32)
-    gate_up = jnp.asarray(rng.normal(size=(6, 8, 2, 4)), jnp.float32)
-    down = jnp.asarray(rng.normal(size=(6, 4, 8)), jnp.float32)
-    weights, experts = route(x, jnp.asarray(rng.normal(size=(8, 6)), jnp.float32), None, 2, False)
+    x, weights, experts, gate_up, down = _routed_experts(1)
     whole = experts_grouped(x, weights, experts, gate_up, down, 0)
     for run in (experts_dense, experts_grouped):
         parts = sum(
@@ -124,11 +131,7 @@ def _ragged_dot_unwritten_tail(lhs, rhs, group_sizes):
 def test_grouped_path_masks_rows_outside_the_groups():
     """With half the experts on this device, the other half's pairs sort past every group;
     whatever a kernel leaves there (NaN here) must not reach the output."""
-    rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.normal(size=(10, 8)), jnp.float32)
-    gate_up = jnp.asarray(rng.normal(size=(6, 8, 2, 4)), jnp.float32)
-    down = jnp.asarray(rng.normal(size=(6, 4, 8)), jnp.float32)
-    weights, experts = route(x, jnp.asarray(rng.normal(size=(8, 6)), jnp.float32), None, 2, False)
+    x, weights, experts, gate_up, down = _routed_experts(2)
     local = (gate_up[3:], down[3:])
     out = experts_grouped(x, weights, experts, *local, 3, ragged_dot=_ragged_dot_unwritten_tail)
     assert np.isfinite(np.asarray(out)).all()
@@ -143,12 +146,7 @@ def test_grouped_path_masks_rows_outside_the_groups():
 def test_hopper_kernel_matches_ragged_dot(first_expert, n_local):
     """On an H100/H200: the Mosaic GPU kernel against XLA's ragged_dot, all experts local
     and half of them (the expert-parallel case, with pairs outside every group)."""
-    rng = np.random.default_rng(3)
-    m, f, e, k, n = 256, 128, 8, 2, 64
-    x = jnp.asarray(rng.normal(size=(n, m)), jnp.bfloat16)
-    gate_up = jnp.asarray(rng.normal(size=(e, m, 2, f)) / np.sqrt(m), jnp.bfloat16)
-    down = jnp.asarray(rng.normal(size=(e, f, m)) / np.sqrt(f), jnp.bfloat16)
-    weights, experts = route(x, jnp.asarray(rng.normal(size=(m, e)), jnp.bfloat16), None, k, True)
+    x, weights, experts, gate_up, down = _routed_experts(3, 64, 256, 8, 128, 2, jnp.bfloat16)
     mine = slice(first_expert, first_expert + n_local)
     local = (gate_up[mine], down[mine])
     expected = experts_grouped(x, weights, experts, *local, first_expert)
