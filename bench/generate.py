@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--prompts", nargs="+", type=int, default=[128, 512])
     parser.add_argument("--caches", nargs="+", default=["none", "prefix", "dual"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--attention-impl", default="auto")
+    parser.add_argument("--attention-impls", nargs="+", default=["auto"])
     parser.add_argument("--moe-impl", default="auto")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = parser.parse_args()
@@ -79,15 +79,16 @@ def main() -> None:
     rows = []
     for name in args.models:
         config = model_config(name, args.tiny)
-        options = (("attention_impl", args.attention_impl), ("moe_impl", args.moe_impl))
-        model, _ = bench_model(config, 1, options)
+        model, _ = bench_model(config, 1, (("moe_impl", args.moe_impl),))
         cases = [dataclasses.replace(base, cache=c) for c in args.caches]
         cases.append(dataclasses.replace(base, decoder="threshold", cache="dual"))
-        for prompt_len in args.prompts:
-            for case in cases:
-                row = {"model": name, **run_case(model, prompt_len, case, ceilings, args.repeats)}
-                print(row)
-                rows.append(row)
+        for impl in args.attention_impls:
+            model = model.with_options(attention_impl=impl)
+            for prompt_len in args.prompts:
+                for case in cases:
+                    row = run_case(model, prompt_len, case, ceilings, args.repeats)
+                    rows.append({"model": name, "attention_impl": impl, **row})
+                    print(rows[-1])
         rows.append(
             {
                 "model": name,

@@ -24,21 +24,32 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import ModelConfig
+from djax.models import flash_attention
 
 Array = jax.Array
 LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, head_dim]
 NEG_INF = -1e30
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "split_kv")
+SHORT_WINDOW = 64  # query windows up to this length take `split_kv` under `auto` on GPUs
 
 
-def resolve_attention_impl(impl: str) -> str:
-    """`auto` is cuDNN's fused attention on GPUs (on an H200 it took a whole LLaDA-8B
-    generation from 647 to 728 tokens/s; bench/NOTES.md) and XLA's einsums elsewhere."""
+def resolve_attention_impl(impl: str, queries: int | None = None, head_dim: int = 128) -> str:
+    """The attention implementation for a window of `queries` positions.
+
+    `auto` on GPUs is djax's split-K/V Pallas kernel for short windows (denoising blocks)
+    where its tiles fit the head dim, and cuDNN's fused attention otherwise (refreshes);
+    XLA's einsums elsewhere.
+    On an H200, cuDNN took a whole LLaDA-8B generation from 647 to 728 tokens/s over the
+    einsums (bench/NOTES.md, which also has the split-K/V figures).
+    """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={impl!r}; expected one of {ATTENTION_IMPLS}")
     if impl != "auto":
         return impl
-    return "cudnn" if jax.default_backend() == "gpu" else "xla"
+    if jax.default_backend() != "gpu":
+        return "xla"
+    short = queries is not None and queries <= SHORT_WINDOW
+    return "split_kv" if short and flash_attention.fits(queries, head_dim) else "cudnn"
 
 
 def init_normal(stddev: float = 0.02):
@@ -115,6 +126,16 @@ def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "
     """
     if impl == "cudnn":
         return _attend_cudnn(q, keys, values, key_valid)
+    if impl == "split_kv":  # Pallas's interpreter off GPUs (for tests)
+        b, t, k, g, d = q.shape
+        out = flash_attention.split_kv_attention(
+            q.reshape(b, t, k * g, d),
+            keys,
+            values,
+            key_valid,
+            interpret=jax.default_backend() != "gpu",
+        )
+        return out.reshape(q.shape)
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
     scores = jnp.where(key_valid[:, None, None, None, :], scores * scale, NEG_INF)
@@ -183,7 +204,8 @@ class Attention(nn.Module):
         k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_dim)
         keys = write_window(None if kv is None else kv[0], k, window)
         values = write_window(None if kv is None else kv[1], v, window)
-        out = attend(q, keys, values, key_valid, resolve_attention_impl(self.attention_impl))
+        impl = resolve_attention_impl(self.attention_impl, x.shape[1], cfg.head_dim)
+        out = attend(q, keys, values, key_valid, impl)
         y = jnp.einsum("btkgd,kgdm->btm", out, out_kernel)
         return _sum_over(y, self.axis_name), (keys, values)
 

@@ -1,0 +1,102 @@
+"""The split-K/V Pallas attention kernel (run by Pallas's interpreter on the CPU) against the
+einsum attention, its shape errors, `auto`'s choice per window, and whole generations with
+it."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import djax
+from djax import GenerationConfig
+from djax.models import layers
+from djax.models.flash_attention import Tiles, split_kv_attention
+
+
+def _problem(b, t, n, kv, d, s, dtype=jnp.float32, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (b, t, n, d), dtype)
+    k = jax.random.normal(keys[1], (b, s, kv, d), dtype)
+    v = jax.random.normal(keys[2], (b, s, kv, d), dtype)
+    return q, k, v
+
+
+def _einsum_attention(q, k, v, key_valid):
+    b, t, n, d = q.shape
+    kv = k.shape[2]
+    return layers.attend(q.reshape(b, t, kv, n // kv, d), k, v, key_valid, "xla").reshape(q.shape)
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        Tiles(block_q=16, block_k=16, splits=1),  # one program per head and query tile
+        Tiles(block_q=32, block_k=32, splits=3),  # key slices merged by log-sum-exp
+        Tiles(block_q=16, block_k=16, splits=50),  # more splits asked than key blocks
+    ],
+)
+@pytest.mark.parametrize("t, s", [(40, 200), (8, 37), (32, 384)])
+def test_matches_einsum_attention(tiles, t, s):
+    """GQA (group 2), a batch whose second row is left-padded past a whole key slice, and
+    query and key counts that are not multiples of the tiles."""
+    q, k, v = _problem(2, t, 4, 2, 32, s)
+    key_valid = jnp.arange(s)[None, :] >= jnp.array([[0], [min(s - 1, 70)]])
+    ours = split_kv_attention(q, k, v, key_valid, tiles=tiles, interpret=True)
+    ref = _einsum_attention(q, k, v, key_valid)
+    err = float(jnp.linalg.norm(ours - ref) / jnp.linalg.norm(ref))
+    assert err <= 1e-5, err
+    assert not jnp.isnan(ours).any()
+
+
+def test_bf16_close_to_fp32():
+    q, k, v = _problem(1, 32, 4, 4, 64, 160, jnp.bfloat16, seed=1)
+    key_valid = jnp.ones((1, 160), bool)
+    ours = split_kv_attention(q, k, v, key_valid, tiles=Tiles(splits=3), interpret=True)
+    assert ours.dtype == jnp.bfloat16
+    ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k, v)), key_valid)
+    err = float(jnp.linalg.norm(ours.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+    assert err <= 1e-2, err
+
+
+def test_shape_errors():
+    q, k, v = _problem(1, 8, 4, 2, 24, 32)
+    with pytest.raises(ValueError, match=r"q \(1, 8, 4, 24\).*power-of-two head dim >= 16"):
+        split_kv_attention(q, k, v, jnp.ones((1, 32), bool), interpret=True)
+    q, k, v = _problem(1, 8, 3, 2, 16, 32)
+    with pytest.raises(ValueError, match="heads a multiple of kv heads"):
+        split_kv_attention(q, k, v, jnp.ones((1, 32), bool), interpret=True)
+
+
+def test_auto_picks_per_window(monkeypatch):
+    assert layers.resolve_attention_impl("auto", 32, 128) == "xla"  # on the CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert layers.resolve_attention_impl("auto", 32, 128) == "split_kv"
+    assert layers.resolve_attention_impl("auto", layers.SHORT_WINDOW + 1, 128) == "cudnn"
+    assert layers.resolve_attention_impl("auto", 32, 8) == "cudnn"  # tiles do not fit
+    assert layers.resolve_attention_impl("split_kv", 384, 128) == "split_kv"
+
+
+@pytest.mark.parametrize("cache", ["dual", "none"])
+def test_generation_tokens_unchanged(dense_model, cache):
+    config = GenerationConfig(gen_length=16, block_length=8, steps=8, cache=cache)
+    prompts = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
+    ours = djax.generate(dense_model.with_options(attention_impl="split_kv"), prompts, config)
+    ref = djax.generate(dense_model.with_options(attention_impl="xla"), prompts, config)
+    np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
+    assert dataclasses.astuple(ours.stats)[:2] == dataclasses.astuple(ref.stats)[:2]
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("t, s", [(32, 384), (32, 1000), (384, 384)])
+def test_compiled_kernel_on_gpu(t, s):
+    """On a GPU: the Triton-compiled kernel at the model's shapes (bf16, head dim 128, GQA
+    group 2, a left-padded row), each tiling of the benchmark."""
+    q, k, v = _problem(2, t, 16, 8, 128, s, jnp.bfloat16, seed=2)
+    key_valid = jnp.arange(s)[None, :] >= jnp.array([[0], [100]])
+    ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k, v)), key_valid)
+    for tiles in (Tiles(), Tiles(block_q=64, block_k=64, splits=1), Tiles(block_k=32, splits=12)):
+        ours = split_kv_attention(q, k, v, key_valid, tiles=tiles).astype(jnp.float32)
+        err = float(jnp.linalg.norm(ours - ref) / jnp.linalg.norm(ref))
+        assert err <= 1e-2, (tiles, err)
