@@ -76,6 +76,9 @@ def test_auto_picks_per_window(monkeypatch):
     assert layers.resolve_attention_impl("auto", layers.SHORT_WINDOW + 1, 128) == "cudnn"
     assert layers.resolve_attention_impl("auto", 32, 8) == "cudnn"  # tiles do not fit
     assert layers.resolve_attention_impl("split_kv", 384, 128) == "split_kv"
+    assert layers.resolve_attention_impl("auto", 32, 128, jnp.float32) == "xla"
+    with pytest.raises(ValueError, match="'cudnn' takes bf16 or fp16 inputs; got float32"):
+        layers.resolve_attention_impl("cudnn", 32, 128, jnp.float32)
 
 
 @pytest.mark.parametrize("cache", ["dual", "none"])

@@ -33,20 +33,27 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "split_kv")
 SHORT_WINDOW = 64  # query windows up to this length take `split_kv` under `auto` on GPUs
 
 
-def resolve_attention_impl(impl: str, queries: int | None = None, head_dim: int = 128) -> str:
-    """The attention implementation for a window of `queries` positions.
+def resolve_attention_impl(
+    impl: str, queries: int | None = None, head_dim: int = 128, dtype: Any = jnp.bfloat16
+) -> str:
+    """The attention implementation for a window of `queries` positions in `dtype`.
 
-    `auto` on GPUs is djax's split-K/V Pallas kernel for short windows (denoising blocks)
-    where its tiles fit the head dim, and cuDNN's fused attention otherwise (refreshes);
-    XLA's einsums elsewhere.
-    On an H200, cuDNN took a whole LLaDA-8B generation from 647 to 728 tokens/s over the
-    einsums (bench/NOTES.md, which also has the split-K/V figures).
+    `auto` on GPUs with 16-bit inputs is djax's split-K/V Pallas kernel for short windows
+    (denoising blocks) where its tiles fit the head dim, and cuDNN's fused attention
+    otherwise (refreshes); XLA's einsums for fp32 and off GPUs. On an H200, cuDNN took a
+    LLaDA-8B generation from 647 to 728 tokens/s over the einsums, and the kernel took it from
+    741 to 762 (bench/NOTES.md).
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={impl!r}; expected one of {ATTENTION_IMPLS}")
+    half = jnp.dtype(dtype).itemsize == 2
+    if impl == "cudnn" and not half:
+        raise ValueError(
+            f"attention_impl='cudnn' takes bf16 or fp16 inputs; got {jnp.dtype(dtype).name}"
+        )
     if impl != "auto":
         return impl
-    if jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu" or not half:
         return "xla"
     short = queries is not None and queries <= SHORT_WINDOW
     return "split_kv" if short and flash_attention.fits(queries, head_dim) else "cudnn"
@@ -204,7 +211,7 @@ class Attention(nn.Module):
         k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_dim)
         keys = write_window(None if kv is None else kv[0], k, window)
         values = write_window(None if kv is None else kv[1], v, window)
-        impl = resolve_attention_impl(self.attention_impl, x.shape[1], cfg.head_dim)
+        impl = resolve_attention_impl(self.attention_impl, x.shape[1], cfg.head_dim, q.dtype)
         out = attend(q, keys, values, key_valid, impl)
         y = jnp.einsum("btkgd,kgdm->btm", out, out_kernel)
         return _sum_over(y, self.axis_name), (keys, values)
