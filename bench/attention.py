@@ -23,17 +23,16 @@ from djax.models.flash_attention import Tiles, split_kv_attention
 from djax.models.layers import attend
 
 TILINGS = (
-    Tiles(block_q=32, block_k=64, splits=1),
-    Tiles(block_q=32, block_k=64, splits=2),
-    Tiles(block_q=32, block_k=64, splits=3),
-    Tiles(block_q=32, block_k=64, splits=6),
-    Tiles(block_q=32, block_k=32, splits=6),
-    Tiles(block_q=32, block_k=32, splits=12),
-    Tiles(block_q=32, block_k=128, splits=3),
-    Tiles(block_q=32, block_k=64, splits=3, num_warps=8),
+    Tiles(block_q=32, block_k=64, splits=3, num_stages=2),
     Tiles(block_q=32, block_k=64, splits=6, num_stages=3),
-    Tiles(block_q=64, block_k=64, splits=1),
-    Tiles(block_q=64, block_k=64, splits=3),
+    Tiles(block_q=32, block_k=64, splits=12, num_stages=3),
+    Tiles(block_q=32, block_k=32, splits=12, num_stages=3),
+    Tiles(block_q=32, block_k=128, splits=6, num_stages=3),
+    Tiles(block_q=64, block_k=64, splits=1, num_stages=2),
+    Tiles(block_q=64, block_k=64, splits=1, num_stages=3),
+    Tiles(block_q=64, block_k=128, splits=1, num_stages=2),
+    Tiles(block_q=128, block_k=64, splits=1, num_stages=2, num_warps=8),
+    Tiles(block_q=128, block_k=64, splits=1, num_stages=3, num_warps=8),
 )
 
 
@@ -54,15 +53,18 @@ def implementations(interpret: bool) -> list[tuple[str, object]]:
     out = [("xla", grouped("xla"))]
     if jax.default_backend() == "gpu":
         out += [("cudnn", grouped("cudnn")), ("cudnn no mask", _cudnn_no_mask)]
-    for tiles in TILINGS:
-        label = "split_kv " + " ".join(f"{k}={v}" for k, v in vars(tiles).items())
+    for tiles in (None, *TILINGS):  # None: the engine's choice, `tiles_for(t)`
+        shape = " ".join(f"{k}={v}" for k, v in vars(tiles).items()) if tiles else "tiles_for(t)"
+        label = f"split_kv {shape}"
         out.append((label, functools.partial(split_kv_attention, tiles=tiles, interpret=interpret)))
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["32x384", "32x1280", "384x384"])
+    parser.add_argument(
+        "--shapes", nargs="+", default=["32x384", "32x1280", "384x384", "1280x1280"]
+    )
     parser.add_argument("--model", choices=["dense", "moe"], default="dense")
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--tiny", action="store_true")

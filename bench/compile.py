@@ -1,7 +1,8 @@
 """Compile time of the generation program at the compared setting (prompt 128, `SETTING`):
 tracing and lowering, XLA's compile, and the first run, for a new shape and then again from
-the persistent compilation cache after this process's caches are dropped. JAX's own
-monitoring events say whether the persistent cache answered and where the seconds went.
+the persistent compilation cache. Each leg is a fresh Python process sharing one cache
+folder, as when a user starts djax again. JAX's own monitoring events say whether the
+persistent cache answered and where the seconds went.
 
     python -m bench.compile [--models dense moe] [--tiny]
 """
@@ -10,6 +11,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -64,22 +69,34 @@ def phases(model, prompt_len: int) -> dict:
     }
 
 
+def leg(name: str, tiny: bool, prompt_len: int) -> None:
+    """One fresh process: build the model, measure, print the row as JSON."""
+    _listen()
+    engine.enable_compile_cache()  # the folder comes from $DJAX_COMPILE_CACHE
+    model, _ = bench_model(model_config(name, tiny))
+    print("ROW " + json.dumps(phases(model, prompt_len)), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["dense", "moe"])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--leg", help=argparse.SUPPRESS)  # internal: run one leg
     args = parser.parse_args()
-    engine.enable_compile_cache(tempfile.mkdtemp(prefix="djax_xla_cache_"))
-    _listen()
+    if args.leg:
+        return leg(args.leg, args.tiny, args.prompt)
+    cache = tempfile.mkdtemp(prefix="djax_xla_cache_")
     rows = []
     for name in args.models:
-        model, _ = bench_model(model_config(name, args.tiny))
-        for when in ("new shape", "persistent cache"):
-            jax.clear_caches()
-            rows.append({"model": name, "when": when, **phases(model, args.prompt)})
+        for when in ("new shape", "persistent cache, new process"):
+            command = [sys.executable, "-m", "bench.compile", "--leg", name]
+            command += ["--prompt", str(args.prompt)] + (["--tiny"] if args.tiny else [])
+            env = {**os.environ, "DJAX_COMPILE_CACHE": cache}
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            row = next(line for line in done.stdout.splitlines() if line.startswith("ROW "))
+            rows.append({"model": name, "when": when, **json.loads(row[4:])})
             print(rows[-1], flush=True)
-        del model
     save("compile", {"setting": SETTING.__dict__, "prompt_len": args.prompt, "results": rows})
 
 

@@ -31,7 +31,7 @@ CATEGORIES = [
     ("collectives", r"nccl|psum|all-?reduce|all_reduce|allreduce|all-?gather|collective"),
     ("copies", r"memcpy|memset|\bcopy|dynamic[-_]update[-_]slice|transpose"),
     ("decoder", r"decoder"),
-    ("moe", r"ragged|grouped|experts|router|\bsort|top_?k|scatter|argsort"),
+    ("moe", r"ragged|grouped|experts|router|\bsort|top_?k|scatter|argsort|mosaic_gpu"),
     ("attention", r"fmha|flash|cudnn|attention|softmax"),
     ("matmul", r"gemm|cublas|cutlass|nvjet|xmma|wgmma|\bdot|matmul|triton_gemm"),
 ]
