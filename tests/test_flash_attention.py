@@ -69,11 +69,11 @@ def test_shape_errors():
         split_kv_attention(q, k, v, jnp.ones((1, 32), bool), interpret=True)
 
 
-def test_auto_picks_per_window(monkeypatch):
+def test_auto_choice(monkeypatch):
     assert layers.resolve_attention_impl("auto", 32, 128) == "xla"  # on the CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert layers.resolve_attention_impl("auto", 32, 128) == "split_kv"
-    assert layers.resolve_attention_impl("auto", layers.SHORT_WINDOW + 1, 128) == "cudnn"
+    assert layers.resolve_attention_impl("auto", 384, 128) == "split_kv"
     assert layers.resolve_attention_impl("auto", 32, 8) == "cudnn"  # tiles do not fit
     assert layers.resolve_attention_impl("split_kv", 384, 128) == "split_kv"
     assert layers.resolve_attention_impl("auto", 32, 128, jnp.float32) == "xla"

@@ -139,18 +139,21 @@ def experts_grouped(
     """
     n, top_k = experts.shape
     n_local, d_model, _, ffn = gate_up.shape
-    local = (experts - first_expert).reshape(-1)
-    is_local = (local >= 0) & (local < n_local)
-    sort_key = jnp.where(is_local, local, n_local)
+    local = experts - first_expert
+    is_local = (local >= 0) & (local < n_local)  # [n, top_k]
+    sort_key = jnp.where(is_local, local, n_local).reshape(-1)
     order = jnp.argsort(sort_key, stable=True)
-    token = order // top_k
-    group_sizes = jnp.bincount(sort_key, length=n_local + 1)[:n_local].astype(jnp.int32)
-    h = ragged_dot(x[token], gate_up.reshape(n_local, d_model, 2 * ffn), group_sizes)
+    # Counts and the way back are a compare-and-sum and a gather: XLA's scatter-adds (a
+    # bincount, an `.at[token].add`) took ~7% of a LLaDA-MoE generation on an H200.
+    group_sizes = jnp.sum(sort_key[:, None] == jnp.arange(n_local), axis=0, dtype=jnp.int32)
+    h = ragged_dot(x[order // top_k], gate_up.reshape(n_local, d_model, 2 * ffn), group_sizes)
     act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]
-    y = ragged_dot(act, down, group_sizes)
-    pair_weight = jnp.where(is_local, weights.reshape(-1), 0.0)[order].astype(x.dtype)
-    y = jnp.where(is_local[order][:, None], y * pair_weight[:, None], 0)
-    return jnp.zeros((n, d_model), x.dtype).at[token].add(y)
+    y = ragged_dot(act, down, group_sizes)[jnp.argsort(order)].reshape(n, top_k, d_model)
+    y = jnp.where(is_local[..., None], y, 0)  # rows outside every group may hold anything
+    pair_weight = jnp.where(is_local, weights, 0.0)
+    return jnp.einsum("nk,nkm->nm", pair_weight, y, preferred_element_type=jnp.float32).astype(
+        x.dtype
+    )
 
 
 def choose_moe_impl(impl: str, n_tokens: int, hopper_fits: bool = False) -> str:
