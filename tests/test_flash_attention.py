@@ -146,9 +146,7 @@ def test_compiled_fresh_window_on_gpu():
     key_valid = jnp.ones((1, 384), bool)
     window = layers.Window(160, keep_fresh=False)
     fresh = (k[:, 160:192], v[:, 160:192])
-    written = [
-        layers.write_window(b, f, window) for b, f in zip((stale_k, stale_v), fresh, strict=True)
-    ]
+    written = [layers.write_window(b, f, window) for b, f in zip((stale_k, stale_v), fresh)]
     ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, *written)), key_valid)
     ours = layers.attend_unwritten(
         q.reshape(1, 32, 8, 2, 128), *fresh, (stale_k, stale_v), key_valid, window
