@@ -6,9 +6,7 @@ Buffers are fixed-shape, one `(keys, values)` pair per layer, each
 parallelism). A refresh is a forward over the whole sequence that rewrites every
 position's K/V (and decodes the block from its logits, counting as one step). A cached step
 feeds a window of `W` positions; its fresh K/V replace the buffer inside the write range,
-and its queries attend to the whole buffer. (The split-K/V attention kernel reads them from
-the window instead and leaves the buffer as it was: the next refresh rewrites those
-positions before anything else reads them.) Semantics: ../shared/ALGORITHMS.md.
+and its queries attend to the whole buffer. Semantics: ../shared/ALGORITHMS.md.
 
 | policy   | cached step feeds                        | writes fresh K/V for             |
 |----------|------------------------------------------|----------------------------------|
@@ -68,18 +66,15 @@ class CachePolicy:
         raise ValueError(f"policy {self.name!r} has no cached window")
 
     def window(self, block_start: Array, prompt_len: int, block_len: int, seq_len: int) -> Window:
-        """The cached step's window for a block starting at `block_start`. Its K/V need not
-        stay in the buffers (`keep_fresh=False`): every block starts with a refresh, so a
-        cached step's writes are rewritten before any other forward reads them."""
+        """The cached step's window for a block starting at `block_start`."""
         if self.name == "dual":
-            return Window(block_start, keep_fresh=False)
+            return Window(block_start)
         if self.name == "prefix":
-            return Window(prompt_len, block_start, seq_len, keep_fresh=False)
+            return Window(prompt_len, block_start, seq_len)
         width = self.window_length(prompt_len, block_len, seq_len)
         lo = jnp.maximum(block_start - self.before, 0)
         hi = jnp.minimum(block_start + block_len + self.after, seq_len)
-        start = jnp.clip(block_start - self.before, 0, seq_len - width)
-        return Window(start, lo, hi, keep_fresh=False)
+        return Window(jnp.clip(block_start - self.before, 0, seq_len - width), lo, hi)
 
     def refresh_now(self, step_in_block: Array, step: Array) -> Array:
         """Whether a step (not a block's first) refreshes; `step` counts the whole generation."""

@@ -55,89 +55,62 @@ def fits(t: int, head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and t >= 1
 
 
-def _kernel(*refs, tiles, n_heads, group, split_len, splits, fresh):
-    """One (batch x head, query tile, key slice) program. Refs are whole arrays: q
-    [b, t, n, d], k/v [b, s, kv, d], bias [b, s]; with `fresh`, the window's k/v [b, w, kv, d]
-    and its range [3] (start, lo, hi); then out [b, slices, t, n, d] (fp32) and lse
-    [b, slices, t, n], or only the final out [b, t, n, d] when there is one slice. The slice
-    after the buffer's `splits` is the fresh window's."""
+def _kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, *, tiles, n_heads, group, split_len):
+    """One (batch x head, query tile, key slice) program. Refs are whole arrays:
+    q [b, t, n, d], k/v [b, s, kv, d], bias [b, s]; out [b, splits, t, n, d] (fp32 when split,
+    else the final [b, t, n, d]), lse [b, splits, t, n] or None."""
     from jax.experimental.pallas import triton as plgpu
 
-    q_ref, k_ref, v_ref, bias_ref = refs[:4]
-    fresh_k_ref, fresh_v_ref, range_ref = refs[4:7] if fresh else (None, None, None)
-    out_ref, *lse_ref = refs[7:] if fresh else refs[4:]
     row, q_tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     batch, head = row // n_heads, row % n_heads
     kv_head = head // group
     t, s, d = q_ref.shape[1], k_ref.shape[1], q_ref.shape[3]
-    q_ok = q_tile * tiles.block_q + jnp.arange(tiles.block_q) < t
+    queries = q_tile * tiles.block_q + jnp.arange(tiles.block_q)
+    q_ok = queries < t
     q = plgpu.load(
         q_ref.at[batch, pl.ds(q_tile * tiles.block_q, tiles.block_q), head, :],
         mask=q_ok[:, None],
         other=0.0,
     )
-    lanes = jnp.arange(tiles.block_k)
-    if fresh:
-        window_start, lo, hi = range_ref[0], range_ref[1], range_ref[2]
+    scale = d**-0.5
 
-    def update(carry, keys, values, bias):
-        """Online-softmax step over one block of keys ([block_k, d]) and their bias."""
+    def step(i, carry):
         acc, row_max, row_sum = carry
-        scores = jnp.dot(q, keys.T, preferred_element_type=jnp.float32) * d**-0.5
-        scores = scores + bias[None, :]
+        start = split * split_len + i * tiles.block_k
+        key_ok = start + jnp.arange(tiles.block_k) < s
+        keys = plgpu.load(
+            k_ref.at[batch, pl.ds(start, tiles.block_k), kv_head, :],
+            mask=key_ok[:, None],
+            other=0.0,
+        )
+        bias = plgpu.load(
+            bias_ref.at[batch, pl.ds(start, tiles.block_k)], mask=key_ok, other=MASKED
+        )
+        scores = jnp.dot(q, keys.T, preferred_element_type=jnp.float32) * scale + bias[None, :]
         new_max = jnp.maximum(row_max, scores.max(axis=-1))
         p = jnp.exp(scores - new_max[:, None])
         correction = jnp.exp(row_max - new_max)
+        values = plgpu.load(
+            v_ref.at[batch, pl.ds(start, tiles.block_k), kv_head, :],
+            mask=key_ok[:, None],
+            other=0.0,
+        )
         pv = jnp.dot(p.astype(values.dtype), values, preferred_element_type=jnp.float32)
         return acc * correction[:, None] + pv, new_max, row_sum * correction + p.sum(axis=-1)
-
-    def load_block(k_src, v_src, first, ok):
-        rows = pl.ds(first, tiles.block_k)
-        keys = plgpu.load(k_src.at[batch, rows, kv_head, :], mask=ok[:, None], other=0.0)
-        values = plgpu.load(v_src.at[batch, rows, kv_head, :], mask=ok[:, None], other=0.0)
-        return keys, values
-
-    def buffer_step(i, carry):
-        first = split * split_len + i * tiles.block_k
-        ok = first + lanes < s
-        bias = plgpu.load(bias_ref.at[batch, pl.ds(first, tiles.block_k)], mask=ok, other=MASKED)
-        if fresh:  # these keys come from the window's fresh K/V instead
-            taken = (first + lanes >= lo) & (first + lanes < hi)
-            bias = jnp.where(taken, MASKED, bias)
-        return update(carry, *load_block(k_ref, v_ref, first, ok), bias)
-
-    def fresh_step(i, carry):
-        first = i * tiles.block_k
-        ok = first + lanes < fresh_k_ref.shape[1]
-        position = window_start + first + lanes
-        bias = plgpu.load(
-            bias_ref.at[batch, pl.ds(window_start + first, tiles.block_k)], mask=ok, other=MASKED
-        )
-        bias = jnp.where((position >= lo) & (position < hi), bias, MASKED)
-        return update(carry, *load_block(fresh_k_ref, fresh_v_ref, first, ok), bias)
 
     carry = (
         jnp.zeros((tiles.block_q, d), jnp.float32),
         jnp.full((tiles.block_q,), MASKED, jnp.float32),
         jnp.zeros((tiles.block_q,), jnp.float32),
     )
-    buffer_steps = functools.partial(jax.lax.fori_loop, 0, split_len // tiles.block_k, buffer_step)
-    if fresh:
-        fresh_steps = functools.partial(
-            jax.lax.fori_loop, 0, pl.cdiv(fresh_k_ref.shape[1], tiles.block_k), fresh_step
-        )
-        carry = jax.lax.cond(split == splits, fresh_steps, buffer_steps, carry)
-    else:
-        carry = buffer_steps(carry)
-    acc, row_max, row_sum = carry
+    acc, row_max, row_sum = jax.lax.fori_loop(0, split_len // tiles.block_k, step, carry)
     out = (acc / row_sum[:, None]).astype(out_ref.dtype)
     rows = pl.ds(q_tile * tiles.block_q, tiles.block_q)
-    if not lse_ref:
+    if lse_ref is None:
         plgpu.store(out_ref.at[batch, rows, head, :], out, mask=q_ok[:, None])
     else:
         plgpu.store(out_ref.at[batch, split, rows, head, :], out, mask=q_ok[:, None])
-        lse = row_max + jnp.log(row_sum)
-        plgpu.store(lse_ref[0].at[batch, split, rows, head], lse, mask=q_ok)
+        plgpu.store(lse_ref.at[batch, split, rows, head], row_max + jnp.log(row_sum), mask=q_ok)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
@@ -146,7 +119,6 @@ def split_kv_attention(
     keys: Array,
     values: Array,
     key_valid: Array,
-    fresh: tuple[Array, Array, Array] | None = None,
     tiles: Tiles | None = None,
     interpret=False,
 ) -> Array:
@@ -154,9 +126,6 @@ def split_kv_attention(
 
     q: [batch, t, heads, head_dim]; keys, values: [batch, s, kv_heads, head_dim];
     key_valid: [batch, s] bool. Returns [batch, t, heads, head_dim] in q's dtype.
-    `fresh`: (keys, values, range) of a window not written into the buffer: keys and values
-    [batch, w, kv_heads, head_dim] for positions `range[0] + [0, w)`, of which those inside
-    `[range[1], range[2])` replace the buffer's keys (an int32 [3] range).
     `tiles`: the program shape (default: `tiles_for(t)`). `interpret=True` runs the kernel
     on any backend (for tests on CPUs).
     """
@@ -173,37 +142,36 @@ def split_kv_attention(
     block_q = min(tiles.block_q, max(16, pl.next_power_of_2(t)))
     split_len = tiles.block_k * pl.cdiv(pl.cdiv(s, tiles.splits), tiles.block_k)
     splits = pl.cdiv(s, split_len)
-    slices = splits + (fresh is not None)
     tiles = dataclasses.replace(tiles, block_q=block_q, splits=splits)
     bias = jnp.where(key_valid, 0.0, MASKED).astype(jnp.float32)
-    if slices == 1:
+    if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((b, t, n, d), q.dtype)]
     else:
         out_shape = [
-            jax.ShapeDtypeStruct((b, slices, t, n, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, slices, t, n), jnp.float32),
+            jax.ShapeDtypeStruct((b, splits, t, n, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, splits, t, n), jnp.float32),
         ]
     kernel = functools.partial(
-        _kernel,
-        tiles=tiles,
-        n_heads=n,
-        group=n // kv_heads,
-        split_len=split_len,
-        splits=splits,
-        fresh=fresh is not None,
+        _kernel, tiles=tiles, n_heads=n, group=n // kv_heads, split_len=split_len
     )
+    if splits == 1:
+        kernel = functools.partial(_no_lse, kernel)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(b * n, pl.cdiv(t, block_q), slices),
+        grid=(b * n, pl.cdiv(t, block_q), splits),
         compiler_params=plgpu.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
         ),
         interpret=interpret,
         name="split_kv_attention",
-    )(q, keys, values, bias, *(fresh or ()))
-    if slices == 1:
+    )(q, keys, values, bias)
+    if splits == 1:
         return outs[0]
     partial, lse = outs
-    weights = jax.nn.softmax(lse, axis=1)  # [b, slices, t, n]
+    weights = jax.nn.softmax(lse, axis=1)  # [b, splits, t, n]
     return jnp.einsum("bjtn,bjtnd->btnd", weights, partial).astype(q.dtype)
+
+
+def _no_lse(kernel, q_ref, k_ref, v_ref, bias_ref, out_ref):
+    kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, None)

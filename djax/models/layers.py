@@ -11,8 +11,7 @@ it feeds a *window* of `W` consecutive positions starting at `window.start`, wri
 their fresh K/V into the `[batch, seq, kv_heads, head_dim]` buffers (only inside
 `[window.write_lo, window.write_hi)` when given), lets the window's queries attend to every
 valid key of the whole buffer, and returns final hidden states for `hidden_len` positions
-starting `hidden_start` positions into the window. With `window.keep_fresh=False` the
-attention may instead read the fresh K/V from the window and return the buffers unwritten.
+starting `hidden_start` positions into the window.
 """
 
 from __future__ import annotations
@@ -69,19 +68,15 @@ class Window:
     `start` is the sequence position of the first input token (a traced scalar is fine).
     Fresh K/V are written for window positions in `[write_lo, write_hi)`; positions outside
     that range keep the buffer's cached K/V. `write_lo=None` writes the whole window.
-    `keep_fresh=False` says the caller will not read the window's K/V from the returned
-    buffers (a cached denoising step: the next refresh rewrites them first), so the
-    split-K/V kernel may attend to them without writing them.
     """
 
     start: Any = 0
     write_lo: Any = None
     write_hi: Any = None
-    keep_fresh: bool = True
 
 
 jax.tree_util.register_dataclass(
-    Window, data_fields=["start", "write_lo", "write_hi"], meta_fields=["keep_fresh"]
+    Window, data_fields=["start", "write_lo", "write_hi"], meta_fields=[]
 )
 
 
@@ -153,32 +148,6 @@ def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "
     return jnp.einsum("bkgts,bskd->btkgd", probs, values)
 
 
-def attend_unwritten(
-    q: Array, k: Array, v: Array, kv: LayerKV, key_valid: Array, window: Window
-) -> Array:
-    """`attend` against the buffers with the window's fresh K/V in its write range, through
-    the split-K/V kernel and without writing them into the buffers.
-
-    q: [batch, W, kv_heads, group, head_dim]; k, v: [batch, W, kv_heads, head_dim].
-    """
-    b, w, kh, g, d = q.shape
-    lo = window.start if window.write_lo is None else jnp.maximum(window.write_lo, window.start)
-    hi = (
-        window.start + w
-        if window.write_hi is None
-        else jnp.minimum(window.write_hi, window.start + w)
-    )
-    fresh_range = jnp.stack([window.start, lo, hi]).astype(jnp.int32)
-    out = flash_attention.split_kv_attention(
-        q.reshape(b, w, kh * g, d),
-        *kv,
-        key_valid,
-        fresh=(k, v, fresh_range),
-        interpret=jax.default_backend() != "gpu",
-    )
-    return out.reshape(q.shape)
-
-
 def _attend_cudnn(q: Array, keys: Array, values: Array, key_valid: Array) -> Array:
     b, t, k, g, d = q.shape
     mask = jnp.broadcast_to(key_valid[:, None, None, :], (b, 1, t, keys.shape[1]))
@@ -238,15 +207,12 @@ class Attention(nn.Module):
             q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
         q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_dim)
         k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_dim)
+        keys = write_window(None if kv is None else kv[0], k, window)
+        values = write_window(None if kv is None else kv[1], v, window)
         impl = resolve_attention_impl(self.attention_impl, x.shape[1], cfg.head_dim, q.dtype)
-        if impl == "split_kv" and kv is not None and not window.keep_fresh:
-            out, new_kv = attend_unwritten(q, k, v, kv, key_valid, window), kv
-        else:
-            keys = write_window(None if kv is None else kv[0], k, window)
-            values = write_window(None if kv is None else kv[1], v, window)
-            out, new_kv = attend(q, keys, values, key_valid, impl), (keys, values)
+        out = attend(q, keys, values, key_valid, impl)
         y = jnp.einsum("btkgd,kgdm->btm", out, out_kernel)
-        return _sum_over(y, self.axis_name), new_kv
+        return _sum_over(y, self.axis_name), (keys, values)
 
 
 class GatedMLP(nn.Module):
