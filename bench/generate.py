@@ -5,8 +5,8 @@ threshold decoder with the dual cache. Random bf16 weights built on the device (
 threshold decoder commits about one token per forward: its row shows the per-forward cost).
 
 The physical limit of a run is its refreshes at the measured matmul rate plus its other
-forwards at the HBM floor; tokens/s is reported beside it. Compile time is measured for a
-new shape and again from the persistent compilation cache.
+forwards at the HBM floor; tokens/s is reported beside it, with each program's compile time
+(`bench.compile` measures it from the persistent cache, in a fresh process).
 
     python bench/generate.py [--models dense moe] [--tiny]
 """
@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import tempfile
 
-import jax
 import numpy as np
 
 from bench.common import SETTING, bench_model, measure_ceilings, model_config, save, weight_bytes
@@ -55,14 +54,6 @@ def run_case(
     }
 
 
-def cached_compile_seconds(model: Model, config: GenerationConfig) -> float:
-    """Compile again after dropping this process's caches: the persistent cache answers."""
-    engine._EXECUTABLES.clear()
-    jax.clear_caches()
-    out = generate(model, [list(range(10, 110))], config)
-    return out.stats.compile_seconds
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["dense", "moe"])
@@ -89,15 +80,6 @@ def main() -> None:
                     row = run_case(model, prompt_len, case, ceilings, args.repeats)
                     rows.append({"model": name, "attention_impl": impl, **row})
                     print(rows[-1])
-        rows.append(
-            {
-                "model": name,
-                "compile_s_from_persistent_cache": cached_compile_seconds(
-                    model, dataclasses.replace(base, cache="dual")
-                ),
-            }
-        )
-        print(rows[-1])
         del model
     save(
         "generate",

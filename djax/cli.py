@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--expert-parallel", type=int, default=1, help="split MoE experts over M devices"
     )
-    gen.add_argument("--attention-impl", default="auto", help="auto (cudnn on GPU) | xla | cudnn")
+    gen.add_argument(
+        "--attention-impl", default="auto", help="auto (split_kv on GPUs) | xla | cudnn | split_kv"
+    )
     gen.add_argument(
         "--moe-impl", default="auto", help="auto (hopper on H100/H200) | grouped | dense | hopper"
     )

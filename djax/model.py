@@ -93,7 +93,7 @@ def load(
 
     dtype: compute and storage dtype (default: bf16 on GPU/TPU, fp32 on CPU). mesh: a
     `jax.sharding.Mesh` from `djax.make_mesh` to load straight into shards. options:
-    module options (`attention_impl="auto"|"xla"|"cudnn"`,
+    module options (`attention_impl="auto"|"xla"|"cudnn"|"split_kv"`,
     `moe_impl="auto"|"grouped"|"dense"|"hopper"`).
     """
     folder = Path(path)
