@@ -51,34 +51,41 @@ def test_matches_einsum_attention(tiles, t, s):
 
 
 def test_bf16_close_to_fp32():
-    q, k, v = _problem(1, 32, 4, 4, 64, 160, jnp.bfloat16, seed=1)
-    key_valid = jnp.ones((1, 160), bool)
+    """bf16 inputs, three key slices, the second row padded past the first slice."""
+    q, k, v = _problem(2, 32, 4, 4, 64, 160, jnp.bfloat16, seed=1)
+    key_valid = jnp.arange(160)[None, :] >= jnp.array([[0], [70]])
     ours = split_kv_attention(q, k, v, key_valid, tiles=Tiles(splits=3), interpret=True)
+    assert not jnp.isnan(ours).any()
     assert ours.dtype == jnp.bfloat16
     ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k, v)), key_valid)
     err = float(jnp.linalg.norm(ours.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
     assert err <= 1e-2, err
 
 
-def test_shape_errors():
+def test_shape_and_tile_errors():
     q, k, v = _problem(1, 8, 4, 2, 24, 32)
     with pytest.raises(ValueError, match=r"q \(1, 8, 4, 24\).*power-of-two head dim >= 16"):
         split_kv_attention(q, k, v, jnp.ones((1, 32), bool), interpret=True)
     q, k, v = _problem(1, 8, 3, 2, 16, 32)
     with pytest.raises(ValueError, match="heads a multiple of kv heads"):
         split_kv_attention(q, k, v, jnp.ones((1, 32), bool), interpret=True)
+    q, k, v = _problem(1, 8, 4, 2, 16, 32)
+    with pytest.raises(ValueError, match="block_q and block_k must be powers of two >= 16"):
+        split_kv_attention(q, k, v, jnp.ones((1, 32), bool), tiles=Tiles(block_k=48))
 
 
 def test_auto_choice(monkeypatch):
-    assert layers.resolve_attention_impl("auto", 32, 128) == "xla"  # on the CPU
+    assert layers.resolve_attention_impl("auto", 128) == "xla"  # on the CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert layers.resolve_attention_impl("auto", 32, 128) == "split_kv"
-    assert layers.resolve_attention_impl("auto", 384, 128) == "split_kv"
-    assert layers.resolve_attention_impl("auto", 32, 8) == "cudnn"  # tiles do not fit
-    assert layers.resolve_attention_impl("split_kv", 384, 128) == "split_kv"
-    assert layers.resolve_attention_impl("auto", 32, 128, jnp.float32) == "xla"
+    assert layers.resolve_attention_impl("auto", 128) == "split_kv"
+    assert layers.resolve_attention_impl("auto", 8) == "cudnn"  # tiles do not fit
+    assert layers.resolve_attention_impl("split_kv", 8) == "split_kv"
+    assert layers.resolve_attention_impl("auto", 128, jnp.float32) == "xla"
+
+
+def test_cudnn_refuses_fp32(dense_model):
     with pytest.raises(ValueError, match="'cudnn' takes bf16 or fp16 inputs; got float32"):
-        layers.resolve_attention_impl("cudnn", 32, 128, jnp.float32)
+        djax.forward_logits(dense_model.with_options(attention_impl="cudnn"), [[4, 5, 6]])
 
 
 @pytest.mark.parametrize("cache", ["dual", "none"])

@@ -3,13 +3,13 @@ kernel: djax's GPU attention for denoising blocks against a long K/V buffer, and
 slice and larger query tiles) for refreshes.
 
 A denoising block forward has few queries (32) and a few hundred keys. cuDNN's fused
-attention spends ~12.7 µs per LLaDA-8B layer on that shape on an H200 while reading only
+attention spends 12.7-16.7 µs per LLaDA-8B layer on that shape on an H200 while reading only
 6 MB (bench/NOTES.md): one program per head is too little parallelism to hide memory
 latency. Here each program takes one query head, one tile of queries and one slice of the
 keys; slices are merged afterwards by their log-sum-exp. K/V are read in the engine's
 `[batch, seq, kv_heads, head_dim]` buffer layout through strides, so nothing is transposed.
-The padding mask is a per-key bias, where cuDNN takes a dense `[t, s]` mask: that costs
-cuDNN 40-90% at every shape measured (bench/NOTES.md).
+The padding mask is a per-key bias, where cuDNN takes a dense `[t, s]` mask: with it cuDNN
+takes 1.6-2.0x as long as without, at every shape measured (bench/NOTES.md).
 
 Semantics are `layers.attend`'s: bidirectional attention with a key-padding mask, scores in
 fp32, probabilities cast to the value dtype before the value product.
@@ -25,9 +25,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 Array = jax.Array
-MASKED = (
-    -1e30
-)  # additive score bias of a padding key (finite: a split of only padding stays NaN-free)
+# The additive score bias of a padding key: finite, so a slice of only padding keys stays
+# NaN-free (its log-sum-exp is ~-1e30 and it gets no weight in the merge). A query row whose
+# keys are all padding (a dummy row) gets an average over slices, not the einsums' uniform one.
+MASKED = -1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +50,14 @@ def tiles_for(t: int) -> Tiles:
     return Tiles() if t <= 64 else Tiles(block_q=64, splits=1, num_stages=2)
 
 
-def fits(t: int, head_dim: int) -> bool:
-    """Whether the kernel takes this shape: Triton tiles are powers of two and at least 16
-    wide, so the head dim must be one (a query window of any length is tiled and masked)."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and t >= 1
+def _power_of_two_from_16(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def fits(head_dim: int) -> bool:
+    """Whether the kernel takes this head dim: Triton tiles are powers of two and at least 16
+    wide (a query window of any length is tiled and masked)."""
+    return _power_of_two_from_16(head_dim)
 
 
 def _kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, *, tiles, n_heads, group, split_len):
@@ -61,8 +66,8 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, *, tiles, n_heads, 
     else the final [b, t, n, d]), lse [b, splits, t, n] or None."""
     from jax.experimental.pallas import triton as plgpu
 
-    row, q_tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    batch, head = row // n_heads, row % n_heads
+    batch_head, q_tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    batch, head = batch_head // n_heads, batch_head % n_heads
     kv_head = head // group
     t, s, d = q_ref.shape[1], k_ref.shape[1], q_ref.shape[3]
     queries = q_tile * tiles.block_q + jnp.arange(tiles.block_q)
@@ -120,7 +125,7 @@ def split_kv_attention(
     values: Array,
     key_valid: Array,
     tiles: Tiles | None = None,
-    interpret=False,
+    interpret: bool = False,
 ) -> Array:
     """Bidirectional grouped-query attention with a key-padding mask.
 
@@ -133,12 +138,14 @@ def split_kv_attention(
 
     b, t, n, d = q.shape
     s, kv_heads = keys.shape[1], keys.shape[2]
-    if not fits(t, d) or n % kv_heads:
+    if not fits(d) or n % kv_heads:
         raise ValueError(
             f"split_kv_attention: q {q.shape}, keys {keys.shape}; expected a power-of-two "
             "head dim >= 16 and heads a multiple of kv heads"
         )
     tiles = tiles or tiles_for(t)
+    if not (_power_of_two_from_16(tiles.block_q) and _power_of_two_from_16(tiles.block_k)):
+        raise ValueError(f"{tiles}: block_q and block_k must be powers of two >= 16")
     block_q = min(tiles.block_q, max(16, pl.next_power_of_2(t)))
     split_len = tiles.block_k * pl.cdiv(pl.cdiv(s, tiles.splits), tiles.block_k)
     splits = pl.cdiv(s, split_len)

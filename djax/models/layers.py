@@ -32,10 +32,8 @@ NEG_INF = -1e30
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "split_kv")
 
 
-def resolve_attention_impl(
-    impl: str, queries: int | None = None, head_dim: int = 128, dtype: Any = jnp.bfloat16
-) -> str:
-    """The attention implementation for a window of `queries` positions in `dtype`.
+def resolve_attention_impl(impl: str, head_dim: int = 128, dtype: Any = jnp.bfloat16) -> str:
+    """The attention implementation for heads of `head_dim` in `dtype`.
 
     `auto` on GPUs with 16-bit inputs is djax's split-K/V Pallas kernel where its tiles fit
     the head dim, else cuDNN's fused attention; XLA's einsums for fp32 and off GPUs. On an
@@ -54,7 +52,7 @@ def resolve_attention_impl(
         return impl
     if jax.default_backend() != "gpu" or not half:
         return "xla"
-    return "split_kv" if flash_attention.fits(queries or 1, head_dim) else "cudnn"
+    return "split_kv" if flash_attention.fits(head_dim) else "cudnn"
 
 
 def init_normal(stddev: float = 0.02):
@@ -209,7 +207,7 @@ class Attention(nn.Module):
         k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_dim)
         keys = write_window(None if kv is None else kv[0], k, window)
         values = write_window(None if kv is None else kv[1], v, window)
-        impl = resolve_attention_impl(self.attention_impl, x.shape[1], cfg.head_dim, q.dtype)
+        impl = resolve_attention_impl(self.attention_impl, cfg.head_dim, q.dtype)
         out = attend(q, keys, values, key_valid, impl)
         y = jnp.einsum("btkgd,kgdm->btm", out, out_kernel)
         return _sum_over(y, self.axis_name), (keys, values)
@@ -258,7 +256,8 @@ class TransformerLM(nn.Module):
 
     def setup(self):
         cfg = self.config
-        resolve_attention_impl(self.attention_impl)  # a bad name fails before any layer runs
+        # a bad name or dtype fails before any layer runs
+        resolve_attention_impl(self.attention_impl, cfg.head_dim, self.dtype)
         self.embedding = self.param(
             "embed", init_normal(), (cfg.vocab_size, cfg.d_model), self.dtype
         )

@@ -143,14 +143,15 @@ def experts_grouped(
     is_local = (local >= 0) & (local < n_local)  # [n, top_k]
     sort_key = jnp.where(is_local, local, n_local).reshape(-1)
     order = jnp.argsort(sort_key, stable=True)
-    # Counts and the way back are a compare-and-sum and a gather: XLA's scatter-adds (a
-    # bincount, an `.at[token].add`) took ~7% of a LLaDA-MoE generation on an H200.
+    # Counts are a compare-and-sum and the way back a gather through the inverse permutation:
+    # XLA's scatter-adds (a bincount, an `.at[token].add`) took ~7% of a LLaDA-MoE
+    # generation on an H200.
     group_sizes = jnp.sum(sort_key[:, None] == jnp.arange(n_local), axis=0, dtype=jnp.int32)
     h = ragged_dot(x[order // top_k], gate_up.reshape(n_local, d_model, 2 * ffn), group_sizes)
     act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]
     y = ragged_dot(act, down, group_sizes)[jnp.argsort(order)].reshape(n, top_k, d_model)
     y = jnp.where(is_local[..., None], y, 0)  # rows outside every group may hold anything
-    pair_weight = jnp.where(is_local, weights, 0.0)
+    pair_weight = jnp.where(is_local, weights, 0.0).astype(x.dtype)
     return jnp.einsum("nk,nkm->nm", pair_weight, y, preferred_element_type=jnp.float32).astype(
         x.dtype
     )
