@@ -71,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = model_config(args.model, args.tiny)
     n, kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    interpret = jax.default_backend() != "gpu"
+    impls = implementations(jax.default_backend() != "gpu")
     rows = []
     for shape in args.shapes:
         t, s = (int(v) for v in shape.split("x"))
@@ -81,7 +81,7 @@ def main() -> None:
         v = jax.random.normal(keys[2], (1, s, kv, d), jnp.bfloat16)
         valid = jnp.ones((1, s), bool)
         f32 = [a.astype(jnp.float32) for a in (q, k, v)]
-        reference = implementations(interpret)[0][1](*f32, valid)
+        reference = impls[0][1](*f32, valid)  # einsums in fp32
 
         def step(q, k, v, valid, run=None):
             return q + (1e-3 * run(q, k, v, valid)).astype(q.dtype)
@@ -89,7 +89,7 @@ def main() -> None:
         base = time_in_program(lambda q, k, v, valid: q + 1e-3 * q, q, args.iters, k, v, valid)
         rows.append({"queries": t, "keys": s, "impl": "step_only", "us": 1e6 * base})
         print(rows[-1], flush=True)
-        for label, run in implementations(interpret):
+        for label, run in impls:
             row = {"queries": t, "keys": s, "impl": label}
             try:
                 out = jax.jit(run)(q, k, v, valid).astype(jnp.float32)

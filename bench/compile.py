@@ -19,7 +19,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 
 from bench.common import SETTING, bench_model, model_config, save
 from djax import engine
@@ -42,13 +41,7 @@ def phases(model, prompt_len: int) -> dict:
     DURATIONS.clear()
     rows = [list(range(10, 10 + prompt_len))]
     plan, _ = engine.make_plan(model, SETTING, 1, prompt_len)
-    inputs = engine.build_inputs(rows, plan, model.config.pad_token_id)
-    names = ("tokens", "key_valid", "positions")
-
-    def fresh():  # the program donates its row inputs
-        return (model.params, *(jnp.asarray(inputs[k]) for k in names), jax.random.key(0))
-
-    args = fresh()
+    args = engine.program_args(model, plan, rows, SETTING.seed)
     start = time.perf_counter()
     lowered = engine._program(model, plan).lower(*args)
     lowered_at = time.perf_counter()
@@ -56,7 +49,7 @@ def phases(model, prompt_len: int) -> dict:
     compiled_at = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     first_at = time.perf_counter()
-    args = fresh()
+    args = engine.program_args(model, plan, rows, SETTING.seed)  # the first run donated them
     again_at = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     return {

@@ -303,6 +303,20 @@ def _program(model: Model, plan: Plan) -> Any:
 _EXECUTABLES: dict[tuple, Any] = {}
 
 
+def program_args(model: Model, plan: Plan, rows: list[list[int]], seed: int) -> tuple:
+    """The generation program's arguments: (params, tokens, key_valid, positions, key), the
+    row arrays placed on the model's mesh when it has one. The program donates the rows."""
+    inputs = build_inputs(rows, plan, model.config.pad_token_id)
+    names = ("tokens", "key_valid", "positions")
+    if model.mesh is None:
+        placed = [jnp.asarray(inputs[k]) for k in names]
+    else:
+        from djax.sharding import place_rows
+
+        placed = [place_rows(model.mesh, inputs[k]) for k in names]
+    return (model.params, *placed, jax.random.key(seed))
+
+
 def executable(model: Model, plan: Plan, args: tuple) -> tuple[Any, float]:
     """The compiled program for these arguments' shapes, and the seconds spent compiling it
     now (0 when this process compiled it before; from the persistent cache it is small)."""
@@ -335,15 +349,7 @@ def generate(
     rows = tokenize(model, prompts, chat)
     _check_prompts(model, rows)
     plan, notes = make_plan(model, config, len(rows), max(len(r) for r in rows))
-    inputs = build_inputs(rows, plan, model.config.pad_token_id)
-    names = ("tokens", "key_valid", "positions")
-    if model.mesh is None:
-        rows = [jnp.asarray(inputs[k]) for k in names]
-    else:
-        from djax.sharding import place_rows
-
-        rows = [place_rows(model.mesh, inputs[k]) for k in names]
-    args = (model.params, *rows, jax.random.key(config.seed))
+    args = program_args(model, plan, rows, config.seed)
     program, compile_seconds = executable(model, plan, args)
     start = time.perf_counter()
     out = jax.block_until_ready(program(*args))
