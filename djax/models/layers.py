@@ -28,7 +28,6 @@ from djax.models import flash_attention
 
 Array = jax.Array
 LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, head_dim]
-NEG_INF = -1e30
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "split_kv")
 
 
@@ -141,7 +140,7 @@ def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "
         return out.reshape(q.shape)
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
-    scores = jnp.where(key_valid[:, None, None, None, :], scores * scale, NEG_INF)
+    scores = jnp.where(key_valid[:, None, None, None, :], scores * scale, flash_attention.MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, values)
 
