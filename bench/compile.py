@@ -1,8 +1,9 @@
 """Compile time of the generation program at the compared setting (prompt 128, `SETTING`):
 tracing and lowering, XLA's compile, and the first run, for a new shape and then again from
 the persistent compilation cache. Each leg is a fresh Python process sharing one cache
-folder, as when a user starts djax again. JAX's own monitoring events say whether the
-persistent cache answered and where the seconds went.
+folder, as when a user starts djax again: the second leg reads the lowered program back
+(`djax.program_cache`) and XLA's executable from the cache. JAX's own monitoring events say
+whether the persistent cache answered and where the seconds went.
 
     python -m bench.compile [--models dense moe] [--tiny]
 """
@@ -17,11 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 
 from bench.common import SETTING, bench_model, model_config, save
-from djax import engine
+from djax import engine, program_cache
 from djax.xla_options import compiler_options
 
 EVENTS: collections.Counter = collections.Counter()
@@ -42,8 +44,10 @@ def phases(model, prompt_len: int) -> dict:
     rows = [list(range(10, 10 + prompt_len))]
     plan, _ = engine.make_plan(model, SETTING, 1, prompt_len)
     args = engine.program_args(model, plan, rows, SETTING.seed)
+    programs = Path(jax.config.jax_compilation_cache_dir) / program_cache.FOLDER
+    saved_before = len(list(programs.glob("*"))) if programs.exists() else 0
     start = time.perf_counter()
-    lowered = engine._program(model, plan).lower(*args)
+    lowered = engine.lower(model, plan, args)
     lowered_at = time.perf_counter()
     compiled = lowered.compile(compiler_options(jax.default_backend()))
     compiled_at = time.perf_counter()
@@ -57,6 +61,7 @@ def phases(model, prompt_len: int) -> dict:
         "compile_s": compiled_at - lowered_at,
         "first_run_s": first_at - compiled_at,
         "run_s": time.perf_counter() - again_at,
+        "saved_programs_before": saved_before,
         "cache_events": {k: v for k, v in EVENTS.items() if "cache" in k},
         "durations_s": {k: round(v, 3) for k, v in DURATIONS.items() if v >= 0.05},
     }

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from djax import program_cache
 from djax.decoders import DECODERS, FIXED_DECODERS, DecoderSpec
 from djax.diffusion import Plan, run_generation
 from djax.kv_cache import POLICIES, CachePolicy
@@ -317,6 +318,19 @@ def program_args(model: Model, plan: Plan, rows: list[list[int]], seed: int) -> 
     return (model.params, *placed, jax.random.key(seed))
 
 
+def lower(model: Model, plan: Plan, args: tuple) -> jax.stages.Lowered:
+    """The generation program lowered for these arguments: traced and lowered here, or read
+    back from the programs saved beside the persistent compilation cache (`program_cache`)."""
+    description = (model.config, str(model.dtype), model.options, repr(model.mesh), plan)
+    return program_cache.lower(
+        _program(model, plan),
+        args,
+        description,
+        jax.config.jax_compilation_cache_dir,
+        donate_argnums=(1,),
+    )
+
+
 def executable(model: Model, plan: Plan, args: tuple) -> tuple[Any, float]:
     """The compiled program for these arguments' shapes, and the seconds spent compiling it
     now (0 when this process compiled it before; from the persistent cache it is small)."""
@@ -327,7 +341,7 @@ def executable(model: Model, plan: Plan, args: tuple) -> tuple[Any, float]:
     if key in _EXECUTABLES:
         return _EXECUTABLES[key], 0.0
     start = time.perf_counter()
-    compiled = _program(model, plan).lower(*args).compile(options)
+    compiled = lower(model, plan, args).compile(options)
     _EXECUTABLES[key] = compiled
     return compiled, time.perf_counter() - start
 

@@ -1,0 +1,103 @@
+"""Generation programs kept after tracing and lowering, so a new process skips both.
+
+JAX's persistent compilation cache (`engine.enable_compile_cache`) stores XLA's executables
+under a key computed from the lowered module, so every new process first traces and lowers
+the whole generation program again: on an H100 1.6 s for LLaDA-8B and 5.0 s for LLaDA-MoE,
+2.7 s of which lowers the Mosaic GPU expert kernels (bench/NOTES.md). Here a lowered program
+is saved as a `jax.export` artifact (serialized StableHLO) in a `programs/` folder beside
+the XLA cache. A new process reads it back, lowers only the call into it, and XLA's cache
+answers the compile.
+
+The key is a digest of everything that shapes the program: djax's own source files, the
+jax and jaxlib versions, every `jax.config` value, the devices, the caller's description
+of the program (model config, dtype, options, mesh, plan) and the structure, shapes, dtypes
+and shardings of its arguments. Any change gives a new key, never a stale program.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jaxlib
+
+FOLDER = "programs"
+# The artifacts never leave this machine's cache and are keyed by the exact jax and jaxlib
+# versions, so custom calls without a cross-version stability promise (Pallas Triton
+# kernels, cuDNN attention) are safe to keep.
+_CHECKS = (jax.export.DisabledSafetyCheck.custom_call("ALL"),)
+
+
+@functools.cache
+def _source_digest() -> str:
+    """sha256 of every djax source file (path and bytes)."""
+    root = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def program_key(description: tuple, args: tuple) -> str:
+    """The cache key of the program `description` names, called with `args`."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    arguments = [
+        (leaf.shape, str(leaf.dtype), str(getattr(leaf, "sharding", None))) for leaf in leaves
+    ]
+    parts = (
+        _source_digest(),
+        jax.__version__,
+        jaxlib.__version__,
+        sorted((k, repr(v)) for k, v in jax.config.values.items()),
+        [(d.platform, d.device_kind, d.id) for d in jax.devices()],
+        description,
+        str(tree),
+        arguments,
+    )
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def lower(
+    program: Any, args: tuple, description: tuple, folder: str | None, donate_argnums=()
+) -> jax.stages.Lowered:
+    """`program.lower(*args)`, through the saved export of the same program when `folder`
+    (the XLA cache folder) holds one; else the program is exported and saved there first.
+    With `folder=None` nothing is read or written."""
+    if not folder:
+        return program.lower(*args)
+    path = Path(folder) / FOLDER / f"{program_key(description, args)}.jax_exported"
+    exported = _read(path)
+    if exported is None:
+        exported = jax.export.export(program, disabled_checks=_CHECKS)(*args)
+        _write(path, exported.serialize())
+    return jax.jit(exported.call, donate_argnums=donate_argnums).lower(*args)
+
+
+def _read(path: Path) -> jax.export.Exported | None:
+    if not path.exists():
+        return None
+    try:
+        return jax.export.deserialize(bytearray(path.read_bytes()))
+    except Exception as err:  # a truncated or foreign file: export again and replace it
+        warnings.warn(f"{path}: unreadable saved program ({err}); exporting it again", stacklevel=3)
+        return None
+
+
+def _write(path: Path, blob: bytes) -> None:
+    """Write atomically (a rename), so a concurrent reader never sees half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
+            tmp.write(blob)
+        os.replace(tmp.name, path)
+    except OSError as err:
+        warnings.warn(
+            f"{path}: could not save the lowered program ({err}); continuing", stacklevel=3
+        )

@@ -1,0 +1,108 @@
+"""Saved generation programs (`djax.program_cache`): read back instead of traced again, the
+same tokens as the program lowered directly, and a new key for anything that changes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import djax
+from djax import engine, program_cache
+from djax.sharding import make_mesh
+
+CONFIG = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+ROWS = [[5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+def _setup(model, rows=ROWS, config=CONFIG):
+    plan, _ = engine.make_plan(model, config, len(rows), max(map(len, rows)))
+    return plan, engine._program(model, plan)
+
+
+def _tokens(lowered, model, plan, rows=ROWS):
+    args = engine.program_args(model, plan, rows, seed=0)  # fresh: the program donates rows
+    return np.asarray(lowered.compile()(*args)["tokens"])
+
+
+def _refuse_export(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the program was exported again")
+
+    monkeypatch.setattr(jax.export, "export", refuse)
+
+
+def _lower(model, plan, program, folder):
+    args = engine.program_args(model, plan, ROWS, seed=0)
+    return program_cache.lower(program, args, ("test", plan), folder, donate_argnums=(1,))
+
+
+def test_saved_program_is_read_back_with_the_same_tokens(dense_model, tmp_path, monkeypatch):
+    plan, program = _setup(dense_model)
+    direct = _tokens(
+        program.lower(*engine.program_args(dense_model, plan, ROWS, 0)), dense_model, plan
+    )
+    first = _lower(dense_model, plan, program, str(tmp_path))
+    saved = list((tmp_path / program_cache.FOLDER).iterdir())
+    assert len(saved) == 1 and saved[0].suffix == ".jax_exported"
+    _refuse_export(monkeypatch)
+    second = _lower(dense_model, plan, program, str(tmp_path))
+    np.testing.assert_array_equal(_tokens(first, dense_model, plan), direct)
+    np.testing.assert_array_equal(_tokens(second, dense_model, plan), direct)
+
+
+def test_no_folder_lowers_directly(dense_model, monkeypatch):
+    plan, program = _setup(dense_model)
+    _refuse_export(monkeypatch)
+    lowered = _lower(dense_model, plan, program, None)
+    assert _tokens(lowered, dense_model, plan).shape == (1, plan.seq_len)
+
+
+def test_key_changes_with_description_and_shapes(dense_model):
+    plan, _ = _setup(dense_model)
+    args = engine.program_args(dense_model, plan, ROWS, seed=0)
+    key = program_cache.program_key(("test", plan), args)
+    assert key == program_cache.program_key(("test", plan), args)
+    assert key != program_cache.program_key(("other", plan), args)
+    longer, _ = _setup(dense_model, config=CONFIG.__class__(gen_length=24, block_length=8))
+    assert key != program_cache.program_key(
+        ("test", plan), engine.program_args(dense_model, longer, ROWS, seed=0)
+    )
+    in_bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), dense_model.params)
+    assert key != program_cache.program_key(("test", plan), (in_bf16, *args[1:]))
+
+
+def test_unreadable_file_is_exported_again(dense_model, tmp_path):
+    plan, program = _setup(dense_model)
+    args = engine.program_args(dense_model, plan, ROWS, seed=0)
+    path = tmp_path / program_cache.FOLDER / f"{program_cache.program_key(('test', plan), args)}"
+    path = path.with_suffix(".jax_exported")
+    path.parent.mkdir()
+    path.write_bytes(b"not an exported program")
+    with pytest.warns(UserWarning, match="unreadable saved program"):
+        lowered = _lower(dense_model, plan, program, str(tmp_path))
+    assert jax.export.deserialize(bytearray(path.read_bytes())).in_avals
+    direct = program.lower(*engine.program_args(dense_model, plan, ROWS, 0))
+    np.testing.assert_array_equal(
+        _tokens(lowered, dense_model, plan), _tokens(direct, dense_model, plan)
+    )
+
+
+def test_unwritable_folder_warns_and_still_lowers(dense_model, tmp_path):
+    plan, program = _setup(dense_model)
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    with pytest.warns(UserWarning, match="could not save the lowered program"):
+        lowered = _lower(dense_model, plan, program, str(not_a_folder))
+    assert _tokens(lowered, dense_model, plan).shape == (1, plan.seq_len)
+
+
+def test_tensor_parallel_program_round_trips(dense_folder, dense_model, tmp_path, monkeypatch):
+    sharded = djax.load(dense_folder[0], dtype=jnp.float32, mesh=make_mesh(tensor_parallel=2))
+    plan, program = _setup(sharded)
+    _lower(sharded, plan, program, str(tmp_path))
+    _refuse_export(monkeypatch)
+    read_back = _lower(sharded, plan, program, str(tmp_path))
+    single = djax.generate(dense_model, ROWS, CONFIG)
+    np.testing.assert_array_equal(
+        _tokens(read_back, sharded, plan)[:, plan.prompt_len :], single.answer_ids
+    )
