@@ -91,9 +91,10 @@ def main() -> None:
             command = [sys.executable, "-m", "bench.compile", "--leg", name]
             command += ["--prompt", str(args.prompt)] + (["--tiny"] if args.tiny else [])
             env = {**os.environ, "DJAX_COMPILE_CACHE": cache}
-            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-            row = next(line for line in done.stdout.splitlines() if line.startswith("ROW "))
-            rows.append({"model": name, "when": when, **json.loads(row[4:])})
+            done = subprocess.run(command, env=env, capture_output=True, text=True)
+            row = next((line for line in done.stdout.splitlines() if line.startswith("ROW ")), "")
+            result = json.loads(row[4:]) if row else {"error": done.stderr[-3000:]}
+            rows.append({"model": name, "when": when, **result})
             print(rows[-1], flush=True)
     save("compile", {"setting": SETTING.__dict__, "prompt_len": args.prompt, "results": rows})
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import os
 import tempfile
 import warnings
@@ -32,6 +33,9 @@ FOLDER = "programs"
 # versions, so custom calls without a cross-version stability promise (Pallas Triton
 # kernels, cuDNN attention) are safe to keep.
 _CHECKS = (jax.export.DisabledSafetyCheck.custom_call("ALL"),)
+# Custom calls whose runtime is registered with XLA when a Python module is imported. A
+# process that reads a program back never traces its kernels, so it imports them itself.
+_RUNTIMES = {b"mosaic_gpu": "jax.experimental.mosaic.gpu"}
 
 
 @functools.cache
@@ -83,8 +87,12 @@ def lower(
 def _read(path: Path) -> jax.export.Exported | None:
     if not path.exists():
         return None
+    blob = path.read_bytes()
+    for call_target, module in _RUNTIMES.items():
+        if call_target in blob:
+            importlib.import_module(module)
     try:
-        return jax.export.deserialize(bytearray(path.read_bytes()))
+        return jax.export.deserialize(bytearray(blob))
     except Exception as err:  # a truncated or foreign file: export again and replace it
         warnings.warn(f"{path}: unreadable saved program ({err}); exporting it again", stacklevel=3)
         return None
