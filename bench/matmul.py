@@ -1,48 +1,54 @@
 """A layer's weight matmuls with their neighbours, XLA against djax's fused Pallas kernel, at
-the row counts a generation runs (32 for a denoising block, 384 for a refresh).
+the row counts of a denoising block (32 per row of the batch).
 
 Forms (one LLaDA layer): `qkv` = rms_norm(x) @ w_qkv; `out` = residual + a @ w_out;
-`gate_up` = silu(rms_norm(x) @ w_gate) * (rms_norm(x) @ w_up); `down` = residual + a @ w_down.
-`xla` is the model's own code for the form (XLA fuses what it can around the matmul);
-`fused` is `djax.models.fused_matmul` at its default tiles and at each tiling of the sweep.
-Each is checked against fp32 (relative L2 error) and timed in-program; every step also sums
-its output into the loop state, and `sum_only` times that alone. `GB/s` is weight bytes per
-second (the weights dominate the bytes at 32 rows).
+`gate_up` = silu(rms_norm(x) @ w_gate) * (rms_norm(x) @ w_up), and `gate_up_no_norm` the
+same on x; `down` = residual + a @ w_down. `xla` is the model's code for the form (XLA fuses
+what it can around the matmul); `fused` is `djax.models.fused_matmul` at its default tiles
+and at each tiling of the sweep. Each is checked against fp32 (relative L2 error) and timed
+by its kernels' device time in a profiler trace (µs per call, summed over its kernels).
+`weight_TB_per_s` is weight bytes over that time (the weights dominate the bytes).
 
-    python -m bench.matmul [--model dense|moe] [--rows 32 64 128 256 384] [--sweep-rows 32]
+    python -m bench.matmul [--model dense|moe] [--rows 32 64] [--sweep-rows 32] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
+import gzip
+import json
+import tempfile
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from bench.common import model_config, save, time_in_program
+from bench.common import model_config, save
+from bench.profile import device_events
 from djax.models.fused_matmul import Tiles, fused_matmul
 from djax.models.layers import rms_norm
 
+# Around the configurations XLA's autotuner picked for these shapes in the generation's
+# profile (block_n 16-64, block_k 32-128, 5 stages), and wider ones.
 TILINGS = tuple(
     Tiles(block_m=32, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
     for bn, bk, warps, stages in [
+        (16, 64, 2, 6),
+        (16, 128, 2, 5),
+        (16, 128, 4, 5),
+        (16, 128, 4, 4),
         (16, 256, 4, 4),
-        (16, 512, 4, 4),
+        (32, 32, 4, 5),
+        (32, 64, 4, 5),
+        (32, 64, 2, 6),
+        (32, 128, 4, 5),
         (32, 128, 4, 4),
-        (32, 128, 2, 6),
-        (32, 256, 4, 3),
-        (32, 256, 4, 4),
         (32, 256, 4, 5),
-        (32, 512, 4, 3),
-        (32, 512, 8, 3),
-        (64, 128, 4, 4),
-        (64, 256, 4, 3),
-        (64, 256, 4, 4),
-        (64, 256, 8, 4),
-        (64, 512, 8, 3),
-        (128, 128, 4, 4),
-        (128, 256, 8, 3),
+        (64, 64, 4, 5),
+        (64, 128, 4, 3),
     ]
 )
 EPS = 1e-5
@@ -56,6 +62,7 @@ def forms(d_model: int, qkv_width: int, ffn: int | None) -> dict[str, tuple]:
     }
     if ffn:
         out["gate_up"] = ((d_model, 2, ffn), d_model, True, False)
+        out["gate_up_no_norm"] = ((d_model, 2, ffn), d_model, False, False)
         out["down"] = ((ffn, d_model), ffn, False, True)
     return out
 
@@ -70,12 +77,34 @@ def xla_form(x, w, scale, residual):
     return y if residual is None else residual + y
 
 
+def kernel_us(fn, args: tuple, calls: int) -> dict[str, float]:
+    """Device µs per call of each kernel `fn` launches, read from a profiler trace of `calls`
+    separate calls: no loop or timer overhead, only the form's own kernels. Off GPUs (no
+    device events) the wall time per call, under "wall"."""
+    jax.block_until_ready(fn(*args))
+    if jax.default_backend() != "gpu":
+        start = time.perf_counter()
+        jax.block_until_ready([fn(*args) for _ in range(calls)])
+        return {"wall": 1e6 * (time.perf_counter() - start) / calls}
+    folder = Path(tempfile.mkdtemp(prefix="djax_matmul_trace_"))
+    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    with gzip.open(sorted(folder.rglob("*.trace.json.gz"))[-1]) as fh:
+        events = next(iter(device_events(json.load(fh)).values()))
+    totals: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        totals[e["name"]] += e["dur"] / calls
+    return dict(totals)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["dense", "moe"], default="dense")
-    parser.add_argument("--rows", nargs="+", type=int, default=[32, 64, 128, 256, 384])
+    parser.add_argument("--rows", nargs="+", type=int, default=[32, 64])
     parser.add_argument("--sweep-rows", nargs="*", type=int, default=[32])
-    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     cfg = model_config(args.model, args.tiny)
@@ -93,41 +122,28 @@ def main() -> None:
         for m in sorted(set(args.rows) | set(args.sweep_rows)):
             x = jax.random.normal(keys[2], (m, width), jnp.bfloat16)
             residual = jax.random.normal(keys[3], (m, n), jnp.bfloat16) if with_residual else None
-            f32 = [None if a is None else a.astype(jnp.float32) for a in (x, w, scale, residual)]
-            reference = xla_form(*f32)
-
-            def step(x, w, scale, residual, run=None):
-                out = run(x, w, scale, residual)
-                return x + (1e-6 * jnp.sum(out, dtype=jnp.float32)).astype(x.dtype)
-
-            def sum_only(x, w, scale, residual, shape=(m, n)):
-                proxy = jnp.broadcast_to(x[:1, :1], shape)  # an output-sized array from x
-                return x + (1e-6 * jnp.sum(proxy, dtype=jnp.float32)).astype(x.dtype)
-
-            runs = [("sum_only", None), ("xla", xla_form), ("fused", fused_matmul)]
+            operands = (x, w, scale, residual)
+            reference = xla_form(*[None if a is None else a.astype(jnp.float32) for a in operands])
+            runs = [("xla", xla_form), ("fused", None)]
             if m in args.sweep_rows:
                 runs += [
                     (f"fused {t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}", t)
                     for t in TILINGS
                 ]
-            for label, run in runs:
-                if isinstance(run, Tiles):
-                    run = functools.partial(fused_matmul, tiles=run)
-                if run is fused_matmul or isinstance(run, functools.partial):
-                    run = functools.partial(run, eps=EPS, interpret=interpret)
+            for label, tiles in runs:
+                run = (
+                    tiles
+                    if callable(tiles)
+                    else functools.partial(fused_matmul, eps=EPS, tiles=tiles, interpret=interpret)
+                )
                 row = {"form": name, "rows": m, "k": width, "n": n, "impl": label}
                 try:
-                    if run is None:
-                        seconds = time_in_program(sum_only, x, args.iters, w, scale, residual)
-                    else:
-                        out = jax.jit(run)(x, w, scale, residual).astype(jnp.float32)
-                        err = jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference)
-                        row["rel_error"] = float(err)
-                        seconds = time_in_program(
-                            functools.partial(step, run=run), x, args.iters, w, scale, residual
-                        )
-                    row["us"] = 1e6 * seconds
-                    row["weight_GB_per_s"] = w.nbytes / seconds / 1e9
+                    out = jax.jit(run)(*operands).astype(jnp.float32)
+                    err = jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference)
+                    row["rel_error"] = float(err)
+                    row["kernels_us"] = kernel_us(jax.jit(run), operands, args.calls)
+                    row["us"] = sum(row["kernels_us"].values())
+                    row["weight_TB_per_s"] = w.nbytes / row["us"] / 1e6
                 except Exception as err:  # keep the other rows of a costly run
                     row["error"] = f"{type(err).__name__}: {err}"[:1500]
                 print(row, flush=True)
