@@ -49,6 +49,12 @@ TILINGS = tuple(
         (32, 256, 4, 5),
         (64, 64, 4, 5),
         (64, 128, 4, 3),
+        (64, 128, 4, 4),
+        (64, 128, 4, 5),
+        (64, 128, 8, 3),
+        (64, 256, 8, 2),
+        (128, 64, 4, 4),
+        (128, 128, 8, 3),
     ]
 )
 EPS = 1e-5
@@ -104,6 +110,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["dense", "moe"], default="dense")
     parser.add_argument("--rows", nargs="+", type=int, default=[32, 64])
     parser.add_argument("--sweep-rows", nargs="*", type=int, default=[32])
+    parser.add_argument("--forms", nargs="+", help="only these forms (default: all)")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
@@ -114,6 +121,8 @@ def main() -> None:
     for name, (w_shape, width, normed, with_residual) in forms(
         cfg.d_model, qkv_width, None if cfg.is_moe else cfg.mlp_hidden
     ).items():
+        if args.forms and name not in args.forms:
+            continue
         keys = jax.random.split(jax.random.key(0), 4)
         w = (jax.random.normal(keys[0], w_shape) * width**-0.5).astype(jnp.bfloat16)
         scale = (1 + 0.1 * jax.random.normal(keys[1], (width,))).astype(jnp.bfloat16)
