@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import tempfile
 
 import numpy as np
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--caches", nargs="+", default=["none", "prefix", "dual"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--attention-impls", nargs="+", default=["auto"])
+    parser.add_argument("--mlp-impls", nargs="+", default=["auto"])
     parser.add_argument("--moe-impl", default="auto")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = parser.parse_args()
@@ -73,12 +75,14 @@ def main() -> None:
         model, _ = bench_model(config, 1, (("moe_impl", args.moe_impl),))
         cases = [dataclasses.replace(base, cache=c) for c in args.caches]
         cases.append(dataclasses.replace(base, decoder="threshold", cache="dual"))
-        for impl in args.attention_impls:
-            model = model.with_options(attention_impl=impl)
+        for impl, mlp_impl in itertools.product(args.attention_impls, args.mlp_impls):
+            model = model.with_options(attention_impl=impl, mlp_impl=mlp_impl)
             for prompt_len in args.prompts:
                 for case in cases:
                     row = run_case(model, prompt_len, case, ceilings, args.repeats)
-                    rows.append({"model": name, "attention_impl": impl, **row})
+                    rows.append(
+                        {"model": name, "attention_impl": impl, "mlp_impl": mlp_impl, **row}
+                    )
                     print(rows[-1])
         del model
     save(

@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-impl", default="auto", help="auto (split_kv on GPUs) | xla | cudnn | split_kv"
     )
     gen.add_argument(
+        "--mlp-impl",
+        default="auto",
+        help="auto (pallas for 32-token blocks on GPUs) | xla | pallas",
+    )
+    gen.add_argument(
         "--moe-impl", default="auto", help="auto (hopper on H100/H200) | grouped | dense | hopper"
     )
     gen.add_argument("--json", action="store_true", help="print the output as JSON")
@@ -137,7 +142,12 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
 
         mesh = make_mesh(tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel)
     model = djax.load(
-        path, args.dtype, mesh=mesh, attention_impl=args.attention_impl, moe_impl=args.moe_impl
+        path,
+        args.dtype,
+        mesh=mesh,
+        attention_impl=args.attention_impl,
+        mlp_impl=args.mlp_impl,
+        moe_impl=args.moe_impl,
     )
     prompts = _prompts(args, list(demo.EXAMPLE_PROMPTS) if label else [])
     if not prompts:

@@ -35,7 +35,7 @@ class Model:
     """A loaded model: what `generate` and `forward_logits` take.
 
     `params` is the plain nested dict of arrays (possibly sharded over `mesh`); `options`
-    are module options such as `attention_impl` and `moe_impl`.
+    are module options such as `attention_impl`, `mlp_impl` and `moe_impl`.
     """
 
     config: ModelConfig
@@ -94,7 +94,7 @@ def load(
     dtype: compute and storage dtype (default: bf16 on GPU/TPU, fp32 on CPU). mesh: a
     `jax.sharding.Mesh` from `djax.make_mesh` to load straight into shards. options:
     module options (`attention_impl="auto"|"xla"|"cudnn"|"split_kv"`,
-    `moe_impl="auto"|"grouped"|"dense"|"hopper"`).
+    `mlp_impl="auto"|"xla"|"pallas"`, `moe_impl="auto"|"grouped"|"dense"|"hopper"`).
     """
     folder = Path(path)
     if not folder.is_dir():

@@ -23,7 +23,7 @@ _FAMILIES = {
 def build_module(
     config: ModelConfig, dtype: Any = jnp.float32, axis_name: str | None = None, **options: Any
 ) -> TransformerLM:
-    """The Flax module of a config's family (`options`: e.g. `attention_impl`, `moe_impl`)."""
+    """The Flax module of a config's family (`options`: e.g. `attention_impl`, `mlp_impl`)."""
     module_cls, _ = _FAMILIES[config.family]
     return module_cls(config, dtype=dtype, axis_name=axis_name, **options)
 

@@ -28,7 +28,14 @@ class LLaDA(TransformerLM):
 
     def feed_forward(self, layer: int) -> nn.Module:
         cfg = self.config
-        return GatedMLP(cfg.mlp_hidden, self.dtype, self.axis_name, self.shards, name=f"ff_{layer}")
+        return GatedMLP(
+            cfg.mlp_hidden,
+            self.dtype,
+            self.axis_name,
+            self.shards,
+            self.mlp_impl,
+            name=f"ff_{layer}",
+        )
 
 
 def hf_sources(config: ModelConfig) -> list[ParamSource]:

@@ -184,6 +184,7 @@ class MoEBlock(nn.Module):
     moe_impl: str = "auto"
     shards: int = 1
     split_experts: bool = False
+    mlp_impl: str = "auto"  # of the shared expert
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -225,7 +226,12 @@ class MoEBlock(nn.Module):
         y = _sum_over(y, self.axis_name)
         if cfg.shared_expert_hidden:
             shared = GatedMLP(
-                cfg.shared_expert_hidden, self.dtype, self.axis_name, self.shards, name="shared"
+                cfg.shared_expert_hidden,
+                self.dtype,
+                self.axis_name,
+                self.shards,
+                self.mlp_impl,
+                name="shared",
             )
             y = y + shared(x)
         return y
@@ -245,9 +251,12 @@ class LLaDAMoE(TransformerLM):
                 self.moe_impl,
                 self.shards,
                 self.split_experts,
+                self.mlp_impl,
                 name=name,
             )
-        return GatedMLP(cfg.mlp_hidden, self.dtype, self.axis_name, self.shards, name=name)
+        return GatedMLP(
+            cfg.mlp_hidden, self.dtype, self.axis_name, self.shards, self.mlp_impl, name=name
+        )
 
 
 def _stacked_experts(names: list[tuple[str, ...]]) -> Joined:

@@ -1,0 +1,128 @@
+"""The SwiGLU gate/up product for few rows with its activation fused, as a Pallas Triton
+kernel: djax's GPU path for the first MLP matmul of a denoising block forward.
+
+In a 32-token LLaDA-8B block forward XLA runs the fused gate/up matmul (51.5 µs on an H200)
+and then a separate kernel for `silu(gate) * up` (2.6-3.1 µs). This kernel reads the gate
+and up columns of the `[model, 2, hidden]` weight side by side into two fp32 accumulators
+and writes `silu(gate) * up` directly: 48.5 µs for both on an H200 (bench/NOTES.md). Each
+program owns a `block_m x block_n` tile of the output and loops over the model dim in
+`block_k` steps, Triton pipelining the weight loads over `num_stages`.
+
+Fusing the RMSNorm before it or the residual add after the down product into such a kernel
+did not pay (bench/NOTES.md): an operand changed in registers before the product stops
+Triton's load pipelining, and XLA's own kernels for the other products were as fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+Array = jax.Array
+# Row counts up to this take the kernel: it was measured at 32 (a block of one sequence).
+# With more rows each row tile reads the weights again, and XLA's matmul is the better path.
+MAX_ROWS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Program shape: a `block_m x block_n` output tile (`block_n` columns of gate and of
+    up), `block_k` contraction steps, Triton's `num_warps` and `num_stages`. Each block is
+    a power of two >= 16."""
+
+    block_m: int = 32
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def _power_of_two_from_16(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def _largest_block(n: int, limit: int) -> int:
+    """The largest power of two <= limit that divides n (n a multiple of 16)."""
+    block = limit
+    while n % block:
+        block //= 2
+    return block
+
+
+def tiles_for(m: int, k: int, n: int) -> Tiles:
+    """The measured best program shape (bench.matmul, H200, 32 rows x 4096 -> 2 x 12288):
+    128 columns of each side, 64-wide contraction steps, 4 warps, 4 stages (48.5 µs; 51.4 at
+    64 columns and 3 stages, 59-87 with 16-32 columns)."""
+    return Tiles(
+        block_m=max(16, pl.next_power_of_2(m)) if m <= 64 else 64,
+        block_n=_largest_block(n, 128),
+        block_k=_largest_block(k, 64),
+    )
+
+
+def fits(k: int, n: int) -> bool:
+    """Whether the kernel takes a `[k, 2, n]` weight: k and n multiples of 16."""
+    return k % 16 == 0 and n % 16 == 0
+
+
+def _kernel(x_ref, w_ref, out_ref, *, tiles):
+    """One output tile. Refs are whole arrays: x [m, k], w [k, 2, n]; out [m, n]."""
+    from jax.experimental.pallas import triton as plgpu
+
+    m, k = x_ref.shape
+    rows = pl.ds(pl.program_id(0) * tiles.block_m, tiles.block_m)
+    cols = pl.ds(pl.program_id(1) * tiles.block_n, tiles.block_n)
+    row_ok = pl.program_id(0) * tiles.block_m + jnp.arange(tiles.block_m) < m
+
+    def step(i, accs):
+        ks = pl.ds(i * tiles.block_k, tiles.block_k)
+        x = plgpu.load(x_ref.at[rows, ks], mask=row_ok[:, None], other=0.0)
+        return tuple(
+            acc + jnp.dot(x, w_ref[ks, side, cols], preferred_element_type=jnp.float32)
+            for side, acc in enumerate(accs)
+        )
+
+    zeros = jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32)
+    gate, up = jax.lax.fori_loop(0, k // tiles.block_k, step, (zeros, zeros))
+    out = jax.nn.silu(gate) * up
+    plgpu.store(out_ref.at[rows, cols], out.astype(out_ref.dtype), mask=row_ok[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def swiglu_matmul(x: Array, w: Array, tiles: Tiles | None = None, interpret: bool = False) -> Array:
+    """`silu(x @ w[:, 0]) * (x @ w[:, 1])` in one kernel.
+
+    x: [m, k]; w: [k, 2, n] (gate and up). Returns [m, n] in x's dtype, accumulated in
+    fp32. `tiles`: the program shape (default `tiles_for`); `interpret=True` runs on any
+    backend (for tests on CPUs).
+    """
+    from jax.experimental.pallas import triton as plgpu
+
+    m, k = x.shape
+    n = w.shape[-1]
+    if w.shape[:2] != (k, 2) or not fits(k, n):
+        raise ValueError(
+            f"swiglu_matmul: x {x.shape}, w {w.shape}; expected w [{k}, 2, n] with {k} and n "
+            "multiples of 16"
+        )
+    tiles = tiles or tiles_for(m, k, n)
+    blocks = (tiles.block_m, tiles.block_n, tiles.block_k)
+    if not all(map(_power_of_two_from_16, blocks)) or n % tiles.block_n or k % tiles.block_k:
+        raise ValueError(
+            f"{tiles}: blocks must be powers of two >= 16, block_n dividing n = {n} and "
+            f"block_k dividing k = {k}"
+        )
+    return pl.pallas_call(
+        functools.partial(_kernel, tiles=tiles),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        grid=(pl.cdiv(m, tiles.block_m), n // tiles.block_n),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages
+        ),
+        interpret=interpret,
+        name="swiglu_matmul",
+    )(x, w)
