@@ -47,6 +47,9 @@ def test_errors_are_reported(capsys, dense_folder, tmp_path):
     assert "decoder='greedy'; expected one of" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "none"), "--prompt", "x"]) == 2
     assert "is not a folder" in capsys.readouterr().err
+    bad_impl = ["generate", "--model", str(dense_folder[0]), "--prompt", "x", "--mlp-impl", "fast"]
+    assert main(bad_impl) == 2
+    assert "mlp_impl='fast'; expected one of" in capsys.readouterr().err
 
 
 def test_convert(capsys, dense_folder, tmp_path):
