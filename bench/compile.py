@@ -44,8 +44,8 @@ def phases(model, prompt_len: int) -> dict:
     rows = [list(range(10, 10 + prompt_len))]
     plan, _ = engine.make_plan(model, SETTING, 1, prompt_len)
     args = engine.program_args(model, plan, rows, SETTING.seed)
-    programs = Path(jax.config.jax_compilation_cache_dir) / program_cache.FOLDER
-    saved_before = len(list(programs.glob("*"))) if programs.exists() else 0
+    programs = Path(engine.programs_folder()) / program_cache.FOLDER
+    saved_before = len(list(programs.glob(f"*{program_cache.SUFFIX}")))
     start = time.perf_counter()
     lowered = engine.lower(model, plan, args)
     lowered_at = time.perf_counter()

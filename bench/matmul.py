@@ -1,11 +1,11 @@
 """A SwiGLU MLP's gate/up product and activation, XLA against djax's Pallas kernel
 (`djax.models.swiglu`), at the row counts of a denoising block (32 per row of the batch).
 
-`xla` is `GatedMLP`'s code (one fused gate/up matmul, then `silu(gate) * up`); `pallas` is
-the kernel at its default tiles and at each tiling of the sweep. Each is checked against fp32
-(relative L2 error) and timed by its kernels' device time in a profiler trace (µs per call,
-summed over its kernels: no loop or timer overhead). `weight_TB_per_s` is weight bytes over
-that time (the weights dominate the bytes at these row counts).
+`xla` is `GatedMLP`'s XLA path (`layers.swiglu_xla`: one fused gate/up matmul, then
+`silu(gate) * up`); `pallas` is the kernel at its default tiles and at each tiling of the
+sweep. Each is checked against fp32 (relative L2 error) and timed by its kernels' device
+time in a profiler trace (µs per call, summed over its kernels: no loop or timer overhead).
+`weight_TB_per_s` is weight bytes over that time (the weights dominate the bytes here).
 
     python -m bench.matmul [--model dense] [--rows 32 64] [--sweep-rows 32] [--tiny]
 """
@@ -17,6 +17,7 @@ import collections
 import functools
 import gzip
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 
 from bench.common import model_config, save
 from bench.profile import device_events
+from djax.models.layers import swiglu_xla
 from djax.models.swiglu import Tiles, swiglu_matmul
 
 # Around the configuration XLA's autotuner picked for this shape (64 columns, 64-wide steps,
@@ -48,12 +50,6 @@ TILINGS = tuple(
 )
 
 
-def xla_gate_up(x, w):
-    """`GatedMLP`'s XLA path."""
-    h = jnp.einsum("tm,mcf->tcf", x, w)
-    return jax.nn.silu(h[:, 0]) * h[:, 1]
-
-
 def kernel_us(fn, args: tuple, calls: int) -> dict[str, float]:
     """Device µs per call of each kernel `fn` launches, read from a profiler trace of `calls`
     separate calls. Off GPUs (no device events) the wall time per call, under "wall"."""
@@ -69,6 +65,7 @@ def kernel_us(fn, args: tuple, calls: int) -> dict[str, float]:
         jax.block_until_ready(out)
     with gzip.open(sorted(folder.rglob("*.trace.json.gz"))[-1]) as fh:
         events = next(iter(device_events(json.load(fh)).values()))
+    shutil.rmtree(folder)
     totals: dict[str, float] = collections.defaultdict(float)
     for e in events:
         totals[e["name"]] += e["dur"] / calls
@@ -91,16 +88,18 @@ def main() -> None:
     rows = []
     for m in sorted(set(args.rows) | set(args.sweep_rows)):
         x = jax.random.normal(keys[1], (m, k), jnp.bfloat16)
-        reference = xla_gate_up(x.astype(jnp.float32), w.astype(jnp.float32))
-        runs = [("xla", xla_gate_up), ("pallas", None)]
+        reference = swiglu_xla(x.astype(jnp.float32), w.astype(jnp.float32))
+        kernel = functools.partial(swiglu_matmul, interpret=interpret)
+        runs = [("xla", swiglu_xla), ("pallas", kernel)]
         if m in args.sweep_rows:
             runs += [
-                (f"pallas {t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}", t)
+                (
+                    f"pallas {t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}",
+                    functools.partial(kernel, tiles=t),
+                )
                 for t in TILINGS
             ]
         for label, run in runs:
-            if not callable(run):
-                run = functools.partial(swiglu_matmul, tiles=run, interpret=interpret)
             row = {"rows": m, "k": k, "n": n, "impl": label}
             try:
                 out = jax.jit(run)(x, w).astype(jnp.float32)

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--mlp-impl",
         default="auto",
-        help="auto (pallas for 32-token blocks on GPUs) | xla | pallas",
+        help="auto (pallas on GPUs for <= 32 token rows, 16-bit weights) | xla | pallas",
     )
     gen.add_argument(
         "--moe-impl", default="auto", help="auto (hopper on H100/H200) | grouped | dense | hopper"

@@ -318,16 +318,18 @@ def program_args(model: Model, plan: Plan, rows: list[list[int]], seed: int) -> 
     return (model.params, *placed, jax.random.key(seed))
 
 
+def programs_folder() -> str | None:
+    """Where generation programs are saved: the persistent compilation cache's folder."""
+    return jax.config.jax_compilation_cache_dir
+
+
 def lower(model: Model, plan: Plan, args: tuple) -> jax.stages.Lowered:
     """The generation program lowered for these arguments: traced and lowered here, or read
-    back from the programs saved beside the persistent compilation cache (`program_cache`)."""
+    back from the programs saved in the persistent compilation cache's folder
+    (`program_cache`)."""
     description = (model.config, str(model.dtype), model.options, repr(model.mesh), plan)
     return program_cache.lower(
-        _program(model, plan),
-        args,
-        description,
-        jax.config.jax_compilation_cache_dir,
-        donate_argnums=(1,),
+        _program(model, plan), args, description, programs_folder(), donate_argnums=(1,)
     )
 
 

@@ -4,12 +4,12 @@ JAX's persistent compilation cache (`engine.enable_compile_cache`) stores XLA's 
 under a key computed from the lowered module, so every new process first traces and lowers
 the whole generation program again: on an H100 1.6 s for LLaDA-8B and 5.0 s for LLaDA-MoE,
 2.7 s of which lowers the Mosaic GPU expert kernels (bench/NOTES.md). Here a lowered program
-is saved as a `jax.export` artifact (serialized StableHLO) in a `programs/` folder beside
-the XLA cache. A new process reads it back, lowers only the call into it, and XLA's cache
-answers the compile.
+is saved as a `jax.export` artifact (serialized StableHLO) in a `programs/` folder inside
+the XLA cache folder. A new process reads it back, lowers only the call into it, and XLA's
+cache answers the compile.
 
 The key is a digest of everything that shapes the program: djax's own source files, the
-jax and jaxlib versions, every `jax.config` value, the devices, the caller's description
+jax, jaxlib and flax versions, every `jax.config` value, the devices, the caller's description
 of the program (model config, dtype, options, mesh, plan) and the structure, shapes, dtypes
 and shardings of its arguments. Any change gives a new key, never a stale program.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import importlib.metadata
 import os
 import tempfile
 import warnings
@@ -29,6 +30,7 @@ import jax
 import jaxlib
 
 FOLDER = "programs"
+SUFFIX = ".jax_exported"
 # The artifacts never leave this machine's cache and are keyed by the exact jax and jaxlib
 # versions, so custom calls without a cross-version stability promise (Pallas Triton
 # kernels, cuDNN attention) are safe to keep.
@@ -59,6 +61,7 @@ def program_key(description: tuple, args: tuple) -> str:
         _source_digest(),
         jax.__version__,
         jaxlib.__version__,
+        importlib.metadata.version("flax"),
         sorted((k, repr(v)) for k, v in jax.config.values.items()),
         [(d.platform, d.device_kind, d.id) for d in jax.devices()],
         description,
@@ -73,39 +76,60 @@ def lower(
 ) -> jax.stages.Lowered:
     """`program.lower(*args)`, through the saved export of the same program when `folder`
     (the XLA cache folder) holds one; else the program is exported and saved there first.
-    With `folder=None` nothing is read or written."""
-    if not folder:
+    With no folder, or a remote one (`gs://...`), nothing is read or written. A saved
+    program that cannot be read or lowered is exported again; a program that cannot be
+    exported is lowered directly and not saved. Each of those warns."""
+    if not folder or "://" in folder:
         return program.lower(*args)
-    path = Path(folder) / FOLDER / f"{program_key(description, args)}.jax_exported"
+    path = Path(folder) / FOLDER / f"{program_key(description, args)}{SUFFIX}"
     exported = _read(path)
-    if exported is None:
+    if exported is not None:
+        try:
+            return jax.jit(exported.call, donate_argnums=donate_argnums).lower(*args)
+        except Exception as err:
+            _warn(f"{path}: the saved program does not lower ({err}); exporting it again")
+    try:
         exported = jax.export.export(program, disabled_checks=_CHECKS)(*args)
-        _write(path, exported.serialize())
+    except Exception as err:  # tracing errors recur, and surface, in the direct lowering
+        _warn(f"cannot export the generation program ({err}); lowering it without saving")
+        return program.lower(*args)
+    _write(path, exported.serialize())
     return jax.jit(exported.call, donate_argnums=donate_argnums).lower(*args)
 
 
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=4)
+
+
 def _read(path: Path) -> jax.export.Exported | None:
-    if not path.exists():
+    try:
+        blob = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    blob = path.read_bytes()
+    except OSError as err:
+        _warn(f"{path}: cannot read the saved program ({err}); exporting it again")
+        return None
     for call_target, module in _RUNTIMES.items():
         if call_target in blob:
             importlib.import_module(module)
     try:
         return jax.export.deserialize(bytearray(blob))
     except Exception as err:  # a truncated or foreign file: export again and replace it
-        warnings.warn(f"{path}: unreadable saved program ({err}); exporting it again", stacklevel=3)
+        _warn(f"{path}: unreadable saved program ({err}); exporting it again")
         return None
 
 
 def _write(path: Path, blob: bytes) -> None:
-    """Write atomically (a rename), so a concurrent reader never sees half a file."""
+    """Write atomically (a rename), so a concurrent reader never sees half a file; readable
+    by every user who shares the cache folder."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
             tmp.write(blob)
+        os.chmod(tmp.name, 0o644)
         os.replace(tmp.name, path)
     except OSError as err:
-        warnings.warn(
-            f"{path}: could not save the lowered program ({err}); continuing", stacklevel=3
-        )
+        if tmp is not None and os.path.exists(tmp.name):
+            os.unlink(tmp.name)
+        _warn(f"{path}: could not save the lowered program ({err}); continuing")

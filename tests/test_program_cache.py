@@ -44,16 +44,45 @@ def test_saved_program_is_read_back_with_the_same_tokens(dense_model, tmp_path, 
     first = _lower(dense_model, plan, program, str(tmp_path))
     saved = list((tmp_path / program_cache.FOLDER).iterdir())
     assert len(saved) == 1 and saved[0].suffix == ".jax_exported"
+    assert saved[0].stat().st_mode & 0o044 == 0o044  # readable by others sharing the cache
     _refuse_export(monkeypatch)
     second = _lower(dense_model, plan, program, str(tmp_path))
     np.testing.assert_array_equal(_tokens(first, dense_model, plan), direct)
     np.testing.assert_array_equal(_tokens(second, dense_model, plan), direct)
 
 
-def test_no_folder_lowers_directly(dense_model, monkeypatch):
+@pytest.mark.parametrize("folder", [None, "gs://bucket/xla"])
+def test_no_or_remote_folder_lowers_directly(dense_model, monkeypatch, folder):
     plan, program = _setup(dense_model)
     _refuse_export(monkeypatch)
-    lowered = _lower(dense_model, plan, program, None)
+    lowered = _lower(dense_model, plan, program, folder)
+    assert _tokens(lowered, dense_model, plan).shape == (1, plan.seq_len)
+
+
+def test_engine_keys_programs_by_module_options(dense_model, tmp_path, monkeypatch):
+    """Two models differing only in an option get two saved programs, never each other's."""
+    monkeypatch.setattr(engine, "programs_folder", lambda: str(tmp_path))
+    plan, _ = _setup(dense_model)
+    tokens = []
+    for impl in ("xla", "pallas"):
+        model = dense_model.with_options(mlp_impl=impl)
+        lowered = engine.lower(model, plan, engine.program_args(model, plan, ROWS, seed=0))
+        assert ("swiglu_matmul" in lowered.as_text()) == (impl == "pallas")
+        tokens.append(_tokens(lowered, model, plan))
+    assert len(list((tmp_path / program_cache.FOLDER).glob("*.jax_exported"))) == 2
+    np.testing.assert_array_equal(*tokens)
+
+
+def test_export_failure_lowers_directly_and_warns(dense_model, tmp_path, monkeypatch):
+    plan, program = _setup(dense_model)
+
+    def fail(*args, **kwargs):
+        raise NotImplementedError("no export for this program")
+
+    monkeypatch.setattr(jax.export, "export", fail)
+    with pytest.warns(UserWarning, match="cannot export the generation program"):
+        lowered = _lower(dense_model, plan, program, str(tmp_path))
+    assert not list((tmp_path / program_cache.FOLDER).glob("*"))
     assert _tokens(lowered, dense_model, plan).shape == (1, plan.seq_len)
 
 
@@ -63,7 +92,7 @@ def test_key_changes_with_description_and_shapes(dense_model):
     key = program_cache.program_key(("test", plan), args)
     assert key == program_cache.program_key(("test", plan), args)
     assert key != program_cache.program_key(("other", plan), args)
-    longer, _ = _setup(dense_model, config=CONFIG.__class__(gen_length=24, block_length=8))
+    longer, _ = _setup(dense_model, config=djax.GenerationConfig(gen_length=24, block_length=8))
     assert key != program_cache.program_key(
         ("test", plan), engine.program_args(dense_model, longer, ROWS, seed=0)
     )
@@ -93,6 +122,7 @@ def test_unwritable_folder_warns_and_still_lowers(dense_model, tmp_path):
     not_a_folder.write_text("")
     with pytest.warns(UserWarning, match="could not save the lowered program"):
         lowered = _lower(dense_model, plan, program, str(not_a_folder))
+    assert not_a_folder.is_file()
     assert _tokens(lowered, dense_model, plan).shape == (1, plan.seq_len)
 
 

@@ -61,7 +61,7 @@ def resolve_mlp_impl(impl: str, rows: int, d_model: int, hidden: int, dtype: Any
     `auto` on GPUs with 16-bit weights and at most `swiglu.MAX_ROWS` rows (a denoising block
     of one sequence) is djax's Pallas kernel with the activation fused; XLA's matmul and a
     separate activation kernel for refreshes, larger batches, fp32 and off GPUs. On an H200
-    the kernel took 48.5 µs per LLaDA-8B layer where XLA took 54.6 (bench/NOTES.md).
+    the kernel took 48.7 µs per LLaDA-8B layer where XLA took 52.9 (bench/NOTES.md).
     """
     if impl not in MLP_IMPLS:
         raise ValueError(f"mlp_impl={impl!r}; expected one of {MLP_IMPLS}")
@@ -229,6 +229,13 @@ class Attention(nn.Module):
         return _sum_over(y, self.axis_name), (keys, values)
 
 
+def swiglu_xla(x: Array, gate_up: Array) -> Array:
+    """XLA's SwiGLU gate/up path: x [..., model], gate_up [model, 2, hidden] ->
+    silu(x @ gate) * (x @ up) [..., hidden]."""
+    h = jnp.einsum("...m,mcf->...cf", x, gate_up)
+    return jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
+
+
 class GatedMLP(nn.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))` with gate and up fused as [model, 2, hidden];
     `mlp_impl` chooses how the gate/up product and activation run (`resolve_mlp_impl`)."""
@@ -249,8 +256,7 @@ class GatedMLP(nn.Module):
             act = swiglu.swiglu_matmul(x.reshape(b * t, d_model), gate_up, interpret=interpret)
             act = act.reshape(b, t, hidden)
         else:
-            h = jnp.einsum("btm,mcf->btcf", x, gate_up)
-            act = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
+            act = swiglu_xla(x, gate_up)
         y = jnp.einsum("btf,fm->btm", act, down)
         return _sum_over(y, self.axis_name)
 

@@ -1,10 +1,10 @@
 """The SwiGLU gate/up product for few rows with its activation fused, as a Pallas Triton
 kernel: djax's GPU path for the first MLP matmul of a denoising block forward.
 
-In a 32-token LLaDA-8B block forward XLA runs the fused gate/up matmul (51.5 µs on an H200)
-and then a separate kernel for `silu(gate) * up` (2.6-3.1 µs). This kernel reads the gate
-and up columns of the `[model, 2, hidden]` weight side by side into two fp32 accumulators
-and writes `silu(gate) * up` directly: 48.5 µs for both on an H200 (bench/NOTES.md). Each
+In a 32-token LLaDA-8B block forward XLA runs the fused gate/up matmul (50.3 µs on an H200)
+and then a separate kernel for `silu(gate) * up` (2.6 µs). This kernel reads the gate and up
+columns of the `[model, 2, hidden]` weight side by side into two fp32 accumulators and
+writes `silu(gate) * up` directly: 48.7 µs for both on an H200 (bench/NOTES.md). Each
 program owns a `block_m x block_n` tile of the output and loops over the model dim in
 `block_k` steps, Triton pipelining the weight loads over `num_stages`.
 
@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 Array = jax.Array
-# Row counts up to this take the kernel: it was measured at 32 (a block of one sequence).
-# With more rows each row tile reads the weights again, and XLA's matmul is the better path.
+# Row counts up to this take the kernel under `auto`: whole generations were measured with
+# 32 rows (a block of one sequence). At 64 rows the kernel alone was still faster (50.6 µs
+# against XLA's 52.8) but no batched generation has been measured with it yet.
 MAX_ROWS = 32
 
 
@@ -55,8 +56,8 @@ def _largest_block(n: int, limit: int) -> int:
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:
     """The measured best program shape (bench.matmul, H200, 32 rows x 4096 -> 2 x 12288):
-    128 columns of each side, 64-wide contraction steps, 4 warps, 4 stages (48.5 µs; 51.4 at
-    64 columns and 3 stages, 59-87 with 16-32 columns)."""
+    128 columns of each side, 64-wide contraction steps, 4 warps, 4 stages (48.6 µs; 50.9 at
+    64 columns and 128-wide steps, 58.8-61.1 with 32 columns)."""
     return Tiles(
         block_m=max(16, pl.next_power_of_2(m)) if m <= 64 else 64,
         block_n=_largest_block(n, 128),
