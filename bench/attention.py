@@ -40,7 +40,7 @@ def _cudnn_no_mask(q, keys, values, key_valid):
     return jax.nn.dot_product_attention(q, keys, values, implementation="cudnn")
 
 
-def implementations(interpret: bool) -> list[tuple[str, object]]:
+def implementations() -> list[tuple[str, object]]:
     def grouped(impl):
         def run(q, keys, values, key_valid):
             b, t, n, d = q.shape
@@ -56,7 +56,7 @@ def implementations(interpret: bool) -> list[tuple[str, object]]:
     for tiles in (None, *TILINGS):  # None: the engine's choice, `tiles_for(t)`
         shape = " ".join(f"{k}={v}" for k, v in vars(tiles).items()) if tiles else "tiles_for(t)"
         label = f"split_kv {shape}"
-        out.append((label, functools.partial(split_kv_attention, tiles=tiles, interpret=interpret)))
+        out.append((label, functools.partial(split_kv_attention, tiles=tiles)))
     return out
 
 
@@ -71,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = model_config(args.model, args.tiny)
     n, kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    impls = implementations(jax.default_backend() != "gpu")
+    impls = implementations()
     rows = []
     for shape in args.shapes:
         t, s = (int(v) for v in shape.split("x"))

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import gzip
-import json
 import shutil
 import tempfile
 import time
@@ -26,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import model_config, save
-from bench.profile import device_events
+from bench.profile import newest_trace_events
 from djax.models.layers import swiglu_xla
 from djax.models.swiglu import Tiles, swiglu_matmul
 
@@ -63,8 +61,7 @@ def kernel_us(fn, args: tuple, calls: int) -> dict[str, float]:
         for _ in range(calls):
             out = fn(*args)
         jax.block_until_ready(out)
-    with gzip.open(sorted(folder.rglob("*.trace.json.gz"))[-1]) as fh:
-        events = next(iter(device_events(json.load(fh)).values()))
+    events = next(iter(newest_trace_events(folder).values()))
     shutil.rmtree(folder)
     totals: dict[str, float] = collections.defaultdict(float)
     for e in events:
@@ -82,20 +79,18 @@ def main() -> None:
     args = parser.parse_args()
     cfg = model_config(args.model, args.tiny)
     k, n = cfg.d_model, cfg.mlp_hidden
-    interpret = jax.default_backend() != "gpu"
     keys = jax.random.split(jax.random.key(0), 2)
     w = (jax.random.normal(keys[0], (k, 2, n)) * k**-0.5).astype(jnp.bfloat16)
     rows = []
     for m in sorted(set(args.rows) | set(args.sweep_rows)):
         x = jax.random.normal(keys[1], (m, k), jnp.bfloat16)
         reference = swiglu_xla(x.astype(jnp.float32), w.astype(jnp.float32))
-        kernel = functools.partial(swiglu_matmul, interpret=interpret)
-        runs = [("xla", swiglu_xla), ("pallas", kernel)]
+        runs = [("xla", swiglu_xla), ("pallas", swiglu_matmul)]
         if m in args.sweep_rows:
             runs += [
                 (
                     f"pallas {t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}",
-                    functools.partial(kernel, tiles=t),
+                    functools.partial(swiglu_matmul, tiles=t),
                 )
                 for t in TILINGS
             ]

@@ -117,13 +117,20 @@ def print_table(summary: dict) -> None:
     print("(device streams overlap, so categories may add up to more than the wall time)")
 
 
+def newest_trace_events(trace_dir: Path) -> dict[str, list[dict]] | None:
+    """`device_events` of the newest Perfetto trace under `trace_dir` (None: no trace)."""
+    perfetto = sorted(trace_dir.rglob("*.trace.json.gz"))
+    if not perfetto:
+        return None
+    with gzip.open(perfetto[-1]) as fh:
+        return device_events(json.load(fh))
+
+
 def trace_summaries(trace_dir: Path) -> dict[str, dict]:
     """`summarize` of each device in the newest Perfetto trace under `trace_dir`, printed."""
-    perfetto = sorted(trace_dir.rglob("*.trace.json.gz"))
+    per_device = newest_trace_events(trace_dir)
     summaries = {"all": {"error": "no perfetto trace written"}}
-    if perfetto:
-        with gzip.open(perfetto[-1]) as fh:
-            per_device = device_events(json.load(fh))
+    if per_device is not None:
         summaries = {name: summarize(events) for name, events in per_device.items()} or {
             "all": {"error": "no device events found in the trace"}
         }

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from djax.models import pallas_tiles
+
 Array = jax.Array
 # The additive score bias of a padding key: finite, so a slice of only padding keys stays
 # NaN-free (its log-sum-exp is ~-1e30 and it gets no weight in the merge). A query row whose
@@ -50,14 +52,10 @@ def tiles_for(t: int) -> Tiles:
     return Tiles() if t <= 64 else Tiles(block_q=64, splits=1, num_stages=2)
 
 
-def _power_of_two_from_16(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
-
-
 def fits(head_dim: int) -> bool:
     """Whether the kernel takes this head dim: Triton tiles are powers of two and at least 16
     wide (a query window of any length is tiled and masked)."""
-    return _power_of_two_from_16(head_dim)
+    return pallas_tiles.is_block(head_dim)
 
 
 def _kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, *, tiles, n_heads, group, split_len):
@@ -125,14 +123,14 @@ def split_kv_attention(
     values: Array,
     key_valid: Array,
     tiles: Tiles | None = None,
-    interpret: bool = False,
+    interpret: bool | None = None,
 ) -> Array:
     """Bidirectional grouped-query attention with a key-padding mask.
 
     q: [batch, t, heads, head_dim]; keys, values: [batch, s, kv_heads, head_dim];
     key_valid: [batch, s] bool. Returns [batch, t, heads, head_dim] in q's dtype.
-    `tiles`: the program shape (default: `tiles_for(t)`). `interpret=True` runs the kernel
-    on any backend (for tests on CPUs).
+    `tiles`: the program shape (default: `tiles_for(t)`). `interpret`: run in Pallas's
+    interpreter (default: exactly off GPUs, as the CPU tests do).
     """
     from jax.experimental.pallas import triton as plgpu
 
@@ -144,7 +142,7 @@ def split_kv_attention(
             "head dim >= 16 and heads a multiple of kv heads"
         )
     tiles = tiles or tiles_for(t)
-    if not (_power_of_two_from_16(tiles.block_q) and _power_of_two_from_16(tiles.block_k)):
+    if not (pallas_tiles.is_block(tiles.block_q) and pallas_tiles.is_block(tiles.block_k)):
         raise ValueError(f"{tiles}: block_q and block_k must be powers of two >= 16")
     block_q = min(tiles.block_q, max(16, pl.next_power_of_2(t)))
     split_len = tiles.block_k * pl.cdiv(pl.cdiv(s, tiles.splits), tiles.block_k)
@@ -170,7 +168,7 @@ def split_kv_attention(
         compiler_params=plgpu.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
         ),
-        interpret=interpret,
+        interpret=pallas_tiles.interpret_mode(interpret),
         name="split_kv_attention",
     )(q, keys, values, bias)
     if splits == 1:

@@ -32,6 +32,12 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "split_kv")
 MLP_IMPLS = ("auto", "xla", "pallas")
 
 
+def check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise a ValueError naming `option`'s bad `value` and its `choices`."""
+    if value not in choices:
+        raise ValueError(f"{option}={value!r}; expected one of {choices}")
+
+
 def resolve_attention_impl(impl: str, head_dim: int = 128, dtype: Any = jnp.bfloat16) -> str:
     """The attention implementation for heads of `head_dim` in `dtype`.
 
@@ -41,8 +47,7 @@ def resolve_attention_impl(impl: str, head_dim: int = 128, dtype: Any = jnp.bflo
     11.1), 14.0 µs for a 384-token refresh (cuDNN 18.5) and 105 µs at 1,280 (cuDNN 111);
     bench/NOTES.md has the sweeps and the generations.
     """
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl={impl!r}; expected one of {ATTENTION_IMPLS}")
+    check_choice("attention_impl", impl, ATTENTION_IMPLS)
     half = jnp.dtype(dtype).itemsize == 2
     if impl == "cudnn" and not half:
         raise ValueError(
@@ -63,8 +68,7 @@ def resolve_mlp_impl(impl: str, rows: int, d_model: int, hidden: int, dtype: Any
     separate activation kernel for refreshes, larger batches, fp32 and off GPUs. On an H200
     the kernel took 48.7 µs per LLaDA-8B layer where XLA took 52.9 (bench/NOTES.md).
     """
-    if impl not in MLP_IMPLS:
-        raise ValueError(f"mlp_impl={impl!r}; expected one of {MLP_IMPLS}")
+    check_choice("mlp_impl", impl, MLP_IMPLS)
     if impl != "auto":
         return impl
     fast = jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
@@ -147,13 +151,7 @@ def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "
         return _attend_cudnn(q, keys, values, key_valid)
     if impl == "split_kv":  # Pallas's interpreter off GPUs (for tests)
         b, t, k, g, d = q.shape
-        out = flash_attention.split_kv_attention(
-            q.reshape(b, t, k * g, d),
-            keys,
-            values,
-            key_valid,
-            interpret=jax.default_backend() != "gpu",
-        )
+        out = flash_attention.split_kv_attention(q.reshape(b, t, k * g, d), keys, values, key_valid)
         return out.reshape(q.shape)
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
@@ -252,9 +250,8 @@ class GatedMLP(nn.Module):
         gate_up = self.param("gate_up", init_normal(), (d_model, 2, hidden), self.dtype)
         down = self.param("down", init_normal(), (hidden, d_model), self.dtype)
         if resolve_mlp_impl(self.mlp_impl, b * t, d_model, hidden, x.dtype) == "pallas":
-            interpret = jax.default_backend() != "gpu"  # Pallas's interpreter, for tests
-            act = swiglu.swiglu_matmul(x.reshape(b * t, d_model), gate_up, interpret=interpret)
-            act = act.reshape(b, t, hidden)
+            # Pallas's interpreter off GPUs (for tests)
+            act = swiglu.swiglu_matmul(x.reshape(b * t, d_model), gate_up).reshape(b, t, hidden)
         else:
             act = swiglu_xla(x, gate_up)
         y = jnp.einsum("btf,fm->btm", act, down)
@@ -289,7 +286,7 @@ class TransformerLM(nn.Module):
         cfg = self.config
         # a bad name or dtype fails before any layer runs
         resolve_attention_impl(self.attention_impl, cfg.head_dim, self.dtype)
-        resolve_mlp_impl(self.mlp_impl, 0, cfg.d_model, cfg.d_model, self.dtype)
+        check_choice("mlp_impl", self.mlp_impl, MLP_IMPLS)
         self.embedding = self.param(
             "embed", init_normal(), (cfg.vocab_size, cfg.d_model), self.dtype
         )

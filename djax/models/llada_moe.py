@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import ModelConfig
-from djax.models.layers import GatedMLP, TransformerLM, _sum_over, init_normal
+from djax.models.layers import GatedMLP, TransformerLM, _sum_over, check_choice, init_normal
 from djax.models.sources import (
     Joined,
     ParamSource,
@@ -161,8 +161,7 @@ def choose_moe_impl(impl: str, n_tokens: int, hopper_fits: bool = False) -> str:
     """The expert path for `n_tokens` tokens: `impl` itself unless it is `auto`, which takes
     `hopper` where the kernel fits, else `grouped` up to GROUPED_EXPERTS_MAX_TOKENS tokens
     and `dense` above."""
-    if impl not in MOE_IMPLS:
-        raise ValueError(f"moe_impl={impl!r}; expected one of {MOE_IMPLS}")
+    check_choice("moe_impl", impl, MOE_IMPLS)
     if impl != "auto":
         return impl
     if hopper_fits:

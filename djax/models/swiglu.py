@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from djax.models import pallas_tiles
+
 Array = jax.Array
 # Row counts up to this take the kernel under `auto`: whole generations were measured with
 # 32 rows (a block of one sequence). At 64 rows the kernel alone was still faster (50.6 µs
@@ -42,26 +44,14 @@ class Tiles:
     num_stages: int = 4
 
 
-def _power_of_two_from_16(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
-
-
-def _largest_block(n: int, limit: int) -> int:
-    """The largest power of two <= limit that divides n (n a multiple of 16)."""
-    block = limit
-    while n % block:
-        block //= 2
-    return block
-
-
 def tiles_for(m: int, k: int, n: int) -> Tiles:
     """The measured best program shape (bench.matmul, H200, 32 rows x 4096 -> 2 x 12288):
     128 columns of each side, 64-wide contraction steps, 4 warps, 4 stages (48.6 µs; 50.9 at
     64 columns and 128-wide steps, 58.8-61.1 with 32 columns)."""
     return Tiles(
         block_m=max(16, pl.next_power_of_2(m)) if m <= 64 else 64,
-        block_n=_largest_block(n, 128),
-        block_k=_largest_block(k, 64),
+        block_n=pallas_tiles.largest_block(n, 128),
+        block_k=pallas_tiles.largest_block(k, 64),
     )
 
 
@@ -94,12 +84,14 @@ def _kernel(x_ref, w_ref, out_ref, *, tiles):
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def swiglu_matmul(x: Array, w: Array, tiles: Tiles | None = None, interpret: bool = False) -> Array:
+def swiglu_matmul(
+    x: Array, w: Array, tiles: Tiles | None = None, interpret: bool | None = None
+) -> Array:
     """`silu(x @ w[:, 0]) * (x @ w[:, 1])` in one kernel.
 
     x: [m, k]; w: [k, 2, n] (gate and up). Returns [m, n] in x's dtype, accumulated in
-    fp32. `tiles`: the program shape (default `tiles_for`); `interpret=True` runs on any
-    backend (for tests on CPUs).
+    fp32. `tiles`: the program shape (default `tiles_for`); `interpret`: run in Pallas's
+    interpreter (default: exactly off GPUs, as the CPU tests do).
     """
     from jax.experimental.pallas import triton as plgpu
 
@@ -112,7 +104,7 @@ def swiglu_matmul(x: Array, w: Array, tiles: Tiles | None = None, interpret: boo
         )
     tiles = tiles or tiles_for(m, k, n)
     blocks = (tiles.block_m, tiles.block_n, tiles.block_k)
-    if not all(map(_power_of_two_from_16, blocks)) or n % tiles.block_n or k % tiles.block_k:
+    if not all(map(pallas_tiles.is_block, blocks)) or n % tiles.block_n or k % tiles.block_k:
         raise ValueError(
             f"{tiles}: blocks must be powers of two >= 16, block_n dividing n = {n} and "
             f"block_k dividing k = {k}"
@@ -124,6 +116,6 @@ def swiglu_matmul(x: Array, w: Array, tiles: Tiles | None = None, interpret: boo
         compiler_params=plgpu.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
         ),
-        interpret=interpret,
+        interpret=pallas_tiles.interpret_mode(interpret),
         name="swiglu_matmul",
     )(x, w)

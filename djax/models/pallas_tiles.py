@@ -1,0 +1,25 @@
+"""Rules shared by djax's Pallas Triton kernels (`flash_attention`, `swiglu`): the block
+sizes Triton takes, and when a kernel runs in Pallas's interpreter instead (off GPUs, which
+is how the CPU tests run them)."""
+
+from __future__ import annotations
+
+import jax
+
+
+def is_block(n: int) -> bool:
+    """Whether `n` is a Triton tile size: a power of two, at least 16."""
+    return n >= 16 and n & (n - 1) == 0
+
+
+def largest_block(n: int, limit: int) -> int:
+    """The largest power of two <= `limit` (itself a power of two) that divides `n`."""
+    block = limit
+    while n % block:
+        block //= 2
+    return block
+
+
+def interpret_mode(interpret: bool | None) -> bool:
+    """A kernel's `interpret` argument: None means Pallas's interpreter exactly off GPUs."""
+    return jax.default_backend() != "gpu" if interpret is None else interpret
