@@ -118,6 +118,17 @@ def bench_model(config: ModelConfig, devices: int = 1, options: tuple = ()) -> t
     return Model(config, params, None, jnp.bfloat16, mesh=mesh, options=options), split
 
 
+def parse_options(text: str) -> dict[str, str]:
+    """Module options from the command line: `default` (none), or `key=value[,key=value]`
+    (e.g. `norm_impl=xla,rope_impl=xla`)."""
+    if text == "default":
+        return {}
+    pairs = [item.partition("=") for item in text.split(",")]
+    if any(not key or not sep or not value for key, sep, value in pairs):
+        raise SystemExit(f"bench: options {text!r}; expected 'default' or key=value[,key=value]")
+    return {key: value for key, _, value in pairs}
+
+
 def weight_bytes(params: dict) -> int:
     """Bytes of every weight a forward reads (the embedding is gathered, not read whole)."""
     leaves = jax.tree_util.tree_leaves_with_path(params)

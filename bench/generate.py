@@ -8,19 +8,29 @@ The physical limit of a run is its refreshes at the measured matmul rate plus it
 forwards at the HBM floor; tokens/s is reported beside it, with each program's compile time
 (`bench.compile` measures it from the persistent cache, in a fresh process).
 
-    python bench/generate.py [--models dense moe] [--tiny]
+    python bench/generate.py [--models dense moe] [--variants default norm_impl=xla] [--tiny]
+
+Each `--variants` entry is a set of module options (`default`: the engine's own choices),
+run in turn on the same weights.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import tempfile
 
 import numpy as np
 
-from bench.common import SETTING, bench_model, measure_ceilings, model_config, save, weight_bytes
+from bench.common import (
+    SETTING,
+    bench_model,
+    measure_ceilings,
+    model_config,
+    parse_options,
+    save,
+    weight_bytes,
+)
 from bench.forward import refresh_flops
 from djax import GenerationConfig, Model, engine, generate
 
@@ -61,13 +71,18 @@ def main() -> None:
     parser.add_argument("--prompts", nargs="+", type=int, default=[128, 512])
     parser.add_argument("--caches", nargs="+", default=["none", "prefix", "dual"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--attention-impls", nargs="+", default=["auto"])
-    parser.add_argument("--mlp-impls", nargs="+", default=["auto"])
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["default"],
+        help="module option sets: default, or key=value[,key=value] (e.g. mlp_impl=xla)",
+    )
     parser.add_argument("--moe-impl", default="auto")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = parser.parse_args()
     engine.enable_compile_cache(tempfile.mkdtemp(prefix="djax_xla_cache_"))
     ceilings = measure_ceilings(args.tiny)
+    variants = [parse_options(text) for text in args.variants]
     base = SETTING
     rows = []
     for name in args.models:
@@ -75,16 +90,14 @@ def main() -> None:
         model, _ = bench_model(config, 1, (("moe_impl", args.moe_impl),))
         cases = [dataclasses.replace(base, cache=c) for c in args.caches]
         cases.append(dataclasses.replace(base, decoder="threshold", cache="dual"))
-        for impl, mlp_impl in itertools.product(args.attention_impls, args.mlp_impls):
-            model = model.with_options(attention_impl=impl, mlp_impl=mlp_impl)
+        for options in variants:
+            variant = model.with_options(**options)
             for prompt_len in args.prompts:
                 for case in cases:
-                    row = run_case(model, prompt_len, case, ceilings, args.repeats)
-                    rows.append(
-                        {"model": name, "attention_impl": impl, "mlp_impl": mlp_impl, **row}
-                    )
+                    row = run_case(variant, prompt_len, case, ceilings, args.repeats)
+                    rows.append({"model": name, "options": options, **row})
                     print(rows[-1])
-        del model
+        del model, variant
     save(
         "generate",
         {

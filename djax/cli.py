@@ -103,6 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--moe-impl", default="auto", help="auto (hopper on H100/H200) | grouped | dense | hopper"
     )
+    gen.add_argument(
+        "--norm-impl",
+        default="auto",
+        help="residual add + RMSNorm: auto (pallas on GPUs, 16-bit weights) | xla | pallas",
+    )
+    gen.add_argument(
+        "--rope-impl",
+        default="auto",
+        help="q/k norm, RoPE and K/V writes: auto (pallas on GPUs, 16-bit weights) | xla | pallas",
+    )
     gen.add_argument("--json", action="store_true", help="print the output as JSON")
     _add_generation_options(gen)
 
@@ -148,6 +158,8 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
         attention_impl=args.attention_impl,
         mlp_impl=args.mlp_impl,
         moe_impl=args.moe_impl,
+        norm_impl=args.norm_impl,
+        rope_impl=args.rope_impl,
     )
     prompts = _prompts(args, list(demo.EXAMPLE_PROMPTS) if label else [])
     if not prompts:

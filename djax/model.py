@@ -94,7 +94,8 @@ def load(
     dtype: compute and storage dtype (default: bf16 on GPU/TPU, fp32 on CPU). mesh: a
     `jax.sharding.Mesh` from `djax.make_mesh` to load straight into shards. options:
     module options (`attention_impl="auto"|"xla"|"cudnn"|"split_kv"`,
-    `mlp_impl="auto"|"xla"|"pallas"`, `moe_impl="auto"|"grouped"|"dense"|"hopper"`).
+    `mlp_impl="auto"|"xla"|"pallas"`, `moe_impl="auto"|"grouped"|"dense"|"hopper"`,
+    `norm_impl="auto"|"xla"|"pallas"`, `rope_impl="auto"|"xla"|"pallas"`).
     """
     folder = Path(path)
     if not folder.is_dir():

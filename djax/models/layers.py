@@ -24,12 +24,14 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import ModelConfig
-from djax.models import flash_attention, swiglu
+from djax.models import flash_attention, residual_norm, rope_write, swiglu
 
 Array = jax.Array
 LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, head_dim]
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "split_kv")
 MLP_IMPLS = ("auto", "xla", "pallas")
+NORM_IMPLS = ("auto", "xla", "pallas")
+ROPE_IMPLS = ("auto", "xla", "pallas")
 
 
 def check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
@@ -71,8 +73,42 @@ def resolve_mlp_impl(impl: str, rows: int, d_model: int, hidden: int, dtype: Any
     check_choice("mlp_impl", impl, MLP_IMPLS)
     if impl != "auto":
         return impl
-    fast = jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
-    return "pallas" if fast and rows <= swiglu.MAX_ROWS and swiglu.fits(d_model, hidden) else "xla"
+    return (
+        "pallas"
+        if _gpu_half(dtype) and rows <= swiglu.MAX_ROWS and swiglu.fits(d_model, hidden)
+        else "xla"
+    )
+
+
+def _gpu_half(dtype: Any) -> bool:
+    return jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
+
+
+def resolve_norm_impl(impl: str, dtype: Any) -> str:
+    """How a residual add and the RMSNorm after it run: `auto` is djax's one-kernel Pallas
+    path (`residual_norm`) on GPUs with 16-bit activations, else XLA's (two kernels on
+    GPUs)."""
+    check_choice("norm_impl", impl, NORM_IMPLS)
+    if impl != "auto":
+        return impl
+    return "pallas" if _gpu_half(dtype) else "xla"
+
+
+def resolve_rope_impl(impl: str, head_dim: int, rotary_dim: int, dtype: Any) -> str:
+    """How the q/k norm and clip, RoPE and the K/V buffer writes run: `auto` is djax's
+    one-kernel Pallas path (`rope_write`) on GPUs with 16-bit activations where its tiles
+    fit the heads, else XLA's (a RoPE kernel and one buffer write per K and V on GPUs)."""
+    check_choice("rope_impl", impl, ROPE_IMPLS)
+    fits = rope_write.fits(head_dim, rotary_dim)
+    if impl == "pallas" and not fits:
+        raise ValueError(
+            f"rope_impl='pallas' takes heads whose rotary halves ({rotary_dim // 2}) and "
+            f"unrotated rest ({head_dim - rotary_dim}) are powers of two or zero; got "
+            f"head_dim={head_dim}, rotary_dim={rotary_dim}"
+        )
+    if impl != "auto":
+        return impl
+    return "pallas" if _gpu_half(dtype) and fits else "xla"
 
 
 def init_normal(stddev: float = 0.02):
@@ -105,20 +141,25 @@ def rms_norm(x: Array, scale: Array, eps: float) -> Array:
     return normed.astype(x.dtype) * scale.astype(x.dtype)
 
 
+def rope_tables(positions: Array, theta: float, rotary_dim: int) -> tuple[Array, Array]:
+    """cos and sin of RoPE's angles in fp32: positions [batch, seq] (int) ->
+    two [batch, seq, rotary_dim / 2]."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int) -> Array:
     """Rotate-half RoPE in fp32 on the first `rotary_dim` features.
 
     x: [batch, seq, ..., head_dim]; positions: [batch, seq] (int).
     """
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, rotary_dim / 2]
-    angles = jnp.concatenate([angles, angles], axis=-1)
+    cos, sin = rope_tables(positions, theta, rotary_dim)
     extra_axes = x.ndim - 3
-    angles = angles.reshape(angles.shape[:2] + (1,) * extra_axes + angles.shape[-1:])
-    rot = x[..., :rotary_dim].astype(jnp.float32)
+    cos, sin = (a.reshape(a.shape[:2] + (1,) * extra_axes + a.shape[-1:]) for a in (cos, sin))
     half = rotary_dim // 2
-    rotated_half = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    out = (rot * jnp.cos(angles) + rotated_half * jnp.sin(angles)).astype(x.dtype)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:rotary_dim].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos + -x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
     if rotary_dim == x.shape[-1]:
         return out
     return jnp.concatenate([out, x[..., rotary_dim:]], axis=-1)
@@ -170,13 +211,34 @@ def _attend_cudnn(q: Array, keys: Array, values: Array, key_valid: Array) -> Arr
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm with a learned scale (param `scale` [width]). `norm(x)` normalises x;
+    `norm(y, residual=x)` adds first and returns `(x + y, norm(x + y))`, the pair between
+    a decoder layer's blocks, in one kernel under `impl="pallas"` (`resolve_norm_impl`)."""
+
     eps: float
+    dtype: Any
+    impl: str = "xla"
+
+    @nn.compact
+    def __call__(self, x: Array, residual: Array | None = None) -> Array | tuple[Array, Array]:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        if residual is None:
+            return rms_norm(x, scale, self.eps)
+        if resolve_norm_impl(self.impl, x.dtype) == "pallas":
+            return residual_norm.add_rms_norm(residual, x, scale, self.eps)
+        h = residual + x
+        return h, rms_norm(h, scale, self.eps)
+
+
+class NormScale(nn.Module):
+    """An RMSNorm's learned scale (param `scale` [width]), for norms applied inside
+    another kernel (the q/k norms)."""
+
     dtype: Any
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
-        return rms_norm(x, scale, self.eps)
+    def __call__(self, width: int) -> Array:
+        return self.param("scale", nn.initializers.ones, (width,), self.dtype)
 
 
 class Attention(nn.Module):
@@ -193,6 +255,7 @@ class Attention(nn.Module):
     axis_name: str | None = None
     attention_impl: str = "auto"
     shards: int = 1
+    rope_impl: str = "auto"
 
     @nn.compact
     def __call__(
@@ -211,20 +274,48 @@ class Attention(nn.Module):
             self.dtype,
         )
         qkv = jnp.einsum("btm,mkgd->btkgd", x, qkv_kernel)
-        q, k, v = qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
+        scales = None
         if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
+            scales = tuple(
+                NormScale(self.dtype, name=name)(cfg.head_dim) for name in ("q_norm", "k_norm")
+            )
+        rope_impl = resolve_rope_impl(self.rope_impl, cfg.head_dim, cfg.rope_dim, qkv.dtype)
+        if rope_impl == "pallas":  # Pallas's interpreter off GPUs (for tests)
+            q, keys, values = self._rope_and_write_fused(qkv, positions, kv, window, scales)
+        else:
+            q, keys, values = self._rope_and_write(qkv, positions, kv, window, scales)
+        impl = resolve_attention_impl(self.attention_impl, cfg.head_dim, q.dtype)
+        out = attend(q, keys, values, key_valid, impl)
+        y = jnp.einsum("btkgd,kgdm->btm", out, out_kernel)
+        return _sum_over(y, self.axis_name), (keys, values)
+
+    def _rope_and_write(self, qkv, positions, kv, window, scales):
+        """XLA's path: q [b, t, kv, group, d] after norm, clip and RoPE, and the buffers
+        with the window's keys and values written."""
+        cfg, group = self.config, qkv.shape[3] - 2
+        q, k, v = qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
+        if scales is not None:
+            q, k = (
+                rms_norm(q, scales[0], cfg.rms_norm_eps),
+                rms_norm(k, scales[1], cfg.rms_norm_eps),
+            )
         if cfg.clip_qkv is not None:  # after the q/k norm, as the LLaDA-MoE reference does
             q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
         q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_dim)
         k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_dim)
         keys = write_window(None if kv is None else kv[0], k, window)
         values = write_window(None if kv is None else kv[1], v, window)
-        impl = resolve_attention_impl(self.attention_impl, cfg.head_dim, q.dtype)
-        out = attend(q, keys, values, key_valid, impl)
-        y = jnp.einsum("btkgd,kgdm->btm", out, out_kernel)
-        return _sum_over(y, self.axis_name), (keys, values)
+        return q, keys, values
+
+    def _rope_and_write_fused(self, qkv, positions, kv, window, scales):
+        """The same in one Pallas kernel (`rope_write`), buffers updated in place."""
+        cfg, t = self.config, qkv.shape[1]
+        cos, sin = rope_tables(positions, cfg.rope_theta, cfg.rope_dim)
+        lo = window.start if window.write_lo is None else window.write_lo
+        hi = window.start + t if window.write_hi is None else window.write_hi
+        bounds = jnp.array([window.start, lo, hi], jnp.int32)
+        ops = rope_write.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
+        return rope_write.rope_and_write(qkv, cos, sin, kv, bounds, scales, ops)
 
 
 def swiglu_xla(x: Array, gate_up: Array) -> Array:
@@ -275,6 +366,8 @@ class TransformerLM(nn.Module):
     axis_name: str | None = None
     attention_impl: str = "auto"
     mlp_impl: str = "auto"  # gate/up path of SwiGLU MLPs (see resolve_mlp_impl)
+    norm_impl: str = "auto"  # residual add + RMSNorm (see resolve_norm_impl)
+    rope_impl: str = "auto"  # q/k norm, RoPE and K/V writes (see resolve_rope_impl)
     moe_impl: str = "auto"  # expert path of MoE families (see llada_moe.MOE_IMPLS)
     shards: int = 1  # size of the model-parallel mesh axis `axis_name`
     split_experts: bool = False  # MoE: experts split by expert (True) or by hidden unit
@@ -287,24 +380,32 @@ class TransformerLM(nn.Module):
         # a bad name or dtype fails before any layer runs
         resolve_attention_impl(self.attention_impl, cfg.head_dim, self.dtype)
         check_choice("mlp_impl", self.mlp_impl, MLP_IMPLS)
+        resolve_norm_impl(self.norm_impl, self.dtype)
+        resolve_rope_impl(self.rope_impl, cfg.head_dim, cfg.rope_dim, self.dtype)
         self.embedding = self.param(
             "embed", init_normal(), (cfg.vocab_size, cfg.d_model), self.dtype
         )
+        eps, norm_impl = cfg.rms_norm_eps, self.norm_impl
         self.attn_norms = [
-            RMSNorm(cfg.rms_norm_eps, self.dtype, name=f"attn_norm_{i}")
-            for i in range(cfg.n_layers)
+            RMSNorm(eps, self.dtype, norm_impl, name=f"attn_norm_{i}") for i in range(cfg.n_layers)
         ]
         self.attns = [
             Attention(
-                cfg, self.dtype, self.axis_name, self.attention_impl, self.shards, name=f"attn_{i}"
+                cfg,
+                self.dtype,
+                self.axis_name,
+                self.attention_impl,
+                self.shards,
+                self.rope_impl,
+                name=f"attn_{i}",
             )
             for i in range(cfg.n_layers)
         ]
         self.ff_norms = [
-            RMSNorm(cfg.rms_norm_eps, self.dtype, name=f"ff_norm_{i}") for i in range(cfg.n_layers)
+            RMSNorm(eps, self.dtype, norm_impl, name=f"ff_norm_{i}") for i in range(cfg.n_layers)
         ]
         self.ffs = [self.feed_forward(i) for i in range(cfg.n_layers)]
-        self.final_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, name="final_norm")
+        self.final_norm = RMSNorm(eps, self.dtype, norm_impl, name="final_norm")
         self.lm_head = self.param(
             "lm_head", init_normal(), (cfg.d_model, cfg.vocab_size // self.shards), self.dtype
         )
@@ -328,23 +429,23 @@ class TransformerLM(nn.Module):
         `hidden_start` (relative to the window) and the updated per-layer K/V.
         """
         new_kv = []
-        for i in range(self.config.n_layers):
+        n_layers = self.config.n_layers
+        normed = self.attn_norms[0](x)
+        for i in range(n_layers):
             with jax.named_scope(f"layer_{i}"):
                 with jax.named_scope("attention"):
                     attn_out, layer_kv = self.attns[i](
-                        self.attn_norms[i](x),
-                        positions,
-                        key_valid,
-                        None if kv is None else kv[i],
-                        window,
+                        normed, positions, key_valid, None if kv is None else kv[i], window
                     )
-                h = x + attn_out
+                h, normed = self.ff_norms[i](attn_out, residual=x)
                 with jax.named_scope("mlp"):
-                    x = h + self.ffs[i](self.ff_norms[i](h))
+                    mlp_out = self.ffs[i](normed)
+                next_norm = self.attn_norms[i + 1] if i + 1 < n_layers else self.final_norm
+                x, normed = next_norm(mlp_out, residual=h)
                 new_kv.append(layer_kv)
-        if hidden_len is not None and hidden_len != x.shape[1]:
-            x = jax.lax.dynamic_slice_in_dim(x, hidden_start, hidden_len, axis=1)
-        return self.final_norm(x), tuple(new_kv)
+        if hidden_len is not None and hidden_len != normed.shape[1]:
+            normed = jax.lax.dynamic_slice_in_dim(normed, hidden_start, hidden_len, axis=1)
+        return normed, tuple(new_kv)
 
     def embed(self, token_ids: Array) -> Array:
         """token_ids: [batch, t] -> embeddings [batch, t, model] in the compute dtype."""

@@ -9,7 +9,12 @@ import jax
 
 def is_block(n: int) -> bool:
     """Whether `n` is a Triton tile size: a power of two, at least 16."""
-    return n >= 16 and n & (n - 1) == 0
+    return n >= 16 and is_power_of_two(n)
+
+
+def is_power_of_two(n: int) -> bool:
+    """Whether `n` is a power of two: the tile widths Triton takes outside matmuls."""
+    return n >= 1 and n & (n - 1) == 0
 
 
 def largest_block(n: int, limit: int) -> int:

@@ -1,0 +1,193 @@
+"""From the fused q/k/v product to attention's inputs in one Pallas Triton kernel: the
+optional q/k RMSNorm and clip, RoPE on queries and keys, and the window's keys and values
+written into the K/V buffers in place.
+
+In a 32-token LLaDA-8B block forward XLA spends three kernels per layer here (RoPE as a
+concatenate fusion, 1.95 µs on an H200, then one dynamic-update-slice per buffer, 1.85 and
+1.92 µs), each moving well under a megabyte: the cost is launches and latency, not bytes
+(bench/NOTES.md). Here one program per (sequence, kv head, tile of window positions) reads
+that head's query, key and value rows once and writes all three results.
+
+Semantics are those of `layers.Attention`'s XLA path: `rms_norm` with the q/k scales, the
+clip, rotate-half RoPE in fp32 from the given cos/sin tables, and buffer rows outside the
+write range left as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from djax.models import pallas_tiles
+
+Array = jax.Array
+BLOCK_T = 32  # window positions per program
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadOps:
+    """What the kernel applies to each head before RoPE: q/k RMSNorm with `eps` when
+    `qk_norm` (the scales are arguments), then a clip to `[-clip, clip]` on q, k and v when
+    `clip` is not None."""
+
+    qk_norm: bool = False
+    eps: float = 1e-6
+    clip: float | None = None
+
+
+def _parts(head_dim: int, rotary_dim: int) -> tuple[tuple[int, int], ...]:
+    """A head's feature ranges `(start, size)`: the two rotary halves, then the rest."""
+    half = rotary_dim // 2
+    rest = ((rotary_dim, head_dim - rotary_dim),) if rotary_dim < head_dim else ()
+    return ((0, half), (half, half)) + rest
+
+
+def fits(head_dim: int, rotary_dim: int) -> bool:
+    """Whether the kernel takes these heads: each part of a head (`_parts`) is a power of
+    two wide, as Triton's tiles are."""
+    return all(pallas_tiles.is_power_of_two(size) for _, size in _parts(head_dim, rotary_dim))
+
+
+def _kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool):
+    """One (sequence, kv head, position tile) program. Refs are whole arrays, in order:
+    bounds [3] int32 (start, write_lo, write_hi), qkv [b, t, kv, group + 2, d], cos/sin
+    [b, t, rotary / 2] fp32, then the q and k scales [d] (with `qk_norm`), then the key and
+    value buffers [b, s, kv, d] (with `buffered`; aliased to the outputs); outputs q
+    [b, t, kv, group, d], keys, values [b, s, kv, d]."""
+    from jax.experimental.pallas import triton as plgpu
+
+    bounds_ref, qkv_ref, cos_ref, sin_ref, *refs = refs
+    scale_refs, refs = (refs[:2], refs[2:]) if ops.qk_norm else ((None, None), refs)
+    q_ref, keys_ref, values_ref = refs[2:] if buffered else refs
+    batch, kv_head, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t, d, dtype = qkv_ref.shape[1], qkv_ref.shape[-1], qkv_ref.dtype
+    first = tile * BLOCK_T
+    rows = pl.ds(first, BLOCK_T)
+    row_ok = (first + jnp.arange(BLOCK_T) < t)[:, None]
+    start, write_lo, write_hi = bounds_ref[0], bounds_ref[1], bounds_ref[2]
+    positions = start + first + jnp.arange(BLOCK_T)
+    write_ok = row_ok & ((positions >= write_lo) & (positions < write_hi))[:, None]
+
+    def load(index):
+        """Head `index` of the kv head's slot, as fp32 parts [BLOCK_T, size]."""
+        return [
+            plgpu.load(
+                qkv_ref.at[batch, rows, kv_head, jnp.int32(index), pl.ds(lo, size)],
+                mask=row_ok,
+                other=0.0,
+            ).astype(jnp.float32)
+            for lo, size in parts
+        ]
+
+    def norm(head, scale_ref):
+        """`layers.rms_norm` over the whole head, rounding where it does."""
+        inv_rms = jax.lax.rsqrt(sum(jnp.sum(p * p, axis=1) for p in head) / d + ops.eps)
+        out = []
+        for p, (lo, size) in zip(head, parts, strict=True):
+            scale = scale_ref[pl.ds(lo, size)].astype(jnp.float32)
+            normed = (p * inv_rms[:, None]).astype(dtype).astype(jnp.float32)
+            out.append((normed * scale).astype(dtype).astype(jnp.float32))
+        return out
+
+    def prepare(index, scale_ref=None):
+        head = load(index)
+        if scale_ref is not None:
+            head = norm(head, scale_ref)
+        if ops.clip is not None:
+            head = [jnp.clip(p, -ops.clip, ops.clip) for p in head]
+        return head
+
+    table = batch, rows, pl.ds(0, parts[0][1])
+    cos = plgpu.load(cos_ref.at[table], mask=row_ok, other=0.0)
+    sin = plgpu.load(sin_ref.at[table], mask=row_ok, other=0.0)
+
+    def rope(head):
+        x1, x2, *rest = head
+        return [x1 * cos + -x2 * sin, x2 * cos + x1 * sin, *rest]
+
+    def store(ref, index, head, ok):
+        for p, (lo, size) in zip(head, parts, strict=True):
+            plgpu.store(ref.at[index + (pl.ds(lo, size),)], p.astype(ref.dtype), mask=ok)
+
+    for j in range(group):
+        store(q_ref, (batch, rows, kv_head, jnp.int32(j)), rope(prepare(j, scale_refs[0])), row_ok)
+    buffer_rows = pl.ds(start + first, BLOCK_T)
+    store(keys_ref, (batch, buffer_rows, kv_head), rope(prepare(group, scale_refs[1])), write_ok)
+    store(values_ref, (batch, buffer_rows, kv_head), prepare(group + 1), write_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("ops", "num_warps", "interpret"))
+def rope_and_write(
+    qkv: Array,
+    cos: Array,
+    sin: Array,
+    buffers: tuple[Array, Array] | None,
+    bounds: Array,
+    scales: tuple[Array, Array] | None = None,
+    ops: HeadOps = HeadOps(),
+    num_warps: int = 4,
+    interpret: bool | None = None,
+) -> tuple[Array, Array, Array]:
+    """Queries ready for attention and the K/V buffers with the window's rows written.
+
+    qkv: [b, t, kv_heads, group + 2, head_dim] (per kv head: its query heads, key, value);
+    cos, sin: [b, t, rotary_dim / 2] fp32 (`layers.rope_tables`); buffers: (keys, values)
+    [b, s, kv_heads, head_dim], updated in place, or None for a whole-sequence window (then
+    fresh [b, t, kv_heads, head_dim] arrays come back); bounds: int32 [3] = (window start,
+    write_lo, write_hi): window row `i` sits at position `start + i` and is written when
+    that lies in `[write_lo, write_hi)`; scales: the q and k norm scales [head_dim] (with
+    `ops.qk_norm`). Returns (q [b, t, kv_heads, group, head_dim], keys, values).
+    `interpret`: run in Pallas's interpreter (default: exactly off GPUs, as the CPU tests
+    do).
+    """
+    from jax.experimental.pallas import triton as plgpu
+
+    b, t, kv_heads, heads_per_kv, d = qkv.shape
+    rotary = 2 * cos.shape[-1]
+    group = heads_per_kv - 2
+    problems = []
+    if group < 1 or cos.shape != (b, t, rotary // 2) or sin.shape != cos.shape:
+        problems.append(f"qkv {qkv.shape} with cos {cos.shape}, sin {sin.shape}")
+    if not (0 < rotary <= d and fits(d, rotary)):
+        problems.append(f"rotary dim {rotary} for head dim {d}")
+    if buffers is not None and any(
+        buf.shape[::2] != (b, kv_heads) or buf.shape[3] != d for buf in buffers
+    ):
+        problems.append(f"buffers {[buf.shape for buf in buffers]}")
+    if ops.qk_norm != (scales is not None) or scales and any(s.shape != (d,) for s in scales):
+        problems.append(f"qk_norm={ops.qk_norm} with scales {scales and [s.shape for s in scales]}")
+    if problems:
+        raise ValueError(
+            f"rope_and_write: {'; '.join(problems)}; expected qkv [b, t, kv_heads, group + 2, "
+            "d] with group >= 1, cos/sin [b, t, r / 2] for an even r in (0, d] with r / 2 "
+            "and d - r powers of two (or d - r = 0), buffers [b, s, kv_heads, d], and q/k "
+            "scales [d] exactly when qk_norm"
+        )
+    kv_shape = buffers[0].shape if buffers is not None else (b, t, kv_heads, d)
+    out_shape = [
+        jax.ShapeDtypeStruct((b, t, kv_heads, group, d), qkv.dtype),
+        *(
+            jax.ShapeDtypeStruct(kv_shape, qkv.dtype if buffers is None else buf.dtype)
+            for buf in (buffers or (None, None))
+        ),
+    ]
+    inputs = [bounds.astype(jnp.int32), qkv, cos, sin, *(scales or ()), *(buffers or ())]
+    aliases = {len(inputs) - 2: 1, len(inputs) - 1: 2} if buffers is not None else {}
+    kernel = functools.partial(
+        _kernel, ops=ops, parts=_parts(d, rotary), group=group, buffered=buffers is not None
+    )
+    return tuple(
+        pl.pallas_call(
+            kernel,
+            out_shape=out_shape,
+            grid=(b, kv_heads, pl.cdiv(t, BLOCK_T)),
+            input_output_aliases=aliases,
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+            interpret=pallas_tiles.interpret_mode(interpret),
+            name="rope_and_write",
+        )(*inputs)
+    )

@@ -1,0 +1,209 @@
+"""The two Pallas kernels around the matmuls of a decoder layer (run by Pallas's interpreter
+on the CPU): the residual add with its RMSNorm (`residual_norm`) and the q/k norm, clip,
+RoPE and K/V buffer writes (`rope_write`), each against the XLA path it replaces; their
+errors, `norm_impl`/`rope_impl`'s choice, and whole generations."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import djax
+from djax.models import layers
+from djax.models.residual_norm import add_rms_norm
+from djax.models.rope_write import HeadOps, rope_and_write
+
+
+def _normal(seed, shape, dtype=jnp.float32, scale=1.0):
+    return (jax.random.normal(jax.random.key(seed), shape) * scale).astype(dtype)
+
+
+@pytest.mark.parametrize("shape, dtype", [((2, 5, 48), jnp.float32), ((32, 256), jnp.bfloat16)])
+def test_add_rms_norm_matches_xla(shape, dtype):
+    x, y = _normal(0, shape, dtype), _normal(1, shape, dtype)
+    scale = _normal(2, shape[-1:], dtype, 0.1) + 1
+    h, normed = add_rms_norm(x, y, scale, 1e-5, interpret=True)
+    assert h.shape == normed.shape == shape and h.dtype == normed.dtype == dtype
+    np.testing.assert_array_equal(h, x + y)
+    np.testing.assert_allclose(
+        normed.astype(jnp.float32),
+        layers.rms_norm(x + y, scale, 1e-5).astype(jnp.float32),
+        rtol=1e-6 if dtype == jnp.float32 else 1e-2,
+    )
+
+
+def test_add_rms_norm_errors():
+    x = jnp.zeros((4, 32))
+    with pytest.raises(ValueError, match=r"expected y shaped and typed like x and scale \[32\]"):
+        add_rms_norm(x, jnp.zeros((4, 16)), jnp.ones(32), 1e-5, interpret=True)
+    with pytest.raises(ValueError, match=r"scale \(16,\)"):
+        add_rms_norm(x, x, jnp.ones(16), 1e-5, interpret=True)
+
+
+def _xla_rope_and_write(qkv, positions, buffers, window, rotary, scales, ops):
+    group = qkv.shape[3] - 2
+    q, k, v = qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
+    if ops.qk_norm:
+        q, k = layers.rms_norm(q, scales[0], ops.eps), layers.rms_norm(k, scales[1], ops.eps)
+    if ops.clip is not None:
+        q, k, v = (jnp.clip(a, -ops.clip, ops.clip) for a in (q, k, v))
+    q = layers.apply_rope(q, positions, 10000.0, rotary)
+    k = layers.apply_rope(k, positions, 10000.0, rotary)
+    keys = layers.write_window(None if buffers is None else buffers[0], k, window)
+    values = layers.write_window(None if buffers is None else buffers[1], v, window)
+    return q, keys, values
+
+
+ROPE_CASES = {
+    # t, kv heads, group, head dim, rotary dim, buffer len, window, ops, dtype
+    "dual block, tiles masked": (20, 2, 2, 16, 16, 48, layers.Window(5), HeadOps(), jnp.float32),
+    "vicinity write range, two tiles": (
+        40,
+        2,
+        1,
+        32,
+        16,
+        64,
+        layers.Window(10, 12, 30),
+        HeadOps(True, 1e-5, 2.0),
+        jnp.float32,
+    ),
+    "whole sequence, partial rotary": (
+        12,
+        3,
+        3,
+        24,
+        16,
+        None,
+        layers.Window(),
+        HeadOps(True, 1e-5),
+        jnp.float32,
+    ),
+    "LLaDA-8B block, bf16": (32, 4, 1, 128, 128, 384, layers.Window(128), HeadOps(), jnp.bfloat16),
+    "LLaDA-MoE-like, bf16": (
+        32,
+        4,
+        2,
+        128,
+        64,
+        384,
+        layers.Window(128),
+        HeadOps(True, 1e-6, 8.0),
+        jnp.bfloat16,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_rope_and_write_matches_xla(case):
+    t, kv, group, d, rotary, s, window, ops, dtype = ROPE_CASES[case]
+    qkv = _normal(0, (2, t, kv, group + 2, d), dtype, 3.0)
+    positions = window.start + jnp.broadcast_to(jnp.arange(t), (2, t))
+    buffers = (
+        None if s is None else (_normal(1, (2, s, kv, d), dtype), _normal(2, (2, s, kv, d), dtype))
+    )
+    scales = (
+        (_normal(3, (d,), dtype, 0.1) + 1, _normal(4, (d,), dtype, 0.1) + 1)
+        if ops.qk_norm
+        else None
+    )
+    lo = window.start if window.write_lo is None else window.write_lo
+    hi = window.start + t if window.write_hi is None else window.write_hi
+    cos, sin = layers.rope_tables(positions, 10000.0, rotary)
+    ours = rope_and_write(
+        qkv, cos, sin, buffers, jnp.array([window.start, lo, hi]), scales, ops, interpret=True
+    )
+    want = _xla_rope_and_write(qkv, positions, buffers, window, rotary, scales, ops)
+    for name, o, w in zip(("q", "keys", "values"), ours, want, strict=True):
+        assert o.shape == w.shape and o.dtype == w.dtype, name
+        tol = 1e-5 if dtype == jnp.float32 else 1e-2
+        np.testing.assert_allclose(
+            o.astype(jnp.float32), w.astype(jnp.float32), atol=tol, rtol=tol, err_msg=name
+        )
+    if buffers is not None:  # rows outside the write range are the old buffer's, bit for bit
+        rows = np.arange(s)
+        untouched = (rows < lo) | (rows >= hi)
+        np.testing.assert_array_equal(ours[1][:, untouched], buffers[0][:, untouched])
+        np.testing.assert_array_equal(ours[2][:, untouched], buffers[1][:, untouched])
+
+
+def test_rope_and_write_errors():
+    qkv = jnp.zeros((1, 8, 2, 3, 32))
+    cos = sin = jnp.zeros((1, 8, 16))
+    bounds = jnp.array([0, 0, 8])
+    with pytest.raises(ValueError, match=r"qkv \(1, 8, 2, 3, 32\) with cos \(1, 4, 16\)"):
+        rope_and_write(qkv, cos[:, :4], sin[:, :4], None, bounds, interpret=True)
+    with pytest.raises(ValueError, match="rotary dim 24 for head dim 32"):
+        rope_and_write(qkv, cos[..., :12], sin[..., :12], None, bounds, interpret=True)
+    with pytest.raises(ValueError, match=r"buffers \[\(1, 16, 4, 32\)"):
+        bad = jnp.zeros((1, 16, 4, 32))
+        rope_and_write(qkv, cos, sin, (bad, bad), bounds, interpret=True)
+    with pytest.raises(ValueError, match="qk_norm=True with scales None"):
+        rope_and_write(qkv, cos, sin, None, bounds, ops=HeadOps(qk_norm=True), interpret=True)
+    with pytest.raises(ValueError, match="group >= 1"):
+        rope_and_write(qkv[:, :, :, :2], cos, sin, None, bounds, interpret=True)
+
+
+def test_auto_choice(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert layers.resolve_norm_impl("auto", jnp.bfloat16) == "xla"
+    assert layers.resolve_rope_impl("auto", 128, 128, jnp.bfloat16) == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert layers.resolve_norm_impl("auto", jnp.bfloat16) == "pallas"
+    assert layers.resolve_norm_impl("auto", jnp.float32) == "xla"
+    assert layers.resolve_norm_impl("pallas", jnp.float32) == "pallas"
+    assert layers.resolve_rope_impl("auto", 128, 128, jnp.bfloat16) == "pallas"
+    assert layers.resolve_rope_impl("auto", 128, 64, jnp.bfloat16) == "pallas"  # partial RoPE
+    assert layers.resolve_rope_impl("auto", 96, 96, jnp.bfloat16) == "xla"  # halves of 48
+    assert layers.resolve_rope_impl("auto", 128, 128, jnp.float32) == "xla"
+    with pytest.raises(ValueError, match="rotary halves \\(48\\).*head_dim=96, rotary_dim=96"):
+        layers.resolve_rope_impl("pallas", 96, 96, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("option", ["norm_impl", "rope_impl"])
+def test_unknown_impl_fails_at_setup(dense_model, option):
+    with pytest.raises(ValueError, match=rf"{option}='fast'; expected one of \('auto'"):
+        djax.forward_logits(dense_model.with_options(**{option: "fast"}), [[4, 5, 6]])
+
+
+@pytest.mark.parametrize("cache", ["dual", "vicinity", "prefix", "none"])
+def test_generation_tokens_unchanged(assert_same_generation, cache):
+    xla = {"norm_impl": "xla", "rope_impl": "xla"}
+    assert_same_generation({"norm_impl": "pallas", "rope_impl": "pallas"}, xla, cache)
+
+
+def test_moe_generation_tokens_unchanged(moe_model):
+    """LLaDA-MoE's heads carry q/k norms: the kernel applies them before RoPE."""
+    config = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+    prompts = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
+    fused = moe_model.with_options(norm_impl="pallas", rope_impl="pallas")
+    ours = djax.generate(fused, prompts, config)
+    ref = djax.generate(moe_model.with_options(norm_impl="xla", rope_impl="xla"), prompts, config)
+    np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_compiled_kernels_on_gpu():
+    """On a GPU: both Triton-compiled kernels at LLaDA-8B's block shapes (bf16, 32 rows, a
+    384-position buffer written at 128) and a refresh's 384 rows, against the XLA paths."""
+    for rows in (32, 384):
+        x, y = _normal(0, (1, rows, 4096), jnp.bfloat16), _normal(1, (1, rows, 4096), jnp.bfloat16)
+        scale = _normal(2, (4096,), jnp.bfloat16, 0.1) + 1
+        h, normed = add_rms_norm(x, y, scale, 1e-5)
+        np.testing.assert_array_equal(h, x + y)
+        ref = layers.rms_norm(x + y, scale, 1e-5).astype(jnp.float32)
+        assert float(jnp.abs(normed.astype(jnp.float32) - ref).max()) <= 0.05
+    for case in ("LLaDA-8B block, bf16", "LLaDA-MoE-like, bf16"):
+        t, kv, group, d, rotary, s, window, ops, dtype = ROPE_CASES[case]
+        qkv = _normal(0, (1, t, kv, group + 2, d), dtype, 3.0)
+        positions = window.start + jnp.arange(t)[None]
+        buffers = (_normal(1, (1, s, kv, d), dtype), _normal(2, (1, s, kv, d), dtype))
+        scales = (_normal(3, (d,), dtype, 0.1) + 1,) * 2 if ops.qk_norm else None
+        cos, sin = layers.rope_tables(positions, 10000.0, rotary)
+        bounds = jnp.array([window.start, window.start, window.start + t])
+        ours = rope_and_write(qkv, cos, sin, buffers, bounds, scales, ops)
+        want = _xla_rope_and_write(qkv, positions, buffers, window, rotary, scales, ops)
+        for o, w in zip(ours, want, strict=True):
+            np.testing.assert_allclose(
+                o.astype(jnp.float32), w.astype(jnp.float32), atol=0.1, rtol=0.02
+            )
