@@ -4,7 +4,8 @@ Writes the XProf/TensorBoard trace (and its Perfetto JSON) under `--out`, then a
 device time per op category — matmul, attention, MoE, norms/elementwise, decoder, copies,
 idle gaps — read from the trace's device events, readable without a viewer.
 
-    python -m bench.profile [--model dense] [--devices N] [--cache dual] [--out DIR] [--tiny]
+    python -m bench.profile [--model dense] [--devices N] [--cache dual] [--options k=v,...]
+                            [--out DIR] [--tiny]
     python -m bench.profile --resummarize TRACE_DIR RESULT_JSON
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.common import SETTING, bench_model, commit, model_config, save
+from bench.common import SETTING, bench_model, commit, model_config, parse_options, save
 from djax import generate
 
 # First match wins; tested against the kernel name plus the op/scope names in its args.
@@ -70,11 +71,13 @@ def summarize(events: list[dict]) -> dict:
     busy: dict[str, float] = defaultdict(float)
     spans = []
     top: dict[str, float] = defaultdict(float)
+    durations: dict[str, list[float]] = defaultdict(list)
     for e in events:
         text = " ".join([e.get("name", "")] + [str(v) for v in e.get("args", {}).values()])
         category = categorize(text)
         busy[category] += e["dur"]
         top[e.get("name", "")] += e["dur"]
+        durations[e.get("name", "")].append(e["dur"])
         spans.append((e["ts"], e["ts"] + e["dur"], category))
     if not spans:
         return {"error": "no device events found in the trace"}
@@ -91,12 +94,17 @@ def summarize(events: list[dict]) -> dict:
     wall = spans[-1][1] - spans[0][0]
     busy["idle gaps"] = idle
     kernels = sorted(top.items(), key=lambda kv: -kv[1])[:15]
+    per_call = {
+        name: {"calls": len(durations[name]), "median_us": float(np.median(durations[name]))}
+        for name, _ in sorted(top.items(), key=lambda kv: -kv[1])[:60]
+    }
     return {
         "wall_us": wall,
         "busy_us": dict(busy),
         "pct": {k: 100 * v / wall for k, v in busy.items()},
         "idle_next_to_collectives_us": idle_by_collectives,
         "top_kernels_us": dict(kernels),
+        "kernel_calls": per_call,
         "events": len(events),
     }
 
@@ -165,6 +173,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--attention-impl", default="auto")
     parser.add_argument("--moe-impl", default="auto")
+    parser.add_argument(
+        "--options", default="default", help="more module options: key=value[,key=value]"
+    )
     parser.add_argument("--devices", type=int, default=1, help="TP (dense) / EP (MoE) size")
     parser.add_argument("--out", default="/tmp/djax_profile")
     parser.add_argument("--tiny", action="store_true")
@@ -179,7 +190,8 @@ def main() -> None:
         resummarize(Path(args.resummarize[0]), Path(args.resummarize[1]))
         return
     config = model_config(args.model, args.tiny)
-    options = (("attention_impl", args.attention_impl), ("moe_impl", args.moe_impl))
+    options = {"attention_impl": args.attention_impl, "moe_impl": args.moe_impl}
+    options = tuple(sorted((options | parse_options(args.options)).items()))
     model, _ = bench_model(config, args.devices, options)
     gen = dataclasses.replace(SETTING, cache=args.cache)
     prompt = np.arange(10, 10 + args.prompt_len).tolist()
