@@ -24,13 +24,15 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import ModelConfig
-from djax.models import flash_attention, residual_norm, rope_write, swiglu
+from djax.models import flash_attention, residual_norm, rope_write, split_k, swiglu
+from djax.models.split_k import Partials, finish
 
 Array = jax.Array
 LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, head_dim]
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "split_kv")
 MLP_IMPLS = ("auto", "xla", "pallas")
 NORM_IMPLS = ("auto", "xla", "pallas")
+MATMUL_IMPLS = ("auto", "xla", "pallas")
 ROPE_IMPLS = ("auto", "xla", "pallas")
 
 
@@ -82,6 +84,29 @@ def resolve_mlp_impl(impl: str, rows: int, d_model: int, hidden: int, dtype: Any
 
 def _gpu_half(dtype: Any) -> bool:
     return jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
+
+
+def resolve_matmul_impl(impl: str, rows: int, k: int, n: int, dtype: Any) -> str:
+    """How the q/k/v, attention-output and down products of `rows` token rows run: `auto`
+    on GPUs with 16-bit weights and at most `split_k.MAX_ROWS` rows (a denoising block of
+    one sequence) is djax's split-K kernel, its partial products summed by the next
+    kernel (`split_k`); XLA's GEMMs for refreshes, larger batches, fp32 and off GPUs."""
+    check_choice("matmul_impl", impl, MATMUL_IMPLS)
+    if impl != "auto":
+        return impl
+    small = rows <= split_k.MAX_ROWS and split_k.fits(k, n)
+    return "pallas" if _gpu_half(dtype) and small else "xla"
+
+
+def project(x: Array, w: Array, impl: str) -> Array | Partials:
+    """`x [..., k] @ w [k, ...]` -> [..., *w.shape[1:]]: XLA's einsum, or the split-K
+    kernel's `Partials` under `matmul_impl` (`resolve_matmul_impl`)."""
+    k, out_shape = w.shape[0], w.shape[1:]
+    flat = w.reshape(k, -1)
+    if resolve_matmul_impl(impl, x.size // k, k, flat.shape[1], x.dtype) == "xla":
+        return jnp.einsum("...k,kn->...n", x, flat).reshape(x.shape[:-1] + out_shape)
+    y = split_k.matmul_partials(x, flat)  # Pallas's interpreter off GPUs (for tests)
+    return Partials(y.parts.reshape(y.parts.shape[:-1] + out_shape), y.dtype)
 
 
 def resolve_norm_impl(impl: str, dtype: Any) -> str:
@@ -213,20 +238,23 @@ def _attend_cudnn(q: Array, keys: Array, values: Array, key_valid: Array) -> Arr
 class RMSNorm(nn.Module):
     """RMSNorm with a learned scale (param `scale` [width]). `norm(x)` normalises x;
     `norm(y, residual=x)` adds first and returns `(x + y, norm(x + y))`, the pair between
-    a decoder layer's blocks, in one kernel under `impl="pallas"` (`resolve_norm_impl`)."""
+    a decoder layer's blocks, in one kernel under `impl="pallas"` (`resolve_norm_impl`).
+    `y` may be a split-K product's `Partials`."""
 
     eps: float
     dtype: Any
     impl: str = "xla"
 
     @nn.compact
-    def __call__(self, x: Array, residual: Array | None = None) -> Array | tuple[Array, Array]:
+    def __call__(
+        self, x: Array | Partials, residual: Array | None = None
+    ) -> Array | tuple[Array, Array]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if residual is None:
-            return rms_norm(x, scale, self.eps)
+            return rms_norm(finish(x), scale, self.eps)
         if resolve_norm_impl(self.impl, x.dtype) == "pallas":
             return residual_norm.add_rms_norm(residual, x, scale, self.eps)
-        h = residual + x
+        h = residual + finish(x)
         return h, rms_norm(h, scale, self.eps)
 
 
@@ -256,11 +284,12 @@ class Attention(nn.Module):
     attention_impl: str = "auto"
     shards: int = 1
     rope_impl: str = "auto"
+    matmul_impl: str = "auto"
 
     @nn.compact
     def __call__(
         self, x: Array, positions: Array, key_valid: Array, kv: LayerKV | None, window: Window
-    ) -> tuple[Array, LayerKV]:
+    ) -> tuple[Array | Partials, LayerKV]:
         cfg = self.config
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
@@ -273,7 +302,7 @@ class Attention(nn.Module):
             (kv_heads, group, cfg.head_dim, cfg.d_model),
             self.dtype,
         )
-        qkv = jnp.einsum("btm,mkgd->btkgd", x, qkv_kernel)
+        qkv = project(x, qkv_kernel, self.matmul_impl)  # [b, t, kv, group + 2, d]
         scales = None
         if cfg.qk_norm:
             scales = tuple(
@@ -283,10 +312,11 @@ class Attention(nn.Module):
         if rope_impl == "pallas":  # Pallas's interpreter off GPUs (for tests)
             q, keys, values = self._rope_and_write_fused(qkv, positions, kv, window, scales)
         else:
-            q, keys, values = self._rope_and_write(qkv, positions, kv, window, scales)
+            q, keys, values = self._rope_and_write(finish(qkv), positions, kv, window, scales)
         impl = resolve_attention_impl(self.attention_impl, cfg.head_dim, q.dtype)
         out = attend(q, keys, values, key_valid, impl)
-        y = jnp.einsum("btkgd,kgdm->btm", out, out_kernel)
+        b, t = out.shape[:2]
+        y = project(out.reshape(b, t, -1), out_kernel.reshape(-1, cfg.d_model), self.matmul_impl)
         return _sum_over(y, self.axis_name), (keys, values)
 
     def _rope_and_write(self, qkv, positions, kv, window, scales):
@@ -334,9 +364,10 @@ class GatedMLP(nn.Module):
     axis_name: str | None = None
     shards: int = 1
     mlp_impl: str = "auto"
+    matmul_impl: str = "auto"  # of the down product (see resolve_matmul_impl)
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array) -> Array | Partials:
         (b, t, d_model), hidden = x.shape, self.hidden // self.shards
         gate_up = self.param("gate_up", init_normal(), (d_model, 2, hidden), self.dtype)
         down = self.param("down", init_normal(), (hidden, d_model), self.dtype)
@@ -345,12 +376,12 @@ class GatedMLP(nn.Module):
             act = swiglu.swiglu_matmul(x.reshape(b * t, d_model), gate_up).reshape(b, t, hidden)
         else:
             act = swiglu_xla(x, gate_up)
-        y = jnp.einsum("btf,fm->btm", act, down)
-        return _sum_over(y, self.axis_name)
+        return _sum_over(project(act, down, self.matmul_impl), self.axis_name)
 
 
-def _sum_over(x: Array, axis_name: str | None) -> Array:
-    return x if axis_name is None else jax.lax.psum(x, axis_name)
+def _sum_over(x: Array | Partials, axis_name: str | None) -> Array | Partials:
+    """A product summed over the mesh axis `axis_name` (its partials summed first)."""
+    return x if axis_name is None else jax.lax.psum(finish(x), axis_name)
 
 
 class TransformerLM(nn.Module):
@@ -368,6 +399,7 @@ class TransformerLM(nn.Module):
     mlp_impl: str = "auto"  # gate/up path of SwiGLU MLPs (see resolve_mlp_impl)
     norm_impl: str = "auto"  # residual add + RMSNorm (see resolve_norm_impl)
     rope_impl: str = "auto"  # q/k norm, RoPE and K/V writes (see resolve_rope_impl)
+    matmul_impl: str = "auto"  # q/k/v, attention-output and down products (resolve_matmul_impl)
     moe_impl: str = "auto"  # expert path of MoE families (see llada_moe.MOE_IMPLS)
     shards: int = 1  # size of the model-parallel mesh axis `axis_name`
     split_experts: bool = False  # MoE: experts split by expert (True) or by hidden unit
@@ -380,6 +412,7 @@ class TransformerLM(nn.Module):
         # a bad name or dtype fails before any layer runs
         resolve_attention_impl(self.attention_impl, cfg.head_dim, self.dtype)
         check_choice("mlp_impl", self.mlp_impl, MLP_IMPLS)
+        check_choice("matmul_impl", self.matmul_impl, MATMUL_IMPLS)
         resolve_norm_impl(self.norm_impl, self.dtype)
         resolve_rope_impl(self.rope_impl, cfg.head_dim, cfg.rope_dim, self.dtype)
         self.embedding = self.param(
@@ -397,6 +430,7 @@ class TransformerLM(nn.Module):
                 self.attention_impl,
                 self.shards,
                 self.rope_impl,
+                self.matmul_impl,
                 name=f"attn_{i}",
             )
             for i in range(cfg.n_layers)

@@ -34,6 +34,7 @@ class LLaDA(TransformerLM):
             self.axis_name,
             self.shards,
             self.mlp_impl,
+            self.matmul_impl,
             name=f"ff_{layer}",
         )
 

@@ -38,6 +38,7 @@ from djax.models.sources import (
     gate_up,
     transposed,
 )
+from djax.models.split_k import finish
 
 Array = jax.Array
 MOE_IMPLS = ("auto", "grouped", "dense", "hopper")
@@ -232,7 +233,7 @@ class MoEBlock(nn.Module):
                 self.mlp_impl,
                 name="shared",
             )
-            y = y + shared(x)
+            y = y + finish(shared(x))
         return y
 
 
@@ -254,7 +255,13 @@ class LLaDAMoE(TransformerLM):
                 name=name,
             )
         return GatedMLP(
-            cfg.mlp_hidden, self.dtype, self.axis_name, self.shards, self.mlp_impl, name=name
+            cfg.mlp_hidden,
+            self.dtype,
+            self.axis_name,
+            self.shards,
+            self.mlp_impl,
+            self.matmul_impl,
+            name=name,
         )
 
 

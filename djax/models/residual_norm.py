@@ -7,6 +7,10 @@ too small to be limited by memory (256 KB per operand): they are launch- and lat
 so one kernel that writes `h` and the normed rows together takes about the time of one.
 Each program normalises one row across the whole model dim.
 
+`y` may come as a split-K matmul's fp32 partial products (`split_k.Partials`): the kernel
+adds them and rounds to the activation dtype first, as `Partials.total()` would, so XLA's
+separate reduction kernel is not needed.
+
 Semantics are `layers.rms_norm`'s: the sum in the activation dtype, the norm in fp32, cast
 back, then times the scale in the activation dtype.
 """
@@ -20,12 +24,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from djax.models import pallas_tiles
+from djax.models.split_k import Partials
 
 Array = jax.Array
 
 
 def _kernel(x_ref, y_ref, scale_ref, h_ref, normed_ref, *, eps, width):
-    """One row. Refs are whole arrays: x, y, h, normed [m, d]; scale [d]."""
+    """One row. Refs are whole arrays: x, h, normed [m, d]; y [splits, m, d] (fp32 partial
+    products, or x's dtype with one split); scale [d]."""
     from jax.experimental.pallas import triton as plgpu
 
     d = x_ref.shape[1]
@@ -33,7 +39,11 @@ def _kernel(x_ref, y_ref, scale_ref, h_ref, normed_ref, *, eps, width):
     ok = jnp.arange(width) < d
     row = pl.program_id(0)
     x = plgpu.load(x_ref.at[row, cols], mask=ok, other=0.0)
-    y = plgpu.load(y_ref.at[row, cols], mask=ok, other=0.0)
+    parts = [
+        plgpu.load(y_ref.at[jnp.int32(split), row, cols], mask=ok, other=0.0).astype(jnp.float32)
+        for split in range(y_ref.shape[0])
+    ]
+    y = sum(parts[1:], parts[0]).astype(h_ref.dtype)
     h = (x.astype(jnp.float32) + y.astype(jnp.float32)).astype(h_ref.dtype)
     hf = h.astype(jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.sum(hf * hf) / d + eps)
@@ -46,7 +56,7 @@ def _kernel(x_ref, y_ref, scale_ref, h_ref, normed_ref, *, eps, width):
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
 def add_rms_norm(
     x: Array,
-    y: Array,
+    y: Array | Partials,
     scale: Array,
     eps: float,
     num_warps: int = 4,
@@ -54,17 +64,18 @@ def add_rms_norm(
 ) -> tuple[Array, Array]:
     """`h = x + y` and `rms_norm(h, scale, eps)` in one kernel.
 
-    x, y: [..., d] of one dtype; scale: [d]. Returns (h, normed), both shaped and typed like
-    x. `interpret`: run in Pallas's interpreter (default: exactly off GPUs, as the CPU tests
-    do).
+    x: [..., d]; y: [..., d] in x's dtype, or `Partials` of that shape and dtype; scale:
+    [d]. Returns (h, normed), both shaped and typed like x. `interpret`: run in Pallas's
+    interpreter (default: exactly off GPUs, as the CPU tests do).
     """
     from jax.experimental.pallas import triton as plgpu
 
     d = x.shape[-1]
-    if y.shape != x.shape or y.dtype != x.dtype or scale.shape != (d,):
+    parts = y.parts if isinstance(y, Partials) else y[None]
+    if parts.shape[1:] != x.shape or y.dtype != x.dtype or scale.shape != (d,):
         raise ValueError(
-            f"add_rms_norm: x {x.shape} {x.dtype}, y {y.shape} {y.dtype}, scale {scale.shape}; "
-            f"expected y shaped and typed like x and scale [{d}]"
+            f"add_rms_norm: x {x.shape} {x.dtype}, y {parts.shape[1:]} {y.dtype}, scale "
+            f"{scale.shape}; expected y shaped and typed like x and scale [{d}]"
         )
     rows = x.reshape(-1, d)
     out = jax.ShapeDtypeStruct(rows.shape, x.dtype)
@@ -75,5 +86,5 @@ def add_rms_norm(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=pallas_tiles.interpret_mode(interpret),
         name="add_rms_norm",
-    )(rows, y.reshape(-1, d), scale)
+    )(rows, parts.reshape(parts.shape[0], -1, d), scale)
     return h.reshape(x.shape), normed.reshape(x.shape)

@@ -8,6 +8,10 @@ concatenate fusion, 1.95 µs on an H200, then one dynamic-update-slice per buffe
 (bench/NOTES.md). Here one program per (sequence, kv head, tile of window positions) reads
 that head's query, key and value rows once and writes all three results.
 
+The q/k/v product may come as a split-K matmul's fp32 partial products
+(`split_k.Partials`): the kernel adds them and rounds to the activation dtype first, as
+`Partials.total()` would.
+
 Semantics are those of `layers.Attention`'s XLA path: `rms_norm` with the q/k scales, the
 clip, rotate-half RoPE in fp32 from the given cos/sin tables, and buffer rows outside the
 write range left as they were.
@@ -23,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from djax.models import pallas_tiles
+from djax.models.split_k import Partials
 
 Array = jax.Array
 BLOCK_T = 32  # window positions per program
@@ -54,7 +59,8 @@ def fits(head_dim: int, rotary_dim: int) -> bool:
 
 def _kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool):
     """One (sequence, kv head, position tile) program. Refs are whole arrays, in order:
-    bounds [3] int32 (start, write_lo, write_hi), qkv [b, t, kv, group + 2, d], cos/sin
+    bounds [3] int32 (start, write_lo, write_hi), qkv [splits, b, t, kv, group + 2, d]
+    (fp32 partial products, or the activation dtype with one split), cos/sin
     [b, t, rotary / 2] fp32, then the q and k scales [d] (with `qk_norm`), then the key and
     value buffers [b, s, kv, d] (with `buffered`; aliased to the outputs); outputs q
     [b, t, kv, group, d], keys, values [b, s, kv, d]."""
@@ -64,7 +70,7 @@ def _kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool):
     scale_refs, refs = (refs[:2], refs[2:]) if ops.qk_norm else ((None, None), refs)
     q_ref, keys_ref, values_ref = refs[2:] if buffered else refs
     batch, kv_head, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t, d, dtype = qkv_ref.shape[1], qkv_ref.shape[-1], qkv_ref.dtype
+    splits, t, d, dtype = qkv_ref.shape[0], qkv_ref.shape[2], qkv_ref.shape[-1], q_ref.dtype
     first = tile * BLOCK_T
     rows = pl.ds(first, BLOCK_T)
     row_ok = (first + jnp.arange(BLOCK_T) < t)[:, None]
@@ -73,15 +79,22 @@ def _kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool):
     write_ok = row_ok & ((positions >= write_lo) & (positions < write_hi))[:, None]
 
     def load(index):
-        """Head `index` of the kv head's slot, as fp32 parts [BLOCK_T, size]."""
-        return [
-            plgpu.load(
-                qkv_ref.at[batch, rows, kv_head, jnp.int32(index), pl.ds(lo, size)],
-                mask=row_ok,
-                other=0.0,
-            ).astype(jnp.float32)
-            for lo, size in parts
-        ]
+        """Head `index` of the kv head's slot, as fp32 parts [BLOCK_T, size], its partial
+        products summed and rounded to the activation dtype."""
+        out = []
+        for lo, size in parts:
+            slices = [
+                plgpu.load(
+                    qkv_ref.at[
+                        jnp.int32(s), batch, rows, kv_head, jnp.int32(index), pl.ds(lo, size)
+                    ],
+                    mask=row_ok,
+                    other=0.0,
+                ).astype(jnp.float32)
+                for s in range(splits)
+            ]
+            out.append(sum(slices[1:], slices[0]).astype(dtype).astype(jnp.float32))
+        return out
 
     def norm(head, scale_ref):
         """`layers.rms_norm` over the whole head, rounding where it does."""
@@ -122,7 +135,7 @@ def _kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool):
 
 @functools.partial(jax.jit, static_argnames=("ops", "num_warps", "interpret"))
 def rope_and_write(
-    qkv: Array,
+    qkv: Array | Partials,
     cos: Array,
     sin: Array,
     buffers: tuple[Array, Array] | None,
@@ -134,7 +147,8 @@ def rope_and_write(
 ) -> tuple[Array, Array, Array]:
     """Queries ready for attention and the K/V buffers with the window's rows written.
 
-    qkv: [b, t, kv_heads, group + 2, head_dim] (per kv head: its query heads, key, value);
+    qkv: [b, t, kv_heads, group + 2, head_dim] (per kv head: its query heads, key, value),
+    or `Partials` of that shape;
     cos, sin: [b, t, rotary_dim / 2] fp32 (`layers.rope_tables`); buffers: (keys, values)
     [b, s, kv_heads, head_dim], updated in place, or None for a whole-sequence window (then
     fresh [b, t, kv_heads, head_dim] arrays come back); bounds: int32 [3] = (window start,
@@ -146,12 +160,13 @@ def rope_and_write(
     """
     from jax.experimental.pallas import triton as plgpu
 
-    b, t, kv_heads, heads_per_kv, d = qkv.shape
+    products = qkv.parts if isinstance(qkv, Partials) else qkv[None]
+    b, t, kv_heads, heads_per_kv, d = products.shape[1:]
     rotary = 2 * cos.shape[-1]
     group = heads_per_kv - 2
     problems = []
     if group < 1 or cos.shape != (b, t, rotary // 2) or sin.shape != cos.shape:
-        problems.append(f"qkv {qkv.shape} with cos {cos.shape}, sin {sin.shape}")
+        problems.append(f"qkv {products.shape[1:]} with cos {cos.shape}, sin {sin.shape}")
     if not (0 < rotary <= d and fits(d, rotary)):
         problems.append(f"rotary dim {rotary} for head dim {d}")
     if buffers is not None and any(
@@ -175,7 +190,7 @@ def rope_and_write(
             for buf in (buffers or (None, None))
         ),
     ]
-    inputs = [bounds.astype(jnp.int32), qkv, cos, sin, *(scales or ()), *(buffers or ())]
+    inputs = [bounds.astype(jnp.int32), products, cos, sin, *(scales or ()), *(buffers or ())]
     aliases = {len(inputs) - 2: 1, len(inputs) - 1: 2} if buffers is not None else {}
     kernel = functools.partial(
         _kernel, ops=ops, parts=_parts(d, rotary), group=group, buffered=buffers is not None

@@ -1,0 +1,126 @@
+"""LLaDA-8B's q/k/v, attention-output and down products at block rows, XLA against djax's
+split-K kernel (`djax.models.split_k`) with its partials summed by the consumer.
+
+`xla` is the product as XLA runs it inside a layer: for the output and down products with
+the residual add and RMSNorm after them (`layers.RMSNorm`'s XLA path), for q/k/v alone.
+`pallas` is the split-K kernel, its partials summed by `residual_norm.add_rms_norm` for the
+output and down products (q/k/v: the kernel alone; `rope_write` sums its partials), at the
+default tiles (`tiles_for`) and at each tiling of the sweep. Each call cycles through enough
+copies of the weight (>= 256 MB) that no copy is still in the L2 cache when it is read again,
+as inside a forward. Device time per product from profiler traces (µs, summed over its
+kernels); `weight_TB_per_s` is weight bytes over that time.
+
+    python -m bench.split_k [--rows 32] [--sweep] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+
+from bench.common import model_config, save
+from bench.matmul import kernel_us
+from djax.models import layers
+from djax.models.residual_norm import add_rms_norm
+from djax.models.split_k import Tiles, matmul_partials, tiles_for
+
+COLD_BYTES = 256 << 20
+EPS = 1e-5
+
+
+def products(cfg) -> dict[str, tuple[int, int]]:
+    m, heads = cfg.d_model, cfg.n_heads * cfg.head_dim
+    return {
+        "qkv": (m, heads + 2 * cfg.n_kv_heads * cfg.head_dim),
+        "out": (heads, m),
+        "down": (cfg.mlp_hidden, m),
+    }
+
+
+def xla_form(name, x, residual, scale, w):
+    y = x @ w
+    if name == "qkv":
+        return y
+    return layers.RMSNorm(EPS, jnp.bfloat16, "xla").apply({"params": {"scale": scale}}, y, residual)
+
+
+def pallas_form(name, x, residual, scale, w, tiles=None):
+    y = matmul_partials(x, w, tiles=tiles)
+    return y.parts if name == "qkv" else add_rms_norm(residual, y, scale, EPS)
+
+
+def sweep(k: int, n: int) -> list[Tiles]:
+    """Slices x column tiles x contraction steps, 4 stages (3 for 256-column tiles), at
+    least 4 steps per slice and at most ~8 waves of programs."""
+    found = []
+    for splits, block_n, block_k in itertools.product((1, 2, 4, 8, 16), (64, 128, 256), (64, 128)):
+        if n % block_n or k % (splits * block_k) or k // (splits * block_k) < 4:
+            continue
+        if (n // block_n) * splits > 1100:
+            continue
+        found.append(Tiles(32, block_n, block_k, splits, 4, 3 if block_n == 256 else 4))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--products", nargs="+", default=["qkv", "out", "down"])
+    parser.add_argument("--sweep", action="store_true", help="also every tiling of the sweep")
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    cfg = model_config("dense", args.tiny)
+    rows = []
+    for name in args.products:
+        k, n = products(cfg)[name]
+        keys = jax.random.split(jax.random.key(0), 3)
+        w = (jax.random.normal(keys[0], (k, n)) * k**-0.5).astype(jnp.bfloat16)
+        copies = max(1, -(-COLD_BYTES // w.nbytes))
+        ws = [w * (1 + i / 64) for i in range(copies)] if not args.tiny else [w]
+        x = jax.random.normal(keys[1], (args.rows, k), jnp.bfloat16)
+        residual = jax.random.normal(keys[2], (args.rows, n), jnp.bfloat16)
+        scale = jnp.ones((n,), jnp.bfloat16)
+        reference = xla_form(name, x.astype(jnp.float32), residual, scale, w.astype(jnp.float32))
+        runs = [("xla", xla_form), ("pallas", pallas_form)]
+        if args.sweep:
+            runs += [
+                (
+                    f"pallas s{t.splits} {t.block_n}x{t.block_k} st{t.num_stages}",
+                    functools.partial(pallas_form, tiles=t),
+                )
+                for t in sweep(k, n)
+            ]
+        for label, form in runs:
+            row = {"product": name, "rows": args.rows, "k": k, "n": n, "impl": label}
+            if label == "pallas":
+                row["tiles"] = str(tiles_for(args.rows, k, n))
+            fn = jax.jit(
+                lambda x, r, s, ws, form=form, name=name: [form(name, x, r, s, w) for w in ws]
+            )
+            try:
+                out = fn(x, residual, scale, ws[:1])[0]
+                out = out[1] if isinstance(out, tuple) else out
+                out = out.sum(0) if out.ndim == 3 else out
+                ref = reference[1] if isinstance(reference, tuple) else reference
+                row["rel_error"] = float(
+                    jnp.linalg.norm(out.astype(jnp.float32) - ref.astype(jnp.float32))
+                    / jnp.linalg.norm(ref.astype(jnp.float32))
+                )
+                per_call = kernel_us(fn, (x, residual, scale, ws), args.calls)
+                row["kernels_us"] = {key: v / len(ws) for key, v in per_call.items()}
+                row["us"] = sum(row["kernels_us"].values())
+                row["weight_TB_per_s"] = w.nbytes / row["us"] / 1e6
+            except Exception as err:  # keep the other rows of a costly run
+                row["error"] = f"{type(err).__name__}: {err}"[:1500]
+            print(row, flush=True)
+            rows.append(row)
+    save("split_k", {"model": "dense", "copies_bytes": COLD_BYTES, "results": rows})
+
+
+if __name__ == "__main__":
+    main()

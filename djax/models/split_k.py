@@ -1,0 +1,153 @@
+"""A split-K matmul for few rows, as a Pallas Triton kernel, whose fp32 partial products are
+summed by the kernel that consumes them: djax's GPU path for the q/k/v, attention-output and
+down products of a denoising block forward.
+
+With 32 rows these products read megabytes of weights to produce a few hundred kilobytes,
+and the output alone has too few tiles to occupy every SM (4096 columns are 32 tiles of 128
+on 132 SMs). Cutting the contraction into `splits` slices gives each SM its own stream of
+weight tiles; the slices' sums come back as `Partials`. XLA does the same with its own
+split-K GEMMs, but their reduction is a separate kernel whenever the consumer is a custom
+call, which cost djax's fused residual/norm and RoPE kernels their gain (bench/NOTES.md).
+Here the consumers (`residual_norm.add_rms_norm`, `rope_write.rope_and_write`) add the
+slices themselves, and `Partials.total()` does it for XLA paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from djax.models import pallas_tiles
+
+Array = jax.Array
+# Row counts up to this take the kernel under `auto` (a block of one sequence).
+MAX_ROWS = 32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Partials:
+    """Partial products of a split-K matmul: `parts` [splits, ..., n] fp32, whose sum,
+    rounded to `dtype`, is the product."""
+
+    parts: Array
+    dtype: Any = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The product's shape."""
+        return self.parts.shape[1:]
+
+    def total(self) -> Array:
+        """The product: [..., n] in `dtype`."""
+        return self.parts.sum(axis=0).astype(self.dtype)
+
+
+def finish(y: Array | Partials) -> Array:
+    """A product that may still be in partials, summed."""
+    return y.total() if isinstance(y, Partials) else y
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Program shape: a `block_m x block_n` output tile over one of `splits` equal slices
+    of the contraction, in `block_k` steps; Triton's `num_warps` and `num_stages`."""
+
+    block_m: int = 32
+    block_n: int = 128
+    block_k: int = 64
+    splits: int = 4
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def tiles_for(m: int, k: int, n: int) -> Tiles:
+    """128-column tiles, and as many contraction slices (up to 8, each at least 8 steps of
+    64) as keep the programs within two waves of an H100/H200's 132 SMs."""
+    block_n = pallas_tiles.largest_block(n, 128)
+    block_k = pallas_tiles.largest_block(k, 64)
+    splits = 1
+    while (
+        splits < 8
+        and (n // block_n) * splits * 2 <= 264
+        and k % (splits * 2 * block_k) == 0
+        and k // (splits * 2) >= 8 * block_k
+    ):
+        splits *= 2
+    block_m = max(16, pl.next_power_of_2(m)) if m <= 64 else 64
+    return Tiles(block_m=block_m, block_n=block_n, block_k=block_k, splits=splits)
+
+
+def fits(k: int, n: int) -> bool:
+    """Whether the kernel takes a `[k, n]` weight: k and n multiples of 16."""
+    return k % 16 == 0 and n % 16 == 0
+
+
+def _kernel(x_ref, w_ref, out_ref, *, tiles, steps):
+    """One output tile of one slice. Refs are whole arrays: x [m, k], w [k, n];
+    out [splits, m, n] fp32."""
+    from jax.experimental.pallas import triton as plgpu
+
+    m = x_ref.shape[0]
+    rows = pl.ds(pl.program_id(0) * tiles.block_m, tiles.block_m)
+    cols = pl.ds(pl.program_id(1) * tiles.block_n, tiles.block_n)
+    split = pl.program_id(2)
+    row_ok = pl.program_id(0) * tiles.block_m + jnp.arange(tiles.block_m) < m
+
+    def step(i, acc):
+        ks = pl.ds((split * steps + i) * tiles.block_k, tiles.block_k)
+        x = plgpu.load(x_ref.at[rows, ks], mask=row_ok[:, None], other=0.0)
+        return acc + jnp.dot(x, w_ref[ks, cols], preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((tiles.block_m, tiles.block_n)))
+    plgpu.store(out_ref.at[split, rows, cols], acc, mask=row_ok[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def matmul_partials(
+    x: Array, w: Array, tiles: Tiles | None = None, interpret: bool | None = None
+) -> Partials:
+    """`x @ w` as `tiles.splits` fp32 partial products.
+
+    x: [..., k]; w: [k, n]. Returns `Partials` with parts [splits, ..., n] and x's dtype.
+    `tiles`: the program shape (default `tiles_for`); `interpret`: run in Pallas's
+    interpreter (default: exactly off GPUs, as the CPU tests do).
+    """
+    from jax.experimental.pallas import triton as plgpu
+
+    k, n = w.shape
+    if x.shape[-1] != k or not fits(k, n):
+        raise ValueError(
+            f"matmul_partials: x {x.shape}, w {w.shape}; expected x [..., {k}] and k, n "
+            "multiples of 16"
+        )
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    tiles = tiles or tiles_for(m, k, n)
+    blocks = (tiles.block_m, tiles.block_n, tiles.block_k)
+    if (
+        not all(map(pallas_tiles.is_block, blocks))
+        or n % tiles.block_n
+        or k % (tiles.splits * tiles.block_k)
+    ):
+        raise ValueError(
+            f"{tiles}: blocks must be powers of two >= 16, block_n dividing n = {n} and "
+            f"splits x block_k dividing k = {k}"
+        )
+    steps = k // (tiles.splits * tiles.block_k)
+    parts = pl.pallas_call(
+        functools.partial(_kernel, tiles=tiles, steps=steps),
+        out_shape=jax.ShapeDtypeStruct((tiles.splits, m, n), jnp.float32),
+        grid=(pl.cdiv(m, tiles.block_m), n // tiles.block_n, tiles.splits),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages
+        ),
+        interpret=pallas_tiles.interpret_mode(interpret),
+        name="matmul_partials",
+    )(rows, w)
+    return Partials(parts.reshape((tiles.splits, *x.shape[:-1], n)), x.dtype)

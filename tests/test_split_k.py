@@ -1,0 +1,144 @@
+"""The split-K matmul (run by Pallas's interpreter on the CPU) against an fp32 product, its
+partials summed by each consumer, its errors, `matmul_impl`'s choice, and whole generations
+(alone, with the fused consumers, and under tensor parallelism)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import djax
+from djax.models import layers
+from djax.models.split_k import Tiles, finish, matmul_partials, tiles_for
+
+
+def _problem(shape, k, n, dtype=jnp.float32, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 2)
+    x = jax.random.normal(keys[0], (*shape, k), dtype)
+    w = (jax.random.normal(keys[1], (k, n)) * k**-0.5).astype(dtype)
+    return x, w
+
+
+def _rel_error(ours, ref):
+    ours, ref = ours.astype(jnp.float32), ref.astype(jnp.float32)
+    return float(jnp.linalg.norm(ours - ref) / jnp.linalg.norm(ref))
+
+
+@pytest.mark.parametrize(
+    "shape, tiles",
+    [
+        ((1, 32), None),  # the engine's choice, `tiles_for`
+        ((2, 10), Tiles(block_m=16, block_n=32, block_k=32, splits=4)),  # rows over two tiles
+        ((7,), Tiles(block_m=16, block_n=64, block_k=16, splits=1, num_stages=2)),
+    ],
+)
+def test_matches_fp32_product(shape, tiles):
+    x, w = _problem(shape, 256, 128)
+    y = matmul_partials(x, w, tiles=tiles, interpret=True)
+    splits = (tiles or tiles_for(int(np.prod(shape)), 256, 128)).splits
+    assert y.parts.shape == (splits, *shape, 128) and y.parts.dtype == jnp.float32
+    assert y.shape == (*shape, 128) and y.dtype == x.dtype
+    assert _rel_error(y.total(), x @ w) < 1e-6
+    assert finish(y) is not y and finish(x) is x
+
+
+def test_bf16_close_to_fp32():
+    x, w = _problem((32,), 512, 256, jnp.bfloat16, seed=1)
+    y = matmul_partials(x, w, interpret=True).total()
+    assert y.dtype == jnp.bfloat16
+    assert _rel_error(y, x.astype(jnp.float32) @ w.astype(jnp.float32)) < 1e-2
+
+
+def test_tiles_for_fill_the_gpu():
+    """LLaDA-8B's block products get 192-256 programs: q/k/v 96 column tiles x 2 slices,
+    attention output and down 32 x 8."""
+    assert tiles_for(32, 4096, 12288).splits == 2
+    assert tiles_for(32, 4096, 4096).splits == 8
+    assert tiles_for(32, 12288, 4096).splits == 8
+    assert tiles_for(32, 64, 96).splits == 1  # too short to split
+
+
+def test_shape_and_tile_errors():
+    x, w = _problem((8,), 64, 32)
+    with pytest.raises(ValueError, match=r"expected x \[\.\.\., 32\]"):
+        matmul_partials(x, w.T, interpret=True)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        matmul_partials(x, jnp.zeros((64, 40)), interpret=True)
+    with pytest.raises(ValueError, match="block_n dividing n = 32"):
+        matmul_partials(x, w, tiles=Tiles(block_n=64), interpret=True)
+    with pytest.raises(ValueError, match="splits x block_k dividing k = 64"):
+        matmul_partials(x, w, tiles=Tiles(block_n=32, block_k=32, splits=4), interpret=True)
+
+
+def test_partials_consumers_sum_them():
+    """add_rms_norm and the XLA paths agree on a product left in partials."""
+    x, w = _problem((2, 5), 128, 64, seed=2)
+    y = matmul_partials(x, w, tiles=Tiles(block_m=16, block_n=32, block_k=16, splits=4))
+    residual = jax.random.normal(jax.random.key(3), (2, 5, 64))
+    norm = layers.RMSNorm(1e-5, jnp.float32, "pallas")
+    params = norm.init(jax.random.key(0), residual)
+    ours = norm.apply(params, y, residual=residual)
+    ref = layers.RMSNorm(1e-5, jnp.float32, "xla").apply(params, y, residual=residual)
+    for a, b in zip(ours, ref, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_auto_choice(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert layers.resolve_matmul_impl("auto", 32, 4096, 4096, jnp.bfloat16) == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert layers.resolve_matmul_impl("auto", 32, 4096, 4096, jnp.bfloat16) == "pallas"
+    assert layers.resolve_matmul_impl("auto", 384, 4096, 4096, jnp.bfloat16) == "xla"
+    assert layers.resolve_matmul_impl("auto", 32, 4096, 4096, jnp.float32) == "xla"
+    assert layers.resolve_matmul_impl("auto", 32, 4096, 1000, jnp.bfloat16) == "xla"
+    assert layers.resolve_matmul_impl("pallas", 384, 4096, 4096, jnp.float32) == "pallas"
+
+
+def test_unknown_impl_fails_at_setup(dense_model):
+    with pytest.raises(ValueError, match=r"matmul_impl='fast'; expected one of \('auto'"):
+        djax.forward_logits(dense_model.with_options(matmul_impl="fast"), [[4, 5, 6]])
+
+
+XLA = {"matmul_impl": "xla", "norm_impl": "xla", "rope_impl": "xla"}
+
+
+@pytest.mark.parametrize("cache", ["dual", "vicinity", "none"])
+@pytest.mark.parametrize("consumers", ["xla", "pallas"])
+def test_generation_tokens_unchanged(assert_same_generation, cache, consumers):
+    ours = {"matmul_impl": "pallas", "norm_impl": consumers, "rope_impl": consumers}
+    assert_same_generation(ours, XLA, cache)
+
+
+def test_moe_generation_tokens_unchanged(moe_model):
+    config = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+    prompts = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
+    pallas = {"matmul_impl": "pallas", "norm_impl": "pallas", "rope_impl": "pallas"}
+    ours = djax.generate(moe_model.with_options(**pallas), prompts, config)
+    ref = djax.generate(moe_model.with_options(**XLA), prompts, config)
+    np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
+
+
+def test_tensor_parallel_generation_tokens_unchanged(dense_folder):
+    """Under TP the partials are summed before each all-reduce."""
+    from djax.sharding import make_mesh
+
+    mesh = make_mesh(tensor_parallel=2)
+    pallas = {"matmul_impl": "pallas", "norm_impl": "pallas", "rope_impl": "pallas"}
+    sharded = djax.load(dense_folder[0], jnp.float32, mesh=mesh, **pallas)
+    config = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+    prompts = [[0, 10, 20, 30, 40, 50]]
+    ours = djax.generate(sharded, prompts, config)
+    ref = djax.generate(djax.load(dense_folder[0], jnp.float32, **XLA), prompts, config)
+    np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_compiled_kernel_on_gpu():
+    """On a GPU: the Triton-compiled kernel at LLaDA-8B's three block products (bf16,
+    32 rows) and a ragged row count."""
+    for m in (32, 20):
+        for k, n in ((4096, 12288), (4096, 4096), (12288, 4096)):
+            x, w = _problem((m,), k, n, jnp.bfloat16, seed=3)
+            ref = x.astype(jnp.float32) @ w.astype(jnp.float32)
+            err = _rel_error(matmul_partials(x, w).total(), ref)
+            assert err <= 1e-2, (m, k, n, err)
