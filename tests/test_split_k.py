@@ -50,12 +50,12 @@ def test_bf16_close_to_fp32():
 
 
 def test_tiles_for_fill_the_gpu():
-    """LLaDA-8B's block products get 192-256 programs: q/k/v 96 column tiles x 2 slices,
-    attention output and down 32 x 8."""
-    assert tiles_for(32, 4096, 12288).splits == 2
-    assert tiles_for(32, 4096, 4096).splits == 8
-    assert tiles_for(32, 12288, 4096).splits == 8
-    assert tiles_for(32, 64, 96).splits == 1  # too short to split
+    """LLaDA-8B's block products get one wave of programs: q/k/v 96 column tiles unsplit,
+    attention output and down 32 x 4 slices (bench.split_k's best on an H200)."""
+    assert tiles_for(32, 4096, 12288) == Tiles(32, 128, 128, 1)
+    assert tiles_for(32, 4096, 4096) == Tiles(32, 128, 64, 4)
+    assert tiles_for(32, 12288, 4096) == Tiles(32, 128, 64, 4)
+    assert tiles_for(8, 64, 96).splits == 1  # too short to split
 
 
 def test_shape_and_tile_errors():
