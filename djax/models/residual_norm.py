@@ -23,38 +23,21 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.models import l2_prefetch, pallas_tiles
+from djax.models import pallas_tiles
 from djax.models.split_k import Partials
 
 Array = jax.Array
 
 
-def _kernel(*refs, eps, width, prefetch):
-    """One row, or (past the rows) one chunk of `prefetch`. Refs are whole arrays: x, h,
-    normed [m, d]; y [splits, m, d] (fp32 partial products, or x's dtype with one split);
-    scale [d]; with a prefetch plan, the flat weight in and a sink [programs] out."""
-    program = pl.program_id(0)
-    if prefetch is None:
-        _row(*refs, program, eps=eps, width=width)
-        return
-    x_ref, y_ref, scale_ref, weight_ref, h_ref, normed_ref, sink_ref = refs
-    m = x_ref.shape[0]
-
-    @pl.when(program < m)
-    def _():
-        _row(x_ref, y_ref, scale_ref, h_ref, normed_ref, program, eps=eps, width=width)
-
-    @pl.when(program >= m)
-    def _():
-        l2_prefetch.read(weight_ref, sink_ref, program - m, prefetch)
-
-
-def _row(x_ref, y_ref, scale_ref, h_ref, normed_ref, row, *, eps, width):
+def _kernel(x_ref, y_ref, scale_ref, h_ref, normed_ref, *, eps, width):
+    """One row. Refs are whole arrays: x, h, normed [m, d]; y [splits, m, d] (fp32 partial
+    products, or x's dtype with one split); scale [d]."""
     from jax.experimental.pallas import triton as plgpu
 
     d = x_ref.shape[1]
     cols = pl.ds(0, width)
     ok = jnp.arange(width) < d
+    row = pl.program_id(0)
     x = plgpu.load(x_ref.at[row, cols], mask=ok, other=0.0)
     parts = [
         plgpu.load(y_ref.at[jnp.int32(split), row, cols], mask=ok, other=0.0).astype(jnp.float32)
@@ -70,24 +53,20 @@ def _row(x_ref, y_ref, scale_ref, h_ref, normed_ref, row, *, eps, width):
     plgpu.store(normed_ref.at[row, cols], normed.astype(normed_ref.dtype), mask=ok)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "prefetch_plan", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
 def add_rms_norm(
     x: Array,
     y: Array | Partials,
     scale: Array,
     eps: float,
-    prefetch: Array | None = None,
-    prefetch_plan: l2_prefetch.Plan | None = None,
     num_warps: int = 4,
     interpret: bool | None = None,
 ) -> tuple[Array, Array]:
     """`h = x + y` and `rms_norm(h, scale, eps)` in one kernel.
 
     x: [..., d]; y: [..., d] in x's dtype, or `Partials` of that shape and dtype; scale:
-    [d]. Returns (h, normed), both shaped and typed like x. `prefetch`, `prefetch_plan`:
-    the next product's weight and which of its bytes extra programs read into L2
-    (`l2_prefetch.plan`). `interpret`: run in Pallas's interpreter (default: exactly off
-    GPUs, as the CPU tests do).
+    [d]. Returns (h, normed), both shaped and typed like x. `interpret`: run in Pallas's
+    interpreter (default: exactly off GPUs, as the CPU tests do).
     """
     from jax.experimental.pallas import triton as plgpu
 
@@ -100,21 +79,12 @@ def add_rms_norm(
         )
     rows = x.reshape(-1, d)
     out = jax.ShapeDtypeStruct(rows.shape, x.dtype)
-    inputs, outs, programs = [rows, parts.reshape(parts.shape[0], -1, d), scale], [out, out], 0
-    if prefetch is not None and prefetch_plan is not None:
-        inputs.append(prefetch.reshape(-1))
-        programs = prefetch_plan.programs
-        outs.append(jax.ShapeDtypeStruct((programs,), jnp.float32))
-    else:
-        prefetch_plan = None
-    results = pl.pallas_call(
-        functools.partial(
-            _kernel, eps=eps, width=max(16, pl.next_power_of_2(d)), prefetch=prefetch_plan
-        ),
-        out_shape=outs,
-        grid=(rows.shape[0] + programs,),
+    h, normed = pl.pallas_call(
+        functools.partial(_kernel, eps=eps, width=max(16, pl.next_power_of_2(d))),
+        out_shape=[out, out],
+        grid=(rows.shape[0],),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=pallas_tiles.interpret_mode(interpret),
         name="add_rms_norm",
-    )(*inputs)
-    return results[0].reshape(x.shape), results[1].reshape(x.shape)
+    )(rows, parts.reshape(parts.shape[0], -1, d), scale)
+    return h.reshape(x.shape), normed.reshape(x.shape)
