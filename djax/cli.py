@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--moe-impl", default="auto", help="auto (hopper on H100/H200) | grouped | dense | hopper"
     )
     gen.add_argument(
+        "--matmul-impl",
+        default="auto",
+        help="q/k/v, output and down products: auto (split-K pallas on GPUs for <= 32 token "
+        "rows, 16-bit weights) | xla | pallas",
+    )
+    gen.add_argument(
         "--norm-impl",
         default="auto",
         help="residual add + RMSNorm: auto (pallas on GPUs, 16-bit weights) | xla | pallas",
@@ -158,6 +164,7 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
         attention_impl=args.attention_impl,
         mlp_impl=args.mlp_impl,
         moe_impl=args.moe_impl,
+        matmul_impl=args.matmul_impl,
         norm_impl=args.norm_impl,
         rope_impl=args.rope_impl,
     )

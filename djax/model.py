@@ -35,7 +35,7 @@ class Model:
     """A loaded model: what `generate` and `forward_logits` take.
 
     `params` is the plain nested dict of arrays (possibly sharded over `mesh`); `options`
-    are module options such as `attention_impl`, `mlp_impl` and `moe_impl`.
+    are module options such as `attention_impl`, `mlp_impl`, `matmul_impl` and `moe_impl`.
     """
 
     config: ModelConfig
@@ -95,7 +95,7 @@ def load(
     `jax.sharding.Mesh` from `djax.make_mesh` to load straight into shards. options:
     module options (`attention_impl="auto"|"xla"|"cudnn"|"split_kv"`,
     `mlp_impl="auto"|"xla"|"pallas"`, `moe_impl="auto"|"grouped"|"dense"|"hopper"`,
-    `norm_impl="auto"|"xla"|"pallas"`, `rope_impl="auto"|"xla"|"pallas"`).
+    `matmul_impl`, `norm_impl` and `rope_impl`, each `"auto"|"xla"|"pallas"`).
     """
     folder = Path(path)
     if not folder.is_dir():

@@ -47,7 +47,7 @@ def test_errors_are_reported(capsys, dense_folder, tmp_path):
     assert "decoder='greedy'; expected one of" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "none"), "--prompt", "x"]) == 2
     assert "is not a folder" in capsys.readouterr().err
-    for flag in ("--mlp-impl", "--norm-impl", "--rope-impl"):
+    for flag in ("--mlp-impl", "--matmul-impl", "--norm-impl", "--rope-impl"):
         bad_impl = ["generate", "--model", str(dense_folder[0]), "--prompt", "x", flag, "fast"]
         assert main(bad_impl) == 2
         option = flag[2:].replace("-", "_")
