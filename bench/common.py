@@ -120,7 +120,7 @@ def bench_model(config: ModelConfig, devices: int = 1, options: tuple = ()) -> t
 
 def parse_options(text: str) -> dict[str, str]:
     """Module options from the command line: `default` (none), or `key=value[,key=value]`
-    (e.g. `norm_impl=xla,rope_impl=xla`)."""
+    (e.g. `norm_impl=xla,rope_impl=xla`). Values stay strings, as the `*_impl` options are."""
     if text == "default":
         return {}
     pairs = [item.partition("=") for item in text.split(",")]

@@ -12,6 +12,7 @@ import djax
 from djax.models import layers
 from djax.models.residual_norm import add_rms_norm
 from djax.models.rope_write import HeadOps, rope_and_write
+from djax.models.split_k import Partials
 
 
 def _normal(seed, shape, dtype=jnp.float32, scale=1.0):
@@ -41,17 +42,7 @@ def test_add_rms_norm_errors():
 
 
 def _xla_rope_and_write(qkv, positions, buffers, window, rotary, scales, ops):
-    group = qkv.shape[3] - 2
-    q, k, v = qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
-    if ops.qk_norm:
-        q, k = layers.rms_norm(q, scales[0], ops.eps), layers.rms_norm(k, scales[1], ops.eps)
-    if ops.clip is not None:
-        q, k, v = (jnp.clip(a, -ops.clip, ops.clip) for a in (q, k, v))
-    q = layers.apply_rope(q, positions, 10000.0, rotary)
-    k = layers.apply_rope(k, positions, 10000.0, rotary)
-    keys = layers.write_window(None if buffers is None else buffers[0], k, window)
-    values = layers.write_window(None if buffers is None else buffers[1], v, window)
-    return q, keys, values
+    return layers.rope_and_write_xla(qkv, positions, buffers, window, scales, ops, 10000.0, rotary)
 
 
 ROPE_CASES = {
@@ -79,6 +70,28 @@ ROPE_CASES = {
         HeadOps(True, 1e-5),
         jnp.float32,
     ),
+    "whole window at position 3": (
+        12,
+        2,
+        1,
+        16,
+        16,
+        None,
+        layers.Window(3),
+        HeadOps(),
+        jnp.float32,
+    ),
+    "window past the buffer's end": (
+        20,
+        2,
+        1,
+        16,
+        16,
+        48,
+        layers.Window(40),
+        HeadOps(),
+        jnp.float32,
+    ),
     "LLaDA-8B block, bf16": (32, 4, 1, 128, 128, 384, layers.Window(128), HeadOps(), jnp.bfloat16),
     "LLaDA-MoE-like, bf16": (
         32,
@@ -94,10 +107,16 @@ ROPE_CASES = {
 }
 
 
+@pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("case", ROPE_CASES)
-def test_rope_and_write_matches_xla(case):
+def test_rope_and_write_matches_xla(case, splits):
+    """Against the XLA path, from a plain q/k/v product or from 3 split-K partials."""
     t, kv, group, d, rotary, s, window, ops, dtype = ROPE_CASES[case]
     qkv = _normal(0, (2, t, kv, group + 2, d), dtype, 3.0)
+    product = qkv
+    if splits:
+        product = Partials(_normal(5, (splits, *qkv.shape), jnp.float32, 2.0), dtype)
+        qkv = product.total()
     positions = window.start + jnp.broadcast_to(jnp.arange(t), (2, t))
     buffers = (
         None if s is None else (_normal(1, (2, s, kv, d), dtype), _normal(2, (2, s, kv, d), dtype))
@@ -111,7 +130,7 @@ def test_rope_and_write_matches_xla(case):
     hi = window.start + t if window.write_hi is None else window.write_hi
     cos, sin = layers.rope_tables(positions, 10000.0, rotary)
     ours = rope_and_write(
-        qkv, cos, sin, buffers, jnp.array([window.start, lo, hi]), scales, ops, interpret=True
+        product, cos, sin, buffers, jnp.array([window.start, lo, hi]), scales, ops, interpret=True
     )
     want = _xla_rope_and_write(qkv, positions, buffers, window, rotary, scales, ops)
     for name, o, w in zip(("q", "keys", "values"), ours, want, strict=True):
@@ -120,9 +139,10 @@ def test_rope_and_write_matches_xla(case):
         np.testing.assert_allclose(
             o.astype(jnp.float32), w.astype(jnp.float32), atol=tol, rtol=tol, err_msg=name
         )
-    if buffers is not None:  # rows outside the write range are the old buffer's, bit for bit
-        rows = np.arange(s)
-        untouched = (rows < lo) | (rows >= hi)
+    if buffers is not None:  # rows not written are the old buffer's, bit for bit
+        base = min(max(window.start, 0), s - t)  # where `write_window` puts the window
+        written = [base + i for i in range(t) if lo <= window.start + i < hi]
+        untouched = ~np.isin(np.arange(s), written)
         np.testing.assert_array_equal(ours[1][:, untouched], buffers[0][:, untouched])
         np.testing.assert_array_equal(ours[2][:, untouched], buffers[1][:, untouched])
 

@@ -142,3 +142,46 @@ def test_compiled_kernel_on_gpu():
             ref = x.astype(jnp.float32) @ w.astype(jnp.float32)
             err = _rel_error(matmul_partials(x, w).total(), ref)
             assert err <= 1e-2, (m, k, n, err)
+
+
+def test_forced_pallas_names_the_misfit():
+    with pytest.raises(ValueError, match="matmul_impl='pallas'.*multiples of 16; got 40 -> 64"):
+        layers.resolve_matmul_impl("pallas", 32, 40, 64, jnp.bfloat16)
+
+
+def test_generation_with_several_slices(assert_same_generation, monkeypatch):
+    """The tiny model's products are too short for `tiles_for` to split them: force two
+    slices, so the norm and RoPE kernels add partials inside a generation."""
+    from djax.models import split_k
+
+    monkeypatch.setattr(
+        split_k, "tiles_for", lambda m, k, n: Tiles(block_m=16, block_n=16, block_k=16, splits=2)
+    )
+    jax.clear_caches()  # traces of the products made with the real tiles_for
+    try:
+        ours = {"matmul_impl": "pallas", "norm_impl": "pallas", "rope_impl": "pallas"}
+        assert_same_generation(ours, XLA, "dual")
+        x, w = _problem((4,), 64, 32)
+        assert split_k.matmul_partials(x, w).parts.shape[0] == 2
+    finally:
+        jax.clear_caches()
+
+
+def test_moe_shared_expert_follows_matmul_impl(moe_model):
+    """A LLaDA-MoE layout with a shared expert (random weights): its down product takes the
+    split-K path too, and the tokens match XLA's."""
+    import dataclasses
+
+    from djax.model import Model
+    from djax.models import init_params
+
+    config = dataclasses.replace(moe_model.config, shared_expert_hidden=16)
+    params = init_params(config, jnp.float32, seed=4)
+    assert "shared" in params["ff_1"]
+    model = Model(config, params, None, jnp.float32)
+    gen = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+    prompts = [[0, 10, 20, 30, 40, 50]]
+    pallas = {"matmul_impl": "pallas", "norm_impl": "pallas", "rope_impl": "pallas"}
+    ours = djax.generate(model.with_options(**pallas), prompts, gen)
+    ref = djax.generate(model.with_options(**XLA), prompts, gen)
+    np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)

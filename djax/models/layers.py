@@ -92,6 +92,11 @@ def resolve_matmul_impl(impl: str, rows: int, k: int, n: int, dtype: Any) -> str
     one sequence) is djax's split-K kernel, its partial products summed by the next
     kernel (`split_k`); XLA's GEMMs for refreshes, larger batches, fp32 and off GPUs."""
     check_choice("matmul_impl", impl, MATMUL_IMPLS)
+    if impl == "pallas" and not split_k.fits(k, n):
+        raise ValueError(
+            f"matmul_impl='pallas' takes products whose contraction and output widths are "
+            f"multiples of 16; got {k} -> {n}"
+        )
     if impl != "auto":
         return impl
     small = rows <= split_k.MAX_ROWS and split_k.fits(k, n)
@@ -207,6 +212,32 @@ def write_window(buffer: Array | None, fresh: Array, window: Window) -> Array:
     return jax.lax.dynamic_update_slice(buffer, fresh.astype(buffer.dtype), index)
 
 
+def rope_and_write_xla(
+    qkv: Array,
+    positions: Array,
+    buffers: LayerKV | None,
+    window: Window,
+    scales: tuple[Array, Array] | None,
+    ops: rope_write.HeadOps,
+    theta: float,
+    rotary_dim: int,
+) -> tuple[Array, Array, Array]:
+    """XLA's path of `rope_write.rope_and_write`: qkv [b, t, kv_heads, group + 2, d] ->
+    q [b, t, kv_heads, group, d] after the q/k norm (with `scales`), clip and RoPE, and the
+    buffers (or fresh [b, t, kv_heads, d] arrays) with the window's keys and values."""
+    group = qkv.shape[3] - 2
+    q, k, v = qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
+    if ops.qk_norm:
+        q, k = rms_norm(q, scales[0], ops.eps), rms_norm(k, scales[1], ops.eps)
+    if ops.clip is not None:  # after the q/k norm, as the LLaDA-MoE reference does
+        q, k, v = (jnp.clip(a, -ops.clip, ops.clip) for a in (q, k, v))
+    q = apply_rope(q, positions, theta, rotary_dim)
+    k = apply_rope(k, positions, theta, rotary_dim)
+    keys = write_window(None if buffers is None else buffers[0], k, window)
+    values = write_window(None if buffers is None else buffers[1], v, window)
+    return q, keys, values
+
+
 def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "xla") -> Array:
     """Bidirectional grouped-query attention with a key-padding mask.
 
@@ -309,42 +340,27 @@ class Attention(nn.Module):
                 NormScale(self.dtype, name=name)(cfg.head_dim) for name in ("q_norm", "k_norm")
             )
         rope_impl = resolve_rope_impl(self.rope_impl, cfg.head_dim, cfg.rope_dim, qkv.dtype)
+        ops = rope_write.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
         if rope_impl == "pallas":  # Pallas's interpreter off GPUs (for tests)
-            q, keys, values = self._rope_and_write_fused(qkv, positions, kv, window, scales)
+            q, keys, values = self._rope_and_write_fused(qkv, positions, kv, window, scales, ops)
         else:
-            q, keys, values = self._rope_and_write(finish(qkv), positions, kv, window, scales)
+            q, keys, values = rope_and_write_xla(
+                finish(qkv), positions, kv, window, scales, ops, cfg.rope_theta, cfg.rope_dim
+            )
         impl = resolve_attention_impl(self.attention_impl, cfg.head_dim, q.dtype)
         out = attend(q, keys, values, key_valid, impl)
         b, t = out.shape[:2]
         y = project(out.reshape(b, t, -1), out_kernel.reshape(-1, cfg.d_model), self.matmul_impl)
         return _sum_over(y, self.axis_name), (keys, values)
 
-    def _rope_and_write(self, qkv, positions, kv, window, scales):
-        """XLA's path: q [b, t, kv, group, d] after norm, clip and RoPE, and the buffers
-        with the window's keys and values written."""
-        cfg, group = self.config, qkv.shape[3] - 2
-        q, k, v = qkv[..., :group, :], qkv[..., group, :], qkv[..., group + 1, :]
-        if scales is not None:
-            q, k = (
-                rms_norm(q, scales[0], cfg.rms_norm_eps),
-                rms_norm(k, scales[1], cfg.rms_norm_eps),
-            )
-        if cfg.clip_qkv is not None:  # after the q/k norm, as the LLaDA-MoE reference does
-            q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
-        q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_dim)
-        k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_dim)
-        keys = write_window(None if kv is None else kv[0], k, window)
-        values = write_window(None if kv is None else kv[1], v, window)
-        return q, keys, values
-
-    def _rope_and_write_fused(self, qkv, positions, kv, window, scales):
-        """The same in one Pallas kernel (`rope_write`), buffers updated in place."""
+    def _rope_and_write_fused(self, qkv, positions, kv, window, scales, ops):
+        """`rope_and_write_xla` in one Pallas kernel (`rope_write`), buffers updated in
+        place."""
         cfg, t = self.config, qkv.shape[1]
         cos, sin = rope_tables(positions, cfg.rope_theta, cfg.rope_dim)
         lo = window.start if window.write_lo is None else window.write_lo
         hi = window.start + t if window.write_hi is None else window.write_hi
         bounds = jnp.array([window.start, lo, hi], jnp.int32)
-        ops = rope_write.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
         return rope_write.rope_and_write(qkv, cos, sin, kv, bounds, scales, ops)
 
 
@@ -426,11 +442,11 @@ class TransformerLM(nn.Module):
             Attention(
                 cfg,
                 self.dtype,
-                self.axis_name,
-                self.attention_impl,
-                self.shards,
-                self.rope_impl,
-                self.matmul_impl,
+                axis_name=self.axis_name,
+                attention_impl=self.attention_impl,
+                shards=self.shards,
+                rope_impl=self.rope_impl,
+                matmul_impl=self.matmul_impl,
                 name=f"attn_{i}",
             )
             for i in range(cfg.n_layers)

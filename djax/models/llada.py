@@ -31,10 +31,10 @@ class LLaDA(TransformerLM):
         return GatedMLP(
             cfg.mlp_hidden,
             self.dtype,
-            self.axis_name,
-            self.shards,
-            self.mlp_impl,
-            self.matmul_impl,
+            axis_name=self.axis_name,
+            shards=self.shards,
+            mlp_impl=self.mlp_impl,
+            matmul_impl=self.matmul_impl,
             name=f"ff_{layer}",
         )
 

@@ -185,6 +185,7 @@ class MoEBlock(nn.Module):
     shards: int = 1
     split_experts: bool = False
     mlp_impl: str = "auto"  # of the shared expert
+    matmul_impl: str = "auto"  # of the shared expert's down product
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -228,9 +229,10 @@ class MoEBlock(nn.Module):
             shared = GatedMLP(
                 cfg.shared_expert_hidden,
                 self.dtype,
-                self.axis_name,
-                self.shards,
-                self.mlp_impl,
+                axis_name=self.axis_name,
+                shards=self.shards,
+                mlp_impl=self.mlp_impl,
+                matmul_impl=self.matmul_impl,
                 name="shared",
             )
             y = y + finish(shared(x))
@@ -247,20 +249,21 @@ class LLaDAMoE(TransformerLM):
             return MoEBlock(
                 cfg,
                 self.dtype,
-                self.axis_name,
-                self.moe_impl,
-                self.shards,
-                self.split_experts,
-                self.mlp_impl,
+                axis_name=self.axis_name,
+                moe_impl=self.moe_impl,
+                shards=self.shards,
+                split_experts=self.split_experts,
+                mlp_impl=self.mlp_impl,
+                matmul_impl=self.matmul_impl,
                 name=name,
             )
         return GatedMLP(
             cfg.mlp_hidden,
             self.dtype,
-            self.axis_name,
-            self.shards,
-            self.mlp_impl,
-            self.matmul_impl,
+            axis_name=self.axis_name,
+            shards=self.shards,
+            mlp_impl=self.mlp_impl,
+            matmul_impl=self.matmul_impl,
             name=name,
         )
 

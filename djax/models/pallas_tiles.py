@@ -1,6 +1,6 @@
-"""Rules shared by djax's Pallas Triton kernels (`flash_attention`, `swiglu`): the block
-sizes Triton takes, and when a kernel runs in Pallas's interpreter instead (off GPUs, which
-is how the CPU tests run them)."""
+"""Rules shared by djax's Pallas Triton kernels (`flash_attention`, `swiglu`, `split_k`,
+`residual_norm`, `rope_write`): the block sizes Triton takes, and when a kernel runs in
+Pallas's interpreter instead (off GPUs, which is how the CPU tests run them)."""
 
 from __future__ import annotations
 

@@ -75,8 +75,11 @@ def _kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool):
     rows = pl.ds(first, BLOCK_T)
     row_ok = (first + jnp.arange(BLOCK_T) < t)[:, None]
     start, write_lo, write_hi = bounds_ref[0], bounds_ref[1], bounds_ref[2]
-    positions = start + first + jnp.arange(BLOCK_T)
-    write_ok = row_ok & ((positions >= write_lo) & (positions < write_hi))[:, None]
+    base, write_ok = 0, row_ok  # a fresh whole-window array: every row
+    if buffered:  # as `write_window`: the window kept inside the buffer, rows in range
+        base = jnp.minimum(jnp.maximum(start, 0), keys_ref.shape[1] - t)
+        positions = start + first + jnp.arange(BLOCK_T)
+        write_ok = row_ok & ((positions >= write_lo) & (positions < write_hi))[:, None]
 
     def load(index):
         """Head `index` of the kv head's slot, as fp32 parts [BLOCK_T, size], its partial
@@ -128,7 +131,7 @@ def _kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool):
 
     for j in range(group):
         store(q_ref, (batch, rows, kv_head, jnp.int32(j)), rope(prepare(j, scale_refs[0])), row_ok)
-    buffer_rows = pl.ds(start + first, BLOCK_T)
+    buffer_rows = pl.ds(base + first, BLOCK_T)
     store(keys_ref, (batch, buffer_rows, kv_head), rope(prepare(group, scale_refs[1])), write_ok)
     store(values_ref, (batch, buffer_rows, kv_head), prepare(group + 1), write_ok)
 
@@ -155,8 +158,9 @@ def rope_and_write(
     write_lo, write_hi): window row `i` sits at position `start + i` and is written when
     that lies in `[write_lo, write_hi)`; scales: the q and k norm scales [head_dim] (with
     `ops.qk_norm`). Returns (q [b, t, kv_heads, group, head_dim], keys, values).
-    `interpret`: run in Pallas's interpreter (default: exactly off GPUs, as the CPU tests
-    do).
+    Like `layers.write_window`, a window reaching past the buffer's end is written at its
+    last `t` rows. `interpret`: run in Pallas's interpreter (default: exactly off GPUs, as
+    the CPU tests do).
     """
     from jax.experimental.pallas import triton as plgpu
 

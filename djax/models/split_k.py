@@ -67,7 +67,7 @@ class Tiles:
 
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:
-    """128-column tiles and the fewest contraction slices that give one wave of programs
+    """Column tiles of up to 128 and the fewest contraction slices that give one wave of programs
     (>= 96 on an H100/H200's 132 SMs); 128-wide steps when unsplit, else 64. The measured
     best at LLaDA-8B's block products (bench.split_k, H200, L2-cold weights): q/k/v
     (4096 -> 12288) unsplit with 128-wide steps, 26.2 µs against XLA's 30.8 (GEMM and its
@@ -104,7 +104,7 @@ def _kernel(x_ref, w_ref, out_ref, *, tiles, steps):
         x = plgpu.load(x_ref.at[rows, ks], mask=row_ok[:, None], other=0.0)
         return acc + jnp.dot(x, w_ref[ks, cols], preferred_element_type=jnp.float32)
 
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((tiles.block_m, tiles.block_n)))
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32))
     plgpu.store(out_ref.at[split, rows, cols], acc, mask=row_ok[:, None])
 
 
