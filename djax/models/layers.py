@@ -423,6 +423,19 @@ class TransformerLM(nn.Module):
     def feed_forward(self, layer: int) -> nn.Module:
         raise NotImplementedError
 
+    def gated_mlp(self, layer: int) -> GatedMLP:
+        """Layer `layer`'s dense SwiGLU feed-forward of `config.mlp_hidden`, with the model's
+        options."""
+        return GatedMLP(
+            self.config.mlp_hidden,
+            self.dtype,
+            axis_name=self.axis_name,
+            shards=self.shards,
+            mlp_impl=self.mlp_impl,
+            matmul_impl=self.matmul_impl,
+            name=f"ff_{layer}",
+        )
+
     def setup(self):
         cfg = self.config
         # a bad name or dtype fails before any layer runs

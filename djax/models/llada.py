@@ -13,7 +13,7 @@ from __future__ import annotations
 import flax.linen as nn
 
 from djax.config import ModelConfig
-from djax.models.layers import GatedMLP, TransformerLM
+from djax.models.layers import TransformerLM
 from djax.models.sources import (
     ParamSource,
     attention_sources,
@@ -27,16 +27,7 @@ class LLaDA(TransformerLM):
     """LLaDA dense: every layer's feed-forward is a SwiGLU MLP of `config.mlp_hidden`."""
 
     def feed_forward(self, layer: int) -> nn.Module:
-        cfg = self.config
-        return GatedMLP(
-            cfg.mlp_hidden,
-            self.dtype,
-            axis_name=self.axis_name,
-            shards=self.shards,
-            mlp_impl=self.mlp_impl,
-            matmul_impl=self.matmul_impl,
-            name=f"ff_{layer}",
-        )
+        return self.gated_mlp(layer)
 
 
 def hf_sources(config: ModelConfig) -> list[ParamSource]:

@@ -257,15 +257,7 @@ class LLaDAMoE(TransformerLM):
                 matmul_impl=self.matmul_impl,
                 name=name,
             )
-        return GatedMLP(
-            cfg.mlp_hidden,
-            self.dtype,
-            axis_name=self.axis_name,
-            shards=self.shards,
-            mlp_impl=self.mlp_impl,
-            matmul_impl=self.matmul_impl,
-            name=name,
-        )
+        return self.gated_mlp(layer)
 
 
 def _stacked_experts(names: list[tuple[str, ...]]) -> Joined:
