@@ -152,17 +152,22 @@ def test_forced_pallas_names_the_misfit():
 def test_generation_with_several_slices(assert_same_generation, monkeypatch):
     """The tiny model's products are too short for `tiles_for` to split them: force two
     slices, so the norm and RoPE kernels add partials inside a generation."""
+    from djax import engine
     from djax.models import split_k
 
-    monkeypatch.setattr(
-        split_k, "tiles_for", lambda m, k, n: Tiles(block_m=16, block_n=16, block_k=16, splits=2)
-    )
-    jax.clear_caches()  # traces of the products made with the real tiles_for
+    shapes = []
+
+    def two_slices(m, k, n):
+        shapes.append((m, k, n))
+        return Tiles(block_m=16, block_n=16, block_k=16, splits=2)
+
+    monkeypatch.setattr(split_k, "tiles_for", two_slices)
+    monkeypatch.setattr(engine, "_EXECUTABLES", {})  # programs built with the real tiles_for
+    jax.clear_caches()  # and the products' traces
     try:
         ours = {"matmul_impl": "pallas", "norm_impl": "pallas", "rope_impl": "pallas"}
         assert_same_generation(ours, XLA, "dual")
-        x, w = _problem((4,), 64, 32)
-        assert split_k.matmul_partials(x, w).parts.shape[0] == 2
+        assert {(k, n) for _, k, n in shapes} == {(64, 128), (64, 64), (96, 64)}  # the 3 products
     finally:
         jax.clear_caches()
 
