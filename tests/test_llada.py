@@ -100,3 +100,36 @@ def test_attention_impl_names(dense_model):
     )  # auto is XLA on the CPU
     with pytest.raises(ValueError, match="attention_impl='flash'; expected one of"):
         djax.forward_logits(dense_model.with_options(attention_impl="flash"), ids)
+
+
+@pytest.mark.parametrize("with_buffers", [False, True])
+def test_hidden_rows_match_the_full_forward(dense_model, with_buffers):
+    """Asking for `hidden_len` rows (the last layer then runs its queries, attention output
+    and MLP on those rows only) gives exactly those rows of the full forward, and the same
+    K/V for every layer."""
+    import jax
+
+    from djax.kv_cache import init_buffers
+    from djax.models import build_module
+    from djax.models.layers import Window
+
+    config, params = dense_model.config, dense_model.params
+    module = build_module(config, jnp.float32)
+    ids = jnp.array([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]])
+    t = ids.shape[1]
+    x = module.apply({"params": params}, ids, method="embed")
+    kv, window, seq = None, Window(), t
+    if with_buffers:  # a window of the 10 rows at position 4 of a 20-position buffer
+        seq, window = 20, Window(jnp.int32(4))
+        kv = init_buffers(params, config.n_layers, 1, seq, jnp.float32)
+    positions = window.start + jnp.arange(t)[None]
+    key_valid = jnp.ones((1, seq), bool)
+
+    def run(*rows):
+        return module.apply({"params": params}, x, positions, key_valid, kv, window, *rows)
+
+    full, full_kv = jax.jit(run)()
+    part, part_kv = jax.jit(lambda start: run(start, 4))(jnp.int32(3))
+    np.testing.assert_allclose(part, full[:, 3:7], rtol=1e-5, atol=1e-5)
+    for ours, ref in zip(jax.tree.leaves(part_kv), jax.tree.leaves(full_kv), strict=True):
+        np.testing.assert_array_equal(ours, ref)

@@ -319,8 +319,18 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: Array, positions: Array, key_valid: Array, kv: LayerKV | None, window: Window
+        self,
+        x: Array,
+        positions: Array,
+        key_valid: Array,
+        kv: LayerKV | None,
+        window: Window,
+        query_rows: tuple[Any, int] | None = None,
     ) -> tuple[Array | Partials, LayerKV]:
+        """x: [b, W, model] normed window rows -> the attention output [b, W, model] (or
+        `Partials`) and the layer's K/V with the window's written. `query_rows=(start, n)`:
+        attend and project only window rows `[start, start + n)` (every row's K/V is still
+        written); the output is then [b, n, model]."""
         cfg = self.config
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
@@ -347,6 +357,8 @@ class Attention(nn.Module):
             q, keys, values = rope_and_write_xla(
                 finish(qkv), positions, kv, window, scales, ops, cfg.rope_theta, cfg.rope_dim
             )
+        if query_rows is not None:
+            q = jax.lax.dynamic_slice_in_dim(q, query_rows[0], query_rows[1], axis=1)
         impl = resolve_attention_impl(self.attention_impl, cfg.head_dim, q.dtype)
         out = attend(q, keys, values, key_valid, impl)
         b, t = out.shape[:2]
@@ -489,25 +501,34 @@ class TransformerLM(nn.Module):
         key_valid: [batch, seq] which buffer positions are real keys; kv: per layer
         (keys, values) [batch, seq, kv_heads, head_dim], or None when the window is the
         whole sequence. Returns final-norm hidden states [batch, hidden_len, model] from
-        `hidden_start` (relative to the window) and the updated per-layer K/V.
+        `hidden_start` (relative to the window) and the updated per-layer K/V. Only the
+        last layer's K/V need every row, so its queries, attention output and feed-forward
+        run on those `hidden_len` rows alone (a refresh's block).
         """
         new_kv = []
         n_layers = self.config.n_layers
+        trim = hidden_len is not None and hidden_len != x.shape[1]
         normed = self.attn_norms[0](x)
         for i in range(n_layers):
+            last_trimmed = trim and i == n_layers - 1
             with jax.named_scope(f"layer_{i}"):
                 with jax.named_scope("attention"):
                     attn_out, layer_kv = self.attns[i](
-                        normed, positions, key_valid, None if kv is None else kv[i], window
+                        normed,
+                        positions,
+                        key_valid,
+                        None if kv is None else kv[i],
+                        window,
+                        (hidden_start, hidden_len) if last_trimmed else None,
                     )
+                if last_trimmed:
+                    x = jax.lax.dynamic_slice_in_dim(x, hidden_start, hidden_len, axis=1)
                 h, normed = self.ff_norms[i](attn_out, residual=x)
                 with jax.named_scope("mlp"):
                     mlp_out = self.ffs[i](normed)
                 next_norm = self.attn_norms[i + 1] if i + 1 < n_layers else self.final_norm
                 x, normed = next_norm(mlp_out, residual=h)
                 new_kv.append(layer_kv)
-        if hidden_len is not None and hidden_len != normed.shape[1]:
-            normed = jax.lax.dynamic_slice_in_dim(normed, hidden_start, hidden_len, axis=1)
         return normed, tuple(new_kv)
 
     def embed(self, token_ids: Array) -> Array:
