@@ -69,6 +69,21 @@ def kernel_us(fn, args: tuple, calls: int) -> dict[str, float]:
     return dict(totals)
 
 
+def time_row(row: dict, fn, args: tuple, calls: int, weight_bytes: int, products: int = 1):
+    """Fill a result row with `fn`'s kernel µs per product (`kernel_us` over `calls` calls,
+    each running `products` products), their sum and the weight read rate in TB/s."""
+    per_call = kernel_us(fn, args, calls)
+    row["kernels_us"] = {name: us / products for name, us in per_call.items()}
+    row["us"] = sum(row["kernels_us"].values())
+    row["weight_TB_per_s"] = weight_bytes / row["us"] / 1e6
+
+
+def rel_error(out, reference) -> float:
+    """Relative L2 error of `out` against `reference`, in fp32."""
+    out, reference = out.astype(jnp.float32), reference.astype(jnp.float32)
+    return float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["dense"], default="dense")
@@ -97,13 +112,8 @@ def main() -> None:
         for label, run in runs:
             row = {"rows": m, "k": k, "n": n, "impl": label}
             try:
-                out = jax.jit(run)(x, w).astype(jnp.float32)
-                row["rel_error"] = float(
-                    jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference)
-                )
-                row["kernels_us"] = kernel_us(jax.jit(run), (x, w), args.calls)
-                row["us"] = sum(row["kernels_us"].values())
-                row["weight_TB_per_s"] = w.nbytes / row["us"] / 1e6
+                row["rel_error"] = rel_error(jax.jit(run)(x, w), reference)
+                time_row(row, jax.jit(run), (x, w), args.calls, w.nbytes)
             except Exception as err:  # keep the other rows of a costly run
                 row["error"] = f"{type(err).__name__}: {err}"[:1500]
             print(row, flush=True)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import model_config, save
-from bench.matmul import kernel_us
+from bench.matmul import rel_error, time_row
 from djax.models import layers
 from djax.models.residual_norm import add_rms_norm
 from djax.models.split_k import Tiles, matmul_partials, tiles_for
@@ -107,14 +107,8 @@ def main() -> None:
                 out = out[1] if isinstance(out, tuple) else out
                 out = out.sum(0) if out.ndim == 3 else out
                 ref = reference[1] if isinstance(reference, tuple) else reference
-                row["rel_error"] = float(
-                    jnp.linalg.norm(out.astype(jnp.float32) - ref.astype(jnp.float32))
-                    / jnp.linalg.norm(ref.astype(jnp.float32))
-                )
-                per_call = kernel_us(fn, (x, residual, scale, ws), args.calls)
-                row["kernels_us"] = {key: v / len(ws) for key, v in per_call.items()}
-                row["us"] = sum(row["kernels_us"].values())
-                row["weight_TB_per_s"] = w.nbytes / row["us"] / 1e6
+                row["rel_error"] = rel_error(out, ref)
+                time_row(row, fn, (x, residual, scale, ws), args.calls, w.nbytes, len(ws))
             except Exception as err:  # keep the other rows of a costly run
                 row["error"] = f"{type(err).__name__}: {err}"[:1500]
             print(row, flush=True)
