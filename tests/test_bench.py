@@ -41,6 +41,24 @@ def test_summary_counts_idle_gaps_and_those_bordering_collectives():
     assert summary["busy_us"]["collectives"] == 5
     assert summary["busy_us"]["matmul"] == 19
     assert summary["busy_us"]["norms/elementwise"] == 4
+    assert summary["kernel_calls"]["gemm_fusion_dot_1"] == {"calls": 1, "median_us": 10.0}
+
+
+def test_kernel_calls_count_each_name():
+    events = [_kernel("add_rms_norm", 10 * i, d) for i, d in enumerate((2, 3, 9))]
+    assert summarize(events)["kernel_calls"]["add_rms_norm"] == {"calls": 3, "median_us": 3.0}
+
+
+def test_parse_options():
+    from bench.common import parse_options
+
+    assert parse_options("default") == {}
+    assert parse_options("norm_impl=xla,rope_impl=pallas") == {
+        "norm_impl": "xla",
+        "rope_impl": "pallas",
+    }
+    with pytest.raises(SystemExit, match="options 'norm_impl'; expected 'default' or key=value"):
+        parse_options("norm_impl")
 
 
 def test_device_events_split_by_device_and_skip_the_host():
