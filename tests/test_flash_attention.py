@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import djax
-from djax.models import layers
+from djax.models import impls, layers
 from djax.models.flash_attention import Tiles, split_kv_attention
 
 
@@ -71,12 +71,12 @@ def test_shape_and_tile_errors():
 
 
 def test_auto_choice(monkeypatch):
-    assert layers.resolve_attention_impl("auto", 128) == "xla"  # on the CPU
+    assert impls.resolve_attention_impl("auto", 128) == "xla"  # on the CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert layers.resolve_attention_impl("auto", 128) == "split_kv"
-    assert layers.resolve_attention_impl("auto", 8) == "cudnn"  # tiles do not fit
-    assert layers.resolve_attention_impl("split_kv", 8) == "split_kv"
-    assert layers.resolve_attention_impl("auto", 128, jnp.float32) == "xla"
+    assert impls.resolve_attention_impl("auto", 128) == "split_kv"
+    assert impls.resolve_attention_impl("auto", 8) == "cudnn"  # tiles do not fit
+    assert impls.resolve_attention_impl("split_kv", 8) == "split_kv"
+    assert impls.resolve_attention_impl("auto", 128, jnp.float32) == "xla"
 
 
 def test_cudnn_refuses_fp32(dense_model):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import djax
-from djax.models import layers
+from djax.models import impls, layers
 from djax.models.residual_norm import add_rms_norm
 from djax.models.rope_write import HeadOps, rope_and_write
 from djax.models.split_k import Partials
@@ -166,18 +166,18 @@ def test_rope_and_write_errors():
 
 def test_auto_choice(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert layers.resolve_norm_impl("auto", jnp.bfloat16) == "xla"
-    assert layers.resolve_rope_impl("auto", 128, 128, jnp.bfloat16) == "xla"
+    assert impls.resolve_norm_impl("auto", jnp.bfloat16) == "xla"
+    assert impls.resolve_rope_impl("auto", 128, 128, jnp.bfloat16) == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert layers.resolve_norm_impl("auto", jnp.bfloat16) == "pallas"
-    assert layers.resolve_norm_impl("auto", jnp.float32) == "xla"
-    assert layers.resolve_norm_impl("pallas", jnp.float32) == "pallas"
-    assert layers.resolve_rope_impl("auto", 128, 128, jnp.bfloat16) == "pallas"
-    assert layers.resolve_rope_impl("auto", 128, 64, jnp.bfloat16) == "pallas"  # partial RoPE
-    assert layers.resolve_rope_impl("auto", 96, 96, jnp.bfloat16) == "xla"  # halves of 48
-    assert layers.resolve_rope_impl("auto", 128, 128, jnp.float32) == "xla"
+    assert impls.resolve_norm_impl("auto", jnp.bfloat16) == "pallas"
+    assert impls.resolve_norm_impl("auto", jnp.float32) == "xla"
+    assert impls.resolve_norm_impl("pallas", jnp.float32) == "pallas"
+    assert impls.resolve_rope_impl("auto", 128, 128, jnp.bfloat16) == "pallas"
+    assert impls.resolve_rope_impl("auto", 128, 64, jnp.bfloat16) == "pallas"  # partial RoPE
+    assert impls.resolve_rope_impl("auto", 96, 96, jnp.bfloat16) == "xla"  # halves of 48
+    assert impls.resolve_rope_impl("auto", 128, 128, jnp.float32) == "xla"
     with pytest.raises(ValueError, match="rotary halves \\(48\\).*head_dim=96, rotary_dim=96"):
-        layers.resolve_rope_impl("pallas", 96, 96, jnp.bfloat16)
+        impls.resolve_rope_impl("pallas", 96, 96, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("option", ["norm_impl", "rope_impl"])

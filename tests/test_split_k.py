@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import djax
-from djax.models import layers
+from djax.models import impls, layers
 from djax.models.split_k import Tiles, finish, matmul_partials, tiles_for
 
 
@@ -85,13 +85,13 @@ def test_partials_consumers_sum_them():
 
 def test_auto_choice(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert layers.resolve_matmul_impl("auto", 32, 4096, 4096, jnp.bfloat16) == "xla"
+    assert impls.resolve_matmul_impl("auto", 32, 4096, 4096, jnp.bfloat16) == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert layers.resolve_matmul_impl("auto", 32, 4096, 4096, jnp.bfloat16) == "pallas"
-    assert layers.resolve_matmul_impl("auto", 384, 4096, 4096, jnp.bfloat16) == "xla"
-    assert layers.resolve_matmul_impl("auto", 32, 4096, 4096, jnp.float32) == "xla"
-    assert layers.resolve_matmul_impl("auto", 32, 4096, 1000, jnp.bfloat16) == "xla"
-    assert layers.resolve_matmul_impl("pallas", 384, 4096, 4096, jnp.float32) == "pallas"
+    assert impls.resolve_matmul_impl("auto", 32, 4096, 4096, jnp.bfloat16) == "pallas"
+    assert impls.resolve_matmul_impl("auto", 384, 4096, 4096, jnp.bfloat16) == "xla"
+    assert impls.resolve_matmul_impl("auto", 32, 4096, 4096, jnp.float32) == "xla"
+    assert impls.resolve_matmul_impl("auto", 32, 4096, 1000, jnp.bfloat16) == "xla"
+    assert impls.resolve_matmul_impl("pallas", 384, 4096, 4096, jnp.float32) == "pallas"
 
 
 def test_unknown_impl_fails_at_setup(dense_model):
@@ -146,7 +146,7 @@ def test_compiled_kernel_on_gpu():
 
 def test_forced_pallas_names_the_misfit():
     with pytest.raises(ValueError, match="matmul_impl='pallas'.*multiples of 16; got 40 -> 64"):
-        layers.resolve_matmul_impl("pallas", 32, 40, 64, jnp.bfloat16)
+        impls.resolve_matmul_impl("pallas", 32, 40, 64, jnp.bfloat16)
 
 
 def test_generation_with_several_slices(assert_same_generation, monkeypatch):

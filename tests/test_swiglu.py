@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import djax
-from djax.models import layers
+from djax.models import impls
 from djax.models.swiglu import Tiles, swiglu_matmul
 
 
@@ -62,13 +62,13 @@ def test_shape_and_tile_errors():
 
 def test_auto_choice(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert layers.resolve_mlp_impl("auto", 32, 4096, 12288, jnp.bfloat16) == "xla"
+    assert impls.resolve_mlp_impl("auto", 32, 4096, 12288, jnp.bfloat16) == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert layers.resolve_mlp_impl("auto", 32, 4096, 12288, jnp.bfloat16) == "pallas"
-    assert layers.resolve_mlp_impl("auto", 384, 4096, 12288, jnp.bfloat16) == "xla"  # a refresh
-    assert layers.resolve_mlp_impl("auto", 32, 4096, 12288, jnp.float32) == "xla"
-    assert layers.resolve_mlp_impl("auto", 32, 4096, 1000, jnp.bfloat16) == "xla"  # no fit
-    assert layers.resolve_mlp_impl("pallas", 384, 4096, 12288, jnp.float32) == "pallas"
+    assert impls.resolve_mlp_impl("auto", 32, 4096, 12288, jnp.bfloat16) == "pallas"
+    assert impls.resolve_mlp_impl("auto", 384, 4096, 12288, jnp.bfloat16) == "xla"  # a refresh
+    assert impls.resolve_mlp_impl("auto", 32, 4096, 12288, jnp.float32) == "xla"
+    assert impls.resolve_mlp_impl("auto", 32, 4096, 1000, jnp.bfloat16) == "xla"  # no fit
+    assert impls.resolve_mlp_impl("pallas", 384, 4096, 12288, jnp.float32) == "pallas"
 
 
 def test_unknown_impl_fails_at_setup(dense_model):

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import ModelConfig
-from djax.models.layers import GatedMLP, TransformerLM, _sum_over, check_choice, init_normal
+from djax.models.impls import check_choice
+from djax.models.layers import GatedMLP, TransformerLM, _sum_over, init_normal
 from djax.models.sources import (
     Joined,
     ParamSource,

@@ -1,0 +1,112 @@
+"""Which implementation each part of the forward takes: the `*_impl` module options, their
+names, and what `auto` picks on each backend, dtype and shape (each choice's measured
+reason is in its docstring and bench/NOTES.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from djax.models import flash_attention, rope_write, split_k, swiglu
+
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "split_kv")
+MLP_IMPLS = ("auto", "xla", "pallas")
+NORM_IMPLS = ("auto", "xla", "pallas")
+MATMUL_IMPLS = ("auto", "xla", "pallas")
+ROPE_IMPLS = ("auto", "xla", "pallas")
+
+
+def check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise a ValueError naming `option`'s bad `value` and its `choices`."""
+    if value not in choices:
+        raise ValueError(f"{option}={value!r}; expected one of {choices}")
+
+
+def resolve_attention_impl(impl: str, head_dim: int = 128, dtype: Any = jnp.bfloat16) -> str:
+    """The attention implementation for heads of `head_dim` in `dtype`.
+
+    `auto` on GPUs with 16-bit inputs is djax's split-K/V Pallas kernel where its tiles fit
+    the head dim, else cuDNN's fused attention; XLA's einsums for fp32 and off GPUs. On an
+    H100 the kernel took 5.8 µs for a 32-query block against 384 keys (cuDNN 15.1, einsums
+    11.1), 14.0 µs for a 384-token refresh (cuDNN 18.5) and 105 µs at 1,280 (cuDNN 111);
+    bench/NOTES.md has the sweeps and the generations.
+    """
+    check_choice("attention_impl", impl, ATTENTION_IMPLS)
+    half = jnp.dtype(dtype).itemsize == 2
+    if impl == "cudnn" and not half:
+        raise ValueError(
+            f"attention_impl='cudnn' takes bf16 or fp16 inputs; got {jnp.dtype(dtype).name}"
+        )
+    if impl != "auto":
+        return impl
+    if jax.default_backend() != "gpu" or not half:
+        return "xla"
+    return "split_kv" if flash_attention.fits(head_dim) else "cudnn"
+
+
+def resolve_mlp_impl(impl: str, rows: int, d_model: int, hidden: int, dtype: Any) -> str:
+    """The gate/up path of a SwiGLU MLP over `rows` token rows.
+
+    `auto` on GPUs with 16-bit weights and at most `swiglu.MAX_ROWS` rows (a denoising block
+    of one sequence) is djax's Pallas kernel with the activation fused; XLA's matmul and a
+    separate activation kernel for refreshes, larger batches, fp32 and off GPUs. On an H200
+    the kernel took 48.7 µs per LLaDA-8B layer where XLA took 52.9 (bench/NOTES.md).
+    """
+    check_choice("mlp_impl", impl, MLP_IMPLS)
+    if impl != "auto":
+        return impl
+    return (
+        "pallas"
+        if _gpu_half(dtype) and rows <= swiglu.MAX_ROWS and swiglu.fits(d_model, hidden)
+        else "xla"
+    )
+
+
+def _gpu_half(dtype: Any) -> bool:
+    return jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
+
+
+def resolve_matmul_impl(impl: str, rows: int, k: int, n: int, dtype: Any) -> str:
+    """How the q/k/v, attention-output and down products of `rows` token rows run: `auto`
+    on GPUs with 16-bit weights and at most `split_k.MAX_ROWS` rows (a denoising block of
+    one sequence) is djax's split-K kernel, its partial products summed by the next
+    kernel (`split_k`); XLA's GEMMs for refreshes, larger batches, fp32 and off GPUs."""
+    check_choice("matmul_impl", impl, MATMUL_IMPLS)
+    if impl == "pallas" and not split_k.fits(k, n):
+        raise ValueError(
+            f"matmul_impl='pallas' takes products whose contraction and output widths are "
+            f"multiples of 16; got {k} -> {n}"
+        )
+    if impl != "auto":
+        return impl
+    small = rows <= split_k.MAX_ROWS and split_k.fits(k, n)
+    return "pallas" if _gpu_half(dtype) and small else "xla"
+
+
+def resolve_norm_impl(impl: str, dtype: Any) -> str:
+    """How a residual add and the RMSNorm after it run: `auto` is djax's one-kernel Pallas
+    path (`residual_norm`) on GPUs with 16-bit activations, else XLA's (two kernels on
+    GPUs)."""
+    check_choice("norm_impl", impl, NORM_IMPLS)
+    if impl != "auto":
+        return impl
+    return "pallas" if _gpu_half(dtype) else "xla"
+
+
+def resolve_rope_impl(impl: str, head_dim: int, rotary_dim: int, dtype: Any) -> str:
+    """How the q/k norm and clip, RoPE and the K/V buffer writes run: `auto` is djax's
+    one-kernel Pallas path (`rope_write`) on GPUs with 16-bit activations where its tiles
+    fit the heads, else XLA's (a RoPE kernel and one buffer write per K and V on GPUs)."""
+    check_choice("rope_impl", impl, ROPE_IMPLS)
+    fits = rope_write.fits(head_dim, rotary_dim)
+    if impl == "pallas" and not fits:
+        raise ValueError(
+            f"rope_impl='pallas' takes heads whose rotary halves ({rotary_dim // 2}) and "
+            f"unrotated rest ({head_dim - rotary_dim}) are powers of two or zero; got "
+            f"head_dim={head_dim}, rotary_dim={rotary_dim}"
+        )
+    if impl != "auto":
+        return impl
+    return "pallas" if _gpu_half(dtype) and fits else "xla"
