@@ -70,13 +70,11 @@ def summarize(events: list[dict]) -> dict:
     and on the hand-offs between the compute and collective streams)."""
     busy: dict[str, float] = defaultdict(float)
     spans = []
-    top: dict[str, float] = defaultdict(float)
     durations: dict[str, list[float]] = defaultdict(list)
     for e in events:
         text = " ".join([e.get("name", "")] + [str(v) for v in e.get("args", {}).values()])
         category = categorize(text)
         busy[category] += e["dur"]
-        top[e.get("name", "")] += e["dur"]
         durations[e.get("name", "")].append(e["dur"])
         spans.append((e["ts"], e["ts"] + e["dur"], category))
     if not spans:
@@ -93,17 +91,18 @@ def summarize(events: list[dict]) -> dict:
             end, last = stop, category
     wall = spans[-1][1] - spans[0][0]
     busy["idle gaps"] = idle
-    kernels = sorted(top.items(), key=lambda kv: -kv[1])[:15]
+    totals = {name: sum(durs) for name, durs in durations.items()}
+    ranked = sorted(totals, key=totals.get, reverse=True)
     per_call = {
         name: {"calls": len(durations[name]), "median_us": float(np.median(durations[name]))}
-        for name, _ in sorted(top.items(), key=lambda kv: -kv[1])[:60]
+        for name in ranked[:60]
     }
     return {
         "wall_us": wall,
         "busy_us": dict(busy),
         "pct": {k: 100 * v / wall for k, v in busy.items()},
         "idle_next_to_collectives_us": idle_by_collectives,
-        "top_kernels_us": dict(kernels),
+        "top_kernels_us": {name: totals[name] for name in ranked[:15]},
         "kernel_calls": per_call,
         "events": len(events),
     }

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from djax.models import flash_attention, rope_write, split_k, swiglu
+from djax.models import flash_attention, pallas_tiles, rope_write, split_k, swiglu
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "split_kv")
 MLP_IMPLS = ("auto", "xla", "pallas")
@@ -59,7 +59,9 @@ def resolve_mlp_impl(impl: str, rows: int, d_model: int, hidden: int, dtype: Any
         return impl
     return (
         "pallas"
-        if _gpu_half(dtype) and rows <= swiglu.MAX_ROWS and swiglu.fits(d_model, hidden)
+        if _gpu_half(dtype)
+        and rows <= swiglu.MAX_ROWS
+        and pallas_tiles.matmul_fits(d_model, hidden)
         else "xla"
     )
 
@@ -74,15 +76,15 @@ def resolve_matmul_impl(impl: str, rows: int, k: int, n: int, dtype: Any) -> str
     one sequence) is djax's split-K kernel, its partial products summed by the next
     kernel (`split_k`); XLA's GEMMs for refreshes, larger batches, fp32 and off GPUs."""
     check_choice("matmul_impl", impl, MATMUL_IMPLS)
-    if impl == "pallas" and not split_k.fits(k, n):
+    fits = pallas_tiles.matmul_fits(k, n)
+    if impl == "pallas" and not fits:
         raise ValueError(
             f"matmul_impl='pallas' takes products whose contraction and output widths are "
             f"multiples of 16; got {k} -> {n}"
         )
     if impl != "auto":
         return impl
-    small = rows <= split_k.MAX_ROWS and split_k.fits(k, n)
-    return "pallas" if _gpu_half(dtype) and small else "xla"
+    return "pallas" if _gpu_half(dtype) and rows <= split_k.MAX_ROWS and fits else "xla"
 
 
 def resolve_norm_impl(impl: str, dtype: Any) -> str:

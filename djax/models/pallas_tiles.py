@@ -17,6 +17,17 @@ def is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def matmul_fits(k: int, n: int) -> bool:
+    """Whether a matmul kernel takes a contraction of `k` into `n` columns: both multiples
+    of 16, so every tile is whole."""
+    return k % 16 == 0 and n % 16 == 0
+
+
+def row_block(m: int) -> int:
+    """The row tile for a product of `m` token rows: all of them (at least 16) up to 64."""
+    return max(16, 1 << (m - 1).bit_length()) if m <= 64 else 64
+
+
 def largest_block(n: int, limit: int) -> int:
     """The largest power of two <= `limit` (itself a power of two) that divides `n`."""
     block = limit

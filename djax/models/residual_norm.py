@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from djax.models import pallas_tiles
-from djax.models.split_k import Partials
+from djax.models.split_k import Partials, add_slices
 
 Array = jax.Array
 
@@ -43,8 +43,8 @@ def _kernel(x_ref, y_ref, scale_ref, h_ref, normed_ref, *, eps, width):
         plgpu.load(y_ref.at[jnp.int32(split), row, cols], mask=ok, other=0.0).astype(jnp.float32)
         for split in range(y_ref.shape[0])
     ]
-    y = sum(parts[1:], parts[0]).astype(h_ref.dtype)
-    h = (x.astype(jnp.float32) + y.astype(jnp.float32)).astype(h_ref.dtype)
+    y = add_slices(parts, h_ref.dtype)
+    h = (x.astype(jnp.float32) + y).astype(h_ref.dtype)
     hf = h.astype(jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.sum(hf * hf) / d + eps)
     scale = plgpu.load(scale_ref.at[cols], mask=ok, other=0.0).astype(h.dtype)

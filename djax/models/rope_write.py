@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from djax.models import pallas_tiles
-from djax.models.split_k import Partials
+from djax.models.split_k import Partials, add_slices
 
 Array = jax.Array
 BLOCK_T = 32  # window positions per program
@@ -96,7 +96,7 @@ def _kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool):
                 ).astype(jnp.float32)
                 for s in range(splits)
             ]
-            out.append(sum(slices[1:], slices[0]).astype(dtype).astype(jnp.float32))
+            out.append(add_slices(slices, dtype))
         return out
 
     def norm(head, scale_ref):

@@ -48,6 +48,12 @@ class Partials:
         return self.parts.sum(axis=0).astype(self.dtype)
 
 
+def add_slices(slices: list[Array], dtype) -> Array:
+    """Inside a consumer kernel: loaded fp32 slices of a product added and rounded to
+    `dtype` as `Partials.total()` does, then back in fp32 for the kernel's own math."""
+    return sum(slices[1:], slices[0]).astype(dtype).astype(jnp.float32)
+
+
 def finish(y: Array | Partials) -> Array:
     """A product that may still be in partials, summed."""
     return y.total() if isinstance(y, Partials) else y
@@ -79,13 +85,7 @@ def tiles_for(m: int, k: int, n: int) -> Tiles:
     while (n // block_n) * splits < 96 and k % (splits * 2 * 64) == 0 and splits < 8:
         splits *= 2
     block_k = pallas_tiles.largest_block(k // splits, 128 if splits == 1 else 64)
-    block_m = max(16, pl.next_power_of_2(m)) if m <= 64 else 64
-    return Tiles(block_m=block_m, block_n=block_n, block_k=block_k, splits=splits)
-
-
-def fits(k: int, n: int) -> bool:
-    """Whether the kernel takes a `[k, n]` weight: k and n multiples of 16."""
-    return k % 16 == 0 and n % 16 == 0
+    return Tiles(block_m=pallas_tiles.row_block(m), block_n=block_n, block_k=block_k, splits=splits)
 
 
 def _kernel(x_ref, w_ref, out_ref, *, tiles, steps):
@@ -121,7 +121,7 @@ def matmul_partials(
     from jax.experimental.pallas import triton as plgpu
 
     k, n = w.shape
-    if x.shape[-1] != k or not fits(k, n):
+    if x.shape[-1] != k or not pallas_tiles.matmul_fits(k, n):
         raise ValueError(
             f"matmul_partials: x {x.shape}, w {w.shape}; expected x [..., {k}] and k, n "
             "multiples of 16"

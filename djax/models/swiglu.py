@@ -49,15 +49,10 @@ def tiles_for(m: int, k: int, n: int) -> Tiles:
     128 columns of each side, 64-wide contraction steps, 4 warps, 4 stages (48.6 µs; 50.9 at
     64 columns and 128-wide steps, 58.8-61.1 with 32 columns)."""
     return Tiles(
-        block_m=max(16, pl.next_power_of_2(m)) if m <= 64 else 64,
+        block_m=pallas_tiles.row_block(m),
         block_n=pallas_tiles.largest_block(n, 128),
         block_k=pallas_tiles.largest_block(k, 64),
     )
-
-
-def fits(k: int, n: int) -> bool:
-    """Whether the kernel takes a `[k, 2, n]` weight: k and n multiples of 16."""
-    return k % 16 == 0 and n % 16 == 0
 
 
 def _kernel(x_ref, w_ref, out_ref, *, tiles):
@@ -97,7 +92,7 @@ def swiglu_matmul(
 
     m, k = x.shape
     n = w.shape[-1]
-    if w.shape[:2] != (k, 2) or not fits(k, n):
+    if w.shape[:2] != (k, 2) or not pallas_tiles.matmul_fits(k, n):
         raise ValueError(
             f"swiglu_matmul: x {x.shape}, w {w.shape}; expected w [{k}, 2, n] with {k} and n "
             "multiples of 16"
