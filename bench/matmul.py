@@ -7,7 +7,9 @@ sweep. Each is checked against fp32 (relative L2 error) and timed by its kernels
 time in a profiler trace (µs per call, summed over its kernels: no loop or timer overhead).
 `weight_TB_per_s` is weight bytes over that time (the weights dominate the bytes here).
 
-    python -m bench.matmul [--model dense] [--rows 32 64] [--sweep-rows 32] [--tiny]
+    python -m bench.matmul [--model dense] [--rows 32 64] [--sweep-rows 32 384] [--tiny]
+
+Sweeps at more than 64 rows (a refresh) take `REFRESH_TILINGS` instead of `TILINGS`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,20 @@ TILINGS = tuple(
         (128, 64, 8, 4),
         (128, 128, 8, 3),
         (256, 64, 8, 3),
+    ]
+)
+# For refresh row counts (hundreds of rows, compute-bound): taller row tiles and 8 warps, so
+# two fp32 accumulators of block_m x block_n fit in registers.
+REFRESH_TILINGS = tuple(
+    Tiles(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+    for bm, bn, bk, warps, stages in [
+        (64, 128, 64, 4, 4),
+        (64, 128, 64, 8, 4),
+        (64, 256, 64, 8, 3),
+        (128, 64, 64, 8, 4),
+        (128, 128, 32, 8, 4),
+        (128, 128, 64, 8, 3),
+        (256, 64, 64, 8, 3),
     ]
 )
 
@@ -104,10 +120,10 @@ def main() -> None:
         if m in args.sweep_rows:
             runs += [
                 (
-                    f"pallas {t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}",
+                    f"pallas {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}",
                     functools.partial(swiglu_matmul, tiles=t),
                 )
-                for t in TILINGS
+                for t in (TILINGS if m <= 64 else REFRESH_TILINGS)
             ]
         for label, run in runs:
             row = {"rows": m, "k": k, "n": n, "impl": label}
