@@ -4,8 +4,10 @@ block (32 queries) against the K/V buffer, and a refresh (all queries against al
 Implementations: `xla` (einsums), `cudnn` (with the key-padding mask, as the engine calls
 it), `cudnn no mask` (what cuDNN takes when nothing is padded; a bound, not an engine path)
 and `split_kv` (djax's Pallas Triton flash-decoding kernel) at several tilings. Each is
-checked against fp32 einsums (relative L2 error) and timed in-program; `step_only` is the
-cost of the loop's own `q + 1e-3 * out` update, to subtract.
+checked against fp32 einsums (relative L2 error) and timed twice: in-program, where
+`step_only` is the cost of the loop's own `q + 1e-3 * out` update, to subtract; and by its
+kernels' device time in a profiler trace (`kernels_us`, `device_us`: the split-K/V kernel
+and the merge of its slices, no loop).
 
     python -m bench.attention [--shapes 32x384 32x1280 384x384] [--model dense|moe] [--tiny]
 """
@@ -19,10 +21,21 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import model_config, save, time_in_program
+from bench.matmul import kernel_us
 from djax.models.flash_attention import Tiles, split_kv_attention
 from djax.models.layers import attend
 
 TILINGS = (
+    # Block forwards without a merge: one key slice, the queries cut into 16-row tiles so
+    # twice as many programs run.
+    Tiles(block_q=16, block_k=64, splits=1, num_stages=3),
+    Tiles(block_q=16, block_k=64, splits=1, num_stages=4),
+    Tiles(block_q=16, block_k=64, splits=1, num_stages=3, num_warps=2),
+    Tiles(block_q=16, block_k=128, splits=1, num_stages=2),
+    Tiles(block_q=16, block_k=32, splits=1, num_stages=4),
+    Tiles(block_q=32, block_k=64, splits=1, num_stages=3),
+    Tiles(block_q=16, block_k=64, splits=2, num_stages=3),
+    Tiles(block_q=32, block_k=64, splits=2, num_stages=3),
     Tiles(block_q=32, block_k=64, splits=3, num_stages=2),
     Tiles(block_q=32, block_k=64, splits=6, num_stages=3),
     Tiles(block_q=32, block_k=64, splits=12, num_stages=3),
@@ -53,8 +66,8 @@ def implementations() -> list[tuple[str, object]]:
     out = [("xla", grouped("xla"))]
     if jax.default_backend() == "gpu":
         out += [("cudnn", grouped("cudnn")), ("cudnn no mask", _cudnn_no_mask)]
-    for tiles in (None, *TILINGS):  # None: the engine's choice, `tiles_for(t)`
-        shape = " ".join(f"{k}={v}" for k, v in vars(tiles).items()) if tiles else "tiles_for(t)"
+    for tiles in (None, *TILINGS):  # None: the engine's choice, `tiles_for(t, s)`
+        shape = " ".join(f"{k}={v}" for k, v in vars(tiles).items()) if tiles else "tiles_for(t, s)"
         label = f"split_kv {shape}"
         out.append((label, functools.partial(split_kv_attention, tiles=tiles)))
     return out
@@ -67,6 +80,7 @@ def main() -> None:
     )
     parser.add_argument("--model", choices=["dense", "moe"], default="dense")
     parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--calls", type=int, default=50, help="calls in the profiler trace")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     cfg = model_config(args.model, args.tiny)
@@ -100,6 +114,8 @@ def main() -> None:
                 )
                 row["us"] = 1e6 * seconds
                 row["us_minus_step"] = 1e6 * (seconds - base)
+                row["kernels_us"] = kernel_us(jax.jit(run), (q, k, v, valid), args.calls)
+                row["device_us"] = sum(row["kernels_us"].values())
             except Exception as err:  # keep the other implementations of a costly run
                 row["error"] = f"{type(err).__name__}: {err}"[:1500]
             print(row, flush=True)

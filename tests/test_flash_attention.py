@@ -8,7 +8,7 @@ import pytest
 
 import djax
 from djax.models import impls, layers
-from djax.models.flash_attention import Tiles, split_kv_attention
+from djax.models.flash_attention import KEYS_PER_SLICE, Tiles, split_kv_attention, tiles_for
 
 
 def _problem(b, t, n, kv, d, s, dtype=jnp.float32, seed=0):
@@ -89,6 +89,15 @@ def test_generation_tokens_unchanged(assert_same_generation, cache):
     assert_same_generation({"attention_impl": "split_kv"}, {"attention_impl": "xla"}, cache)
 
 
+def test_tiles_for_blocks_and_refreshes():
+    """A block takes 16-query tiles and a key slice per KEYS_PER_SLICE keys (no merge at
+    384 keys); a refresh takes 128-query tiles over all keys."""
+    assert tiles_for(32, 384) == Tiles(block_q=16, block_k=64, splits=1, num_stages=3)
+    assert tiles_for(32, KEYS_PER_SLICE + 1).splits == 2
+    assert tiles_for(64, 1280).splits == 2
+    assert tiles_for(65, 384) == Tiles(block_q=128, block_k=64, splits=1, num_warps=8, num_stages=3)
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("t, s", [(32, 384), (32, 1000), (384, 384)])
 def test_compiled_kernel_on_gpu(t, s):
@@ -97,7 +106,13 @@ def test_compiled_kernel_on_gpu(t, s):
     q, k, v = _problem(2, t, 16, 8, 128, s, jnp.bfloat16, seed=2)
     key_valid = jnp.arange(s)[None, :] >= jnp.array([[0], [100]])
     ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k, v)), key_valid)
-    for tiles in (Tiles(), Tiles(block_q=64, block_k=64, splits=1), Tiles(block_k=32, splits=12)):
+    tilings = (
+        None,  # tiles_for(t, s)
+        Tiles(block_q=16, block_k=64, splits=1, num_stages=3),
+        Tiles(block_q=128, block_k=64, splits=1, num_warps=8, num_stages=3),
+        Tiles(block_k=32, splits=12),
+    )
+    for tiles in tilings:
         ours = split_kv_attention(q, k, v, key_valid, tiles=tiles).astype(jnp.float32)
         err = float(jnp.linalg.norm(ours - ref) / jnp.linalg.norm(ref))
         assert err <= 1e-2, (tiles, err)
