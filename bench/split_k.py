@@ -10,7 +10,7 @@ copies of the weight (>= 256 MB) that no copy is still in the L2 cache when it i
 as inside a forward. Device time per product from profiler traces (µs, summed over its
 kernels); `weight_TB_per_s` is weight bytes over that time.
 
-    python -m bench.split_k [--rows 32] [--sweep] [--tiny]
+    python -m bench.split_k [--rows 32] [--sweep] [--norm-warps 8 16] [--tiny]
 """
 
 from __future__ import annotations
@@ -48,9 +48,11 @@ def xla_form(name, x, residual, scale, w):
     return layers.RMSNorm(EPS, jnp.bfloat16, "xla").apply({"params": {"scale": scale}}, y, residual)
 
 
-def pallas_form(name, x, residual, scale, w, tiles=None):
+def pallas_form(name, x, residual, scale, w, tiles=None, norm_warps=4):
     y = matmul_partials(x, w, tiles=tiles)
-    return y.parts if name == "qkv" else add_rms_norm(residual, y, scale, EPS)
+    if name == "qkv":
+        return y.parts
+    return add_rms_norm(residual, y, scale, EPS, num_warps=norm_warps)
 
 
 def sweep(k: int, n: int) -> list[Tiles]:
@@ -71,6 +73,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--products", nargs="+", default=["qkv", "out", "down"])
     parser.add_argument("--sweep", action="store_true", help="also every tiling of the sweep")
+    parser.add_argument(
+        "--norm-warps",
+        nargs="*",
+        type=int,
+        default=[],
+        help="also the default tiles with the norm kernel at these warp counts (output, down)",
+    )
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
@@ -94,6 +103,11 @@ def main() -> None:
                     functools.partial(pallas_form, tiles=t),
                 )
                 for t in sweep(k, n)
+            ]
+        if name != "qkv":
+            runs += [
+                (f"pallas norm w{warps}", functools.partial(pallas_form, norm_warps=warps))
+                for warps in args.norm_warps
             ]
         for label, form in runs:
             row = {"product": name, "rows": args.rows, "k": k, "n": n, "impl": label}
