@@ -6,8 +6,9 @@ it), `cudnn no mask` (what cuDNN takes when nothing is padded; a bound, not an e
 and `split_kv` (djax's Pallas Triton flash-decoding kernel) at several tilings. Each is
 checked against fp32 einsums (relative L2 error) and timed twice: in-program, where
 `step_only` is the cost of the loop's own `q + 1e-3 * out` update, to subtract; and by its
-kernels' device time in a profiler trace (`kernels_us`, `device_us`: the split-K/V kernel
-and the merge of its slices, no loop).
+kernels' device time in a profiler trace (`kernels_us` per kernel, `device_us` their sum:
+every kernel the call launches, e.g. the split-K/V kernel, the merge of its slices and the
+key-bias kernel that a generation runs once per forward; no loop).
 
     python -m bench.attention [--shapes 32x384 32x1280 384x384] [--model dense|moe] [--tiny]
 """
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import model_config, save, time_in_program
-from bench.matmul import kernel_us
+from bench.kernel_time import kernel_us
 from djax.models.flash_attention import Tiles, split_kv_attention
 from djax.models.layers import attend
 

@@ -9,24 +9,19 @@ time in a profiler trace (µs per call, summed over its kernels: no loop or time
 
     python -m bench.matmul [--model dense] [--rows 32 64] [--sweep-rows 32 384] [--tiny]
 
-Sweeps at more than 64 rows (a refresh) take `REFRESH_TILINGS` instead of `TILINGS`.
+Sweeps at more than `BLOCK_ROWS` rows (a refresh) take `REFRESH_TILINGS` instead of `TILINGS`.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
-import shutil
-import tempfile
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from bench.common import model_config, save
-from bench.profile import newest_trace_events
+from bench.kernel_time import rel_error, time_row
 from djax.models.layers import swiglu_xla
 from djax.models.swiglu import Tiles, swiglu_matmul
 
@@ -48,8 +43,10 @@ TILINGS = tuple(
         (256, 64, 8, 3),
     ]
 )
-# For refresh row counts (hundreds of rows, compute-bound): taller row tiles and 8 warps, so
-# two fp32 accumulators of block_m x block_n fit in registers.
+# Sweeps above this many rows (a refresh: hundreds of rows, compute-bound) take
+# REFRESH_TILINGS: row tiles of 64-256, most with 8 warps so that two fp32 accumulators of
+# block_m x block_n fit in registers.
+BLOCK_ROWS = 64
 REFRESH_TILINGS = tuple(
     Tiles(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
     for bm, bn, bk, warps, stages in [
@@ -62,42 +59,6 @@ REFRESH_TILINGS = tuple(
         (256, 64, 64, 8, 3),
     ]
 )
-
-
-def kernel_us(fn, args: tuple, calls: int) -> dict[str, float]:
-    """Device µs per call of each kernel `fn` launches, read from a profiler trace of `calls`
-    separate calls. Off GPUs (no device events) the wall time per call, under "wall"."""
-    jax.block_until_ready(fn(*args))
-    if jax.default_backend() != "gpu":
-        start = time.perf_counter()
-        jax.block_until_ready([fn(*args) for _ in range(calls)])
-        return {"wall": 1e6 * (time.perf_counter() - start) / calls}
-    folder = Path(tempfile.mkdtemp(prefix="djax_matmul_trace_"))
-    with jax.profiler.trace(str(folder), create_perfetto_trace=True):
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-    events = next(iter(newest_trace_events(folder).values()))
-    shutil.rmtree(folder)
-    totals: dict[str, float] = collections.defaultdict(float)
-    for e in events:
-        totals[e["name"]] += e["dur"] / calls
-    return dict(totals)
-
-
-def time_row(row: dict, fn, args: tuple, calls: int, weight_bytes: int, products: int = 1):
-    """Fill a result row with `fn`'s kernel µs per product (`kernel_us` over `calls` calls,
-    each running `products` products), their sum and the weight read rate in TB/s."""
-    per_call = kernel_us(fn, args, calls)
-    row["kernels_us"] = {name: us / products for name, us in per_call.items()}
-    row["us"] = sum(row["kernels_us"].values())
-    row["weight_TB_per_s"] = weight_bytes / row["us"] / 1e6
-
-
-def rel_error(out, reference) -> float:
-    """Relative L2 error of `out` against `reference`, in fp32."""
-    out, reference = out.astype(jnp.float32), reference.astype(jnp.float32)
-    return float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
 
 
 def main() -> None:
@@ -123,7 +84,7 @@ def main() -> None:
                     f"pallas {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}",
                     functools.partial(swiglu_matmul, tiles=t),
                 )
-                for t in (TILINGS if m <= 64 else REFRESH_TILINGS)
+                for t in (TILINGS if m <= BLOCK_ROWS else REFRESH_TILINGS)
             ]
         for label, run in runs:
             row = {"rows": m, "k": k, "n": n, "impl": label}

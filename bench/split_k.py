@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import model_config, save
-from bench.matmul import rel_error, time_row
+from bench.kernel_time import rel_error, time_row
 from djax.models import layers
 from djax.models.residual_norm import add_rms_norm
 from djax.models.split_k import Tiles, matmul_partials, tiles_for

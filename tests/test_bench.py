@@ -72,3 +72,19 @@ def test_device_events_split_by_device_and_skip_the_host():
     per_device = device_events({"traceEvents": meta + kernels})
     assert list(per_device) == ["/device:GPU:0", "/device:GPU:1"]
     assert [e["name"] for e in per_device["/device:GPU:0"]] == ["a"]
+
+
+def test_kernel_time_rows():
+    """rel_error is the relative L2 error; off GPUs time_row falls back to wall time per
+    product and derives the weight read rate from it."""
+    import jax.numpy as jnp
+
+    from bench.kernel_time import rel_error, time_row
+
+    x = jnp.arange(1.0, 5.0)
+    assert rel_error(x, x) == 0.0
+    assert abs(rel_error(2 * x, x) - 1.0) < 1e-6
+    row = {}
+    time_row(row, lambda a: a * 2, (x,), calls=3, weight_bytes=10**6, products=2)
+    assert set(row["kernels_us"]) == {"wall"} and row["us"] == row["kernels_us"]["wall"] > 0
+    assert row["weight_TB_per_s"] == 10**6 / row["us"] / 1e6

@@ -1,15 +1,16 @@
 """Flash attention with the keys split across programs (flash-decoding), as a Pallas Triton
-kernel: djax's GPU attention for denoising blocks against a long K/V buffer, and (with one
-slice and larger query tiles) for refreshes.
+kernel: djax's GPU attention for denoising blocks against a long K/V buffer, and (with
+larger query tiles) for refreshes.
 
 A denoising block forward has few queries (32) and a few hundred keys. cuDNN's fused
-attention spends 12.7-16.7 µs per LLaDA-8B layer on that shape on an H200 while reading only
+attention spends 12-17 µs per LLaDA-8B layer on that shape on an H200 while reading only
 6 MB (bench/NOTES.md): one program per head is too little parallelism to hide memory
 latency. Here each program takes one query head, one tile of queries and one slice of the
-keys; slices are merged afterwards by their log-sum-exp. K/V are read in the engine's
-`[batch, seq, kv_heads, head_dim]` buffer layout through strides, so nothing is transposed.
-The padding mask is a per-key bias, where cuDNN takes a dense `[t, s]` mask: with it cuDNN
-takes 1.6-2.0x as long as without, at every shape measured (bench/NOTES.md).
+keys; slices, where there are several, are merged afterwards by their log-sum-exp. K/V are
+read in the engine's `[batch, seq, kv_heads, head_dim]` buffer layout through strides, so
+nothing is transposed. The padding mask is a per-key bias, where cuDNN takes a dense `[t, s]`
+mask: with it cuDNN takes 1.5-2.0x as long as without, at every shape measured
+(bench/NOTES.md).
 
 Semantics are `layers.attend`'s: bidirectional attention with a key-padding mask, scores in
 fp32, probabilities cast to the value dtype before the value product.
@@ -39,7 +40,8 @@ KEYS_PER_SLICE = 640
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Program shape: `block_q` queries x `block_k` keys per step, the keys cut into
-    `splits` slices (one program each), Triton's `num_warps` and `num_stages`."""
+    `splits` slices (one program each), Triton's `num_warps` and `num_stages`. The defaults
+    are only a starting point for sweeps; the engine takes `tiles_for`."""
 
     block_q: int = 32
     block_k: int = 64
@@ -49,15 +51,16 @@ class Tiles:
 
 
 def tiles_for(t: int, s: int) -> Tiles:
-    """The measured best tiling for `t` queries against `s` keys (bench.attention, H200,
-    device time of the kernel and the merge of its slices). A block of up to 64 queries
-    takes 16-query tiles and one key slice per `KEYS_PER_SLICE` keys: at 32 x 384 one slice
-    and no merge, 6.1 µs against 7.8 for six slices merged (4.9 + 2.9), and at 32 x 1280 two
-    slices, 12.8 against 13.2 for six. A refresh takes 128-query tiles over all keys with 8
-    warps: 12.8 µs at 384 x 384 against 13.6 for 64-query tiles."""
+    """The measured tiling for `t` queries against `s` keys (bench.attention, H200, LLaDA-8B
+    heads, device time of the kernel and the merge of its slices). A block of up to 64
+    queries takes 16-query tiles and one key slice per `KEYS_PER_SLICE` keys: at 32 x 384 one
+    slice and no merge, 6.1 µs against 7.8 for six slices merged (4.9 + 2.9), and at 32 x 1280
+    two slices, 12.8 against 13.2 for six. Longer windows (refreshes, prefix-cache windows)
+    take 64-query tiles over all keys: 13.6 µs at 384 x 384 (128-query tiles with 8 warps
+    took 12.8, too close to adopt on one shape, and their shared memory does not fit fp32)."""
     if t <= 64:
         return Tiles(block_q=16, block_k=64, splits=pl.cdiv(s, KEYS_PER_SLICE), num_stages=3)
-    return Tiles(block_q=128, block_k=64, splits=1, num_warps=8, num_stages=3)
+    return Tiles(block_q=64, block_k=64, splits=1, num_stages=2)
 
 
 def fits(head_dim: int) -> bool:

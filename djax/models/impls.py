@@ -29,9 +29,9 @@ def resolve_attention_impl(impl: str, head_dim: int = 128, dtype: Any = jnp.bflo
 
     `auto` on GPUs with 16-bit inputs is djax's split-K/V Pallas kernel where its tiles fit
     the head dim, else cuDNN's fused attention; XLA's einsums for fp32 and off GPUs. On an
-    H100 the kernel took 5.8 µs for a 32-query block against 384 keys (cuDNN 15.1, einsums
-    11.1), 14.0 µs for a 384-token refresh (cuDNN 18.5) and 105 µs at 1,280 (cuDNN 111);
-    bench/NOTES.md has the sweeps and the generations.
+    H200, in device time, the kernel takes 6.1 µs for a 32-query block against 384 keys
+    (cuDNN 15.2, einsums 10.6) and 13.6 µs for a 384-token refresh (cuDNN 19.8, einsums
+    36.0); bench/NOTES.md has the sweeps (and the H100's) and the generations.
     """
     check_choice("attention_impl", impl, ATTENTION_IMPLS)
     half = jnp.dtype(dtype).itemsize == 2
