@@ -5,12 +5,16 @@ split-K kernel (`djax.models.split_k`) with its partials summed by the consumer.
 the residual add and RMSNorm after them (`layers.RMSNorm`'s XLA path), for q/k/v alone.
 `pallas` is the split-K kernel, its partials summed by `residual_norm.add_rms_norm` for the
 output and down products (q/k/v: the kernel alone; `rope_write` sums its partials), at the
-default tiles (`tiles_for`) and at each tiling of the sweep. Each call cycles through enough
-copies of the weight (>= 256 MB) that no copy is still in the L2 cache when it is read again,
-as inside a forward. Device time per product from profiler traces (µs, summed over its
-kernels); `weight_TB_per_s` is weight bytes over that time.
+default tiles (`tiles_for`) and at each tiling of the sweep. `--mosaic` adds JAX's own
+warp-specialized Hopper matmul (`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`: TMA
+loads, Mosaic GPU) at a few tile shapes, its rows padded to 64 (its smallest row tile),
+followed by XLA's add and norm where `xla` has them: a first look at whether TMA streaming
+reads the weights faster than Triton's loads (bench/NOTES.md, "Not yet done" 1). Each call
+cycles through enough copies of the weight (>= 256 MB) that no copy is still in the L2 cache
+when it is read again, as inside a forward. Device time per product from profiler traces
+(µs, summed over its kernels); `weight_TB_per_s` is weight bytes over that time.
 
-    python -m bench.split_k [--rows 32] [--sweep] [--norm-warps 8 16] [--tiny]
+    python -m bench.split_k [--rows 32] [--sweep] [--norm-warps 8 16] [--mosaic] [--tiny]
 """
 
 from __future__ import annotations
@@ -55,6 +59,33 @@ def pallas_form(name, x, residual, scale, w, tiles=None, norm_warps=4):
     return add_rms_norm(residual, y, scale, EPS, num_warps=norm_warps)
 
 
+# JAX's Hopper matmul tiles rows by 64 (one warpgroup's wgmma); the block's rows are padded.
+MOSAIC_ROWS = 64
+# (tile_n, tile_k, max_concurrent_steps): two compute warpgroups split each CTA's columns, so
+# a CTA covers 2 x tile_n columns.
+MOSAIC_TILES = ((64, 64, 4), (64, 64, 6), (64, 64, 8), (64, 128, 4), (128, 64, 4))
+
+
+def mosaic_form(name, x, residual, scale, w, tiles=(64, 64, 4)):
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper
+
+    tile_n, tile_k, steps = tiles
+    config = hopper.TuningConfig(
+        tile_m=MOSAIC_ROWS,
+        tile_n=tile_n,
+        tile_k=tile_k,
+        max_concurrent_steps=steps,
+        epi_tile_m=MOSAIC_ROWS,
+        epi_tile_n=min(tile_n, 64),
+    )
+    rows = x.shape[0]
+    padded = jnp.pad(x, ((0, -rows % MOSAIC_ROWS), (0, 0)))
+    y = hopper.matmul(padded, w, None, config)[:rows]
+    if name == "qkv":
+        return y
+    return layers.RMSNorm(EPS, jnp.bfloat16, "xla").apply({"params": {"scale": scale}}, y, residual)
+
+
 def sweep(k: int, n: int) -> list[Tiles]:
     """Slices x column tiles x contraction steps, 4 stages (3 for 256-column tiles), at
     least 4 steps per slice and at most ~8 waves of programs."""
@@ -80,6 +111,9 @@ def main() -> None:
         default=[],
         help="also the default tiles with the norm kernel at these warp counts (output, down)",
     )
+    parser.add_argument(
+        "--mosaic", action="store_true", help="also JAX's Hopper Mosaic GPU matmul (GPUs only)"
+    )
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
@@ -103,6 +137,11 @@ def main() -> None:
                     functools.partial(pallas_form, tiles=t),
                 )
                 for t in sweep(k, n)
+            ]
+        if args.mosaic:
+            runs += [
+                (f"mosaic {n_}x{k_} st{st}", functools.partial(mosaic_form, tiles=(n_, k_, st)))
+                for n_, k_, st in MOSAIC_TILES
             ]
         if name != "qkv":
             runs += [
