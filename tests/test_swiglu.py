@@ -69,6 +69,8 @@ def test_auto_choice(monkeypatch):
     assert impls.resolve_mlp_impl("auto", 32, 4096, 12288, jnp.float32) == "xla"
     assert impls.resolve_mlp_impl("auto", 32, 4096, 1000, jnp.bfloat16) == "xla"  # no fit
     assert impls.resolve_mlp_impl("pallas", 384, 4096, 12288, jnp.float32) == "pallas"
+    with pytest.raises(ValueError, match="mlp_impl='pallas'.*multiples of 16; got 4096 -> 1000"):
+        impls.resolve_mlp_impl("pallas", 32, 4096, 1000, jnp.bfloat16)
 
 
 def test_unknown_impl_fails_at_setup(dense_model):

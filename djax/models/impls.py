@@ -46,6 +46,25 @@ def resolve_attention_impl(impl: str, head_dim: int = 128, dtype: Any = jnp.bflo
     return "split_kv" if flash_attention.fits(head_dim) else "cudnn"
 
 
+def _pallas_or_xla(
+    option: str, impl: str, choices: tuple[str, ...], fits: bool, unfit: str, fast: bool
+) -> str:
+    """The rule every Pallas-kernel option shares: `impl` checked against `choices`;
+    `pallas` where the kernel does not fit raises a ValueError naming `option` and `unfit`
+    (what the kernel takes and what it got); `auto` is `pallas` where it fits and `fast`
+    (the measured case), else `xla`."""
+    check_choice(option, impl, choices)
+    if impl == "pallas" and not fits:
+        raise ValueError(f"{option}='pallas' takes {unfit}")
+    if impl != "auto":
+        return impl
+    return "pallas" if fast and fits else "xla"
+
+
+def _gpu_half(dtype: Any) -> bool:
+    return jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
+
+
 def resolve_mlp_impl(impl: str, rows: int, d_model: int, hidden: int, dtype: Any) -> str:
     """The gate/up path of a SwiGLU MLP over `rows` token rows.
 
@@ -54,20 +73,14 @@ def resolve_mlp_impl(impl: str, rows: int, d_model: int, hidden: int, dtype: Any
     separate activation kernel for refreshes, larger batches, fp32 and off GPUs. On an H200
     the kernel took 48.7 µs per LLaDA-8B layer where XLA took 52.9 (bench/NOTES.md).
     """
-    check_choice("mlp_impl", impl, MLP_IMPLS)
-    if impl != "auto":
-        return impl
-    return (
-        "pallas"
-        if _gpu_half(dtype)
-        and rows <= swiglu.MAX_ROWS
-        and pallas_tiles.matmul_fits(d_model, hidden)
-        else "xla"
+    return _pallas_or_xla(
+        "mlp_impl",
+        impl,
+        MLP_IMPLS,
+        pallas_tiles.matmul_fits(d_model, hidden),
+        f"model and hidden widths that are multiples of 16; got {d_model} -> {hidden}",
+        _gpu_half(dtype) and rows <= swiglu.MAX_ROWS,
     )
-
-
-def _gpu_half(dtype: Any) -> bool:
-    return jax.default_backend() == "gpu" and jnp.dtype(dtype).itemsize == 2
 
 
 def resolve_matmul_impl(impl: str, rows: int, k: int, n: int, dtype: Any) -> str:
@@ -75,40 +88,34 @@ def resolve_matmul_impl(impl: str, rows: int, k: int, n: int, dtype: Any) -> str
     on GPUs with 16-bit weights and at most `split_k.MAX_ROWS` rows (a denoising block of
     one sequence) is djax's split-K kernel, its partial products summed by the next
     kernel (`split_k`); XLA's GEMMs for refreshes, larger batches, fp32 and off GPUs."""
-    check_choice("matmul_impl", impl, MATMUL_IMPLS)
-    fits = pallas_tiles.matmul_fits(k, n)
-    if impl == "pallas" and not fits:
-        raise ValueError(
-            f"matmul_impl='pallas' takes products whose contraction and output widths are "
-            f"multiples of 16; got {k} -> {n}"
-        )
-    if impl != "auto":
-        return impl
-    return "pallas" if _gpu_half(dtype) and rows <= split_k.MAX_ROWS and fits else "xla"
+    return _pallas_or_xla(
+        "matmul_impl",
+        impl,
+        MATMUL_IMPLS,
+        pallas_tiles.matmul_fits(k, n),
+        f"products whose contraction and output widths are multiples of 16; got {k} -> {n}",
+        _gpu_half(dtype) and rows <= split_k.MAX_ROWS,
+    )
 
 
 def resolve_norm_impl(impl: str, dtype: Any) -> str:
     """How a residual add and the RMSNorm after it run: `auto` is djax's one-kernel Pallas
     path (`residual_norm`) on GPUs with 16-bit activations, else XLA's (two kernels on
     GPUs)."""
-    check_choice("norm_impl", impl, NORM_IMPLS)
-    if impl != "auto":
-        return impl
-    return "pallas" if _gpu_half(dtype) else "xla"
+    return _pallas_or_xla("norm_impl", impl, NORM_IMPLS, True, "", _gpu_half(dtype))
 
 
 def resolve_rope_impl(impl: str, head_dim: int, rotary_dim: int, dtype: Any) -> str:
     """How the q/k norm and clip, RoPE and the K/V buffer writes run: `auto` is djax's
     one-kernel Pallas path (`rope_write`) on GPUs with 16-bit activations where its tiles
     fit the heads, else XLA's (a RoPE kernel and one buffer write per K and V on GPUs)."""
-    check_choice("rope_impl", impl, ROPE_IMPLS)
-    fits = rope_write.fits(head_dim, rotary_dim)
-    if impl == "pallas" and not fits:
-        raise ValueError(
-            f"rope_impl='pallas' takes heads whose rotary halves ({rotary_dim // 2}) and "
-            f"unrotated rest ({head_dim - rotary_dim}) are powers of two or zero; got "
-            f"head_dim={head_dim}, rotary_dim={rotary_dim}"
-        )
-    if impl != "auto":
-        return impl
-    return "pallas" if _gpu_half(dtype) and fits else "xla"
+    return _pallas_or_xla(
+        "rope_impl",
+        impl,
+        ROPE_IMPLS,
+        rope_write.fits(head_dim, rotary_dim),
+        f"heads whose rotary halves ({rotary_dim // 2}) and unrotated rest "
+        f"({head_dim - rotary_dim}) are powers of two or zero; got head_dim={head_dim}, "
+        f"rotary_dim={rotary_dim}",
+        _gpu_half(dtype),
+    )
