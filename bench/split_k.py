@@ -14,7 +14,14 @@ cycles through enough copies of the weight (>= 256 MB) that no copy is still in 
 when it is read again, as inside a forward. Device time per product from profiler traces
 (µs, summed over its kernels); `weight_TB_per_s` is weight bytes over that time.
 
-    python -m bench.split_k [--rows 32] [--sweep] [--norm-warps 8 16] [--mosaic] [--tiny]
+`qkv_rope` is the q/k/v product with what follows it up to attention (q/k norm, RoPE, the
+window's K/V written into a 384-position buffer at 128): `xla` (XLA's product and head ops),
+`pallas` (the split-K kernel, then `rope_write.rope_and_write`) and `fused` (the product
+inside that kernel, `rope_write.project_rope_and_write`), for LLaDA-8B or, with `--model
+moe`, LLaDA-MoE's heads.
+
+    python -m bench.split_k [--model dense] [--rows 32] [--products qkv out down qkv_rope]
+        [--sweep] [--norm-warps 8 16] [--mosaic] [--tiny]
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import jax.numpy as jnp
 
 from bench.common import model_config, save
 from bench.kernel_time import rel_error, time_row
-from djax.models import layers
+from djax.models import layers, rope_write
 from djax.models.residual_norm import add_rms_norm
 from djax.models.split_k import Tiles, matmul_partials, tiles_for
 
@@ -86,6 +93,82 @@ def mosaic_form(name, x, residual, scale, w, tiles=(64, 64, 4)):
     return layers.RMSNorm(EPS, jnp.bfloat16, "xla").apply({"params": {"scale": scale}}, y, residual)
 
 
+BUFFER, START = 384, 128  # the dual cache's K/V buffer at the setting, the first block
+
+
+def qkv_rope_inputs(cfg, rows: int, key) -> tuple:
+    """A window of `rows` normed rows at START, its q/k/v weight [model, kv, group + 2, d],
+    the K/V buffers, RoPE tables, bounds and q/k norm scales (or None)."""
+    group = cfg.n_heads // cfg.n_kv_heads
+    keys = jax.random.split(key, 4)
+    x = jax.random.normal(keys[0], (1, rows, cfg.d_model), jnp.bfloat16)
+    shape = (cfg.d_model, cfg.n_kv_heads, group + 2, cfg.head_dim)
+    w = (jax.random.normal(keys[1], shape) * cfg.d_model**-0.5).astype(jnp.bfloat16)
+    buffers = tuple(
+        jax.random.normal(k, (1, BUFFER, cfg.n_kv_heads, cfg.head_dim), jnp.bfloat16)
+        for k in keys[2:]
+    )
+    positions = START + jnp.arange(rows)[None]
+    cos, sin = layers.rope_tables(positions, cfg.rope_theta, cfg.rope_dim)
+    bounds = jnp.array([START, START, START + rows], jnp.int32)
+    scales = (jnp.ones((cfg.head_dim,), jnp.bfloat16),) * 2 if cfg.qk_norm else None
+    return x, w, buffers, positions, cos, sin, bounds, scales
+
+
+def qkv_rope_forms(cfg) -> dict:
+    """The three paths from normed rows to attention's inputs, each (x, w, buffers,
+    positions, cos, sin, bounds, scales) -> (q, keys, values)."""
+    ops = rope_write.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
+    window = layers.Window(START)
+
+    def xla(x, w, buffers, positions, cos, sin, bounds, scales):
+        qkv = jnp.einsum("btm,mkgd->btkgd", x, w)
+        return layers.rope_and_write_xla(
+            qkv, positions, buffers, window, scales, ops, cfg.rope_theta, cfg.rope_dim
+        )
+
+    def pallas(x, w, buffers, positions, cos, sin, bounds, scales):
+        qkv = matmul_partials(x, w.reshape(w.shape[0], -1))
+        qkv = type(qkv)(qkv.parts.reshape(qkv.parts.shape[:-1] + w.shape[1:]), qkv.dtype)
+        return rope_write.rope_and_write(qkv, cos, sin, buffers, bounds, scales, ops)
+
+    def fused(x, w, buffers, positions, cos, sin, bounds, scales):
+        return rope_write.project_rope_and_write(x, w, cos, sin, buffers, bounds, scales, ops)
+
+    return {"xla": xla, "pallas": pallas, "fused": fused}
+
+
+def qkv_rope_rows(cfg, rows: int, calls: int, tiny: bool) -> list[dict]:
+    """Device time of each `qkv_rope_forms` path, weights L2-cold, with its error against
+    XLA's path in fp32."""
+    x, w, buffers, positions, cos, sin, bounds, scales = qkv_rope_inputs(
+        cfg, rows, jax.random.key(0)
+    )
+    copies = max(1, -(-COLD_BYTES // w.nbytes))
+    ws = [w * (1 + i / 64) for i in range(copies)] if not tiny else [w]
+    forms = qkv_rope_forms(cfg)
+    f32 = [a.astype(jnp.float32) for a in (x, w)]
+    reference = forms["xla"](*f32, buffers, positions, cos, sin, bounds, scales)
+    found = []
+    for label, form in forms.items():
+        row = {"product": "qkv_rope", "rows": rows, "k": cfg.d_model, "n": w[0].size}
+        row["impl"] = label
+
+        def run(x, ws, buffers, form=form):
+            return [form(x, w, buffers, positions, cos, sin, bounds, scales) for w in ws]
+
+        fn = jax.jit(run)
+        try:
+            out = fn(x, ws[:1], buffers)[0]
+            row["rel_error"] = max(rel_error(o, r) for o, r in zip(out, reference, strict=True))
+            time_row(row, fn, (x, ws, buffers), calls, w.nbytes, len(ws))
+        except Exception as err:  # keep the other rows of a costly run
+            row["error"] = f"{type(err).__name__}: {err}"[:1500]
+        print(row, flush=True)
+        found.append(row)
+    return found
+
+
 def sweep(k: int, n: int) -> list[Tiles]:
     """Slices x column tiles x contraction steps, 4 stages (3 for 256-column tiles), at
     least 4 steps per slice and at most ~8 waves of programs."""
@@ -101,8 +184,14 @@ def sweep(k: int, n: int) -> list[Tiles]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["dense", "moe"], default="dense")
     parser.add_argument("--rows", type=int, default=32)
-    parser.add_argument("--products", nargs="+", default=["qkv", "out", "down"])
+    parser.add_argument(
+        "--products",
+        nargs="+",
+        choices=["qkv", "out", "down", "qkv_rope"],
+        default=["qkv", "out", "down", "qkv_rope"],
+    )
     parser.add_argument("--sweep", action="store_true", help="also every tiling of the sweep")
     parser.add_argument(
         "--norm-warps",
@@ -117,9 +206,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
-    cfg = model_config("dense", args.tiny)
+    cfg = model_config(args.model, args.tiny)
     rows = []
     for name in args.products:
+        if name == "qkv_rope":
+            rows += qkv_rope_rows(cfg, args.rows, args.calls, args.tiny)
+            continue
         k, n = products(cfg)[name]
         keys = jax.random.split(jax.random.key(0), 3)
         w = (jax.random.normal(keys[0], (k, n)) * k**-0.5).astype(jnp.bfloat16)
@@ -166,7 +258,7 @@ def main() -> None:
                 row["error"] = f"{type(err).__name__}: {err}"[:1500]
             print(row, flush=True)
             rows.append(row)
-    save("split_k", {"model": "dense", "copies_bytes": COLD_BYTES, "results": rows})
+    save("split_k", {"model": args.model, "copies_bytes": COLD_BYTES, "results": rows})
 
 
 if __name__ == "__main__":

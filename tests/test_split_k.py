@@ -92,6 +92,12 @@ def test_auto_choice(monkeypatch):
     assert impls.resolve_matmul_impl("auto", 32, 4096, 4096, jnp.float32) == "xla"
     assert impls.resolve_matmul_impl("auto", 32, 4096, 1000, jnp.bfloat16) == "xla"
     assert impls.resolve_matmul_impl("pallas", 384, 4096, 4096, jnp.float32) == "pallas"
+    block, w = (1, 32, 4096), (4096, 32, 3, 128)  # LLaDA-8B's q/k/v product at a block
+    assert impls.fuse_qkv_rope("auto", "pallas", block, w, 128, jnp.bfloat16)
+    assert not impls.fuse_qkv_rope("auto", "xla", block, w, 128, jnp.bfloat16)
+    assert not impls.fuse_qkv_rope("xla", "pallas", block, w, 128, jnp.bfloat16)
+    assert not impls.fuse_qkv_rope("auto", "pallas", (1, 384, 4096), w, 128, jnp.bfloat16)
+    assert not impls.fuse_qkv_rope("auto", "pallas", block, w, 16, jnp.bfloat16)  # halves of 8
 
 
 def test_unknown_impl_fails_at_setup(dense_model):
@@ -190,3 +196,40 @@ def test_moe_shared_expert_follows_matmul_impl(moe_model):
     ours = djax.generate(model.with_options(**pallas), prompts, gen)
     ref = djax.generate(model.with_options(**XLA), prompts, gen)
     np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_generation_with_qkv_product_in_rope_kernel(dense_model, moe_model, monkeypatch, family):
+    """Heads of 32 (rotary halves of 16, a matmul tile) let the q/k/v product run inside the
+    RoPE/K/V-write kernel (`fuse_qkv_rope`): GQA on the dense layout, q/k norms on LLaDA-MoE's
+    (random weights). The kernel must run, and the tokens match XLA's."""
+    import dataclasses
+
+    from djax import engine
+    from djax.model import Model
+    from djax.models import init_params, rope_write
+
+    base = (dense_model if family == "dense" else moe_model).config
+    kv_heads = 1 if family == "dense" else 2
+    config = dataclasses.replace(base, n_heads=2, n_kv_heads=kv_heads, head_dim=32)
+    model = Model(config, init_params(config, jnp.float32, seed=5), None, jnp.float32)
+    windows = []
+    fused = rope_write.project_rope_and_write
+
+    def spy(x, *args, **kwargs):
+        windows.append(x.shape)
+        return fused(x, *args, **kwargs)
+
+    monkeypatch.setattr(rope_write, "project_rope_and_write", spy)
+    monkeypatch.setattr(engine, "_EXECUTABLES", {})  # programs traced before the spy
+    jax.clear_caches()
+    try:
+        gen = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+        prompts = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
+        pallas = {"matmul_impl": "pallas", "norm_impl": "pallas", "rope_impl": "pallas"}
+        ours = djax.generate(model.with_options(**pallas), prompts, gen)
+        assert (2, 8, config.d_model) in windows  # the blocks' forwards took the kernel
+        ref = djax.generate(model.with_options(**XLA), prompts, gen)
+        np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
+    finally:
+        jax.clear_caches()

@@ -119,3 +119,21 @@ def resolve_rope_impl(impl: str, head_dim: int, rotary_dim: int, dtype: Any) -> 
         f"rotary_dim={rotary_dim}",
         _gpu_half(dtype),
     )
+
+
+def fuse_qkv_rope(
+    matmul_impl: str, rope_impl: str, x_shape: tuple, w_shape: tuple, rotary_dim: int, dtype: Any
+) -> bool:
+    """Whether a layer's q/k/v product (x [b, t, model] @ w [model, kv_heads, group + 2,
+    head_dim]) runs inside its RoPE/K/V-write kernel (`rope_write.project_rope_and_write`):
+    where both would take djax's kernels (`matmul_impl` resolves to the split-K kernel for
+    the `b * t` rows; `rope_impl`, already resolved, is `pallas`) and the fused kernel's
+    tiles fit. It saves a launch and the product's round trip through memory (bench/NOTES.md
+    has the measured gain)."""
+    (b, t, model), head_dim = x_shape, w_shape[-1]
+    width = w_shape[1] * w_shape[2] * head_dim
+    return (
+        rope_impl == "pallas"
+        and resolve_matmul_impl(matmul_impl, b * t, model, width, dtype) == "pallas"
+        and rope_write.projection_fits(t, model, head_dim, rotary_dim)
+    )

@@ -29,6 +29,7 @@ from djax.models.impls import (
     MATMUL_IMPLS,
     MLP_IMPLS,
     check_choice,
+    fuse_qkv_rope,
     resolve_attention_impl,
     resolve_matmul_impl,
     resolve_mlp_impl,
@@ -254,20 +255,31 @@ class Attention(nn.Module):
             (kv_heads, group, cfg.head_dim, cfg.d_model),
             self.dtype,
         )
-        qkv = project(x, qkv_kernel, self.matmul_impl)  # [b, t, kv, group + 2, d]
         scales = None
         if cfg.qk_norm:
             scales = tuple(
                 NormScale(self.dtype, name=name)(cfg.head_dim) for name in ("q_norm", "k_norm")
             )
-        rope_impl = resolve_rope_impl(self.rope_impl, cfg.head_dim, cfg.rope_dim, qkv.dtype)
         ops = rope_write.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
-        if rope_impl == "pallas":  # Pallas's interpreter off GPUs (for tests)
-            q, keys, values = self._rope_and_write_fused(qkv, positions, kv, window, scales, ops)
-        else:
-            q, keys, values = rope_and_write_xla(
-                finish(qkv), positions, kv, window, scales, ops, cfg.rope_theta, cfg.rope_dim
+        rope_impl = resolve_rope_impl(self.rope_impl, cfg.head_dim, cfg.rope_dim, x.dtype)
+        t = x.shape[1]
+        fused = fuse_qkv_rope(
+            self.matmul_impl, rope_impl, x.shape, qkv_kernel.shape, cfg.rope_dim, x.dtype
+        )
+        if fused:  # Pallas's interpreter off GPUs (for tests)
+            cos, sin, bounds = self._rope_inputs(positions, window, t)
+            q, keys, values = rope_write.project_rope_and_write(
+                x, qkv_kernel, cos, sin, kv, bounds, scales, ops
             )
+        else:
+            qkv = project(x, qkv_kernel, self.matmul_impl)  # [b, t, kv, group + 2, d]
+            if rope_impl == "pallas":  # Pallas's interpreter off GPUs (for tests)
+                cos, sin, bounds = self._rope_inputs(positions, window, t)
+                q, keys, values = rope_write.rope_and_write(qkv, cos, sin, kv, bounds, scales, ops)
+            else:
+                q, keys, values = rope_and_write_xla(
+                    finish(qkv), positions, kv, window, scales, ops, cfg.rope_theta, cfg.rope_dim
+                )
         if query_rows is not None:
             q = jax.lax.dynamic_slice_in_dim(q, query_rows[0], query_rows[1], axis=1)
         impl = resolve_attention_impl(self.attention_impl, cfg.head_dim, q.dtype)
@@ -276,15 +288,14 @@ class Attention(nn.Module):
         y = project(out.reshape(b, t, -1), out_kernel.reshape(-1, cfg.d_model), self.matmul_impl)
         return _sum_over(y, self.axis_name), (keys, values)
 
-    def _rope_and_write_fused(self, qkv, positions, kv, window, scales, ops):
-        """`rope_and_write_xla` in one Pallas kernel (`rope_write`), buffers updated in
-        place."""
-        cfg, t = self.config, qkv.shape[1]
+    def _rope_inputs(self, positions, window, t):
+        """The Pallas RoPE kernels' cos/sin tables and their `bounds` (window start, write_lo,
+        write_hi) for a `t`-row window."""
+        cfg = self.config
         cos, sin = rope_tables(positions, cfg.rope_theta, cfg.rope_dim)
         lo = window.start if window.write_lo is None else window.write_lo
         hi = window.start + t if window.write_hi is None else window.write_hi
-        bounds = jnp.array([window.start, lo, hi], jnp.int32)
-        return rope_write.rope_and_write(qkv, cos, sin, kv, bounds, scales, ops)
+        return cos, sin, jnp.array([window.start, lo, hi], jnp.int32)
 
 
 def swiglu_xla(x: Array, gate_up: Array) -> Array:

@@ -57,6 +57,48 @@ def fits(head_dim: int, rotary_dim: int) -> bool:
     return all(pallas_tiles.is_power_of_two(size) for _, size in _parts(head_dim, rotary_dim))
 
 
+def _finish(head, parts, ops: HeadOps, dtype, scale_ref=None):
+    """A head's parts (fp32 [rows, size] each, holding `dtype` values) after the q/k norm
+    (`layers.rms_norm` over the whole head, rounding where it does; with `scale_ref`) and the
+    clip."""
+    if scale_ref is not None:
+        d = sum(size for _, size in parts)
+        inv_rms = jax.lax.rsqrt(sum(jnp.sum(p * p, axis=1) for p in head) / d + ops.eps)
+        normed = []
+        for p, (lo, size) in zip(head, parts, strict=True):
+            scale = scale_ref[pl.ds(lo, size)].astype(jnp.float32)
+            p = (p * inv_rms[:, None]).astype(dtype).astype(jnp.float32)
+            normed.append((p * scale).astype(dtype).astype(jnp.float32))
+        head = normed
+    if ops.clip is not None:
+        head = [jnp.clip(p, -ops.clip, ops.clip) for p in head]
+    return head
+
+
+def _rope(head, cos, sin):
+    """Rotate-half RoPE on a head's parts: the two rotary halves turn, the rest stays."""
+    x1, x2, *rest = head
+    return [x1 * cos + -x2 * sin, x2 * cos + x1 * sin, *rest]
+
+
+def _store(ref, index, head, parts, ok):
+    """A head's parts into `ref.at[index + (part,)]`, rows where `ok`."""
+    from jax.experimental.pallas import triton as plgpu
+
+    for p, (lo, size) in zip(head, parts, strict=True):
+        plgpu.store(ref.at[index + (pl.ds(lo, size),)], p.astype(ref.dtype), mask=ok)
+
+
+def _buffer_rows(bounds_ref, keys_ref, t: int, first, row_ok):
+    """Where window rows `first + [0, BLOCK_T)` go in the K/V buffers and which are written,
+    as `layers.write_window` does: (first buffer row, write mask [BLOCK_T, 1]). A window
+    reaching past the buffer's end sits at its last `t` rows."""
+    start, write_lo, write_hi = bounds_ref[0], bounds_ref[1], bounds_ref[2]
+    base = jnp.minimum(jnp.maximum(start, 0), keys_ref.shape[1] - t)
+    positions = start + first + jnp.arange(BLOCK_T)
+    return base + first, row_ok & ((positions >= write_lo) & (positions < write_hi))[:, None]
+
+
 def _kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool):
     """One (sequence, kv head, position tile) program. Refs are whole arrays, in order:
     bounds [3] int32 (start, write_lo, write_hi), qkv [splits, b, t, kv, group + 2, d]
@@ -67,19 +109,16 @@ def _kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool):
     from jax.experimental.pallas import triton as plgpu
 
     bounds_ref, qkv_ref, cos_ref, sin_ref, *refs = refs
-    scale_refs, refs = (refs[:2], refs[2:]) if ops.qk_norm else ((None, None), refs)
+    (q_scale, k_scale), refs = (refs[:2], refs[2:]) if ops.qk_norm else ((None, None), refs)
     q_ref, keys_ref, values_ref = refs[2:] if buffered else refs
     batch, kv_head, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    splits, t, d, dtype = qkv_ref.shape[0], qkv_ref.shape[2], qkv_ref.shape[-1], q_ref.dtype
+    splits, t, dtype = qkv_ref.shape[0], qkv_ref.shape[2], q_ref.dtype
     first = tile * BLOCK_T
     rows = pl.ds(first, BLOCK_T)
     row_ok = (first + jnp.arange(BLOCK_T) < t)[:, None]
-    start, write_lo, write_hi = bounds_ref[0], bounds_ref[1], bounds_ref[2]
-    base, write_ok = 0, row_ok  # a fresh whole-window array: every row
-    if buffered:  # as `write_window`: the window kept inside the buffer, rows in range
-        base = jnp.minimum(jnp.maximum(start, 0), keys_ref.shape[1] - t)
-        positions = start + first + jnp.arange(BLOCK_T)
-        write_ok = row_ok & ((positions >= write_lo) & (positions < write_hi))[:, None]
+    buffer_first, write_ok = first, row_ok  # a fresh whole-window array: every row
+    if buffered:
+        buffer_first, write_ok = _buffer_rows(bounds_ref, keys_ref, t, first, row_ok)
 
     def load(index):
         """Head `index` of the kv head's slot, as fp32 parts [BLOCK_T, size], its partial
@@ -99,41 +138,17 @@ def _kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool):
             out.append(add_slices(slices, dtype))
         return out
 
-    def norm(head, scale_ref):
-        """`layers.rms_norm` over the whole head, rounding where it does."""
-        inv_rms = jax.lax.rsqrt(sum(jnp.sum(p * p, axis=1) for p in head) / d + ops.eps)
-        out = []
-        for p, (lo, size) in zip(head, parts, strict=True):
-            scale = scale_ref[pl.ds(lo, size)].astype(jnp.float32)
-            normed = (p * inv_rms[:, None]).astype(dtype).astype(jnp.float32)
-            out.append((normed * scale).astype(dtype).astype(jnp.float32))
-        return out
-
-    def prepare(index, scale_ref=None):
-        head = load(index)
-        if scale_ref is not None:
-            head = norm(head, scale_ref)
-        if ops.clip is not None:
-            head = [jnp.clip(p, -ops.clip, ops.clip) for p in head]
-        return head
-
     table = batch, rows, pl.ds(0, parts[0][1])
     cos = plgpu.load(cos_ref.at[table], mask=row_ok, other=0.0)
     sin = plgpu.load(sin_ref.at[table], mask=row_ok, other=0.0)
-
-    def rope(head):
-        x1, x2, *rest = head
-        return [x1 * cos + -x2 * sin, x2 * cos + x1 * sin, *rest]
-
-    def store(ref, index, head, ok):
-        for p, (lo, size) in zip(head, parts, strict=True):
-            plgpu.store(ref.at[index + (pl.ds(lo, size),)], p.astype(ref.dtype), mask=ok)
-
     for j in range(group):
-        store(q_ref, (batch, rows, kv_head, jnp.int32(j)), rope(prepare(j, scale_refs[0])), row_ok)
-    buffer_rows = pl.ds(base + first, BLOCK_T)
-    store(keys_ref, (batch, buffer_rows, kv_head), rope(prepare(group, scale_refs[1])), write_ok)
-    store(values_ref, (batch, buffer_rows, kv_head), prepare(group + 1), write_ok)
+        head = _rope(_finish(load(j), parts, ops, dtype, q_scale), cos, sin)
+        _store(q_ref, (batch, rows, kv_head, jnp.int32(j)), head, parts, row_ok)
+    key = _rope(_finish(load(group), parts, ops, dtype, k_scale), cos, sin)
+    buffer_rows = pl.ds(buffer_first, BLOCK_T)
+    _store(keys_ref, (batch, buffer_rows, kv_head), key, parts, write_ok)
+    value = _finish(load(group + 1), parts, ops, dtype)
+    _store(values_ref, (batch, buffer_rows, kv_head), value, parts, write_ok)
 
 
 @functools.partial(jax.jit, static_argnames=("ops", "num_warps", "interpret"))
@@ -208,5 +223,164 @@ def rope_and_write(
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
             interpret=pallas_tiles.interpret_mode(interpret),
             name="rope_and_write",
+        )(*inputs)
+    )
+
+
+def projection_fits(t: int, model: int, head_dim: int, rotary_dim: int) -> bool:
+    """Whether `project_rope_and_write` takes this window and these heads: at most
+    `BLOCK_T` window positions, a model width that is a multiple of 16, and head parts
+    (`_parts`) that are Triton matmul tiles (powers of two, at least 16)."""
+    return (
+        t <= BLOCK_T
+        and model % 16 == 0
+        and all(pallas_tiles.is_block(size) for _, size in _parts(head_dim, rotary_dim))
+    )
+
+
+def _project_kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool, block_k: int):
+    """One (kv head, slot) program: slot `j < group` is query head j of the kv head, then
+    its key, then its value. Refs are whole arrays, in order: bounds [3] int32, x [b, t, k],
+    w [k, kv, group + 2, d], cos/sin [b, t, rotary / 2] fp32, the q and k scales [d] (with
+    `qk_norm`), the key and value buffers [b, s, kv, d] (with `buffered`; aliased to the
+    outputs); outputs q [b, t, kv, group, d], keys, values [b, s, kv, d]."""
+    from jax.experimental.pallas import triton as plgpu
+
+    bounds_ref, x_ref, w_ref, cos_ref, sin_ref, *refs = refs
+    (q_scale, k_scale), refs = (refs[:2], refs[2:]) if ops.qk_norm else ((None, None), refs)
+    q_ref, keys_ref, values_ref = refs[2:] if buffered else refs
+    kv_head, slot = pl.program_id(0), pl.program_id(1)
+    b, t, k = x_ref.shape
+    dtype = q_ref.dtype
+    rows = pl.ds(0, BLOCK_T)
+    row_ok = (jnp.arange(BLOCK_T) < t)[:, None]
+    buffer_first, write_ok = 0, row_ok
+    if buffered:
+        buffer_first, write_ok = _buffer_rows(bounds_ref, keys_ref, t, 0, row_ok)
+
+    def step(i, heads):
+        """One `block_k` slice of the contraction: the slot's weight parts are read once
+        and used for every sequence."""
+        ks = pl.ds(i * block_k, block_k)
+        ws = [w_ref[ks, kv_head, slot, pl.ds(lo, size)] for lo, size in parts]
+        out = []
+        for seq, head in enumerate(heads):
+            x = plgpu.load(x_ref.at[jnp.int32(seq), rows, ks], mask=row_ok, other=0.0)
+            out.append(
+                tuple(
+                    acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+                    for acc, w in zip(head, ws, strict=True)
+                )
+            )
+        return tuple(out)
+
+    zeros = tuple(jnp.zeros((BLOCK_T, size), jnp.float32) for _, size in parts)
+    heads = jax.lax.fori_loop(0, k // block_k, step, (zeros,) * b)
+
+    def finish(seq, head):
+        """Sequence `seq`'s product for this slot, rounded as `Partials.total()` rounds it,
+        through the slot's head ops and into its output."""
+        head = [p.astype(dtype).astype(jnp.float32) for p in head]
+        seq = jnp.int32(seq)
+        table = seq, rows, pl.ds(0, parts[0][1])
+        cos = plgpu.load(cos_ref.at[table], mask=row_ok, other=0.0)
+        sin = plgpu.load(sin_ref.at[table], mask=row_ok, other=0.0)
+        buffer_rows = pl.ds(buffer_first, BLOCK_T)
+
+        @pl.when(slot < group)
+        def _query():
+            query = _rope(_finish(head, parts, ops, dtype, q_scale), cos, sin)
+            _store(q_ref, (seq, rows, kv_head, slot), query, parts, row_ok)
+
+        @pl.when(slot == group)
+        def _key():
+            key = _rope(_finish(head, parts, ops, dtype, k_scale), cos, sin)
+            _store(keys_ref, (seq, buffer_rows, kv_head), key, parts, write_ok)
+
+        @pl.when(slot == group + 1)
+        def _value():
+            value = _finish(head, parts, ops, dtype)
+            _store(values_ref, (seq, buffer_rows, kv_head), value, parts, write_ok)
+
+    for seq, head in enumerate(heads):
+        finish(seq, head)
+
+
+@functools.partial(jax.jit, static_argnames=("ops", "num_warps", "num_stages", "interpret"))
+def project_rope_and_write(
+    x: Array,
+    w: Array,
+    cos: Array,
+    sin: Array,
+    buffers: tuple[Array, Array] | None,
+    bounds: Array,
+    scales: tuple[Array, Array] | None = None,
+    ops: HeadOps = HeadOps(),
+    num_warps: int = 4,
+    num_stages: int = 4,
+    interpret: bool | None = None,
+) -> tuple[Array, Array, Array]:
+    """`rope_and_write(x @ w, ...)` with the q/k/v product inside the same kernel: djax's
+    GPU path for a denoising block, where the product is a skinny, weight-read-bound matmul.
+    One program per (kv head, slot) computes that head's [t, head_dim] product for every
+    sequence, reading its weight columns once, then finishes it as `rope_and_write` does.
+
+    x: [b, t, model] normed window rows (t <= BLOCK_T); w: [model, kv_heads, group + 2,
+    head_dim]; the rest as `rope_and_write`. Returns (q [b, t, kv_heads, group, head_dim],
+    keys, values). The product is rounded to x's dtype before the head ops, as
+    `split_k.Partials.total()` rounds it.
+    """
+    from jax.experimental.pallas import triton as plgpu
+
+    (b, t, model), (kv_heads, slots, d) = x.shape, w.shape[1:]
+    rotary, group = 2 * cos.shape[-1], slots - 2
+    problems = []
+    if w.ndim != 4 or w.shape[0] != model or group < 1:
+        problems.append(f"x {x.shape} with w {w.shape}")
+    elif cos.shape != (b, t, rotary // 2) or sin.shape != cos.shape:
+        problems.append(f"x {x.shape} with cos {cos.shape}, sin {sin.shape}")
+    elif not (0 < rotary <= d and projection_fits(t, model, d, rotary)):
+        problems.append(f"{t} window rows, model width {model}, rotary dim {rotary} of {d}")
+    if buffers is not None and any(
+        buf.shape[::2] != (b, kv_heads) or buf.shape[3] != d for buf in buffers
+    ):
+        problems.append(f"buffers {[buf.shape for buf in buffers]}")
+    if ops.qk_norm != (scales is not None) or scales and any(s.shape != (d,) for s in scales):
+        problems.append(f"qk_norm={ops.qk_norm} with scales {scales and [s.shape for s in scales]}")
+    if problems:
+        raise ValueError(
+            f"project_rope_and_write: {'; '.join(problems)}; expected x [b, t, model] with t "
+            f"<= {BLOCK_T} and model a multiple of 16, w [model, kv_heads, group + 2, d] with "
+            "group >= 1, cos/sin [b, t, r / 2] for an even r in (0, d] with r / 2 and d - r "
+            "powers of two >= 16 (or d - r = 0), buffers [b, s, kv_heads, d], and q/k scales "
+            "[d] exactly when qk_norm"
+        )
+    kv_shape = buffers[0].shape if buffers is not None else (b, t, kv_heads, d)
+    out_shape = [
+        jax.ShapeDtypeStruct((b, t, kv_heads, group, d), x.dtype),
+        *(
+            jax.ShapeDtypeStruct(kv_shape, x.dtype if buffers is None else buf.dtype)
+            for buf in (buffers or (None, None))
+        ),
+    ]
+    inputs = [bounds.astype(jnp.int32), x, w, cos, sin, *(scales or ()), *(buffers or ())]
+    aliases = {len(inputs) - 2: 1, len(inputs) - 1: 2} if buffers is not None else {}
+    kernel = functools.partial(
+        _project_kernel,
+        ops=ops,
+        parts=_parts(d, rotary),
+        group=group,
+        buffered=buffers is not None,
+        block_k=pallas_tiles.largest_block(model, 128),
+    )
+    return tuple(
+        pl.pallas_call(
+            kernel,
+            out_shape=out_shape,
+            grid=(kv_heads, slots),
+            input_output_aliases=aliases,
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=pallas_tiles.interpret_mode(interpret),
+            name="qkv_matmul_rope",
         )(*inputs)
     )
