@@ -8,10 +8,14 @@ The physical limit of a run is its refreshes at the measured matmul rate plus it
 forwards at the HBM floor; tokens/s is reported beside it, with each program's compile time
 (`bench.compile` measures it from the persistent cache, in a fresh process).
 
-    python bench/generate.py [--models dense moe] [--variants default norm_impl=xla] [--tiny]
+    python bench/generate.py [--models dense moe] [--variants default norm_impl=xla]
+        [--steps 64 32] [--tiny]
 
 Each `--variants` entry is a set of module options (`default`: the engine's own choices),
-run in turn on the same weights.
+run in turn on the same weights. With two `--steps` counts the dual-cache runs also split
+their time between the two kinds of forward, inside the generation: both counts do the same
+refreshes (one per block), so the time difference over the forward-count difference is one
+block forward, and what is left of a run over its refreshes is one refresh (`splits`).
 """
 
 from __future__ import annotations
@@ -62,7 +66,31 @@ def run_case(
         "limit_tokens_per_s": tokens / limit_s,
         "pct_of_limit": 100 * limit_s / s.seconds,
         "compile_s": first.stats.compile_seconds,
+        "steps": config.steps,
     }
+
+
+def forward_splits(rows: list[dict]) -> list[dict]:
+    """Block-forward and refresh ms inside the generation, from pairs of rows that differ
+    only in their step count (so in their block forwards, not their refreshes)."""
+    found = []
+    for a in rows:
+        for b in rows:
+            same = ("model", "options", "prompt_len", "cache", "decoder", "refreshes")
+            if a["steps"] <= b["steps"] or any(a[k] != b[k] for k in same):
+                continue
+            blocks = a["forwards"] - a["refreshes"], b["forwards"] - b["refreshes"]
+            block_s = (a["seconds"] - b["seconds"]) / (blocks[0] - blocks[1])
+            refresh_s = (b["seconds"] - blocks[1] * block_s) / b["refreshes"]
+            found.append(
+                {
+                    **{k: a[k] for k in same},
+                    "steps": (a["steps"], b["steps"]),
+                    "block_forward_ms": 1e3 * block_s,
+                    "refresh_ms": 1e3 * refresh_s,
+                }
+            )
+    return found
 
 
 def main() -> None:
@@ -77,6 +105,9 @@ def main() -> None:
         default=["default"],
         help="module option sets: default, or key=value[,key=value] (e.g. mlp_impl=xla)",
     )
+    parser.add_argument(
+        "--steps", nargs="+", type=int, default=[SETTING.steps], help="step counts to run"
+    )
     parser.add_argument("--moe-impl", default="auto")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = parser.parse_args()
@@ -88,7 +119,11 @@ def main() -> None:
     for name in args.models:
         config = model_config(name, args.tiny)
         model, _ = bench_model(config, 1, (("moe_impl", args.moe_impl),))
-        cases = [dataclasses.replace(base, cache=c) for c in args.caches]
+        cases = [
+            dataclasses.replace(base, cache=c, steps=steps)
+            for c in args.caches
+            for steps in args.steps
+        ]
         cases.append(dataclasses.replace(base, decoder="threshold", cache="dual"))
         for options in variants:
             variant = model.with_options(**options)
@@ -98,6 +133,9 @@ def main() -> None:
                     rows.append({"model": name, "options": options, **row})
                     print(rows[-1])
         del model, variant
+    splits = forward_splits([r for r in rows if r["decoder"] == base.decoder])
+    for split in splits:
+        print(split)
     save(
         "generate",
         {
@@ -106,6 +144,7 @@ def main() -> None:
             "batch": 1,
             "options": vars(args),
             "results": rows,
+            "splits": splits,
         },
     )
 

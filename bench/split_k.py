@@ -21,7 +21,7 @@ inside that kernel, `rope_write.project_rope_and_write`), for LLaDA-8B or, with 
 moe`, LLaDA-MoE's heads.
 
     python -m bench.split_k [--model dense] [--rows 32] [--products qkv out down qkv_rope]
-        [--sweep] [--norm-warps 8 16] [--mosaic] [--tiny]
+        [--sweep] [--norm-warps 4 8] [--mosaic] [--tiny]
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def xla_form(name, x, residual, scale, w):
     return layers.RMSNorm(EPS, jnp.bfloat16, "xla").apply({"params": {"scale": scale}}, y, residual)
 
 
-def pallas_form(name, x, residual, scale, w, tiles=None, norm_warps=4):
+def pallas_form(name, x, residual, scale, w, tiles=None, norm_warps=16):
     y = matmul_partials(x, w, tiles=tiles)
     if name == "qkv":
         return y.parts
