@@ -7,7 +7,9 @@ at a few tile shapes; GPU only). Each is checked against `dense` in fp32 (relati
 error) and timed in-program; the floor is the bytes of the experts the tokens hit, read
 once, at the measured read bandwidth, or the routed FLOPs at the matmul rate.
 
-    python -m bench.experts [--tokens 32 384 1280] [--tiny]
+`--sweep` replaces the paths by the Hopper kernel at a wider set of tiles (`SWEEP`).
+
+    python -m bench.experts [--tokens 32 384 1280] [--sweep] [--tiny]
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ HOPPER_TILES = (
     {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
     {"block_m": 128, "block_n": 256, "block_k": 64, "max_concurrent_steps": 3, "grid_block_n": 2},
 )
+# --sweep: 64-row tiles (a block's 256 token-expert pairs fill few 128-row ones) at every
+# column width, contraction step, pipeline depth and column-tile grouping below.
+SWEEP = tuple(
+    {"block_m": 64, "block_n": n, "block_k": k, "max_concurrent_steps": steps, "grid_block_n": g}
+    for n in (128, 256)
+    for k in (64, 128)
+    for steps in (2, 4, 6)
+    for g in (1, 2)
+)
 XLA_RAGGED_OPTIONS = {
     "default": {},
     "ragged_dot_fusion": {"xla_gpu_experimental_use_ragged_dot_fusion": True},
@@ -41,11 +52,13 @@ def hopper_ragged_dot(tiles: dict):
     return lambda lhs, rhs, sizes: ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, **tiles)
 
 
-def paths() -> list[tuple[str, object, dict]]:
+def paths(sweep: bool = False) -> list[tuple[str, object, dict]]:
     out = [("dense", experts_dense, {})]
     out += [(f"grouped {k}", experts_grouped, v) for k, v in XLA_RAGGED_OPTIONS.items()]
+    if sweep:
+        out = []
     if jax.default_backend() == "gpu":
-        for tiles in HOPPER_TILES:
+        for tiles in SWEEP if sweep else HOPPER_TILES:
             label = "hopper " + " ".join(f"{k}={v}" for k, v in tiles.items())
             run = functools.partial(experts_grouped, ragged_dot=hopper_ragged_dot(tiles))
             out.append((label, run, {}))
@@ -56,6 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[32, 384, 1280])
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true", help="the Hopper kernel at SWEEP tiles")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     cfg = model_config("moe", args.tiny)
@@ -84,7 +98,7 @@ def main() -> None:
             down.astype(jnp.float32),
             0,
         )
-        for label, run, options in paths():
+        for label, run, options in paths(args.sweep):
             row = {"tokens": n, "path": label, "experts_hit": hit, "floor_ms": 1e3 * floor_s}
             try:
                 compiled = jax.jit(run).lower(x, weights, experts, gate_up, down, 0)

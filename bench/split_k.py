@@ -21,7 +21,7 @@ inside that kernel, `rope_write.project_rope_and_write`), for LLaDA-8B or, with 
 moe`, LLaDA-MoE's heads.
 
     python -m bench.split_k [--model dense] [--rows 32] [--products qkv out down qkv_rope]
-        [--sweep] [--norm-warps 4 8] [--mosaic] [--tiny]
+        [--sweep] [--norm-warps 4 8] [--mosaic] [--fused-sweep] [--tiny]
 """
 
 from __future__ import annotations
@@ -115,9 +115,14 @@ def qkv_rope_inputs(cfg, rows: int, key) -> tuple:
     return x, w, buffers, positions, cos, sin, bounds, scales
 
 
-def qkv_rope_forms(cfg) -> dict:
+# --fused-sweep: the fused kernel at these (num_warps, num_stages) besides its default (4, 4)
+FUSED_SWEEP = ((4, 3), (4, 5), (8, 3), (8, 4), (8, 5))
+
+
+def qkv_rope_forms(cfg, fused_sweep: bool = False) -> dict:
     """The three paths from normed rows to attention's inputs, each (x, w, buffers,
-    positions, cos, sin, bounds, scales) -> (q, keys, values)."""
+    positions, cos, sin, bounds, scales) -> (q, keys, values); with `fused_sweep` also the
+    fused kernel at each FUSED_SWEEP setting."""
     ops = rope_write.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
     window = layers.Window(START)
 
@@ -132,13 +137,18 @@ def qkv_rope_forms(cfg) -> dict:
         qkv = type(qkv)(qkv.parts.reshape(qkv.parts.shape[:-1] + w.shape[1:]), qkv.dtype)
         return rope_write.rope_and_write(qkv, cos, sin, buffers, bounds, scales, ops)
 
-    def fused(x, w, buffers, positions, cos, sin, bounds, scales):
-        return rope_write.project_rope_and_write(x, w, cos, sin, buffers, bounds, scales, ops)
+    def fused(x, w, buffers, positions, cos, sin, bounds, scales, warps=4, stages=4):
+        return rope_write.project_rope_and_write(
+            x, w, cos, sin, buffers, bounds, scales, ops, num_warps=warps, num_stages=stages
+        )
 
-    return {"xla": xla, "pallas": pallas, "fused": fused}
+    forms = {"xla": xla, "pallas": pallas, "fused": fused}
+    for warps, stages in FUSED_SWEEP if fused_sweep else ():
+        forms[f"fused w{warps} st{stages}"] = functools.partial(fused, warps=warps, stages=stages)
+    return forms
 
 
-def qkv_rope_rows(cfg, rows: int, calls: int, tiny: bool) -> list[dict]:
+def qkv_rope_rows(cfg, rows: int, calls: int, tiny: bool, fused_sweep: bool) -> list[dict]:
     """Device time of each `qkv_rope_forms` path, weights L2-cold, with its error against
     XLA's path in fp32."""
     x, w, buffers, positions, cos, sin, bounds, scales = qkv_rope_inputs(
@@ -146,7 +156,7 @@ def qkv_rope_rows(cfg, rows: int, calls: int, tiny: bool) -> list[dict]:
     )
     copies = max(1, -(-COLD_BYTES // w.nbytes))
     ws = [w * (1 + i / 64) for i in range(copies)] if not tiny else [w]
-    forms = qkv_rope_forms(cfg)
+    forms = qkv_rope_forms(cfg, fused_sweep)
     f32 = [a.astype(jnp.float32) for a in (x, w)]
     reference = forms["xla"](*f32, buffers, positions, cos, sin, bounds, scales)
     found = []
@@ -203,6 +213,9 @@ def main() -> None:
     parser.add_argument(
         "--mosaic", action="store_true", help="also JAX's Hopper Mosaic GPU matmul (GPUs only)"
     )
+    parser.add_argument(
+        "--fused-sweep", action="store_true", help="qkv_rope: the fused kernel at FUSED_SWEEP"
+    )
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
@@ -210,7 +223,7 @@ def main() -> None:
     rows = []
     for name in args.products:
         if name == "qkv_rope":
-            rows += qkv_rope_rows(cfg, args.rows, args.calls, args.tiny)
+            rows += qkv_rope_rows(cfg, args.rows, args.calls, args.tiny, args.fused_sweep)
             continue
         k, n = products(cfg)[name]
         keys = jax.random.split(jax.random.key(0), 3)
