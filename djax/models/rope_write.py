@@ -10,7 +10,11 @@ that head's query, key and value rows once and writes all three results.
 
 The q/k/v product may come as a split-K matmul's fp32 partial products
 (`split_k.Partials`): the kernel adds them and rounds to the activation dtype first, as
-`Partials.total()` would.
+`Partials.total()` would. In a denoising block it can also run inside the kernel
+(`project_rope_and_write`): one program per (kv head, slot) computes that head's rows from
+the normed window, so the product never goes through memory and one launch is saved
+(LLaDA-8B on an H200: 27.7 µs per block layer where the product and this kernel took 26.5 +
+3.0; bench/NOTES.md).
 
 Semantics are those of `layers.Attention`'s XLA path: `rms_norm` with the q/k scales, the
 clip, rotate-half RoPE in fp32 from the given cos/sin tables, and buffer rows outside the
