@@ -50,15 +50,18 @@ class Tiles:
     num_stages: int = 3
 
 
-def tiles_for(t: int, s: int) -> Tiles:
-    """The measured tiling for `t` queries against `s` keys (bench.attention, H200, LLaDA-8B
-    heads, device time of the kernel and the merge of its slices). A block of up to 64
-    queries takes 16-query tiles and one key slice per `KEYS_PER_SLICE` keys: at 32 x 384 one
-    slice and no merge, 6.1 µs against 7.8 for six slices merged (4.9 + 2.9), and at 32 x 1280
-    two slices, 12.8 against 13.2 for six. Longer windows (refreshes, prefix-cache windows)
-    take 64-query tiles over all keys: 13.6 µs at 384 x 384 (128-query tiles with 8 warps
-    took 12.8, too close to adopt on one shape, and their shared memory does not fit fp32)."""
-    if t <= 64:
+def tiles_for(t: int, s: int, heads: int = 32) -> Tiles:
+    """The measured tiling for `t` queries against `s` keys, with `heads` (batch x query
+    heads) programs per query tile (bench.attention, H200, device time of the kernel and the
+    merge of its slices). A block of up to 64 queries takes 16-query tiles and one key slice
+    per `KEYS_PER_SLICE` keys: with LLaDA-8B's heads at 32 x 384 one slice and no merge,
+    6.1 µs against 7.8 for six slices merged (4.9 + 2.9), and at 32 x 1280 two slices, 12.8
+    against 13.2 for six. Longer windows (refreshes, prefix-cache windows) take 64-query
+    tiles over all keys while that makes at least 64 programs: 13.6 µs at 384 x 384
+    (128-query tiles with 8 warps took 12.8, too close to adopt on one shape, and their
+    shared memory does not fit fp32). With fewer programs they are tiled as blocks are: at
+    128 x 384 with LLaDA-MoE's 16 heads, 6.6 µs against 8.8 for 64-query tiles."""
+    if t <= 64 or heads * pl.cdiv(t, 64) < 64:
         return Tiles(block_q=16, block_k=64, splits=pl.cdiv(s, KEYS_PER_SLICE), num_stages=3)
     return Tiles(block_q=64, block_k=64, splits=1, num_stages=2)
 
@@ -140,8 +143,8 @@ def split_kv_attention(
 
     q: [batch, t, heads, head_dim]; keys, values: [batch, s, kv_heads, head_dim];
     key_valid: [batch, s] bool. Returns [batch, t, heads, head_dim] in q's dtype.
-    `tiles`: the program shape (default: `tiles_for(t, s)`). `interpret`: run in Pallas's
-    interpreter (default: exactly off GPUs, as the CPU tests do).
+    `tiles`: the program shape (default: `tiles_for(t, s, batch * heads)`). `interpret`: run
+    in Pallas's interpreter (default: exactly off GPUs, as the CPU tests do).
     """
     from jax.experimental.pallas import triton as plgpu
 
@@ -152,7 +155,7 @@ def split_kv_attention(
             f"split_kv_attention: q {q.shape}, keys {keys.shape}; expected a power-of-two "
             "head dim >= 16 and heads a multiple of kv heads"
         )
-    tiles = tiles or tiles_for(t, s)
+    tiles = tiles or tiles_for(t, s, b * n)
     if not (pallas_tiles.is_block(tiles.block_q) and pallas_tiles.is_block(tiles.block_k)):
         raise ValueError(f"{tiles}: block_q and block_k must be powers of two >= 16")
     block_q = min(tiles.block_q, max(16, pl.next_power_of_2(t)))
