@@ -67,8 +67,8 @@ def implementations() -> list[tuple[str, object]]:
     out = [("xla", grouped("xla"))]
     if jax.default_backend() == "gpu":
         out += [("cudnn", grouped("cudnn")), ("cudnn no mask", _cudnn_no_mask)]
-    for tiles in (None, *TILINGS):  # None: the engine's choice, `tiles_for(t, s)`
-        shape = " ".join(f"{k}={v}" for k, v in vars(tiles).items()) if tiles else "tiles_for(t, s)"
+    for tiles in (None, *TILINGS):  # None: the engine's choice, `tiles_for`
+        shape = " ".join(f"{k}={v}" for k, v in vars(tiles).items()) if tiles else "tiles_for"
         label = f"split_kv {shape}"
         out.append((label, functools.partial(split_kv_attention, tiles=tiles)))
     return out

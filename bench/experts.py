@@ -53,10 +53,9 @@ def hopper_ragged_dot(tiles: dict):
 
 
 def paths(sweep: bool = False) -> list[tuple[str, object, dict]]:
-    out = [("dense", experts_dense, {})]
-    out += [(f"grouped {k}", experts_grouped, v) for k, v in XLA_RAGGED_OPTIONS.items()]
-    if sweep:
-        out = []
+    out = [] if sweep else [("dense", experts_dense, {})]
+    if not sweep:
+        out += [(f"grouped {k}", experts_grouped, v) for k, v in XLA_RAGGED_OPTIONS.items()]
     if jax.default_backend() == "gpu":
         for tiles in SWEEP if sweep else HOPPER_TILES:
             label = "hopper " + " ".join(f"{k}={v}" for k, v in tiles.items())

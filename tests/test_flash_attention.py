@@ -95,13 +95,14 @@ def test_tiles_for_blocks_and_refreshes():
     384 keys); a longer window takes 64-query tiles over all keys where that makes at least
     64 programs, else the block tiling."""
     block = Tiles(block_q=16, block_k=64, splits=1, num_stages=3)
-    assert tiles_for(32, 384) == block
-    assert tiles_for(32, KEYS_PER_SLICE + 1).splits == 2
-    assert tiles_for(64, 1280).splits == 2
-    assert tiles_for(65, 384) == Tiles(block_q=64, block_k=64, splits=1, num_stages=2)
-    assert tiles_for(128, 384, heads=32) == Tiles(block_q=64, block_k=64, splits=1, num_stages=2)
-    assert tiles_for(128, 384, heads=16) == block  # LLaDA-MoE's heads: 32 programs
-    assert tiles_for(384, 384, heads=16).block_q == 64  # its refresh: 96 programs
+    window = Tiles(block_q=64, block_k=64, splits=1, num_stages=2)
+    assert tiles_for(32, 384, 32) == block
+    assert tiles_for(32, KEYS_PER_SLICE + 1, 32).splits == 2
+    assert tiles_for(64, 1280, 32).splits == 2
+    assert tiles_for(65, 384, 32) == window
+    assert tiles_for(128, 384, 32) == window  # LLaDA-8B's heads: 64 programs
+    assert tiles_for(128, 384, 16) == block  # LLaDA-MoE's heads: 32 programs
+    assert tiles_for(384, 384, 16) == window  # its refresh: 96 programs
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")

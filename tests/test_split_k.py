@@ -97,7 +97,14 @@ def test_auto_choice(monkeypatch):
     assert not impls.fuse_qkv_rope("auto", "xla", block, w, 128, jnp.bfloat16)
     assert not impls.fuse_qkv_rope("xla", "pallas", block, w, 128, jnp.bfloat16)
     assert not impls.fuse_qkv_rope("auto", "pallas", (1, 384, 4096), w, 128, jnp.bfloat16)
-    assert not impls.fuse_qkv_rope("auto", "pallas", block, w, 16, jnp.bfloat16)  # halves of 8
+    forced = ("pallas", "pallas")  # the split-K product at any row count, but not fused:
+    assert not impls.fuse_qkv_rope(*forced, (1, 64, 4096), w, 128, jnp.bfloat16)  # long window
+    assert not impls.fuse_qkv_rope(*forced, (4, 16, 4096), w, 128, jnp.bfloat16)  # 64 rows
+    tp4 = (4096, 8, 3, 128)  # LLaDA-8B's heads over 4 devices: 24 programs
+    assert not impls.fuse_qkv_rope("auto", "pallas", block, tp4, 128, jnp.bfloat16)
+    small = (4096, 16, 3, 32)  # heads of 32 with rotary 16: halves of 8, no matmul tile
+    assert impls.fuse_qkv_rope("auto", "pallas", block, small, 32, jnp.bfloat16)
+    assert not impls.fuse_qkv_rope("auto", "pallas", block, small, 16, jnp.bfloat16)
 
 
 def test_unknown_impl_fails_at_setup(dense_model):
@@ -221,6 +228,7 @@ def test_generation_with_qkv_product_in_rope_kernel(dense_model, moe_model, monk
         return fused(x, *args, **kwargs)
 
     monkeypatch.setattr(rope_write, "project_rope_and_write", spy)
+    monkeypatch.setattr(impls, "MIN_FUSED_PROGRAMS", 1)  # a speed rule; these have 4-8 heads
     monkeypatch.setattr(engine, "_EXECUTABLES", {})  # programs traced before the spy
     jax.clear_caches()
     try:

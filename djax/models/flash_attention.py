@@ -50,18 +50,20 @@ class Tiles:
     num_stages: int = 3
 
 
-def tiles_for(t: int, s: int, heads: int = 32) -> Tiles:
-    """The measured tiling for `t` queries against `s` keys, with `heads` (batch x query
-    heads) programs per query tile (bench.attention, H200, device time of the kernel and the
-    merge of its slices). A block of up to 64 queries takes 16-query tiles and one key slice
-    per `KEYS_PER_SLICE` keys: with LLaDA-8B's heads at 32 x 384 one slice and no merge,
-    6.1 µs against 7.8 for six slices merged (4.9 + 2.9), and at 32 x 1280 two slices, 12.8
-    against 13.2 for six. Longer windows (refreshes, prefix-cache windows) take 64-query
-    tiles over all keys while that makes at least 64 programs: 13.6 µs at 384 x 384
-    (128-query tiles with 8 warps took 12.8, too close to adopt on one shape, and their
-    shared memory does not fit fp32). With fewer programs they are tiled as blocks are: at
-    128 x 384 with LLaDA-MoE's 16 heads, 6.6 µs against 8.8 for 64-query tiles."""
-    if t <= 64 or heads * pl.cdiv(t, 64) < 64:
+def tiles_for(t: int, s: int, batch_heads: int) -> Tiles:
+    """The measured tiling for `t` queries against `s` keys, with `batch_heads` (batch x
+    query heads on this device) programs per query tile (bench.attention, H200, device time
+    of the kernel and the merge of its slices). A block of up to 64 queries takes 16-query
+    tiles and one key slice per `KEYS_PER_SLICE` keys: with LLaDA-8B's heads at 32 x 384 one
+    slice and no merge, 6.1 µs against 7.8 for six slices merged (4.9 + 2.9), and at
+    32 x 1280 two slices, 12.8 against 13.2 for six. Longer windows (refreshes, prefix-cache
+    windows) take 64-query tiles over all keys while that makes at least 64 programs: 13.6 µs
+    at 384 x 384 (128-query tiles with 8 warps took 12.8, too close to adopt on one shape,
+    and their shared memory does not fit fp32). With fewer programs they are tiled as blocks
+    are: at 128 x 384 with LLaDA-MoE's 16 heads, 6.6 µs against 8.8 for 64-query tiles
+    (measured at batch 1 on one GPU; fewer heads per device under tensor parallelism are
+    not)."""
+    if t <= 64 or batch_heads * pl.cdiv(t, 64) < 64:
         return Tiles(block_q=16, block_k=64, splits=pl.cdiv(s, KEYS_PER_SLICE), num_stages=3)
     return Tiles(block_q=64, block_k=64, splits=1, num_stages=2)
 

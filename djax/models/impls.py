@@ -16,6 +16,10 @@ MLP_IMPLS = ("auto", "xla", "pallas")
 NORM_IMPLS = ("auto", "xla", "pallas")
 MATMUL_IMPLS = ("auto", "xla", "pallas")
 ROPE_IMPLS = ("auto", "xla", "pallas")
+# The fewest heads (kv heads x (group + 2), one program each) `fuse_qkv_rope` fuses: LLaDA-MoE's
+# 48, the smallest count measured to gain (13.6 µs against 10.5 + 5.4 on an H200). Fewer, as
+# under tensor parallelism, keep the split-K product, which spreads over more programs.
+MIN_FUSED_PROGRAMS = 48
 
 
 def check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
@@ -126,15 +130,19 @@ def fuse_qkv_rope(
 ) -> bool:
     """Whether a layer's q/k/v product (x [b, t, model] @ w [model, kv_heads, group + 2,
     head_dim]) runs inside its RoPE/K/V-write kernel (`rope_write.project_rope_and_write`):
-    where both would take djax's kernels (`matmul_impl` resolves to the split-K kernel for
-    the `b * t` rows; `rope_impl`, already resolved, is `pallas`) and the fused kernel's
-    tiles fit. It saves a launch and the product's round trip through memory: 2.4 µs per
-    LLaDA-8B block layer on an H200, +0.9% tokens/s (H100 +1.2%, LLaDA-MoE +1.0/+0.8%;
-    bench/NOTES.md)."""
-    (b, t, model), head_dim = x_shape, w_shape[-1]
-    width = w_shape[1] * w_shape[2] * head_dim
+    where both would take djax's kernels (`matmul_impl` resolves to the split-K kernel;
+    `rope_impl`, already resolved, is `pallas`), the fused kernel's tiles fit, the rows are
+    a block's (at most `split_k.MAX_ROWS`, whatever `matmul_impl` says: the kernel keeps
+    every sequence's rows in registers) and there are at least `MIN_FUSED_PROGRAMS` heads
+    (one program each; split-K spreads the product over more). It saves a launch and the
+    product's round trip through memory: on an H200 a LLaDA-8B block layer's q/k/v product
+    and RoPE kernel took 26.5 + 3.0 µs, the fused kernel 27.7 (bench/NOTES.md)."""
+    (b, t, model), (kv_heads, slots, head_dim) = x_shape, w_shape[1:]
     return (
         rope_impl == "pallas"
-        and resolve_matmul_impl(matmul_impl, b * t, model, width, dtype) == "pallas"
+        and resolve_matmul_impl(matmul_impl, b * t, model, kv_heads * slots * head_dim, dtype)
+        == "pallas"
+        and b * t <= split_k.MAX_ROWS
+        and kv_heads * slots >= MIN_FUSED_PROGRAMS
         and rope_write.projection_fits(t, model, head_dim, rotary_dim)
     )

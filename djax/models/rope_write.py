@@ -281,7 +281,7 @@ def _project_kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool, bloc
     zeros = tuple(jnp.zeros((BLOCK_T, size), jnp.float32) for _, size in parts)
     heads = jax.lax.fori_loop(0, k // block_k, step, (zeros,) * b)
 
-    def finish(seq, head):
+    def emit(seq, head):
         """Sequence `seq`'s product for this slot, rounded as `Partials.total()` rounds it,
         through the slot's head ops and into its output."""
         head = [p.astype(dtype).astype(jnp.float32) for p in head]
@@ -307,7 +307,7 @@ def _project_kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool, bloc
             _store(values_ref, (seq, buffer_rows, kv_head), value, parts, write_ok)
 
     for seq, head in enumerate(heads):
-        finish(seq, head)
+        emit(seq, head)
 
 
 @functools.partial(jax.jit, static_argnames=("ops", "num_warps", "num_stages", "interpret"))
@@ -336,12 +336,15 @@ def project_rope_and_write(
     """
     from jax.experimental.pallas import triton as plgpu
 
+    if x.ndim != 3 or w.ndim != 4 or w.shape[0] != x.shape[-1] or w.shape[2] < 3:
+        raise ValueError(
+            f"project_rope_and_write: x {x.shape} with w {w.shape}; expected x [b, t, model] "
+            "and w [model, kv_heads, group + 2, d] with group >= 1"
+        )
     (b, t, model), (kv_heads, slots, d) = x.shape, w.shape[1:]
     rotary, group = 2 * cos.shape[-1], slots - 2
     problems = []
-    if w.ndim != 4 or w.shape[0] != model or group < 1:
-        problems.append(f"x {x.shape} with w {w.shape}")
-    elif cos.shape != (b, t, rotary // 2) or sin.shape != cos.shape:
+    if cos.shape != (b, t, rotary // 2) or sin.shape != cos.shape:
         problems.append(f"x {x.shape} with cos {cos.shape}, sin {sin.shape}")
     elif not (0 < rotary <= d and projection_fits(t, model, d, rotary)):
         problems.append(f"{t} window rows, model width {model}, rotary dim {rotary} of {d}")
