@@ -155,6 +155,47 @@ def _kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool):
     _store(values_ref, (batch, buffer_rows, kv_head), value, parts, write_ok)
 
 
+def _buffer_and_scale_problems(b, kv_heads, d, buffers, scales, ops: HeadOps) -> list[str]:
+    """What is wrong with the K/V buffers [b, s, kv_heads, d] and q/k norm scales [d]."""
+    problems = []
+    if buffers is not None and any(
+        buf.shape[::2] != (b, kv_heads) or buf.shape[3] != d for buf in buffers
+    ):
+        problems.append(f"buffers {[buf.shape for buf in buffers]}")
+    if ops.qk_norm != (scales is not None) or scales and any(s.shape != (d,) for s in scales):
+        problems.append(f"qk_norm={ops.qk_norm} with scales {scales and [s.shape for s in scales]}")
+    return problems
+
+
+def _run(kernel, grid, inputs, shape, dtype, buffers, num_warps, num_stages, interpret, name):
+    """The `pallas_call` both wrappers share: outputs q [b, t, kv_heads, group, d] in
+    `dtype` and the keys and values (the buffers, aliased to the last two inputs, or fresh
+    [b, t, kv_heads, d] arrays); `shape` is (b, t, kv_heads, group, d)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    b, t, kv_heads, _, d = shape
+    kv_shape = buffers[0].shape if buffers is not None else (b, t, kv_heads, d)
+    out_shape = [
+        jax.ShapeDtypeStruct(shape, dtype),
+        *(
+            jax.ShapeDtypeStruct(kv_shape, dtype if buffers is None else buf.dtype)
+            for buf in (buffers or (None, None))
+        ),
+    ]
+    aliases = {len(inputs) - 2: 1, len(inputs) - 1: 2} if buffers is not None else {}
+    return tuple(
+        pl.pallas_call(
+            kernel,
+            out_shape=out_shape,
+            grid=grid,
+            input_output_aliases=aliases,
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=pallas_tiles.interpret_mode(interpret),
+            name=name,
+        )(*inputs)
+    )
+
+
 @functools.partial(jax.jit, static_argnames=("ops", "num_warps", "interpret"))
 def rope_and_write(
     qkv: Array | Partials,
@@ -181,8 +222,6 @@ def rope_and_write(
     last `t` rows. `interpret`: run in Pallas's interpreter (default: exactly off GPUs, as
     the CPU tests do).
     """
-    from jax.experimental.pallas import triton as plgpu
-
     products = qkv.parts if isinstance(qkv, Partials) else qkv[None]
     b, t, kv_heads, heads_per_kv, d = products.shape[1:]
     rotary = 2 * cos.shape[-1]
@@ -192,12 +231,7 @@ def rope_and_write(
         problems.append(f"qkv {products.shape[1:]} with cos {cos.shape}, sin {sin.shape}")
     if not (0 < rotary <= d and fits(d, rotary)):
         problems.append(f"rotary dim {rotary} for head dim {d}")
-    if buffers is not None and any(
-        buf.shape[::2] != (b, kv_heads) or buf.shape[3] != d for buf in buffers
-    ):
-        problems.append(f"buffers {[buf.shape for buf in buffers]}")
-    if ops.qk_norm != (scales is not None) or scales and any(s.shape != (d,) for s in scales):
-        problems.append(f"qk_norm={ops.qk_norm} with scales {scales and [s.shape for s in scales]}")
+    problems += _buffer_and_scale_problems(b, kv_heads, d, buffers, scales, ops)
     if problems:
         raise ValueError(
             f"rope_and_write: {'; '.join(problems)}; expected qkv [b, t, kv_heads, group + 2, "
@@ -205,29 +239,14 @@ def rope_and_write(
             "and d - r powers of two (or d - r = 0), buffers [b, s, kv_heads, d], and q/k "
             "scales [d] exactly when qk_norm"
         )
-    kv_shape = buffers[0].shape if buffers is not None else (b, t, kv_heads, d)
-    out_shape = [
-        jax.ShapeDtypeStruct((b, t, kv_heads, group, d), qkv.dtype),
-        *(
-            jax.ShapeDtypeStruct(kv_shape, qkv.dtype if buffers is None else buf.dtype)
-            for buf in (buffers or (None, None))
-        ),
-    ]
     inputs = [bounds.astype(jnp.int32), products, cos, sin, *(scales or ()), *(buffers or ())]
-    aliases = {len(inputs) - 2: 1, len(inputs) - 1: 2} if buffers is not None else {}
     kernel = functools.partial(
         _kernel, ops=ops, parts=_parts(d, rotary), group=group, buffered=buffers is not None
     )
-    return tuple(
-        pl.pallas_call(
-            kernel,
-            out_shape=out_shape,
-            grid=(b, kv_heads, pl.cdiv(t, BLOCK_T)),
-            input_output_aliases=aliases,
-            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-            interpret=pallas_tiles.interpret_mode(interpret),
-            name="rope_and_write",
-        )(*inputs)
+    grid = (b, kv_heads, pl.cdiv(t, BLOCK_T))
+    shape = (b, t, kv_heads, group, d)
+    return _run(
+        kernel, grid, inputs, shape, qkv.dtype, buffers, num_warps, 1, interpret, "rope_and_write"
     )
 
 
@@ -334,7 +353,6 @@ def project_rope_and_write(
     keys, values). The product is rounded to x's dtype before the head ops, as
     `split_k.Partials.total()` rounds it.
     """
-    from jax.experimental.pallas import triton as plgpu
 
     if x.ndim != 3 or w.ndim != 4 or w.shape[0] != x.shape[-1] or w.shape[2] < 3:
         raise ValueError(
@@ -348,12 +366,7 @@ def project_rope_and_write(
         problems.append(f"x {x.shape} with cos {cos.shape}, sin {sin.shape}")
     elif not (0 < rotary <= d and projection_fits(t, model, d, rotary)):
         problems.append(f"{t} window rows, model width {model}, rotary dim {rotary} of {d}")
-    if buffers is not None and any(
-        buf.shape[::2] != (b, kv_heads) or buf.shape[3] != d for buf in buffers
-    ):
-        problems.append(f"buffers {[buf.shape for buf in buffers]}")
-    if ops.qk_norm != (scales is not None) or scales and any(s.shape != (d,) for s in scales):
-        problems.append(f"qk_norm={ops.qk_norm} with scales {scales and [s.shape for s in scales]}")
+    problems += _buffer_and_scale_problems(b, kv_heads, d, buffers, scales, ops)
     if problems:
         raise ValueError(
             f"project_rope_and_write: {'; '.join(problems)}; expected x [b, t, model] with t "
@@ -362,16 +375,7 @@ def project_rope_and_write(
             "powers of two >= 16 (or d - r = 0), buffers [b, s, kv_heads, d], and q/k scales "
             "[d] exactly when qk_norm"
         )
-    kv_shape = buffers[0].shape if buffers is not None else (b, t, kv_heads, d)
-    out_shape = [
-        jax.ShapeDtypeStruct((b, t, kv_heads, group, d), x.dtype),
-        *(
-            jax.ShapeDtypeStruct(kv_shape, x.dtype if buffers is None else buf.dtype)
-            for buf in (buffers or (None, None))
-        ),
-    ]
     inputs = [bounds.astype(jnp.int32), x, w, cos, sin, *(scales or ()), *(buffers or ())]
-    aliases = {len(inputs) - 2: 1, len(inputs) - 1: 2} if buffers is not None else {}
     kernel = functools.partial(
         _project_kernel,
         ops=ops,
@@ -380,14 +384,16 @@ def project_rope_and_write(
         buffered=buffers is not None,
         block_k=pallas_tiles.largest_block(model, 128),
     )
-    return tuple(
-        pl.pallas_call(
-            kernel,
-            out_shape=out_shape,
-            grid=(kv_heads, slots),
-            input_output_aliases=aliases,
-            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            interpret=pallas_tiles.interpret_mode(interpret),
-            name="qkv_matmul_rope",
-        )(*inputs)
+    shape = (b, t, kv_heads, group, d)
+    return _run(
+        kernel,
+        (kv_heads, slots),
+        inputs,
+        shape,
+        x.dtype,
+        buffers,
+        num_warps,
+        num_stages,
+        interpret,
+        "qkv_matmul_rope",
     )
