@@ -45,6 +45,16 @@ def categorize(text: str) -> str:
     return "norms/elementwise"
 
 
+def event_category(event: dict) -> str:
+    """A kernel's category from its own name where that names one (`matmul_partials` inside
+    the attention module is a matmul), else from its name with the op and scope names in
+    its args (`loop_reduce_fusion` inside the decoder)."""
+    name = event.get("name", "")
+    if categorize(name) != "norms/elementwise":
+        return categorize(name)
+    return categorize(" ".join([name] + [str(v) for v in event.get("args", {}).values()]))
+
+
 def device_events(trace: dict) -> dict[str, list[dict]]:
     """Complete events ('X') of each device process (pid named like /device:GPU:0), by
     device name."""
@@ -72,8 +82,7 @@ def summarize(events: list[dict]) -> dict:
     spans = []
     durations: dict[str, list[float]] = defaultdict(list)
     for e in events:
-        text = " ".join([e.get("name", "")] + [str(v) for v in e.get("args", {}).values()])
-        category = categorize(text)
+        category = event_category(e)
         busy[category] += e["dur"]
         durations[e.get("name", "")].append(e["dur"])
         spans.append((e["ts"], e["ts"] + e["dur"], category))
@@ -93,8 +102,12 @@ def summarize(events: list[dict]) -> dict:
     busy["idle gaps"] = idle
     totals = {name: sum(durs) for name, durs in durations.items()}
     ranked = sorted(totals, key=totals.get, reverse=True)
-    per_call = {
-        name: {"calls": len(durations[name]), "median_us": float(np.median(durations[name]))}
+    per_call = {  # a name can cover calls of several shapes: the mean is total / calls
+        name: {
+            "calls": len(durations[name]),
+            "median_us": float(np.median(durations[name])),
+            "mean_us": totals[name] / len(durations[name]),
+        }
         for name in ranked[:60]
     }
     return {

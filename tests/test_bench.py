@@ -3,7 +3,7 @@ collectives, per device."""
 
 import pytest
 
-from bench.profile import categorize, device_events, summarize
+from bench.profile import categorize, device_events, event_category, summarize
 
 
 @pytest.mark.parametrize(
@@ -20,6 +20,19 @@ from bench.profile import categorize, device_events, summarize
 )
 def test_categories(name, category):
     assert categorize(name) == category
+
+
+def test_event_category_prefers_the_kernel_name():
+    """A product inside the attention module is a matmul; a nameless fusion takes its
+    category from the scope in its args."""
+    scope = {"long_name": "jit(generate)/while/body/attn_3/Attention/dot_general"}
+    assert event_category({"name": "matmul_partials", "args": scope}) == "matmul"
+    assert event_category({"name": "qkv_matmul_rope", "args": scope}) == "matmul"
+    assert event_category({"name": "split_kv_attention", "args": scope}) == "attention"
+    assert event_category({"name": "loop_select_fusion", "args": scope}) == "attention"
+    decoder = {"long_name": "jit(generate)/while/body/decoder/reduce_max"}
+    assert event_category({"name": "input_reduce_fusion_9", "args": decoder}) == "decoder"
+    assert event_category({"name": "loop_add_fusion_2"}) == "norms/elementwise"
 
 
 def _kernel(name, start, duration, tid=1, pid=7):
@@ -41,12 +54,20 @@ def test_summary_counts_idle_gaps_and_those_bordering_collectives():
     assert summary["busy_us"]["collectives"] == 5
     assert summary["busy_us"]["matmul"] == 19
     assert summary["busy_us"]["norms/elementwise"] == 4
-    assert summary["kernel_calls"]["gemm_fusion_dot_1"] == {"calls": 1, "median_us": 10.0}
+    assert summary["kernel_calls"]["gemm_fusion_dot_1"] == {
+        "calls": 1,
+        "median_us": 10.0,
+        "mean_us": 10.0,
+    }
 
 
 def test_kernel_calls_count_each_name():
     events = [_kernel("add_rms_norm", 10 * i, d) for i, d in enumerate((2, 3, 9))]
-    assert summarize(events)["kernel_calls"]["add_rms_norm"] == {"calls": 3, "median_us": 3.0}
+    assert summarize(events)["kernel_calls"]["add_rms_norm"] == {
+        "calls": 3,
+        "median_us": 3.0,
+        "mean_us": 14 / 3,
+    }
 
 
 def test_parse_options():
