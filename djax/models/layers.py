@@ -262,24 +262,22 @@ class Attention(nn.Module):
             )
         ops = rope_write.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
         rope_impl = resolve_rope_impl(self.rope_impl, cfg.head_dim, cfg.rope_dim, x.dtype)
-        t = x.shape[1]
-        fused = fuse_qkv_rope(
+        if rope_impl == "pallas":  # Pallas's interpreter off GPUs (for tests)
+            cos, sin, bounds = self._rope_inputs(positions, window, x.shape[1])
+        if fuse_qkv_rope(
             self.matmul_impl, rope_impl, x.shape, qkv_kernel.shape, cfg.rope_dim, x.dtype
-        )
-        if fused:  # Pallas's interpreter off GPUs (for tests)
-            cos, sin, bounds = self._rope_inputs(positions, window, t)
+        ):
             q, keys, values = rope_write.project_rope_and_write(
                 x, qkv_kernel, cos, sin, kv, bounds, scales, ops
             )
-        else:
+        elif rope_impl == "pallas":
             qkv = project(x, qkv_kernel, self.matmul_impl)  # [b, t, kv, group + 2, d]
-            if rope_impl == "pallas":  # Pallas's interpreter off GPUs (for tests)
-                cos, sin, bounds = self._rope_inputs(positions, window, t)
-                q, keys, values = rope_write.rope_and_write(qkv, cos, sin, kv, bounds, scales, ops)
-            else:
-                q, keys, values = rope_and_write_xla(
-                    finish(qkv), positions, kv, window, scales, ops, cfg.rope_theta, cfg.rope_dim
-                )
+            q, keys, values = rope_write.rope_and_write(qkv, cos, sin, kv, bounds, scales, ops)
+        else:
+            qkv = finish(project(x, qkv_kernel, self.matmul_impl))
+            q, keys, values = rope_and_write_xla(
+                qkv, positions, kv, window, scales, ops, cfg.rope_theta, cfg.rope_dim
+            )
         if query_rows is not None:
             q = jax.lax.dynamic_slice_in_dim(q, query_rows[0], query_rows[1], axis=1)
         impl = resolve_attention_impl(self.attention_impl, cfg.head_dim, q.dtype)
