@@ -8,8 +8,11 @@ error) and timed in-program; the floor is the bytes of the experts the tokens hi
 once, at the measured read bandwidth, or the routed FLOPs at the matmul rate.
 
 `--sweep` replaces the paths by the Hopper kernel at a wider set of tiles (`SWEEP`).
+`--permutation` times only the sort of the token-expert pairs by expert (device µs of each
+kernel from a profiler trace): XLA's sort (`argsort`, and again to invert it), the engine's
+counting sort (`sort_by_group`), and a pairwise compare-and-sum.
 
-    python -m bench.experts [--tokens 32 384 1280] [--sweep] [--tiny]
+    python -m bench.experts [--tokens 32 384 1280] [--sweep | --permutation] [--tiny]
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import measure_ceilings, model_config, save, time_in_program
-from djax.models.llada_moe import experts_dense, experts_grouped, route
+from bench.kernel_time import kernel_us
+from djax.models.llada_moe import experts_dense, experts_grouped, route, sort_by_group
 
 HOPPER_TILES = (
     {"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
@@ -64,15 +68,63 @@ def paths(sweep: bool = False) -> list[tuple[str, object, dict]]:
     return out
 
 
+def sort_by_xla(group, n_groups: int):
+    """`sort_by_group`'s results from XLA's sort: the engine's way before the counting sort."""
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.sum(group[:, None] == jnp.arange(n_groups), axis=0, dtype=jnp.int32)
+    return order, jnp.argsort(order), sizes
+
+
+def sort_by_pairs(group, n_groups: int):
+    """`sort_by_group`'s results from a compare-and-sum over every pair of items (p² work)."""
+    index = jnp.arange(group.shape[0])
+    earlier = (group[None, :] < group[:, None]) | (
+        (group[None, :] == group[:, None]) & (index[None, :] < index[:, None])
+    )
+    rank = jnp.sum(earlier, axis=1, dtype=jnp.int32)
+    order = jnp.zeros_like(rank).at[rank].set(index, unique_indices=True)
+    sizes = jnp.sum(group[:, None] == jnp.arange(n_groups), axis=0, dtype=jnp.int32)
+    return order, rank, sizes
+
+
+def permutation_rows(tokens: list[int], n_experts: int, top_k: int, calls: int) -> list[dict]:
+    """Device µs of each way to sort `tokens × top_k` random pairs by expert; every way's
+    results must equal the engine's."""
+    rows = []
+    for n in tokens:
+        group = jax.random.randint(jax.random.key(n), (n * top_k,), 0, n_experts, jnp.int32)
+        expected = None
+        for label, sort in (
+            ("xla sort", sort_by_xla),
+            ("counting sort (engine)", sort_by_group),
+            ("pairwise", sort_by_pairs),
+        ):
+            fn = jax.jit(sort, static_argnums=1)
+            out = fn(group, n_experts)
+            expected = expected or out
+            same = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, expected, strict=True))
+            kernels = kernel_us(fn, (group, n_experts), calls)
+            row = {"tokens": n, "pairs": n * top_k, "path": label, "equal": same}
+            row |= {"us": sum(kernels.values()), "kernels_us": kernels}
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[32, 384, 1280])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="the Hopper kernel at SWEEP tiles")
+    parser.add_argument("--permutation", action="store_true", help="only the sort by expert")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     cfg = model_config("moe", args.tiny)
     e, m, f, k = cfg.n_experts, cfg.d_model, cfg.expert_hidden, cfg.experts_per_token
+    if args.permutation:
+        rows = permutation_rows(args.tokens, e, k, args.iters)
+        save("experts", {"permutation": True, "shape": [e, m, f, k], "results": rows})
+        return
     ceilings = measure_ceilings(args.tiny)
     keys = jax.random.split(jax.random.key(0), 4)
     gate_up = (jax.random.normal(keys[0], (e, m, 2, f)) / np.sqrt(m)).astype(jnp.bfloat16)

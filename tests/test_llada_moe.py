@@ -22,6 +22,7 @@ from djax.models.llada_moe import (
     hopper_kernel_fits,
     ragged_dot_hopper,
     route,
+    sort_by_group,
 )
 
 from torch_reference import MASK_ID, rel_error, torch_logits
@@ -97,6 +98,19 @@ def test_routing_and_expert_paths_match_numpy(bias, normalise):
     for run in (experts_dense, experts_grouped):
         out = run(jnp.asarray(x), weights, experts, jnp.asarray(gate_up), jnp.asarray(down), 0)
         assert rel_error(np.asarray(out), ref) < 1e-5, run.__name__
+
+
+@pytest.mark.parametrize("p, n_groups", [(1, 1), (40, 5), (3072, 64)])
+def test_sort_by_group_is_a_stable_sort(p, n_groups):
+    """The counting sort against numpy's stable argsort, with keys in every group and in
+    the past-the-end group n_groups (pairs on other devices); some groups stay empty."""
+    group = np.random.default_rng(p).integers(0, n_groups + 1, p)
+    group[group == n_groups // 2] = n_groups  # one group empty (all of them at n_groups=1)
+    order, rank, sizes = jax.jit(sort_by_group, static_argnums=1)(jnp.asarray(group), n_groups)
+    expected = np.argsort(group, kind="stable")
+    np.testing.assert_array_equal(order, expected)
+    np.testing.assert_array_equal(rank, np.argsort(expected))
+    np.testing.assert_array_equal(sizes, np.bincount(group, minlength=n_groups + 1)[:n_groups])
 
 
 def _routed_experts(seed, n=10, m=8, e=6, f=4, k=2, dtype=jnp.float32):
