@@ -2,6 +2,7 @@
 routing options, loading, and generation with every cache policy."""
 
 import dataclasses
+import functools
 import json
 import shutil
 
@@ -15,6 +16,7 @@ import djax
 from djax.checkpoint import CheckpointError
 from djax.config import from_hf_dict
 from djax.models.llada_moe import (
+    PAIRWISE_SORT_MAX,
     MoEBlock,
     choose_moe_impl,
     experts_dense,
@@ -100,10 +102,12 @@ def test_routing_and_expert_paths_match_numpy(bias, normalise):
         assert rel_error(np.asarray(out), ref) < 1e-5, run.__name__
 
 
-@pytest.mark.parametrize("p, n_groups", [(1, 1), (40, 5), (3072, 64)])
+@pytest.mark.parametrize("p, n_groups", [(1, 1), (40, 5), (2048, 64), (2049, 64), (3072, 64)])
 def test_sort_by_group_is_a_stable_sort(p, n_groups):
-    """The counting sort against numpy's stable argsort, with keys in every group and in
-    the past-the-end group n_groups (pairs on other devices); some groups stay empty."""
+    """Both ways of `sort_by_group` (pairs up to 2,048 items, running counts above) against
+    numpy's stable argsort, with keys in every group and in the past-the-end group n_groups
+    (pairs on other devices); some groups stay empty."""
+    assert PAIRWISE_SORT_MAX == 2048
     group = np.random.default_rng(p).integers(0, n_groups + 1, p)
     group[group == n_groups // 2] = n_groups  # one group empty (all of them at n_groups=1)
     order, rank, sizes = jax.jit(sort_by_group, static_argnums=1)(jnp.asarray(group), n_groups)
@@ -157,14 +161,18 @@ def test_grouped_path_masks_rows_outside_the_groups():
     not hopper_kernel_fits(jnp.bfloat16, 256, 128, 128), reason="needs a Hopper GPU"
 )
 @pytest.mark.parametrize("first_expert, n_local", [(0, 8), (4, 4)])
-def test_hopper_kernel_matches_ragged_dot(first_expert, n_local):
+@pytest.mark.parametrize("tokens", [64, 1100])
+def test_hopper_kernel_matches_ragged_dot(first_expert, n_local, tokens):
     """On an H100/H200: the Mosaic GPU kernel against XLA's ragged_dot, all experts local
-    and half of them (the expert-parallel case, with pairs outside every group)."""
-    x, weights, experts, gate_up, down = _routed_experts(3, 64, 256, 8, 128, 2, jnp.bfloat16)
+    and half of them (the expert-parallel case, with pairs outside every group), with the
+    pairs sorted both ways of `sort_by_group` (128 and 2,200 pairs)."""
+    x, weights, experts, gate_up, down = _routed_experts(3, tokens, 256, 8, 128, 2, jnp.bfloat16)
     mine = slice(first_expert, first_expert + n_local)
     local = (gate_up[mine], down[mine])
     expected = experts_grouped(x, weights, experts, *local, first_expert)
-    out = experts_grouped(x, weights, experts, *local, first_expert, ragged_dot=ragged_dot_hopper)
+    # Under jit, as in a generation: XLA's buffer assignment decides what the kernel gets.
+    hopper = jax.jit(functools.partial(experts_grouped, ragged_dot=ragged_dot_hopper))
+    out = hopper(x, weights, experts, *local, first_expert)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert rel_error(np.asarray(out, np.float32), np.asarray(expected, np.float32)) < 1e-2
 

@@ -51,6 +51,8 @@ MOE_IMPLS = ("auto", "grouped", "dense", "hopper")
 GROUPED_EXPERTS_MAX_TOKENS = 64
 # Tiles of `ragged_dot_hopper`: the fastest of bench/experts.py's set at 32, 384 and 1,280
 # tokens on an H200 (bench/results/experts_NVIDIA_H200_20261122_015220.json).
+# `sort_by_group` compares every pair up to this many items and counts per group above.
+PAIRWISE_SORT_MAX = 2048
 HOPPER_TILES = {
     "block_m": 64,
     "block_n": 256,
@@ -126,25 +128,35 @@ def hopper_kernel_fits(dtype: Any, d_model: int, ffn: int, pairs: int) -> bool:
 
 
 def sort_by_group(group: Array, n_groups: int) -> tuple[Array, Array, Array]:
-    """A stable counting sort of items by a small integer key, without a sort kernel.
+    """A stable sort of items by a small integer key, without a sort kernel.
 
     group: [p] int32 in [0, n_groups] (n_groups itself sorts last, outside every group).
     Returns (order [p]: the item at each sorted position, rank [p]: each item's sorted
     position, so `order[rank] == arange(p)`, group_sizes [n_groups] int32).
 
-    An item's rank is the count of items in lower groups plus the count of earlier items in
-    its own group: a running count of one-hot keys, linear in p. XLA's sort of the same
-    keys (two `argsort`s, the second to invert the first) took 2 × 25 µs per LLaDA-MoE
-    layer at 3,072 token-expert pairs on an H200 (`profile_…_20261123_182442`).
+    An item's rank is the number of items that sort before it. Up to PAIRWISE_SORT_MAX
+    items it is a compare-and-sum over every pair (p² work in one kernel); above, the count
+    of items in lower groups plus a running count of earlier items in its own group
+    (one-hot keys, linear in p). On an H200 (`experts_…_20261123_192621`) XLA's sort and its
+    inverse took 7.1 µs at 256 items (a LLaDA-MoE block's pairs), 33.3 at 3,072 (a
+    refresh's) and 60.5 at 10,240; pairs 3.8, 10.3 and 64.7; running counts 7.0, 8.6, 12.0.
     """
-    one_hot = group[:, None] == jnp.arange(n_groups + 1)  # [p, n_groups + 1]
-    running = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32)
-    sizes = running[-1]
-    starts = jnp.cumsum(sizes) - sizes
-    within = jnp.take_along_axis(running, group[:, None], axis=1)[:, 0] - 1
-    rank = starts[group] + within
-    order = jnp.zeros_like(rank).at[rank].set(jnp.arange(group.shape[0]), unique_indices=True)
-    return order, rank, sizes[:n_groups]
+    index = jnp.arange(group.shape[0])
+    if group.shape[0] <= PAIRWISE_SORT_MAX:
+        same = group[None, :] == group[:, None]
+        earlier = (group[None, :] < group[:, None]) | (same & (index[None, :] < index[:, None]))
+        rank = jnp.sum(earlier, axis=1, dtype=jnp.int32)
+    else:
+        one_hot = group[:, None] == jnp.arange(n_groups + 1)  # [p, n_groups + 1]
+        running = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32)
+        totals = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
+        starts = jnp.cumsum(totals) - totals
+        rank = starts[group] + jnp.take_along_axis(running, group[:, None], axis=1)[:, 0] - 1
+    order = jnp.zeros_like(rank).at[rank].set(index, unique_indices=True)
+    # Counted on their own: as a slice of `running` XLA handed the Hopper kernel an offset
+    # into that buffer, and the kernel needs its group sizes 256-byte aligned.
+    sizes = jnp.sum(group[:, None] == jnp.arange(n_groups), axis=0, dtype=jnp.int32)
+    return order, rank, sizes
 
 
 def experts_grouped(
