@@ -51,8 +51,8 @@ MOE_IMPLS = ("auto", "grouped", "dense", "hopper")
 GROUPED_EXPERTS_MAX_TOKENS = 64
 # Tiles of `ragged_dot_hopper`: the fastest of bench/experts.py's set at 32, 384 and 1,280
 # tokens on an H200 (bench/results/experts_NVIDIA_H200_20261122_015220.json).
-# `sort_by_group` compares every pair up to this many items and counts per group above.
-PAIRWISE_SORT_MAX = 2048
+# `sort_by_group` compares every pair of items inside chunks of this many items.
+SORT_CHUNK = 512
 HOPPER_TILES = {
     "block_m": 64,
     "block_n": 256,
@@ -134,27 +134,34 @@ def sort_by_group(group: Array, n_groups: int) -> tuple[Array, Array, Array]:
     Returns (order [p]: the item at each sorted position, rank [p]: each item's sorted
     position, so `order[rank] == arange(p)`, group_sizes [n_groups] int32).
 
-    An item's rank is the number of items that sort before it. Up to PAIRWISE_SORT_MAX
-    items it is a compare-and-sum over every pair (p² work in one kernel); above, the count
-    of items in lower groups plus a running count of earlier items in its own group
-    (one-hot keys, linear in p). On an H200 (`experts_…_20261123_192621`) XLA's sort and its
-    inverse took 7.1 µs at 256 items (a LLaDA-MoE block's pairs), 33.3 at 3,072 (a
-    refresh's) and 60.5 at 10,240; pairs 3.8, 10.3 and 64.7; running counts 7.0, 8.6, 12.0.
+    An item's rank is the number of items that sort before it: those of lower keys, and
+    the earlier ones of its own key. Items are cut into chunks of SORT_CHUNK; inside its
+    chunk an item is compared with every other (chunk² work per chunk), and the other
+    chunks count by key ([chunks, keys] counts). On an H200 (`experts_…_20261123_192621`)
+    XLA's sort and its inverse took 7.1 µs at 256 items (a LLaDA-MoE block's pairs), 33.3
+    at 3,072 (a refresh's) and 60.5 at 10,240; comparing every pair took 3.8, 10.3 and 64.7.
     """
-    index = jnp.arange(group.shape[0])
-    if group.shape[0] <= PAIRWISE_SORT_MAX:
-        same = group[None, :] == group[:, None]
-        earlier = (group[None, :] < group[:, None]) | (same & (index[None, :] < index[:, None]))
-        rank = jnp.sum(earlier, axis=1, dtype=jnp.int32)
-    else:
-        one_hot = group[:, None] == jnp.arange(n_groups + 1)  # [p, n_groups + 1]
-        running = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32)
-        totals = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
-        starts = jnp.cumsum(totals) - totals
-        rank = starts[group] + jnp.take_along_axis(running, group[:, None], axis=1)[:, 0] - 1
-    order = jnp.zeros_like(rank).at[rank].set(index, unique_indices=True)
-    # Counted on their own: as a slice of `running` XLA handed the Hopper kernel an offset
-    # into that buffer, and the kernel needs its group sizes 256-byte aligned.
+    p = group.shape[0]
+    chunk = min(p, SORT_CHUNK)
+    n_chunks = -(-p // chunk)
+    # Padding takes a key past every real one: it sorts after every real item.
+    keys = jnp.pad(group, (0, n_chunks * chunk - p), constant_values=n_groups + 1)
+    keys = keys.reshape(n_chunks, chunk)
+    at = jnp.arange(chunk)
+    lower = keys[:, None, :] < keys[:, :, None]  # [chunks, item, other item]
+    earlier = (keys[:, None, :] == keys[:, :, None]) & (at[None, :] < at[:, None])
+    rank = jnp.sum(lower | earlier, axis=2, dtype=jnp.int32)  # within the chunk
+    if n_chunks > 1:
+        counts = jnp.sum(keys[..., None] == jnp.arange(n_groups + 2), axis=1, dtype=jnp.int32)
+        below = jnp.cumsum(counts, axis=1) - counts  # [chunks, key]: items of lower keys
+        in_earlier_chunks = jnp.cumsum(counts, axis=0) - counts  # [chunks, key]
+        other_lower = jnp.sum(below, axis=0)[keys] - jnp.take_along_axis(below, keys, axis=1)
+        rank = rank + other_lower + jnp.take_along_axis(in_earlier_chunks, keys, axis=1)
+    rank = rank.reshape(-1)[:p]
+    order = jnp.zeros_like(rank).at[rank].set(jnp.arange(p), unique_indices=True)
+    # Counted on their own, not sliced from `counts`: XLA can hand a slice to the Hopper
+    # kernel as an offset into the larger buffer, and the kernel needs its group sizes
+    # 256-byte aligned.
     sizes = jnp.sum(group[:, None] == jnp.arange(n_groups), axis=0, dtype=jnp.int32)
     return order, rank, sizes
 
