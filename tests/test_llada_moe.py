@@ -16,6 +16,7 @@ import djax
 from djax.checkpoint import CheckpointError
 from djax.config import from_hf_dict
 from djax.models.llada_moe import (
+    PAIRWISE_SORT_MAX,
     SORT_CHUNK,
     MoEBlock,
     choose_moe_impl,
@@ -102,12 +103,12 @@ def test_routing_and_expert_paths_match_numpy(bias, normalise):
         assert rel_error(np.asarray(out), ref) < 1e-5, run.__name__
 
 
-@pytest.mark.parametrize("p, n_groups", [(1, 1), (40, 5), (512, 64), (1300, 7), (3072, 64)])
+@pytest.mark.parametrize("p, n_groups", [(1, 1), (40, 5), (3072, 64), (4500, 7), (5120, 64)])
 def test_sort_by_group_is_a_stable_sort(p, n_groups):
-    """`sort_by_group` against numpy's stable argsort, in one chunk and in several (1,300
+    """`sort_by_group` against numpy's stable argsort, in one chunk and in several (4,500
     items: a padded last chunk), with keys in every group and in the past-the-end group
     n_groups (pairs on other devices); some groups stay empty."""
-    assert SORT_CHUNK == 512
+    assert PAIRWISE_SORT_MAX == 4096 and SORT_CHUNK == 512
     group = np.random.default_rng(p).integers(0, n_groups + 1, p)
     group[group == n_groups // 2] = n_groups  # one group empty (all of them at n_groups=1)
     order, rank, sizes = jax.jit(sort_by_group, static_argnums=1)(jnp.asarray(group), n_groups)
@@ -161,11 +162,11 @@ def test_grouped_path_masks_rows_outside_the_groups():
     not hopper_kernel_fits(jnp.bfloat16, 256, 128, 128), reason="needs a Hopper GPU"
 )
 @pytest.mark.parametrize("first_expert, n_local", [(0, 8), (4, 4)])
-@pytest.mark.parametrize("tokens", [64, 1100])
+@pytest.mark.parametrize("tokens", [64, 2200])
 def test_hopper_kernel_matches_ragged_dot(first_expert, n_local, tokens):
     """On an H100/H200: the Mosaic GPU kernel against XLA's ragged_dot, all experts local
     and half of them (the expert-parallel case, with pairs outside every group), with the
-    pairs sorted in one chunk and in several (128 and 2,200 pairs)."""
+    pairs sorted in one chunk and in several (128 and 4,400 pairs)."""
     x, weights, experts, gate_up, down = _routed_experts(3, tokens, 256, 8, 128, 2, jnp.bfloat16)
     mine = slice(first_expert, first_expert + n_local)
     local = (gate_up[mine], down[mine])

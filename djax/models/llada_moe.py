@@ -51,7 +51,9 @@ MOE_IMPLS = ("auto", "grouped", "dense", "hopper")
 GROUPED_EXPERTS_MAX_TOKENS = 64
 # Tiles of `ragged_dot_hopper`: the fastest of bench/experts.py's set at 32, 384 and 1,280
 # tokens on an H200 (bench/results/experts_NVIDIA_H200_20261122_015220.json).
-# `sort_by_group` compares every pair of items inside chunks of this many items.
+# `sort_by_group` compares every pair of up to PAIRWISE_SORT_MAX items at once (a block's
+# and a refresh's pairs at batch 1); more it cuts into chunks of SORT_CHUNK items.
+PAIRWISE_SORT_MAX = 4096
 SORT_CHUNK = 512
 HOPPER_TILES = {
     "block_m": 64,
@@ -135,14 +137,15 @@ def sort_by_group(group: Array, n_groups: int) -> tuple[Array, Array, Array]:
     position, so `order[rank] == arange(p)`, group_sizes [n_groups] int32).
 
     An item's rank is the number of items that sort before it: those of lower keys, and
-    the earlier ones of its own key. Items are cut into chunks of SORT_CHUNK; inside its
-    chunk an item is compared with every other (chunk² work per chunk), and the other
-    chunks count by key ([chunks, keys] counts). On an H200 (`experts_…_20261123_192621`)
-    XLA's sort and its inverse took 7.1 µs at 256 items (a LLaDA-MoE block's pairs), 33.3
-    at 3,072 (a refresh's) and 60.5 at 10,240; comparing every pair took 3.8, 10.3 and 64.7.
+    the earlier ones of its own key. Up to PAIRWISE_SORT_MAX items every pair is compared
+    (p² work). More items are cut into chunks of SORT_CHUNK: inside its chunk an item is
+    compared with every other, and the other chunks count by key ([chunks, keys] counts).
+    On an H200 (`experts_…_20261123_194012`), XLA's sort and its inverse took 7.1 µs at
+    256 items (a LLaDA-MoE block's pairs), 33.2 at 3,072 (a refresh's) and 60.9 at 10,240;
+    every pair compared 3.7, 10.4 and 64.4; 512-item chunks 3.7, 13.7 and 12.2.
     """
     p = group.shape[0]
-    chunk = min(p, SORT_CHUNK)
+    chunk = p if p <= PAIRWISE_SORT_MAX else SORT_CHUNK
     n_chunks = -(-p // chunk)
     # Padding takes a key past every real one: it sorts after every real item.
     keys = jnp.pad(group, (0, n_chunks * chunk - p), constant_values=n_groups + 1)
