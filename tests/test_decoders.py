@@ -1,0 +1,85 @@
+"""The decoders' pass over the vocabulary: token and confidence from one reduction, on one
+device and with the vocabulary split over 4 fake CPU devices (set in conftest.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from djax.decoders import DecoderSpec, credit_update, predict
+
+MASK = 5
+VOCAB = 64
+
+
+def _logits(seed: int) -> np.ndarray:
+    """[2, 6, VOCAB] fp32 logits with the cases a pass can get wrong: a tie for the top (the
+    first id wins), the mask id on top (never chosen), a tie across the split's parts
+    (ids 15 and 16 lie on devices 0 and 1 of 4), and a row far from zero."""
+    x = np.random.default_rng(seed).normal(size=(2, 6, VOCAB)).astype(np.float32) * 3
+    x[0, 0, [9, 40]] = 20.0
+    x[0, 1, MASK] = 30.0
+    x[1, 2, [15, 16]] = 25.0
+    x[1, 3] += 500.0
+    return x
+
+
+def _expected(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    choosable = np.where(np.arange(VOCAB) == MASK, -np.inf, logits)
+    token = np.argmax(choosable, axis=-1)  # the first maximum
+    x = logits.astype(np.float64)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return token, np.take_along_axis(p, token[..., None], axis=-1)[..., 0]
+
+
+def test_token_and_confidence_in_one_pass():
+    logits = _logits(0)
+    token, confidence = jax.jit(lambda x: predict(x, 0.0, None, MASK))(jnp.asarray(logits))
+    expected_token, expected_confidence = _expected(logits)
+    np.testing.assert_array_equal(token, expected_token)
+    assert token[0, 0] == 9 and token[0, 1] != MASK and token[1, 2] == 15
+    np.testing.assert_allclose(confidence, expected_confidence, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_split_vocabulary_matches_one_device(temperature):
+    """Each of 4 devices holds a quarter of the vocabulary: the combined token and
+    confidence equal one device's (Gumbel noise drawn over the whole vocabulary)."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    logits = jnp.asarray(_logits(1))
+    key = jax.random.key(3)
+    whole = jax.jit(lambda x: predict(x, temperature, key, MASK))(logits)
+    split = jax.jit(
+        jax.shard_map(
+            lambda x: predict(x, temperature, key, MASK, "model"),
+            mesh=mesh,
+            in_specs=P(None, None, "model"),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )(logits)
+    np.testing.assert_array_equal(split[0], whole[0])
+    np.testing.assert_allclose(split[1], whole[1], rtol=1e-6)
+    if temperature == 0.0:
+        assert whole[0][1, 2] == 15
+
+
+def test_credit_adds_at_the_top_token():
+    """The credit decoder's p1 comes from the same pass: credit lands at the top-1 token
+    (first of a tie) of masked positions only, as p1^γ."""
+    logits = _logits(2)
+    masked = jnp.ones((2, 6), bool).at[1, 0].set(False)
+    spec = DecoderSpec(name="credit")
+    credit, _ = credit_update(
+        jnp.zeros((2, 6, VOCAB)), jnp.asarray(logits), masked, spec, jnp.array(True), None
+    )
+    top = np.argmax(logits, axis=-1)
+    x = logits.astype(np.float64)
+    p1 = 1 / np.exp(x - x.max(-1, keepdims=True)).sum(-1)
+    expected = np.zeros_like(logits)
+    np.put_along_axis(expected, top[..., None], (p1**spec.credit_gamma)[..., None], axis=-1)
+    expected[1, 0] = 0.0
+    np.testing.assert_allclose(credit, expected, rtol=1e-5, atol=1e-7)
