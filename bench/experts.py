@@ -2,12 +2,14 @@
 expert ffn 1024) per expert path, at block (32 tokens) and refresh (384, 1280) sizes.
 
 Paths: `dense` (every expert on every token), `grouped` (`jax.lax.ragged_dot`, also under
-XLA's experimental ragged-dot options), and `hopper` (JAX's Mosaic GPU ragged-dot kernel,
-at a few tile shapes; GPU only). Each is checked against `dense` in fp32 (relative L2
+XLA's experimental ragged-dot options), `hopper` (JAX's Mosaic GPU ragged-dot kernel, at a
+few tile shapes; GPU only) and `pallas` (djax's expert-tile kernels, `expert_tiles`, at the
+tiles of `EXPERT_TILES`; interpreted off GPUs). Each is checked against `dense` in fp32 (relative L2
 error) and timed in-program; the floor is the bytes of the experts the tokens hit, read
 once, at the measured read bandwidth, or the routed FLOPs at the matmul rate.
 
-`--sweep` replaces the paths by the Hopper kernel at a wider set of tiles (`SWEEP`).
+`--sweep` replaces the first three paths by the Hopper kernel at a wider set of tiles
+(`SWEEP`).
 `--permutation` times only the sort of the token-expert pairs by expert (device µs of each
 kernel from a profiler trace): XLA's sort (`argsort`, and again to invert it), the engine's
 counting sort (`sort_by_group`), and a pairwise compare-and-sum.
@@ -26,7 +28,8 @@ import numpy as np
 
 from bench.common import measure_ceilings, model_config, save, time_in_program
 from bench.kernel_time import kernel_us
-from djax.models.llada_moe import experts_dense, experts_grouped, route, sort_by_group
+from djax.models import expert_tiles
+from djax.models.llada_moe import experts_dense, experts_grouped, ragged_mlp, route, sort_by_group
 
 HOPPER_TILES = (
     {"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
@@ -43,6 +46,22 @@ SWEEP = tuple(
     for steps in (2, 4, 6)
     for g in (1, 2)
 )
+# djax's expert-tile kernels (`expert_tiles`): (gate/up, down) tiles; None is `tiles_for`.
+EXPERT_TILES = (
+    None,
+    (expert_tiles.Tiles(block_m=64, block_n=128), expert_tiles.Tiles(block_m=64, block_n=256)),
+    (expert_tiles.Tiles(block_m=64, block_n=64), expert_tiles.Tiles(block_m=64, block_n=128)),
+    (
+        expert_tiles.Tiles(block_m=64, block_n=128, block_k=128, num_stages=3),
+        expert_tiles.Tiles(block_m=64, block_n=128, block_k=128, num_stages=3),
+    ),
+    (
+        expert_tiles.Tiles(block_m=64, block_n=128, num_warps=8),
+        expert_tiles.Tiles(block_m=64, block_n=128, num_warps=8),
+    ),
+    (expert_tiles.Tiles(block_m=32, block_n=128), expert_tiles.Tiles(block_m=32, block_n=128)),
+    (expert_tiles.Tiles(block_m=16, block_n=128), expert_tiles.Tiles(block_m=16, block_n=128)),
+)
 XLA_RAGGED_OPTIONS = {
     "default": {},
     "ragged_dot_fusion": {"xla_gpu_experimental_use_ragged_dot_fusion": True},
@@ -50,10 +69,13 @@ XLA_RAGGED_OPTIONS = {
 }
 
 
-def hopper_ragged_dot(tiles: dict):
+def hopper_mlp(tiles: dict):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-    return lambda lhs, rhs, sizes: ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=sizes, **tiles)
+    ragged_dot = lambda lhs, rhs, sizes: ragged_dot_mgpu.ragged_dot(
+        lhs, rhs, group_sizes=sizes, **tiles
+    )
+    return functools.partial(ragged_mlp, ragged_dot=ragged_dot)
 
 
 def paths(sweep: bool = False) -> list[tuple[str, object, dict]]:
@@ -63,9 +85,19 @@ def paths(sweep: bool = False) -> list[tuple[str, object, dict]]:
     if jax.default_backend() == "gpu":
         for tiles in SWEEP if sweep else HOPPER_TILES:
             label = "hopper " + " ".join(f"{k}={v}" for k, v in tiles.items())
-            run = functools.partial(experts_grouped, ragged_dot=hopper_ragged_dot(tiles))
+            run = functools.partial(experts_grouped, mlp=hopper_mlp(tiles))
             out.append((label, run, {}))
+    for tiles in EXPERT_TILES:
+        label = "pallas " + ("tiles_for" if tiles is None else _tiles_label(tiles))
+        mlp = functools.partial(expert_tiles.expert_mlp, tiles=tiles)
+        out.append((label, functools.partial(experts_grouped, mlp=mlp), {}))
     return out
+
+
+def _tiles_label(tiles) -> str:
+    return " / ".join(
+        f"{t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}" for t in tiles
+    )
 
 
 def sort_by_xla(group, n_groups: int):

@@ -24,6 +24,7 @@ from djax.models.llada_moe import (
     experts_grouped,
     hopper_kernel_fits,
     ragged_dot_hopper,
+    ragged_mlp,
     route,
     sort_by_group,
 )
@@ -152,7 +153,8 @@ def test_grouped_path_masks_rows_outside_the_groups():
     whatever a kernel leaves there (NaN here) must not reach the output."""
     x, weights, experts, gate_up, down = _routed_experts(2)
     local = (gate_up[3:], down[3:])
-    out = experts_grouped(x, weights, experts, *local, 3, ragged_dot=_ragged_dot_unwritten_tail)
+    mlp = functools.partial(ragged_mlp, ragged_dot=_ragged_dot_unwritten_tail)
+    out = experts_grouped(x, weights, experts, *local, 3, mlp=mlp)
     assert np.isfinite(np.asarray(out)).all()
     expected = experts_dense(x, weights, experts, *local, 3)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
@@ -172,7 +174,8 @@ def test_hopper_kernel_matches_ragged_dot(first_expert, n_local, tokens):
     local = (gate_up[mine], down[mine])
     expected = experts_grouped(x, weights, experts, *local, first_expert)
     # Under jit, as in a generation: XLA's buffer assignment decides what the kernel gets.
-    hopper = jax.jit(functools.partial(experts_grouped, ragged_dot=ragged_dot_hopper))
+    mlp = functools.partial(ragged_mlp, ragged_dot=ragged_dot_hopper)
+    hopper = jax.jit(functools.partial(experts_grouped, mlp=mlp))
     out = hopper(x, weights, experts, *local, first_expert)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert rel_error(np.asarray(out, np.float32), np.asarray(expected, np.float32)) < 1e-2

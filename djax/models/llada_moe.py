@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import ModelConfig
+from djax.models import expert_tiles, pallas_tiles
 from djax.models.impls import check_choice
 from djax.models.layers import GatedMLP, TransformerLM, _sum_over, init_normal
 from djax.models.sources import (
@@ -42,13 +43,17 @@ from djax.models.sources import (
 from djax.models.split_k import finish
 
 Array = jax.Array
-MOE_IMPLS = ("auto", "grouped", "dense", "hopper")
+MOE_IMPLS = ("auto", "grouped", "dense", "hopper", "pallas")
 # `auto` runs `hopper` on Hopper GPUs (LLaDA-MoE on an H200: 32-token block 5.5 ms, 384-token
 # refresh 8.3 ms; bench/results/forward_NVIDIA_H200_20261122_015632.json). Elsewhere it runs
 # the grouped path up to this many tokens per forward and the dense one above it: on the same
 # H200 a block took 6.7 ms grouped vs 9.6 ms dense, a refresh 57 ms grouped vs 15 ms dense,
 # because XLA lowers `ragged_dot` there to a dense cuBLAS matmul over every group.
 GROUPED_EXPERTS_MAX_TOKENS = 64
+# `auto` runs `pallas` (djax's expert-tile kernels, `expert_tiles`) on GPUs with 16-bit
+# weights from this many token-expert pairs per local expert on average: there tiles of
+# the Hopper kernel straddle experts and read their weights again.
+EXPERT_TILES_MIN_PAIRS = 16
 # Tiles of `ragged_dot_hopper`: the fastest of bench/experts.py's set at 32, 384 and 1,280
 # tokens on an H200 (bench/results/experts_NVIDIA_H200_20261122_015220.json).
 # `sort_by_group` compares every pair of up to PAIRWISE_SORT_MAX items at once (a block's
@@ -169,6 +174,26 @@ def sort_by_group(group: Array, n_groups: int) -> tuple[Array, Array, Array]:
     return order, rank, sizes
 
 
+def ragged_mlp(
+    x: Array,
+    gate_up: Array,
+    down: Array,
+    group_sizes: Array,
+    ragged_dot: Callable[[Array, Array, Array], Array] = jax.lax.ragged_dot,
+) -> Array:
+    """The experts' SwiGLU MLP on rows sorted by expert, as two grouped matmuls
+    (`ragged_dot`) with the activation between them.
+
+    x: [pairs, model]; gate_up: [experts, model, 2, ffn]; down: [experts, ffn, model];
+    group_sizes: [experts] int32. Returns [pairs, model]; rows past sum(group_sizes) may
+    hold anything.
+    """
+    n_local, d_model, _, ffn = gate_up.shape
+    h = ragged_dot(x, gate_up.reshape(n_local, d_model, 2 * ffn), group_sizes)
+    act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]
+    return ragged_dot(act, down, group_sizes)
+
+
 def experts_grouped(
     x: Array,
     weights: Array,
@@ -176,24 +201,23 @@ def experts_grouped(
     gate_up: Array,
     down: Array,
     first_expert: Any,
-    ragged_dot: Callable[[Array, Array, Array], Array] = jax.lax.ragged_dot,
+    mlp: Callable[[Array, Array, Array, Array], Array] = ragged_mlp,
 ) -> Array:
-    """Token-expert pairs sorted by local expert and run as grouped matmuls (`ragged_dot`).
+    """Token-expert pairs sorted by local expert, the experts' MLP run on them by `mlp`
+    (`ragged_mlp`'s arguments and result), and the outputs weighted back per token.
 
     Same arguments and result as `experts_dense`; pairs routed to experts on other devices
     sort last, outside every group, and get zero weight.
     """
     n, top_k = experts.shape
-    n_local, d_model, _, ffn = gate_up.shape
+    n_local, d_model = gate_up.shape[:2]
     local = experts - first_expert
     is_local = (local >= 0) & (local < n_local)  # [n, top_k]
     sort_key = jnp.where(is_local, local, n_local).reshape(-1)
     order, rank, group_sizes = sort_by_group(sort_key, n_local)
     # The way back is a gather through `rank`: XLA's scatter-adds (a bincount, an
     # `.at[token].add`) took ~7% of a LLaDA-MoE generation on an H200.
-    h = ragged_dot(x[order // top_k], gate_up.reshape(n_local, d_model, 2 * ffn), group_sizes)
-    act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]
-    y = ragged_dot(act, down, group_sizes)[rank].reshape(n, top_k, d_model)
+    y = mlp(x[order // top_k], gate_up, down, group_sizes)[rank].reshape(n, top_k, d_model)
     y = jnp.where(is_local[..., None], y, 0)  # rows outside every group may hold anything
     pair_weight = jnp.where(is_local, weights, 0.0).astype(x.dtype)
     return jnp.einsum("nk,nkm->nm", pair_weight, y, preferred_element_type=jnp.float32).astype(
@@ -201,13 +225,29 @@ def experts_grouped(
     )
 
 
-def choose_moe_impl(impl: str, n_tokens: int, hopper_fits: bool = False) -> str:
+def expert_tiles_fit(dtype: Any, d_model: int, ffn: int, pairs: int, n_local: int) -> bool:
+    """Whether `auto` takes djax's expert-tile kernels: a GPU, 16-bit weights, model and
+    expert widths that are multiples of 16, and at least EXPERT_TILES_MIN_PAIRS token-expert
+    pairs per local expert."""
+    return (
+        jax.default_backend() == "gpu"
+        and jnp.dtype(dtype).itemsize == 2
+        and pallas_tiles.matmul_fits(d_model, ffn)
+        and pairs >= EXPERT_TILES_MIN_PAIRS * n_local
+    )
+
+
+def choose_moe_impl(
+    impl: str, n_tokens: int, hopper_fits: bool = False, tiles_fit: bool = False
+) -> str:
     """The expert path for `n_tokens` tokens: `impl` itself unless it is `auto`, which takes
-    `hopper` where the kernel fits, else `grouped` up to GROUPED_EXPERTS_MAX_TOKENS tokens
-    and `dense` above."""
+    `pallas` where `expert_tiles_fit` says so (`tiles_fit`), else `hopper` where that kernel
+    fits, else `grouped` up to GROUPED_EXPERTS_MAX_TOKENS tokens and `dense` above."""
     check_choice("moe_impl", impl, MOE_IMPLS)
     if impl != "auto":
         return impl
+    if tiles_fit:
+        return "pallas"
     if hopper_fits:
         return "hopper"
     return "grouped" if n_tokens <= GROUPED_EXPERTS_MAX_TOKENS else "dense"
@@ -251,7 +291,8 @@ class MoEBlock(nn.Module):
         first = 0 if local_e == e else jax.lax.axis_index(self.axis_name) * local_e
         pairs = b * t * cfg.experts_per_token
         hopper_fits = hopper_kernel_fits(self.dtype, m, local_f, pairs)
-        impl = choose_moe_impl(self.moe_impl, b * t, hopper_fits)
+        tiles_fit = expert_tiles_fit(self.dtype, m, local_f, pairs, local_e)
+        impl = choose_moe_impl(self.moe_impl, b * t, hopper_fits, tiles_fit)
         if impl == "hopper" and not hopper_fits:
             raise ValueError(
                 f"moe_impl='hopper' needs a Hopper GPU (compute capability 9.x), 16-bit "
@@ -260,10 +301,18 @@ class MoEBlock(nn.Module):
                 f"{jax.devices()[0].device_kind!r}, dtype {jnp.dtype(self.dtype).name}, "
                 f"model {m}, local expert ffn {local_f}, {pairs} pairs"
             )
+        if impl == "pallas" and not pallas_tiles.matmul_fits(m, local_f):
+            raise ValueError(
+                f"moe_impl='pallas' takes model and local expert widths that are multiples "
+                f"of 16; got model {m}, local expert ffn {local_f}"
+            )
         run = {
             "dense": experts_dense,
             "grouped": experts_grouped,
-            "hopper": functools.partial(experts_grouped, ragged_dot=ragged_dot_hopper),
+            "hopper": functools.partial(
+                experts_grouped, mlp=functools.partial(ragged_mlp, ragged_dot=ragged_dot_hopper)
+            ),
+            "pallas": functools.partial(experts_grouped, mlp=expert_tiles.expert_mlp),
         }[impl]
         with jax.named_scope(f"experts_{impl}"):
             y = run(flat, weights, experts, gate_up, down, first).reshape(b, t, m)
