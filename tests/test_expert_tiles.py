@@ -200,7 +200,7 @@ def test_compiled_kernels_on_gpu(tokens):
     refresh's token count, under jit as in a generation."""
     x, weights, experts, gate_up, down = _routed_experts(5, tokens, 2048, 64, 1024, 8, jnp.bfloat16)
     expected = jax.jit(experts_grouped)(x, weights, experts, gate_up, down, 0)
-    for tiles in (None, (Tiles(block_m=64, block_n=256), Tiles(block_m=64, block_n=128))):
+    for tiles in (None, (Tiles(block_m=32, block_n=64, block_k=128), Tiles(block_n=256))):
         mlp = functools.partial(expert_mlp, tiles=tiles)
         run = jax.jit(functools.partial(experts_grouped, mlp=mlp))
         out = np.asarray(run(x, weights, experts, gate_up, down, 0), np.float32)
