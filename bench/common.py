@@ -14,12 +14,13 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from djax import GenerationConfig, Model
+from djax import GenerationConfig, Model, engine, generate
 from djax.config import ModelConfig, from_hf_dict
 from djax.models import init_params
 from djax.sharding import make_mesh, param_shardings
@@ -129,10 +130,53 @@ def parse_options(text: str) -> dict[str, str]:
     return {key: value for key, _, value in pairs}
 
 
-def weight_bytes(params: dict) -> int:
-    """Bytes of every weight a forward reads (the embedding is gathered, not read whole)."""
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    return sum(x.nbytes for path, x in leaves if path[0].key != "embed")
+def weight_bytes(params: dict, experts_read: float | None = None) -> int:
+    """Bytes of every weight a forward reads (the embedding is gathered, not read whole).
+
+    `experts_read`: how many of each MoE layer's stacked experts (`gate_up` [experts, model,
+    2, ffn], `down` [experts, ffn, model]) the forward's tokens are routed to, on average;
+    None counts every expert."""
+    total = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        if path[0].key == "embed":
+            continue
+        name = path[-1].key
+        stacked = (name, x.ndim) in (("gate_up", 4), ("down", 3))
+        share = experts_read / x.shape[0] if stacked and experts_read is not None else 1.0
+        total += x.nbytes * share
+    return int(total)
+
+
+def experts_hit(model: Model, prompt: list[int], config: GenerationConfig) -> dict[str, float]:
+    """The mean number of experts a MoE layer's tokens are routed to, in a generation's
+    whole-sequence forwards (`whole`: refreshes) and its other forwards (`window`: blocks).
+
+    Counted by running the generation once more with `route` reporting every call's expert
+    ids to the host, as a program of its own (neither the compiled programs in memory nor
+    the saved ones are used or kept). A random router can send a block's tokens to a few
+    experts only, and the floors must count what the forwards read."""
+    from djax.models import llada_moe
+
+    seq = len(prompt) + config.gen_length
+    counts: dict[str, list[int]] = {"whole": [], "window": []}
+    route = llada_moe.route
+
+    def record(experts):
+        kind = "whole" if experts.shape[0] == seq else "window"
+        counts[kind].append(len(np.unique(experts)))
+
+    def counting_route(*args):
+        weights, experts = route(*args)
+        jax.debug.callback(record, experts)
+        return weights, experts
+
+    with (
+        mock.patch.object(llada_moe, "route", counting_route),
+        mock.patch.object(engine, "_EXECUTABLES", {}),
+        mock.patch.object(engine, "programs_folder", lambda: None),
+    ):
+        jax.block_until_ready(generate(model, [prompt], config).answer_ids)
+    return {kind: float(np.mean(c)) for kind, c in counts.items() if c}
 
 
 def device_info() -> dict[str, Any]:

@@ -29,6 +29,7 @@ import numpy as np
 from bench.common import (
     SETTING,
     bench_model,
+    experts_hit,
     measure_ceilings,
     model_config,
     parse_options,
@@ -49,8 +50,13 @@ def run_case(
     best = sorted(runs, key=lambda r: r.stats.seconds)[len(runs) // 2]
     s = best.stats
     seq = prompt_len + config.gen_length
-    refresh_s = refresh_flops(model.config, model.params, seq) / ceilings["matmul_flops_per_s"]
-    block_s = weight_bytes(model.params) / ceilings["hbm_read_bytes_per_s"]
+    hit = experts_hit(model, prompt, config) if model.config.is_moe else {}
+    bandwidth = ceilings["hbm_read_bytes_per_s"]
+    refresh_s = max(
+        refresh_flops(model.config, model.params, seq) / ceilings["matmul_flops_per_s"],
+        weight_bytes(model.params, hit.get("whole")) / bandwidth,
+    )
+    block_s = weight_bytes(model.params, hit.get("window", hit.get("whole"))) / bandwidth
     limit_s = s.refreshes * refresh_s + (s.forwards - s.refreshes) * block_s
     tokens = config.gen_length  # early stop is off: every answer position is generated
     return {
@@ -66,6 +72,7 @@ def run_case(
         "limit_tokens_per_s": tokens / limit_s,
         "pct_of_limit": 100 * limit_s / s.seconds,
         "compile_s": first.stats.compile_seconds,
+        "experts_hit": hit,
         "steps": config.steps,
     }
 

@@ -101,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (pallas on GPUs for <= 32 token rows, 16-bit weights) | xla | pallas",
     )
     gen.add_argument(
-        "--moe-impl", default="auto", help="auto (hopper on H100/H200) | grouped | dense | hopper"
+        "--moe-impl",
+        default="auto",
+        help="auto (pallas on GPUs) | grouped | dense | hopper | pallas",
     )
     gen.add_argument(
         "--matmul-impl",

@@ -94,7 +94,7 @@ def load(
     dtype: compute and storage dtype (default: bf16 on GPU/TPU, fp32 on CPU). mesh: a
     `jax.sharding.Mesh` from `djax.make_mesh` to load straight into shards. options:
     module options (`attention_impl="auto"|"xla"|"cudnn"|"split_kv"`,
-    `mlp_impl="auto"|"xla"|"pallas"`, `moe_impl="auto"|"grouped"|"dense"|"hopper"`,
+    `mlp_impl="auto"|"xla"|"pallas"`, `moe_impl="auto"|"grouped"|"dense"|"hopper"|"pallas"`,
     `matmul_impl`, `norm_impl` and `rope_impl`, each `"auto"|"xla"|"pallas"`).
     """
     folder = Path(path)

@@ -1,6 +1,6 @@
 """The routed experts' two products over token-expert pairs sorted by expert, as Pallas
 Triton kernels whose row tiles each belong to one expert: djax's GPU path for LLaDA-MoE's
-experts where many pairs are routed (refresh forwards).
+experts (`moe_impl="pallas"`, what `auto` takes on GPUs).
 
 JAX's Mosaic GPU grouped matmul (`llada_moe.ragged_dot_hopper`) cuts the sorted rows into
 fixed tiles of `block_m` rows, and a tile that straddles two experts is computed once per
@@ -11,7 +11,8 @@ tiles follow the experts instead: expert `e`'s `n_e` rows make `ceil(n_e / block
 of their own, described by a small table (`row_tiles`), so each expert's weights are read
 once per column tile, plus once per extra tile of an expert with more than `block_m` rows.
 The grid holds the most tiles any routing can need (`max_tiles`); programs past the table's
-used tiles do nothing.
+used tiles do nothing, so a forward whose tokens reach few experts reads only theirs (the
+Hopper kernel's grid runs every slot in full whatever the routing).
 
 `expert_mlp` runs both products: the gate/up product with `silu(gate) * up` fused (the
 gate and up columns of the `[experts, model, 2, ffn]` weight side by side in two fp32

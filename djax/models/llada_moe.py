@@ -44,16 +44,13 @@ from djax.models.split_k import finish
 
 Array = jax.Array
 MOE_IMPLS = ("auto", "grouped", "dense", "hopper", "pallas")
-# `auto` runs `hopper` on Hopper GPUs (LLaDA-MoE on an H200: 32-token block 5.5 ms, 384-token
-# refresh 8.3 ms; bench/results/forward_NVIDIA_H200_20261122_015632.json). Elsewhere it runs
+# `auto` runs `pallas` on GPUs (`expert_tiles_fit`); where it does not fit, `hopper` on Hopper
+# GPUs (LLaDA-MoE on an H200: 32-token block 5.5 ms, 384-token refresh 8.3 ms;
+# bench/results/forward_NVIDIA_H200_20261122_015632.json). Elsewhere it runs
 # the grouped path up to this many tokens per forward and the dense one above it: on the same
 # H200 a block took 6.7 ms grouped vs 9.6 ms dense, a refresh 57 ms grouped vs 15 ms dense,
 # because XLA lowers `ragged_dot` there to a dense cuBLAS matmul over every group.
 GROUPED_EXPERTS_MAX_TOKENS = 64
-# `auto` runs `pallas` (djax's expert-tile kernels, `expert_tiles`) on GPUs with 16-bit
-# weights from this many token-expert pairs per local expert on average: there tiles of
-# the Hopper kernel straddle experts and read their weights again.
-EXPERT_TILES_MIN_PAIRS = 16
 # Tiles of `ragged_dot_hopper`: the fastest of bench/experts.py's set at 32, 384 and 1,280
 # tokens on an H200 (bench/results/experts_NVIDIA_H200_20261122_015220.json).
 # `sort_by_group` compares every pair of up to PAIRWISE_SORT_MAX items at once (a block's
@@ -225,15 +222,18 @@ def experts_grouped(
     )
 
 
-def expert_tiles_fit(dtype: Any, d_model: int, ffn: int, pairs: int, n_local: int) -> bool:
-    """Whether `auto` takes djax's expert-tile kernels: a GPU, 16-bit weights, model and
-    expert widths that are multiples of 16, and at least EXPERT_TILES_MIN_PAIRS token-expert
-    pairs per local expert."""
+def expert_tiles_fit(dtype: Any, d_model: int, ffn: int) -> bool:
+    """Whether `auto` takes djax's expert-tile kernels (`expert_tiles`): on GPUs with 16-bit
+    weights and model and expert widths that are multiples of 16. On an H200 with 64
+    experts, top-8 and uniformly random routing they took 0.227, 0.279, 0.551 and 1.315 ms
+    per layer at 32, 384, 1,280 and 4,096 tokens, where the Hopper kernel's best tiles took
+    0.258, 0.311, 0.554 and 1.273; and where a block's tokens reach few experts they read
+    only those, while the Hopper kernel's grid does the same work whatever the routing
+    (bench/NOTES.md)."""
     return (
         jax.default_backend() == "gpu"
         and jnp.dtype(dtype).itemsize == 2
         and pallas_tiles.matmul_fits(d_model, ffn)
-        and pairs >= EXPERT_TILES_MIN_PAIRS * n_local
     )
 
 
@@ -291,7 +291,7 @@ class MoEBlock(nn.Module):
         first = 0 if local_e == e else jax.lax.axis_index(self.axis_name) * local_e
         pairs = b * t * cfg.experts_per_token
         hopper_fits = hopper_kernel_fits(self.dtype, m, local_f, pairs)
-        tiles_fit = expert_tiles_fit(self.dtype, m, local_f, pairs, local_e)
+        tiles_fit = expert_tiles_fit(self.dtype, m, local_f)
         impl = choose_moe_impl(self.moe_impl, b * t, hopper_fits, tiles_fit)
         if impl == "hopper" and not hopper_fits:
             raise ValueError(
