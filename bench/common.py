@@ -147,9 +147,26 @@ def weight_bytes(params: dict, experts_read: float | None = None) -> int:
     return int(total)
 
 
+def spread_routing(route):
+    """`route` with each token's experts moved by 8 x its row index (mod the expert count):
+    a token keeps its weights and its own experts' spacing, but consecutive tokens go to
+    different experts, so a block reaches as many experts as a well-spread trained router
+    would send it to (all 64 of LLaDA-MoE's for a 32-token block). The bench's random router
+    sends the mask tokens that fill a block to the same few experts."""
+
+    def spread(*args):
+        weights, experts = route(*args)
+        n_experts = args[1].shape[1]
+        shift = jnp.arange(experts.shape[0], dtype=experts.dtype)[:, None] * experts.shape[1]
+        return weights, (experts + shift) % n_experts
+
+    return spread
+
+
 def experts_hit(model: Model, prompt: list[int], config: GenerationConfig) -> dict[str, float]:
     """The mean number of experts a MoE layer's tokens are routed to, in a generation's
-    whole-sequence forwards (`whole`: refreshes) and its other forwards (`window`: blocks).
+    whole-sequence forwards (`whole`: refreshes, the most token rows) and its other forwards
+    (`window`: blocks, and the refreshes' last layer, which runs the block's rows only).
 
     Counted by running the generation once more with `route` reporting every call's expert
     ids to the host, as a program of its own (neither the compiled programs in memory nor
@@ -157,13 +174,11 @@ def experts_hit(model: Model, prompt: list[int], config: GenerationConfig) -> di
     experts only, and the floors must count what the forwards read."""
     from djax.models import llada_moe
 
-    seq = len(prompt) + config.gen_length
-    counts: dict[str, list[int]] = {"whole": [], "window": []}
+    counts: dict[int, list[int]] = {}  # token rows per call -> experts reached per call
     route = llada_moe.route
 
     def record(experts):
-        kind = "whole" if experts.shape[0] == seq else "window"
-        counts[kind].append(len(np.unique(experts)))
+        counts.setdefault(experts.shape[0], []).append(len(np.unique(experts)))
 
     def counting_route(*args):
         weights, experts = route(*args)
@@ -176,7 +191,11 @@ def experts_hit(model: Model, prompt: list[int], config: GenerationConfig) -> di
         mock.patch.object(engine, "programs_folder", lambda: None),
     ):
         jax.block_until_ready(generate(model, [prompt], config).answer_ids)
-    return {kind: float(np.mean(c)) for kind, c in counts.items() if c}
+    whole = max(counts)  # the padded sequence: refreshes
+    window = [c for rows, per_call in counts.items() if rows != whole for c in per_call]
+    return {"whole": float(np.mean(counts[whole]))} | (
+        {"window": float(np.mean(window))} if window else {}
+    )
 
 
 def device_info() -> dict[str, Any]:

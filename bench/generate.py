@@ -4,12 +4,16 @@ does the same work), prompts of 128 and 512 tokens, caches none / prefix / dual,
 threshold decoder with the dual cache. Random bf16 weights built on the device (so the
 threshold decoder commits about one token per forward: its row shows the per-forward cost).
 
-The physical limit of a run is its refreshes at the measured matmul rate plus its other
-forwards at the HBM floor; tokens/s is reported beside it, with each program's compile time
-(`bench.compile` measures it from the persistent cache, in a fresh process).
+The physical limit of a run is its refreshes at the measured matmul rate (or reading their
+weights, if longer) plus its other forwards at the HBM floor; tokens/s is reported beside
+it, with each program's compile time (`bench.compile` measures it from the persistent cache,
+in a fresh process). For LLaDA-MoE the weights counted are those of the experts the
+forwards' tokens reach (`experts_hit`, counted in a run of its own). `--routing spread`
+moves each token's experts by its row (`spread_routing`), so a block reaches every expert
+as a spread-out trained router would; the random router sends a block's mask tokens to ~10.
 
     python bench/generate.py [--models dense moe] [--variants default norm_impl=xla]
-        [--steps 64 32] [--tiny]
+        [--steps 64 32] [--routing model|spread] [--tiny]
 
 Each `--variants` entry is a set of module options (`default`: the engine's own choices),
 run in turn on the same weights. With two `--steps` counts the dual-cache runs also split
@@ -34,10 +38,12 @@ from bench.common import (
     model_config,
     parse_options,
     save,
+    spread_routing,
     weight_bytes,
 )
 from bench.forward import refresh_flops
 from djax import GenerationConfig, Model, engine, generate
+from djax.models import llada_moe
 
 
 def run_case(
@@ -116,9 +122,17 @@ def main() -> None:
         "--steps", nargs="+", type=int, default=[SETTING.steps], help="step counts to run"
     )
     parser.add_argument("--moe-impl", default="auto")
+    parser.add_argument(
+        "--routing",
+        choices=["model", "spread"],
+        default="model",
+        help="MoE routing: the random router's own, or spread over the experts (spread_routing)",
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = parser.parse_args()
     engine.enable_compile_cache(tempfile.mkdtemp(prefix="djax_xla_cache_"))
+    if args.routing == "spread":  # for the whole process: its programs are compiled with it
+        llada_moe.route = spread_routing(llada_moe.route)
     ceilings = measure_ceilings(args.tiny)
     variants = [parse_options(text) for text in args.variants]
     base = SETTING

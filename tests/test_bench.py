@@ -109,3 +109,56 @@ def test_kernel_time_rows():
     time_row(row, lambda a: a * 2, (x,), calls=3, weight_bytes=10**6, products=2)
     assert set(row["kernels_us"]) == {"wall"} and row["us"] == row["kernels_us"]["wall"] > 0
     assert row["weight_TB_per_s"] == 10**6 / row["us"] / 1e6
+
+
+def test_weight_bytes_counts_the_experts_reached():
+    """Stacked expert weights count by the share of experts reached; the embedding never,
+    a dense MLP's and a shared expert's weights always."""
+    import jax.numpy as jnp
+
+    from bench.common import weight_bytes
+
+    params = {
+        "embed": jnp.zeros((100, 8)),
+        "ff_0": {"gate_up": jnp.zeros((4, 8, 2, 16)), "down": jnp.zeros((4, 16, 8))},
+        "ff_1": {"gate_up": jnp.zeros((8, 2, 16)), "down": jnp.zeros((16, 8))},
+    }
+    experts, dense = 4 * (8 * 2 * 16 + 16 * 8) * 4, (8 * 2 * 16 + 16 * 8) * 4
+    assert weight_bytes(params) == experts + dense
+    assert weight_bytes(params, experts_read=1.0) == experts // 4 + dense
+
+
+def test_spread_routing_moves_each_token_by_its_row():
+    """Tokens that all pick experts (0, 1) of 8 go to (2i, 2i + 1) mod 8: four tokens reach
+    all eight; weights and each token's distinct experts are kept; counted experts follow."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench.common import spread_routing
+
+    def same_route(x, router, bias, top_k, normalise):
+        n = x.shape[0]
+        return jnp.full((n, top_k), 0.5), jnp.tile(jnp.arange(top_k, dtype=jnp.int32), (n, 1))
+
+    weights, experts = spread_routing(same_route)(jnp.zeros((5, 3)), jnp.zeros((3, 8)), None, 2, 0)
+    np.testing.assert_array_equal(experts, [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1]])
+    np.testing.assert_array_equal(weights, np.full((5, 2), 0.5))
+
+
+def test_experts_hit_counts_a_generation(moe_model):
+    """The tiny LLaDA-MoE (8 experts, top-2): a generation's whole-sequence forwards and
+    block forwards reach between 2 and 8 experts per layer; spread routing reaches all 8
+    in a refresh."""
+    from unittest import mock
+
+    import djax
+    from bench.common import experts_hit, spread_routing
+    from djax.models import llada_moe
+
+    config = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+    hit = experts_hit(moe_model, [0, 10, 20, 30, 40, 50], config)
+    assert set(hit) == {"whole", "window"}
+    assert all(2 <= v <= 8 for v in hit.values()), hit
+    with mock.patch.object(llada_moe, "route", spread_routing(llada_moe.route)):
+        spread = experts_hit(moe_model, [0, 10, 20, 30, 40, 50], config)
+    assert spread["whole"] == 8.0
