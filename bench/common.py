@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,20 @@ def spread_routing(route):
         return weights, (experts + shift) % n_experts
 
     return spread
+
+
+ROUTINGS = ("model", "spread")
+
+
+def use_routing(routing: str) -> None:
+    """Route LLaDA-MoE's tokens as `--routing` says, for the whole process: `model` (the
+    random router's own choice) or `spread` (`spread_routing`). With `spread` the compile
+    cache moves to a fresh folder, so no program saved with the model's routing is read."""
+    from djax.models import llada_moe
+
+    if routing == "spread":
+        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="djax_spread_"))
+        llada_moe.route = spread_routing(llada_moe.route)
 
 
 def experts_hit(model: Model, prompt: list[int], config: GenerationConfig) -> dict[str, float]:

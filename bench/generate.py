@@ -31,6 +31,7 @@ import tempfile
 import numpy as np
 
 from bench.common import (
+    ROUTINGS,
     SETTING,
     bench_model,
     experts_hit,
@@ -38,12 +39,11 @@ from bench.common import (
     model_config,
     parse_options,
     save,
-    spread_routing,
+    use_routing,
     weight_bytes,
 )
 from bench.forward import refresh_flops
 from djax import GenerationConfig, Model, engine, generate
-from djax.models import llada_moe
 
 
 def run_case(
@@ -122,17 +122,11 @@ def main() -> None:
         "--steps", nargs="+", type=int, default=[SETTING.steps], help="step counts to run"
     )
     parser.add_argument("--moe-impl", default="auto")
-    parser.add_argument(
-        "--routing",
-        choices=["model", "spread"],
-        default="model",
-        help="MoE routing: the random router's own, or spread over the experts (spread_routing)",
-    )
+    parser.add_argument("--routing", choices=ROUTINGS, default="model", help="see use_routing")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = parser.parse_args()
     engine.enable_compile_cache(tempfile.mkdtemp(prefix="djax_xla_cache_"))
-    if args.routing == "spread":  # for the whole process: its programs are compiled with it
-        llada_moe.route = spread_routing(llada_moe.route)
+    use_routing(args.routing)
     ceilings = measure_ceilings(args.tiny)
     variants = [parse_options(text) for text in args.variants]
     base = SETTING

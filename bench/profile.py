@@ -24,7 +24,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.common import SETTING, bench_model, commit, model_config, parse_options, save
+from bench.common import (
+    ROUTINGS,
+    SETTING,
+    bench_model,
+    commit,
+    model_config,
+    parse_options,
+    save,
+    use_routing,
+)
 from djax import generate
 
 # First match wins; tested against the kernel name plus the op/scope names in its args.
@@ -32,7 +41,7 @@ CATEGORIES = [
     ("collectives", r"nccl|psum|all-?reduce|all_reduce|allreduce|all-?gather|collective"),
     ("copies", r"memcpy|memset|\bcopy|dynamic[-_]update[-_]slice|transpose"),
     ("decoder", r"decoder"),
-    ("moe", r"ragged|grouped|experts|router|\bsort|top_?k|scatter|argsort|mosaic_gpu"),
+    ("moe", r"ragged|grouped|experts?_?|router|\bsort|top_?k|scatter|argsort|mosaic_gpu"),
     ("attention", r"fmha|flash|cudnn|attention|softmax"),
     ("matmul", r"gemm|cublas|cutlass|nvjet|xmma|wgmma|\bdot|matmul|triton_gemm"),
 ]
@@ -185,6 +194,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--attention-impl", default="auto")
     parser.add_argument("--moe-impl", default="auto")
+    parser.add_argument("--routing", choices=ROUTINGS, default="model", help="see use_routing")
     parser.add_argument(
         "--options", default="default", help="more module options: key=value[,key=value]"
     )
@@ -201,6 +211,7 @@ def main() -> None:
     if args.resummarize:
         resummarize(Path(args.resummarize[0]), Path(args.resummarize[1]))
         return
+    use_routing(args.routing)
     config = model_config(args.model, args.tiny)
     options = {"attention_impl": args.attention_impl, "moe_impl": args.moe_impl}
     options = tuple(sorted((options | parse_options(args.options)).items()))
@@ -219,6 +230,7 @@ def main() -> None:
             "cache": args.cache,
             "prompt_len": args.prompt_len,
             "options": dict(options),
+            "routing": args.routing,
             "generation_seconds": result.stats.seconds,
             "forwards": result.stats.forwards,
             "refreshes": result.stats.refreshes,
