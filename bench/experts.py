@@ -60,6 +60,14 @@ EXPERT_TILES = (
         expert_tiles.Tiles(block_m=64, block_n=128, num_warps=8),
     ),
     (expert_tiles.Tiles(block_m=32, block_n=128), expert_tiles.Tiles(block_m=32, block_n=128)),
+    (
+        expert_tiles.Tiles(block_m=128, block_n=64, num_warps=8),
+        expert_tiles.Tiles(block_m=128, block_n=128, num_warps=8),
+    ),
+    (
+        expert_tiles.Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3),
+        expert_tiles.Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3),
+    ),
     (expert_tiles.Tiles(block_m=16, block_n=128), expert_tiles.Tiles(block_m=16, block_n=128)),
 )
 XLA_RAGGED_OPTIONS = {
