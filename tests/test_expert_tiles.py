@@ -93,6 +93,7 @@ def _rel_error(ours, ref):
     return float(np.linalg.norm(np.asarray(ours, np.float64) - ref) / np.linalg.norm(ref))
 
 
+@pytest.mark.parametrize("gathered", [False, True])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize(
     "sizes, tiles",
@@ -102,13 +103,20 @@ def _rel_error(ours, ref):
         ([6, 6, 6, 6, 6], None),  # the engine's choice, `tiles_for`
     ],
 )
-def test_grouped_matmul_matches_numpy(sizes, tiles, gated):
+def test_grouped_matmul_matches_numpy(sizes, tiles, gated, gathered):
     """Every row inside the groups is written with its own group's product (rows past them
-    are the caller's to mask), in tiles of one group and of several."""
+    are the caller's to mask), in tiles of one group and of several; `gathered`: the sorted
+    rows are read through `source_rows` from a smaller array, some rows more than once (as
+    a token's pairs read its row once per expert)."""
     x, w, group_sizes = _problem(sizes, 64, 32, gated)
-    ours = grouped_matmul(x, w, group_sizes, tiles=tiles, interpret=True)
-    assert ours.shape == (x.shape[0], 32) and ours.dtype == x.dtype
-    ref, used = _reference(x, w, sizes)
+    source_rows = None
+    if gathered:
+        source_rows = jax.random.randint(jax.random.key(7), (x.shape[0],), 0, 11)
+        x = x[:11]
+    ours = grouped_matmul(x, w, group_sizes, source_rows, tiles=tiles, interpret=True)
+    assert ours.shape == (len(source_rows) if gathered else x.shape[0], 32)
+    assert ours.dtype == x.dtype
+    ref, used = _reference(x[source_rows] if gathered else x, w, sizes)
     assert _rel_error(ours[:used], ref[:used]) < 1e-5
 
 
@@ -126,6 +134,8 @@ def test_shape_and_tile_errors():
         grouped_matmul(x, w, jnp.array([4, 4, 0]), interpret=True)
     with pytest.raises(ValueError, match="multiples of 16"):
         grouped_matmul(x, jnp.zeros((2, 64, 2, 40)), sizes, interpret=True)
+    with pytest.raises(ValueError, match=r"source_rows \(8, 1\); expected \[pairs\]"):
+        grouped_matmul(x, w, sizes, jnp.zeros((8, 1), jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="block_n dividing n = 32"):
         grouped_matmul(x, w, sizes, tiles=Tiles(block_n=64), interpret=True)
     with pytest.raises(ValueError, match="powers of two >= 16"):
@@ -176,9 +186,9 @@ def test_moe_generation_tokens_unchanged(moe_model, cache):
     prompts = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
     calls, kernels = [], expert_tiles.expert_mlp
 
-    def spy(x, *args, **kwargs):
-        calls.append(x.shape)
-        return kernels(x, *args, **kwargs)
+    def spy(x, source_rows, *args, **kwargs):
+        calls.append(source_rows.shape)
+        return kernels(x, source_rows, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(expert_tiles, "expert_mlp", spy)

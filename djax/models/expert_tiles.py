@@ -83,24 +83,35 @@ def row_tiles(group_sizes: Array, block_m: int, n_tiles: int) -> tuple[Array, Ar
     return group, jnp.where(used, first_row, 0), jnp.where(used, rows, 0)
 
 
-def _kernel(group_ref, first_ref, rows_ref, x_ref, w_ref, out_ref, *, tiles, gated):
-    """One (row tile, column tile) program. Refs are whole arrays: the tile table (group,
-    first row, rows) [n_tiles] int32; x [pairs, k]; w [groups, k, 2, n] (`gated`) or
+def _kernel(*refs, tiles, gated, gathered):
+    """One (row tile, column tile) program. Refs are whole arrays, in order: the tile table
+    (group, first row, rows) [n_tiles] int32; with `gathered`, the source row of each pair
+    [pairs] int32; x [pairs or source rows, k]; w [groups, k, 2, n] (`gated`) or
     [groups, k, n]; out [pairs, n]."""
     from jax.experimental.pallas import triton as plgpu
 
+    group_ref, first_ref, rows_ref, *refs = refs
+    source_ref, x_ref, w_ref, out_ref = refs if gathered else (None, *refs)
     tile = pl.program_id(0)
     group, first, n_rows = group_ref[tile], first_ref[tile], rows_ref[tile]
     k = x_ref.shape[1]
     rows = pl.ds(first, tiles.block_m)
     cols = pl.ds(pl.program_id(1) * tiles.block_n, tiles.block_n)
-    row_ok = (jnp.arange(tiles.block_m) < n_rows)[:, None]
+    valid = jnp.arange(tiles.block_m) < n_rows
+    row_ok = valid[:, None]
 
     @pl.when(n_rows > 0)
     def _():
+        if gathered:  # row and column indices as arrays: Pallas's interpreter takes no mix
+            sources = plgpu.load(source_ref.at[rows], mask=valid, other=0)[:, None]
+            columns = jnp.arange(tiles.block_k)[None, :]
+
         def step(i, accs):
             ks = pl.ds(i * tiles.block_k, tiles.block_k)
-            x = plgpu.load(x_ref.at[rows, ks], mask=row_ok, other=0.0)
+            x_tile = (
+                x_ref.at[sources, i * tiles.block_k + columns] if gathered else x_ref.at[rows, ks]
+            )
+            x = plgpu.load(x_tile, mask=row_ok, other=0.0)
             if gated:
                 ws = [w_ref[group, ks, jnp.int32(side), cols] for side in (0, 1)]
             else:
@@ -121,21 +132,25 @@ def grouped_matmul(
     x: Array,
     w: Array,
     group_sizes: Array,
+    source_rows: Array | None = None,
     tiles: Tiles | None = None,
     interpret: bool | None = None,
 ) -> Array:
     """Each group's rows times its own weights: `silu(x_g @ w[g, :, 0]) * (x_g @ w[g, :, 1])`
     for a gated `w`, else `x_g @ w[g]`, accumulated in fp32.
 
-    x: [pairs, k], rows sorted by group; w: [groups, k, 2, n] (gate and up) or [groups, k,
-    n]; group_sizes: [groups] int32, summing to at most `pairs`. Returns [pairs, n] in x's
-    dtype; rows past sum(group_sizes) are left unwritten (the caller masks them).
-    `tiles`: the program shape (default `tiles_for`); `interpret`: run in Pallas's
-    interpreter (default: exactly off GPUs, as the CPU tests do).
+    x: [pairs, k], rows sorted by group, or with `source_rows` [pairs] int32 any [rows, k]
+    whose row `source_rows[i]` is the i-th sorted row (read by the kernel: no gathered copy);
+    w: [groups, k, 2, n] (gate and up) or [groups, k, n]; group_sizes: [groups] int32,
+    summing to at most `pairs`. Returns [pairs, n] in x's dtype; rows past sum(group_sizes)
+    are left unwritten (the caller masks them). `tiles`: the program shape (default
+    `tiles_for`); `interpret`: run in Pallas's interpreter (default: exactly off GPUs, as
+    the CPU tests do).
     """
     from jax.experimental.pallas import triton as plgpu
 
-    pairs, k = x.shape
+    k = x.shape[1]
+    pairs = x.shape[0] if source_rows is None else source_rows.shape[0]
     groups, n, gated = w.shape[0], w.shape[-1], w.ndim == 4
     expected = (groups, k, 2, n) if gated else (groups, k, n)
     if w.shape != expected or group_sizes.shape != (groups,) or not pallas_tiles.matmul_fits(k, n):
@@ -144,6 +159,8 @@ def grouped_matmul(
             f"expected w [groups, {k}, 2, n] or [groups, {k}, n], group_sizes [groups] and "
             f"{k} and n multiples of 16"
         )
+    if source_rows is not None and source_rows.ndim != 1:
+        raise ValueError(f"grouped_matmul: source_rows {source_rows.shape}; expected [pairs]")
     tiles = tiles or tiles_for(pairs, groups, k, n)
     blocks = (tiles.block_m, tiles.block_n, tiles.block_k)
     if not all(map(pallas_tiles.is_block, blocks)) or n % tiles.block_n or k % tiles.block_k:
@@ -153,8 +170,10 @@ def grouped_matmul(
         )
     n_tiles = max_tiles(pairs, groups, tiles.block_m)
     table = row_tiles(group_sizes, tiles.block_m, n_tiles)
+    gathered = source_rows is not None
+    sources = (source_rows.astype(jnp.int32),) if gathered else ()
     return pl.pallas_call(
-        functools.partial(_kernel, tiles=tiles, gated=gated),
+        functools.partial(_kernel, tiles=tiles, gated=gated, gathered=gathered),
         out_shape=jax.ShapeDtypeStruct((pairs, n), x.dtype),
         grid=(n_tiles, n // tiles.block_n),
         compiler_params=plgpu.CompilerParams(
@@ -162,24 +181,27 @@ def grouped_matmul(
         ),
         interpret=pallas_tiles.interpret_mode(interpret),
         name="expert_matmul_gated" if gated else "expert_matmul",
-    )(*table, x, w)
+    )(*table, *sources, x, w)
 
 
 def expert_mlp(
     x: Array,
+    source_rows: Array,
     gate_up: Array,
     down: Array,
     group_sizes: Array,
     tiles: tuple[Tiles, Tiles] | None = None,
     interpret: bool | None = None,
 ) -> Array:
-    """The experts' SwiGLU MLP on rows sorted by expert: `grouped_matmul` with the
-    activation fused, then the down product.
+    """The experts' SwiGLU MLP on the rows `x[source_rows]` (sorted by expert):
+    `grouped_matmul` reading them straight from `x` with the activation fused, then the
+    down product.
 
-    x: [pairs, model]; gate_up: [experts, model, 2, ffn]; down: [experts, ffn, model];
-    group_sizes: [experts] int32. Returns [pairs, model]; rows past sum(group_sizes) may
-    hold anything. `tiles`: (gate/up, down) program shapes, default `tiles_for` each.
+    x: [tokens, model]; source_rows: [pairs] int32; gate_up: [experts, model, 2, ffn];
+    down: [experts, ffn, model]; group_sizes: [experts] int32. Returns [pairs, model]; rows
+    past sum(group_sizes) may hold anything. `tiles`: (gate/up, down) program shapes,
+    default `tiles_for` each.
     """
     up_tiles, down_tiles = tiles or (None, None)
-    act = grouped_matmul(x, gate_up, group_sizes, tiles=up_tiles, interpret=interpret)
+    act = grouped_matmul(x, gate_up, group_sizes, source_rows, up_tiles, interpret)
     return grouped_matmul(act, down, group_sizes, tiles=down_tiles, interpret=interpret)

@@ -173,20 +173,21 @@ def sort_by_group(group: Array, n_groups: int) -> tuple[Array, Array, Array]:
 
 def ragged_mlp(
     x: Array,
+    source_rows: Array,
     gate_up: Array,
     down: Array,
     group_sizes: Array,
     ragged_dot: Callable[[Array, Array, Array], Array] = jax.lax.ragged_dot,
 ) -> Array:
-    """The experts' SwiGLU MLP on rows sorted by expert, as two grouped matmuls
-    (`ragged_dot`) with the activation between them.
+    """The experts' SwiGLU MLP on the rows `x[source_rows]` (sorted by expert), as two
+    grouped matmuls (`ragged_dot`) with the activation between them.
 
-    x: [pairs, model]; gate_up: [experts, model, 2, ffn]; down: [experts, ffn, model];
-    group_sizes: [experts] int32. Returns [pairs, model]; rows past sum(group_sizes) may
-    hold anything.
+    x: [tokens, model]; source_rows: [pairs] int32; gate_up: [experts, model, 2, ffn];
+    down: [experts, ffn, model]; group_sizes: [experts] int32. Returns [pairs, model]; rows
+    past sum(group_sizes) may hold anything.
     """
     n_local, d_model, _, ffn = gate_up.shape
-    h = ragged_dot(x, gate_up.reshape(n_local, d_model, 2 * ffn), group_sizes)
+    h = ragged_dot(x[source_rows], gate_up.reshape(n_local, d_model, 2 * ffn), group_sizes)
     act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]
     return ragged_dot(act, down, group_sizes)
 
@@ -198,10 +199,11 @@ def experts_grouped(
     gate_up: Array,
     down: Array,
     first_expert: Any,
-    mlp: Callable[[Array, Array, Array, Array], Array] = ragged_mlp,
+    mlp: Callable[[Array, Array, Array, Array, Array], Array] = ragged_mlp,
 ) -> Array:
     """Token-expert pairs sorted by local expert, the experts' MLP run on them by `mlp`
-    (`ragged_mlp`'s arguments and result), and the outputs weighted back per token.
+    (`ragged_mlp`'s arguments and result: the tokens and the token of each sorted pair),
+    and the outputs weighted back per token.
 
     Same arguments and result as `experts_dense`; pairs routed to experts on other devices
     sort last, outside every group, and get zero weight.
@@ -214,7 +216,7 @@ def experts_grouped(
     order, rank, group_sizes = sort_by_group(sort_key, n_local)
     # The way back is a gather through `rank`: XLA's scatter-adds (a bincount, an
     # `.at[token].add`) took ~7% of a LLaDA-MoE generation on an H200.
-    y = mlp(x[order // top_k], gate_up, down, group_sizes)[rank].reshape(n, top_k, d_model)
+    y = mlp(x, order // top_k, gate_up, down, group_sizes)[rank].reshape(n, top_k, d_model)
     y = jnp.where(is_local[..., None], y, 0)  # rows outside every group may hold anything
     pair_weight = jnp.where(is_local, weights, 0.0).astype(x.dtype)
     return jnp.einsum("nk,nkm->nm", pair_weight, y, preferred_element_type=jnp.float32).astype(
