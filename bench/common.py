@@ -149,7 +149,7 @@ def weight_bytes(params: dict, experts_read: float | None = None) -> int:
 
 
 def spread_routing(route):
-    """`route` with each token's experts moved by 8 x its row index (mod the expert count):
+    """`route` with each token's experts moved by top_k x its row index (mod the experts):
     a token keeps its weights and its own experts' spacing, but consecutive tokens go to
     different experts, so a block reaches as many experts as a well-spread trained router
     would send it to (all 64 of LLaDA-MoE's for a 32-token block). The bench's random router
