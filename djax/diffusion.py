@@ -1,7 +1,10 @@
 """The diffusion iteration manager: a whole generation as one device program.
 
 Outer `lax.while_loop` over blocks (stops when every row has hit a stop token), inner
-`lax.while_loop` over denoising steps (stops when the block has no masks). A block's first
+`lax.while_loop` over denoising steps (stops when the block has no masks, or after
+`block_len` steps: every decoder commits at least one masked position of a row per step, so
+only non-finite logits reach that bound, and the masks left behind are the caller's error to
+raise, `engine.stalled_rows`). A block's first
 step is a refresh (a whole-sequence forward that also fills the K/V buffers); later steps
 are cached window forwards per the `CachePolicy`, or whole-sequence forwards under `none`.
 The carry holds the tokens, the K/V buffers, the RNG key, counters and decoder state, so
@@ -209,8 +212,12 @@ class _Generation:
             soft=None if state.soft is None else jnp.zeros_like(state.soft),
         )
         state = self.step(state, refresh=True)
-        has_masks = lambda s: jnp.any(self.block_tokens(s.tokens, bs) == plan.mask_id)
-        state = jax.lax.while_loop(has_masks, self.later_step, state)
+
+        def go_on(s: State) -> Array:
+            masks_left = jnp.any(self.block_tokens(s.tokens, bs) == plan.mask_id)
+            return masks_left & (s.step_in_block < plan.block_len)
+
+        state = jax.lax.while_loop(go_on, self.later_step, state)
         return self.finish_block(state, bs)
 
     def finish_block(self, state: State, bs: Array) -> State:

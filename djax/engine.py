@@ -373,10 +373,27 @@ def generate(
     return _output(model, plan, out, seconds, compile_seconds, notes)
 
 
+def stalled_rows(answers: np.ndarray, mask_id: int, vocab_size: int) -> dict[int, int]:
+    """Rows whose answer still holds mask ids or ids outside the vocabulary after the
+    generation, each with how many: what a denoising step leaves when its logits are not
+    finite (no decoder commits a NaN confidence, and an arg-max over NaNs names no token).
+    answers: [batch, gen_length] int. Returns {row: bad positions}, empty when all is well."""
+    bad = (answers == mask_id) | (answers < 0) | (answers >= vocab_size)
+    return {int(row): int(n) for row, n in enumerate(bad.sum(axis=1)) if n}
+
+
 def _output(
     model: Model, plan: Plan, out: dict, seconds: float, compile_seconds: float, notes: list[str]
 ) -> GenerationOutput:
     answers = np.asarray(out["tokens"])[:, plan.prompt_len :]
+    stalled = stalled_rows(answers, plan.mask_id, model.config.vocab_size)
+    if stalled:
+        raise RuntimeError(
+            f"generation stalled: rows {stalled} (row: positions) still hold mask or "
+            f"out-of-vocabulary ids after {plan.block_len} denoising steps per block; every "
+            "decoder commits at least one position per step unless the model's logits are "
+            "not finite (check the weights and dtype for NaN/inf)"
+        )
     stops = np.isin(answers, plan.stop_ids)
     lengths = np.where(stops.any(axis=1), stops.argmax(axis=1), answers.shape[1])
     token_ids = [answers[i, :n].tolist() for i, n in enumerate(lengths)]

@@ -3,11 +3,13 @@ invariants of batching, early stop and stats, and the input errors."""
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import djax
 from djax import GenerationConfig
+from djax.engine import stalled_rows
 
 from numpy_reference import RefLLaDA, reference_generate
 from torch_reference import EOS_ID, EOT_ID, MASK_ID
@@ -212,3 +214,20 @@ def test_request_errors(dense_model):
         djax.generate(dense_model, "just a string", BASE)
     with pytest.raises(ValueError, match="outside \\[0, 128\\)"):
         djax.generate(dense_model, [[4, 999]], BASE)
+
+
+@pytest.mark.parametrize("decoder", ["threshold", "low_confidence"])
+def test_non_finite_logits_stop_with_an_error(dense_model, decoder):
+    # NaN logits give NaN confidences, which no commit rule takes: without the step bound
+    # the denoising loop would never end.
+    params = dict(dense_model.params, lm_head=jnp.full_like(dense_model.params["lm_head"], jnp.nan))
+    broken = dataclasses.replace(dense_model, params=params)
+    config = dataclasses.replace(BASE, decoder=decoder)
+    with pytest.raises(RuntimeError, match="generation stalled: rows \\{0: 24, 1: 24\\}"):
+        djax.generate(broken, PROMPTS[:2], config)
+
+
+def test_stalled_rows():
+    answers = np.array([[5, 6, 7], [5, MASK_ID, 200], [-1, 6, MASK_ID]])
+    assert stalled_rows(answers, MASK_ID, vocab_size=128) == {1: 2, 2: 2}
+    assert stalled_rows(answers[:1], MASK_ID, vocab_size=128) == {}
