@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run benchmark stages on the GPU machine, each logged; results and logs land in $OUT.
 #   bash bench/run_device.sh STAGE [ARGS...]; STAGE: env | forward | generate | profile | parallel |
-#   decoders | flags | experts | attention | compile | matmul | split_k | train
+#   decoders | flags | experts | attention | compile | matmul | split_k | overlap | train
 # DJAX_COMMIT names the commit being measured (the device copy has no .git).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -14,7 +14,7 @@ case "$stage" in
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       python3 -c "import jax, flax, orbax.checkpoint as o, transformers, optax; print(jax.__version__, jax.devices(), flax.__version__, transformers.__version__)"
     } 2>&1 | tee "$log" ;;
-  forward | generate | profile | parallel | decoders | flags | experts | attention | compile | matmul | split_k)
+  forward | generate | profile | parallel | decoders | flags | experts | attention | compile | matmul | split_k | overlap)
     python3 -m "bench.$stage" "$@" 2>&1 | tee "$log" ;;
   train)
     python3 -m djax.demo.train "$@" 2>&1 | tee "$log" ;;

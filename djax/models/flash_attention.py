@@ -74,13 +74,28 @@ def fits(head_dim: int) -> bool:
     return pallas_tiles.is_block(head_dim)
 
 
-def _kernel(q_ref, k_ref, v_ref, bias_ref, out_ref, lse_ref, *, tiles, n_heads, group, split_len):
+def _kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    bias_ref,
+    out_ref,
+    lse_ref,
+    *,
+    tiles,
+    n_heads,
+    group,
+    split_len,
+    program=None,
+):
     """One (batch x head, query tile, key slice) program. Refs are whole arrays:
     q [b, t, n, d], k/v [b, s, kv, d], bias [b, s]; out [b, splits, t, n, d] (fp32 when split,
-    else the final [b, t, n, d]), lse [b, splits, t, n] or None."""
+    else the final [b, t, n, d]), lse [b, splits, t, n] or None. `program`: the program's
+    (batch x head, query tile, key slice) where a kernel holding other work as well numbers
+    its programs itself (default: this grid's ids)."""
     from jax.experimental.pallas import triton as plgpu
 
-    batch_head, q_tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    batch_head, q_tile, split = program or (pl.program_id(0), pl.program_id(1), pl.program_id(2))
     batch, head = batch_head // n_heads, batch_head % n_heads
     kv_head = head // group
     t, s, d = q_ref.shape[1], k_ref.shape[1], q_ref.shape[3]

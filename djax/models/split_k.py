@@ -88,16 +88,18 @@ def tiles_for(m: int, k: int, n: int) -> Tiles:
     return Tiles(block_m=pallas_tiles.row_block(m), block_n=block_n, block_k=block_k, splits=splits)
 
 
-def _kernel(x_ref, w_ref, out_ref, *, tiles, steps):
+def _kernel(x_ref, w_ref, out_ref, *, tiles, steps, program=None):
     """One output tile of one slice. Refs are whole arrays: x [m, k], w [k, n];
-    out [splits, m, n] fp32."""
+    out [splits, m, n] fp32. `program`: the program's (row tile, column tile, slice) where a
+    kernel holding other work as well numbers its programs itself (default: this grid's
+    ids)."""
     from jax.experimental.pallas import triton as plgpu
 
     m = x_ref.shape[0]
-    rows = pl.ds(pl.program_id(0) * tiles.block_m, tiles.block_m)
-    cols = pl.ds(pl.program_id(1) * tiles.block_n, tiles.block_n)
-    split = pl.program_id(2)
-    row_ok = pl.program_id(0) * tiles.block_m + jnp.arange(tiles.block_m) < m
+    row_tile, column_tile, split = program or (pl.program_id(0), pl.program_id(1), pl.program_id(2))
+    rows = pl.ds(row_tile * tiles.block_m, tiles.block_m)
+    cols = pl.ds(column_tile * tiles.block_n, tiles.block_n)
+    row_ok = row_tile * tiles.block_m + jnp.arange(tiles.block_m) < m
 
     def step(i, acc):
         ks = pl.ds((split * steps + i) * tiles.block_k, tiles.block_k)
