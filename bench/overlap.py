@@ -11,9 +11,16 @@ no data dependence between them (the product reads a stale input). A fused kerne
 respects the dependence (the product waiting for its heads) can only do worse, so if the
 one kernel is not clearly faster than the two, fusing them is not worth building.
 
-Rows (device µs per pair from profiler traces, weights L2-cold over >= 256 MB of copies):
-`separate` (the two kernels as the engine runs them), `one kernel, attention first` and
-`one kernel, product first`, each at 3 and 4 pipeline stages.
+Rows (device µs per pair from profiler traces, weights L2-cold over >= 256 MB of copies, a
+query per copy so that no attention is shared): `separate` (the two kernels as the engine
+runs them), `one kernel, attention first` and `one kernel, product first`, each at 3 and 4
+pipeline stages. Then the real thing, `dependent:`: the product reads attention's output,
+as the engine's two kernels (`separate`) or as one kernel whose product programs, numbered
+after attention's, spin on a counter per contraction slice that every thread of each
+attention program of that slice's heads increments after its stores (acq_rel atomics; the
+counters are zeroed for each call). That relies on programs starting in the order of their
+numbers, so that a waiting program never holds the SM an unstarted producer needs; each such
+row checks its products equal the two kernels' over every call.
 
     python -m bench.overlap [--calls 20] [--tiny]
 """
@@ -21,6 +28,7 @@ Rows (device µs per pair from profiler traces, weights L2-cold over >= 256 MB o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -102,6 +110,120 @@ def one_kernel(q, keys, values, key_valid, x, w, *, first: str, stages: int):
     )(q, keys, values, bias, x, w)
 
 
+# Triton gives 32 threads per warp; every thread of an attention program adds its own 1 to
+# its slice's counter (`_signal`), so that each thread's stores are released by its own atomic.
+THREADS = 4 * 32
+
+
+def _signal(flags_ref, slot):
+    """Every thread of the program adds 1 to `flags_ref[slot]` (acq_rel, GPU scope)."""
+    flags_ref[jnp.full((THREADS,), slot, jnp.int32)] += jnp.ones((THREADS,), jnp.int32)
+
+
+def _wait(flags_ref, slot, target):
+    """Spin until `flags_ref[slot]` reaches `target` (volatile loads)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    jax.lax.while_loop(
+        lambda seen: seen < target,
+        lambda seen: plgpu.load(flags_ref.at[slot], volatile=True),
+        jnp.int32(0),
+    )
+
+
+def _dependent_kernel(
+    q_ref, k_ref, v_ref, bias_ref, w_ref, flags_in, att_ref, parts_ref, flags_ref, *, att, mm
+):
+    """Attention's programs first, then the output product's, each product program waiting
+    until every attention program of its contraction slice (its heads) has signalled."""
+    del flags_in  # aliased to flags_ref
+    from jax.experimental.pallas import triton as plgpu
+
+    att_body, att_grid, heads_per_slice = att
+    tiles, mm_grid, steps = mm
+    att_programs = att_grid[0] * att_grid[1] * att_grid[2]
+    pid = pl.program_id(0)
+
+    @pl.when(pid < att_programs)
+    def _attention():
+        program = _unravel(pid, att_grid)
+        att_body(q_ref, k_ref, v_ref, bias_ref, att_ref, None, program=program)
+        _signal(flags_ref, program[0] // heads_per_slice)
+
+    @pl.when(pid >= att_programs)
+    def _product():
+        row_tile, column_tile, split = _unravel(pid - att_programs, mm_grid)
+        _wait(flags_ref, split, THREADS * heads_per_slice * att_grid[1])
+        d = att_ref.shape[-1]
+        rows = pl.ds(row_tile * tiles.block_m, tiles.block_m)
+        cols = pl.ds(column_tile * tiles.block_n, tiles.block_n)
+        row_ok = row_tile * tiles.block_m + jnp.arange(tiles.block_m) < att_ref.shape[1]
+
+        def step(i, acc):
+            k0 = (split * steps + i) * tiles.block_k
+            x = plgpu.load(
+                att_ref.at[jnp.int32(0), rows, k0 // d, pl.ds(k0 % d, tiles.block_k)],
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+            w = w_ref[pl.ds(k0, tiles.block_k), cols]
+            return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+        zeros = jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32)
+        acc = jax.lax.fori_loop(0, steps, step, zeros)
+        plgpu.store(parts_ref.at[split, rows, cols], acc, mask=row_ok[:, None])
+
+
+def dependent_kernel(q, keys, values, key_valid, x, w, *, stages: int):
+    """Attention, then the output product of its result (`x` is ignored), in one
+    pallas_call whose product programs wait on per-slice counters zeroed for each call;
+    returns (attention output, product partials)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    del x
+    b, t, n, d = q.shape
+    s, kv_heads = keys.shape[1], keys.shape[2]
+    att = flash_attention.tiles_for(t, s, b * n)
+    mm = split_k.tiles_for(t, n * d, w.shape[1])
+    mm = dataclasses.replace(mm, block_k=min(mm.block_k, d))  # a step reads within one head
+    if b != 1 or att.splits != 1 or d % mm.block_k or n % mm.splits:
+        raise ValueError(f"{att}, {mm}: this bench takes one sequence, one key slice")
+    att_grid = (n, pl.cdiv(t, att.block_q), 1)
+    att_body = functools.partial(
+        flash_attention._kernel, tiles=att, n_heads=n, group=n // kv_heads, split_len=s
+    )
+    mm_grid = (pl.cdiv(t, mm.block_m), w.shape[1] // mm.block_n, mm.splits)
+    steps = n * d // (mm.splits * mm.block_k)
+    programs = att_grid[0] * att_grid[1] + mm_grid[0] * mm_grid[1] * mm_grid[2]
+    bias = jnp.where(key_valid, 0.0, flash_attention.MASKED).astype(jnp.float32)
+    flags = jnp.zeros((mm.splits,), jnp.int32)
+    att_out, parts, _ = pl.pallas_call(
+        functools.partial(
+            _dependent_kernel,
+            att=(att_body, att_grid, n // mm.splits),
+            mm=(mm, mm_grid, steps),
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((mm.splits, t, w.shape[1]), jnp.float32),
+            jax.ShapeDtypeStruct(flags.shape, flags.dtype),
+        ],
+        grid=(programs,),
+        input_output_aliases={5: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=stages),
+        interpret=pallas_tiles.interpret_mode(None),
+        name="attention_then_product",
+    )(q, keys, values, bias, w, flags)
+    return att_out, parts
+
+
+def dependent_separate(q, keys, values, key_valid, x, w):
+    """The engine's two kernels, the product reading attention's output."""
+    del x
+    out = flash_attention.split_kv_attention(q, keys, values, key_valid)
+    return out, split_k.matmul_partials(out.reshape(out.shape[1], -1), w).parts
+
+
 def separate(q, keys, values, key_valid, x, w):
     """The engine's two kernels."""
     out = flash_attention.split_kv_attention(q, keys, values, key_valid)
@@ -125,26 +247,40 @@ def main() -> None:
     w = (jax.random.normal(keys_[4], (n * d, cfg.d_model)) * (n * d) ** -0.5).astype(jnp.bfloat16)
     copies = max(1, -(-COLD_BYTES // w.nbytes)) if not args.tiny else 1
     ws = [w * (1 + i / 64) for i in range(copies)]
+    # a query per weight copy, so that XLA cannot compute one attention for all copies
+    qs = [q * (1 - i / 64) for i in range(copies)]
     forms = {"separate": separate}
     for first in ("attention", "product"):
         for stages in (3, 4):
             label = f"one kernel, {first} first, {stages} stages"
             forms[label] = functools.partial(one_kernel, first=first, stages=stages)
-    reference = separate(q, k_buf, v_buf, key_valid, x, w)
+    dependent = {"dependent: separate": dependent_separate}
+    for stages in (3, 4):
+        label = f"dependent: one kernel, {stages} stages"
+        dependent[label] = functools.partial(dependent_kernel, stages=stages)
     rows = []
-    for label, form in forms.items():
+    for label, form in {**forms, **dependent}.items():
+        base = dependent_separate if label.startswith("dependent") else separate
+        reference = base(q, k_buf, v_buf, key_valid, x, w)
         row = {"impl": label, "t": t, "keys": buffer, "weight_bytes": w.nbytes}
 
-        def run(q, k_buf, v_buf, key_valid, x, ws, form=form):
-            return [form(q, k_buf, v_buf, key_valid, x, w_) for w_ in ws]
+        def run(qs, k_buf, v_buf, key_valid, x, ws, form=form):
+            return [form(q_, k_buf, v_buf, key_valid, x, w_) for q_, w_ in zip(qs, ws, strict=True)]
 
         fn = jax.jit(run)
         try:
-            out = fn(q, k_buf, v_buf, key_valid, x, ws[:1])[0]
+            out = fn(qs[:1], k_buf, v_buf, key_valid, x, ws[:1])[0]
             row["equal_to_separate"] = all(
                 bool(jnp.array_equal(a, b)) for a, b in zip(out, reference, strict=True)
             )
-            time_row(row, fn, (q, k_buf, v_buf, key_valid, x, ws), args.calls, w.nbytes, len(ws))
+            if label.startswith("dependent"):  # the result of every weight copy, every call
+                outs = [fn(qs, k_buf, v_buf, key_valid, x, ws) for _ in range(args.calls)]
+                row["equal_every_call"] = all(
+                    bool(jnp.array_equal(o[1], base(q_, k_buf, v_buf, key_valid, x, w_)[1]))
+                    for got in outs
+                    for o, q_, w_ in zip(got, qs, ws, strict=True)
+                )
+            time_row(row, fn, (qs, k_buf, v_buf, key_valid, x, ws), args.calls, w.nbytes, len(ws))
         except Exception as err:  # keep the other rows of a costly run
             row["error"] = f"{type(err).__name__}: {err}"[:1500]
         print(row, flush=True)
