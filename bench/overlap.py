@@ -127,7 +127,7 @@ def _signal(flags_ref, q_ref, pid, program, block_q: int):
     queries = pl.ds(q_tile * block_q, block_q)
     tile = plgpu.load(q_ref.at[jnp.int32(0), queries, head, :]).astype(jnp.float32)
     total = jnp.sum(tile)
-    flags_ref[pid] += jnp.where(total != total, 2, 1).astype(jnp.int32)
+    flags_ref[pid] += (total == total).astype(jnp.int32) + 1
 
 
 def _wait(flags_ref, first, count):
