@@ -24,9 +24,11 @@ barrier, which orders all its threads' stores before it) and sets its flag with 
 whose value depends on that sum (acq_rel, GPU scope). The scheme relies on programs
 starting in the order of their numbers, so that a waiting program never holds the SM that
 an unstarted producer needs. Each such row checks its results against the two kernels for
-every weight copy over every call (products up to the order of their fp32 sums). A first
-version (db83b97: one counter per slice, incremented by a 128-wide atomic after the stores,
-no barrier; plain loads of the attention output) gave wrong products in some calls.
+every weight copy over every call (products up to the order of their fp32 sums). On an
+H200 this version, like a first one (db83b97: one counter per slice, incremented by a
+128-wide atomic after the stores, no barrier; plain loads of the attention output), gave
+wrong products in some calls and was slower than the two kernels (bench/NOTES.md): it is
+kept as the evidence, not as a pattern to follow.
 
     python -m bench.overlap [--calls 20] [--tiny]
 """
