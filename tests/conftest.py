@@ -20,6 +20,11 @@ from torch_reference import make_llada_dense  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# Meshes of several devices: the CPU run fakes eight; a one-GPU machine skips these tests.
+needs_devices = pytest.mark.skipif(
+    jax.device_count() < 8, reason="needs 8 devices (the CPU run fakes them)"
+)
+
 
 @pytest.fixture(scope="session")
 def dense_folder(tmp_path_factory):

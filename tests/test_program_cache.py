@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_devices
 
 import djax
 from djax import engine, program_cache
@@ -126,6 +127,7 @@ def test_unwritable_folder_warns_and_still_lowers(dense_model, tmp_path):
     assert _tokens(lowered, dense_model, plan).shape == (1, plan.seq_len)
 
 
+@needs_devices
 def test_tensor_parallel_program_round_trips(dense_folder, dense_model, tmp_path, monkeypatch):
     sharded = djax.load(dense_folder[0], dtype=jnp.float32, mesh=make_mesh(tensor_parallel=2))
     plan, program = _setup(sharded)

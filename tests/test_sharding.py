@@ -7,11 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_devices
 
 import djax
 from djax.sharding import make_mesh, param_specs
 
 from torch_reference import make_llada_dense, rel_error
+
+pytestmark = needs_devices
 
 PROMPTS = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
 BASE = djax.GenerationConfig(

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_devices
 
 import djax
 from djax.models import impls, layers
@@ -131,6 +132,7 @@ def test_moe_generation_tokens_unchanged(moe_model):
     np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
 
 
+@needs_devices
 def test_tensor_parallel_generation_tokens_unchanged(dense_folder):
     """Under TP the partials are summed before each all-reduce."""
     from djax.sharding import make_mesh
