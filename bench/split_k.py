@@ -14,13 +14,6 @@ cycles through enough copies of the weight (>= 256 MB) that no copy is still in 
 when it is read again, as inside a forward. Device time per product from profiler traces
 (µs, summed over its kernels); `weight_TB_per_s` is weight bytes over that time.
 
-`--layouts` adds the split-K kernel at the default tiles with its weight tiles read
-differently (`LAYOUTS`; `--stages` adds the row-major and tile-major kernels at other
-pipeline depths): stored tile-major (`[n / block_n, k, block_n]`, so each program
-streams one contiguous region instead of `block_n`-wide pieces of every row), with Triton's
-`evict_first` policy on the weight loads, or both: whether the
-products' ~10% shortfall from the read ceiling is the weights' layout or caching.
-
 `qkv_rope` is the q/k/v product with what follows it up to attention (q/k norm, RoPE, the
 window's K/V written into a 384-position buffer at 128): `xla` (XLA's product and head ops),
 `pallas` (the split-K kernel, then `rope_write.rope_and_write`) and `fused` (the product
@@ -28,26 +21,23 @@ inside that kernel, `rope_write.project_rope_and_write`), for LLaDA-8B or, with 
 moe`, LLaDA-MoE's heads.
 
     python -m bench.split_k [--model dense] [--rows 32] [--products qkv out down qkv_rope]
-        [--sweep] [--norm-warps 4 8] [--mosaic] [--layouts] [--stages 3 5] [--fused-sweep]
-        [--tiny]
+        [--sweep] [--norm-warps 4 8] [--mosaic] [--fused-sweep] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from bench.common import model_config, save
 from bench.kernel_time import rel_error, time_row
-from djax.models import layers, pallas_tiles, rope_write
+from djax.models import layers, rope_write
 from djax.models.residual_norm import add_rms_norm
-from djax.models.split_k import Partials, Tiles, matmul_partials, tiles_for
+from djax.models.split_k import Tiles, matmul_partials, tiles_for
 
 COLD_BYTES = 256 << 20
 EPS = 1e-5
@@ -74,71 +64,6 @@ def pallas_form(name, x, residual, scale, w, tiles=None, norm_warps=16):
     if name == "qkv":
         return y.parts
     return add_rms_norm(residual, y, scale, EPS, num_warps=norm_warps)
-
-
-# --layouts: (tile-major weights, eviction policy, cache modifier) of the weight loads. The
-# `.cg` modifier is left out: jax 0.11.2's Triton lowering looks it up under another spelling
-# and raises KeyError('.cg') (split_k_NVIDIA_H200_20261124_233436.json).
-LAYOUTS = {
-    "row-major": (False, None, None),
-    "row-major evict_first": (False, "evict_first", None),
-    "tile-major": (True, None, None),
-    "tile-major evict_first": (True, "evict_first", None),
-}
-
-
-def tile_major(w: jax.Array, block_n: int) -> jax.Array:
-    """[k, n] -> [n / block_n, k, block_n]: each column tile's weights contiguous."""
-    k, n = w.shape
-    return w.reshape(k, n // block_n, block_n).transpose(1, 0, 2)
-
-
-def _layout_kernel(x_ref, w_ref, out_ref, *, tiles, steps, tiled, eviction, cache):
-    """`split_k._kernel` with the weight tile read from a tile-major array and/or with a
-    cache policy."""
-    from jax.experimental.pallas import triton as plgpu
-
-    m = x_ref.shape[0]
-    rows = pl.ds(pl.program_id(0) * tiles.block_m, tiles.block_m)
-    cols = pl.ds(pl.program_id(1) * tiles.block_n, tiles.block_n)
-    column_tile, split = pl.program_id(1), pl.program_id(2)
-    row_ok = pl.program_id(0) * tiles.block_m + jnp.arange(tiles.block_m) < m
-
-    def step(i, acc):
-        ks = pl.ds((split * steps + i) * tiles.block_k, tiles.block_k)
-        x = plgpu.load(x_ref.at[rows, ks], mask=row_ok[:, None], other=0.0)
-        tile = w_ref.at[column_tile, ks, :] if tiled else w_ref.at[ks, cols]
-        w = plgpu.load(tile, eviction_policy=eviction, cache_modifier=cache)
-        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
-
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32))
-    plgpu.store(out_ref.at[split, rows, cols], acc, mask=row_ok[:, None])
-
-
-def layout_form(name, x, residual, scale, w, layout, tiles):
-    """`pallas_form` through `_layout_kernel`; `w` is tile-major when the layout says so."""
-    from jax.experimental.pallas import triton as plgpu
-
-    tiled, eviction, cache = LAYOUTS[layout]
-    k = x.shape[-1]
-    n = w.shape[0] * w.shape[2] if tiled else w.shape[1]
-    m = x.shape[0]
-    steps = k // (tiles.splits * tiles.block_k)
-    parts = pl.pallas_call(
-        functools.partial(
-            _layout_kernel, tiles=tiles, steps=steps, tiled=tiled, eviction=eviction, cache=cache
-        ),
-        out_shape=jax.ShapeDtypeStruct((tiles.splits, m, n), jnp.float32),
-        grid=(pl.cdiv(m, tiles.block_m), n // tiles.block_n, tiles.splits),
-        compiler_params=plgpu.CompilerParams(
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages
-        ),
-        interpret=pallas_tiles.interpret_mode(None),
-        name="matmul_partials_layout",
-    )(x, w)
-    if name == "qkv":
-        return parts
-    return add_rms_norm(residual, Partials(parts, x.dtype), scale, EPS, num_warps=16)
 
 
 # JAX's Hopper matmul tiles rows by 64 (one warpgroup's wgmma); the block's rows are padded.
@@ -289,16 +214,6 @@ def main() -> None:
         "--mosaic", action="store_true", help="also JAX's Hopper Mosaic GPU matmul (GPUs only)"
     )
     parser.add_argument(
-        "--layouts", action="store_true", help="also the default tiles at each of LAYOUTS"
-    )
-    parser.add_argument(
-        "--stages",
-        nargs="*",
-        type=int,
-        default=[],
-        help="with --layouts: also row- and tile-major at these pipeline depths",
-    )
-    parser.add_argument(
         "--fused-sweep", action="store_true", help="qkv_rope: the fused kernel at FUSED_SWEEP"
     )
     parser.add_argument("--calls", type=int, default=20)
@@ -333,24 +248,6 @@ def main() -> None:
                 (f"mosaic {n_}x{k_} st{st}", functools.partial(mosaic_form, tiles=(n_, k_, st)))
                 for n_, k_, st in MOSAIC_TILES
             ]
-        tiles = tiles_for(args.rows, k, n)
-        if args.layouts:
-            runs += [
-                (f"layout {layout}", functools.partial(layout_form, layout=layout, tiles=tiles))
-                for layout in LAYOUTS
-            ]
-            runs += [
-                (
-                    f"layout {layout} st{stages}",
-                    functools.partial(
-                        layout_form,
-                        layout=layout,
-                        tiles=dataclasses.replace(tiles, num_stages=stages),
-                    ),
-                )
-                for stages in args.stages
-                for layout in ("row-major", "tile-major")
-            ]
         if name != "qkv":
             runs += [
                 (f"pallas norm w{warps}", functools.partial(pallas_form, norm_warps=warps))
@@ -359,20 +256,17 @@ def main() -> None:
         for label, form in runs:
             row = {"product": name, "rows": args.rows, "k": k, "n": n, "impl": label}
             if label == "pallas":
-                row["tiles"] = str(tiles)
+                row["tiles"] = str(tiles_for(args.rows, k, n))
             fn = jax.jit(
                 lambda x, r, s, ws, form=form, name=name: [form(name, x, r, s, w) for w in ws]
             )
-            weights = ws
-            if label.startswith("layout tile-major"):
-                weights = [tile_major(w_, tiles.block_n) for w_ in ws]
             try:
-                out = fn(x, residual, scale, weights[:1])[0]
+                out = fn(x, residual, scale, ws[:1])[0]
                 out = out[1] if isinstance(out, tuple) else out
                 out = out.sum(0) if out.ndim == 3 else out
                 ref = reference[1] if isinstance(reference, tuple) else reference
                 row["rel_error"] = rel_error(out, ref)
-                time_row(row, fn, (x, residual, scale, weights), args.calls, w.nbytes, len(ws))
+                time_row(row, fn, (x, residual, scale, ws), args.calls, w.nbytes, len(ws))
             except Exception as err:  # keep the other rows of a costly run
                 row["error"] = f"{type(err).__name__}: {err}"[:1500]
             print(row, flush=True)
