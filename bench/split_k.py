@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from bench.common import model_config, save
 from bench.kernel_time import rel_error, time_row
-from djax.models import layers, rope_write
+from djax.models import layers, residual_product, rope_write
 from djax.models.residual_norm import add_rms_norm
 from djax.models.split_k import Tiles, matmul_partials, tiles_for
 
@@ -64,6 +64,24 @@ def pallas_form(name, x, residual, scale, w, tiles=None, norm_warps=16):
     if name == "qkv":
         return y.parts
     return add_rms_norm(residual, y, scale, EPS, num_warps=norm_warps)
+
+
+def residual_form(name, x, residual, scale, w, tiles=None):
+    """The unsplit product with the residual add in its epilogue, the norm left to the next
+    product (`residual_product`): (h, ScaledRows)."""
+    return residual_product.residual_product(x, w, residual, scale, tiles=tiles)
+
+
+# --residual: (block_n, block_k, num_stages) of `residual_form`, 4 warps
+RESIDUAL_TILES = (
+    (32, 128, 4),
+    (32, 256, 3),
+    (32, 256, 4),
+    (32, 128, 6),
+    (32, 512, 3),
+    (64, 128, 4),
+    (64, 256, 3),
+)
 
 
 # JAX's Hopper matmul tiles rows by 64 (one warpgroup's wgmma); the block's rows are padded.
@@ -216,6 +234,11 @@ def main() -> None:
     parser.add_argument(
         "--fused-sweep", action="store_true", help="qkv_rope: the fused kernel at FUSED_SWEEP"
     )
+    parser.add_argument(
+        "--residual",
+        action="store_true",
+        help="output, down: also the unsplit product with the residual add in its epilogue",
+    )
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
@@ -253,6 +276,17 @@ def main() -> None:
                 (f"pallas norm w{warps}", functools.partial(pallas_form, norm_warps=warps))
                 for warps in args.norm_warps
             ]
+        if args.residual and name != "qkv":
+            runs += [
+                (
+                    f"residual {n_}x{k_} st{st}",
+                    functools.partial(
+                        residual_form, tiles=residual_product.Tiles(32, n_, k_, 4, st)
+                    ),
+                )
+                for n_, k_, st in RESIDUAL_TILES
+                if n % n_ == 0 and k % k_ == 0
+            ]
         for label, form in runs:
             row = {"product": name, "rows": args.rows, "k": k, "n": n, "impl": label}
             if label == "pallas":
@@ -262,6 +296,9 @@ def main() -> None:
             )
             try:
                 out = fn(x, residual, scale, ws[:1])[0]
+                if isinstance(out[1], residual_product.ScaledRows):  # the norm, done by XLA
+                    scaled = out[1]
+                    out = (out[0], scaled.scaled.astype(jnp.float32) * scaled.inv_rms(EPS))
                 out = out[1] if isinstance(out, tuple) else out
                 out = out.sum(0) if out.ndim == 3 else out
                 ref = reference[1] if isinstance(reference, tuple) else reference
