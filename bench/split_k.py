@@ -69,18 +69,20 @@ def pallas_form(name, x, residual, scale, w, tiles=None, norm_warps=16):
 def residual_form(name, x, residual, scale, w, tiles=None):
     """The unsplit product with the residual add in its epilogue, the norm left to the next
     product (`residual_product`): (h, ScaledRows)."""
-    return residual_product.residual_product(x, w, residual, scale, tiles=tiles)
+    return residual_product.residual_product(x, w, residual, scale, EPS, tiles=tiles)
 
 
 # --residual: (block_n, block_k, num_stages) of `residual_form`, 4 warps
 RESIDUAL_TILES = (
     (32, 128, 4),
+    (32, 128, 6),
+    (32, 128, 8),
     (32, 256, 3),
     (32, 256, 4),
-    (32, 128, 6),
+    (32, 256, 5),
     (32, 512, 3),
+    (16, 256, 4),
     (64, 128, 4),
-    (64, 256, 3),
 )
 
 
@@ -298,7 +300,7 @@ def main() -> None:
                 out = fn(x, residual, scale, ws[:1])[0]
                 if isinstance(out[1], residual_product.ScaledRows):  # the norm, done by XLA
                     scaled = out[1]
-                    out = (out[0], scaled.scaled.astype(jnp.float32) * scaled.inv_rms(EPS))
+                    out = (out[0], scaled.scaled.astype(jnp.float32) * scaled.inv_rms())
                 out = out[1] if isinstance(out, tuple) else out
                 out = out.sum(0) if out.ndim == 3 else out
                 ref = reference[1] if isinstance(reference, tuple) else reference

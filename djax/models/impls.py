@@ -9,11 +9,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from djax.models import flash_attention, pallas_tiles, rope_write, split_k, swiglu
+from djax.models import flash_attention, pallas_tiles, residual_product, rope_write, split_k, swiglu
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "split_kv")
 MLP_IMPLS = ("auto", "xla", "pallas")
-NORM_IMPLS = ("auto", "xla", "pallas")
+NORM_IMPLS = ("auto", "xla", "pallas", "fused")
 MATMUL_IMPLS = ("auto", "xla", "pallas")
 ROPE_IMPLS = ("auto", "xla", "pallas")
 # The fewest heads (kv heads x (group + 2), one program each) `fuse_qkv_rope` fuses: LLaDA-MoE's
@@ -103,10 +103,35 @@ def resolve_matmul_impl(impl: str, rows: int, k: int, n: int, dtype: Any) -> str
 
 
 def resolve_norm_impl(impl: str, dtype: Any) -> str:
-    """How a residual add and the RMSNorm after it run: `auto` is djax's one-kernel Pallas
-    path (`residual_norm`) on GPUs with 16-bit activations, else XLA's (two kernels on
-    GPUs)."""
+    """How a residual add and the RMSNorm after it run where they are not fused into the
+    products around them (`fuse_residual_norm`): `auto` is djax's one-kernel Pallas path
+    (`residual_norm`) on GPUs with 16-bit activations, else XLA's (two kernels on GPUs);
+    `fused` runs these sites as `pallas`."""
+    check_choice("norm_impl", impl, NORM_IMPLS)
+    impl = "pallas" if impl == "fused" else impl
     return _pallas_or_xla("norm_impl", impl, NORM_IMPLS, True, "", _gpu_half(dtype))
+
+
+def fuse_residual_norm(
+    norm_impl: str, matmul_impl: str, rows: int, k: int, n: int, dtype: Any, sharded: bool
+) -> bool:
+    """Whether the residual add after a `[rows, k] @ [k, n]` product runs in that product's
+    kernel and the RMSNorm after it in the next product's (`residual_product`): under
+    `fused`, or `auto` on GPUs with 16-bit weights, where the product takes djax's kernels
+    (`matmul_impl` resolves to `pallas`) on at most `split_k.MAX_ROWS` rows (a block of one
+    sequence) and is not sharded (under tensor parallelism it is all-reduced first). The
+    caller checks that the next product's kernel takes `ScaledRows`. A LLaDA-8B block layer
+    drops both residual-norm kernels; on an H100 the output product with its norm took
+    14.95 µs against 17.51, the down product 36.82 against 39.38 (bench/NOTES.md)."""
+    check_choice("norm_impl", norm_impl, NORM_IMPLS)
+    wanted = norm_impl == "fused" or (norm_impl == "auto" and _gpu_half(dtype))
+    return (
+        wanted
+        and not sharded
+        and rows <= split_k.MAX_ROWS
+        and residual_product.fits(k, n)
+        and resolve_matmul_impl(matmul_impl, rows, k, n, dtype) == "pallas"
+    )
 
 
 def resolve_rope_impl(impl: str, head_dim: int, rotary_dim: int, dtype: Any) -> str:

@@ -24,18 +24,27 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import ModelConfig
-from djax.models import flash_attention, residual_norm, rope_write, split_k, swiglu
+from djax.models import (
+    flash_attention,
+    residual_norm,
+    residual_product,
+    rope_write,
+    split_k,
+    swiglu,
+)
 from djax.models.impls import (
     MATMUL_IMPLS,
     MLP_IMPLS,
     check_choice,
     fuse_qkv_rope,
+    fuse_residual_norm,
     resolve_attention_impl,
     resolve_matmul_impl,
     resolve_mlp_impl,
     resolve_norm_impl,
     resolve_rope_impl,
 )
+from djax.models.residual_product import ScaledRows
 from djax.models.split_k import Partials, finish
 
 Array = jax.Array
@@ -51,6 +60,20 @@ def project(x: Array, w: Array, impl: str) -> Array | Partials:
         return jnp.einsum("...k,kn->...n", x, flat).reshape(x.shape[:-1] + out_shape)
     y = split_k.matmul_partials(x, flat)  # Pallas's interpreter off GPUs (for tests)
     return Partials(y.parts.reshape(y.parts.shape[:-1] + out_shape), y.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """A block layer's attention-output or down product `x [..., k] @ w [k, n]`, left for the
+    residual norm after it to run with the residual add in its epilogue
+    (`residual_product`, chosen by `fuse_residual_norm`)."""
+
+    x: Array
+    w: Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.x.shape[:-1], self.w.shape[1])
 
 
 def init_normal(stddev: float = 0.02):
@@ -182,7 +205,9 @@ class RMSNorm(nn.Module):
     """RMSNorm with a learned scale (param `scale` [width]). `norm(x)` normalises x;
     `norm(y, residual=x)` adds first and returns `(x + y, norm(x + y))`, the pair between
     a decoder layer's blocks, in one kernel under `impl="pallas"` (`resolve_norm_impl`).
-    `y` may be a split-K product's `Partials`."""
+    `y` may be a split-K product's `Partials`, or a `Product` still to run: then the add
+    runs in the product's kernel and the norm is returned as `ScaledRows` for the next
+    product's kernel to apply (`residual_product`)."""
 
     eps: float
     dtype: Any
@@ -190,9 +215,11 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: Array | Partials, residual: Array | None = None
-    ) -> Array | tuple[Array, Array]:
+        self, x: Array | Partials | Product, residual: Array | None = None
+    ) -> Array | tuple[Array, Array | ScaledRows]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        if isinstance(x, Product):
+            return residual_product.residual_product(x.x, x.w, residual, scale, self.eps)
         if residual is None:
             return rms_norm(finish(x), scale, self.eps)
         if resolve_norm_impl(self.impl, x.dtype) == "pallas":
@@ -232,17 +259,20 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(
         self,
-        x: Array,
+        x: Array | ScaledRows,
         positions: Array,
         key_valid: Array,
         kv: LayerKV | None,
         window: Window,
         query_rows: tuple[Any, int] | None = None,
-    ) -> tuple[Array | Partials, LayerKV]:
-        """x: [b, W, model] normed window rows -> the attention output [b, W, model] (or
-        `Partials`) and the layer's K/V with the window's written. `query_rows=(start, n)`:
-        attend and project only window rows `[start, start + n)` (every row's K/V is still
-        written); the output is then [b, n, model]."""
+        defer_output: bool = False,
+    ) -> tuple[Array | Partials | Product, LayerKV]:
+        """x: [b, W, model] normed window rows (`ScaledRows` only where the q/k/v product
+        runs in the RoPE kernel) -> the attention output [b, W, model] (or `Partials`, or
+        with `defer_output` the output `Product` still to run) and the layer's K/V with the
+        window's written. `query_rows=(start, n)`: attend and project only window rows
+        `[start, start + n)` (every row's K/V is still written); the output is then
+        [b, n, model]."""
         cfg = self.config
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
@@ -270,6 +300,8 @@ class Attention(nn.Module):
             q, keys, values = rope_write.project_rope_and_write(
                 x, qkv_kernel, cos, sin, kv, bounds, scales, ops
             )
+        elif isinstance(x, ScaledRows):
+            raise ValueError("Attention: ScaledRows need the q/k/v product in the RoPE kernel")
         elif rope_impl == "pallas":
             qkv = project(x, qkv_kernel, self.matmul_impl)  # [b, t, kv, group + 2, d]
             q, keys, values = rope_write.rope_and_write(qkv, cos, sin, kv, bounds, scales, ops)
@@ -283,7 +315,10 @@ class Attention(nn.Module):
         impl = resolve_attention_impl(self.attention_impl, cfg.head_dim, q.dtype)
         out = attend(q, keys, values, key_valid, impl)
         b, t = out.shape[:2]
-        y = project(out.reshape(b, t, -1), out_kernel.reshape(-1, cfg.d_model), self.matmul_impl)
+        out, out_kernel = out.reshape(b, t, -1), out_kernel.reshape(-1, cfg.d_model)
+        if defer_output:
+            return Product(out, out_kernel), (keys, values)
+        y = project(out, out_kernel, self.matmul_impl)
         return _sum_over(y, self.axis_name), (keys, values)
 
     def _rope_inputs(self, positions, window, t):
@@ -315,15 +350,24 @@ class GatedMLP(nn.Module):
     matmul_impl: str = "auto"  # of the down product (see resolve_matmul_impl)
 
     @nn.compact
-    def __call__(self, x: Array) -> Array | Partials:
+    def __call__(
+        self, x: Array | ScaledRows, defer_down: bool = False
+    ) -> Array | Partials | Product:
+        """x: [b, t, model] normed rows (`ScaledRows` only where the gate/up product takes
+        djax's kernel) -> [b, t, model] (or `Partials`, or with `defer_down` the down
+        `Product` still to run)."""
         (b, t, d_model), hidden = x.shape, self.hidden // self.shards
         gate_up = self.param("gate_up", init_normal(), (d_model, 2, hidden), self.dtype)
         down = self.param("down", init_normal(), (hidden, d_model), self.dtype)
         if resolve_mlp_impl(self.mlp_impl, b * t, d_model, hidden, x.dtype) == "pallas":
             # Pallas's interpreter off GPUs (for tests)
             act = swiglu.swiglu_matmul(x.reshape(b * t, d_model), gate_up).reshape(b, t, hidden)
+        elif isinstance(x, ScaledRows):
+            raise ValueError("GatedMLP: ScaledRows need the gate/up product in djax's kernel")
         else:
             act = swiglu_xla(x, gate_up)
+        if defer_down:
+            return Product(act, down)
         return _sum_over(project(act, down, self.matmul_impl), self.axis_name)
 
 
@@ -431,6 +475,7 @@ class TransformerLM(nn.Module):
         normed = self.attn_norms[0](x)
         for i in range(n_layers):
             last_trimmed = trim and i == n_layers - 1
+            rows = x.shape[0] * (hidden_len if last_trimmed else x.shape[1])
             with jax.named_scope(f"layer_{i}"):
                 with jax.named_scope("attention"):
                     attn_out, layer_kv = self.attns[i](
@@ -440,16 +485,61 @@ class TransformerLM(nn.Module):
                         None if kv is None else kv[i],
                         window,
                         (hidden_start, hidden_len) if last_trimmed else None,
+                        defer_output=self._norm_into_mlp(i, rows),
                     )
                 if last_trimmed:
                     x = jax.lax.dynamic_slice_in_dim(x, hidden_start, hidden_len, axis=1)
                 h, normed = self.ff_norms[i](attn_out, residual=x)
                 with jax.named_scope("mlp"):
-                    mlp_out = self.ffs[i](normed)
+                    if self._norm_into_attention(i + 1, x.shape):
+                        mlp_out = self.ffs[i](normed, defer_down=True)
+                    else:
+                        mlp_out = self.ffs[i](normed)
                 next_norm = self.attn_norms[i + 1] if i + 1 < n_layers else self.final_norm
                 x, normed = next_norm(mlp_out, residual=h)
                 new_kv.append(layer_kv)
         return normed, tuple(new_kv)
+
+    def _norm_into_mlp(self, layer: int, rows: int) -> bool:
+        """Whether layer `layer`'s feed-forward norm runs inside its attention-output product
+        (the residual add) and its gate/up kernel (`fuse_residual_norm`)."""
+        cfg, ff = self.config, self.ffs[layer]
+        return (
+            isinstance(ff, GatedMLP)
+            and fuse_residual_norm(
+                self.norm_impl,
+                self.matmul_impl,
+                rows,
+                cfg.n_heads * cfg.head_dim,
+                cfg.d_model,
+                self.dtype,
+                self.axis_name is not None,
+            )
+            and resolve_mlp_impl(self.mlp_impl, rows, cfg.d_model, ff.hidden, self.dtype)
+            == "pallas"
+        )
+
+    def _norm_into_attention(self, layer: int, x_shape: tuple[int, ...]) -> bool:
+        """Whether the norm before layer `layer`'s attention runs inside the previous layer's
+        down product (the residual add) and this layer's q/k/v kernel; `x_shape` [b, t,
+        model] is the window's."""
+        cfg = self.config
+        if layer >= cfg.n_layers or not isinstance(self.ffs[layer - 1], GatedMLP):
+            return False
+        group = cfg.n_heads // cfg.n_kv_heads
+        qkv_shape = (cfg.d_model, cfg.n_kv_heads, group + 2, cfg.head_dim)
+        rope_impl = resolve_rope_impl(self.rope_impl, cfg.head_dim, cfg.rope_dim, self.dtype)
+        return fuse_residual_norm(
+            self.norm_impl,
+            self.matmul_impl,
+            x_shape[0] * x_shape[1],
+            self.ffs[layer - 1].hidden,
+            cfg.d_model,
+            self.dtype,
+            self.axis_name is not None,
+        ) and fuse_qkv_rope(
+            self.matmul_impl, rope_impl, x_shape, qkv_shape, cfg.rope_dim, self.dtype
+        )
 
     def embed(self, token_ids: Array) -> Array:
         """token_ids: [batch, t] -> embeddings [batch, t, model] in the compute dtype."""

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from djax.models import pallas_tiles
+from djax.models.residual_product import ScaledRows, load_inv_rms
 from djax.models.split_k import Partials, add_slices
 
 Array = jax.Array
@@ -261,15 +262,20 @@ def projection_fits(t: int, model: int, head_dim: int, rotary_dim: int) -> bool:
     )
 
 
-def _project_kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool, block_k: int):
+def _project_kernel(
+    *refs, ops: HeadOps, parts, group: int, buffered: bool, block_k: int, norm_eps: float | None
+):
     """One (kv head, slot) program: slot `j < group` is query head j of the kv head, then
-    its key, then its value. Refs are whole arrays, in order: bounds [3] int32, x [b, t, k],
-    w [k, kv, group + 2, d], cos/sin [b, t, rotary / 2] fp32, the q and k scales [d] (with
-    `qk_norm`), the key and value buffers [b, s, kv, d] (with `buffered`; aliased to the
-    outputs); outputs q [b, t, kv, group, d], keys, values [b, s, kv, d]."""
+    its key, then its value. Refs are whole arrays, in order: bounds [3] int32, x [b, t, k]
+    (with `norm_eps`, then the squares [tiles, b, t] of `ScaledRows`), w [k, kv, group + 2,
+    d], cos/sin [b, t, rotary / 2] fp32, the q and k scales [d] (with `qk_norm`), the key
+    and value buffers [b, s, kv, d] (with `buffered`; aliased to the outputs); outputs q
+    [b, t, kv, group, d], keys, values [b, s, kv, d]."""
     from jax.experimental.pallas import triton as plgpu
 
-    bounds_ref, x_ref, w_ref, cos_ref, sin_ref, *refs = refs
+    bounds_ref, x_ref, *refs = refs
+    squares_ref, refs = (refs[0], refs[1:]) if norm_eps is not None else (None, refs)
+    w_ref, cos_ref, sin_ref, *refs = refs
     (q_scale, k_scale), refs = (refs[:2], refs[2:]) if ops.qk_norm else ((None, None), refs)
     q_ref, keys_ref, values_ref = refs[2:] if buffered else refs
     kv_head, slot = pl.program_id(0), pl.program_id(1)
@@ -303,8 +309,11 @@ def _project_kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool, bloc
     def emit(seq, head):
         """Sequence `seq`'s product for this slot, rounded as `Partials.total()` rounds it,
         through the slot's head ops and into its output."""
-        head = [p.astype(dtype).astype(jnp.float32) for p in head]
         seq = jnp.int32(seq)
+        if squares_ref is not None:  # the RMSNorm of x, as rows scaled after the product
+            inv_rms = load_inv_rms(squares_ref, (seq, rows), row_ok[:, 0], k, norm_eps)
+            head = [p * inv_rms for p in head]
+        head = [p.astype(dtype).astype(jnp.float32) for p in head]
         table = seq, rows, pl.ds(0, parts[0][1])
         cos = plgpu.load(cos_ref.at[table], mask=row_ok, other=0.0)
         sin = plgpu.load(sin_ref.at[table], mask=row_ok, other=0.0)
@@ -331,7 +340,7 @@ def _project_kernel(*refs, ops: HeadOps, parts, group: int, buffered: bool, bloc
 
 @functools.partial(jax.jit, static_argnames=("ops", "num_warps", "num_stages", "interpret"))
 def project_rope_and_write(
-    x: Array,
+    x: Array | ScaledRows,
     w: Array,
     cos: Array,
     sin: Array,
@@ -348,12 +357,16 @@ def project_rope_and_write(
     One program per (kv head, slot) computes that head's [t, head_dim] product for every
     sequence, reading its weight columns once, then finishes it as `rope_and_write` does.
 
-    x: [b, t, model] normed window rows (t <= BLOCK_T); w: [model, kv_heads, group + 2,
+    x: [b, t, model] normed window rows (t <= BLOCK_T), or `ScaledRows` whose RMSNorm the
+    kernel applies to the product's rows; w: [model, kv_heads, group + 2,
     head_dim]; the rest as `rope_and_write`. Returns (q [b, t, kv_heads, group, head_dim],
     keys, values). The product is rounded to x's dtype before the head ops, as
     `split_k.Partials.total()` rounds it.
     """
 
+    squares, norm_eps = None, None
+    if isinstance(x, ScaledRows):
+        x, squares, norm_eps = x.scaled, x.squares, x.eps
     if x.ndim != 3 or w.ndim != 4 or w.shape[0] != x.shape[-1] or w.shape[2] < 3:
         raise ValueError(
             f"project_rope_and_write: x {x.shape} with w {w.shape}; expected x [b, t, model] "
@@ -375,7 +388,8 @@ def project_rope_and_write(
             "powers of two >= 16 (or d - r = 0), buffers [b, s, kv_heads, d], and q/k scales "
             "[d] exactly when qk_norm"
         )
-    inputs = [bounds.astype(jnp.int32), x, w, cos, sin, *(scales or ()), *(buffers or ())]
+    inputs = [bounds.astype(jnp.int32), x, *([] if squares is None else [squares]), w, cos, sin]
+    inputs += [*(scales or ()), *(buffers or ())]
     kernel = functools.partial(
         _project_kernel,
         ops=ops,
@@ -383,6 +397,7 @@ def project_rope_and_write(
         group=group,
         buffered=buffers is not None,
         block_k=pallas_tiles.largest_block(model, 128),
+        norm_eps=norm_eps,
     )
     shape = (b, t, kv_heads, group, d)
     return _run(

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from djax.models import pallas_tiles
+from djax.models.residual_product import ScaledRows, load_inv_rms
 
 Array = jax.Array
 # Row counts up to this take the kernel under `auto`: whole generations were measured with
@@ -55,10 +56,12 @@ def tiles_for(m: int, k: int, n: int) -> Tiles:
     )
 
 
-def _kernel(x_ref, w_ref, out_ref, *, tiles):
-    """One output tile. Refs are whole arrays: x [m, k], w [k, 2, n]; out [m, n]."""
+def _kernel(x_ref, w_ref, *refs, tiles, eps):
+    """One output tile. Refs are whole arrays: x [m, k], w [k, 2, n], with `eps` the
+    squares [tiles, m] of `ScaledRows`; out [m, n]."""
     from jax.experimental.pallas import triton as plgpu
 
+    squares_ref, out_ref = refs if eps is not None else (None, *refs)
     m, k = x_ref.shape
     rows = pl.ds(pl.program_id(0) * tiles.block_m, tiles.block_m)
     cols = pl.ds(pl.program_id(1) * tiles.block_n, tiles.block_n)
@@ -74,23 +77,32 @@ def _kernel(x_ref, w_ref, out_ref, *, tiles):
 
     zeros = jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32)
     gate, up = jax.lax.fori_loop(0, k // tiles.block_k, step, (zeros, zeros))
+    if squares_ref is not None:  # the RMSNorm of x, as rows scaled after the product
+        inv_rms = load_inv_rms(squares_ref, (rows,), row_ok, k, eps)
+        gate, up = gate * inv_rms, up * inv_rms
     out = jax.nn.silu(gate) * up
     plgpu.store(out_ref.at[rows, cols], out.astype(out_ref.dtype), mask=row_ok[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
 def swiglu_matmul(
-    x: Array, w: Array, tiles: Tiles | None = None, interpret: bool | None = None
+    x: Array | ScaledRows,
+    w: Array,
+    tiles: Tiles | None = None,
+    interpret: bool | None = None,
 ) -> Array:
     """`silu(x @ w[:, 0]) * (x @ w[:, 1])` in one kernel.
 
-    x: [m, k]; w: [k, 2, n] (gate and up). Returns [m, n] in x's dtype, accumulated in
+    x: [m, k], or `ScaledRows` [m, k] whose RMSNorm the kernel applies to the product's
+    rows; w: [k, 2, n] (gate and up). Returns [m, n] in x's dtype, accumulated in
     fp32. `tiles`: the program shape (default `tiles_for`); `interpret`: run in Pallas's
     interpreter (default: exactly off GPUs, as the CPU tests do).
     """
     from jax.experimental.pallas import triton as plgpu
 
-    m, k = x.shape
+    inputs = [x.scaled, w, x.squares] if isinstance(x, ScaledRows) else [x, w]
+    eps = x.eps if isinstance(x, ScaledRows) else None
+    m, k = inputs[0].shape
     n = w.shape[-1]
     if w.shape[:2] != (k, 2) or not pallas_tiles.matmul_fits(k, n):
         raise ValueError(
@@ -105,12 +117,12 @@ def swiglu_matmul(
             f"block_k dividing k = {k}"
         )
     return pl.pallas_call(
-        functools.partial(_kernel, tiles=tiles),
-        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        functools.partial(_kernel, tiles=tiles, eps=eps),
+        out_shape=jax.ShapeDtypeStruct((m, n), inputs[0].dtype),
         grid=(pl.cdiv(m, tiles.block_m), n // tiles.block_n),
         compiler_params=plgpu.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
         ),
         interpret=pallas_tiles.interpret_mode(interpret),
         name="swiglu_matmul",
-    )(x, w)
+    )(*inputs)
