@@ -120,11 +120,12 @@ def fuse_residual_norm(
     `fused`, or `auto` on GPUs with 16-bit weights, where the product takes djax's kernels
     (`matmul_impl` resolves to `pallas`) on at most `split_k.MAX_ROWS` rows (a block of one
     sequence) and is not sharded (under tensor parallelism it is all-reduced first). The
-    caller checks that the next product's kernel takes `ScaledRows`. A LLaDA-8B block layer
-    drops both residual-norm kernels; on an H100 the output product with its norm took
-    14.95 µs against 17.51, the down product 36.82 against 39.38 (bench/NOTES.md)."""
+    caller checks that the next product's kernel takes `ScaledRows`. `auto` fuses on H100s
+    only (`_unsplit_products_pay`)."""
     check_choice("norm_impl", norm_impl, NORM_IMPLS)
-    wanted = norm_impl == "fused" or (norm_impl == "auto" and _gpu_half(dtype))
+    wanted = norm_impl == "fused" or (
+        norm_impl == "auto" and _gpu_half(dtype) and _unsplit_products_pay()
+    )
     return (
         wanted
         and not sharded
@@ -132,6 +133,16 @@ def fuse_residual_norm(
         and residual_product.fits(k, n)
         and resolve_matmul_impl(matmul_impl, rows, k, n, dtype) == "pallas"
     )
+
+
+def _unsplit_products_pay() -> bool:
+    """Whether the GPU is one where `residual_product`'s unsplit products beat the split-K
+    kernel with its norm kernel: they stream at most ~3.2 TB/s on H100s and H200s alike, a
+    per-SM ceiling. An H100 reads at ~3.0 TB/s: the output product with its norm took 14.95
+    µs against 17.51, the down product 37.02 against 39.49, and the generation gained 1.4%.
+    An H200 reads at 4.36 TB/s: 13.55-13.8 against 13.95 and 33.5-34 against 29.58, and the
+    generation lost 3.8% (bench/NOTES.md)."""
+    return "H100" in jax.devices()[0].device_kind
 
 
 def resolve_rope_impl(impl: str, head_dim: int, rotary_dim: int, dtype: Any) -> str:
