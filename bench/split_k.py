@@ -72,12 +72,6 @@ def residual_form(name, x, residual, scale, w, tiles=None):
     return residual_product.residual_product(x, w, residual, scale, EPS, tiles=tiles)
 
 
-def residual_split_form(name, x, residual, scale, w, tiles=None):
-    """The split-K product whose last slice per tile adds the residual
-    (`residual_product_split`): (h, ScaledRows)."""
-    return residual_product.residual_product_split(x, w, residual, scale, EPS, tiles=tiles)
-
-
 # --residual: (block_n, block_k, num_stages) of `residual_form`, 4 warps
 RESIDUAL_TILES = (
     (32, 128, 4),
@@ -93,10 +87,6 @@ RESIDUAL_TILES = (
     (64, 128, 6),
     (64, 128, 8),
 )
-
-
-# --residual: (splits, block_n, block_k, num_stages) of `residual_split_form`, 4 warps
-RESIDUAL_SPLIT_TILES = ((2, 128, 64, 4), (4, 128, 64, 5), (4, 64, 64, 4), (8, 128, 64, 4))
 
 
 # JAX's Hopper matmul tiles rows by 64 (one warpgroup's wgmma); the block's rows are padded.
@@ -301,15 +291,6 @@ def main() -> None:
                 )
                 for n_, k_, st in RESIDUAL_TILES
                 if n % n_ == 0 and k % k_ == 0
-            ]
-            runs += [("residual split", residual_split_form)]
-            runs += [
-                (
-                    f"residual split s{sp} {n_}x{k_} st{st}",
-                    functools.partial(residual_split_form, tiles=Tiles(32, n_, k_, sp, 4, st)),
-                )
-                for sp, n_, k_, st in RESIDUAL_SPLIT_TILES
-                if n % n_ == 0 and k % (sp * k_) == 0
             ]
         for label, form in runs:
             row = {"product": name, "rows": args.rows, "k": k, "n": n, "impl": label}

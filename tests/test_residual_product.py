@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 import djax
-from djax.models import impls, layers, residual_product, rope_write, split_k
-from djax.models.residual_norm import add_rms_norm
+from djax.models import impls, layers, residual_product, rope_write
 from djax.models.residual_product import ScaledRows
 from djax.models.swiglu import swiglu_matmul
 
@@ -146,13 +145,13 @@ def test_generation_with_fused_norms(dense_model, monkeypatch):
     config = dataclasses.replace(dense_model.config, n_heads=2, n_kv_heads=1, head_dim=32)
     model = Model(config, init_params(config, jnp.float32, seed=5), None, jnp.float32)
     products = []
-    fused = residual_product.residual_product_split
+    fused = residual_product.residual_product
 
     def spy(x, w, *args, **kwargs):
         products.append((x.shape, w.shape))
         return fused(x, w, *args, **kwargs)
 
-    monkeypatch.setattr(residual_product, "residual_product_split", spy)
+    monkeypatch.setattr(residual_product, "residual_product", spy)
     monkeypatch.setattr(impls, "MIN_FUSED_PROGRAMS", 1)  # a speed rule; this has 3 heads
     monkeypatch.setattr(engine, "_EXECUTABLES", {})  # programs traced before the spy
     jax.clear_caches()
@@ -224,47 +223,3 @@ def test_compiled_kernels_on_gpu():
     for name, o, r in zip(("q", "keys", "values"), ours, want, strict=True):
         o, r = o.astype(jnp.float32), r.astype(jnp.float32)
         assert jnp.linalg.norm(o - r) / jnp.linalg.norm(r) <= 2e-2, name
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_split_residual_product_matches(case):
-    """The split-K form: the last slice to arrive adds the others (in the interpreter the
-    slices run in order, so this checks the arithmetic, not the synchronisation)."""
-    lead, k, n, _ = CASES[case]
-    x, w = _normal(0, (*lead, k)), _normal(1, (k, n), scale=k**-0.5)
-    residual, scale = _normal(2, (*lead, n)), _normal(3, (n,), scale=0.1) + 1
-    tiles = split_k.Tiles(16, 16, 16, 2)
-    h, rows = residual_product.residual_product_split(x, w, residual, scale, EPS, tiles, True)
-    want_h, want_normed = add_rms_norm(
-        residual, split_k.matmul_partials(x, w, tiles, True), scale, EPS, interpret=True
-    )
-    np.testing.assert_array_equal(h, want_h)  # the same slices, added in the same order
-    np.testing.assert_allclose(_fused_norm(rows), want_normed, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-def test_split_residual_product_synchronises_on_gpu():
-    """On a GPU, 64 calls at LLaDA-8B's output and down shapes (bf16): h must equal, bit for
-    bit, the split-K kernel's slices added by the norm kernel. A tile finished before one
-    of its slices was visible would differ."""
-    bf16 = jnp.bfloat16
-    for k in (4096, 12288):
-        x, w = _normal(0, (32, k), bf16), _normal(1, (k, 4096), bf16, k**-0.5)
-        residual, scale = _normal(2, (32, 4096), bf16), _normal(3, (4096,), bf16, 0.1) + 1
-        want, _ = add_rms_norm(residual, split_k.matmul_partials(x, w), scale, EPS)
-
-        @jax.jit
-        def calls(x, w, residual, scale):
-            return jnp.stack(
-                [
-                    residual_product.residual_product_split(
-                        x * (1 + i % 2), w, residual, scale, EPS
-                    )[0]
-                    for i in range(64)
-                ]
-            )
-
-        got = calls(x, w, residual, scale)
-        twice, _ = add_rms_norm(residual, split_k.matmul_partials(x * 2, w), scale, EPS)
-        for i in range(64):
-            np.testing.assert_array_equal(got[i], want if i % 2 == 0 else twice, err_msg=str(i))

@@ -114,29 +114,25 @@ def resolve_norm_impl(impl: str, dtype: Any) -> str:
 
 def fuse_residual_norm(
     norm_impl: str, matmul_impl: str, rows: int, k: int, n: int, dtype: Any, sharded: bool
-) -> str | None:
+) -> bool:
     """Whether the residual add after a `[rows, k] @ [k, n]` product runs in that product's
-    kernel and the RMSNorm after it in the next product's, and in which kernel: `"split"`
-    (`residual_product_split`) under `fused`, `"unsplit"` (`residual_product`) under `auto`
-    on H100s with 16-bit weights (`_unsplit_products_pay`), else None. Only where the
-    product takes djax's kernels (`matmul_impl` resolves to `pallas`) on at most
-    `split_k.MAX_ROWS` rows (a block of one sequence) and is not sharded (under tensor
-    parallelism it is all-reduced first). The caller checks that the next product's kernel
-    takes `ScaledRows`."""
+    kernel and the RMSNorm after it in the next product's (`residual_product`): under
+    `fused`, or `auto` on GPUs with 16-bit weights, where the product takes djax's kernels
+    (`matmul_impl` resolves to `pallas`) on at most `split_k.MAX_ROWS` rows (a block of one
+    sequence) and is not sharded (under tensor parallelism it is all-reduced first). The
+    caller checks that the next product's kernel takes `ScaledRows`. `auto` fuses on H100s
+    only (`_unsplit_products_pay`)."""
     check_choice("norm_impl", norm_impl, NORM_IMPLS)
-    if norm_impl == "fused":
-        form = "split"
-    elif norm_impl == "auto" and _gpu_half(dtype) and _unsplit_products_pay():
-        form = "unsplit"
-    else:
-        return None
-    fits = (
-        not sharded
+    wanted = norm_impl == "fused" or (
+        norm_impl == "auto" and _gpu_half(dtype) and _unsplit_products_pay()
+    )
+    return (
+        wanted
+        and not sharded
         and rows <= split_k.MAX_ROWS
         and residual_product.fits(k, n)
         and resolve_matmul_impl(matmul_impl, rows, k, n, dtype) == "pallas"
     )
-    return form if fits else None
 
 
 def _unsplit_products_pay() -> bool:

@@ -70,7 +70,6 @@ class Product:
 
     x: Array
     w: Array
-    form: str  # "split" (`residual_product_split`) or "unsplit" (`residual_product`)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -220,11 +219,7 @@ class RMSNorm(nn.Module):
     ) -> Array | tuple[Array, Array | ScaledRows]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if isinstance(x, Product):
-            run = {
-                "split": residual_product.residual_product_split,
-                "unsplit": residual_product.residual_product,
-            }[x.form]
-            return run(x.x, x.w, residual, scale, self.eps)
+            return residual_product.residual_product(x.x, x.w, residual, scale, self.eps)
         if residual is None:
             return rms_norm(finish(x), scale, self.eps)
         if resolve_norm_impl(self.impl, x.dtype) == "pallas":
@@ -270,14 +265,14 @@ class Attention(nn.Module):
         kv: LayerKV | None,
         window: Window,
         query_rows: tuple[Any, int] | None = None,
-        defer_output: str | None = None,
+        defer_output: bool = False,
     ) -> tuple[Array | Partials | Product, LayerKV]:
         """x: [b, W, model] normed window rows (`ScaledRows` only where the q/k/v product
         runs in the RoPE kernel) -> the attention output [b, W, model] (or `Partials`, or
-        with `defer_output`, a `Product.form`, the output `Product` still to run) and the
-        layer's K/V with the window's written. `query_rows=(start, n)`: attend and project
-        only window rows `[start, start + n)` (every row's K/V is still written); the output
-        is then [b, n, model]."""
+        with `defer_output` the output `Product` still to run) and the layer's K/V with the
+        window's written. `query_rows=(start, n)`: attend and project only window rows
+        `[start, start + n)` (every row's K/V is still written); the output is then
+        [b, n, model]."""
         cfg = self.config
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
@@ -322,7 +317,7 @@ class Attention(nn.Module):
         b, t = out.shape[:2]
         out, out_kernel = out.reshape(b, t, -1), out_kernel.reshape(-1, cfg.d_model)
         if defer_output:
-            return Product(out, out_kernel, defer_output), (keys, values)
+            return Product(out, out_kernel), (keys, values)
         y = project(out, out_kernel, self.matmul_impl)
         return _sum_over(y, self.axis_name), (keys, values)
 
@@ -356,11 +351,11 @@ class GatedMLP(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: Array | ScaledRows, defer_down: str | None = None
+        self, x: Array | ScaledRows, defer_down: bool = False
     ) -> Array | Partials | Product:
         """x: [b, t, model] normed rows (`ScaledRows` only where the gate/up product takes
-        djax's kernel) -> [b, t, model] (or `Partials`, or with `defer_down`, a
-        `Product.form`, the down `Product` still to run)."""
+        djax's kernel) -> [b, t, model] (or `Partials`, or with `defer_down` the down
+        `Product` still to run)."""
         (b, t, d_model), hidden = x.shape, self.hidden // self.shards
         gate_up = self.param("gate_up", init_normal(), (d_model, 2, hidden), self.dtype)
         down = self.param("down", init_normal(), (hidden, d_model), self.dtype)
@@ -372,7 +367,7 @@ class GatedMLP(nn.Module):
         else:
             act = swiglu_xla(x, gate_up)
         if defer_down:
-            return Product(act, down, defer_down)
+            return Product(act, down)
         return _sum_over(project(act, down, self.matmul_impl), self.axis_name)
 
 
@@ -496,46 +491,44 @@ class TransformerLM(nn.Module):
                     x = jax.lax.dynamic_slice_in_dim(x, hidden_start, hidden_len, axis=1)
                 h, normed = self.ff_norms[i](attn_out, residual=x)
                 with jax.named_scope("mlp"):
-                    form = self._norm_into_attention(i + 1, x.shape)
-                    mlp_out = self.ffs[i](normed, defer_down=form) if form else self.ffs[i](normed)
+                    if self._norm_into_attention(i + 1, x.shape):
+                        mlp_out = self.ffs[i](normed, defer_down=True)
+                    else:
+                        mlp_out = self.ffs[i](normed)
                 next_norm = self.attn_norms[i + 1] if i + 1 < n_layers else self.final_norm
                 x, normed = next_norm(mlp_out, residual=h)
                 new_kv.append(layer_kv)
         return normed, tuple(new_kv)
 
-    def _norm_into_mlp(self, layer: int, rows: int) -> str | None:
-        """The `Product.form` in which layer `layer`'s feed-forward norm runs inside its
-        attention-output product (the residual add) and its gate/up kernel, or None
-        (`fuse_residual_norm`)."""
+    def _norm_into_mlp(self, layer: int, rows: int) -> bool:
+        """Whether layer `layer`'s feed-forward norm runs inside its attention-output product
+        (the residual add) and its gate/up kernel (`fuse_residual_norm`)."""
         cfg, ff = self.config, self.ffs[layer]
-        if not isinstance(ff, GatedMLP):
-            return None
-        if resolve_mlp_impl(self.mlp_impl, rows, cfg.d_model, ff.hidden, self.dtype) != "pallas":
-            return None
-        return fuse_residual_norm(
-            self.norm_impl,
-            self.matmul_impl,
-            rows,
-            cfg.n_heads * cfg.head_dim,
-            cfg.d_model,
-            self.dtype,
-            self.axis_name is not None,
+        return (
+            isinstance(ff, GatedMLP)
+            and fuse_residual_norm(
+                self.norm_impl,
+                self.matmul_impl,
+                rows,
+                cfg.n_heads * cfg.head_dim,
+                cfg.d_model,
+                self.dtype,
+                self.axis_name is not None,
+            )
+            and resolve_mlp_impl(self.mlp_impl, rows, cfg.d_model, ff.hidden, self.dtype)
+            == "pallas"
         )
 
-    def _norm_into_attention(self, layer: int, x_shape: tuple[int, ...]) -> str | None:
-        """The `Product.form` in which the norm before layer `layer`'s attention runs inside
-        the previous layer's down product (the residual add) and this layer's q/k/v kernel,
-        or None; `x_shape` [b, t, model] is the window's."""
+    def _norm_into_attention(self, layer: int, x_shape: tuple[int, ...]) -> bool:
+        """Whether the norm before layer `layer`'s attention runs inside the previous layer's
+        down product (the residual add) and this layer's q/k/v kernel; `x_shape` [b, t,
+        model] is the window's."""
         cfg = self.config
         if layer >= cfg.n_layers or not isinstance(self.ffs[layer - 1], GatedMLP):
-            return None
+            return False
         group = cfg.n_heads // cfg.n_kv_heads
         qkv_shape = (cfg.d_model, cfg.n_kv_heads, group + 2, cfg.head_dim)
         rope_impl = resolve_rope_impl(self.rope_impl, cfg.head_dim, cfg.rope_dim, self.dtype)
-        if not fuse_qkv_rope(
-            self.matmul_impl, rope_impl, x_shape, qkv_shape, cfg.rope_dim, self.dtype
-        ):
-            return None
         return fuse_residual_norm(
             self.norm_impl,
             self.matmul_impl,
@@ -544,6 +537,8 @@ class TransformerLM(nn.Module):
             cfg.d_model,
             self.dtype,
             self.axis_name is not None,
+        ) and fuse_qkv_rope(
+            self.matmul_impl, rope_impl, x_shape, qkv_shape, cfg.rope_dim, self.dtype
         )
 
     def embed(self, token_ids: Array) -> Array:

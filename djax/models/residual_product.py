@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.models import pallas_tiles, split_k
+from djax.models import pallas_tiles
 
 Array = jax.Array
 
@@ -189,127 +189,6 @@ def residual_product(
         interpret=pallas_tiles.interpret_mode(interpret),
         name="residual_product",
     )(rows, w, residual.reshape(m, n), scale)
-    lead = residual.shape[:-1]
-    return h.reshape(residual.shape), ScaledRows(
-        scaled.reshape(residual.shape), squares.reshape(-1, *lead), eps
-    )
-
-
-def _split_kernel(
-    x_ref,
-    w_ref,
-    res_ref,
-    scale_ref,
-    _,
-    h_ref,
-    scaled_ref,
-    squares_ref,
-    parts_ref,
-    arrivals_ref,
-    *,
-    tiles,
-    steps,
-    interpret,
-):
-    """One slice of one output tile; the slice that arrives last finishes the tile. Refs are
-    whole arrays: x [m, k], w [k, n], residual, h, scaled [m, n], scale [n]; squares
-    [n // block_n, m]; parts [splits, m, n] fp32; arrivals [row tiles x column tiles] int32,
-    zero at the start (aliased to the unused input `_`)."""
-    from jax.experimental.pallas import triton as plgpu
-
-    m = x_ref.shape[0]
-    row_tile, column_tile = pl.program_id(0), pl.program_id(1)
-    tile = row_tile * pl.num_programs(1) + column_tile
-    rows = pl.ds(row_tile * tiles.block_m, tiles.block_m)
-    cols = pl.ds(column_tile * tiles.block_n, tiles.block_n)
-    row_ok = (row_tile * tiles.block_m + jnp.arange(tiles.block_m) < m)[:, None]
-    split_k._kernel(x_ref, w_ref, parts_ref, tiles=tiles, steps=steps)
-    if not interpret:  # every thread's partial stored before the release below
-        plgpu.debug_barrier()
-    # acquire-release at GPU scope: the slices before this one are visible after it
-    arrived = plgpu.atomic_add(arrivals_ref, tile, jnp.ones((), jnp.int32))
-
-    @pl.when(arrived == tiles.splits - 1)
-    def _finish():
-        parts = [
-            plgpu.load(parts_ref.at[jnp.int32(i), rows, cols], mask=row_ok, other=0.0)
-            for i in range(tiles.splits)
-        ]
-        residual = plgpu.load(res_ref.at[rows, cols], mask=row_ok, other=0.0)
-        h = residual.astype(jnp.float32) + split_k.add_slices(parts, h_ref.dtype)
-        h = h.astype(h_ref.dtype)
-        hf = h.astype(jnp.float32)
-        scale = scale_ref[cols].astype(jnp.float32)
-        plgpu.store(h_ref.at[rows, cols], h, mask=row_ok)
-        plgpu.store(scaled_ref.at[rows, cols], (hf * scale[None, :]).astype(h.dtype), mask=row_ok)
-        plgpu.store(squares_ref.at[column_tile, rows], jnp.sum(hf * hf, axis=1), mask=row_ok[:, 0])
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret"))
-def residual_product_split(
-    x: Array,
-    w: Array,
-    residual: Array,
-    scale: Array,
-    eps: float,
-    tiles: split_k.Tiles | None = None,
-    interpret: bool | None = None,
-) -> tuple[Array, ScaledRows]:
-    """`residual_product` with the contraction cut into slices (`split_k`'s programs): the
-    last slice of each output tile to finish (an atomic count) adds the others and finishes
-    the tile. Same arguments and results; `tiles` default `split_k.tiles_for`."""
-    from jax.experimental.pallas import triton as plgpu
-
-    k, n = w.shape
-    if (
-        x.shape[-1] != k
-        or residual.shape != (*x.shape[:-1], n)
-        or scale.shape != (n,)
-        or not fits(k, n)
-    ):
-        raise ValueError(
-            f"residual_product_split: x {x.shape}, w {w.shape}, residual {residual.shape}, "
-            f"scale {scale.shape}; expected x [..., {k}], residual [..., {n}] and scale [{n}], "
-            "with k and n multiples of 16"
-        )
-    rows = x.reshape(-1, k)
-    m = rows.shape[0]
-    tiles = tiles or split_k.tiles_for(m, k, n)
-    blocks = (tiles.block_m, tiles.block_n, tiles.block_k)
-    if (
-        not all(map(pallas_tiles.is_block, blocks))
-        or n % tiles.block_n
-        or k % (tiles.splits * tiles.block_k)
-    ):
-        raise ValueError(
-            f"{tiles}: blocks must be powers of two >= 16, block_n dividing n = {n} and "
-            f"splits x block_k dividing k = {k}"
-        )
-    interpret = pallas_tiles.interpret_mode(interpret)
-    grid = (pl.cdiv(m, tiles.block_m), n // tiles.block_n, tiles.splits)
-    out = jax.ShapeDtypeStruct((m, n), residual.dtype)
-    h, scaled, squares, _, _ = pl.pallas_call(
-        functools.partial(
-            _split_kernel,
-            tiles=tiles,
-            steps=k // (tiles.splits * tiles.block_k),
-            interpret=interpret,
-        ),
-        out_shape=[
-            out,
-            out,
-            jax.ShapeDtypeStruct((grid[1], m), jnp.float32),
-            jax.ShapeDtypeStruct((tiles.splits, m, n), jnp.float32),
-            jax.ShapeDtypeStruct((grid[0] * grid[1],), jnp.int32),
-        ],
-        grid=grid,
-        input_output_aliases={4: 4},
-        compiler_params=plgpu.CompilerParams(
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages
-        ),
-        interpret=interpret,
-        name="residual_product_split",
-    )(rows, w, residual.reshape(m, n), scale, jnp.zeros((grid[0] * grid[1],), jnp.int32))
     lead = residual.shape[:-1]
     return h.reshape(residual.shape), ScaledRows(
         scaled.reshape(residual.shape), squares.reshape(-1, *lead), eps
