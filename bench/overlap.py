@@ -114,108 +114,10 @@ def separate(q, keys, values, key_valid, x, w):
     return out, split_k.matmul_partials(x, w).parts
 
 
-def chained(q, keys, values, key_valid, x, w):
-    """The engine's two kernels, the product on attention's output (so they run in order)."""
-    out = flash_attention.split_kv_attention(q, keys, values, key_valid)
-    return out, split_k.matmul_partials(out.reshape(x.shape), w).parts
-
-
-def _prefetch_body(x_ref, w_ref, sums_ref, *, tiles, steps, slice_steps, program):
-    """A product program's first `steps` weight steps of its slice, multiplied by any rows of
-    `x_ref` and reduced to column sums: it reads those weights into L2 (a load whose result
-    is unused would be dropped by the compiler). `program`: (column tile, slice, number)."""
-    from jax.experimental.pallas import triton as plgpu
-
-    column_tile, split, number = program
-    cols = pl.ds(column_tile * tiles.block_n, tiles.block_n)
-
-    def step(i, acc):
-        ks = pl.ds((split * slice_steps + i) * tiles.block_k, tiles.block_k)
-        x = x_ref[pl.ds(0, tiles.block_m), ks]
-        return acc + jnp.dot(x, w_ref[ks, cols], preferred_element_type=jnp.float32)
-
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32))
-    plgpu.store(sums_ref.at[number, pl.ds(0, tiles.block_n)], acc.sum(axis=0))
-
-
-def _attention_prefetch_kernel(
-    q_ref, k_ref, v_ref, bias_ref, x_ref, w_ref, att_ref, sums_ref, *, attention, prefetch, first
-):
-    """Attention's programs and prefetching programs in one grid; `first` says whose come
-    first."""
-    (att_body, att_grid), (pf_body, pf_grid) = attention, prefetch
-    att_programs = att_grid[0] * att_grid[1] * att_grid[2]
-    pf_programs = pf_grid[0] * pf_grid[1]
-    pid = pl.program_id(0)
-
-    def run_attention(i):
-        att_body(q_ref, k_ref, v_ref, bias_ref, att_ref, None, program=_unravel(i, att_grid))
-
-    def run_prefetch(i):
-        pf_body(x_ref, w_ref, sums_ref, program=(*_unravel(i, pf_grid), i))
-
-    if first == "attention":
-        pl.when(pid < att_programs)(lambda: run_attention(pid))
-        pl.when(pid >= att_programs)(lambda: run_prefetch(pid - att_programs))
-    else:
-        pl.when(pid < pf_programs)(lambda: run_prefetch(pid))
-        pl.when(pid >= pf_programs)(lambda: run_attention(pid - pf_programs))
-
-
-def attention_then_product(q, keys, values, key_valid, x, w, *, fraction: float, first: str):
-    """Attention in one kernel with programs that read the first `fraction` of each of the
-    product's weight slices into L2, then the engine's product on attention's output."""
-    from jax.experimental.pallas import triton as plgpu
-
-    b, t, n, d = q.shape
-    s, kv_heads = keys.shape[1], keys.shape[2]
-    att = flash_attention.tiles_for(t, s, b * n)
-    if att.splits != 1:
-        raise ValueError(f"{att}: this bench takes block shapes whose attention is one slice")
-    att_grid = (b * n, pl.cdiv(t, att.block_q), 1)
-    att_body = functools.partial(
-        flash_attention._kernel, tiles=att, n_heads=n, group=n // kv_heads, split_len=s
-    )
-    m, k = x.shape
-    mm = split_k.tiles_for(m, k, w.shape[1])
-    slice_steps = k // (mm.splits * mm.block_k)
-    pf_grid = (w.shape[1] // mm.block_n, mm.splits)
-    pf_body = functools.partial(
-        _prefetch_body,
-        tiles=mm,
-        steps=max(1, round(fraction * slice_steps)),
-        slice_steps=slice_steps,
-    )
-    pf_programs = pf_grid[0] * pf_grid[1]
-    bias = jnp.where(key_valid, 0.0, flash_attention.MASKED).astype(jnp.float32)
-    out, _ = pl.pallas_call(
-        functools.partial(
-            _attention_prefetch_kernel,
-            attention=(att_body, att_grid),
-            prefetch=(pf_body, pf_grid),
-            first=first,
-        ),
-        out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((pf_programs, mm.block_n), jnp.float32),
-        ],
-        grid=(att_grid[0] * att_grid[1] + pf_programs,),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=att.num_stages),
-        interpret=pallas_tiles.interpret_mode(None),
-        name="attention_and_prefetch",
-    )(q, keys, values, bias, q.reshape(x.shape), w)
-    return out, split_k.matmul_partials(out.reshape(x.shape), w).parts
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument(
-        "--prefetch",
-        action="store_true",
-        help="attention with programs that read the product's weights into L2 first",
-    )
     args = parser.parse_args()
     cfg = model_config("dense", args.tiny)
     keys_ = jax.random.split(jax.random.key(0), 5)
@@ -232,23 +134,12 @@ def main() -> None:
     # a query per weight copy, so that XLA cannot compute one attention for all copies
     qs = [q * (1 - i / 64) for i in range(copies)]
     forms = {"separate": separate}
-    if args.prefetch:
-        forms = {"chained": chained}
-        for fraction in (0.25, 0.5, 1.0):
-            label = f"attention + prefetch {fraction}, then product"
-            forms[label] = functools.partial(
-                attention_then_product, fraction=fraction, first="attention"
-            )
-        forms["prefetch 0.5 first, then product"] = functools.partial(
-            attention_then_product, fraction=0.5, first="prefetch"
-        )
-    else:
-        for first in ("attention", "product"):
-            for stages in (3, 4):
-                label = f"one kernel, {first} first, {stages} stages"
-                forms[label] = functools.partial(one_kernel, first=first, stages=stages)
+    for first in ("attention", "product"):
+        for stages in (3, 4):
+            label = f"one kernel, {first} first, {stages} stages"
+            forms[label] = functools.partial(one_kernel, first=first, stages=stages)
     rows = []
-    reference = next(iter(forms.values()))(q, k_buf, v_buf, key_valid, x, w)
+    reference = separate(q, k_buf, v_buf, key_valid, x, w)
     for label, form in forms.items():
         row = {"impl": label, "t": t, "keys": buffer, "weight_bytes": w.nbytes}
 
