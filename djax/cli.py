@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--norm-impl",
         default="auto",
-        help="residual add + RMSNorm: auto (pallas on GPUs, 16-bit weights) | xla | pallas",
+        help="residual add + RMSNorm: auto (fused on H100s, pallas on other GPUs, 16-bit "
+        "weights) | xla | pallas | fused (in the block products' kernels)",
     )
     gen.add_argument(
         "--rope-impl",

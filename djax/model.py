@@ -95,7 +95,8 @@ def load(
     `jax.sharding.Mesh` from `djax.make_mesh` to load straight into shards. options:
     module options (`attention_impl="auto"|"xla"|"cudnn"|"split_kv"`,
     `mlp_impl="auto"|"xla"|"pallas"`, `moe_impl="auto"|"grouped"|"dense"|"hopper"|"pallas"`,
-    `matmul_impl`, `norm_impl` and `rope_impl`, each `"auto"|"xla"|"pallas"`).
+    `matmul_impl`, `norm_impl` and `rope_impl`, each `"auto"|"xla"|"pallas"`; `norm_impl`
+    also `"fused"`).
     """
     folder = Path(path)
     if not folder.is_dir():

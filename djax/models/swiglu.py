@@ -8,9 +8,10 @@ writes `silu(gate) * up` directly: 48.7 µs for both on an H200 (bench/NOTES.md)
 program owns a `block_m x block_n` tile of the output and loops over the model dim in
 `block_k` steps, Triton pipelining the weight loads over `num_stages`.
 
-Fusing the RMSNorm before it or the residual add after the down product into such a kernel
-did not pay (bench/NOTES.md): an operand changed in registers before the product stops
-Triton's load pipelining, and XLA's own kernels for the other products were as fast.
+Normalising the `x` tile in registers before the product did not pay (bench/NOTES.md): it
+stops Triton's load pipelining. Given `ScaledRows` (rows already multiplied by the norm's
+scale, `residual_product`) the kernel applies the RMSNorm after the product instead, as
+one scale per accumulator row.
 """
 
 from __future__ import annotations
