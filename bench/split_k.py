@@ -72,14 +72,6 @@ def residual_form(name, x, residual, scale, w, tiles=None):
     return residual_product.residual_product(x, w, residual, scale, EPS, tiles=tiles)
 
 
-def residual_transposed_form(name, x, residual, scale, w, tiles=None):
-    """`residual_form` reading the weight stored transposed: `w` [n, k], so each program's
-    32 output columns are 32 contiguous weight rows."""
-    return residual_product.residual_product(
-        x, w, residual, scale, EPS, tiles=tiles, transposed=True
-    )
-
-
 # --residual: (block_n, block_k, num_stages) of `residual_form`, 4 warps
 RESIDUAL_TILES = (
     (32, 128, 4),
@@ -95,10 +87,6 @@ RESIDUAL_TILES = (
     (64, 128, 6),
     (64, 128, 8),
 )
-
-
-# --residual: (block_n, block_k, num_stages) of `residual_transposed_form`
-RESIDUAL_T_TILES = ((32, 256, 4), (32, 128, 6), (32, 512, 3), (64, 256, 3), (16, 512, 3))
 
 
 # JAX's Hopper matmul tiles rows by 64 (one warpgroup's wgmma); the block's rows are padded.
@@ -304,28 +292,15 @@ def main() -> None:
                 for n_, k_, st in RESIDUAL_TILES
                 if n % n_ == 0 and k % k_ == 0
             ]
-        if args.residual and name != "qkv":
-            runs += [
-                (
-                    f"residual T {n_}x{k_} st{st}",
-                    functools.partial(
-                        residual_transposed_form, tiles=residual_product.Tiles(32, n_, k_, 4, st)
-                    ),
-                )
-                for n_, k_, st in RESIDUAL_T_TILES
-                if n % n_ == 0 and k % k_ == 0
-            ]
         for label, form in runs:
-            transposed = label.startswith("residual T")
             row = {"product": name, "rows": args.rows, "k": k, "n": n, "impl": label}
             if label == "pallas":
                 row["tiles"] = str(tiles_for(args.rows, k, n))
             fn = jax.jit(
                 lambda x, r, s, ws, form=form, name=name: [form(name, x, r, s, w) for w in ws]
             )
-            weights = [w_.T for w_ in ws] if transposed else ws
             try:
-                out = fn(x, residual, scale, weights[:1])[0]
+                out = fn(x, residual, scale, ws[:1])[0]
                 if isinstance(out[1], residual_product.ScaledRows):  # the norm, done by XLA
                     scaled = out[1]
                     out = (out[0], scaled.scaled.astype(jnp.float32) * scaled.inv_rms())
@@ -333,7 +308,7 @@ def main() -> None:
                 out = out.sum(0) if out.ndim == 3 else out
                 ref = reference[1] if isinstance(reference, tuple) else reference
                 row["rel_error"] = rel_error(out, ref)
-                time_row(row, fn, (x, residual, scale, weights), args.calls, w.nbytes, len(ws))
+                time_row(row, fn, (x, residual, scale, ws), args.calls, w.nbytes, len(ws))
             except Exception as err:  # keep the other rows of a costly run
                 row["error"] = f"{type(err).__name__}: {err}"[:1500]
             print(row, flush=True)

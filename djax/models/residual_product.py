@@ -115,11 +115,9 @@ def load_inv_rms(squares_ref, index: tuple, ok: Array, width: int, eps: float) -
     return jax.lax.rsqrt(jnp.sum(squares, axis=0) / width + eps)[:, None]
 
 
-def _kernel(
-    x_ref, w_ref, res_ref, scale_ref, h_ref, scaled_ref, squares_ref, *, tiles, steps, transposed
-):
-    """One output tile. Refs are whole arrays: x [m, k], w [k, n] ([n, k] when
-    `transposed`), residual, h, scaled [m, n], scale [n]; squares [n // block_n, m]."""
+def _kernel(x_ref, w_ref, res_ref, scale_ref, h_ref, scaled_ref, squares_ref, *, tiles, steps):
+    """One output tile. Refs are whole arrays: x [m, k], w [k, n], residual, h, scaled
+    [m, n], scale [n]; squares [n // block_n, m]."""
     from jax.experimental.pallas import triton as plgpu
 
     m = x_ref.shape[0]
@@ -131,8 +129,7 @@ def _kernel(
     def step(i, acc):
         ks = pl.ds(i * tiles.block_k, tiles.block_k)
         x = plgpu.load(x_ref.at[rows, ks], mask=row_ok[:, None], other=0.0)
-        w = w_ref[cols, ks].T if transposed else w_ref[ks, cols]
-        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(x, w_ref[ks, cols], preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32))
     residual = plgpu.load(res_ref.at[rows, cols], mask=row_ok[:, None], other=0.0)
@@ -149,7 +146,7 @@ def _kernel(
     plgpu.store(squares_ref.at[column_tile, rows], jnp.sum(hf * hf, axis=1), mask=row_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret", "transposed"))
+@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret"))
 def residual_product(
     x: Array,
     w: Array,
@@ -158,7 +155,6 @@ def residual_product(
     eps: float,
     tiles: Tiles | None = None,
     interpret: bool | None = None,
-    transposed: bool = False,
 ) -> tuple[Array, ScaledRows]:
     """`h = residual + x @ w` and the inputs of the RMSNorm after it, in one kernel.
 
@@ -169,7 +165,7 @@ def residual_product(
     """
     from jax.experimental.pallas import triton as plgpu
 
-    n, k = w.shape if transposed else w.shape[::-1]
+    k, n = w.shape
     if (
         x.shape[-1] != k
         or residual.shape != (*x.shape[:-1], n)
@@ -192,7 +188,7 @@ def residual_product(
         )
     out = jax.ShapeDtypeStruct((m, n), residual.dtype)
     h, scaled, squares = pl.pallas_call(
-        functools.partial(_kernel, tiles=tiles, steps=k // tiles.block_k, transposed=transposed),
+        functools.partial(_kernel, tiles=tiles, steps=k // tiles.block_k),
         out_shape=[out, out, jax.ShapeDtypeStruct((n // tiles.block_n, m), jnp.float32)],
         grid=(pl.cdiv(m, tiles.block_m), n // tiles.block_n),
         compiler_params=plgpu.CompilerParams(
