@@ -43,7 +43,7 @@ CATEGORIES = [
     ("decoder", r"decoder"),
     ("moe", r"ragged|grouped|experts?_?|router|\bsort|top_?k|scatter|argsort|mosaic_gpu"),
     ("attention", r"fmha|flash|cudnn|attention|softmax"),
-    ("matmul", r"gemm|cublas|cutlass|nvjet|xmma|wgmma|\bdot|matmul|triton_gemm"),
+    ("matmul", r"gemm|cublas|cutlass|nvjet|xmma|wgmma|\bdot|matmul|triton_gemm|residual_product"),
 ]
 
 

@@ -12,6 +12,7 @@ from bench.profile import categorize, device_events, event_category, summarize
         ("psum_1454_0_fusion_1", "collectives"),
         ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "collectives"),
         ("gemm_fusion_dot_1677", "matmul"),
+        ("residual_product__1", "matmul"),
         ("expert_matmul_gated__1", "moe"),
         ("nvjet_sm90_tst_192x192_64x3_2x1_v_bz_coopB_NNN", "matmul"),
         ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", "attention"),
