@@ -137,11 +137,11 @@ def fuse_residual_norm(
 
 def _unsplit_products_pay() -> bool:
     """Whether the GPU is one where `residual_product`'s unsplit products beat the split-K
-    kernel with its norm kernel: they stream at most ~3.2 TB/s on H100s and H200s alike, a
-    per-SM ceiling. An H100 reads at ~3.0 TB/s: the output product with its norm took 14.95
-    µs against 17.51, the down product 37.02 against 39.49, and the generation gained 1.4%.
-    An H200 reads at 4.36 TB/s: 13.55-13.8 against 13.95 and 33.5-34 against 29.58, and the
-    generation lost 3.8% (bench/NOTES.md)."""
+    kernel with its norm kernel: they stream ~3.0 TB/s of kernel time whatever their
+    tiling (likely a per-SM ceiling). An H100 reads at ~3.0 TB/s: the output product with
+    its norm took 14.95 µs against 17.51, the down product 37.02 against 39.49, and the
+    generation gained 1.4-1.6%. An H200 reads at 4.36 TB/s: 13.55-13.8 against 13.95 and
+    33.5-34 against 29.58, and the generation lost 3.8% (bench/NOTES.md)."""
     return "H100" in jax.devices()[0].device_kind
 
 

@@ -11,7 +11,7 @@ away, and no operand is changed in registers before a product (which stops Trito
 pipelining, bench/NOTES.md).
 
 Unsplit, 4096 output columns are 128 programs of 32 columns, each streaming 64-byte runs
-of its weight rows. That reaches ~3.2 TB/s on H100s and H200s alike: on an H100 (3.0 TB/s)
+of its weight rows. That reaches ~3.0 TB/s of kernel time on an H200: on an H100 (3.0 TB/s)
 the LLaDA-8B output and down products with their residual add take 14.9 and 37.0 µs where
 the split-K kernel and the norm kernel take 17.5 and 39.5; on an H200 (4.36 TB/s) 13.6 and
 33.5 against 14.0 and 29.6 (bench.split_k --residual). A split-K form whose last slice per
