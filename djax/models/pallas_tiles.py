@@ -1,10 +1,27 @@
 """Rules shared by djax's Pallas Triton kernels (`flash_attention`, `swiglu`, `split_k`,
-`residual_norm`, `rope_write`): the block sizes Triton takes, and when a kernel runs in
-Pallas's interpreter instead (off GPUs, which is how the CPU tests run them)."""
+`residual_norm`, `residual_product`, `rope_write`): the block sizes Triton takes, the
+program shape of the unsplit product kernels, and when a kernel runs in Pallas's
+interpreter instead (off GPUs, which is how the CPU tests run them)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class ProductTiles:
+    """Program shape of an unsplit product kernel for few rows (`swiglu`,
+    `residual_product`): a `block_m x block_n` output tile over the whole contraction in
+    `block_k` steps; Triton's `num_warps` and `num_stages`. Each block is a power of two
+    >= 16. The defaults are the SwiGLU kernel's; each kernel's `tiles_for` gives its own."""
+
+    block_m: int = 32
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
 
 
 def is_block(n: int) -> bool:

@@ -33,16 +33,7 @@ from djax.models import pallas_tiles
 Array = jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """Program shape: a `block_m x block_n` output tile in `block_k` contraction steps;
-    Triton's `num_warps` and `num_stages`."""
-
-    block_m: int = 32
-    block_n: int = 32
-    block_k: int = 256
-    num_warps: int = 4
-    num_stages: int = 4
+Tiles = pallas_tiles.ProductTiles
 
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:

@@ -16,7 +16,6 @@ one scale per accumulator row.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -33,17 +32,8 @@ Array = jax.Array
 MAX_ROWS = 32
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """Program shape: a `block_m x block_n` output tile (`block_n` columns of gate and of
-    up), `block_k` contraction steps, Triton's `num_warps` and `num_stages`. Each block is
-    a power of two >= 16."""
-
-    block_m: int = 32
-    block_n: int = 128
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 4
+# The program shape: `block_n` columns of gate and of up
+Tiles = pallas_tiles.ProductTiles
 
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:
