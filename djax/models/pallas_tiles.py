@@ -23,6 +23,15 @@ class ProductTiles:
     num_warps: int = 4
     num_stages: int = 4
 
+    def check(self, k: int, n: int) -> None:
+        """Raise a ValueError naming these tiles unless they fit a `k -> n` product."""
+        blocks = (self.block_m, self.block_n, self.block_k)
+        if not all(map(is_block, blocks)) or n % self.block_n or k % self.block_k:
+            raise ValueError(
+                f"{self}: blocks must be powers of two >= 16, block_n dividing n = {n} and "
+                f"block_k dividing k = {k}"
+            )
+
 
 def is_block(n: int) -> bool:
     """Whether `n` is a Triton tile size: a power of two, at least 16."""

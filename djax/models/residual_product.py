@@ -171,12 +171,7 @@ def residual_product(
     rows = x.reshape(-1, k)
     m = rows.shape[0]
     tiles = tiles or tiles_for(m, k, n)
-    blocks = (tiles.block_m, tiles.block_n, tiles.block_k)
-    if not all(map(pallas_tiles.is_block, blocks)) or n % tiles.block_n or k % tiles.block_k:
-        raise ValueError(
-            f"{tiles}: blocks must be powers of two >= 16, block_n dividing n = {n} and "
-            f"block_k dividing k = {k}"
-        )
+    tiles.check(k, n)
     out = jax.ShapeDtypeStruct((m, n), residual.dtype)
     h, scaled, squares = pl.pallas_call(
         functools.partial(_kernel, tiles=tiles, steps=k // tiles.block_k),

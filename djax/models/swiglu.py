@@ -101,12 +101,7 @@ def swiglu_matmul(
             "multiples of 16"
         )
     tiles = tiles or tiles_for(m, k, n)
-    blocks = (tiles.block_m, tiles.block_n, tiles.block_k)
-    if not all(map(pallas_tiles.is_block, blocks)) or n % tiles.block_n or k % tiles.block_k:
-        raise ValueError(
-            f"{tiles}: blocks must be powers of two >= 16, block_n dividing n = {n} and "
-            f"block_k dividing k = {k}"
-        )
+    tiles.check(k, n)
     return pl.pallas_call(
         functools.partial(_kernel, tiles=tiles, eps=eps),
         out_shape=jax.ShapeDtypeStruct((m, n), inputs[0].dtype),
