@@ -257,9 +257,43 @@ def _projection_inputs(case):
 def test_project_rope_and_write_matches_xla(case):
     """The q/k/v product inside the kernel against XLA's product (rounded to the activation
     dtype) and XLA's RoPE and buffer writes; rows outside the write range keep the buffer's."""
-    b, t, model, kv, group, d, rotary, s, window, ops, dtype = PROJECTION_CASES[case]
-    x, w, positions, buffers, scales, bounds, cos, sin = _projection_inputs(PROJECTION_CASES[case])
-    ours = project_rope_and_write(x, w, cos, sin, buffers, bounds, scales, ops, interpret=True)
+    _check_projection(PROJECTION_CASES[case])
+
+
+SHARED_CASES = {
+    "LLaDA-8B block, bf16": PROJECTION_CASES["LLaDA-8B block, bf16"],
+    "partial rotary, two sequences": (
+        2,
+        12,
+        64,
+        2,
+        1,
+        128,
+        64,
+        40,
+        layers.Window(20),
+        HeadOps(clip=2.0),
+        jnp.float32,
+    ),
+}
+
+
+@pytest.mark.parametrize("shares", [2, 4])
+@pytest.mark.parametrize("case", SHARED_CASES)
+def test_project_rope_and_write_in_shares(case, shares):
+    """Heads cut into shares (several programs per head, each with its part of both rotary
+    halves and of the rest) give XLA's results, at a contraction step of 16 rows too."""
+    if shares == 4 and SHARED_CASES[case][6] < SHARED_CASES[case][5]:
+        pytest.skip("a quarter of a 32-wide rotary half is no matmul tile")
+    _check_projection(SHARED_CASES[case], shares=shares, block_k=16)
+
+
+def _check_projection(case, **options):
+    b, t, model, kv, group, d, rotary, s, window, ops, dtype = case
+    x, w, positions, buffers, scales, bounds, cos, sin = _projection_inputs(case)
+    ours = project_rope_and_write(
+        x, w, cos, sin, buffers, bounds, scales, ops, interpret=True, **options
+    )
     qkv = jnp.einsum(
         "btm,mkgd->btkgd", x, w, precision="highest", preferred_element_type=jnp.float32
     )
@@ -299,6 +333,15 @@ def test_project_rope_and_write_errors():
     with pytest.raises(ValueError, match="qk_norm=True with scales None"):
         ops = HeadOps(qk_norm=True)
         project_rope_and_write(x, w, cos, sin, None, bounds, ops=ops, interpret=True)
+    with pytest.raises(ValueError, match=r"2 shares of head parts \[16, 16\]"):
+        project_rope_and_write(x, w, cos, sin, None, bounds, shares=2, interpret=True)
+    with pytest.raises(ValueError, match="2 shares with the q/k norm"):
+        x, w = jnp.zeros((1, 8, 64)), jnp.zeros((64, 2, 3, 64))
+        table, scales = jnp.zeros((1, 8, 32)), (jnp.ones((64,)),) * 2
+        ops = HeadOps(qk_norm=True)
+        project_rope_and_write(x, w, table, table, None, bounds, scales, ops, shares=2)
+    with pytest.raises(ValueError, match="block_k 48 for model width 64"):
+        project_rope_and_write(x, w, table, table, None, bounds, block_k=48, interpret=True)
 
 
 def test_auto_choice(monkeypatch):
