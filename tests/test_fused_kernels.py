@@ -412,17 +412,35 @@ def test_compiled_kernels_on_gpu():
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 def test_compiled_projection_on_gpu():
     """On a GPU: the Triton-compiled q/k/v product inside the RoPE/K/V-write kernel at
-    LLaDA-8B's block shape, LLaDA-MoE's (q/k norms) and two 16-row sequences, against XLA's
-    product and head ops."""
+    LLaDA-8B's block shape (whole heads, halves and quarters), LLaDA-MoE's (q/k norms) and
+    two 16-row sequences, against XLA's product and head ops."""
+    llada = (1, 32, 4096, 32, 1, 128, 128, 384, layers.Window(128), HeadOps(), jnp.bfloat16)
     cases = [
-        (1, 32, 4096, 32, 1, 128, 128, 384, layers.Window(128), HeadOps(), jnp.bfloat16),
-        (1, 32, 2048, 16, 1, 128, 128, 384, layers.Window(128), HeadOps(True, 1e-6), jnp.bfloat16),
-        (2, 16, 4096, 8, 1, 128, 128, 384, layers.Window(370), HeadOps(), jnp.bfloat16),
+        (llada, {}),
+        (llada, {"shares": 2}),
+        (llada, {"shares": 4, "block_k": 256}),
+        (
+            (
+                1,
+                32,
+                2048,
+                16,
+                1,
+                128,
+                128,
+                384,
+                layers.Window(128),
+                HeadOps(True, 1e-6),
+                jnp.bfloat16,
+            ),
+            {},
+        ),
+        ((2, 16, 4096, 8, 1, 128, 128, 384, layers.Window(370), HeadOps(), jnp.bfloat16), {}),
     ]
-    for case in cases:
+    for case, options in cases:
         b, t, model, kv, group, d, rotary, s, window, ops, dtype = case
         x, w, positions, buffers, scales, bounds, cos, sin = _projection_inputs(case)
-        ours = project_rope_and_write(x, w, cos, sin, buffers, bounds, scales, ops)
+        ours = project_rope_and_write(x, w, cos, sin, buffers, bounds, scales, ops, **options)
         qkv = jnp.einsum("btm,mkgd->btkgd", x, w, preferred_element_type=jnp.float32)
         want = _xla_rope_and_write(
             qkv.astype(dtype), positions, buffers, window, rotary, scales, ops
