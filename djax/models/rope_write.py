@@ -265,9 +265,13 @@ def projection_fits(t: int, model: int, head_dim: int, rotary_dim: int) -> bool:
 def _head_share(parts, share, shares: int):
     """Program `share` of `shares` per head: the `share`-th `1 / shares` of each part, so
     that each rotary pair (feature i of the first half, i of the second) stays in one
-    program; and where its RoPE table columns start."""
+    program; and where its RoPE table columns start. The starts are marked as multiples of
+    the share's width, so Triton keeps its wide aligned loads; one share is static."""
+    if shares == 1:
+        return parts, 0
     sub = [size // shares for _, size in parts]
-    return [(lo + share * n, n) for (lo, _), n in zip(parts, sub, strict=True)], share * sub[0]
+    starts = [pl.multiple_of(lo + share * n, n) for (lo, _), n in zip(parts, sub, strict=True)]
+    return list(zip(starts, sub, strict=True)), pl.multiple_of(share * sub[0], sub[0])
 
 
 def _project_kernel(
