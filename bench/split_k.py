@@ -138,20 +138,8 @@ def qkv_rope_inputs(cfg, rows: int, key) -> tuple:
     return x, w, buffers, positions, cos, sin, bounds, scales
 
 
-# --fused-sweep: the fused kernel at these (num_warps, num_stages, shares, block_k) besides
-# its default (4, 4, 1, 128); shares > 1 cut each head into several programs
-FUSED_SWEEP = (
-    (4, 3, 1, 128),
-    (4, 5, 1, 128),
-    (8, 4, 1, 128),
-    (4, 4, 2, 128),
-    (4, 6, 2, 128),
-    (4, 4, 2, 256),
-    (8, 4, 2, 256),
-    (4, 4, 4, 256),
-    (4, 6, 4, 256),
-    (2, 4, 4, 256),
-)
+# --fused-sweep: the fused kernel at these (num_warps, num_stages) besides its default (4, 4)
+FUSED_SWEEP = ((4, 3), (4, 5), (8, 3), (8, 4), (8, 5))
 
 
 def qkv_rope_forms(cfg, fused_sweep: bool = False) -> dict:
@@ -172,16 +160,14 @@ def qkv_rope_forms(cfg, fused_sweep: bool = False) -> dict:
         qkv = type(qkv)(qkv.parts.reshape(qkv.parts.shape[:-1] + w.shape[1:]), qkv.dtype)
         return rope_write.rope_and_write(qkv, cos, sin, buffers, bounds, scales, ops)
 
-    def fused(x, w, buffers, positions, cos, sin, bounds, scales, **tiles):
+    def fused(x, w, buffers, positions, cos, sin, bounds, scales, warps=4, stages=4):
         return rope_write.project_rope_and_write(
-            x, w, cos, sin, buffers, bounds, scales, ops, **tiles
+            x, w, cos, sin, buffers, bounds, scales, ops, num_warps=warps, num_stages=stages
         )
 
     forms = {"xla": xla, "pallas": pallas, "fused": fused}
-    for warps, stages, shares, block_k in FUSED_SWEEP if fused_sweep else ():
-        tiles = dict(num_warps=warps, num_stages=stages, shares=shares, block_k=block_k)
-        label = f"fused w{warps} st{stages} shares{shares} k{block_k}"
-        forms[label] = functools.partial(fused, **tiles)
+    for warps, stages in FUSED_SWEEP if fused_sweep else ():
+        forms[f"fused w{warps} st{stages}"] = functools.partial(fused, warps=warps, stages=stages)
     return forms
 
 

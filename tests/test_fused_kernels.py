@@ -257,43 +257,9 @@ def _projection_inputs(case):
 def test_project_rope_and_write_matches_xla(case):
     """The q/k/v product inside the kernel against XLA's product (rounded to the activation
     dtype) and XLA's RoPE and buffer writes; rows outside the write range keep the buffer's."""
-    _check_projection(PROJECTION_CASES[case])
-
-
-SHARED_CASES = {
-    "LLaDA-8B block, bf16": PROJECTION_CASES["LLaDA-8B block, bf16"],
-    "partial rotary, two sequences": (
-        2,
-        12,
-        64,
-        2,
-        1,
-        128,
-        64,
-        40,
-        layers.Window(20),
-        HeadOps(clip=2.0),
-        jnp.float32,
-    ),
-}
-
-
-@pytest.mark.parametrize("shares", [2, 4])
-@pytest.mark.parametrize("case", SHARED_CASES)
-def test_project_rope_and_write_in_shares(case, shares):
-    """Heads cut into shares (several programs per head, each with its part of both rotary
-    halves and of the rest) give XLA's results, at a contraction step of 16 rows too."""
-    if shares == 4 and SHARED_CASES[case][6] < SHARED_CASES[case][5]:
-        pytest.skip("a quarter of a 32-wide rotary half is no matmul tile")
-    _check_projection(SHARED_CASES[case], shares=shares, block_k=16)
-
-
-def _check_projection(case, **options):
-    b, t, model, kv, group, d, rotary, s, window, ops, dtype = case
-    x, w, positions, buffers, scales, bounds, cos, sin = _projection_inputs(case)
-    ours = project_rope_and_write(
-        x, w, cos, sin, buffers, bounds, scales, ops, interpret=True, **options
-    )
+    b, t, model, kv, group, d, rotary, s, window, ops, dtype = PROJECTION_CASES[case]
+    x, w, positions, buffers, scales, bounds, cos, sin = _projection_inputs(PROJECTION_CASES[case])
+    ours = project_rope_and_write(x, w, cos, sin, buffers, bounds, scales, ops, interpret=True)
     qkv = jnp.einsum(
         "btm,mkgd->btkgd", x, w, precision="highest", preferred_element_type=jnp.float32
     )
@@ -333,15 +299,6 @@ def test_project_rope_and_write_errors():
     with pytest.raises(ValueError, match="qk_norm=True with scales None"):
         ops = HeadOps(qk_norm=True)
         project_rope_and_write(x, w, cos, sin, None, bounds, ops=ops, interpret=True)
-    with pytest.raises(ValueError, match=r"2 shares of head parts \[16, 16\]"):
-        project_rope_and_write(x, w, cos, sin, None, bounds, shares=2, interpret=True)
-    with pytest.raises(ValueError, match="2 shares with the q/k norm"):
-        x, w = jnp.zeros((1, 8, 64)), jnp.zeros((64, 2, 3, 64))
-        table, scales = jnp.zeros((1, 8, 32)), (jnp.ones((64,)),) * 2
-        ops = HeadOps(qk_norm=True)
-        project_rope_and_write(x, w, table, table, None, bounds, scales, ops, shares=2)
-    with pytest.raises(ValueError, match="block_k 48 for model width 64"):
-        project_rope_and_write(x, w, table, table, None, bounds, block_k=48, interpret=True)
 
 
 def test_auto_choice(monkeypatch):
@@ -412,35 +369,17 @@ def test_compiled_kernels_on_gpu():
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 def test_compiled_projection_on_gpu():
     """On a GPU: the Triton-compiled q/k/v product inside the RoPE/K/V-write kernel at
-    LLaDA-8B's block shape (whole heads, halves and quarters), LLaDA-MoE's (q/k norms) and
-    two 16-row sequences, against XLA's product and head ops."""
-    llada = (1, 32, 4096, 32, 1, 128, 128, 384, layers.Window(128), HeadOps(), jnp.bfloat16)
+    LLaDA-8B's block shape, LLaDA-MoE's (q/k norms) and two 16-row sequences, against XLA's
+    product and head ops."""
     cases = [
-        (llada, {}),
-        (llada, {"shares": 2}),
-        (llada, {"shares": 4, "block_k": 256}),
-        (
-            (
-                1,
-                32,
-                2048,
-                16,
-                1,
-                128,
-                128,
-                384,
-                layers.Window(128),
-                HeadOps(True, 1e-6),
-                jnp.bfloat16,
-            ),
-            {},
-        ),
-        ((2, 16, 4096, 8, 1, 128, 128, 384, layers.Window(370), HeadOps(), jnp.bfloat16), {}),
+        (1, 32, 4096, 32, 1, 128, 128, 384, layers.Window(128), HeadOps(), jnp.bfloat16),
+        (1, 32, 2048, 16, 1, 128, 128, 384, layers.Window(128), HeadOps(True, 1e-6), jnp.bfloat16),
+        (2, 16, 4096, 8, 1, 128, 128, 384, layers.Window(370), HeadOps(), jnp.bfloat16),
     ]
-    for case, options in cases:
+    for case in cases:
         b, t, model, kv, group, d, rotary, s, window, ops, dtype = case
         x, w, positions, buffers, scales, bounds, cos, sin = _projection_inputs(case)
-        ours = project_rope_and_write(x, w, cos, sin, buffers, bounds, scales, ops, **options)
+        ours = project_rope_and_write(x, w, cos, sin, buffers, bounds, scales, ops)
         qkv = jnp.einsum("btm,mkgd->btkgd", x, w, preferred_element_type=jnp.float32)
         want = _xla_rope_and_write(
             qkv.astype(dtype), positions, buffers, window, rotary, scales, ops

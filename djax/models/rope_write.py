@@ -262,35 +262,15 @@ def projection_fits(t: int, model: int, head_dim: int, rotary_dim: int) -> bool:
     )
 
 
-def _head_share(parts, share, shares: int):
-    """Program `share` of `shares` per head: the `share`-th `1 / shares` of each part, so
-    that each rotary pair (feature i of the first half, i of the second) stays in one
-    program; and where its RoPE table columns start. The starts are marked as multiples of
-    the share's width, so Triton keeps its wide aligned loads; one share is static."""
-    if shares == 1:
-        return parts, 0
-    sub = [size // shares for _, size in parts]
-    starts = [pl.multiple_of(lo + share * n, n) for (lo, _), n in zip(parts, sub, strict=True)]
-    return list(zip(starts, sub, strict=True)), pl.multiple_of(share * sub[0], sub[0])
-
-
 def _project_kernel(
-    *refs,
-    ops: HeadOps,
-    parts,
-    group: int,
-    buffered: bool,
-    block_k: int,
-    norm_eps: float | None,
-    shares: int,
+    *refs, ops: HeadOps, parts, group: int, buffered: bool, block_k: int, norm_eps: float | None
 ):
-    """One (kv head, slot, share) program: slot `j < group` is query head j of the kv head,
-    then its key, then its value; `share` picks the program's part of the head's features
-    (`_head_share`; all of them with one share). Refs are whole arrays, in order: bounds
-    [3] int32, x [b, t, k] (with `norm_eps`, then the squares [tiles, b, t] of
-    `ScaledRows`), w [k, kv, group + 2, d], cos/sin [b, t, rotary / 2] fp32, the q and k
-    scales [d] (with `qk_norm`), the key and value buffers [b, s, kv, d] (with `buffered`;
-    aliased to the outputs); outputs q [b, t, kv, group, d], keys, values [b, s, kv, d]."""
+    """One (kv head, slot) program: slot `j < group` is query head j of the kv head, then
+    its key, then its value. Refs are whole arrays, in order: bounds [3] int32, x [b, t, k]
+    (with `norm_eps`, then the squares [tiles, b, t] of `ScaledRows`), w [k, kv, group + 2,
+    d], cos/sin [b, t, rotary / 2] fp32, the q and k scales [d] (with `qk_norm`), the key
+    and value buffers [b, s, kv, d] (with `buffered`; aliased to the outputs); outputs q
+    [b, t, kv, group, d], keys, values [b, s, kv, d]."""
     from jax.experimental.pallas import triton as plgpu
 
     bounds_ref, x_ref, *refs = refs
@@ -298,8 +278,7 @@ def _project_kernel(
     w_ref, cos_ref, sin_ref, *refs = refs
     (q_scale, k_scale), refs = (refs[:2], refs[2:]) if ops.qk_norm else ((None, None), refs)
     q_ref, keys_ref, values_ref = refs[2:] if buffered else refs
-    kv_head, slot, share = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    parts, table_lo = _head_share(parts, share, shares)
+    kv_head, slot = pl.program_id(0), pl.program_id(1)
     b, t, k = x_ref.shape
     dtype = q_ref.dtype
     rows = pl.ds(0, BLOCK_T)
@@ -335,7 +314,7 @@ def _project_kernel(
             inv_rms = load_inv_rms(squares_ref, (seq, rows), row_ok[:, 0], k, norm_eps)
             head = [p * inv_rms for p in head]
         head = [p.astype(dtype).astype(jnp.float32) for p in head]
-        table = seq, rows, pl.ds(table_lo, parts[0][1])
+        table = seq, rows, pl.ds(0, parts[0][1])
         cos = plgpu.load(cos_ref.at[table], mask=row_ok, other=0.0)
         sin = plgpu.load(sin_ref.at[table], mask=row_ok, other=0.0)
         buffer_rows = pl.ds(buffer_first, BLOCK_T)
@@ -359,9 +338,7 @@ def _project_kernel(
         emit(seq, head)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("ops", "num_warps", "num_stages", "shares", "block_k", "interpret")
-)
+@functools.partial(jax.jit, static_argnames=("ops", "num_warps", "num_stages", "interpret"))
 def project_rope_and_write(
     x: Array | ScaledRows,
     w: Array,
@@ -373,18 +350,12 @@ def project_rope_and_write(
     ops: HeadOps = HeadOps(),
     num_warps: int = 4,
     num_stages: int = 4,
-    shares: int = 1,
-    block_k: int | None = None,
     interpret: bool | None = None,
 ) -> tuple[Array, Array, Array]:
     """`rope_and_write(x @ w, ...)` with the q/k/v product inside the same kernel: djax's
     GPU path for a denoising block, where the product is a skinny, weight-read-bound matmul.
-    One program per (kv head, slot, share) computes its share of that head's features
-    ([t, head_dim / shares]: the same fraction of each rotary half, so RoPE's pairs stay
-    together) for every sequence, reading those weight columns once, then finishes it as
-    `rope_and_write` does. More shares give more programs, each reading narrower runs of
-    the weight rows; the q/k norm needs whole heads (one share). `block_k`: contraction
-    rows per step (default: the largest power of two up to 128 that divides the width).
+    One program per (kv head, slot) computes that head's [t, head_dim] product for every
+    sequence, reading its weight columns once, then finishes it as `rope_and_write` does.
 
     x: [b, t, model] normed window rows (t <= BLOCK_T), or `ScaledRows` whose RMSNorm the
     kernel applies to the product's rows; w: [model, kv_heads, group + 2,
@@ -409,22 +380,13 @@ def project_rope_and_write(
     elif not (0 < rotary <= d and projection_fits(t, model, d, rotary)):
         problems.append(f"{t} window rows, model width {model}, rotary dim {rotary} of {d}")
     problems += _buffer_and_scale_problems(b, kv_heads, d, buffers, scales, ops)
-    shared = [size // shares for _, size in _parts(d, rotary)] if shares >= 1 else []
-    if not shared or not all(pallas_tiles.is_block(n) for n in shared):
-        problems.append(f"{shares} shares of head parts {[n for _, n in _parts(d, rotary)]}")
-    elif shares > 1 and ops.qk_norm:
-        problems.append(f"{shares} shares with the q/k norm, which needs whole heads")
-    block_k = block_k or pallas_tiles.largest_block(model, 128)
-    if not (pallas_tiles.is_block(block_k) and model % block_k == 0):
-        problems.append(f"block_k {block_k} for model width {model}")
     if problems:
         raise ValueError(
             f"project_rope_and_write: {'; '.join(problems)}; expected x [b, t, model] with t "
             f"<= {BLOCK_T} and model a multiple of 16, w [model, kv_heads, group + 2, d] with "
             "group >= 1, cos/sin [b, t, r / 2] for an even r in (0, d] with r / 2 and d - r "
-            "powers of two >= 16 (or d - r = 0), buffers [b, s, kv_heads, d], q/k scales "
-            "[d] exactly when qk_norm, shares that cut each head part into powers of two "
-            ">= 16 (one share with qk_norm), and block_k a power of two >= 16 dividing model"
+            "powers of two >= 16 (or d - r = 0), buffers [b, s, kv_heads, d], and q/k scales "
+            "[d] exactly when qk_norm"
         )
     inputs = [bounds.astype(jnp.int32), x, *([] if squares is None else [squares]), w, cos, sin]
     inputs += [*(scales or ()), *(buffers or ())]
@@ -434,14 +396,13 @@ def project_rope_and_write(
         parts=_parts(d, rotary),
         group=group,
         buffered=buffers is not None,
-        block_k=block_k,
+        block_k=pallas_tiles.largest_block(model, 128),
         norm_eps=norm_eps,
-        shares=shares,
     )
     shape = (b, t, kv_heads, group, d)
     return _run(
         kernel,
-        (kv_heads, slots, shares),
+        (kv_heads, slots),
         inputs,
         shape,
         x.dtype,
