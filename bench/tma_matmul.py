@@ -1,0 +1,182 @@
+"""A skinny split-K product in Mosaic GPU (TMA copies, WGMMA) against djax's Triton one.
+
+`bench.pdl` showed a Mosaic GPU kernel streaming the down product's 100.7 MB through TMA
+copies in 23.4 µs on an H200 (4.30 TB/s, start and tail included), where djax's Triton
+split-K product takes ~25.6 µs. This measures whether that holds once the kernel also
+multiplies: each CTA owns one column tile and one contraction slice, streams x's and w's
+tiles through a ring of `stages` shared-memory slots, multiplies them with WGMMA into a
+64-row fp32 accumulator (the block's 32 rows, padded: WGMMA's smallest row tile) and writes
+its fp32 partial product, as `split_k.matmul_partials` does. Rows: the product's device time
+per call (µs, from profiler traces, weights L2-cold) for each tiling and for the Triton
+kernel, with the error of the summed partials against XLA's product in fp32.
+
+    python -m bench.tma_matmul [--products qkv out down gate_up] [--rows 32]
+
+GPU only (Hopper or newer).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from bench.common import model_config, save
+from bench.kernel_time import rel_error, time_row
+from djax.models.split_k import matmul_partials
+
+COLD_BYTES = 256 << 20
+PAD_ROWS = 64  # WGMMA's row tile
+
+
+def tma_partials(x, w, block_n: int, block_k: int, splits: int, stages: int, interpret=None):
+    """fp32 partial products [splits, 64, n] of x [64, k] @ w [k, n], one CTA per (column
+    tile, slice). `interpret`: Mosaic GPU's interpreter parameters (CPU tests)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    (m, k), n = x.shape, w.shape[1]
+    steps = k // (splits * block_k)
+    if m != PAD_ROWS or n % block_n or k % (splits * block_k) or steps < 1:
+        raise ValueError(f"x {x.shape}, w {w.shape}: no {block_n}x{block_k} tiles in {splits}")
+    swizzle = 128
+    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    tiles_n = n // block_n
+
+    def body(x_gmem, w_gmem, out_gmem, x_ring, w_ring, x_bars, w_bars, out_smem):
+        cta = jax.lax.axis_index("cta")
+        tile, split = cta % tiles_n, cta // tiles_n
+        columns = pl.ds(tile * block_n, block_n)
+
+        def fetch(step, slot):
+            ks = pl.ds((split * steps + step) * block_k, block_k)
+            plgpu.copy_gmem_to_smem(x_gmem.at[:, ks], x_ring.at[slot], x_bars.at[slot])
+            plgpu.copy_gmem_to_smem(w_gmem.at[ks, columns], w_ring.at[slot], w_bars.at[slot])
+
+        for s in range(min(stages, steps)):
+            fetch(s, s)
+
+        def scope(acc):
+            @pl.loop(0, steps)
+            def _step(i):
+                slot = jax.lax.rem(i, stages)
+                plgpu.barrier_wait(x_bars.at[slot])
+                plgpu.barrier_wait(w_bars.at[slot])
+                plgpu.wgmma(acc, x_ring.at[slot], w_ring.at[slot])
+                plgpu.wgmma_wait(1)  # the previous step's product is done: refill its slot
+
+                @pl.when((i > 0) & (i - 1 + stages < steps))
+                def _refill():
+                    fetch(i - 1 + stages, jax.lax.rem(i - 1, stages))
+
+            plgpu.wgmma_wait(0)
+            out_smem[...] = acc[...]
+
+        pl.run_scoped(scope, plgpu.ACC((PAD_ROWS, block_n), jnp.float32))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, :, columns])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((splits, PAD_ROWS, n), jnp.float32),
+        grid=(tiles_n * splits,),
+        grid_names=("cta",),
+        interpret=interpret,
+        scratch_types=[
+            plgpu.SMEM((stages, PAD_ROWS, block_k), x.dtype, transforms=transforms),
+            plgpu.SMEM((stages, block_k, block_n), w.dtype, transforms=transforms),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.SMEM((PAD_ROWS, block_n), jnp.float32),
+        ],
+    )
+    return kernel(x, w)
+
+
+def padded(x):
+    """x [rows, k] with zero rows up to PAD_ROWS."""
+    return jnp.pad(x, ((0, PAD_ROWS - x.shape[0]), (0, 0)))
+
+
+def products(cfg) -> dict[str, tuple[int, int]]:
+    """(k, n) of a block layer's products: q/k/v, attention output, gate/up, down."""
+    qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+    return {
+        "qkv": (cfg.d_model, qkv),
+        "out": (cfg.n_heads * cfg.head_dim, cfg.d_model),
+        "gate_up": (cfg.d_model, 2 * cfg.d_ff),
+        "down": (cfg.d_ff, cfg.d_model),
+    }
+
+
+TILINGS = [  # (block_n, block_k, splits, stages)
+    (128, 128, 4, 4),
+    (128, 64, 4, 6),
+    (64, 128, 2, 4),
+    (128, 128, 8, 4),
+    (256, 64, 8, 4),
+    (128, 128, 1, 4),
+    (64, 128, 1, 4),
+    (128, 128, 2, 4),
+    (64, 64, 1, 6),
+    (256, 64, 1, 4),
+]
+
+
+def fits(k: int, n: int, tiling) -> bool:
+    """Whether a tiling divides the product, gives 48-528 CTAs, at least 4 steps per slice,
+    and its rings fit in 200 KB of shared memory."""
+    bn, bk, sp, st = tiling
+    if n % bn or k % (sp * bk) or k // (sp * bk) < 4:
+        return False
+    ctas = (n // bn) * sp
+    smem = st * (PAD_ROWS * bk + bk * bn) * 2 + PAD_ROWS * bn * 4
+    return 48 <= ctas <= 528 and smem <= 200 * 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--products", nargs="+", choices=["qkv", "out", "gate_up", "down"], default=["down"]
+    )
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args()
+    if jax.default_backend() != "gpu":
+        raise SystemExit(f"bench.tma_matmul needs a Hopper GPU; got {jax.devices()}")
+    cfg = model_config("dense", False)
+    rows = []
+    for name in args.products:
+        k, n = products(cfg)[name]
+        keys = jax.random.split(jax.random.key(0), 2)
+        w = (jax.random.normal(keys[0], (k, n)) * k**-0.5).astype(jnp.bfloat16)
+        x = jax.random.normal(keys[1], (args.rows, k), jnp.bfloat16)
+        copies = max(1, -(-COLD_BYTES // w.nbytes))
+        ws = [w * (1 + i / 64) for i in range(copies)]
+        reference = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
+        forms = {"triton split-K": lambda x, w: matmul_partials(x, w).parts}
+        for bn, bk, sp, st in [t for t in TILINGS if fits(k, n, t)]:
+            label = f"tma {bn}x{bk} splits{sp} st{st}"
+            forms[label] = lambda x, w, t=(bn, bk, sp, st): tma_partials(padded(x), w, *t)
+        for label, form in forms.items():
+            row = {"product": name, "k": k, "n": n, "rows": args.rows, "impl": label}
+
+            def run(x, ws, form=form):
+                return [form(x, w) for w in ws]
+
+            fn = jax.jit(run)
+            try:
+                parts = fn(x, ws[:1])[0]
+                row["rel_error"] = rel_error(parts.sum(0)[: args.rows], reference)
+                time_row(row, fn, (x, ws), args.calls, w.nbytes, len(ws))
+            except Exception as err:  # keep the other rows of a costly run
+                row["error"] = f"{type(err).__name__}: {err}"[:1500]
+            print({k: v for k, v in row.items() if k != "kernels_us"}, flush=True)
+            rows.append(row)
+    save("tma_matmul", {"options": vars(args), "results": rows})
+
+
+if __name__ == "__main__":
+    main()
