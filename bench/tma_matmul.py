@@ -106,8 +106,8 @@ def products(cfg) -> dict[str, tuple[int, int]]:
     return {
         "qkv": (cfg.d_model, qkv),
         "out": (cfg.n_heads * cfg.head_dim, cfg.d_model),
-        "gate_up": (cfg.d_model, 2 * cfg.d_ff),
-        "down": (cfg.d_ff, cfg.d_model),
+        "gate_up": (cfg.d_model, 2 * cfg.mlp_hidden),
+        "down": (cfg.mlp_hidden, cfg.d_model),
     }
 
 
