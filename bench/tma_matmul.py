@@ -10,7 +10,10 @@ its fp32 partial product, as `split_k.matmul_partials` does. Rows: the product's
 per call (µs, from profiler traces, weights L2-cold) for each tiling and for the Triton
 kernel, with the error of the summed partials against XLA's product in fp32.
 
-    python -m bench.tma_matmul [--products qkv out down gate_up] [--rows 32]
+`tma-t` rows are `tma_partials_t`: the same product transposed (w's tile as WGMMA's 64-row
+operand, x's 32 rows unpadded), each slot refilled as soon as its product is done.
+
+    python -m bench.tma_matmul [--products qkv out down gate_up] [--rows 32] [--only-t]
 
 GPU only (Hopper or newer).
 """
@@ -95,6 +98,76 @@ def tma_partials(x, w, block_n: int, block_k: int, splits: int, stages: int, int
     return kernel(x, w)
 
 
+def tma_partials_t(x, w, block_n: int, block_k: int, splits: int, stages: int, interpret=None):
+    """fp32 partial products, transposed, [splits, n, rows] of x [rows, k] @ w [k, n]: each
+    CTA multiplies w's tile (transposed, as WGMMA's 64-row operand) by x's rows, so x is
+    not padded and its tiles take a quarter of a w tile's shared memory; each slot is
+    refilled as soon as its product is done."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    (m, k), n = x.shape, w.shape[1]
+    steps = k // (splits * block_k)
+    if m % 8 or n % block_n or k % (splits * block_k) or steps < 1:
+        raise ValueError(f"x {x.shape}, w {w.shape}: no {block_n}x{block_k} tiles in {splits}")
+    swizzle = 128
+    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    tiles_n = n // block_n
+
+    def body(x_gmem, w_gmem, out_gmem, x_ring, w_ring, x_bars, w_bars, out_smem):
+        cta = jax.lax.axis_index("cta")
+        tile, split = cta % tiles_n, cta // tiles_n
+        columns = pl.ds(tile * block_n, block_n)
+
+        def fetch(step, slot):
+            ks = pl.ds((split * steps + step) * block_k, block_k)
+            plgpu.copy_gmem_to_smem(x_gmem.at[:, ks], x_ring.at[slot], x_bars.at[slot])
+            plgpu.copy_gmem_to_smem(w_gmem.at[ks, columns], w_ring.at[slot], w_bars.at[slot])
+
+        for s in range(min(stages, steps)):
+            fetch(s, s)
+
+        def scope(acc):
+            @pl.loop(0, steps)
+            def _step(i):
+                slot = jax.lax.rem(i, stages)
+                plgpu.barrier_wait(x_bars.at[slot])
+                plgpu.barrier_wait(w_bars.at[slot])
+                plgpu.wgmma(
+                    acc,
+                    plgpu.transpose_ref(w_ring.at[slot], (1, 0)),
+                    plgpu.transpose_ref(x_ring.at[slot], (1, 0)),
+                )
+                plgpu.wgmma_wait(0)
+
+                @pl.when(i + stages < steps)
+                def _refill():
+                    fetch(i + stages, slot)
+
+            out_smem[...] = acc[...]
+
+        pl.run_scoped(scope, plgpu.ACC((block_n, m), jnp.float32))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, columns])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
+        grid=(tiles_n * splits,),
+        grid_names=("cta",),
+        interpret=interpret,
+        scratch_types=[
+            plgpu.SMEM((stages, m, block_k), x.dtype, transforms=transforms),
+            plgpu.SMEM((stages, block_k, block_n), w.dtype, transforms=transforms),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.SMEM((block_n, m), jnp.float32),
+        ],
+    )
+    return kernel(x, w)
+
+
 def padded(x):
     """x [rows, k] with zero rows up to PAD_ROWS."""
     return jnp.pad(x, ((0, PAD_ROWS - x.shape[0]), (0, 0)))
@@ -125,14 +198,26 @@ TILINGS = [  # (block_n, block_k, splits, stages)
 ]
 
 
-def fits(k: int, n: int, tiling) -> bool:
+T_TILINGS = [  # tma_partials_t's (block_n, block_k, splits, stages)
+    (128, 128, 4, 5),
+    (256, 64, 8, 5),
+    (128, 64, 4, 8),
+    (128, 128, 2, 5),
+    (128, 128, 1, 5),
+    (64, 128, 1, 6),
+    (128, 64, 2, 8),
+    (256, 64, 1, 5),
+]
+
+
+def fits(k: int, n: int, tiling, x_rows: int = PAD_ROWS) -> bool:
     """Whether a tiling divides the product, gives 48-528 CTAs, at least 4 steps per slice,
     and its rings and output tile fit in 224 KB of shared memory."""
     bn, bk, sp, st = tiling
     if n % bn or k % (sp * bk) or k // (sp * bk) < 4:
         return False
     ctas = (n // bn) * sp
-    smem = st * (PAD_ROWS * bk + bk * bn) * 2 + PAD_ROWS * bn * 4
+    smem = st * (x_rows * bk + bk * bn) * 2 + x_rows * bn * 4
     return 48 <= ctas <= 528 and smem <= 224 * 1024
 
 
@@ -143,6 +228,7 @@ def main() -> None:
     )
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--only-t", action="store_true", help="skip the padded kernel's rows")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         raise SystemExit(f"bench.tma_matmul needs a Hopper GPU; got {jax.devices()}")
@@ -156,11 +242,17 @@ def main() -> None:
         copies = max(1, -(-COLD_BYTES // w.nbytes))
         ws = [w * (1 + i / 64) for i in range(copies)]
         reference = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
-        forms = {"triton split-K": lambda x, w: matmul_partials(x, w).parts}
-        for bn, bk, sp, st in [t for t in TILINGS if fits(k, n, t)]:
+        summed = lambda parts: parts.sum(0)[: args.rows]  # noqa: E731
+        forms = {"triton split-K": (lambda x, w: matmul_partials(x, w).parts, summed)}
+        for bn, bk, sp, st in [t for t in TILINGS if fits(k, n, t) and not args.only_t]:
             label = f"tma {bn}x{bk} splits{sp} st{st}"
-            forms[label] = lambda x, w, t=(bn, bk, sp, st): tma_partials(padded(x), w, *t)
-        for label, form in forms.items():
+            form = lambda x, w, t=(bn, bk, sp, st): tma_partials(padded(x), w, *t)  # noqa: E731
+            forms[label] = (form, summed)
+        for bn, bk, sp, st in [t for t in T_TILINGS if fits(k, n, t, args.rows)]:
+            label = f"tma-t {bn}x{bk} splits{sp} st{st}"
+            form = lambda x, w, t=(bn, bk, sp, st): tma_partials_t(x, w, *t)  # noqa: E731
+            forms[label] = (form, lambda parts: parts.sum(0).T)
+        for label, (form, total) in forms.items():
             row = {"product": name, "k": k, "n": n, "rows": args.rows, "impl": label}
 
             def run(x, ws, form=form):
@@ -169,7 +261,7 @@ def main() -> None:
             fn = jax.jit(run)
             try:
                 parts = fn(x, ws[:1])[0]
-                row["rel_error"] = rel_error(parts.sum(0)[: args.rows], reference)
+                row["rel_error"] = rel_error(total(parts), reference)
                 time_row(row, fn, (x, ws), args.calls, w.nbytes, len(ws))
             except Exception as err:  # keep the other rows of a costly run
                 row["error"] = f"{type(err).__name__}: {err}"[:1500]
