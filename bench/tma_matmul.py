@@ -98,11 +98,18 @@ def tma_partials(x, w, block_n: int, block_k: int, splits: int, stages: int, int
     return kernel(x, w)
 
 
-def tma_partials_t(x, w, block_n: int, block_k: int, splits: int, stages: int, interpret=None):
+PARTS = ("full", "x_once", "no_mma", "w_only")
+
+
+def tma_partials_t(
+    x, w, block_n: int, block_k: int, splits: int, stages: int, interpret=None, parts="full"
+):
     """fp32 partial products, transposed, [splits, n, rows] of x [rows, k] @ w [k, n]: each
     CTA multiplies w's tile (transposed, as WGMMA's 64-row operand) by x's rows, so x is
     not padded and its tiles take a quarter of a w tile's shared memory; each slot is
-    refilled as soon as its product is done."""
+    refilled as soon as its product is done. `parts` (PARTS) drops work to find where the
+    time goes, giving wrong products: `x_once` reads x's tile only at the first step,
+    `no_mma` skips the multiplies, `w_only` both."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -119,26 +126,33 @@ def tma_partials_t(x, w, block_n: int, block_k: int, splits: int, stages: int, i
         tile, split = cta % tiles_n, cta // tiles_n
         columns = pl.ds(tile * block_n, block_n)
 
-        def fetch(step, slot):
+        x_each_step = parts in ("full", "no_mma")
+
+        def fetch(step, slot, with_x=x_each_step):
             ks = pl.ds((split * steps + step) * block_k, block_k)
-            plgpu.copy_gmem_to_smem(x_gmem.at[:, ks], x_ring.at[slot], x_bars.at[slot])
+            if with_x:
+                plgpu.copy_gmem_to_smem(x_gmem.at[:, ks], x_ring.at[slot], x_bars.at[slot])
             plgpu.copy_gmem_to_smem(w_gmem.at[ks, columns], w_ring.at[slot], w_bars.at[slot])
 
         for s in range(min(stages, steps)):
-            fetch(s, s)
+            fetch(s, s, with_x=x_each_step or (parts == "x_once" and s == 0))
+        if parts == "x_once":
+            plgpu.barrier_wait(x_bars.at[0])
 
         def scope(acc):
             @pl.loop(0, steps)
             def _step(i):
                 slot = jax.lax.rem(i, stages)
-                plgpu.barrier_wait(x_bars.at[slot])
+                if x_each_step:
+                    plgpu.barrier_wait(x_bars.at[slot])
                 plgpu.barrier_wait(w_bars.at[slot])
-                plgpu.wgmma(
-                    acc,
-                    plgpu.transpose_ref(w_ring.at[slot], (1, 0)),
-                    plgpu.transpose_ref(x_ring.at[slot], (1, 0)),
-                )
-                plgpu.wgmma_wait(0)
+                if parts in ("full", "x_once"):
+                    plgpu.wgmma(
+                        acc,
+                        plgpu.transpose_ref(w_ring.at[slot], (1, 0)),
+                        plgpu.transpose_ref(x_ring.at[slot if x_each_step else 0], (1, 0)),
+                    )
+                    plgpu.wgmma_wait(0)
 
                 @pl.when(i + stages < steps)
                 def _refill():
@@ -229,6 +243,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--only-t", action="store_true", help="skip the padded kernel's rows")
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=["full"], help="tma-t: work kept (PARTS)"
+    )
+    parser.add_argument("--tilings", type=int, default=None, help="tma-t: only the first N")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         raise SystemExit(f"bench.tma_matmul needs a Hopper GPU; got {jax.devices()}")
@@ -248,10 +266,13 @@ def main() -> None:
             label = f"tma {bn}x{bk} splits{sp} st{st}"
             form = lambda x, w, t=(bn, bk, sp, st): tma_partials(padded(x), w, *t)  # noqa: E731
             forms[label] = (form, summed)
-        for bn, bk, sp, st in [t for t in T_TILINGS if fits(k, n, t, args.rows)]:
-            label = f"tma-t {bn}x{bk} splits{sp} st{st}"
-            form = lambda x, w, t=(bn, bk, sp, st): tma_partials_t(x, w, *t)  # noqa: E731
-            forms[label] = (form, lambda parts: parts.sum(0).T)
+        for bn, bk, sp, st in [t for t in T_TILINGS if fits(k, n, t, args.rows)][: args.tilings]:
+            for part in args.parts:
+                label = f"tma-t {bn}x{bk} splits{sp} st{st}" + ("" if part == "full" else part)
+                form = lambda x, w, t=(bn, bk, sp, st), p=part: tma_partials_t(  # noqa: E731
+                    x, w, *t, parts=p
+                )
+                forms[label] = (form, lambda parts: parts.sum(0).T)
         for label, (form, total) in forms.items():
             row = {"product": name, "k": k, "n": n, "rows": args.rows, "impl": label}
 
