@@ -19,10 +19,14 @@ chain is a real dependence. Variants:
 each compiled with and without `xla_gpu_enable_pdl` (command buffers off, so that the
 profiler records every kernel). Without PDL the launch attribute is
 off and the wait returns at once: every kernel starts after its predecessor has ended.
-Per kernel of the chain: the device span of a call over its kernels (from a profiler trace)
-and the wall time, against the weight bytes at the measured HBM read rate.
+With `--spin N` a short dependent kernel (N multiply-adds per value, like a norm kernel
+between two products) follows each stream and triggers its successor as it starts, so the
+next stream's early weight requests may hide it. Per weight stream of the chain: the device
+span of a call (from a profiler trace) and the wall time, against the weight bytes at the
+measured HBM read rate.
 
     python -m bench.pdl [--chain 8] [--rows 12288] [--cols 4096] [--stages 4] [--ctas 128]
+        [--spin 0 2000]
 
 GPU only (Hopper or newer).
 """
@@ -55,7 +59,7 @@ def stream_kernel(ctas: int, tiles_per_cta: int, stages: int, prefetch: bool, tr
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    def body(x_gmem, w_gmem, out_gmem, ring, ring_bars, row, row_bar):
+    def stream(x_gmem, w_gmem, out_gmem, ring, ring_bars, row, row_bar):
         g = jax.lax.axis_index("cta")
         base = g * tiles_per_cta
         if trigger:
@@ -86,7 +90,7 @@ def stream_kernel(ctas: int, tiles_per_cta: int, stages: int, prefetch: bool, tr
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-        body,
+        stream,
         out_type=jax.ShapeDtypeStruct((ctas, ROW), jnp.float32),
         grid=(ctas,),
         grid_names=("cta",),
@@ -99,18 +103,60 @@ def stream_kernel(ctas: int, tiles_per_cta: int, stages: int, prefetch: bool, tr
     )
 
 
-def chain_time(ws, ctas: int, stages: int, prefetch: bool, trigger: bool, pdl: bool, repeats: int):
+def small_kernel(ctas: int, spin: int, trigger: bool):
+    """A short dependent Mosaic GPU kernel, like the norm kernels between a layer's
+    products: (x [ctas, ROW] f32) -> x + 1, after `spin` dependent multiply-adds per value
+    (their result only guards the add, so the compiler keeps them); with `trigger`, its
+    successor may launch as it starts."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def small(x_gmem, out_gmem, row, row_bar):
+        g = jax.lax.axis_index("cta")
+        if trigger:
+            plgpu.griddepcontrol_launch_dependents()
+        plgpu.griddepcontrol_wait()
+        plgpu.copy_gmem_to_smem(x_gmem.at[g], row, row_bar.at[0])
+        plgpu.barrier_wait(row_bar.at[0])
+        value = row[...]
+        settled = jax.lax.fori_loop(0, spin, lambda _, t: t * 0.5 + 1.0, value)
+        row[...] = value + 1.0 + jnp.where(settled > 1e30, 1.0, 0.0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(row, out_gmem.at[g])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        small,
+        out_type=jax.ShapeDtypeStruct((ctas, ROW), jnp.float32),
+        grid=(ctas,),
+        grid_names=("cta",),
+        scratch_types=[plgpu.SMEM((ROW,), jnp.float32), plgpu.Barrier(num_barriers=1)],
+    )
+
+
+def chain_time(
+    ws,
+    ctas: int,
+    stages: int,
+    prefetch: bool,
+    trigger: bool,
+    pdl: bool,
+    repeats: int,
+    spin: int = 0,
+):
     """One variant: the wall time of a call of the chain over `ws` (each [tiles, *TILE]),
     and from a profiler trace of `repeats` calls the device span of each call (first
-    kernel's start to last kernel's end), the kernels' own durations and what runs between
-    them; with the output's check (each kernel adds 1: every value must be the chain's
-    length)."""
+    kernel's start to last kernel's end) per weight stream, the kernels' own durations and
+    what runs between them; with the output's check (each kernel adds 1: every value must
+    be the number of kernels). With `spin`, a `small_kernel` (triggering as the streams do)
+    follows each stream."""
     tiles_per_cta = ws[0].shape[0] // ctas
     kernel = stream_kernel(ctas, tiles_per_cta, stages, prefetch, trigger)
+    small = small_kernel(ctas, spin, trigger) if spin else None
 
     def chain(x, ws):
         for w in ws:
             x = kernel(x, w)
+            x = x if small is None else small(x)
         return x
 
     x = jnp.zeros((ctas, ROW), jnp.float32)
@@ -132,13 +178,16 @@ def chain_time(ws, ctas: int, stages: int, prefetch: bool, trigger: bool, pdl: b
     shutil.rmtree(folder)
     kernels = [e for e in events if "mosaic" in e["name"]]
     others = collections.Counter(e["name"] for e in events if "mosaic" not in e["name"])
-    calls = [kernels[i : i + len(ws)] for i in range(0, len(kernels) - len(ws) + 1, len(ws))]
+    per_call = len(ws) * (2 if spin else 1)
+    calls = [kernels[i : i + per_call] for i in range(0, len(kernels) - per_call + 1, per_call)]
     spans = [c[-1]["ts"] + c[-1]["dur"] - c[0]["ts"] for c in calls]
+    durations = collections.defaultdict(list)
+    for e in kernels:
+        durations[e["name"]].append(e["dur"])
     return {
         "wall_us_per_kernel": 1e6 * wall / len(ws),
         "device_us_per_kernel": float(np.median(spans)) / len(ws),
-        "kernel_us": float(np.median([e["dur"] for e in kernels])),
-        "kernel_names": sorted({e["name"] for e in kernels}),
+        "kernel_us": {name: float(np.median(d)) for name, d in durations.items()},
         "other_events_per_call": {name: n / repeats for name, n in others.items()},
         "check": check,
     }
@@ -152,6 +201,13 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[4])
     parser.add_argument("--ctas", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument(
+        "--spin",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="also a small dependent kernel after each stream, with this many steps (0: none)",
+    )
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         raise SystemExit(f"bench.pdl needs a Hopper GPU (Mosaic GPU kernels); got {jax.devices()}")
@@ -164,13 +220,15 @@ def main() -> None:
     weight_bytes = ws[0].nbytes
     floor_us = 1e6 * weight_bytes / ceilings["hbm_read_bytes_per_s"]
     rows = []
-    for stages, prefetch, trigger, pdl in itertools.product(
-        args.stages, (False, True), (False, True), (False, True)
+    for spin, stages, prefetch, trigger, pdl in itertools.product(
+        args.spin, args.stages, (False, True), (False, True), (False, True)
     ):
-        row = {"stages": stages, "prefetch": prefetch, "trigger": trigger, "pdl": pdl}
+        row = {"spin": spin, "stages": stages, "prefetch": prefetch, "trigger": trigger}
+        row["pdl"] = pdl
+        kernels = args.chain * (2 if spin else 1)
         try:
-            row |= chain_time(ws, args.ctas, stages, prefetch, trigger, pdl, args.repeats)
-            row |= {"floor_us": floor_us, "check_ok": row["check"] == (args.chain, args.chain)}
+            row |= chain_time(ws, args.ctas, stages, prefetch, trigger, pdl, args.repeats, spin)
+            row |= {"floor_us": floor_us, "check_ok": row["check"] == (kernels, kernels)}
         except Exception as err:  # keep the other variants of a costly run
             row["error"] = f"{type(err).__name__}: {err}"[:1500]
         print(row, flush=True)
