@@ -14,8 +14,8 @@ shared memory, and each reading one row of its predecessor's output after the wa
 chain is a real dependence. Variants:
 - `wait_first`: the wait at the kernel's start, as XLA places it;
 - `prefetch`: the first `--stages` weight tiles requested before the wait;
-- either with `griddepcontrol.launch_dependents` at the start (so a successor may launch
-  at once) or without it;
+- `griddepcontrol.launch_dependents` at the start (so a successor may launch at once),
+  after the last weight tile has arrived, or not at all;
 each compiled with and without `xla_gpu_enable_pdl` (command buffers off, so that the
 profiler records every kernel). Without PDL the launch attribute is
 off and the wait returns at once: every kernel starts after its predecessor has ended.
@@ -52,17 +52,21 @@ TILE = (64, 256)  # weight rows x columns per TMA copy: 32 KB of bf16
 ROW = 128  # floats each kernel passes to its successor per CTA
 
 
-def stream_kernel(ctas: int, tiles_per_cta: int, stages: int, prefetch: bool, trigger: bool):
+TRIGGERS = ("none", "start", "end")
+
+
+def stream_kernel(ctas: int, tiles_per_cta: int, stages: int, prefetch: bool, trigger: str):
     """A Mosaic GPU kernel (x [ctas, ROW] f32, w [tiles, *TILE] bf16) -> [ctas, ROW] f32:
     CTA g streams weight tiles [g * tiles_per_cta, (g + 1) * tiles_per_cta) through a ring
-    of `stages` shared-memory slots and writes x[g] + 1."""
+    of `stages` shared-memory slots and writes x[g] + 1. `trigger` (TRIGGERS): where it
+    lets its successor launch, at its start or after its last weight tile has arrived."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     def stream(x_gmem, w_gmem, out_gmem, ring, ring_bars, row, row_bar):
         g = jax.lax.axis_index("cta")
         base = g * tiles_per_cta
-        if trigger:
+        if trigger == "start":
             plgpu.griddepcontrol_launch_dependents()
         if not prefetch:
             plgpu.griddepcontrol_wait()
@@ -83,6 +87,8 @@ def stream_kernel(ctas: int, tiles_per_cta: int, stages: int, prefetch: bool, tr
                     w_gmem.at[base + i + stages], ring.at[slot], ring_bars.at[slot]
                 )
 
+        if trigger == "end":
+            plgpu.griddepcontrol_launch_dependents()
         plgpu.barrier_wait(row_bar.at[0])
         row[...] = row[...] + 1.0
         plgpu.commit_smem()
@@ -138,7 +144,7 @@ def chain_time(
     ctas: int,
     stages: int,
     prefetch: bool,
-    trigger: bool,
+    trigger: str,
     pdl: bool,
     repeats: int,
     spin: int = 0,
@@ -151,7 +157,7 @@ def chain_time(
     follows each stream."""
     tiles_per_cta = ws[0].shape[0] // ctas
     kernel = stream_kernel(ctas, tiles_per_cta, stages, prefetch, trigger)
-    small = small_kernel(ctas, spin, trigger) if spin else None
+    small = small_kernel(ctas, spin, trigger != "none") if spin else None
 
     def chain(x, ws):
         for w in ws:
@@ -201,6 +207,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[4])
     parser.add_argument("--ctas", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--triggers", nargs="+", choices=TRIGGERS, default=list(TRIGGERS))
     parser.add_argument(
         "--spin",
         type=int,
@@ -221,7 +228,7 @@ def main() -> None:
     floor_us = 1e6 * weight_bytes / ceilings["hbm_read_bytes_per_s"]
     rows = []
     for spin, stages, prefetch, trigger, pdl in itertools.product(
-        args.spin, args.stages, (False, True), (False, True), (False, True)
+        args.spin, args.stages, (False, True), args.triggers, (False, True)
     ):
         row = {"spin": spin, "stages": stages, "prefetch": prefetch, "trigger": trigger}
         row["pdl"] = pdl
