@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from bench.common import model_config, save
 from bench.kernel_time import rel_error, time_row
 from djax.models import layers, residual_product, rope_write
-from djax.models.residual_norm import add_rms_norm
+from djax.models.residual_norm import add_rms_norm, add_scaled
 from djax.models.split_k import Tiles, matmul_partials, tiles_for
 
 COLD_BYTES = 256 << 20
@@ -64,6 +64,17 @@ def pallas_form(name, x, residual, scale, w, tiles=None, norm_warps=16):
     if name == "qkv":
         return y.parts
     return add_rms_norm(residual, y, scale, EPS, num_warps=norm_warps)
+
+
+def scaled_form(name, x, residual, scale, w, block_n=32, num_warps=4):
+    """The split-K product, then the tiled residual add leaving the norm to the next
+    product (`add_scaled`): (h, ScaledRows)."""
+    y = matmul_partials(x, w)
+    return add_scaled(residual, y, scale, EPS, block_n=block_n, num_warps=num_warps)
+
+
+# --scaled: (block_n, num_warps) of `scaled_form`
+SCALED_TILES = ((32, 4), (16, 4), (64, 4), (32, 2), (32, 8))
 
 
 def residual_form(name, x, residual, scale, w, tiles=None):
@@ -244,6 +255,11 @@ def main() -> None:
         action="store_true",
         help="output, down: also the unsplit product with the residual add in its epilogue",
     )
+    parser.add_argument(
+        "--scaled",
+        action="store_true",
+        help="output, down: also the split-K product with the tiled residual add (add_scaled)",
+    )
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
@@ -280,6 +296,14 @@ def main() -> None:
             runs += [
                 (f"pallas norm w{warps}", functools.partial(pallas_form, norm_warps=warps))
                 for warps in args.norm_warps
+            ]
+        if args.scaled and name != "qkv":
+            runs += [
+                (
+                    f"scaled {bn} w{warps}",
+                    functools.partial(scaled_form, block_n=bn, num_warps=warps),
+                )
+                for bn, warps in SCALED_TILES
             ]
         if args.residual and name != "qkv":
             runs += [

@@ -12,7 +12,9 @@ import pytest
 
 import djax
 from djax.models import impls, layers, residual_product, rope_write
+from djax.models.residual_norm import add_rms_norm, add_scaled
 from djax.models.residual_product import ScaledRows
+from djax.models.split_k import Partials
 from djax.models.swiglu import swiglu_matmul
 
 EPS = 1e-5
@@ -73,6 +75,50 @@ def test_residual_product_errors():
     assert rows.reshape(6, 32).squares.shape == (1, 6)
     with pytest.raises(ValueError, match="the last dim must stay 32"):
         rows.reshape(3, 64)
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("lead, d, block_n", [((2, 5), 96, 32), ((40,), 64, 16)])
+def test_add_scaled_matches_add_and_norm(lead, d, block_n, splits):
+    """The tiled residual add (`add_scaled`, ragged rows, a column tile count that is not a
+    power of two) leaves h and the rows whose norm the consumer applies, as XLA computes
+    them, from a plain sum or split-K partials."""
+    x, scale = _normal(0, (*lead, d)), _normal(1, (d,), scale=0.1) + 1
+    y = (
+        _normal(2, (*lead, d))
+        if splits is None
+        else Partials(_normal(2, (splits, *lead, d)), jnp.float32)
+    )
+    h, rows = add_scaled(x, y, scale, EPS, block_n=block_n, interpret=True)
+    want_h = x + (y if splits is None else y.parts.sum(0))
+    np.testing.assert_allclose(h, want_h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(rows.scaled, h * scale, rtol=1e-6)
+    assert rows.squares.shape == (d // block_n, *lead) and rows.eps == EPS
+    np.testing.assert_allclose(
+        _fused_norm(rows), layers.rms_norm(h, scale, EPS), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_add_scaled_rounds_like_the_norm_kernel():
+    """bf16 partials: h is `add_rms_norm`'s h bit for bit (the slices summed and rounded,
+    then the add rounded)."""
+    x = _normal(0, (32, 64), jnp.bfloat16)
+    y = Partials(_normal(1, (4, 32, 64)), jnp.bfloat16)
+    scale = jnp.ones(64, jnp.bfloat16)
+    h, rows = add_scaled(x, y, scale, EPS, interpret=True)
+    want, _ = add_rms_norm(x, y, scale, EPS, interpret=True)
+    assert h.dtype == rows.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(h, want)
+
+
+def test_add_scaled_errors():
+    x, s = jnp.zeros((4, 64)), jnp.ones(64)
+    with pytest.raises(ValueError, match=r"y \(4, 32\).*expected y shaped and typed like x"):
+        add_scaled(x, jnp.zeros((4, 32)), s, EPS, interpret=True)
+    with pytest.raises(ValueError, match=r"scale \(32,\)"):
+        add_scaled(x, x, s[:32], EPS, interpret=True)
+    with pytest.raises(ValueError, match="block_n 48"):
+        add_scaled(x, x, s, EPS, block_n=48, interpret=True)
 
 
 def _scaled_rows(lead, d, seed=0):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from djax.models import pallas_tiles
+from djax.models.residual_product import ScaledRows
 from djax.models.split_k import Partials, add_slices
 
 Array = jax.Array
@@ -90,3 +91,84 @@ def add_rms_norm(
         name="add_rms_norm",
     )(rows, parts.reshape(parts.shape[0], -1, d), scale)
     return h.reshape(x.shape), normed.reshape(x.shape)
+
+
+def _scaled_kernel(x_ref, y_ref, scale_ref, h_ref, scaled_ref, squares_ref, *, block_m, block_n):
+    """One `block_m x block_n` tile. Refs are whole arrays: x, h, scaled [m, d]; y [splits,
+    m, d]; scale [d]; squares [d // block_n, m]."""
+    from jax.experimental.pallas import triton as plgpu
+
+    m = x_ref.shape[0]
+    row_tile, column_tile = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(row_tile * block_m, block_m)
+    cols = pl.ds(column_tile * block_n, block_n)
+    row_ok = row_tile * block_m + jnp.arange(block_m) < m
+    x = plgpu.load(x_ref.at[rows, cols], mask=row_ok[:, None], other=0.0)
+    parts = [
+        plgpu.load(y_ref.at[jnp.int32(split), rows, cols], mask=row_ok[:, None], other=0.0).astype(
+            jnp.float32
+        )
+        for split in range(y_ref.shape[0])
+    ]
+    h = (x.astype(jnp.float32) + add_slices(parts, h_ref.dtype)).astype(h_ref.dtype)
+    hf = h.astype(jnp.float32)
+    scale = scale_ref[cols].astype(jnp.float32)
+    plgpu.store(h_ref.at[rows, cols], h, mask=row_ok[:, None])
+    plgpu.store(
+        scaled_ref.at[rows, cols],
+        (hf * scale[None, :]).astype(scaled_ref.dtype),
+        mask=row_ok[:, None],
+    )
+    plgpu.store(squares_ref.at[column_tile, rows], jnp.sum(hf * hf, axis=1), mask=row_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "block_n", "num_warps", "interpret"))
+def add_scaled(
+    x: Array,
+    y: Array | Partials,
+    scale: Array,
+    eps: float,
+    block_n: int = 32,
+    num_warps: int = 4,
+    interpret: bool | None = None,
+) -> tuple[Array, ScaledRows]:
+    """`h = x + y` and the inputs of the RMSNorm after it (`ScaledRows`: `h * scale` and
+    each column tile's share of the rows' sums of squares), for a consumer kernel that
+    applies `1 / rms(h)` to its own product's rows. Unlike `add_rms_norm` no program needs
+    a whole row, so the work spreads over `d / block_n` column tiles (128 programs at
+    LLaDA-8B's width) instead of one program per row.
+
+    x: [..., d]; y: [..., d] in x's dtype, or `Partials` of that shape and dtype (summed and
+    rounded first, as `Partials.total()` does); scale: [d], the norm's learned scale, and
+    `eps` its epsilon. Returns (h, ScaledRows), h shaped and typed like x.
+    """
+    from jax.experimental.pallas import triton as plgpu
+
+    d = x.shape[-1]
+    parts = y.parts if isinstance(y, Partials) else y[None]
+    if (
+        parts.shape[1:] != x.shape
+        or y.dtype != x.dtype
+        or scale.shape != (d,)
+        or not pallas_tiles.is_block(block_n)
+        or d % block_n
+    ):
+        raise ValueError(
+            f"add_scaled: x {x.shape} {x.dtype}, y {parts.shape[1:]} {y.dtype}, scale "
+            f"{scale.shape}, block_n {block_n}; expected y shaped and typed like x, scale "
+            f"[{d}] and block_n a power of two >= 16 dividing {d}"
+        )
+    rows = x.reshape(-1, d)
+    m = rows.shape[0]
+    block_m = pallas_tiles.row_block(m)
+    out = jax.ShapeDtypeStruct((m, d), x.dtype)
+    h, scaled, squares = pl.pallas_call(
+        functools.partial(_scaled_kernel, block_m=block_m, block_n=block_n),
+        out_shape=[out, out, jax.ShapeDtypeStruct((d // block_n, m), jnp.float32)],
+        grid=(pl.cdiv(m, block_m), d // block_n),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=pallas_tiles.interpret_mode(interpret),
+        name="add_scaled",
+    )(rows, parts.reshape(parts.shape[0], m, d), scale)
+    lead = x.shape[:-1]
+    return h.reshape(x.shape), ScaledRows(scaled.reshape(x.shape), squares.reshape(-1, *lead), eps)
