@@ -4,6 +4,7 @@ and norm, the gate/up and q/k/v kernels taking `ScaledRows` against them taking 
 rows, `fuse_residual_norm`'s choice, the errors, and whole generations."""
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -162,9 +163,25 @@ def test_fuse_residual_norm_choice():
     assert not fuse("fused", "pallas", 64, 4096, 4096, bf16, False)  # more than a block
     assert not fuse("fused", "pallas", 32, 4096, 4096, bf16, True)  # all-reduced first
     assert not fuse("pallas", "pallas", 32, 4096, 4096, bf16, False)
+    assert fuse("tiled", "pallas", 32, 4096, 4096, jnp.float32, False)
+    assert not fuse("tiled", "pallas", 64, 4096, 4096, bf16, False)
     assert impls.resolve_norm_impl("fused", jnp.float32) == "pallas"  # the other sites
+    assert impls.resolve_norm_impl("tiled", jnp.float32) == "pallas"
     with pytest.raises(ValueError, match=r"norm_impl='fuse'; expected one of"):
         fuse("fuse", "pallas", 32, 4096, 4096, bf16, False)
+
+
+@pytest.mark.parametrize(
+    "kind, form", [("NVIDIA H100 80GB HBM3", "fused"), ("NVIDIA H200", "tiled"), ("cpu", "tiled")]
+)
+def test_residual_norm_form(kind, form, monkeypatch):
+    """`auto` adds the residual in the unsplit product's epilogue on H100s only, elsewhere in
+    the tiled kernel after the split-K product; the explicit options are kept."""
+    device = type("Device", (), {"device_kind": kind})()
+    monkeypatch.setattr(jax, "devices", lambda: [device])
+    assert impls.residual_norm_form("auto") == form
+    assert impls.residual_norm_form("fused") == "fused"
+    assert impls.residual_norm_form("tiled") == "tiled"
 
 
 def test_scaled_rows_need_the_kernels():
@@ -180,31 +197,50 @@ FUSED = {"matmul_impl": "pallas", "norm_impl": "fused", "rope_impl": "pallas"}
 XLA = {"matmul_impl": "xla", "norm_impl": "xla", "rope_impl": "xla", "mlp_impl": "xla"}
 
 
-def test_generation_with_fused_norms(dense_model, monkeypatch):
+@pytest.mark.parametrize("form", ["fused", "tiled"])
+def test_generation_with_fused_norms(dense_model, monkeypatch, form):
     """Heads of 32 let the q/k/v product run in the RoPE kernel, so both norms of every
-    block layer fuse (the first layer's norm and the final norm stay whole); the tokens
-    match XLA's path, and the fused kernels ran on both products of the blocks."""
+    block layer move into the next product (the first layer's norm and the final norm stay
+    whole); the tokens match XLA's path, and the residual add ran where `form` puts it
+    (the unsplit product's epilogue, or the tiled kernel after the split-K product) after
+    both products of the blocks."""
     from djax import engine
     from djax.model import Model
-    from djax.models import init_params
+    from djax.models import init_params, residual_norm, split_k
 
     config = dataclasses.replace(dense_model.config, n_heads=2, n_kv_heads=1, head_dim=32)
     model = Model(config, init_params(config, jnp.float32, seed=5), None, jnp.float32)
     products = []
-    fused = residual_product.residual_product
+    if form == "fused":
+        fused = residual_product.residual_product
 
-    def spy(x, w, *args, **kwargs):
-        products.append((x.shape, w.shape))
-        return fused(x, w, *args, **kwargs)
+        def spy(x, w, *args, **kwargs):
+            products.append((x.shape, w.shape))
+            return fused(x, w, *args, **kwargs)
 
-    monkeypatch.setattr(residual_product, "residual_product", spy)
+        monkeypatch.setattr(residual_product, "residual_product", spy)
+    else:
+        partials, tiled = split_k.matmul_partials, residual_norm.add_scaled
+        last = []
+
+        def product_spy(x, w, *args, **kwargs):
+            last[:] = [(x.shape, w.shape)]
+            return partials(x, w, *args, **kwargs)
+
+        def spy(residual, y, *args, **kwargs):
+            products.extend(last)  # the product whose partials this add finishes
+            return tiled(residual, y, *args, **kwargs)
+
+        monkeypatch.setattr(split_k, "matmul_partials", product_spy)
+        monkeypatch.setattr(residual_norm, "add_scaled", spy)
     monkeypatch.setattr(impls, "MIN_FUSED_PROGRAMS", 1)  # a speed rule; this has 3 heads
     monkeypatch.setattr(engine, "_EXECUTABLES", {})  # programs traced before the spy
     jax.clear_caches()
     try:
         gen = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
         prompts = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
-        ours = djax.generate(model.with_options(**FUSED, mlp_impl="pallas"), prompts, gen)
+        options = {**FUSED, "norm_impl": form, "mlp_impl": "pallas"}
+        ours = djax.generate(model.with_options(**options), prompts, gen)
         block = (2, 8)
         out_k, hidden = config.n_heads * config.head_dim, config.mlp_hidden
         assert ((*block, out_k), (out_k, config.d_model)) in products
@@ -219,10 +255,11 @@ def test_generation_with_fused_norms(dense_model, monkeypatch):
         jax.clear_caches()
 
 
-def test_generation_fused_without_the_qkv_kernel(assert_same_generation):
+@pytest.mark.parametrize("form", ["fused", "tiled"])
+def test_generation_fused_without_the_qkv_kernel(assert_same_generation, form):
     """The tiny model's 6 heads are below `MIN_FUSED_PROGRAMS`: only the feed-forward norm
     fuses (into the gate/up kernel), the attention norm stays a kernel of its own."""
-    assert_same_generation({**FUSED, "mlp_impl": "pallas"}, XLA, "dual")
+    assert_same_generation({**FUSED, "norm_impl": form, "mlp_impl": "pallas"}, XLA, "dual")
 
 
 def test_moe_generation_with_fused_norm_option(moe_model):
@@ -237,24 +274,29 @@ def test_moe_generation_with_fused_norm_option(moe_model):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 def test_compiled_kernels_on_gpu():
     """On a GPU: the Triton-compiled kernels at LLaDA-8B's block shapes (bf16): the output
-    and down products with their residual add (32 and a ragged 20 rows), then the gate/up
-    and q/k/v kernels applying the norm, against the same kernels on XLA's normed rows."""
+    and down products with their residual add (32 and a ragged 20 rows; in the unsplit
+    product, or the split-K product and the tiled add), then the gate/up and q/k/v kernels
+    applying the norm, against the same kernels on XLA's normed rows."""
+    from djax.models.split_k import matmul_partials
+
     bf16 = jnp.bfloat16
-    for m in (32, 20):
-        for k in (4096, 12288):
-            x, w = _normal(0, (1, m, k), bf16), _normal(1, (k, 4096), bf16, k**-0.5)
-            residual, scale = _normal(2, (1, m, 4096), bf16), _normal(3, (4096,), bf16, 0.1) + 1
+    for m, k, form in itertools.product((32, 20), (4096, 12288), ("fused", "tiled")):
+        x, w = _normal(0, (1, m, k), bf16), _normal(1, (k, 4096), bf16, k**-0.5)
+        residual, scale = _normal(2, (1, m, 4096), bf16), _normal(3, (4096,), bf16, 0.1) + 1
+        if form == "fused":
             h, rows = residual_product.residual_product(x, w, residual, scale, EPS)
-            want = residual.astype(jnp.float32) + jnp.einsum(
-                "btk,kn->btn", x.astype(jnp.float32), w.astype(jnp.float32)
-            )
-            err = jnp.linalg.norm(h.astype(jnp.float32) - want) / jnp.linalg.norm(want)
-            assert err <= 1e-2, (m, k, float(err))
-            normed = layers.rms_norm(h, scale, EPS)
-            gate_up = _normal(4, (4096, 2, 12288), bf16, 4096**-0.5)
-            ours = swiglu_matmul(rows.reshape(m, 4096), gate_up).astype(jnp.float32)
-            ref = swiglu_matmul(normed.reshape(m, 4096), gate_up).astype(jnp.float32)
-            assert jnp.linalg.norm(ours - ref) / jnp.linalg.norm(ref) <= 2e-2, (m, k)
+        else:
+            h, rows = add_scaled(residual, matmul_partials(x, w), scale, EPS)
+        want = residual.astype(jnp.float32) + jnp.einsum(
+            "btk,kn->btn", x.astype(jnp.float32), w.astype(jnp.float32)
+        )
+        err = jnp.linalg.norm(h.astype(jnp.float32) - want) / jnp.linalg.norm(want)
+        assert err <= 1e-2, (m, k, float(err))
+        normed = layers.rms_norm(h, scale, EPS)
+        gate_up = _normal(4, (4096, 2, 12288), bf16, 4096**-0.5)
+        ours = swiglu_matmul(rows.reshape(m, 4096), gate_up).astype(jnp.float32)
+        ref = swiglu_matmul(normed.reshape(m, 4096), gate_up).astype(jnp.float32)
+        assert jnp.linalg.norm(ours - ref) / jnp.linalg.norm(ref) <= 2e-2, (m, k)
     qkv = _normal(5, (4096, 32, 3, 128), bf16, 4096**-0.5)
     positions = 128 + jnp.arange(32)[None]
     cos, sin = layers.rope_tables(positions, 10000.0, 128)

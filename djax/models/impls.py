@@ -13,7 +13,7 @@ from djax.models import flash_attention, pallas_tiles, residual_product, rope_wr
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "split_kv")
 MLP_IMPLS = ("auto", "xla", "pallas")
-NORM_IMPLS = ("auto", "xla", "pallas", "fused")
+NORM_IMPLS = ("auto", "xla", "pallas", "fused", "tiled")
 MATMUL_IMPLS = ("auto", "xla", "pallas")
 ROPE_IMPLS = ("auto", "xla", "pallas")
 # The fewest heads (kv heads x (group + 2), one program each) `fuse_qkv_rope` fuses: LLaDA-MoE's
@@ -106,26 +106,24 @@ def resolve_norm_impl(impl: str, dtype: Any) -> str:
     """How a residual add and the RMSNorm after it run where they are not fused into the
     products around them (`fuse_residual_norm`): `auto` is djax's one-kernel Pallas path
     (`residual_norm`) on GPUs with 16-bit activations, else XLA's (two kernels on GPUs);
-    `fused` runs these sites as `pallas`."""
+    `fused` and `tiled` run these sites as `pallas`."""
     check_choice("norm_impl", impl, NORM_IMPLS)
-    impl = "pallas" if impl == "fused" else impl
+    impl = "pallas" if impl in ("fused", "tiled") else impl
     return _pallas_or_xla("norm_impl", impl, NORM_IMPLS, True, "", _gpu_half(dtype))
 
 
 def fuse_residual_norm(
     norm_impl: str, matmul_impl: str, rows: int, k: int, n: int, dtype: Any, sharded: bool
 ) -> bool:
-    """Whether the residual add after a `[rows, k] @ [k, n]` product runs in that product's
-    kernel and the RMSNorm after it in the next product's (`residual_product`): under
-    `fused`, or `auto` on GPUs with 16-bit weights, where the product takes djax's kernels
+    """Whether the RMSNorm after a `[rows, k] @ [k, n]` product and its residual add runs in
+    the next product's kernel (which takes `ScaledRows`), the add either in the product's
+    own kernel or in a tiled kernel after it (`residual_norm_form`): under `fused` or
+    `tiled`, or `auto` on GPUs with 16-bit weights, where the product takes djax's kernels
     (`matmul_impl` resolves to `pallas`) on at most `split_k.MAX_ROWS` rows (a block of one
     sequence) and is not sharded (under tensor parallelism it is all-reduced first). The
-    caller checks that the next product's kernel takes `ScaledRows`. `auto` fuses on H100s
-    only (`_unsplit_products_pay`)."""
+    caller checks that the next product's kernel takes `ScaledRows`."""
     check_choice("norm_impl", norm_impl, NORM_IMPLS)
-    wanted = norm_impl == "fused" or (
-        norm_impl == "auto" and _gpu_half(dtype) and _unsplit_products_pay()
-    )
+    wanted = norm_impl in ("fused", "tiled") or (norm_impl == "auto" and _gpu_half(dtype))
     return (
         wanted
         and not sharded
@@ -133,6 +131,18 @@ def fuse_residual_norm(
         and residual_product.fits(k, n)
         and resolve_matmul_impl(matmul_impl, rows, k, n, dtype) == "pallas"
     )
+
+
+def residual_norm_form(norm_impl: str) -> str:
+    """Where the residual add runs when `fuse_residual_norm` moves the norm into the next
+    product: `fused`, in the epilogue of the product before, run unsplit
+    (`residual_product`); `tiled`, in a kernel of its own after the split-K product, tiled
+    over columns (`residual_norm.add_scaled`). `auto` takes `fused` on H100s
+    (`_unsplit_products_pay`), `tiled` elsewhere."""
+    check_choice("norm_impl", norm_impl, NORM_IMPLS)
+    if norm_impl in ("fused", "tiled"):
+        return norm_impl
+    return "fused" if _unsplit_products_pay() else "tiled"
 
 
 def _unsplit_products_pay() -> bool:

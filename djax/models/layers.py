@@ -38,6 +38,7 @@ from djax.models.impls import (
     check_choice,
     fuse_qkv_rope,
     fuse_residual_norm,
+    residual_norm_form,
     resolve_attention_impl,
     resolve_matmul_impl,
     resolve_mlp_impl,
@@ -65,8 +66,8 @@ def project(x: Array, w: Array, impl: str) -> Array | Partials:
 @dataclasses.dataclass(frozen=True)
 class Product:
     """A block layer's attention-output or down product `x [..., k] @ w [k, n]`, left for the
-    residual norm after it to run with the residual add in its epilogue
-    (`residual_product`, chosen by `fuse_residual_norm`)."""
+    residual norm after it to run with the residual add (`fuse_residual_norm`), in its
+    epilogue or right after it (`residual_norm_form`)."""
 
     x: Array
     w: Array
@@ -206,8 +207,9 @@ class RMSNorm(nn.Module):
     `norm(y, residual=x)` adds first and returns `(x + y, norm(x + y))`, the pair between
     a decoder layer's blocks, in one kernel under `impl="pallas"` (`resolve_norm_impl`).
     `y` may be a split-K product's `Partials`, or a `Product` still to run: then the add
-    runs in the product's kernel and the norm is returned as `ScaledRows` for the next
-    product's kernel to apply (`residual_product`)."""
+    runs in the product's kernel (`residual_product`) or in a tiled kernel after the
+    split-K product (`residual_norm.add_scaled`), as `residual_norm_form` says, and the
+    norm is returned as `ScaledRows` for the next product's kernel to apply."""
 
     eps: float
     dtype: Any
@@ -219,7 +221,10 @@ class RMSNorm(nn.Module):
     ) -> Array | tuple[Array, Array | ScaledRows]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if isinstance(x, Product):
-            return residual_product.residual_product(x.x, x.w, residual, scale, self.eps)
+            if residual_norm_form(self.impl) == "fused":
+                return residual_product.residual_product(x.x, x.w, residual, scale, self.eps)
+            y = split_k.matmul_partials(x.x, x.w)
+            return residual_norm.add_scaled(residual, y, scale, self.eps)
         if residual is None:
             return rms_norm(finish(x), scale, self.eps)
         if resolve_norm_impl(self.impl, x.dtype) == "pallas":
