@@ -304,15 +304,19 @@ def _project_kernel(
         return tuple(out)
 
     zeros = tuple(jnp.zeros((BLOCK_T, size), jnp.float32) for _, size in parts)
+    inv_rms = [  # the RMSNorm of x, as rows scaled after the product; read before the weights
+        load_inv_rms(squares_ref, (jnp.int32(seq), rows), row_ok[:, 0], k, norm_eps)
+        for seq in range(b)
+        if squares_ref is not None
+    ]
     heads = jax.lax.fori_loop(0, k // block_k, step, (zeros,) * b)
 
     def emit(seq, head):
         """Sequence `seq`'s product for this slot, rounded as `Partials.total()` rounds it,
         through the slot's head ops and into its output."""
+        if squares_ref is not None:
+            head = [p * inv_rms[seq] for p in head]
         seq = jnp.int32(seq)
-        if squares_ref is not None:  # the RMSNorm of x, as rows scaled after the product
-            inv_rms = load_inv_rms(squares_ref, (seq, rows), row_ok[:, 0], k, norm_eps)
-            head = [p * inv_rms for p in head]
         head = [p.astype(dtype).astype(jnp.float32) for p in head]
         table = seq, rows, pl.ds(0, parts[0][1])
         cos = plgpu.load(cos_ref.at[table], mask=row_ok, other=0.0)

@@ -66,10 +66,11 @@ def _kernel(x_ref, w_ref, *refs, tiles, eps):
             for side, acc in enumerate(accs)
         )
 
+    if squares_ref is not None:  # the RMSNorm of x, as rows scaled after the product; read
+        inv_rms = load_inv_rms(squares_ref, (rows,), row_ok, k, eps)  # before the weights
     zeros = jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32)
     gate, up = jax.lax.fori_loop(0, k // tiles.block_k, step, (zeros, zeros))
-    if squares_ref is not None:  # the RMSNorm of x, as rows scaled after the product
-        inv_rms = load_inv_rms(squares_ref, (rows,), row_ok, k, eps)
+    if squares_ref is not None:
         gate, up = gate * inv_rms, up * inv_rms
     out = jax.nn.silu(gate) * up
     plgpu.store(out_ref.at[rows, cols], out.astype(out_ref.dtype), mask=row_ok[:, None])
