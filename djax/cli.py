@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--norm-impl",
         default="auto",
-        help="residual add + RMSNorm: auto (fused on H100s, pallas on other GPUs, 16-bit "
-        "weights) | xla | pallas | fused (in the block products' kernels)",
+        help="residual add + RMSNorm: auto (fused on H100s, tiled on other GPUs, 16-bit "
+        "weights) | xla | pallas | fused (in the block products' kernels) | tiled (the add in "
+        "a column-tiled kernel after the split-K product, the norm in the next product)",
     )
     gen.add_argument(
         "--rope-impl",

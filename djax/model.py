@@ -96,7 +96,7 @@ def load(
     module options (`attention_impl="auto"|"xla"|"cudnn"|"split_kv"`,
     `mlp_impl="auto"|"xla"|"pallas"`, `moe_impl="auto"|"grouped"|"dense"|"hopper"|"pallas"`,
     `matmul_impl`, `norm_impl` and `rope_impl`, each `"auto"|"xla"|"pallas"`; `norm_impl`
-    also `"fused"`).
+    also `"fused"` and `"tiled"`).
     """
     folder = Path(path)
     if not folder.is_dir():
