@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from djax.models import pallas_tiles
-from djax.models.residual_product import ScaledRows
+from djax.models.residual_product import ScaledRows, store_scaled_rows
 from djax.models.split_k import Partials, add_slices
 
 Array = jax.Array
@@ -103,23 +103,17 @@ def _scaled_kernel(x_ref, y_ref, scale_ref, h_ref, scaled_ref, squares_ref, *, b
     rows = pl.ds(row_tile * block_m, block_m)
     cols = pl.ds(column_tile * block_n, block_n)
     row_ok = row_tile * block_m + jnp.arange(block_m) < m
-    x = plgpu.load(x_ref.at[rows, cols], mask=row_ok[:, None], other=0.0)
+    ok = row_ok[:, None]
+    x = plgpu.load(x_ref.at[rows, cols], mask=ok, other=0.0)
     parts = [
-        plgpu.load(y_ref.at[jnp.int32(split), rows, cols], mask=row_ok[:, None], other=0.0).astype(
-            jnp.float32
-        )
+        plgpu.load(y_ref.at[jnp.int32(split), rows, cols], mask=ok, other=0.0)
         for split in range(y_ref.shape[0])
     ]
-    h = (x.astype(jnp.float32) + add_slices(parts, h_ref.dtype)).astype(h_ref.dtype)
-    hf = h.astype(jnp.float32)
+    y = add_slices([p.astype(jnp.float32) for p in parts], h_ref.dtype)
+    h = (x.astype(jnp.float32) + y).astype(h_ref.dtype)
     scale = scale_ref[cols].astype(jnp.float32)
-    plgpu.store(h_ref.at[rows, cols], h, mask=row_ok[:, None])
-    plgpu.store(
-        scaled_ref.at[rows, cols],
-        (hf * scale[None, :]).astype(scaled_ref.dtype),
-        mask=row_ok[:, None],
-    )
-    plgpu.store(squares_ref.at[column_tile, rows], jnp.sum(hf * hf, axis=1), mask=row_ok)
+    outs = (h_ref, scaled_ref, squares_ref)
+    store_scaled_rows(h, scale, outs, rows, cols, column_tile, row_ok)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "block_n", "num_warps", "interpret"))

@@ -106,6 +106,24 @@ def load_inv_rms(squares_ref, index: tuple, ok: Array, width: int, eps: float) -
     return jax.lax.rsqrt(jnp.sum(squares, axis=0) / width + eps)[:, None]
 
 
+def store_scaled_rows(h, scale, outs, rows, cols, column_tile, row_ok: Array) -> None:
+    """Inside a kernel: an `h` tile [block_m, block_n] (in h's dtype) into `outs` = (h,
+    scaled [m, n], squares [n // block_n, m]) refs at `rows` x `cols`: h itself, `h * scale`
+    (scale [block_n] fp32) and the tile's share of each row's sum of squares, for rows
+    where `row_ok` [block_m]."""
+    from jax.experimental.pallas import triton as plgpu
+
+    h_ref, scaled_ref, squares_ref = outs
+    hf = h.astype(jnp.float32)
+    plgpu.store(h_ref.at[rows, cols], h, mask=row_ok[:, None])
+    plgpu.store(
+        scaled_ref.at[rows, cols],
+        (hf * scale[None, :]).astype(scaled_ref.dtype),
+        mask=row_ok[:, None],
+    )
+    plgpu.store(squares_ref.at[column_tile, rows], jnp.sum(hf * hf, axis=1), mask=row_ok)
+
+
 def _kernel(x_ref, w_ref, res_ref, scale_ref, h_ref, scaled_ref, squares_ref, *, tiles, steps):
     """One output tile. Refs are whole arrays: x [m, k], w [k, n], residual, h, scaled
     [m, n], scale [n]; squares [n // block_n, m]."""
@@ -126,15 +144,9 @@ def _kernel(x_ref, w_ref, res_ref, scale_ref, h_ref, scaled_ref, squares_ref, *,
     residual = plgpu.load(res_ref.at[rows, cols], mask=row_ok[:, None], other=0.0)
     y = acc.astype(h_ref.dtype).astype(jnp.float32)
     h = (residual.astype(jnp.float32) + y).astype(h_ref.dtype)
-    hf = h.astype(jnp.float32)
     scale = scale_ref[cols].astype(jnp.float32)
-    plgpu.store(h_ref.at[rows, cols], h, mask=row_ok[:, None])
-    plgpu.store(
-        scaled_ref.at[rows, cols],
-        (hf * scale[None, :]).astype(scaled_ref.dtype),
-        mask=row_ok[:, None],
-    )
-    plgpu.store(squares_ref.at[column_tile, rows], jnp.sum(hf * hf, axis=1), mask=row_ok)
+    outs = (h_ref, scaled_ref, squares_ref)
+    store_scaled_rows(h, scale, outs, rows, cols, column_tile, row_ok)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret"))
