@@ -13,6 +13,10 @@ separate reduction kernel is not needed.
 
 Semantics are `layers.rms_norm`'s: the sum in the activation dtype, the norm in fp32, cast
 back, then times the scale in the activation dtype.
+
+`add_scaled` does the add alone, tiled over columns, and leaves the norm to the next
+product's kernel (`residual_product.ScaledRows`): no program needs a whole row, so it
+spreads over many more programs (`norm_impl="tiled"`, bench/NOTES.md).
 """
 
 from __future__ import annotations

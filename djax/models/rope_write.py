@@ -304,7 +304,9 @@ def _project_kernel(
         return tuple(out)
 
     zeros = tuple(jnp.zeros((BLOCK_T, size), jnp.float32) for _, size in parts)
-    inv_rms = [  # the RMSNorm of x, as rows scaled after the product; read before the weights
+    # The RMSNorm of x, as rows scaled after the product: the sums of squares are read
+    # before the weight loop, so their load is not in the kernel's tail.
+    inv_rms = [
         load_inv_rms(squares_ref, (jnp.int32(seq), rows), row_ok[:, 0], k, norm_eps)
         for seq in range(b)
         if squares_ref is not None

@@ -66,8 +66,10 @@ def _kernel(x_ref, w_ref, *refs, tiles, eps):
             for side, acc in enumerate(accs)
         )
 
-    if squares_ref is not None:  # the RMSNorm of x, as rows scaled after the product; read
-        inv_rms = load_inv_rms(squares_ref, (rows,), row_ok, k, eps)  # before the weights
+    # The RMSNorm of x, as rows scaled after the product: the sums of squares are read
+    # before the weight loop, so their load is not in the kernel's tail.
+    if squares_ref is not None:
+        inv_rms = load_inv_rms(squares_ref, (rows,), row_ok, k, eps)
     zeros = jnp.zeros((tiles.block_m, tiles.block_n), jnp.float32)
     gate, up = jax.lax.fori_loop(0, k // tiles.block_k, step, (zeros, zeros))
     if squares_ref is not None:
