@@ -44,11 +44,13 @@ EPS = 1e-5
 
 
 def products(cfg) -> dict[str, tuple[int, int]]:
+    """(k, n) of a block layer's products: q/k/v, attention output, down, gate/up."""
     m, heads = cfg.d_model, cfg.n_heads * cfg.head_dim
     return {
         "qkv": (m, heads + 2 * cfg.n_kv_heads * cfg.head_dim),
         "out": (heads, m),
         "down": (cfg.mlp_hidden, m),
+        "gate_up": (m, 2 * cfg.mlp_hidden),
     }
 
 

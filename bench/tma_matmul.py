@@ -27,10 +27,59 @@ import jax.numpy as jnp
 
 from bench.common import model_config, save
 from bench.kernel_time import rel_error, time_row
+from bench.split_k import products
 from djax.models.split_k import matmul_partials
 
 COLD_BYTES = 256 << 20
 PAD_ROWS = 64  # WGMMA's row tile
+
+
+SWIZZLE = 128  # bytes: 64 bf16 columns per swizzled tile, as WGMMA reads them
+
+
+def _steps(x, w, block_n: int, block_k: int, splits: int, rows_ok: bool) -> int:
+    """Contraction steps per slice of x [m, k] @ w [k, n] at these tiles; raises where the
+    tiles do not divide the product or `rows_ok` is False."""
+    (_, k), n = x.shape, w.shape[1]
+    steps = k // (splits * block_k)
+    if not rows_ok or n % block_n or k % (splits * block_k) or steps < 1:
+        raise ValueError(f"x {x.shape}, w {w.shape}: no {block_n}x{block_k} tiles in {splits}")
+    return steps
+
+
+def _ring_kernel(body, x, w, tiles, out_shape, out_tile, interpret):
+    """Run `body` as the Mosaic GPU kernel both products share: one CTA per (column tile,
+    slice) of w [k, n] (`tiles` = (block_n, block_k, splits, stages)), rings of `stages`
+    x [m, block_k] and w [block_k, block_n] tiles swizzled for WGMMA with a barrier per
+    slot, and an fp32 `out_tile` in shared memory for the CTA's partial product."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    block_n, block_k, splits, stages = tiles
+    transforms = (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        grid=(w.shape[1] // block_n * splits,),
+        grid_names=("cta",),
+        interpret=interpret,
+        scratch_types=[
+            plgpu.SMEM((stages, x.shape[0], block_k), x.dtype, transforms=transforms),
+            plgpu.SMEM((stages, block_k, block_n), w.dtype, transforms=transforms),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.SMEM(out_tile, jnp.float32),
+        ],
+    )
+    return kernel(x, w)
+
+
+def _store_partial(out_smem, dst) -> None:
+    """Inside a kernel: the CTA's partial product, in `out_smem`, to its place in GMEM."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, dst)
+    plgpu.wait_smem_to_gmem(0)
 
 
 def tma_partials(x, w, block_n: int, block_k: int, splits: int, stages: int, interpret=None):
@@ -39,12 +88,8 @@ def tma_partials(x, w, block_n: int, block_k: int, splits: int, stages: int, int
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    (m, k), n = x.shape, w.shape[1]
-    steps = k // (splits * block_k)
-    if m != PAD_ROWS or n % block_n or k % (splits * block_k) or steps < 1:
-        raise ValueError(f"x {x.shape}, w {w.shape}: no {block_n}x{block_k} tiles in {splits}")
-    swizzle = 128
-    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    n = w.shape[1]
+    steps = _steps(x, w, block_n, block_k, splits, x.shape[0] == PAD_ROWS)
     tiles_n = n // block_n
 
     def body(x_gmem, w_gmem, out_gmem, x_ring, w_ring, x_bars, w_bars, out_smem):
@@ -77,25 +122,11 @@ def tma_partials(x, w, block_n: int, block_k: int, splits: int, stages: int, int
             out_smem[...] = acc[...]
 
         pl.run_scoped(scope, plgpu.ACC((PAD_ROWS, block_n), jnp.float32))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, :, columns])
-        plgpu.wait_smem_to_gmem(0)
+        _store_partial(out_smem, out_gmem.at[split, :, columns])
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((splits, PAD_ROWS, n), jnp.float32),
-        grid=(tiles_n * splits,),
-        grid_names=("cta",),
-        interpret=interpret,
-        scratch_types=[
-            plgpu.SMEM((stages, PAD_ROWS, block_k), x.dtype, transforms=transforms),
-            plgpu.SMEM((stages, block_k, block_n), w.dtype, transforms=transforms),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.SMEM((PAD_ROWS, block_n), jnp.float32),
-        ],
-    )
-    return kernel(x, w)
+    tiles = (block_n, block_k, splits, stages)
+    out_shape, out_tile = (splits, PAD_ROWS, n), (PAD_ROWS, block_n)
+    return _ring_kernel(body, x, w, tiles, out_shape, out_tile, interpret)
 
 
 PARTS = ("full", "x_once", "no_mma", "w_only")
@@ -113,12 +144,8 @@ def tma_partials_t(
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    (m, k), n = x.shape, w.shape[1]
-    steps = k // (splits * block_k)
-    if m % 8 or n % block_n or k % (splits * block_k) or steps < 1:
-        raise ValueError(f"x {x.shape}, w {w.shape}: no {block_n}x{block_k} tiles in {splits}")
-    swizzle = 128
-    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    m, n = x.shape[0], w.shape[1]
+    steps = _steps(x, w, block_n, block_k, splits, m % 8 == 0)
     tiles_n = n // block_n
 
     def body(x_gmem, w_gmem, out_gmem, x_ring, w_ring, x_bars, w_bars, out_smem):
@@ -161,41 +188,15 @@ def tma_partials_t(
             out_smem[...] = acc[...]
 
         pl.run_scoped(scope, plgpu.ACC((block_n, m), jnp.float32))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[split, columns])
-        plgpu.wait_smem_to_gmem(0)
+        _store_partial(out_smem, out_gmem.at[split, columns])
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((splits, n, m), jnp.float32),
-        grid=(tiles_n * splits,),
-        grid_names=("cta",),
-        interpret=interpret,
-        scratch_types=[
-            plgpu.SMEM((stages, m, block_k), x.dtype, transforms=transforms),
-            plgpu.SMEM((stages, block_k, block_n), w.dtype, transforms=transforms),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.SMEM((block_n, m), jnp.float32),
-        ],
-    )
-    return kernel(x, w)
+    tiles = (block_n, block_k, splits, stages)
+    return _ring_kernel(body, x, w, tiles, (splits, n, m), (block_n, m), interpret)
 
 
 def padded(x):
     """x [rows, k] with zero rows up to PAD_ROWS."""
     return jnp.pad(x, ((0, PAD_ROWS - x.shape[0]), (0, 0)))
-
-
-def products(cfg) -> dict[str, tuple[int, int]]:
-    """(k, n) of a block layer's products: q/k/v, attention output, gate/up, down."""
-    qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-    return {
-        "qkv": (cfg.d_model, qkv),
-        "out": (cfg.n_heads * cfg.head_dim, cfg.d_model),
-        "gate_up": (cfg.d_model, 2 * cfg.mlp_hidden),
-        "down": (cfg.mlp_hidden, cfg.d_model),
-    }
 
 
 TILINGS = [  # (block_n, block_k, splits, stages)
