@@ -19,7 +19,8 @@ class EngineRequest:
     max_tokens: answer tokens wanted (≥ 1; the engine denoises whole blocks and never returns
     more); temperature: 0 is argmax; seed: the request's own randomness (its tokens never
     depend on its batch-mates); threshold: τ of the threshold decoder, None for the
-    server's default."""
+    server's default; ignore_eos: keep denoising past stop tokens up to max_tokens (for
+    benchmarks with fixed output lengths)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -27,6 +28,7 @@ class EngineRequest:
     temperature: float = 0.0
     seed: int = 0
     threshold: float | None = None
+    ignore_eos: bool = False
 
 
 class BlockCommitted(NamedTuple):
