@@ -43,7 +43,7 @@ def phases(model, prompt_len: int) -> dict:
     DURATIONS.clear()
     rows = [list(range(10, 10 + prompt_len))]
     plan, _ = engine.make_plan(model, SETTING, 1, prompt_len)
-    args = engine.program_args(model, plan, rows, SETTING.seed)
+    args = engine.program_args(model, plan, rows, SETTING)
     programs = Path(engine.programs_folder()) / program_cache.FOLDER
     saved_before = len(list(programs.glob(f"*{program_cache.SUFFIX}")))
     start = time.perf_counter()
@@ -53,7 +53,7 @@ def phases(model, prompt_len: int) -> dict:
     compiled_at = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     first_at = time.perf_counter()
-    args = engine.program_args(model, plan, rows, SETTING.seed)  # the first run donated them
+    args = engine.program_args(model, plan, rows, SETTING)  # the first run donated them
     again_at = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     return {

@@ -5,7 +5,7 @@ compiled loop. Logits may be split over the vocabulary across the mesh axis `axi
 the (token, confidence) reduction then combines per-device maxima and sums with
 `pmax`/`psum` instead of gathering full logits, and stays exact.
 
-Semantics (../shared/ALGORITHMS.md): confidence is softmax(clean logits)[token]; the
+Semantics: confidence is softmax(clean logits)[token]; the
 prediction is argmax at temperature 0, a Gumbel-max sample of softmax(logits / T) above;
 the mask id is never predicted, so it is never committed.
 """
@@ -25,20 +25,20 @@ NEG_INF = float("-inf")
 
 @dataclasses.dataclass(frozen=True)
 class DecoderSpec:
-    """The decoder and its parameters (static: part of the compiled program's key).
+    """The decoder and its static parameters (part of the compiled program's key).
 
-    threshold: τ of `threshold` and `credit`, τ_high of `hierarchy`; low_threshold: τ_low of
-    `hierarchy`; factor: f of `factor`; credit_*: α, γ, β of `credit`.
+    low_threshold: τ_low of `hierarchy`; factor: f of `factor`; credit_*: α, γ, β of
+    `credit`. The threshold (τ of `threshold` and `credit`, τ_high of `hierarchy`) and the
+    temperature are per-row values of the program (`djax.diffusion.Rows`), so rows of one
+    batch may differ in them.
     """
 
     name: str = "threshold"
-    threshold: float = 0.9
     low_threshold: float = 0.4
     factor: float = 1.0
     credit_alpha: float = 0.7
     credit_gamma: float = 0.2
     credit_beta: float = 0.8
-    temperature: float = 0.0
 
     @property
     def fixed_steps(self) -> bool:
@@ -126,18 +126,27 @@ def gumbel_noise(key: Array, shape: tuple[int, ...], axis_name: str | None) -> A
 
 
 def predict(
-    logits: Array, temperature: float, key: Array, mask_id: int, axis_name: str | None = None
+    logits: Array,
+    temperature: Array | None,
+    keys: Array | None,
+    mask_id: int,
+    axis_name: str | None = None,
 ) -> tuple[Array, Array]:
     """Token and confidence at each position.
 
-    logits: [batch, block, vocab_local] fp32. Returns token [batch, block] int32 (never the
-    mask id) and confidence = softmax(logits)[token] [batch, block] fp32.
+    logits: [batch, block, vocab_local] fp32; temperature: [batch] fp32 (0: argmax for that
+    row), or None when every row takes the argmax; keys: [batch] PRNG keys, one per row, so
+    a row's sample never depends on its batch-mates. Returns token [batch, block] int32
+    (never the mask id) and confidence = softmax(logits)[token] [batch, block] fp32.
     """
     local_mask = mask_id - _vocab_offset(logits.shape[-1], axis_name)
     vocab_ids = jnp.arange(logits.shape[-1])
     choosable = jnp.where(vocab_ids == local_mask, NEG_INF, logits)
-    if temperature > 0:
-        choosable = choosable / temperature + gumbel_noise(key, logits.shape, axis_name)
+    if temperature is not None:
+        noise = jax.vmap(lambda key: gumbel_noise(key, logits.shape[1:], axis_name))(keys)
+        t = temperature[:, None, None]
+        sampled = choosable / jnp.where(t > 0, t, 1.0) + noise
+        choosable = jnp.where(t > 0, sampled, choosable)
     token, logit, normaliser = _top_and_logsumexp(choosable, logits, axis_name)
     return token, jnp.exp(logit - normaliser)
 
@@ -179,7 +188,7 @@ def commit_factor(confidence: Array, masked: Array, factor: float) -> Array:
     return commit_top_k(confidence, masked, jnp.maximum(count, 1))
 
 
-def commit_hierarchy(confidence: Array, masked: Array, high: float, low: float) -> Array:
+def commit_hierarchy(confidence: Array, masked: Array, high: Array | float, low: float) -> Array:
     """Each maximal run of consecutive masked positions commits its most confident position
     if p > low; every position with p > high commits; the most confident always does."""
     block = masked.shape[-1]
@@ -234,24 +243,25 @@ def decide(
     confidence: Array,
     masked: Array,
     *,
+    threshold: Array,
     k: Array | None = None,
-    threshold: Array | float | None = None,
-    key: Array | None = None,
+    keys: Array | None = None,
 ) -> Array:
     """The commit mask [batch, block] of the configured rule.
 
-    k: tokens per row this step (fixed decoders); threshold: τ for this step (annealed
-    under iteration smoothing); key: randomness of the `random` decoder.
+    threshold: τ of each row this step, [batch, 1] (annealed under iteration smoothing;
+    τ_high of `hierarchy`); k: tokens per row this step (fixed decoders); keys: [batch]
+    PRNG keys of the `random` decoder.
     """
-    tau = spec.threshold if threshold is None else threshold
     if spec.name == "low_confidence":
         return commit_top_k(confidence, masked, k)
     if spec.name == "random":
-        return commit_top_k(jax.random.uniform(key, confidence.shape), masked, k)
+        score = jax.vmap(lambda key: jax.random.uniform(key, confidence.shape[1:]))(keys)
+        return commit_top_k(score, masked, k)
     if spec.name in ("threshold", "credit"):
-        return commit_threshold(confidence, masked, tau)
+        return commit_threshold(confidence, masked, threshold)
     if spec.name == "factor":
         return commit_factor(confidence, masked, spec.factor)
     if spec.name == "hierarchy":
-        return commit_hierarchy(confidence, masked, spec.threshold, spec.low_threshold)
+        return commit_hierarchy(confidence, masked, threshold, spec.low_threshold)
     raise ValueError(f"decoder={spec.name!r}; expected one of {DECODERS}")

@@ -10,17 +10,24 @@ are cached window forwards per the `CachePolicy`, or whole-sequence forwards und
 The carry holds the tokens, the K/V buffers, the RNG key, counters and decoder state, so
 nothing waits on the host between steps.
 
-`run_generation` is written for one device's share: inside `shard_map` it sees its rows
-(data axis) and its weight shards (model axis, `axis_name`).
+`run_block_call` is the serving engine's program: one block for every row, each row laid
+out with its current block at the front (`djax.serving.layout`), so rows of different
+requests at different blocks share one call.
+
+Both are written for one device's share: inside `shard_map` they see their rows (data
+axis) and their weight shards (model axis, `axis_name`). Randomness is per row (`Rows`), so
+a row's tokens never depend on its batch-mates.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from djax import decoders
 from djax.decoders import DecoderSpec
@@ -37,7 +44,8 @@ class Plan:
     prompt_len: the (bucketed, left-padded) prompt length P; the answer region is
     `[P, P + gen_length)`, split into blocks of `block_len`. steps_per_block: used by the
     fixed-steps decoders. stop_ids: ids that end a row (early stop); fill_id: what the rest
-    of a stopped row becomes (EOS).
+    of a stopped row becomes (EOS). sampling: some row may have a temperature above 0 (the
+    Gumbel noise is drawn only then).
     """
 
     batch: int
@@ -52,6 +60,7 @@ class Plan:
     stop_ids: tuple[int, ...]
     early_stop: bool = True
     smoothing: bool = False
+    sampling: bool = False
 
     @property
     def seq_len(self) -> int:
@@ -62,16 +71,38 @@ class Plan:
         return self.gen_length // self.block_len
 
 
+class Rows(NamedTuple):
+    """Per-row values of a program. keys: [batch, 2] uint32 PRNG key data, one stream per
+    row; threshold: [batch] fp32 τ (τ_high of `hierarchy`); temperature: [batch] fp32, 0 for
+    the argmax."""
+
+    keys: Array
+    threshold: Array
+    temperature: Array
+
+
+# Saved programs (`djax.program_cache`) take `Rows` as an argument.
+jax.export.register_namedtuple_serialization(Rows, serialized_name="djax.diffusion.Rows")
+
+
+def row_keys(seed: int, rows: int) -> np.ndarray:
+    """Key data [rows, 2] uint32 for rows 0..rows-1 of a batch seeded with `seed`: row i's
+    stream is `fold_in(key(seed), i)`, a function of the seed and its index alone."""
+    fold = jax.vmap(functools.partial(jax.random.fold_in, jax.random.key(seed)))
+    return np.asarray(jax.random.key_data(fold(jnp.arange(rows, dtype=jnp.uint32))))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class State:
-    """The loop carry. kv: per-layer (keys, values) or None (`none` policy); credit:
+    """The loop carry. keys: [batch] PRNG keys; kv: per-layer (keys, values) or None
+    (`none` policy); credit:
     [batch, block, vocab_local] or None; soft: expected embeddings of the block's masked
     positions from the previous step [batch, block, model] or None."""
 
     tokens: Array
     kv: Any
-    key: Array
+    keys: Array
     step: Array
     step_in_block: Array
     block: Array
@@ -93,10 +124,13 @@ class _Generation:
         plan: Plan,
         key_valid: Array,
         positions: Array,
+        rows: Rows,
         axis_name: str | None,
     ):
         self.module, self.params, self.plan = module, params, plan
         self.key_valid, self.positions, self.axis_name = key_valid, positions, axis_name
+        self.threshold = rows.threshold[:, None]
+        self.temperature = rows.temperature if plan.sampling else None
 
     def _apply(self, *args, **kwargs):
         return self.module.apply({"params": self.params}, *args, **kwargs)
@@ -151,24 +185,26 @@ class _Generation:
         logits = self._apply(hidden, method="logits")
         block = self.block_tokens(state.tokens, bs)
         masked = block == plan.mask_id
-        key, predict_key, decide_key = jax.random.split(state.key, 3)
+        keys = jax.vmap(lambda key: jax.random.split(key, 3))(state.keys)
         credit, decode_logits = state.credit, logits
         if spec.name == "credit":
             credit, decode_logits = decoders.credit_update(
                 state.credit, logits, masked, spec, state.step_in_block == 0, self.axis_name
             )
         token, confidence = decoders.predict(
-            decode_logits, spec.temperature, predict_key, plan.mask_id, self.axis_name
+            decode_logits, self.temperature, keys[:, 1], plan.mask_id, self.axis_name
         )
-        threshold = None
+        threshold = self.threshold
         if plan.smoothing:
-            threshold = jnp.maximum(1.0 - 0.02 * state.step, spec.threshold)
+            threshold = jnp.maximum(1.0 - 0.02 * state.step, threshold)
         k = None
         if spec.fixed_steps:
             k = decoders.fixed_schedule(
                 state.block_masks, plan.steps_per_block, state.step_in_block
             )
-        commit = decoders.decide(spec, confidence, masked, k=k, threshold=threshold, key=decide_key)
+        commit = decoders.decide(
+            spec, confidence, masked, threshold=threshold, k=k, keys=keys[:, 2]
+        )
         tokens = jax.lax.dynamic_update_slice_in_dim(
             state.tokens, jnp.where(commit, token, block), bs, axis=1
         )
@@ -180,7 +216,7 @@ class _Generation:
         return dataclasses.replace(
             state,
             tokens=tokens,
-            key=key,
+            keys=keys[:, 0],
             credit=credit,
             soft=soft,
             step=state.step + 1,
@@ -235,7 +271,7 @@ class _Generation:
 
 
 def initial_state(
-    module: TransformerLM, params: dict, plan: Plan, tokens: Array, key: Array, dtype: Any
+    module: TransformerLM, params: dict, plan: Plan, tokens: Array, keys: Array, dtype: Any
 ) -> State:
     batch = tokens.shape[0]
     zero = jnp.zeros((), jnp.int32)
@@ -251,7 +287,7 @@ def initial_state(
     return State(
         tokens=tokens,
         kv=kv,
-        key=key,
+        keys=jax.random.wrap_key_data(keys),
         step=zero,
         step_in_block=zero,
         block=zero,
@@ -271,7 +307,7 @@ def run_generation(
     tokens: Array,
     key_valid: Array,
     positions: Array,
-    key: Array,
+    rows: Rows,
     axis_name: str | None = None,
 ) -> dict[str, Array]:
     """Denoise the answer region of `tokens` block by block.
@@ -280,8 +316,8 @@ def run_generation(
     key_valid: [batch, seq] bool (False on padding); positions: [batch, seq] int32 RoPE
     positions. Returns the final tokens and counters (forwards, refreshes, blocks).
     """
-    gen = _Generation(module, params, plan, key_valid, positions, axis_name)
-    state = initial_state(module, params, plan, tokens, key, module.dtype)
+    gen = _Generation(module, params, plan, key_valid, positions, rows, axis_name)
+    state = initial_state(module, params, plan, tokens, rows.keys, module.dtype)
     more = lambda s: (s.block < plan.n_blocks) & ~jnp.all(s.stopped)
     state = jax.lax.while_loop(more, gen.run_block, state)
     return {
@@ -289,4 +325,35 @@ def run_generation(
         "forwards": state.forwards,
         "refreshes": state.refreshes,
         "blocks": state.block,
+    }
+
+
+def run_block_call(
+    module: TransformerLM,
+    params: dict,
+    plan: Plan,
+    tokens: Array,
+    key_valid: Array,
+    positions: Array,
+    rows: Rows,
+    axis_name: str | None = None,
+) -> dict[str, Array]:
+    """Denoise one block of every row: a refresh, then denoising steps until no row's block
+    holds a mask.
+
+    `plan.prompt_len` is 0 and `plan.gen_length` the sequence: each row's current block sits
+    at `[0, block_len)` (all masks), followed by its context and later answer positions in
+    any order (attention is bidirectional and positions are explicit), then padding. A row
+    whose block holds no mask (an empty slot) commits nothing. tokens/key_valid/positions:
+    [batch, seq]; rows: per-row keys, thresholds, temperatures. Returns the block's tokens
+    [batch, block_len], the rows' keys after the call [batch, 2] (the next call's) and the
+    call's forwards.
+    """
+    gen = _Generation(module, params, plan, key_valid, positions, rows, axis_name)
+    state = initial_state(module, params, plan, tokens, rows.keys, module.dtype)
+    state = gen.run_block(state)
+    return {
+        "block": state.tokens[:, : plan.block_len],
+        "keys": jax.random.key_data(state.keys),
+        "forwards": state.forwards,
     }

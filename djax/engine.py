@@ -9,10 +9,11 @@ persistent compilation cache is on by default, so a second process does not reco
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from djax import program_cache
 from djax.decoders import DECODERS, FIXED_DECODERS, DecoderSpec
-from djax.diffusion import Plan, run_generation
+from djax.diffusion import Plan, Rows, row_keys, run_generation
 from djax.kv_cache import POLICIES, CachePolicy
 from djax.model import Model
 from djax.xla_options import compiler_options
@@ -73,13 +74,11 @@ class GenerationConfig:
     def decoder_spec(self) -> DecoderSpec:
         return DecoderSpec(
             self.decoder,
-            self.threshold,
             self.low_threshold,
             self.factor,
             self.credit_alpha,
             self.credit_gamma,
             self.credit_beta,
-            self.temperature,
         )
 
     def cache_policy(self) -> CachePolicy:
@@ -268,6 +267,7 @@ def make_plan(
         stop_ids=tuple(stop_ids),
         early_stop=config.early_stop,
         smoothing=config.smoothing,
+        sampling=config.temperature > 0,
     )
     return plan, notes
 
@@ -285,18 +285,22 @@ def build_inputs(rows: list[list[int]], plan: Plan, pad_id: int) -> dict[str, np
     return {"tokens": tokens, "key_valid": valid, "positions": positions}
 
 
-def _program(model: Model, plan: Plan) -> Any:
-    """The jitted generation program for a model (config, dtype, options, mesh) and plan."""
+RowProgram = Callable[..., dict[str, jax.Array]]
+
+
+def _program(model: Model, plan: Plan, run: RowProgram = run_generation) -> Any:
+    """The jitted row program `run` (`diffusion.run_generation` or `run_block_call`) for a
+    model (config, dtype, options, mesh) and plan; it donates the tokens."""
     from djax.models import build_module
 
     if model.mesh is not None:
-        from djax.sharding import sharded_generation
+        from djax.sharding import sharded_program
 
-        return sharded_generation(model, plan)
+        return sharded_program(model, plan, run)
     module = build_module(model.config, model.dtype, None, **dict(model.options))
 
-    def program(params, tokens, key_valid, positions, key):
-        return run_generation(module, params, plan, tokens, key_valid, positions, key)
+    def program(params, tokens, key_valid, positions, rows):
+        return run(module, params, plan, tokens, key_valid, positions, rows)
 
     return jax.jit(program, donate_argnums=(1,))
 
@@ -304,18 +308,31 @@ def _program(model: Model, plan: Plan) -> Any:
 _EXECUTABLES: dict[tuple, Any] = {}
 
 
-def program_args(model: Model, plan: Plan, rows: list[list[int]], seed: int) -> tuple:
-    """The generation program's arguments: (params, tokens, key_valid, positions, key), the
-    row arrays placed on the model's mesh when it has one. The program donates the rows."""
+def program_args(
+    model: Model, plan: Plan, rows: list[list[int]], config: GenerationConfig
+) -> tuple:
+    """The generation program's arguments: (params, tokens, key_valid, positions, `Rows`),
+    the row arrays placed on the model's mesh when it has one. The program donates the
+    tokens. Row i draws from `fold_in(key(config.seed), i)`."""
     inputs = build_inputs(rows, plan, model.config.pad_token_id)
-    names = ("tokens", "key_valid", "positions")
-    if model.mesh is None:
-        placed = [jnp.asarray(inputs[k]) for k in names]
-    else:
-        from djax.sharding import place_rows
+    batch = len(rows)
+    per_row = Rows(
+        keys=row_keys(config.seed, batch),
+        threshold=np.full(batch, config.threshold, np.float32),
+        temperature=np.full(batch, config.temperature, np.float32),
+    )
+    placed = place(model, [inputs["tokens"], inputs["key_valid"], inputs["positions"]])
+    return (model.params, *placed, place(model, per_row))
 
-        placed = [place_rows(model.mesh, inputs[k]) for k in names]
-    return (model.params, *placed, jax.random.key(seed))
+
+def place(model: Model, arrays: Any) -> Any:
+    """Host row arrays (a pytree of [batch, ...] arrays) on the model's devices: split over
+    the mesh's `data` axis when it has one."""
+    if model.mesh is None:
+        return jax.tree.map(jnp.asarray, arrays)
+    from djax.sharding import place_rows
+
+    return jax.tree.map(functools.partial(place_rows, model.mesh), arrays)
 
 
 def programs_folder() -> str | None:
@@ -323,27 +340,49 @@ def programs_folder() -> str | None:
     return jax.config.jax_compilation_cache_dir
 
 
-def lower(model: Model, plan: Plan, args: tuple) -> jax.stages.Lowered:
-    """The generation program lowered for these arguments: traced and lowered here, or read
-    back from the programs saved in the persistent compilation cache's folder
+def lower(
+    model: Model, plan: Plan, args: tuple, run: RowProgram = run_generation
+) -> jax.stages.Lowered:
+    """The row program lowered for these arguments: traced and lowered here, or read back
+    from the programs saved in the persistent compilation cache's folder
     (`program_cache`)."""
-    description = (model.config, str(model.dtype), model.options, repr(model.mesh), plan)
+    description = (
+        run.__name__,
+        model.config,
+        str(model.dtype),
+        model.options,
+        repr(model.mesh),
+        plan,
+    )
     return program_cache.lower(
-        _program(model, plan), args, description, programs_folder(), donate_argnums=(1,)
+        _program(model, plan, run), args, description, programs_folder(), donate_argnums=(1,)
     )
 
 
-def executable(model: Model, plan: Plan, args: tuple) -> tuple[Any, float]:
-    """The compiled program for these arguments' shapes, and the seconds spent compiling it
-    now (0 when this process compiled it before; from the persistent cache it is small)."""
+def executable_key(model: Model, plan: Plan, args: tuple, run: RowProgram) -> tuple:
+    """What identifies a compiled program in this process."""
     shapes = tuple((a.shape, str(a.dtype)) for a in args[1:4])
     options = compiler_options(jax.default_backend())
-    key = (model.config, str(model.dtype), model.options, id(model.mesh), plan, shapes)
-    key += tuple(sorted(options.items()))
+    key = (run.__name__, model.config, str(model.dtype), model.options, id(model.mesh), plan)
+    return key + (shapes, *sorted(options.items()))
+
+
+def is_compiled(model: Model, plan: Plan, args: tuple, run: RowProgram = run_generation) -> bool:
+    """Whether `executable` would return a program this process already compiled."""
+    return executable_key(model, plan, args, run) in _EXECUTABLES
+
+
+def executable(
+    model: Model, plan: Plan, args: tuple, run: RowProgram = run_generation
+) -> tuple[Any, float]:
+    """The compiled program for these arguments' shapes, and the seconds spent compiling it
+    now (0 when this process compiled it before; from the persistent cache it is small)."""
+    key = executable_key(model, plan, args, run)
     if key in _EXECUTABLES:
         return _EXECUTABLES[key], 0.0
+    options = compiler_options(jax.default_backend())
     start = time.perf_counter()
-    compiled = lower(model, plan, args).compile(options)
+    compiled = lower(model, plan, args, run).compile(options)
     _EXECUTABLES[key] = compiled
     return compiled, time.perf_counter() - start
 
@@ -365,7 +404,7 @@ def generate(
     rows = tokenize(model, prompts, chat)
     _check_prompts(model, rows)
     plan, notes = make_plan(model, config, len(rows), max(len(r) for r in rows))
-    args = program_args(model, plan, rows, config.seed)
+    args = program_args(model, plan, rows, config)
     program, compile_seconds = executable(model, plan, args)
     start = time.perf_counter()
     out = jax.block_until_ready(program(*args))

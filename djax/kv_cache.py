@@ -6,7 +6,7 @@ Buffers are fixed-shape, one `(keys, values)` pair per layer, each
 parallelism). A refresh is a forward over the whole sequence that rewrites every
 position's K/V (and decodes the block from its logits, counting as one step). A cached step
 feeds a window of `W` positions; its fresh K/V replace the buffer inside the write range,
-and its queries attend to the whole buffer. Semantics: ../shared/ALGORITHMS.md.
+and its queries attend to the whole buffer.
 
 | policy   | cached step feeds                        | writes fresh K/V for             |
 |----------|------------------------------------------|----------------------------------|

@@ -178,31 +178,23 @@ def sharded_logits(config: ModelConfig, dtype: Any, options: tuple, mesh: Mesh) 
     return jax.jit(program)
 
 
-def sharded_generation(model: Any, plan: Any) -> Any:
-    """The generation program of `djax.diffusion.run_generation`, as one `shard_map` over the
-    model's mesh, jitted. Takes host arrays like the single-device program; returns tokens
-    and counters replicated on every device (per data shard for the counters)."""
-    from djax.diffusion import run_generation
-
+def sharded_program(model: Any, plan: Any, run: Any) -> Any:
+    """A row program of `djax.diffusion` (`run_generation` or `run_block_call`) as one
+    `shard_map` over the model's mesh, jitted, the tokens donated. Takes host-shaped arrays
+    like the single-device program; returns its row outputs replicated on every device and
+    its counters as one value per data shard."""
     mesh = model.mesh
     axis = model_axis(mesh)
     module = _local_module(model.config, model.dtype, model.options, mesh)
     specs = param_specs(model.config, model.dtype, mesh)
 
-    def local(params, tokens, key_valid, positions, key):
-        if mesh.shape[DATA] > 1:
-            key = jax.random.fold_in(key, jax.lax.axis_index(DATA))
-        out = run_generation(module, params, plan, tokens, key_valid, positions, key, axis)
-        return {k: v if k == "tokens" else jnp.reshape(v, (1,)) for k, v in out.items()}
+    def local(params, tokens, key_valid, positions, rows):
+        out = run(module, params, plan, tokens, key_valid, positions, rows, axis)
+        return {k: jnp.reshape(v, (1,)) if v.ndim == 0 else v for k, v in out.items()}
 
-    rows = P(DATA)
-    counters = {"tokens": rows, "forwards": rows, "refreshes": rows, "blocks": rows}
+    row = P(DATA)
     program = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(specs, rows, rows, rows, P()),
-        out_specs=counters,
-        check_vma=False,
+        local, mesh=mesh, in_specs=(specs, row, row, row, row), out_specs=row, check_vma=False
     )
     replicated = NamedSharding(mesh, P())
     return jax.jit(program, out_shardings=replicated, donate_argnums=(1,))

@@ -37,24 +37,26 @@ def _expected(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def test_token_and_confidence_in_one_pass():
     logits = _logits(0)
-    token, confidence = jax.jit(lambda x: predict(x, 0.0, None, MASK))(jnp.asarray(logits))
+    token, confidence = jax.jit(lambda x: predict(x, None, None, MASK))(jnp.asarray(logits))
     expected_token, expected_confidence = _expected(logits)
     np.testing.assert_array_equal(token, expected_token)
     assert token[0, 0] == 9 and token[0, 1] != MASK and token[1, 2] == 15
     np.testing.assert_allclose(confidence, expected_confidence, rtol=1e-5)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("temperature", [None, (0.7, 0.7), (0.0, 1.3)])
 def test_split_vocabulary_matches_one_device(temperature):
     """Each of 4 devices holds a quarter of the vocabulary: the combined token and
-    confidence equal one device's (Gumbel noise drawn over the whole vocabulary)."""
+    confidence equal one device's (Gumbel noise drawn over the whole vocabulary); rows may
+    differ in temperature, 0 taking the argmax."""
     mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
     logits = jnp.asarray(_logits(1))
-    key = jax.random.key(3)
-    whole = jax.jit(lambda x: predict(x, temperature, key, MASK))(logits)
+    keys = jax.random.split(jax.random.key(3), 2)
+    t = None if temperature is None else jnp.asarray(temperature, jnp.float32)
+    whole = jax.jit(lambda x: predict(x, t, keys, MASK))(logits)
     split = jax.jit(
         jax.shard_map(
-            lambda x: predict(x, temperature, key, MASK, "model"),
+            lambda x: predict(x, t, keys, MASK, "model"),
             mesh=mesh,
             in_specs=P(None, None, "model"),
             out_specs=P(),
@@ -63,8 +65,23 @@ def test_split_vocabulary_matches_one_device(temperature):
     )(logits)
     np.testing.assert_array_equal(split[0], whole[0])
     np.testing.assert_allclose(split[1], whole[1], rtol=1e-6)
-    if temperature == 0.0:
+    if temperature is None:
         assert whole[0][1, 2] == 15
+    else:  # a row at temperature 0 takes the argmax
+        greedy = predict(logits, None, None, MASK)[0]
+        same = np.asarray(whole[0]) == np.asarray(greedy)
+        assert same[0].all() == (temperature[0] == 0.0) and not same[1].all()
+
+
+def test_rows_sample_from_their_own_keys():
+    """A row's sample depends on its own key alone, not on its batch-mates'."""
+    logits = jnp.asarray(_logits(2))
+    keys = jax.random.split(jax.random.key(0), 3)
+    t = jnp.array([1.0, 1.0], jnp.float32)
+    a = predict(logits, t, keys[:2], MASK)[0]
+    b = predict(logits, t, jnp.stack([keys[0], keys[2]]), MASK)[0]
+    np.testing.assert_array_equal(a[0], b[0])
+    assert not np.array_equal(a[1], b[1])
 
 
 def test_credit_adds_at_the_top_token():

@@ -21,7 +21,7 @@ def _setup(model, rows=ROWS, config=CONFIG):
 
 
 def _tokens(lowered, model, plan, rows=ROWS):
-    args = engine.program_args(model, plan, rows, seed=0)  # fresh: the program donates rows
+    args = engine.program_args(model, plan, rows, CONFIG)  # fresh: the program donates rows
     return np.asarray(lowered.compile()(*args)["tokens"])
 
 
@@ -33,14 +33,14 @@ def _refuse_export(monkeypatch):
 
 
 def _lower(model, plan, program, folder):
-    args = engine.program_args(model, plan, ROWS, seed=0)
+    args = engine.program_args(model, plan, ROWS, CONFIG)
     return program_cache.lower(program, args, ("test", plan), folder, donate_argnums=(1,))
 
 
 def test_saved_program_is_read_back_with_the_same_tokens(dense_model, tmp_path, monkeypatch):
     plan, program = _setup(dense_model)
     direct = _tokens(
-        program.lower(*engine.program_args(dense_model, plan, ROWS, 0)), dense_model, plan
+        program.lower(*engine.program_args(dense_model, plan, ROWS, CONFIG)), dense_model, plan
     )
     first = _lower(dense_model, plan, program, str(tmp_path))
     saved = list((tmp_path / program_cache.FOLDER).iterdir())
@@ -67,7 +67,7 @@ def test_engine_keys_programs_by_module_options(dense_model, tmp_path, monkeypat
     tokens = []
     for impl in ("xla", "pallas"):
         model = dense_model.with_options(mlp_impl=impl)
-        lowered = engine.lower(model, plan, engine.program_args(model, plan, ROWS, seed=0))
+        lowered = engine.lower(model, plan, engine.program_args(model, plan, ROWS, CONFIG))
         assert ("swiglu_matmul" in lowered.as_text()) == (impl == "pallas")
         tokens.append(_tokens(lowered, model, plan))
     assert len(list((tmp_path / program_cache.FOLDER).glob("*.jax_exported"))) == 2
@@ -89,13 +89,13 @@ def test_export_failure_lowers_directly_and_warns(dense_model, tmp_path, monkeyp
 
 def test_key_changes_with_description_and_shapes(dense_model):
     plan, _ = _setup(dense_model)
-    args = engine.program_args(dense_model, plan, ROWS, seed=0)
+    args = engine.program_args(dense_model, plan, ROWS, CONFIG)
     key = program_cache.program_key(("test", plan), args)
     assert key == program_cache.program_key(("test", plan), args)
     assert key != program_cache.program_key(("other", plan), args)
     longer, _ = _setup(dense_model, config=djax.GenerationConfig(gen_length=24, block_length=8))
     assert key != program_cache.program_key(
-        ("test", plan), engine.program_args(dense_model, longer, ROWS, seed=0)
+        ("test", plan), engine.program_args(dense_model, longer, ROWS, CONFIG)
     )
     in_bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), dense_model.params)
     assert key != program_cache.program_key(("test", plan), (in_bf16, *args[1:]))
@@ -103,7 +103,7 @@ def test_key_changes_with_description_and_shapes(dense_model):
 
 def test_unreadable_file_is_exported_again(dense_model, tmp_path):
     plan, program = _setup(dense_model)
-    args = engine.program_args(dense_model, plan, ROWS, seed=0)
+    args = engine.program_args(dense_model, plan, ROWS, CONFIG)
     path = tmp_path / program_cache.FOLDER / f"{program_cache.program_key(('test', plan), args)}"
     path = path.with_suffix(".jax_exported")
     path.parent.mkdir()
@@ -111,7 +111,7 @@ def test_unreadable_file_is_exported_again(dense_model, tmp_path):
     with pytest.warns(UserWarning, match="unreadable saved program"):
         lowered = _lower(dense_model, plan, program, str(tmp_path))
     assert jax.export.deserialize(bytearray(path.read_bytes())).in_avals
-    direct = program.lower(*engine.program_args(dense_model, plan, ROWS, 0))
+    direct = program.lower(*engine.program_args(dense_model, plan, ROWS, CONFIG))
     np.testing.assert_array_equal(
         _tokens(lowered, dense_model, plan), _tokens(direct, dense_model, plan)
     )

@@ -1,0 +1,578 @@
+"""The serving engine: a thread that turns queued requests into device calls.
+
+Two schedulers share the queue, the events and the metrics:
+
+- `continuous`: one device call per block (`diffusion.run_block_call`). Every running row
+  gets its block's refresh and denoising steps; rows may belong to different requests at
+  different blocks (`layout`). Requests join at the next call and leave when their last
+  block is done, so nobody waits for a whole batch. The host state of a row is its context
+  (prompt and committed tokens) and its key; each call's inputs are rebuilt from it, and the
+  previous call's events are sent while the next call runs.
+- `static`: first-come batches of up to `max_batch` requests, each run to completion as one
+  whole-generation program (`diffusion.run_generation`, as `djax.generate` runs it); the
+  baseline continuous batching is measured against.
+
+Every program the continuous scheduler can need is compiled before the engine reports
+ready; the static scheduler compiles a batch shape the first time it meets it.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from djax import engine as djax_engine
+from djax.diffusion import Plan, Rows, row_keys, run_block_call
+from djax.engine import GenerationConfig
+from djax.model import Model
+from djax.serving import layout
+from djax.serving.metrics import ServerMetrics
+from djax.serving.requests import (
+    BlockCommitted,
+    EngineRequest,
+    Event,
+    Failed,
+    Finished,
+    QueueFull,
+)
+
+log = logging.getLogger("djax.serve")
+
+SCHEDULERS = ("continuous", "static")
+# Cache policies whose cached steps need nothing but the block's place: the layout moves
+# the block to the front, so `prefix` and `vicinity` windows would mean other positions.
+SERVED_CACHES = ("dual", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """How a server decodes and batches.
+
+    generation: the server-wide decoding settings (decoder, block_length, cache, steps,
+    threshold and temperature defaults; gen_length is the default max_tokens, and with
+    `steps` it sets the fixed-steps decoders' steps per block). scheduler: one of
+    `SCHEDULERS`. max_batch: rows per device call; max_queue: requests waiting beyond them.
+    max_seq_len: the longest prompt + answer served (None: the model's maximum); it bounds
+    the compiled shapes. sampling: whether temperature > 0 is served (its programs are
+    compiled at warm-up too).
+    """
+
+    generation: GenerationConfig = GenerationConfig()
+    scheduler: str = "continuous"
+    max_batch: int = 32
+    max_queue: int = 1024
+    max_seq_len: int | None = None
+    sampling: bool = True
+
+    def __post_init__(self):
+        g = self.generation
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler={self.scheduler!r}; expected one of {SCHEDULERS}")
+        for name in ("max_batch", "max_queue"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}; expected a positive int")
+        if self.max_seq_len is not None and (
+            not isinstance(self.max_seq_len, int) or self.max_seq_len <= g.block_length
+        ):
+            raise ValueError(
+                f"max_seq_len={self.max_seq_len!r}; expected an int above block_length "
+                f"{g.block_length}"
+            )
+        if g.cache not in SERVED_CACHES:
+            raise ValueError(f"cache={g.cache!r}; the server supports {SERVED_CACHES}")
+        if g.smoothing:
+            raise ValueError("smoothing=True is not served; it needs the whole generation")
+        if g.temperature > 0 and not self.sampling:
+            raise ValueError(f"temperature={g.temperature} needs sampling=True")
+
+    @property
+    def steps_per_block(self) -> int:
+        """Steps per block of the fixed-steps decoders (as `djax.generate` splits them)."""
+        g = self.generation
+        blocks = math.ceil(g.gen_length / g.block_length)
+        return max((g.steps or blocks * g.block_length) // blocks, 1)
+
+
+@dataclasses.dataclass
+class _Row:
+    """A request on the host: what it has committed and where its randomness stands."""
+
+    request: EngineRequest
+    on_event: Callable[[Event], None]
+    answer_length: int
+    keys: np.ndarray  # [2] uint32, carried from call to call
+    threshold: float
+    committed: list[int] = dataclasses.field(default_factory=list)
+    done: bool = False  # the engine has finished it (its last events may still be unsent)
+    cancelled: bool = False  # the client dropped it: no more events
+
+    @property
+    def context(self) -> np.ndarray:
+        return np.asarray(self.request.prompt_ids + tuple(self.committed), np.int32)
+
+    @property
+    def sequence(self) -> int:
+        return len(self.request.prompt_ids) + self.answer_length
+
+
+class ServingEngine:
+    """The engine thread, its queue and its programs (see the module docstring). Implements
+    `djax.serving.requests.Engine`."""
+
+    def __init__(self, model: Model, config: ServeConfig, metrics: ServerMetrics):
+        cfg = model.config
+        self.model, self.config, self.metrics = model, config, metrics
+        self.block_length = config.generation.block_length
+        limit = cfg.max_seq_len if config.max_seq_len is None else config.max_seq_len
+        self._max_sequence = min(limit, cfg.max_seq_len)
+        if self._max_sequence <= self.block_length:
+            raise ValueError(
+                f"the model's maximum sequence {cfg.max_seq_len} leaves no room for a prompt "
+                f"beside a block of {self.block_length}"
+            )
+        self.stop_ids = frozenset(
+            config.generation.stop_ids
+            if config.generation.stop_ids is not None
+            else cfg.stop_token_ids
+        )
+        self.layout = layout.RowLayout(self.block_length, cfg.mask_token_id, cfg.pad_token_id)
+        data = 1 if model.mesh is None else model.mesh.shape["data"]
+        self.batch_buckets = layout.batch_buckets(config.max_batch, data)
+        self.seq_buckets = layout.seq_buckets(self._max_sequence, self.block_length)
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[_Row] = collections.deque()
+        self._by_id: dict[str, _Row] = {}
+        self._running: list[_Row] = []
+        self._stopping = False
+        self._ready = False
+        self._thread: threading.Thread | None = None
+        self._last_ready: float | None = None  # when the device finished the last call
+        self._calls, self._call_seconds = 0, 0.0
+
+    # ------------------------------------------------------------ the Engine protocol
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and not self._stopping
+
+    @property
+    def max_sequence(self) -> int:
+        return self._max_sequence
+
+    def answer_length(self, max_tokens: int) -> int:
+        return self.block_length * math.ceil(max_tokens / self.block_length)
+
+    def submit(self, request: EngineRequest, on_event: Callable[[Event], None]) -> None:
+        row = self._row(request, on_event)
+        with self._lock:
+            if self._stopping:
+                raise QueueFull(len(self._waiting), retry_after=30.0)
+            if request.request_id in self._by_id:
+                raise ValueError(f"request_id={request.request_id!r} is already queued")
+            if len(self._waiting) >= self.config.max_queue:
+                raise QueueFull(len(self._waiting), self._retry_after())
+            self._waiting.append(row)
+            self._by_id[request.request_id] = row
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._lock.notify()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            row = self._by_id.pop(request_id, None)
+            if row is None:
+                return
+            row.cancelled = True
+            if row in self._waiting:
+                self._waiting.remove(row)
+                self.metrics.queue_depth.set(len(self._waiting))
+            self._lock.notify()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Compile every program and start serving, in the engine's thread."""
+        self._thread = threading.Thread(target=self._main, name="djax-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain: bool = True, timeout: float = 30.0) -> None:
+        """Refuse new requests; with `drain`, finish the queued and running ones first,
+        otherwise fail them. Returns when the engine thread has ended (or after
+        `timeout` seconds)."""
+        with self._lock:
+            self._stopping = True
+            if not drain:
+                for row in [*self._waiting, *self._running]:
+                    if not row.done:
+                        self._finish(row, Failed("the server is shutting down"))
+                self._waiting.clear()
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until warm-up is done (True) or `timeout` passes (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready:
+            if self._thread is not None and not self._thread.is_alive():
+                return False
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    # ------------------------------------------------------------ requests
+
+    def _row(self, request: EngineRequest, on_event: Callable[[Event], None]) -> _Row:
+        """Check a request against what this engine serves; the message names the field."""
+        cfg = self.model.config
+        if not request.prompt_ids:
+            raise ValueError("prompt is empty; expected at least one token")
+        bad = [t for t in request.prompt_ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt has token id {bad[0]} outside [0, {cfg.vocab_size})")
+        if cfg.mask_token_id in request.prompt_ids:
+            raise ValueError(f"prompt contains the mask id {cfg.mask_token_id}")
+        if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+            raise ValueError(f"max_tokens={request.max_tokens!r}; expected a positive int")
+        answer = self.answer_length(request.max_tokens)
+        if len(request.prompt_ids) + answer > self._max_sequence:
+            raise ValueError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens {request.max_tokens} "
+                f"(in blocks of {self.block_length}: {answer}) exceeds the maximum sequence "
+                f"{self._max_sequence}"
+            )
+        if not (math.isfinite(request.temperature) and request.temperature >= 0):
+            raise ValueError(f"temperature={request.temperature}; expected a finite value ≥ 0")
+        if request.temperature > 0 and not self.config.sampling:
+            raise ValueError(f"temperature={request.temperature}; this server serves only 0")
+        threshold = self.config.generation.threshold
+        if request.threshold is not None:
+            if not 0 < request.threshold <= 1:
+                raise ValueError(f"threshold={request.threshold}; expected a value in (0, 1]")
+            threshold = request.threshold
+        return _Row(request, on_event, answer, row_keys(request.seed, 1)[0], threshold)
+
+    def _retry_after(self) -> float:
+        """A guess, in whole seconds, at when a queue slot frees: a device call's mean time
+        for each batch waiting ahead."""
+        batches = len(self._waiting) / self.config.max_batch + 1
+        mean_call = self._call_seconds / max(self._calls, 1)
+        return float(max(1, math.ceil(batches * mean_call)))
+
+    def _emit(self, row: _Row, event: Event) -> None:
+        if row.cancelled:
+            return
+        try:
+            row.on_event(event)
+        except Exception:  # a broken consumer must not stop the engine
+            log.exception("event handler of %s failed", row.request.request_id)
+
+    def _finish(self, row: _Row, event: Event) -> None:
+        """Send a request's last event and forget it (lock held)."""
+        self._emit(row, event)
+        row.done = True
+        self._by_id.pop(row.request.request_id, None)
+
+    def _timed_call(self, program: Any, args: tuple, pending: list) -> tuple[dict, float]:
+        """Run a device call, send `pending` events while it runs; its host outputs and
+        when it was dispatched."""
+        if self._last_ready is not None:
+            self.metrics.host_gap.observe(time.perf_counter() - self._last_ready)
+        started = time.perf_counter()
+        out = program(*args)
+        self._send(pending)
+        out = jax.tree.map(np.asarray, out)
+        self._last_ready = time.perf_counter()
+        seconds = self._last_ready - started
+        self.metrics.block_call.observe(seconds)
+        self._calls += 1
+        self._call_seconds += seconds
+        return out, started
+
+    def _fail_call(self, rows: list[_Row], err: Exception, pending: list) -> None:
+        log.exception("a device call failed")
+        self._send(pending)
+        with self._lock:
+            for row in rows:
+                if not row.done:
+                    self._finish(row, Failed(f"the device call failed: {err}"))
+        self._last_ready = None
+
+    # ------------------------------------------------------------ the thread
+
+    def _main(self) -> None:
+        try:
+            self._warm_up()
+            self._ready = True
+            log.info("ready: %s scheduler", self.config.scheduler)
+            if self.config.scheduler == "continuous":
+                self._serve_continuous()
+            else:
+                self._serve_static()
+        except BaseException as err:  # noqa: BLE001 - the thread's last word: fail everyone
+            log.exception("the engine stopped")
+            with self._lock:
+                self._stopping = True
+                for row in [*self._waiting, *self._running]:
+                    if not row.done:
+                        self._finish(row, Failed(f"the engine stopped: {err}"))
+                self._waiting.clear()
+                self._running.clear()
+
+    def _take_waiting(self, free: int) -> list[_Row]:
+        """Up to `free` waiting rows, first come first served (lock held)."""
+        rows = []
+        while self._waiting and len(rows) < free:
+            rows.append(self._waiting.popleft())
+        self.metrics.queue_depth.set(len(self._waiting))
+        return rows
+
+    def _wait_for_work(self) -> bool:
+        """Sleep until a request waits; False when the engine should end (lock held)."""
+        while not self._waiting:
+            if self._stopping:
+                return False
+            self._lock.wait(0.5)
+        return True
+
+    # ------------------------------------------------------------ continuous
+
+    def _block_plan(self, batch: int, seq: int, sampling: bool) -> Plan:
+        g, cfg = self.config.generation, self.model.config
+        return Plan(
+            batch=batch,
+            prompt_len=0,
+            gen_length=seq,
+            block_len=self.block_length,
+            steps_per_block=self.config.steps_per_block,
+            decoder=g.decoder_spec(),
+            cache=g.cache_policy(),
+            mask_id=cfg.mask_token_id,
+            fill_id=cfg.eos_token_id,
+            stop_ids=(),
+            early_stop=False,
+            sampling=sampling,
+        )
+
+    def _block_args(self, rows: list[_Row], batch: int, seq: int) -> tuple:
+        arrays = self.layout.arrays(batch, seq)
+        keys = np.zeros((batch, 2), np.uint32)
+        threshold = np.ones(batch, np.float32)
+        temperature = np.zeros(batch, np.float32)
+        for i, row in enumerate(rows):
+            later = row.answer_length - len(row.committed) - self.block_length
+            self.layout.fill(arrays, i, row.context, later)
+            keys[i], threshold[i], temperature[i] = row.keys, row.threshold, row.request.temperature
+        per_row = Rows(keys, threshold, temperature)
+        inputs = [arrays["tokens"], arrays["key_valid"], arrays["positions"]]
+        return (
+            self.model.params,
+            *djax_engine.place(self.model, inputs),
+            djax_engine.place(self.model, per_row),
+        )
+
+    def _block_program(self, rows: list[_Row]) -> tuple[Any, tuple]:
+        batch = layout.bucket(len(rows), self.batch_buckets)
+        seq = layout.bucket(max(r.sequence for r in rows), self.seq_buckets)
+        sampling = any(r.request.temperature > 0 for r in rows)
+        plan = self._block_plan(batch, seq, sampling)
+        args = self._block_args(rows, batch, seq)
+        if not djax_engine.is_compiled(self.model, plan, args, run_block_call):
+            log.warning("compiling a block program while serving: batch %d, seq %d", batch, seq)
+            self.metrics.compiles.inc()
+        program, _ = djax_engine.executable(self.model, plan, args, run_block_call)
+        return program, args
+
+    def _warm_up(self) -> None:
+        """Compile every block program (continuous) before reporting ready, several at a
+        time: tracing holds the GIL, XLA's compiler does not."""
+        if self.config.scheduler != "continuous":
+            return
+        samplings = (False, True) if self.config.sampling else (False,)
+        shapes = [
+            (b, s, sampling)
+            for b in self.batch_buckets
+            for s in self.seq_buckets
+            for sampling in samplings
+        ]
+        start = time.perf_counter()
+
+        def compile_one(shape: tuple[int, int, bool]) -> None:
+            batch, seq, sampling = shape
+            plan = self._block_plan(batch, seq, sampling)
+            args = self._block_args([], batch, seq)
+            djax_engine.executable(self.model, plan, args, run_block_call)
+            self.metrics.compiles.inc()
+
+        workers = max(1, min(len(shapes), (os.cpu_count() or 2) // 2, 8))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(compile_one, shapes))
+        log.info(
+            "compiled %d block programs (batches %s, sequences %s) in %.1f s",
+            len(shapes),
+            self.batch_buckets,
+            self.seq_buckets,
+            time.perf_counter() - start,
+        )
+
+    def _serve_continuous(self) -> None:
+        pending: list[tuple[_Row, Event]] = []
+        while True:
+            with self._lock:
+                self._running = [r for r in self._running if not (r.cancelled or r.done)]
+                self._running += self._take_waiting(self.config.max_batch - len(self._running))
+                rows = list(self._running)
+                self.metrics.running_rows.set(len(rows))
+                idle = not rows
+            if idle:
+                self._send(pending)
+                with self._lock:
+                    self._last_ready = None
+                    if not self._wait_for_work():
+                        return
+                continue
+            try:
+                program, args = self._block_program(rows)
+                out, _ = self._timed_call(program, args, pending)
+            except Exception as err:  # the call failed: its rows fail, the server goes on
+                self._fail_call(rows, err, pending)
+                continue
+            with self._lock:
+                pending = self._commit(rows, out["block"], out["keys"])
+
+    def _commit(self, rows: list[_Row], block: np.ndarray, keys: np.ndarray) -> list:
+        """Record each row's new block [rows, block_length] and its keys; the events to
+        send (lock held)."""
+        events = []
+        for i, row in enumerate(rows):
+            if row.cancelled or row.done:
+                continue
+            row.keys = keys[i]
+            events += self._block_events(row, block[i].tolist())
+        return events
+
+    def _block_events(self, row: _Row, tokens: list[int]) -> list[tuple[_Row, Event]]:
+        """Commit a row's next block; its events: the tokens up to the first stop token and
+        max_tokens, then `Finished` when the request is done (lock held)."""
+        cfg = self.model.config
+        if cfg.mask_token_id in tokens or not all(0 <= t < cfg.vocab_size for t in tokens):
+            row.done = True
+            return [
+                (
+                    row,
+                    Failed(
+                        "the block stalled with masks left: the model's logits are not finite "
+                        "(check the weights and dtype for NaN/inf)"
+                    ),
+                )
+            ]
+        request, sent = row.request, len(row.committed)
+        row.committed += tokens
+        stop_at = None
+        if not request.ignore_eos:
+            stop_at = next((j for j, t in enumerate(tokens) if t in self.stop_ids), None)
+        room = request.max_tokens - sent
+        keep = tokens[: min(room, len(tokens) if stop_at is None else stop_at)]
+        events: list[tuple[_Row, Event]] = [(row, BlockCommitted(tuple(keep)))]
+        if stop_at is not None and stop_at < room:
+            events.append((row, Finished("stop", sent + len(keep))))
+        elif sent + len(tokens) >= request.max_tokens:
+            events.append((row, Finished("length", sent + len(keep))))
+        row.done = isinstance(events[-1][1], Finished)
+        return events
+
+    def _send(self, events: list[tuple[_Row, Event]]) -> None:
+        for row, event in events:
+            if isinstance(event, (Finished, Failed)):
+                with self._lock:
+                    self._finish(row, event)
+            else:
+                self._emit(row, event)
+        events.clear()
+
+    # ------------------------------------------------------------ static
+
+    def _serve_static(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    self._last_ready = None
+                if not self._wait_for_work():
+                    return
+                rows = self._take_waiting(self.config.max_batch)
+                self._running = rows
+                self.metrics.running_rows.set(len(rows))
+            try:
+                program, args, plan = self._generation_program(rows)
+                out, _ = self._timed_call(program, args, [])
+            except Exception as err:
+                self._fail_call(rows, err, [])
+                continue
+            events = []
+            with self._lock:
+                answers = out["tokens"][:, plan.prompt_len :]
+                for i, row in enumerate(rows):
+                    for start in range(0, row.answer_length, self.block_length):
+                        if row.cancelled or row.done:
+                            break
+                        block = answers[i, start : start + self.block_length].tolist()
+                        events += self._block_events(row, block)
+                self._running = []
+            self._send(events)
+
+    def _generation_program(self, rows: list[_Row]) -> tuple[Any, tuple, Plan]:
+        """The whole-generation program for a static batch, its arguments and plan. The
+        batch is padded to its bucket with copies of its first row (they stop with it); its
+        answer length is the longest request's, rounded up to a power of two blocks where
+        that fits."""
+        n = len(rows)
+        batch = layout.bucket(n, self.batch_buckets)
+        padded = rows + [rows[0]] * (batch - n)
+        prompt = max(len(r.request.prompt_ids) for r in rows)
+        answer = max(r.answer_length for r in rows)
+        rounded = self.block_length * 2 ** math.ceil(math.log2(answer // self.block_length))
+        if prompt + rounded <= self._max_sequence:
+            answer = rounded
+        g = self.config.generation
+        config = dataclasses.replace(
+            g,
+            gen_length=answer,
+            steps=self.config.steps_per_block * (answer // self.block_length),
+            stop_ids=tuple(sorted(self.stop_ids)),
+            early_stop=not any(r.request.ignore_eos for r in rows),
+        )
+        plan, _ = djax_engine.make_plan(self.model, config, batch, prompt)
+        plan = dataclasses.replace(plan, sampling=any(r.request.temperature > 0 for r in rows))
+        inputs = djax_engine.build_inputs(
+            [list(r.request.prompt_ids) for r in padded], plan, self.model.config.pad_token_id
+        )
+        per_row = Rows(
+            np.stack([r.keys for r in padded]),
+            np.array([r.threshold for r in padded], np.float32),
+            np.array([r.request.temperature for r in padded], np.float32),
+        )
+        placed = djax_engine.place(
+            self.model, [inputs["tokens"], inputs["key_valid"], inputs["positions"]]
+        )
+        args = (self.model.params, *placed, djax_engine.place(self.model, per_row))
+        if not djax_engine.is_compiled(self.model, plan, args):
+            self.metrics.compiles.inc()
+        program, _ = djax_engine.executable(self.model, plan, args)
+        return program, args, plan
+
+
+def make_engine(model: Model, config: ServeConfig, metrics: ServerMetrics) -> ServingEngine:
+    """The engine for `config.scheduler` (not started)."""
+    return ServingEngine(model, config, metrics)
