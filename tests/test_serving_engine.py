@@ -1,0 +1,264 @@
+"""The serving engine without HTTP: continuous batching gives each request exactly the
+tokens `djax.generate` gives it alone (fp32, CPU), whatever arrives beside it; cancel,
+queue bounds, bad requests and failing calls touch only the requests they concern."""
+
+import dataclasses
+import queue
+import re
+import time
+
+import numpy as np
+import pytest
+
+import djax
+from djax import demo
+from djax.serving import layout
+from djax.serving.engine import ServeConfig, make_engine
+from djax.serving.metrics import ServerMetrics
+from djax.serving.requests import BlockCommitted, EngineRequest, Failed, Finished, QueueFull
+
+PROMPTS = ["347+2958=", "sort 5,3,9", "reverse abcdef", "12+34=", "sort 9,8,7,6,5,4"]
+
+
+@pytest.fixture(scope="module")
+def demo_model():
+    return djax.load(demo.default_model_path())
+
+
+@pytest.fixture(scope="module")
+def generation(demo_model):
+    return djax.GenerationConfig(**demo.generation_defaults(demo_model.path))
+
+
+def _engine(model, generation, **options):
+    options = {"max_batch": 2, "max_seq_len": 64} | options
+    config = ServeConfig(generation=generation, **options)
+    engine = make_engine(model, config, ServerMetrics())
+    engine.start()
+    assert engine.wait_ready(300)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def continuous(demo_model, generation):
+    engine = _engine(demo_model, generation)
+    yield engine
+    engine.stop()
+
+
+class Collector:
+    """Events per request id, and a wait for the last one."""
+
+    def __init__(self):
+        self.events: dict[str, list] = {}
+        self.ended: queue.Queue = queue.Queue()
+
+    def sink(self, request_id):
+        def on_event(event):
+            self.events.setdefault(request_id, []).append(event)
+            if isinstance(event, (Finished, Failed)):
+                self.ended.put(request_id)
+
+        return on_event
+
+    def wait(self, n, timeout=120):
+        return {self.ended.get(timeout=timeout) for _ in range(n)}
+
+    def tokens(self, request_id):
+        events = self.events[request_id]
+        return [t for e in events if isinstance(e, BlockCommitted) for t in e.token_ids]
+
+
+def _ids(model, prompt):
+    return tuple(djax.engine.tokenize(model, [prompt], chat=True)[0])
+
+
+def _alone(model, generation, ids, max_tokens, **changes):
+    config = dataclasses.replace(generation, gen_length=max_tokens, **changes)
+    return djax.generate(model, [list(ids)], config).token_ids[0][:max_tokens]
+
+
+def test_staggered_requests_equal_generate_alone(demo_model, generation, continuous):
+    """Five requests, mixed max_tokens, arriving while others run on 2 rows: each gets the
+    tokens generate gives it alone, and a Finished with the right reason and count."""
+    got = Collector()
+    max_tokens = [24, 16, 24, 16, 24]
+    rows = [_ids(demo_model, prompt) for prompt in PROMPTS]
+    for i, ids in enumerate(rows):
+        continuous.submit(EngineRequest(f"r{i}", ids, max_tokens[i]), got.sink(f"r{i}"))
+        time.sleep(0.02)
+    got.wait(len(PROMPTS))
+    # generate's rows of a ragged batch equal the rows alone (test_engine)
+    alone = {
+        n: djax.generate(
+            demo_model, [list(r) for r in rows], dataclasses.replace(generation, gen_length=n)
+        ).token_ids
+        for n in set(max_tokens)
+    }
+    for i, prompt in enumerate(PROMPTS):
+        expected = alone[max_tokens[i]][i]
+        assert got.tokens(f"r{i}") == expected, prompt
+        end = got.events[f"r{i}"][-1]
+        assert end == Finished("stop" if len(expected) < max_tokens[i] else "length", len(expected))
+    assert demo_model.tokenizer.decode(got.tokens("r0")) == "3305"
+
+
+def test_length_cut_and_ignore_eos(demo_model, generation, continuous):
+    """max_tokens below a block cuts inside it (reason length); ignore_eos keeps every
+    answer position, stop tokens included."""
+    got = Collector()
+    ids = _ids(demo_model, "347+2958=")
+    continuous.submit(EngineRequest("short", ids, 3), got.sink("short"))
+    continuous.submit(EngineRequest("all", ids, 16, ignore_eos=True), got.sink("all"))
+    got.wait(2)
+    assert got.tokens("short") == _alone(demo_model, generation, ids, 8)[:3]
+    assert got.events["short"][-1] == Finished("length", 3)
+    full = djax.generate(
+        demo_model, [list(ids)], dataclasses.replace(generation, gen_length=16, early_stop=False)
+    )
+    assert got.tokens("all") == full.answer_ids[0].tolist()
+    assert got.events["all"][-1] == Finished("length", 16)
+
+
+def test_sampled_tokens_follow_the_seed_alone(demo_model, generation, continuous):
+    """At temperature > 0 a request's tokens are those generate draws for row 0 of the same
+    seed, whether it runs alone or beside another request."""
+    ids = _ids(demo_model, "sort 8,2,7,1")
+    expected = _alone(demo_model, generation, ids, 16, temperature=1.5, seed=11)
+    for mates in (0, 1):
+        got = Collector()
+        for j in range(mates):
+            continuous.submit(
+                EngineRequest(f"m{j}", _ids(demo_model, "999+1="), 24, 2.0, seed=j),
+                got.sink(f"m{j}"),
+            )
+        continuous.submit(EngineRequest("s", ids, 16, 1.5, seed=11), got.sink("s"))
+        got.wait(1 + mates)
+        assert got.tokens("s") == expected
+
+
+def test_cancel_frees_the_row(demo_model, continuous):
+    """A cancelled request gets no more events; a queued one is dropped from the queue."""
+    got = Collector()
+    ids = _ids(demo_model, "sort 9,8,7,6,5,4")
+    for name in ("a", "b", "c"):
+        continuous.submit(EngineRequest(name, ids, 24, ignore_eos=True), got.sink(name))
+    continuous.cancel("c")  # still queued: 2 rows
+    continuous.cancel("a")
+    assert got.wait(1) == {"b"}
+    time.sleep(0.2)
+    assert "c" not in got.events
+    assert not any(isinstance(e, (Finished, Failed)) for e in got.events.get("a", []))
+
+
+def test_bad_requests_are_refused_by_name(demo_model, continuous):
+    ids = _ids(demo_model, "12+34=")
+    cases = [
+        (EngineRequest("x", (), 8), "prompt is empty"),
+        (EngineRequest("x", ids, 0), "max_tokens=0"),
+        (EngineRequest("x", ids, 40), "exceeds the maximum sequence 64"),
+        (EngineRequest("x", (*ids, 500), 8), "token id 500 outside [0, 128)"),
+        (EngineRequest("x", (*ids, 2), 8), "mask id 2"),
+        (EngineRequest("x", ids, 8, temperature=float("nan")), "temperature=nan"),
+        (EngineRequest("x", ids, 8, threshold=1.5), "threshold=1.5"),
+    ]
+    for request, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            continuous.submit(request, lambda event: None)
+
+
+def test_queue_bound_and_answer_length(demo_model, generation):
+    """Past max_queue waiting requests, submit raises QueueFull with a retry hint."""
+    config = ServeConfig(generation=generation, max_batch=1, max_queue=2, max_seq_len=64)
+    engine = make_engine(demo_model, config, ServerMetrics())  # not started: nothing runs
+    ids = _ids(demo_model, "12+34=")
+    engine.submit(EngineRequest("a", ids, 8), lambda e: None)
+    engine.submit(EngineRequest("b", ids, 8), lambda e: None)
+    with pytest.raises(QueueFull) as full:
+        engine.submit(EngineRequest("c", ids, 8), lambda e: None)
+    assert full.value.retry_after >= 1
+    engine.cancel("a")
+    engine.submit(EngineRequest("c", ids, 8), lambda e: None)
+    assert engine.answer_length(9) == 16 and engine.answer_length(8) == 8
+
+
+def test_a_failing_call_fails_its_rows_only(demo_model, generation, monkeypatch):
+    engine = _engine(demo_model, generation, max_batch=1)
+    ids = _ids(demo_model, "12+34=")
+    real = engine._block_program
+    calls = iter([True])
+
+    def flaky(rows):
+        if next(calls, False):
+            raise RuntimeError("injected device fault")
+        return real(rows)
+
+    monkeypatch.setattr(engine, "_block_program", flaky)
+    got = Collector()
+    engine.submit(EngineRequest("bad", ids, 8), got.sink("bad"))
+    engine.submit(EngineRequest("good", ids, 8), got.sink("good"))
+    got.wait(2)
+    assert isinstance(got.events["bad"][-1], Failed)
+    assert "injected device fault" in got.events["bad"][-1].message
+    assert got.events["good"][-1] == Finished("stop", 2)
+    compiled = engine.metrics.compiles._value.get()
+    engine.stop()
+    assert compiled == 2  # the warm-up's programs (batch 1, seq 64, with and without sampling)
+
+
+def test_static_scheduler_runs_whole_batches(demo_model, generation):
+    engine = _engine(demo_model, generation, scheduler="static", max_batch=4)
+    got = Collector()
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.submit(EngineRequest(f"r{i}", _ids(demo_model, prompt), 16), got.sink(f"r{i}"))
+    got.wait(3)
+    engine.stop()
+    for i, prompt in enumerate(PROMPTS[:3]):
+        assert got.tokens(f"r{i}") == _alone(demo_model, generation, _ids(demo_model, prompt), 16)
+
+
+def test_stop_without_drain_fails_waiting_requests(demo_model, generation):
+    config = ServeConfig(generation=generation, max_batch=1, max_seq_len=64)
+    engine = make_engine(demo_model, config, ServerMetrics())
+    got = Collector()
+    engine.submit(EngineRequest("a", _ids(demo_model, "12+34="), 8), got.sink("a"))
+    engine.stop(drain=False)
+    assert isinstance(got.events["a"][-1], Failed)
+    with pytest.raises(QueueFull):
+        engine.submit(EngineRequest("b", _ids(demo_model, "12+34="), 8), got.sink("b"))
+
+
+def test_layout_puts_the_block_first():
+    lay = layout.RowLayout(block_length=4, mask_id=9, pad_id=0)
+    arrays = lay.arrays(2, 16)
+    lay.fill(arrays, 0, np.array([5, 6, 7], np.int32), later=4)
+    np.testing.assert_array_equal(arrays["tokens"][0], [9] * 4 + [5, 6, 7] + [9] * 4 + [0] * 5)
+    np.testing.assert_array_equal(
+        arrays["positions"][0], [3, 4, 5, 6, 0, 1, 2, 7, 8, 9, 10] + [0] * 5
+    )
+    assert arrays["key_valid"][0].tolist() == [True] * 11 + [False] * 5
+    assert arrays["key_valid"][1].tolist() == [True] * 4 + [False] * 12  # an empty slot
+    assert not (arrays["tokens"][1] == 9).any()
+    assert layout.batch_buckets(32) == (1, 2, 4, 8, 16, 32)
+    assert layout.batch_buckets(6, multiple=4) == (4, 8)
+    assert layout.seq_buckets(1000, 32) == (64, 128, 256, 384, 512, 768, 1000)
+    assert layout.bucket(300, (256, 384)) == 384
+    with pytest.raises(ValueError, match="exceeds the largest bucket 384"):
+        layout.bucket(385, (256, 384))
+
+
+def test_serve_config_refuses_what_it_cannot_serve(generation):
+    cases = [
+        ({"scheduler": "fifo"}, "scheduler='fifo'"),
+        ({"max_batch": 0}, "max_batch=0"),
+        ({"max_seq_len": 8}, "max_seq_len=8"),
+        ({"generation": dataclasses.replace(generation, cache="prefix")}, "cache='prefix'"),
+        ({"generation": dataclasses.replace(generation, smoothing=True)}, "smoothing"),
+        (
+            {"generation": dataclasses.replace(generation, temperature=1.0), "sampling": False},
+            "needs sampling=True",
+        ),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ServeConfig(**({"generation": generation} | options))
