@@ -15,28 +15,33 @@ waits for `GET /health` to answer 200 (programs compiled), runs the same trace a
 then stops the server with SIGTERM and records its exit status (0: drained and exited).
 
 The server: random bf16 weights built on the device (`bench.common`), LLaDA-MoE with
-`spread_routing` unless `--routing model`; the dual cache, blocks of 32 and the fixed-steps
+`spread_routing` unless `--routing model`, answers decoded to one word per token id
+(`IdTokenizer`: the random model has no text); the dual cache, blocks of 32 and the fixed-steps
 `low_confidence` decoder with 8 steps a block, 4 tokens per forward as in `SETTING`. The engine
 splits `GenerationConfig.steps` evenly over the blocks of `gen_length`, so the served config
 has gen_length = the longest answer of the trace (512) and steps = gen_length / 4: every block
 of every request takes 8 steps, whatever the request's own length. (The threshold decoder
-would commit about one token per forward on random weights.) Prompt + answer ≤ 1024 tokens.
+would commit about one token per forward on random weights.) The server's longest sequence
+(max_seq_len) is the trace's longest prompt + answer.
 
-The trace: prompt and answer lengths lognormal with median 128 and σ 0.5 of the log, clipped
-to 16–512 prompt and 32–512 answer tokens; prompts of random token ids (never the mask, EOS or
-pad id); arrivals a Poisson process at each rate (exponential gaps; `inf`: every request at
-t = 0, saturation). Every rate sends the same requests, with its gaps the same unit-rate draws
-divided by the rate. Requests stream (one chunk per committed block, usage in the last) with
-`ignore_eos`, so every answer is exactly `max_tokens` long; an answer of another length counts
-as failed. `--equal N` replaces the rates by N requests of prompt 128 / answer 256, all at
-t = 0 (rate `equal`): continuous batching against the static scheduler's full batches.
+The trace (`LENGTHS`): prompt and answer lengths lognormal with median 128 and σ 0.5 of the
+log, clipped to 16–512 prompt and 32–512 answer tokens; prompts of random token ids (never a
+special id); arrivals a Poisson process at each rate (exponential gaps; `inf`: every request
+at t = 0, saturation). Every rate sends the same requests, with its gaps the same unit-rate
+draws divided by the rate. Requests stream (a chunk per committed block that made text, usage
+in the last) with `ignore_eos`, so every answer is exactly `max_tokens` long; an answer of
+another length counts as failed. Time to first chunk: to the first chunk with a choice.
+`--equal N` replaces the rates by N requests of prompt 128 / answer 256, all at t = 0 (rate
+`equal`): continuous batching against the static scheduler's full batches. `--tiny` also
+shortens the lengths (`TINY_LENGTHS`: prompts up to 32 tokens, answers up to 64).
 
 Per scheduler and rate: answer tokens/s (answer tokens of the requests that succeeded / the
 makespan, first arrival to last answer), requests/s, p50/p99 end-to-end latency and time to
-first chunk, failures; from `GET /metrics` scraped before and after the rate: programs compiled
-during the run (must be 0), the median host time between two block calls and the idle fraction
-(host time between calls / makespan), from the histograms' buckets, sums and counts. Results
-go to `serve_<device>_<date>.json` (`bench.common.save`) and a plot of answer tokens/s and p99
+first chunk, failures; from `GET /metrics` scraped before and after the rate: programs
+compiled during the run (0 when the warm-up compiled every shape the run needs), the median
+host time between two block calls and the idle fraction (host time between calls /
+makespan), from the histograms' buckets, sums and counts. Results go to
+`serve_<device>_<date>.json` (`bench.common.save`) and a plot of answer tokens/s and p99
 latency against the rate beside it (same stem, `.png`; skipped without matplotlib).
 
 On the GPU machine, which lacks the server's and the client's packages: run `bash
@@ -68,17 +73,34 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import ROUTINGS, SETTING, bench_model, model_config, save, use_routing
-from djax import engine
+from djax import GenerationConfig, engine
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEDULERS = ("continuous", "static")
-MEDIAN_LENGTH = 128
-LENGTH_SIGMA = 0.5
-PROMPT_RANGE = (16, 512)
-ANSWER_RANGE = (32, 512)
-EQUAL_LENGTHS = (128, 256)  # prompt, answer of `--equal`
 MAX_QUEUE = 1024  # ServeConfig's default queue bound: more requests at once are refused
 TOKENS_PER_FORWARD = SETTING.gen_length // SETTING.steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """A trace's token counts: prompt and answer lengths lognormal (median, sigma: σ of the
+    log), clipped to `prompt` and `answer` (min, max); `equal`: the (prompt, answer) of every
+    request of `--equal`."""
+
+    median: int
+    sigma: float
+    prompt: tuple[int, int]
+    answer: tuple[int, int]
+    equal: tuple[int, int]
+
+    @property
+    def max_sequence(self) -> int:
+        return self.prompt[1] + self.answer[1]
+
+
+LENGTHS = Lengths(median=128, sigma=0.5, prompt=(16, 512), answer=(32, 512), equal=(128, 256))
+# --tiny: short lengths, so a CPU compiles the few shapes they need in seconds.
+TINY_LENGTHS = Lengths(median=24, sigma=0.5, prompt=(8, 32), answer=(16, 64), equal=(16, 64))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,22 +129,25 @@ def prompt_vocabulary(vocab_size: int, special_ids: Sequence[int]) -> np.ndarray
     return np.setdiff1d(np.arange(vocab_size), np.asarray(special_ids))
 
 
-def lognormal_lengths(rng: np.random.Generator, n: int, bounds: tuple[int, int]) -> np.ndarray:
-    """n lengths, lognormal (median MEDIAN_LENGTH, σ of the log LENGTH_SIGMA), clipped to
-    `bounds`."""
-    draws = rng.lognormal(math.log(MEDIAN_LENGTH), LENGTH_SIGMA, n)
+def lognormal_lengths(
+    rng: np.random.Generator, n: int, lengths: Lengths, bounds: tuple[int, int]
+) -> np.ndarray:
+    """n lengths, lognormal as `lengths` says, clipped to `bounds`."""
+    draws = rng.lognormal(math.log(lengths.median), lengths.sigma, n)
     return np.clip(np.rint(draws), *bounds).astype(int)
 
 
-def make_trace(n: int, rate: float, vocabulary: np.ndarray, seed: int) -> list[TraceRequest]:
-    """The bench's trace: lognormal prompt and answer lengths, random prompts from
+def make_trace(
+    n: int, rate: float, vocabulary: np.ndarray, seed: int, lengths: Lengths = LENGTHS
+) -> list[TraceRequest]:
+    """The bench's trace: prompt and answer `lengths`, random prompts from
     `vocabulary`, Poisson arrivals at `rate` requests/s (math.inf: all at t = 0). The same
     seed gives the same requests at every rate, their gaps scaled by 1 / rate."""
     if not rate > 0:
         raise ValueError(f"request rate {rate}; expected a positive number or inf")
     rng = np.random.default_rng(seed)
-    prompt_lengths = lognormal_lengths(rng, n, PROMPT_RANGE)
-    answer_lengths = lognormal_lengths(rng, n, ANSWER_RANGE)
+    prompt_lengths = lognormal_lengths(rng, n, lengths, lengths.prompt)
+    answer_lengths = lognormal_lengths(rng, n, lengths, lengths.answer)
     unit_gaps = rng.exponential(1.0, n)
     arrivals = np.concatenate([[0.0], np.cumsum(unit_gaps[:-1])]) / rate
     return [
@@ -131,10 +156,12 @@ def make_trace(n: int, rate: float, vocabulary: np.ndarray, seed: int) -> list[T
     ]
 
 
-def equal_trace(n: int, vocabulary: np.ndarray, seed: int) -> list[TraceRequest]:
-    """n requests of EQUAL_LENGTHS (prompt, answer), all at t = 0."""
+def equal_trace(
+    n: int, vocabulary: np.ndarray, seed: int, lengths: Lengths = LENGTHS
+) -> list[TraceRequest]:
+    """n requests of `lengths.equal` (prompt, answer) tokens, all at t = 0."""
     rng = np.random.default_rng(seed)
-    prompt, answer = EQUAL_LENGTHS
+    prompt, answer = lengths.equal
     return [
         TraceRequest(0.0, tuple(rng.choice(vocabulary, prompt).tolist()), answer) for _ in range(n)
     ]
@@ -301,7 +328,7 @@ def wait_ready(base_url: str, server: subprocess.Popen, log: Path, timeout: floa
 
 def stop_server(server: subprocess.Popen, timeout: float = 120.0) -> dict:
     """SIGTERM, then wait for the drain: the exit status (`killed` past `timeout`) and
-    whether it is clean: 0, or -SIGTERM (uvicorn raises the signal again once drained)."""
+    whether it is clean (0)."""
     server.send_signal(signal.SIGTERM)
     try:
         status = server.wait(timeout)
@@ -309,7 +336,7 @@ def stop_server(server: subprocess.Popen, timeout: float = 120.0) -> dict:
         server.kill()
         server.wait()
         status = "killed"
-    return {"exit": status, "clean_exit": status in (0, -signal.SIGTERM)}
+    return {"exit": status, "clean_exit": status == 0}
 
 
 def rate_label(rate: float) -> float | str:
@@ -330,14 +357,14 @@ def run_client(args) -> None:
     if args.requests > MAX_QUEUE or (args.equal or 0) > MAX_QUEUE:
         raise SystemExit(f"bench.serve: at most {MAX_QUEUE} requests (the server's queue bound)")
     config = model_config(args.model, args.tiny)
-    vocabulary = prompt_vocabulary(
-        config.vocab_size, (config.mask_token_id, config.eos_token_id, config.pad_token_id)
-    )
+    vocabulary = prompt_vocabulary(config.vocab_size, special_ids(config))
+    lengths = trace_lengths(args.tiny)
     if args.equal:
-        runs = [("equal", equal_trace(args.equal, vocabulary, args.seed))]
+        runs = [("equal", equal_trace(args.equal, vocabulary, args.seed, lengths))]
     else:
         runs = [
-            (rate_label(r), make_trace(args.requests, r, vocabulary, args.seed)) for r in args.rates
+            (rate_label(r), make_trace(args.requests, r, vocabulary, args.seed, lengths))
+            for r in args.rates
         ]
     logs = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="djax_serve_"))
     logs.mkdir(parents=True, exist_ok=True)
@@ -375,7 +402,8 @@ def run_client(args) -> None:
         "serve",
         {
             "trace": trace_parameters(args),
-            "generation": dataclasses.asdict(served_generation()),
+            "generation": dataclasses.asdict(served_generation(lengths)),
+            "max_seq_len": lengths.max_sequence,
             "max_batch": args.max_batch,
             "routing": args.routing if config.is_moe else None,
             "tiny": args.tiny,
@@ -387,28 +415,53 @@ def run_client(args) -> None:
     plot(rows, path.with_suffix(".png"))
 
 
+def trace_lengths(tiny: bool) -> Lengths:
+    return TINY_LENGTHS if tiny else LENGTHS
+
+
 def trace_parameters(args) -> dict:
     """How the client's trace was drawn, for the result file."""
+    lengths = trace_lengths(args.tiny)
     if args.equal:
-        prompt, answer = EQUAL_LENGTHS
+        prompt, answer = lengths.equal
         return {"requests": args.equal, "prompt": prompt, "answer": answer, "arrivals": "t=0"}
-    lengths = {"median": MEDIAN_LENGTH, "sigma_of_log": LENGTH_SIGMA}
+    drawn = {"median": lengths.median, "sigma_of_log": lengths.sigma}
     return {
         "requests": args.requests,
         "seed": args.seed,
-        "prompt": {**lengths, "range": PROMPT_RANGE},
-        "answer": {**lengths, "range": ANSWER_RANGE},
-        "arrivals": "poisson",
+        "prompt": {**drawn, "range": lengths.prompt},
+        "answer": {**drawn, "range": lengths.answer},
+        "rates": [rate_label(r) for r in args.rates],
+        "arrivals": "poisson (inf: all at t=0)",
     }
 
 
-def served_generation():
+def served_generation(lengths: Lengths) -> GenerationConfig:
     """The server's generation config: `SETTING`'s decoder, cache and tokens per forward,
     over answers up to the trace's longest."""
-    gen_length = ANSWER_RANGE[1]
+    gen_length = lengths.answer[1]
     return dataclasses.replace(
         SETTING, gen_length=gen_length, steps=gen_length // TOKENS_PER_FORWARD, early_stop=True
     )
+
+
+class IdTokenizer:
+    """The bench model's tokenizer: its weights are random and its vocabulary holds no text,
+    so each token id decodes to one word, ` <id>` (special ids dropped when asked). Prompts
+    are sent as token ids; the server decodes every answer with this."""
+
+    def __init__(self, special_ids: Sequence[int]):
+        self.special_ids = frozenset(special_ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        skip = self.special_ids if skip_special_tokens else frozenset()
+        return "".join(f" {i}" for i in ids if i not in skip)
+
+
+def special_ids(config) -> tuple[int, ...]:
+    """The model's special token ids: never in a prompt, dropped from answers' text."""
+    ids = (config.mask_token_id, config.eos_token_id, config.pad_token_id)
+    return tuple(i for i in ids + (config.eot_token_id, config.bos_token_id) if i is not None)
 
 
 def run_server(args) -> None:
@@ -420,11 +473,13 @@ def run_server(args) -> None:
         use_routing(args.routing)
     engine.enable_compile_cache()
     model, _ = bench_model(config)
+    model = dataclasses.replace(model, tokenizer=IdTokenizer(special_ids(config)))
+    lengths = trace_lengths(args.tiny)
     serve_config = ServeConfig(
-        generation=served_generation(),
+        generation=served_generation(lengths),
         scheduler=args.scheduler,
         max_batch=args.max_batch,
-        max_seq_len=PROMPT_RANGE[1] + ANSWER_RANGE[1],
+        max_seq_len=lengths.max_sequence,
     )
     serve(model, serve_config, port=args.port, model_name=served_model_name(args.model))
 

@@ -183,7 +183,7 @@ def test_serve_trace_is_seeded_clipped_and_poisson():
 
     import numpy as np
 
-    from bench.serve import ANSWER_RANGE, PROMPT_RANGE, make_trace
+    from bench.serve import LENGTHS, make_trace
 
     vocabulary = _vocabulary()
     trace = make_trace(2000, 4.0, vocabulary, seed=3)
@@ -191,8 +191,8 @@ def test_serve_trace_is_seeded_clipped_and_poisson():
     assert trace != make_trace(2000, 4.0, vocabulary, seed=4)
     prompts = [len(r.prompt_ids) for r in trace]
     answers = [r.max_tokens for r in trace]
-    assert PROMPT_RANGE[0] <= min(prompts) and max(prompts) <= PROMPT_RANGE[1]
-    assert ANSWER_RANGE[0] <= min(answers) and max(answers) <= ANSWER_RANGE[1]
+    assert LENGTHS.prompt[0] <= min(prompts) and max(prompts) <= LENGTHS.prompt[1]
+    assert LENGTHS.answer[0] <= min(answers) and max(answers) <= LENGTHS.answer[1]
     assert 115 <= np.median(prompts) <= 141 and 115 <= np.median(answers) <= 141
     ids = np.concatenate([r.prompt_ids for r in trace])
     assert not np.isin(ids, [500, 501]).any() and ids.min() >= 0 and ids.max() < 512
@@ -212,9 +212,9 @@ def test_serve_trace_is_seeded_clipped_and_poisson():
 def test_serve_lengths_clip_to_their_bounds():
     import numpy as np
 
-    from bench.serve import lognormal_lengths
+    from bench.serve import LENGTHS, lognormal_lengths
 
-    lengths = lognormal_lengths(np.random.default_rng(0), 1000, (100, 150))
+    lengths = lognormal_lengths(np.random.default_rng(0), 1000, LENGTHS, (100, 150))
     assert lengths.min() == 100 and lengths.max() == 150
     assert ((lengths > 100) & (lengths < 150)).any()
 
@@ -225,6 +225,18 @@ def test_serve_equal_trace():
     trace = equal_trace(5, _vocabulary(), seed=0)
     assert [(r.arrival, len(r.prompt_ids), r.max_tokens) for r in trace] == [(0.0, 128, 256)] * 5
     assert len({r.prompt_ids for r in trace}) == 5
+
+
+def test_serve_id_tokenizer_and_special_ids():
+    """Answers decode to one word per id, special ids dropped when asked; the tiny dense
+    model's special ids are its mask and EOS (= pad) ids."""
+    from bench.common import model_config
+    from bench.serve import IdTokenizer, special_ids
+
+    assert set(special_ids(model_config("dense", tiny=True))) == {500, 501}
+    tokenizer = IdTokenizer((500, 501))
+    assert tokenizer.decode([3, 500, 42], skip_special_tokens=True) == " 3 42"
+    assert tokenizer.decode([3, 500]) == " 3 500"
 
 
 def test_serve_summary_of_hand_made_records():
@@ -374,7 +386,7 @@ def test_serve_end_to_end(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(repo)}
     command = [sys.executable, "-m", "bench.serve", "--model", "dense", "--tiny"]
     command += ["--schedulers", "continuous", "--rates", "inf", "--requests", "3"]
-    command += ["--max-batch", "4", "--ready-timeout", "120"]
+    command += ["--max-batch", "2", "--ready-timeout", "120"]
     subprocess.run(command, cwd=repo, env=env, check=True, timeout=300)
     (result,) = tmp_path.glob("serve_*.json")
     record = json.loads(result.read_text())
