@@ -40,7 +40,8 @@ makespan, first arrival to last answer), requests/s, p50/p99 end-to-end latency 
 first chunk, failures; from `GET /metrics` scraped before and after the rate: programs
 compiled during the run (0 when the warm-up compiled every shape the run needs), the median
 host time between two block calls and the idle fraction (host time between calls /
-makespan), from the histograms' buckets, sums and counts. Results go to
+makespan; the engine records no gap while it has nothing to run), the busy fraction (block
+calls' time / makespan), from the histograms' buckets, sums and counts. Results go to
 `serve_<device>_<date>.json` (`bench.common.save`) and a plot of answer tokens/s and p99
 latency against the rate beside it (same stem, `.png`; skipped without matplotlib).
 
@@ -226,7 +227,9 @@ def histogram_median(before: dict, after: dict, name: str) -> float | None:
 
 def server_figures(before: dict, after: dict, makespan: float) -> dict:
     """What the server's metrics say of one run: programs compiled during it, the median
-    host time between two block calls and its share of the makespan, the median call."""
+    host time between two block calls and its share of the makespan (idle_fraction: the
+    device waiting on the host while it has work), the block calls, their median and their
+    share of the makespan (busy_fraction)."""
 
     def delta(name):
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -238,6 +241,7 @@ def server_figures(before: dict, after: dict, makespan: float) -> dict:
         "idle_fraction": delta(f"{gaps}_sum") / makespan,
         "block_calls": int(delta("djax_block_call_seconds_count")),
         "block_call_median_s": histogram_median(before, after, "djax_block_call_seconds"),
+        "busy_fraction": delta("djax_block_call_seconds_sum") / makespan,
     }
 
 

@@ -292,6 +292,7 @@ def test_serve_server_figures_from_two_scrapes():
             "idle_fraction": (2e-4 + 3e-4 + 4e-4 + 0.003) / 2.0,
             "block_calls": 2,
             "block_call_median_s": 0.01 + (0.025 - 0.01) * 1 / 2,
+            "busy_fraction": 0.04 / 2.0,
         }
     )
     assert server_figures(before, before, 1.0)["host_gap_median_s"] is None
