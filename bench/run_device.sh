@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run benchmark stages on the GPU machine, each logged; results and logs land in $OUT.
 #   bash bench/run_device.sh STAGE [ARGS...]; STAGE: env | forward | generate | profile | parallel |
-#   decoders | flags | experts | attention | compile | matmul | split_k | overlap | train
+#   decoders | flags | experts | attention | compile | matmul | split_k | overlap | serve | train
+# serve installs the wheels of .whl/ first (bench/wheels.sh; carry .whl).
 # DJAX_COMMIT names the commit being measured (the device copy has no .git).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -16,6 +17,13 @@ case "$stage" in
     } 2>&1 | tee "$log" ;;
   forward | generate | profile | parallel | decoders | flags | experts | attention | compile | matmul | split_k | overlap)
     python3 -m "bench.$stage" "$@" 2>&1 | tee "$log" ;;
+  serve)
+    if [ -d .whl ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit
+      export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    python3 -m bench.serve "$@" 2>&1 | tee "$log" ;;
   train)
     python3 -m djax.demo.train "$@" 2>&1 | tee "$log" ;;
   *)

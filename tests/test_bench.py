@@ -164,3 +164,236 @@ def test_experts_hit_counts_a_generation(moe_model):
     with mock.patch.object(llada_moe, "route", spread_routing(llada_moe.route)):
         spread = experts_hit(moe_model, [0, 10, 20, 30, 40, 50], config)
     assert spread["whole"] == 8.0
+
+
+# bench.serve: the load generator's trace, its figures and plot (the server comes separately).
+
+
+def _vocabulary():
+    from bench.serve import prompt_vocabulary
+
+    return prompt_vocabulary(512, (500, 501))
+
+
+def test_serve_trace_is_seeded_clipped_and_poisson():
+    """The same seed gives the same requests; every rate sends the same requests with the
+    unit-rate gaps divided by the rate (inf: all at 0); lengths stay in their ranges, prompts
+    hold no special id, and the gaps' mean is 1 / rate."""
+    import math
+
+    import numpy as np
+
+    from bench.serve import LENGTHS, make_trace
+
+    vocabulary = _vocabulary()
+    trace = make_trace(2000, 4.0, vocabulary, seed=3)
+    assert trace == make_trace(2000, 4.0, vocabulary, seed=3)
+    assert trace != make_trace(2000, 4.0, vocabulary, seed=4)
+    prompts = [len(r.prompt_ids) for r in trace]
+    answers = [r.max_tokens for r in trace]
+    assert LENGTHS.prompt[0] <= min(prompts) and max(prompts) <= LENGTHS.prompt[1]
+    assert LENGTHS.answer[0] <= min(answers) and max(answers) <= LENGTHS.answer[1]
+    assert 115 <= np.median(prompts) <= 141 and 115 <= np.median(answers) <= 141
+    ids = np.concatenate([r.prompt_ids for r in trace])
+    assert not np.isin(ids, [500, 501]).any() and ids.min() >= 0 and ids.max() < 512
+    arrivals = np.array([r.arrival for r in trace])
+    assert arrivals[0] == 0 and (np.diff(arrivals) >= 0).all()
+    assert abs(np.diff(arrivals).mean() - 1 / 4.0) < 0.1 / 4.0
+    faster = make_trace(2000, 8.0, vocabulary, seed=3)
+    assert [(r.prompt_ids, r.max_tokens) for r in faster] == [
+        (r.prompt_ids, r.max_tokens) for r in trace
+    ]
+    np.testing.assert_allclose([r.arrival for r in faster], arrivals / 2)
+    assert {r.arrival for r in make_trace(10, math.inf, vocabulary, seed=3)} == {0.0}
+    with pytest.raises(ValueError, match="request rate 0.0; expected a positive number or inf"):
+        make_trace(10, 0.0, vocabulary, seed=3)
+
+
+def test_serve_lengths_clip_to_their_bounds():
+    import numpy as np
+
+    from bench.serve import LENGTHS, lognormal_lengths
+
+    lengths = lognormal_lengths(np.random.default_rng(0), 1000, LENGTHS, (100, 150))
+    assert lengths.min() == 100 and lengths.max() == 150
+    assert ((lengths > 100) & (lengths < 150)).any()
+
+
+def test_serve_equal_trace():
+    from bench.serve import equal_trace
+
+    trace = equal_trace(5, _vocabulary(), seed=0)
+    assert [(r.arrival, len(r.prompt_ids), r.max_tokens) for r in trace] == [(0.0, 128, 256)] * 5
+    assert len({r.prompt_ids for r in trace}) == 5
+
+
+def test_serve_id_tokenizer_and_special_ids():
+    """Answers decode to one word per id, special ids dropped when asked; the tiny dense
+    model's special ids are its mask and EOS (= pad) ids."""
+    from bench.common import model_config
+    from bench.serve import IdTokenizer, special_ids
+
+    assert set(special_ids(model_config("dense", tiny=True))) == {500, 501}
+    tokenizer = IdTokenizer((500, 501))
+    assert tokenizer.decode([3, 500, 42], skip_special_tokens=True) == " 3 42"
+    assert tokenizer.decode([3, 500]) == " 3 500"
+
+
+def test_serve_summary_of_hand_made_records():
+    """Tokens/s and requests/s over the makespan, latency and TTFT percentiles (numpy's
+    linear rule) over the requests that succeeded; failures counted."""
+    from bench.serve import RequestRecord, summarize
+
+    records = [
+        RequestRecord(start=0.0, first_chunk=0.5, end=1.0, completion_tokens=100),
+        RequestRecord(start=1.0, first_chunk=1.25, end=3.0, completion_tokens=50),
+        RequestRecord(start=2.0, first_chunk=3.0, end=6.0, completion_tokens=10),
+        RequestRecord(start=2.0, first_chunk=None, end=2.5, completion_tokens=0, error="boom"),
+    ]
+    summary = summarize(records, makespan=8.0)
+    assert summary == pytest.approx(
+        {
+            "output_tokens_per_s": 160 / 8,
+            "requests_per_s": 3 / 8,
+            "p50_latency_s": 2.0,
+            "p99_latency_s": 2.0 + 0.98 * 2.0,
+            "p50_ttft_s": 0.5,
+            "p99_ttft_s": 0.5 + 0.98 * 0.5,
+            "failed": 1,
+            "requests": 4,
+            "makespan_s": 8.0,
+        }
+    )
+    none_done = summarize(records[3:], makespan=1.0)
+    assert none_done["p99_latency_s"] is None and none_done["output_tokens_per_s"] == 0
+
+
+def test_serve_server_figures_from_two_scrapes():
+    """Compiles, host gaps and block calls between two scrapes of the server's metrics: the
+    median interpolated inside its bucket, the idle fraction the gaps' sum over the wall."""
+    from bench.serve import parse_metrics, server_figures
+    from djax.serving.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    metrics.compiles.inc(7)
+    metrics.host_gap.observe(0.5)  # before the run: not counted
+    before = parse_metrics(metrics.exposition().decode())
+    for gap in (2e-4, 3e-4, 4e-4, 0.003):  # buckets (1e-4, 2.5e-4] once, (2.5e-4, 5e-4] twice
+        metrics.host_gap.observe(gap)
+    for call in (0.02, 0.02):
+        metrics.block_call.observe(call)
+    metrics.compiles.inc()
+    figures = server_figures(before, parse_metrics(metrics.exposition().decode()), 2.0)
+    assert figures == pytest.approx(
+        {
+            "compiles_during_run": 1,
+            # half = 2 observations: the first bucket holds 1, the next 2 more; halfway in it
+            "host_gap_median_s": 2.5e-4 + (5e-4 - 2.5e-4) * (2 - 1) / 2,
+            "idle_fraction": (2e-4 + 3e-4 + 4e-4 + 0.003) / 2.0,
+            "block_calls": 2,
+            "block_call_median_s": 0.01 + (0.025 - 0.01) * 1 / 2,
+            "busy_fraction": 0.04 / 2.0,
+        }
+    )
+    assert server_figures(before, before, 1.0)["host_gap_median_s"] is None
+
+
+def _serve_rows():
+    row = {
+        "model": "dense",
+        "output_tokens_per_s": 100.0,
+        "requests_per_s": 1.0,
+        "p50_latency_s": 1.0,
+        "p99_latency_s": 2.0,
+        "p50_ttft_s": 0.1,
+        "p99_ttft_s": None,
+        "failed": 0,
+        "compiles_during_run": 0,
+        "host_gap_median_s": 2e-4,
+        "idle_fraction": 0.01,
+    }
+    return [
+        {**row, "scheduler": s, "request_rate": rate}
+        for s in ("continuous", "static")
+        for rate in ("inf", 8.0, 2.0)
+    ]
+
+
+def test_serve_table():
+    from bench.serve import table
+
+    lines = table(_serve_rows()).splitlines()
+    assert len(lines) == 7 and lines[0].split()[:3] == ["scheduler", "rate", "tok/s"]
+    assert lines[1].split() == [
+        "continuous", "inf", "100.0", "1.00", "1.00", "2.00", "0.10", "-", "0", "0", "0.200",
+        "0.010",
+    ]  # fmt: skip
+
+
+def test_serve_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench.serve import plot
+
+    path = plot(_serve_rows(), tmp_path / "serve.png")
+    assert path == tmp_path / "serve.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["serve.png"]
+
+
+def test_serve_plot_skips_without_matplotlib(tmp_path, monkeypatch):
+    import sys
+
+    from bench.serve import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    assert plot(_serve_rows(), tmp_path / "serve.png") is None
+    assert not list(tmp_path.iterdir())
+
+
+def test_serve_command_lines():
+    import math
+
+    from bench.serve import parse
+
+    client = parse(["--model", "moe", "--rates", "2", "inf"])
+    assert (client.role, client.rates, client.schedulers) == (
+        "client",
+        [2.0, math.inf],
+        ["continuous", "static"],
+    )
+    server = parse(["server", "--model", "dense", "--scheduler", "static", "--port", "9"])
+    assert (server.role, server.scheduler, server.port, server.max_batch) == (
+        "server",
+        "static",
+        9,
+        32,
+    )
+    assert parse(["plot", "a.json", "b.json"]).results == ["a.json", "b.json"]
+    with pytest.raises(SystemExit):
+        parse(["--model", "dense", "--rates", "0"])
+
+
+def test_serve_end_to_end(tmp_path):
+    """The client against a real tiny server on the CPU: one scheduler, one rate, a few
+    requests, every one answered in full, no compile during the run, a clean exit."""
+    pytest.importorskip("djax.serving.server")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(repo)}
+    command = [sys.executable, "-m", "bench.serve", "--model", "dense", "--tiny"]
+    command += ["--schedulers", "continuous", "--rates", "inf", "--requests", "3"]
+    command += ["--max-batch", "2", "--ready-timeout", "120"]
+    subprocess.run(command, cwd=repo, env=env, check=True, timeout=300)
+    (result,) = tmp_path.glob("serve_*.json")
+    record = json.loads(result.read_text())
+    (row,) = record["results"]
+    assert (row["scheduler"], row["request_rate"], row["requests"]) == ("continuous", "inf", 3)
+    assert row["failed"] == 0 and row["compiles_during_run"] == 0, row
+    assert row["output_tokens_per_s"] > 0 and row["p99_ttft_s"] <= row["p99_latency_s"]
+    assert record["servers"]["continuous"]["clean_exit"], record["servers"]
+    assert (tmp_path / "serve_dense_continuous.log").exists()

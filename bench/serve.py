@@ -1,0 +1,618 @@
+"""Serving benchmark of `djax serve`: a trace of requests sent to the OpenAI-compatible server
+through the `openai` client, per scheduler (continuous, static) and request rate.
+
+Three roles in one script:
+
+    python -m bench.serve --model dense|moe [--tiny] [--schedulers continuous static]
+        [--rates 2 4 8 inf] [--requests 500] [--seed 0] [--max-batch 32] [--equal N]
+    python -m bench.serve server --model dense|moe [--tiny] --scheduler continuous|static
+        --port P [--max-batch N] [--routing spread|model]
+    python -m bench.serve plot RESULT.json [RESULT.json ...]
+
+The client (the default role) starts one server per scheduler (`server` role, this Python, as
+a child process logging to `serve_<model>_<scheduler>.log` under $OUT or a temporary folder),
+waits for `GET /health` to answer 200 (programs compiled), runs the same trace at each rate,
+then stops the server with SIGTERM and records its exit status (0: drained and exited).
+
+The server: random bf16 weights built on the device (`bench.common`), LLaDA-MoE with
+`spread_routing` unless `--routing model`, answers decoded to one word per token id
+(`IdTokenizer`: the random model has no text); the dual cache, blocks of 32 and the fixed-steps
+`low_confidence` decoder with 8 steps a block, 4 tokens per forward as in `SETTING`. The engine
+splits `GenerationConfig.steps` evenly over the blocks of `gen_length`, so the served config
+has gen_length = the longest answer of the trace (512) and steps = gen_length / 4: every block
+of every request takes 8 steps, whatever the request's own length. (The threshold decoder
+would commit about one token per forward on random weights.) The server's longest sequence
+(max_seq_len) is the trace's longest prompt + answer.
+
+The trace (`LENGTHS`): prompt and answer lengths lognormal with median 128 and σ 0.5 of the
+log, clipped to 16–512 prompt and 32–512 answer tokens; prompts of random token ids (never a
+special id); arrivals a Poisson process at each rate (exponential gaps; `inf`: every request
+at t = 0, saturation). Every rate sends the same requests, with its gaps the same unit-rate
+draws divided by the rate. Requests stream (a chunk per committed block that made text, usage
+in the last) with `ignore_eos`, so every answer is exactly `max_tokens` long; an answer of
+another length counts as failed. Time to first chunk: to the first chunk with a choice.
+`--equal N` replaces the rates by N requests of prompt 128 / answer 256, all at t = 0 (rate
+`equal`): continuous batching against the static scheduler's full batches. `--tiny` also
+shortens the lengths (`TINY_LENGTHS`: prompts up to 32 tokens, answers up to 64).
+
+Per scheduler and rate: answer tokens/s (answer tokens of the requests that succeeded / the
+makespan, first arrival to last answer), requests/s, p50/p99 end-to-end latency and time to
+first chunk, failures; from `GET /metrics` scraped before and after the rate: programs
+compiled during the run (0 when the warm-up compiled every shape the run needs), the median
+host time between two block calls and the idle fraction (host time between calls /
+makespan; the engine records no gap while it has nothing to run), the busy fraction (block
+calls' time / makespan), from the histograms' buckets, sums and counts. Results go to
+`serve_<device>_<date>.json` (`bench.common.save`) and a plot of answer tokens/s and p99
+latency against the rate beside it (same stem, `.png`; skipped without matplotlib).
+
+On the GPU machine, which lacks the server's and the client's packages: run `bash
+bench/wheels.sh` here (wheels into `.whl/`), carry `.whl`, and run `bash bench/run_device.sh
+serve --model dense ...` there, which installs them first. One device command runs at most 10
+minutes, warm-up compiles included: run one scheduler per command (`--schedulers static`) with
+fewer requests at the slow rates, and draw the files together with `plot A.json B.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import ROUTINGS, SETTING, bench_model, model_config, save, use_routing
+from djax import GenerationConfig, engine
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEDULERS = ("continuous", "static")
+MAX_QUEUE = 1024  # ServeConfig's default queue bound: more requests at once are refused
+TOKENS_PER_FORWARD = SETTING.gen_length // SETTING.steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """A trace's token counts: prompt and answer lengths lognormal (median, sigma: σ of the
+    log), clipped to `prompt` and `answer` (min, max); `equal`: the (prompt, answer) of every
+    request of `--equal`."""
+
+    median: int
+    sigma: float
+    prompt: tuple[int, int]
+    answer: tuple[int, int]
+    equal: tuple[int, int]
+
+    @property
+    def max_sequence(self) -> int:
+        return self.prompt[1] + self.answer[1]
+
+
+LENGTHS = Lengths(median=128, sigma=0.5, prompt=(16, 512), answer=(32, 512), equal=(128, 256))
+# --tiny: short lengths, so a CPU compiles the few shapes they need in seconds.
+TINY_LENGTHS = Lengths(median=24, sigma=0.5, prompt=(8, 32), answer=(16, 64), equal=(16, 64))
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace: sent `arrival` seconds after the trace starts."""
+
+    arrival: float
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestRecord:
+    """What one request did, in seconds from the trace's start. first_chunk: when the first
+    chunk carrying a choice arrived (None if none did); error: why it failed, None if not."""
+
+    start: float
+    first_chunk: float | None
+    end: float
+    completion_tokens: int
+    error: str | None = None
+
+
+def prompt_vocabulary(vocab_size: int, special_ids: Sequence[int]) -> np.ndarray:
+    """Every token id a random prompt may hold: the vocabulary less `special_ids`."""
+    return np.setdiff1d(np.arange(vocab_size), np.asarray(special_ids))
+
+
+def lognormal_lengths(
+    rng: np.random.Generator, n: int, lengths: Lengths, bounds: tuple[int, int]
+) -> np.ndarray:
+    """n lengths, lognormal as `lengths` says, clipped to `bounds`."""
+    draws = rng.lognormal(math.log(lengths.median), lengths.sigma, n)
+    return np.clip(np.rint(draws), *bounds).astype(int)
+
+
+def make_trace(
+    n: int, rate: float, vocabulary: np.ndarray, seed: int, lengths: Lengths = LENGTHS
+) -> list[TraceRequest]:
+    """The bench's trace: prompt and answer `lengths`, random prompts from
+    `vocabulary`, Poisson arrivals at `rate` requests/s (math.inf: all at t = 0). The same
+    seed gives the same requests at every rate, their gaps scaled by 1 / rate."""
+    if not rate > 0:
+        raise ValueError(f"request rate {rate}; expected a positive number or inf")
+    rng = np.random.default_rng(seed)
+    prompt_lengths = lognormal_lengths(rng, n, lengths, lengths.prompt)
+    answer_lengths = lognormal_lengths(rng, n, lengths, lengths.answer)
+    unit_gaps = rng.exponential(1.0, n)
+    arrivals = np.concatenate([[0.0], np.cumsum(unit_gaps[:-1])]) / rate
+    return [
+        TraceRequest(float(arrival), tuple(rng.choice(vocabulary, length).tolist()), int(answer))
+        for arrival, length, answer in zip(arrivals, prompt_lengths, answer_lengths, strict=True)
+    ]
+
+
+def equal_trace(
+    n: int, vocabulary: np.ndarray, seed: int, lengths: Lengths = LENGTHS
+) -> list[TraceRequest]:
+    """n requests of `lengths.equal` (prompt, answer) tokens, all at t = 0."""
+    rng = np.random.default_rng(seed)
+    prompt, answer = lengths.equal
+    return [
+        TraceRequest(0.0, tuple(rng.choice(vocabulary, prompt).tolist()), answer) for _ in range(n)
+    ]
+
+
+def summarize(records: Sequence[RequestRecord], makespan: float) -> dict:
+    """Throughput and latency figures of one run. Percentiles (numpy's linear rule) and
+    tokens count the requests that succeeded; makespan: trace start to the last answer."""
+    done = [r for r in records if r.error is None]
+    latency = [r.end - r.start for r in done]
+    ttft = [r.first_chunk - r.start for r in done]
+
+    def percentile(values, q):
+        return float(np.percentile(values, q)) if values else None
+
+    return {
+        "output_tokens_per_s": sum(r.completion_tokens for r in done) / makespan,
+        "requests_per_s": len(done) / makespan,
+        "p50_latency_s": percentile(latency, 50),
+        "p99_latency_s": percentile(latency, 99),
+        "p50_ttft_s": percentile(ttft, 50),
+        "p99_ttft_s": percentile(ttft, 99),
+        "failed": len(records) - len(done),
+        "requests": len(records),
+        "makespan_s": makespan,
+    }
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition as {sample name with its labels: value}, e.g.
+    `djax_compiles_total`, `djax_block_call_seconds_bucket{le="0.01"}`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def histogram_median(before: dict, after: dict, name: str) -> float | None:
+    """The median of histogram `name`'s observations between two scrapes, interpolated
+    linearly inside its bucket (as Prometheus' histogram_quantile); None with none."""
+    prefix = f'{name}_bucket{{le="'
+    buckets = sorted(
+        (float(k[len(prefix) : -2]), after[k] - before.get(k, 0.0))
+        for k in after
+        if k.startswith(prefix)
+    )
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    bounds, counts = zip(*buckets, strict=True)
+    half = counts[-1] / 2
+    i = next(i for i, c in enumerate(counts) if c >= half)
+    low = bounds[i - 1] if i else 0.0
+    if math.isinf(bounds[i]):
+        return low
+    below = counts[i - 1] if i else 0.0
+    return low + (bounds[i] - low) * (half - below) / (counts[i] - below)
+
+
+def server_figures(before: dict, after: dict, makespan: float) -> dict:
+    """What the server's metrics say of one run: programs compiled during it, the median
+    host time between two block calls and its share of the makespan (idle_fraction: the
+    device waiting on the host while it has work), the block calls, their median and their
+    share of the makespan (busy_fraction)."""
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    gaps = "djax_host_seconds_between_calls"
+    return {
+        "compiles_during_run": int(delta("djax_compiles_total")),
+        "host_gap_median_s": histogram_median(before, after, gaps),
+        "idle_fraction": delta(f"{gaps}_sum") / makespan,
+        "block_calls": int(delta("djax_block_call_seconds_count")),
+        "block_call_median_s": histogram_median(before, after, "djax_block_call_seconds"),
+        "busy_fraction": delta("djax_block_call_seconds_sum") / makespan,
+    }
+
+
+async def send(client, model: str, request: TraceRequest, t0: float) -> RequestRecord:
+    """Stream one completion; times in seconds from `t0` (perf_counter)."""
+    await asyncio.sleep(max(0.0, t0 + request.arrival - time.perf_counter()))
+    start = time.perf_counter() - t0
+    first = None
+    tokens = 0
+    try:
+        stream = await client.completions.create(
+            model=model,
+            prompt=list(request.prompt_ids),
+            max_tokens=request.max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            if chunk.choices and first is None:
+                first = time.perf_counter() - t0
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        error = None
+        if first is None:
+            error = "no chunk with a choice"
+        elif tokens != request.max_tokens:
+            error = f"{tokens} answer tokens, expected {request.max_tokens}"
+    except Exception as e:  # any failure is the request's: it is counted, the run goes on
+        error = f"{type(e).__name__}: {e}"
+    return RequestRecord(start, first, time.perf_counter() - t0, tokens, error)
+
+
+async def run_trace(base_url: str, model: str, trace: Sequence[TraceRequest]):
+    """Send every request at its arrival time; (records, makespan in seconds)."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(
+        base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=3600.0
+    ) as client:
+        t0 = time.perf_counter()
+        records = await asyncio.gather(*(send(client, model, r, t0) for r in trace))
+    return records, max(r.end for r in records)
+
+
+def served_model_name(model: str) -> str:
+    return f"bench-{model}"
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as answer:
+        return parse_metrics(answer.read().decode())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, scheduler: str, port: int, log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "bench.serve", "server", "--model", args.model]
+    command += ["--scheduler", scheduler, "--port", str(port)]
+    command += ["--max-batch", str(args.max_batch), "--routing", args.routing]
+    command += ["--tiny"] if args.tiny else []
+    with log.open("w") as out:
+        return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_ready(base_url: str, server: subprocess.Popen, log: Path, timeout: float) -> float:
+    """Poll /health until it answers 200; the seconds it took. Raises if the server exits
+    or `timeout` passes first."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if server.poll() is not None:
+            tail = log.read_text()[-3000:]
+            raise RuntimeError(f"server exited with {server.returncode}; {log}:\n{tail}")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=5) as answer:
+                if answer.status == 200:
+                    return time.perf_counter() - start
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass  # not listening yet, or 503 while compiling
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout} s; see {log}")
+
+
+def stop_server(server: subprocess.Popen, timeout: float = 120.0) -> dict:
+    """SIGTERM, then wait for the drain: the exit status (`killed` past `timeout`) and
+    whether it is clean (0)."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        status = server.wait(timeout)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+        status = "killed"
+    return {"exit": status, "clean_exit": status == 0}
+
+
+def rate_label(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+def parse_rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = math.nan
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"rate {text!r}; expected a positive number or inf")
+    return rate
+
+
+def run_client(args) -> None:
+    if args.requests > MAX_QUEUE or (args.equal or 0) > MAX_QUEUE:
+        raise SystemExit(f"bench.serve: at most {MAX_QUEUE} requests (the server's queue bound)")
+    config = model_config(args.model, args.tiny)
+    vocabulary = prompt_vocabulary(config.vocab_size, special_ids(config))
+    lengths = trace_lengths(args.tiny)
+    if args.equal:
+        runs = [("equal", equal_trace(args.equal, vocabulary, args.seed, lengths))]
+    else:
+        runs = [
+            (rate_label(r), make_trace(args.requests, r, vocabulary, args.seed, lengths))
+            for r in args.rates
+        ]
+    logs = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="djax_serve_"))
+    logs.mkdir(parents=True, exist_ok=True)
+    rows, servers = [], {}
+    for scheduler in args.schedulers:
+        port = free_port()
+        base_url = f"http://127.0.0.1:{port}"
+        log = logs / f"serve_{args.model}_{scheduler}.log"
+        server = start_server(args, scheduler, port, log)
+        servers[scheduler] = {"log": log.name}
+        try:
+            servers[scheduler]["ready_s"] = wait_ready(base_url, server, log, args.ready_timeout)
+            for label, trace in runs:
+                before = scrape(base_url)
+                records, makespan = asyncio.run(
+                    run_trace(base_url, served_model_name(args.model), trace)
+                )
+                after = scrape(base_url)
+                errors = sorted({r.error for r in records if r.error})
+                rows.append(
+                    {
+                        "model": args.model,
+                        "scheduler": scheduler,
+                        "request_rate": label,
+                        **summarize(records, makespan),
+                        **server_figures(before, after, makespan),
+                        "errors": errors[:5],
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            servers[scheduler] |= stop_server(server)
+        print(f"{scheduler} server: {servers[scheduler]}", flush=True)
+    path = save(
+        "serve",
+        {
+            "trace": trace_parameters(args),
+            "generation": dataclasses.asdict(served_generation(lengths)),
+            "max_seq_len": lengths.max_sequence,
+            "max_batch": args.max_batch,
+            "routing": args.routing if config.is_moe else None,
+            "tiny": args.tiny,
+            "servers": servers,
+            "results": rows,
+        },
+    )
+    print(table(rows))
+    plot(rows, path.with_suffix(".png"))
+
+
+def trace_lengths(tiny: bool) -> Lengths:
+    return TINY_LENGTHS if tiny else LENGTHS
+
+
+def trace_parameters(args) -> dict:
+    """How the client's trace was drawn, for the result file."""
+    lengths = trace_lengths(args.tiny)
+    if args.equal:
+        prompt, answer = lengths.equal
+        return {"requests": args.equal, "prompt": prompt, "answer": answer, "arrivals": "t=0"}
+    drawn = {"median": lengths.median, "sigma_of_log": lengths.sigma}
+    return {
+        "requests": args.requests,
+        "seed": args.seed,
+        "prompt": {**drawn, "range": lengths.prompt},
+        "answer": {**drawn, "range": lengths.answer},
+        "rates": [rate_label(r) for r in args.rates],
+        "arrivals": "poisson (inf: all at t=0)",
+    }
+
+
+def served_generation(lengths: Lengths) -> GenerationConfig:
+    """The server's generation config: `SETTING`'s decoder, cache and tokens per forward,
+    over answers up to the trace's longest."""
+    gen_length = lengths.answer[1]
+    return dataclasses.replace(
+        SETTING, gen_length=gen_length, steps=gen_length // TOKENS_PER_FORWARD, early_stop=True
+    )
+
+
+class IdTokenizer:
+    """The bench model's tokenizer: its weights are random and its vocabulary holds no text,
+    so each token id decodes to one word, ` <id>` (special ids dropped when asked). Prompts
+    are sent as token ids; the server decodes every answer with this."""
+
+    def __init__(self, special_ids: Sequence[int]):
+        self.special_ids = frozenset(special_ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        skip = self.special_ids if skip_special_tokens else frozenset()
+        return "".join(f" {i}" for i in ids if i not in skip)
+
+
+def special_ids(config) -> tuple[int, ...]:
+    """The model's special token ids: never in a prompt, dropped from answers' text."""
+    ids = (config.mask_token_id, config.eos_token_id, config.pad_token_id)
+    return tuple(i for i in ids + (config.eot_token_id, config.bos_token_id) if i is not None)
+
+
+def run_server(args) -> None:
+    from djax.serving.engine import ServeConfig
+    from djax.serving.server import serve
+
+    config = model_config(args.model, args.tiny)
+    if config.is_moe:
+        use_routing(args.routing)
+    engine.enable_compile_cache()
+    model, _ = bench_model(config)
+    model = dataclasses.replace(model, tokenizer=IdTokenizer(special_ids(config)))
+    lengths = trace_lengths(args.tiny)
+    serve_config = ServeConfig(
+        generation=served_generation(lengths),
+        scheduler=args.scheduler,
+        max_batch=args.max_batch,
+        max_seq_len=lengths.max_sequence,
+    )
+    serve(model, serve_config, port=args.port, model_name=served_model_name(args.model))
+
+
+COLUMNS = (
+    ("scheduler", "scheduler", "{}"),
+    ("rate", "request_rate", "{}"),
+    ("tok/s", "output_tokens_per_s", "{:.1f}"),
+    ("req/s", "requests_per_s", "{:.2f}"),
+    ("p50 s", "p50_latency_s", "{:.2f}"),
+    ("p99 s", "p99_latency_s", "{:.2f}"),
+    ("p50 ttft", "p50_ttft_s", "{:.2f}"),
+    ("p99 ttft", "p99_ttft_s", "{:.2f}"),
+    ("failed", "failed", "{}"),
+    ("compiles", "compiles_during_run", "{}"),
+    ("gap ms", "host_gap_median_s", "{:.3f}"),
+    ("idle", "idle_fraction", "{:.3f}"),
+)
+
+
+def table(rows: Sequence[dict]) -> str:
+    """The rows as a fixed-width text table (host gap in ms, `-` for a missing figure)."""
+
+    def cell(row, key, form):
+        value = row.get(key)
+        if value is None:
+            return "-"
+        return form.format(1e3 * value if key == "host_gap_median_s" else value)
+
+    lines = [[title for title, _, _ in COLUMNS]]
+    lines += [[cell(row, key, form) for _, key, form in COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines
+    )
+
+
+KINDS = {"inf": (1, 0.0), "equal": (2, 0.0)}  # the runs that have no rate of their own
+
+
+def rate_order(label: float | str) -> tuple[int, float]:
+    """Finite rates ascending, then `inf`, then `equal`."""
+    return KINDS.get(label, (0, label))
+
+
+def plot(rows: Sequence[dict], path: Path) -> Path | None:
+    """Answer tokens/s and p99 latency against the request rate, a line per model and
+    scheduler, written to `path` (PNG); None, with a note, without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench.serve: no matplotlib, no plot")
+        return None
+    labels = sorted({r["request_rate"] for r in rows}, key=rate_order)
+    position = {label: i for i, label in enumerate(labels)}
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for key in sorted({(r["model"], r["scheduler"]) for r in rows}):
+        line = sorted(
+            (r for r in rows if (r["model"], r["scheduler"]) == key),
+            key=lambda r: rate_order(r["request_rate"]),
+        )
+        x = [position[r["request_rate"]] for r in line]
+        for ax, field in zip(axes, ("output_tokens_per_s", "p99_latency_s"), strict=True):
+            y = [math.nan if r[field] is None else r[field] for r in line]
+            ax.plot(x, y, marker="o", label=" ".join(key))
+    for ax, title in zip(axes, ("answer tokens/s", "p99 end-to-end latency (s)"), strict=True):
+        ax.set_xticks(range(len(labels)), [f"{x:g}" if x not in KINDS else x for x in labels])
+        ax.set_xlabel("request rate (requests/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    figure.tight_layout()
+    partial = path.with_name(f".{path.name}.partial")
+    figure.savefig(partial, format="png", dpi=120)
+    plt.close(figure)
+    partial.replace(path)
+    print(f"wrote {path}")
+    return path
+
+
+def run_plot(args) -> None:
+    """Re-draw the plot of result files, together: beside the first, same stem."""
+    rows = [row for f in args.results for row in json.loads(Path(f).read_text())["results"]]
+    plot(rows, Path(args.results[0]).with_suffix(".png"))
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    role = argv[0] if argv and argv[0] in ("server", "plot") else "client"
+    parser = argparse.ArgumentParser(
+        prog=f"bench.serve{'' if role == 'client' else ' ' + role}",
+        description=__doc__.splitlines()[0],
+    )
+    if role == "plot":
+        parser.add_argument("results", nargs="+", help="result JSON files of bench.serve")
+        return parser.parse_args(argv[1:], argparse.Namespace(role=role))
+    parser.add_argument("--model", choices=("dense", "moe"), required=True)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
+    parser.add_argument("--max-batch", type=int, default=32, help="rows decoded together")
+    parser.add_argument("--routing", choices=ROUTINGS, default="spread", help="MoE routing")
+    if role == "server":
+        parser.add_argument("--scheduler", choices=SCHEDULERS, required=True)
+        parser.add_argument("--port", type=int, required=True)
+        return parser.parse_args(argv[1:], argparse.Namespace(role=role))
+    parser.add_argument("--schedulers", nargs="+", choices=SCHEDULERS, default=list(SCHEDULERS))
+    parser.add_argument(
+        "--rates",
+        nargs="+",
+        type=parse_rate,
+        default=[2.0, 4.0, 8.0, math.inf],
+        help="requests/s; inf: all at t=0",
+    )
+    parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--equal", type=int, metavar="N", help="instead of the rates: N requests 128/256 at t=0"
+    )
+    parser.add_argument(
+        "--ready-timeout", type=float, default=900.0, help="seconds to wait for the warm-up"
+    )
+    return parser.parse_args(argv, argparse.Namespace(role=role))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    {"client": run_client, "server": run_server, "plot": run_plot}[args.role](args)
+
+
+if __name__ == "__main__":
+    main()
