@@ -116,6 +116,11 @@ def tokenize(model: Model, prompts: Sequence[Any], chat: bool) -> list[list[int]
             else:
                 ids = model.tokenizer(prompt)["input_ids"]
         else:
+            if not all(isinstance(t, int | np.integer) for t in prompt):
+                raise TypeError(
+                    f"prompt {i} is {prompt!r:.60}; expected a string, token ids or a list of "
+                    '{"role", "content"} messages'
+                )
             if chat:
                 raise ValueError("chat=True needs string prompts; got token ids")
             ids = [int(t) for t in prompt]
