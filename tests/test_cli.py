@@ -261,3 +261,37 @@ def test_stop_signal_keeps_finished_batches(tmp_path, signum, status):
     assert 0 < len(records) < 20_000 and len(records) % 4 == 0
     assert [r["id"] for r in records] == list(range(1, len(records) + 1))
     assert records[0]["answer"] == "0"
+
+
+def readme_blocks(section: str, language: str) -> list[str]:
+    """The fenced `language` blocks of the README section headed `## {section}`."""
+    text = (ROOT / "README.md").read_text().split(f"\n## {section}\n", 1)[1].split("\n## ")[0]
+    return [block.split("```")[0] for block in text.split(f"```{language}\n")[1:]]
+
+
+def test_readme_cli_examples(tmp_path, monkeypatch, capsys):
+    """Every command of the README's demo examples runs as written."""
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.txt").write_text("1+1=\nsort 3,1\nreverse abc\n")
+    write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [
+            {"id": "q1", "prompt": "12+345="},
+            {"id": "q2", "messages": [{"role": "user", "content": "sort 3,9,1"}]},
+        ],
+    )
+    commands = readme_blocks("The CLI", "bash")[1].strip().splitlines()
+    assert len(commands) == 4
+    for line in commands:
+        argv = shlex.split(line, comments=True)
+        assert argv[0] == "djax" and main(argv[1:]) == 0, line
+    assert [r["answer"] for r in read_jsonl(tmp_path / "answers.jsonl")] == ["357", "1,3,9"]
+    assert "3305" in capsys.readouterr().out
+
+
+def test_readme_demo_python_example(capsys):
+    (example,) = readme_blocks("The Python API", "python")
+    exec(compile(example, "README.md", "exec"), {})
+    assert capsys.readouterr().out.startswith("['3305', '1,3,9']")
