@@ -360,43 +360,24 @@ def _totals(stats: list[dict[str, Any]]) -> dict[str, Any]:
     return summed
 
 
-def run_generate(
-    args: argparse.Namespace,
-    progress: Progress | None = None,
-    stops: StopSignals | None = None,
-) -> dict[str, Any]:
-    """Generate the answers `args` asks for, batch by batch, and return the whole result
-    (model, prompts, texts, token_ids, notes, summed stats). With `--output-jsonl` each
-    batch's records are appended as it finishes; `progress` is updated as batches finish
-    (each batch's output and count under `stops.deferred()`) so a caller stopped by a
-    signal can say what was kept."""
-    stops = stops or StopSignals()
-    from djax import demo
+def _unfinished(args: argparse.Namespace, records: list[prompt_io.PromptRecord]) -> list:
+    """`records` less those whose ids `--output-jsonl` already holds (a warning says so)."""
+    if not args.output_jsonl:
+        return records
+    done = prompt_io.finished_ids(args.output_jsonl)
+    todo = [r for r in records if r.id not in done]
+    if len(todo) < len(records):
+        log.warning(
+            "%s already holds %d of the %d prompts; generating the other %d",
+            args.output_jsonl,
+            len(records) - len(todo),
+            len(records),
+            len(todo),
+        )
+    return todo
 
-    path = args.model or str(demo.default_model_path())
-    label = demo.describe(path)  # None unless the folder holds a demo model
-    config = _generation_config(args, demo.generation_defaults(path) if label else {})
-    records = _records(args, bool(label))
-    if args.output_jsonl:
-        done = prompt_io.finished_ids(args.output_jsonl)
-        todo = [r for r in records if r.id not in done]
-        if len(todo) < len(records):
-            log.warning(
-                "%s already holds %d of the %d prompts; generating the other %d",
-                args.output_jsonl,
-                len(records) - len(todo),
-                len(records),
-                len(todo),
-            )
-        records = todo
-    progress = progress or Progress(len(records))
-    progress.total = len(records)
-    model_line = f"{path} ({label})" if label else path
-    result = {"model": model_line, "prompts": [], "texts": [], "token_ids": [], "notes": []}
-    if not records:
-        result["stats"] = {}
-        return result
 
+def _load(args: argparse.Namespace, path: str, progress: bool) -> Any:
     import djax
 
     mesh = None
@@ -404,21 +385,51 @@ def run_generate(
         from djax.sharding import make_mesh
 
         mesh = make_mesh(tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel)
-    show_progress = sys.stderr.isatty() if args.progress is None else args.progress
-    show_progress = show_progress and not args.quiet
     log.info("loading %s", path)
-    model = djax.load(
+    return djax.load(
         path,
         args.dtype,
         mesh=mesh,
         allow_pickle=args.allow_pickle,
-        progress=show_progress,
+        progress=progress,
         **{name: getattr(args, name) for name in KERNEL_OPTIONS},
     )
+
+
+def run_generate(
+    args: argparse.Namespace,
+    progress: Progress | None = None,
+    stops: StopSignals | None = None,
+) -> dict[str, Any]:
+    """Generate the answers `args` asks for, batch by batch, each batch's answers printed
+    or (`--output-jsonl`) appended as it finishes. Returns the model's label, the notes and
+    the summed stats, and under `--json` also every prompt, text and token-id list (only
+    then are they all kept in memory). `progress` is updated as batches finish (each
+    batch's output and count under `stops.deferred()`), so a caller stopped by a signal can
+    say what was kept."""
+    from djax import demo
+
+    stops = stops or StopSignals()
+    path = args.model or str(demo.default_model_path())
+    label = demo.describe(path)  # None unless the folder holds a demo model
+    config = _generation_config(args, demo.generation_defaults(path) if label else {})
+    records = _unfinished(args, _records(args, bool(label)))
+    progress = progress or Progress(len(records))
+    progress.total = len(records)
+    result = {"model": f"{path} ({label})" if label else path, "notes": [], "stats": {}}
+    if args.json:
+        result |= {"prompts": [], "texts": [], "token_ids": []}
+    if not records:
+        return result
+    show_progress = sys.stderr.isatty() if args.progress is None else args.progress
+    show_progress = show_progress and not args.quiet
+    model = _load(args, path, show_progress)
     chat = bool(label) if args.chat is None else args.chat
     if not args.json:
-        print(f"model: {model_line}", flush=True)
+        print(f"model: {result['model']}", flush=True)
     from tqdm import tqdm
+
+    import djax
 
     with tqdm(total=len(records), unit="prompt", file=sys.stderr, disable=not show_progress) as bar:
         for batch in prompt_io.batches(records, args.batch_size):
@@ -440,9 +451,10 @@ def run_generate(
                         print(f"\n> {_shown(r)}\n{text}", flush=True)
                 progress.stats.append(stats)
                 progress.done += len(batch)
-            result["prompts"] += [r.prompt for r in batch]
-            result["texts"] += texts
-            result["token_ids"] += out.token_ids
+            if args.json:
+                result["prompts"] += [r.prompt for r in batch]
+                result["texts"] += texts
+                result["token_ids"] += out.token_ids
             result["notes"] += [n for n in out.notes if n not in result["notes"]]
             log.info("batch of %d: %s", len(batch), _stats_line(stats))
             bar.update(len(batch))
@@ -464,12 +476,12 @@ def _stats_line(s: dict[str, Any]) -> str:
     )
 
 
-def _print_result(args: argparse.Namespace, result: dict[str, Any]) -> None:
+def _print_result(args: argparse.Namespace, result: dict[str, Any], progress: Progress) -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
     if args.output_jsonl:
-        print(f"wrote {len(result['texts'])} answers to {args.output_jsonl}")
+        print(f"wrote {progress.written} answers to {args.output_jsonl}")
     for note in result["notes"]:
         print(f"note: {note}")
     if result["stats"]:
@@ -510,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
                 _convert(args)
                 return 0
             result = run_generate(args, progress, stops)
-            _print_result(args, result)
+            _print_result(args, result, progress)
     except Stopped as stop:
         print(f"djax: {_stopped_line(args, stop.signum, progress)}", file=sys.stderr)
         return 128 + stop.signum
