@@ -1,35 +1,74 @@
-"""The `djax` command: `djax generate` (text and stats) and `djax convert` (HF -> orbax).
+"""The `djax` command: `djax generate` (answers and stats) and `djax convert` (HF -> orbax).
 
 Every `GenerationConfig` field is a `djax generate` option (`--gen-length`, `--decoder`, ...),
-generated from the dataclass so the CLI and the Python API never drift apart.
+generated from the dataclass, and every kernel option comes from `djax.kernel_options`, so
+the CLI and the Python API never drift apart. Nothing here imports jax, torch or
+transformers until a command runs, so `djax --help` is quick.
+
+`djax generate` runs the prompts in batches of `--batch-size`; SIGINT (Ctrl-C) and SIGTERM
+stop it between device calls with one line on stderr and exit status 128 + the signal's
+number (130, 143), the batches already finished kept in `--output-jsonl`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging
+import signal
 import sys
 import types
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, get_args, get_type_hints
 
-from djax.engine import GenerationConfig
+from djax import __version__, prompt_io
+from djax.generation import DECODERS, POLICIES, GenerationConfig
+from djax.kernel_options import KERNEL_OPTIONS
+
+log = logging.getLogger("djax")
+
+DEFAULT_BATCH_SIZE = 32
 
 _HELP = {
-    "gen_length": "answer positions (rounded up to a multiple of --block-length)",
+    "gen_length": "answer positions, rounded up to a multiple of --block-length",
     "block_length": "positions per block, decoded left to right",
-    "steps": "total steps of the fixed-steps decoders (default: gen-length)",
-    "decoder": "low_confidence | random | threshold | factor | credit | hierarchy",
-    "threshold": "tau of threshold/credit, tau_high of hierarchy",
-    "low_threshold": "tau_low of hierarchy",
-    "factor": "f of the factor decoder",
-    "cache": "none | prefix | dual | vicinity",
+    "steps": "total steps of the fixed-steps decoders (low_confidence, random)",
+    "decoder": "which masked positions a step commits",
+    "threshold": "tau of threshold and credit, tau_high of hierarchy, in (0, 1]",
+    "low_threshold": "tau_low of hierarchy, in (0, 1]",
+    "factor": "f of the factor decoder, > 0",
+    "credit_alpha": "alpha of the credit decoder, >= 0",
+    "credit_gamma": "gamma of the credit decoder, > 0",
+    "credit_beta": "beta of the credit decoder, in (0, 1]",
+    "cache": "KV-cache policy",
     "refresh_every": "also refresh every k steps within a block (0: never)",
-    "stop_ids": "comma-separated ids that end an answer (default: EOS and end-of-turn)",
+    "vicinity_before": "positions before the block that the vicinity cache feeds",
+    "vicinity_after": "positions after the block that the vicinity cache feeds",
+    "vicinity_warmup": "first steps of each block that run without the vicinity cache",
+    "temperature": "sampling temperature, finite and >= 0 (0: argmax)",
+    "seed": "random seed, in [0, 2**32)",
+    "stop_ids": "comma-separated token ids that end an answer",
     "early_stop": "stop a row after the block holding its first stop token",
     "smoothing": "iteration smoothing (soft embeddings of masked positions)",
 }
+# Where a field's dataclass default is not what a user gets.
+_DEFAULT_TEXT = {
+    "gen_length": "%s; the demo model's own when --model is not given",
+    "block_length": "%s; the demo model's own when --model is not given",
+    "steps": "--gen-length, one token per step",
+    "stop_ids": "the model's EOS and end-of-turn ids",
+}
+_CHOICES = {"decoder": DECODERS, "cache": POLICIES}
+
+_EPILOG = """examples:
+  djax generate --prompt "347+2958="            the demo model that ships with djax
+  djax generate --prompts-file prompts.txt --batch-size 64 --output-jsonl answers.jsonl
+  djax generate --model LLaDA-8B-Instruct --chat --prompt "Why is the sky blue?" \\
+      --gen-length 256 --block-length 32 --decoder threshold --cache dual
+  djax convert LLaDA-8B-Instruct llada8b-djax
+"""
 
 
 def _field_type(field: dataclasses.Field) -> Any:
@@ -42,16 +81,25 @@ def _field_type(field: dataclasses.Field) -> Any:
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     """One option per `GenerationConfig` field; unset options stay None so the model's own
     defaults (the demo model's answer layout) can fill them."""
+    group = parser.add_argument_group("generation (djax.GenerationConfig)")
     for field in dataclasses.fields(GenerationConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = _field_type(field)
-        help_text = f"{_HELP.get(field.name, '')} (default: {field.default})".strip()
+        default = _DEFAULT_TEXT.get(field.name, "%s")
+        if "%s" in default:
+            shown = field.default
+            if kind is bool:
+                shown = "on" if field.default else "off"
+            default = default % shown
+        help_text = f"{_HELP[field.name]} (default: {default})"
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         elif getattr(kind, "__origin__", None) is tuple:
-            parser.add_argument(flag, type=_int_list, help=help_text)
+            group.add_argument(flag, type=_int_list, metavar="ID,ID,...", help=help_text)
+        elif field.name in _CHOICES:
+            group.add_argument(flag, choices=_CHOICES[field.name], help=help_text)
         else:
-            parser.add_argument(flag, type=kind, help=help_text)
+            group.add_argument(flag, type=kind, metavar=kind.__name__.upper(), help=help_text)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -61,171 +109,437 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ids") from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive int")
+    return value
+
+
 def _generation_config(args: argparse.Namespace, defaults: dict[str, Any]) -> GenerationConfig:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig)}
     return GenerationConfig(**(defaults | {k: v for k, v in given.items() if v is not None}))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="djax", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+def _logging_options() -> argparse.ArgumentParser:
+    """`--verbose` / `--quiet`, shared by every command."""
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_mutually_exclusive_group()
+    group.add_argument(
+        "-v", "--verbose", action="store_true", help="also log each step and batch (INFO)"
+    )
+    group.add_argument(
+        "-q", "--quiet", action="store_true", help="log errors only (no warnings, no progress)"
+    )
+    return parent
 
-    gen = commands.add_parser("generate", help="generate answers and print text and stats")
-    gen.add_argument(
+
+def _add_model_options(gen: argparse.ArgumentParser) -> None:
+    model = gen.add_argument_group("model")
+    model.add_argument(
         "--model",
+        metavar="DIR",
         help="HF model folder or `djax convert` output "
         "(default: the small demo model shipped with djax)",
     )
-    source = gen.add_mutually_exclusive_group()
-    source.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    source.add_argument("--prompts-file", help="a file with one prompt per line")
-    gen.add_argument(
+    model.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        help="compute and storage dtype (default: bfloat16 on GPUs, float32 on the CPU)",
+    )
+    model.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="accept pickled pytorch_model*.bin weights (unpickling can run code)",
+    )
+    model.add_argument(
+        "--tensor-parallel",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="split heads, MLP and vocabulary over N devices (default: 1)",
+    )
+    model.add_argument(
+        "--expert-parallel",
+        type=_positive_int,
+        default=1,
+        metavar="M",
+        help="split MoE experts over M devices (default: 1)",
+    )
+    kernels = gen.add_argument_group("kernels (djax.load options)")
+    for option in KERNEL_OPTIONS.values():
+        kernels.add_argument(
+            option.flag,
+            choices=option.choices,
+            default="auto",
+            help=f"auto: {option.auto} (default: auto)",
+        )
+
+
+def _add_io_options(gen: argparse.ArgumentParser) -> None:
+    inputs = gen.add_argument_group(
+        "prompts", "give one of --prompt, --prompts-file, --input-jsonl"
+    )
+    source = inputs.add_mutually_exclusive_group()
+    source.add_argument(
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help="a prompt; repeat for several (default: the demo model's examples)",
+    )
+    source.add_argument("--prompts-file", metavar="FILE", help="one prompt per line")
+    source.add_argument(
+        "--input-jsonl",
+        metavar="FILE",
+        help='one JSON object per line: {"id": ..., "prompt": "..."} or {"id": ..., '
+        '"messages": [{"role": "user", "content": "..."}]} (multi-line prompts, '
+        "conversations; id defaults to the line number)",
+    )
+    inputs.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="apply the tokenizer's chat template (default: on for the demo model)",
+        help="apply the tokenizer's chat template to text prompts (default: on for the "
+        "demo model, off otherwise; messages always take it)",
     )
-    gen.add_argument("--dtype", help="bfloat16 | float32 (default: bf16 on GPU, fp32 on CPU)")
-    gen.add_argument(
-        "--tensor-parallel", type=int, default=1, help="split heads/ffn/vocab over N devices"
+    run = gen.add_argument_group("batches and output")
+    run.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help=f"prompts per device call; Ctrl-C stops between calls (default: {DEFAULT_BATCH_SIZE})",
     )
-    gen.add_argument(
-        "--expert-parallel", type=int, default=1, help="split MoE experts over M devices"
+    run.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar on stderr (default: when stderr is a terminal)",
     )
-    gen.add_argument(
-        "--attention-impl", default="auto", help="auto (split_kv on GPUs) | xla | cudnn | split_kv"
+    output = run.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    output.add_argument(
+        "--output-jsonl",
+        metavar="FILE",
+        help="append one record per prompt (id, prompt or messages, answer, token_ids, "
+        "the batch's stats) after each batch; an existing FILE resumes: ids it holds are "
+        "skipped",
     )
-    gen.add_argument(
-        "--mlp-impl",
-        default="auto",
-        help="auto (pallas on GPUs for <= 32 token rows, 16-bit weights) | xla | pallas",
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _logging_options()
+    parser = argparse.ArgumentParser(
+        prog="djax",
+        description=__doc__.splitlines()[0],
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    gen.add_argument(
-        "--moe-impl",
-        default="auto",
-        help="auto (pallas on GPUs) | grouped | dense | hopper | pallas",
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = commands.add_parser(
+        "generate",
+        parents=[common],
+        help="generate answers and print them with stats",
+        description="Generate answers for prompts and report forwards, tokens per forward "
+        "and tokens/s. Ctrl-C or SIGTERM stops between batches (exit 130 or 143).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    gen.add_argument(
-        "--matmul-impl",
-        default="auto",
-        help="q/k/v, output and down products: auto (split-K pallas on GPUs for <= 32 token "
-        "rows, 16-bit weights) | xla | pallas",
-    )
-    gen.add_argument(
-        "--norm-impl",
-        default="auto",
-        help="residual add + RMSNorm: auto (fused on H100s, tiled on other GPUs, 16-bit "
-        "weights) | xla | pallas | fused (in the block products' kernels) | tiled (the add in "
-        "a column-tiled kernel after the split-K product, the norm in the next product)",
-    )
-    gen.add_argument(
-        "--rope-impl",
-        default="auto",
-        help="q/k norm, RoPE and K/V writes: auto (pallas on GPUs, 16-bit weights) | xla | pallas",
-    )
-    gen.add_argument("--json", action="store_true", help="print the output as JSON")
+    _add_io_options(gen)
+    _add_model_options(gen)
     _add_generation_options(gen)
 
-    conv = commands.add_parser("convert", help="HF folder -> orbax folder djax.load opens")
+    conv = commands.add_parser(
+        "convert",
+        parents=[common],
+        help="HF folder -> orbax folder djax.load opens",
+        description="Convert an HF model folder to an orbax checkpoint folder.",
+    )
     conv.add_argument("src", help="HF model folder (config.json, *.safetensors, tokenizer)")
     conv.add_argument("dst", help="output folder (must be empty unless --overwrite)")
-    conv.add_argument("--dtype", default="bfloat16", help="stored dtype (default: bfloat16)")
+    conv.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="stored dtype (default: bfloat16)",
+    )
     conv.add_argument("--overwrite", action="store_true", help="replace a non-empty dst")
     conv.add_argument(
         "--allow-pickle",
         action="store_true",
-        help="accept pickled pytorch_model*.bin weights (runs unpickling)",
+        help="accept pickled pytorch_model*.bin weights (unpickling can run code)",
     )
     return parser
 
 
-def _prompts(args: argparse.Namespace, default: list[str]) -> list[str]:
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(BaseException):
+    """A stop signal (SIGINT, SIGTERM) arrived; not an Exception, so no `except Exception`
+    swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StopSignals:
+    """While installed (a context manager), SIGINT and SIGTERM raise `Stopped` in the main
+    thread, when it next runs Python code (so a device call finishes first). Inside
+    `deferred()` a stop waits for the block's end, so a batch's output and its count are
+    never cut in two."""
+
+    def __init__(self):
+        self._deferring = False
+        self._pending: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        self._previous = {s: signal.signal(s, self._stop) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _stop(self, signum: int, frame: Any) -> None:
+        if self._deferring:
+            self._pending = signum
+        else:
+            raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending is not None:
+            raise Stopped(self._pending)
+
+
+def _records(args: argparse.Namespace, demo_model: bool) -> list[prompt_io.PromptRecord]:
     if args.prompts_file:
-        lines = Path(args.prompts_file).read_text().splitlines()
-        prompts = [line for line in lines if line.strip()]
-        if not prompts:
-            raise SystemExit(f"djax: {args.prompts_file} holds no prompts")
-        return prompts
-    return args.prompt or default
+        return prompt_io.read_prompts_file(args.prompts_file)
+    if args.input_jsonl:
+        return prompt_io.read_jsonl(args.input_jsonl)
+    if args.prompt:
+        return prompt_io.from_texts(args.prompt)
+    if demo_model:
+        from djax import demo
+
+        return prompt_io.from_texts(demo.EXAMPLE_PROMPTS)
+    raise ValueError("no prompts; give --prompt TEXT, --prompts-file FILE or --input-jsonl FILE")
 
 
-def run_generate(args: argparse.Namespace) -> dict[str, Any]:
+@dataclasses.dataclass
+class Progress:
+    """What a generate run has done so far: records finished and their batches' stats."""
+
+    total: int
+    done: int = 0
+    written: int = 0
+    stats: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def _totals(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The batches' stats added up (rates recomputed from the sums)."""
+    summed = {k: sum(s[k] for s in stats) for k in stats[0]} if stats else {}
+    if summed:
+        summed["tokens_per_forward"] = summed["generated_tokens"] / max(summed["forwards"], 1)
+        seconds = summed["seconds"]
+        summed["tokens_per_second"] = summed["generated_tokens"] / seconds if seconds else 0.0
+        summed["batches"] = len(stats)
+    return summed
+
+
+def _unfinished(args: argparse.Namespace, records: list[prompt_io.PromptRecord]) -> list:
+    """`records` less those whose ids `--output-jsonl` already holds (a warning says so)."""
+    if not args.output_jsonl:
+        return records
+    done = prompt_io.finished_ids(args.output_jsonl)
+    todo = [r for r in records if r.id not in done]
+    if len(todo) < len(records):
+        log.warning(
+            "%s already holds %d of the %d prompts; generating the other %d",
+            args.output_jsonl,
+            len(records) - len(todo),
+            len(records),
+            len(todo),
+        )
+    return todo
+
+
+def _load(args: argparse.Namespace, path: str, progress: bool) -> Any:
     import djax
-    from djax import demo
 
-    path = args.model or str(demo.default_model_path())
-    label = demo.describe(path)  # None unless the folder holds a demo model
-    config = _generation_config(args, demo.generation_defaults(path) if label else {})
     mesh = None
     if args.tensor_parallel > 1 or args.expert_parallel > 1:
         from djax.sharding import make_mesh
 
         mesh = make_mesh(tensor_parallel=args.tensor_parallel, expert_parallel=args.expert_parallel)
-    model = djax.load(
+    log.info("loading %s", path)
+    return djax.load(
         path,
         args.dtype,
         mesh=mesh,
-        attention_impl=args.attention_impl,
-        mlp_impl=args.mlp_impl,
-        moe_impl=args.moe_impl,
-        matmul_impl=args.matmul_impl,
-        norm_impl=args.norm_impl,
-        rope_impl=args.rope_impl,
+        allow_pickle=args.allow_pickle,
+        progress=progress,
+        **{name: getattr(args, name) for name in KERNEL_OPTIONS},
     )
-    prompts = _prompts(args, list(demo.EXAMPLE_PROMPTS) if label else [])
-    if not prompts:
-        raise SystemExit("djax: give --prompt TEXT or --prompts-file FILE")
+
+
+def run_generate(
+    args: argparse.Namespace,
+    progress: Progress | None = None,
+    stops: StopSignals | None = None,
+) -> dict[str, Any]:
+    """Generate the answers `args` asks for, batch by batch, each batch's answers printed
+    or (`--output-jsonl`) appended as it finishes. Returns the model's label, the notes and
+    the summed stats, and under `--json` also every prompt, text and token-id list (only
+    then are they all kept in memory). `progress` is updated as batches finish (each
+    batch's output and count under `stops.deferred()`), so a caller stopped by a signal can
+    say what was kept."""
+    from djax import demo
+
+    stops = stops or StopSignals()
+    path = args.model or str(demo.default_model_path())
+    label = demo.describe(path)  # None unless the folder holds a demo model
+    config = _generation_config(args, demo.generation_defaults(path) if label else {})
+    records = _unfinished(args, _records(args, bool(label)))
+    progress = progress or Progress(len(records))
+    progress.total = len(records)
+    result = {"model": f"{path} ({label})" if label else path, "notes": [], "stats": {}}
+    if args.json:
+        result |= {"prompts": [], "texts": [], "token_ids": []}
+    if not records:
+        return result
+    show_progress = sys.stderr.isatty() if args.progress is None else args.progress
+    show_progress = show_progress and not args.quiet
+    model = _load(args, path, show_progress)
     chat = bool(label) if args.chat is None else args.chat
-    out = djax.generate(model, prompts, config, chat=chat)
-    return {
-        "model": f"{path} ({label})" if label else path,
-        "prompts": prompts,
-        "texts": out.texts,
-        "token_ids": out.token_ids,
-        "notes": out.notes,
-        "stats": dataclasses.asdict(out.stats),
-    }
+    if not args.json:
+        print(f"model: {result['model']}", flush=True)
+    from tqdm import tqdm
+
+    import djax
+
+    with tqdm(total=len(records), unit="prompt", file=sys.stderr, disable=not show_progress) as bar:
+        for batch in prompt_io.batches(records, args.batch_size):
+            out = djax.generate(model, [r.prompt for r in batch], config, chat=chat)
+            stats = dataclasses.asdict(out.stats)
+            texts = out.texts or [None] * len(batch)
+            with stops.deferred():
+                if args.output_jsonl:
+                    prompt_io.append_records(
+                        args.output_jsonl,
+                        (
+                            r.fields() | {"answer": t, "token_ids": ids, "stats": stats}
+                            for r, t, ids in zip(batch, texts, out.token_ids, strict=True)
+                        ),
+                    )
+                    progress.written += len(batch)
+                elif not args.json:
+                    for r, text in zip(batch, texts, strict=True):
+                        print(f"\n> {_shown(r)}\n{text}", flush=True)
+                progress.stats.append(stats)
+                progress.done += len(batch)
+            if args.json:
+                result["prompts"] += [r.prompt for r in batch]
+                result["texts"] += texts
+                result["token_ids"] += out.token_ids
+            result["notes"] += [n for n in out.notes if n not in result["notes"]]
+            log.info("batch of %d: %s", len(batch), _stats_line(stats))
+            bar.update(len(batch))
+    result["stats"] = _totals(progress.stats)
+    return result
 
 
-def _print_result(result: dict[str, Any]) -> None:
-    print(f"model: {result['model']}")
-    for prompt, text in zip(result["prompts"], result["texts"] or [], strict=False):
-        print(f"\n> {prompt}\n{text}")
-    for note in result["notes"]:
-        print(f"\nnote: {note}")
-    s = result["stats"]
-    print(
-        f"\nforwards {s['forwards']} (refreshes {s['refreshes']}), blocks {s['blocks']}, "
+def _shown(record: prompt_io.PromptRecord) -> str:
+    """A prompt as the text output shows it: a conversation by its last message."""
+    return record.prompt[-1]["content"] if record.is_conversation else record.prompt
+
+
+def _stats_line(s: dict[str, Any]) -> str:
+    return (
+        f"forwards {s['forwards']} (refreshes {s['refreshes']}), blocks {s['blocks']}, "
         f"tokens {s['generated_tokens']}, tokens/forward {s['tokens_per_forward']:.2f}, "
         f"{s['tokens_per_second']:.1f} tokens/s ({s['seconds'] * 1e3:.1f} ms; "
         f"compile {s['compile_seconds']:.1f} s)"
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        if args.command == "convert":
-            import djax
-
-            out = djax.convert(
-                args.src,
-                args.dst,
-                args.dtype,
-                overwrite=args.overwrite,
-                allow_pickle=args.allow_pickle,
-            )
-            print(f"wrote {out}")
-            return 0
-        result = run_generate(args)
-    except (ValueError, FileNotFoundError, FileExistsError, TypeError) as err:
-        print(f"djax: error: {err}", file=sys.stderr)
-        return 2
+def _print_result(args: argparse.Namespace, result: dict[str, Any], progress: Progress) -> None:
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
-        _print_result(result)
+        return
+    if args.output_jsonl:
+        print(f"wrote {progress.written} answers to {args.output_jsonl}")
+    for note in result["notes"]:
+        print(f"note: {note}")
+    if result["stats"]:
+        batches = result["stats"]["batches"]
+        print(f"{batches} batch{'es' if batches > 1 else ''}: {_stats_line(result['stats'])}")
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    level = logging.INFO if args.verbose else logging.ERROR if args.quiet else logging.WARNING
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("djax: %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(level)
+    log.propagate = False
+
+
+def _convert(args: argparse.Namespace) -> None:
+    import djax
+
+    out = djax.convert(
+        args.src,
+        args.dst,
+        args.dtype,
+        overwrite=args.overwrite,
+        allow_pickle=args.allow_pickle,
+        progress=not args.quiet,
+    )
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args)
+    progress = Progress(0)
+    try:
+        with StopSignals() as stops:
+            if args.command == "convert":
+                _convert(args)
+                return 0
+            result = run_generate(args, progress, stops)
+            _print_result(args, result, progress)
+    except Stopped as stop:
+        print(f"djax: {_stopped_line(args, stop.signum, progress)}", file=sys.stderr)
+        return 128 + stop.signum
+    except (ValueError, TypeError, OSError) as err:
+        print(f"djax: error: {err}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _stopped_line(args: argparse.Namespace, signum: int, progress: Progress) -> str:
+    line = f"stopped by {signal.Signals(signum).name}"
+    if args.command != "generate":
+        return line
+    line += f" after {progress.done} of {progress.total} prompts"
+    if args.output_jsonl:
+        line += f"; {progress.written} answers written to {args.output_jsonl} (run again to resume)"
+    return line
 
 
 if __name__ == "__main__":

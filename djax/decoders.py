@@ -17,9 +17,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from djax.generation import DECODERS, FIXED_DECODERS
+
 Array = jax.Array
-FIXED_DECODERS = ("low_confidence", "random")
-DECODERS = (*FIXED_DECODERS, "threshold", "factor", "credit", "hierarchy")
 NEG_INF = float("-inf")
 
 

@@ -13,7 +13,7 @@ import functools
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,110 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from djax import program_cache
-from djax.decoders import DECODERS, FIXED_DECODERS, DecoderSpec
+from djax import program_cache, xla_options
 from djax.diffusion import Plan, Rows, row_keys, run_generation
-from djax.kv_cache import POLICIES, CachePolicy
+from djax.generation import FIXED_DECODERS, GenerationConfig
 from djax.model import Model
-from djax.xla_options import compiler_options
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerationConfig:
-    """How to generate (frozen: hashable, part of the compiled program's key).
-
-    gen_length: answer positions (rounded up to a multiple of block_length, reported in the
-    output's notes). steps: total denoising steps of the fixed-steps decoders
-    (`low_confidence`, `random`), split evenly over the blocks; default gen_length (one
-    token per step). decoder: one of `DECODERS`; threshold: τ of `threshold`/`credit`, τ_high
-    of `hierarchy`; low_threshold: τ_low of `hierarchy`; factor: f of `factor`; credit_*: α,
-    γ, β of `credit`. cache: one of `POLICIES`; refresh_every: extra refresh every k steps
-    within a block (0: never); vicinity_*: window and warm-up of `vicinity`. temperature: 0
-    is argmax. stop_ids: ids that end an answer (default: the model's EOS and end-of-turn).
-    early_stop: stop a row after the block holding its first stop token. smoothing:
-    iteration smoothing (soft embeddings of masked positions).
-    """
-
-    gen_length: int = 128
-    block_length: int = 32
-    steps: int | None = None
-    decoder: str = "threshold"
-    threshold: float = 0.9
-    low_threshold: float = 0.4
-    factor: float = 1.0
-    credit_alpha: float = 0.7
-    credit_gamma: float = 0.2
-    credit_beta: float = 0.8
-    cache: str = "dual"
-    refresh_every: int = 0
-    vicinity_before: int = 16
-    vicinity_after: int = 16
-    vicinity_warmup: int = 4
-    temperature: float = 0.0
-    seed: int = 0
-    stop_ids: tuple[int, ...] | None = None
-    early_stop: bool = True
-    smoothing: bool = False
-
-    def __post_init__(self):
-        _check_options(self)
-
-    def decoder_spec(self) -> DecoderSpec:
-        return DecoderSpec(
-            self.decoder,
-            self.low_threshold,
-            self.factor,
-            self.credit_alpha,
-            self.credit_gamma,
-            self.credit_beta,
-        )
-
-    def cache_policy(self) -> CachePolicy:
-        return CachePolicy(
-            self.cache,
-            self.refresh_every,
-            self.vicinity_before,
-            self.vicinity_after,
-            self.vicinity_warmup,
-        )
-
-
-def _check_options(c: GenerationConfig) -> None:
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ValueError(message)
-
-    need(c.decoder in DECODERS, f"decoder={c.decoder!r}; expected one of {DECODERS}")
-    need(c.cache in POLICIES, f"cache={c.cache!r}; expected one of {POLICIES}")
-    need(
-        isinstance(c.gen_length, int) and c.gen_length > 0,
-        f"gen_length={c.gen_length!r}; expected a positive int",
-    )
-    need(
-        isinstance(c.block_length, int) and c.block_length > 0,
-        f"block_length={c.block_length!r}; expected a positive int",
-    )
-    need(
-        c.steps is None or (isinstance(c.steps, int) and c.steps > 0),
-        f"steps={c.steps!r}; expected a positive int or None",
-    )
-    for name in ("threshold", "low_threshold"):
-        value = getattr(c, name)
-        need(0 < value <= 1, f"{name}={value}; expected a value in (0, 1]")
-    need(c.factor > 0, f"factor={c.factor}; expected > 0")
-    need(
-        c.credit_alpha >= 0 and c.credit_gamma > 0 and 0 < c.credit_beta <= 1,
-        f"credit (alpha, gamma, beta)=({c.credit_alpha}, {c.credit_gamma}, {c.credit_beta});"
-        " expected alpha ≥ 0, gamma > 0, beta in (0, 1]",
-    )
-    need(c.temperature >= 0, f"temperature={c.temperature}; expected ≥ 0")
-    need(c.refresh_every >= 0, f"refresh_every={c.refresh_every}; expected ≥ 0")
-    need(
-        min(c.vicinity_before, c.vicinity_after, c.vicinity_warmup) >= 0,
-        "vicinity_before/after/warmup must be ≥ 0",
-    )
 
 
 @dataclasses.dataclass
@@ -176,9 +78,21 @@ def prompt_bucket(length: int, limit: int) -> int:
     return min(bucket, limit) if bucket > length else length
 
 
-def tokenize(
-    model: Model, prompts: Sequence[str] | Sequence[Sequence[int]], chat: bool
-) -> list[list[int]]:
+def is_conversation(prompt: Any) -> bool:
+    """Whether `prompt` is a chat conversation: a non-empty list of `{"role": ...,
+    "content": ...}` messages (what the chat template takes)."""
+    return (
+        isinstance(prompt, Sequence)
+        and not isinstance(prompt, str)
+        and len(prompt) > 0
+        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt)
+    )
+
+
+def tokenize(model: Model, prompts: Sequence[Any], chat: bool) -> list[list[int]]:
+    """Each prompt's token ids: strings tokenised (through the chat template as one user
+    message when `chat`), conversations (`is_conversation`) through the chat template
+    always, token-id lists taken as they are."""
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
         raise TypeError(
             "prompts must be a list of strings or a list of token-id lists; "
@@ -188,21 +102,26 @@ def tokenize(
         raise ValueError("prompts is empty; expected at least one prompt")
     rows = []
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
+        conversation = is_conversation(prompt)
+        if isinstance(prompt, str) or conversation:
             if model.tokenizer is None:
                 raise ValueError(
                     f"{model.path}: has no tokenizer; pass token-id lists instead of strings"
                 )
-            if chat:
-                prompt = model.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}],
-                    add_generation_prompt=True,
-                    tokenize=False,
+            if chat or conversation:
+                messages = prompt if conversation else [{"role": "user", "content": prompt}]
+                text = model.tokenizer.apply_chat_template(
+                    list(messages), add_generation_prompt=True, tokenize=False
                 )
-                ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                ids = model.tokenizer(text, add_special_tokens=False)["input_ids"]
             else:
                 ids = model.tokenizer(prompt)["input_ids"]
         else:
+            if not all(isinstance(t, int | np.integer) for t in prompt):
+                raise TypeError(
+                    f"prompt {i} is {prompt!r:.60}; expected a string, token ids or a list of "
+                    '{"role", "content"} messages'
+                )
             if chat:
                 raise ValueError("chat=True needs string prompts; got token ids")
             ids = [int(t) for t in prompt]
@@ -254,6 +173,11 @@ def make_plan(
         )
     bucket = prompt_bucket(prompt_len, limit - gen)
     stop_ids = config.stop_ids if config.stop_ids is not None else model.config.stop_token_ids
+    outside = [t for t in stop_ids if not 0 <= t < model.config.vocab_size]
+    if outside:
+        raise ValueError(
+            f"stop_ids {outside} outside the model's vocabulary [0, {model.config.vocab_size})"
+        )
     plan = Plan(
         batch=batch,
         prompt_len=bucket,
@@ -362,7 +286,7 @@ def lower(
 def executable_key(model: Model, plan: Plan, args: tuple, run: RowProgram) -> tuple:
     """What identifies a compiled program in this process."""
     shapes = tuple((a.shape, str(a.dtype)) for a in args[1:4])
-    options = compiler_options(jax.default_backend())
+    options = xla_options.compiler_options(jax.default_backend())
     key = (run.__name__, model.config, str(model.dtype), model.options, id(model.mesh), plan)
     return key + (shapes, *sorted(options.items()))
 
@@ -380,24 +304,25 @@ def executable(
     key = executable_key(model, plan, args, run)
     if key in _EXECUTABLES:
         return _EXECUTABLES[key], 0.0
-    options = compiler_options(jax.default_backend())
+    options = xla_options.compiler_options(jax.default_backend())
     start = time.perf_counter()
-    compiled = lower(model, plan, args, run).compile(options)
+    compiled = xla_options.compile_lowered(lower(model, plan, args, run), options)
     _EXECUTABLES[key] = compiled
     return compiled, time.perf_counter() - start
 
 
 def generate(
     model: Model,
-    prompts: Sequence[str] | Sequence[Sequence[int]],
+    prompts: Sequence[Any],
     config: GenerationConfig | None = None,
     *,
     chat: bool = False,
 ) -> GenerationOutput:
     """Generate an answer for each prompt.
 
-    prompts: strings (tokenised; `chat=True` applies the tokenizer's chat template) or lists
-    of token ids. Rows of different lengths are left-padded, padding keys masked.
+    prompts: strings (tokenised; `chat=True` applies the tokenizer's chat template),
+    conversations (lists of `{"role", "content"}` messages, always through the chat
+    template) or lists of token ids. Rows of different lengths are left-padded, padding keys masked.
     """
     config = config or GenerationConfig()
     enable_compile_cache()

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 
 from djax.models.layers import LayerKV, Window
 
-POLICIES = ("none", "prefix", "dual", "vicinity")
 Array = jax.Array
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from djax import checkpoint
 from djax.config import ConfigError, ModelConfig, from_hf_dict, load_hf_config, resolve_token_ids
+from djax.kernel_options import check_kernel_options
 from djax.models import build_module
 from djax.models.layers import TransformerLM
 
@@ -47,6 +48,8 @@ class Model:
     options: tuple[tuple[str, Any], ...] = ()
 
     def with_options(self, **options: Any) -> Model:
+        """This model with kernel `options` replaced (checked as `load` checks them)."""
+        check_kernel_options(options)
         merged = dict(self.options) | options
         return dataclasses.replace(self, options=tuple(sorted(merged.items())))
 
@@ -64,12 +67,15 @@ def load_tokenizer(folder: str | Path) -> Any | None:
         and not (folder / "tokenizer_config.json").is_file()
     ):
         return None
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     if (folder / "tokenizer.json").is_file():
         # Straight to the fast tokenizer: AutoTokenizer would consult config.json, whose
-        # `model_type: llada` transformers does not know.
+        # `model_type: llada` transformers does not know, and importing it imports torch
+        # where torch is installed (seconds of start-up).
+        from transformers import PreTrainedTokenizerFast
+
         return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(folder))
 
 
@@ -96,8 +102,11 @@ def load(
     module options (`attention_impl="auto"|"xla"|"cudnn"|"split_kv"`,
     `mlp_impl="auto"|"xla"|"pallas"`, `moe_impl="auto"|"grouped"|"dense"|"hopper"|"pallas"`,
     `matmul_impl`, `norm_impl` and `rope_impl`, each `"auto"|"xla"|"pallas"`; `norm_impl`
-    also `"fused"` and `"tiled"`).
+    also `"fused"` and `"tiled"`; the table is `djax.kernel_options.KERNEL_OPTIONS`). An
+    unknown option name raises a TypeError and a value outside its choices a ValueError,
+    before anything is read.
     """
+    check_kernel_options(options)
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(

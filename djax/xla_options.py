@@ -14,6 +14,8 @@ settings such as NCCL's environment variables are not covered here.
 from __future__ import annotations
 
 import os
+import re
+from typing import Any
 
 ENV = "DJAX_XLA_OPTIONS"
 
@@ -44,7 +46,7 @@ def _value(text: str) -> Value:
 
 def parse(text: str) -> dict[str, Value]:
     """`"a=4 b=true c=X,Y"` -> {"a": 4, "b": True, "c": "X,Y"}; raises ValueError naming a
-    malformed item. An unknown option name is XLA's error, at compile time."""
+    malformed item. An unknown option name is found at compile time (`compile_lowered`)."""
     options = {}
     for item in text.split():
         name, sep, value = item.partition("=")
@@ -58,3 +60,21 @@ def compiler_options(platform: str) -> dict[str, Value]:
     """The options for a new compile on `platform` ("cpu", "gpu", ...): djax's defaults,
     then the user's `DJAX_XLA_OPTIONS` over them."""
     return {**DEFAULTS.get(platform, {}), **parse(os.environ.get(ENV, ""))}
+
+
+def compile_lowered(lowered: Any, options: dict[str, Value]) -> Any:
+    """`lowered.compile(options)`, where an option XLA rejects (an unknown name, a value of
+    the wrong type or outside its enum) raises a one-line ValueError naming it and where it
+    came from, instead of XLA's runtime error."""
+    import jax
+
+    try:
+        return lowered.compile(options)
+    except jax.errors.JaxRuntimeError as err:
+        message = str(err).strip().partition("INVALID_ARGUMENT: ")[2].splitlines()
+        if not message or not message[0].startswith(("No such compile option", "While setting")):
+            raise
+        name = re.search(r"xla_\w+", message[0])
+        user_given = name is not None and name.group() in parse(os.environ.get(ENV, ""))
+        source = ENV if user_given else "djax's XLA options"
+        raise ValueError(f"{source}: {message[0]}") from None

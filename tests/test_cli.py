@@ -1,9 +1,26 @@
-"""The `djax` command: generation on the shipped demo model, options, conversion, errors."""
+"""The `djax` command: generation on the shipped demo model, options, batches, JSONL in and
+out, resuming, signals, start-up imports, conversion, errors."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import pytest
 
 import djax
 from djax.cli import main
+
+ROOT = Path(__file__).parents[1]
+
+
+def cli_env() -> dict[str, str]:
+    """The environment of a `python -m djax.cli` subprocess: this checkout first."""
+    return os.environ | {"PYTHONPATH": str(ROOT)}
 
 
 def test_generate_default_model(capsys):
@@ -32,6 +49,7 @@ def test_generate_options_reach_the_config(capsys, dense_folder):
         "--cache",
         "none",
         "--no-early-stop",
+        "--allow-pickle",
         "--json",
     ]
     assert main(args) == 0
@@ -39,19 +57,68 @@ def test_generate_options_reach_the_config(capsys, dense_folder):
     assert result["stats"]["forwards"] == 8 and result["stats"]["refreshes"] == 8
 
 
-def test_errors_are_reported(capsys, dense_folder, tmp_path):
-    assert (
-        main(["generate", "--model", str(dense_folder[0]), "--prompt", "x", "--decoder", "greedy"])
-        == 2
+def test_prompts_file_runs_in_batches(capsys, tmp_path):
+    prompts = ["1+1=", "2+2=", "", "30+4=", "sort 3,1", "reverse abc"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    args = ["generate", "--prompts-file", str(tmp_path / "p.txt"), "--batch-size", "2"]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["texts"] == ["2", "4", "34", "1,3", "cba"]
+    assert result["stats"]["batches"] == 3
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "> 30+4=\n34\n" in out and "3 batches: forwards" in out
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_jsonl_in_and_out_resumes(capsys, tmp_path):
+    inputs, outputs = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(
+        inputs,
+        [
+            {"id": "add", "prompt": "12+345="},
+            {"messages": [{"role": "user", "content": "sort 3,9,1"}]},
+            {"id": 7, "prompt": "reverse abc\nreverse de"},  # a multi-line prompt
+        ],
     )
-    assert "decoder='greedy'; expected one of" in capsys.readouterr().err
-    assert main(["generate", "--model", str(tmp_path / "none"), "--prompt", "x"]) == 2
-    assert "is not a folder" in capsys.readouterr().err
-    for flag in ("--mlp-impl", "--matmul-impl", "--norm-impl", "--rope-impl"):
-        bad_impl = ["generate", "--model", str(dense_folder[0]), "--prompt", "x", flag, "fast"]
-        assert main(bad_impl) == 2
-        option = flag[2:].replace("-", "_")
-        assert f"{option}='fast'; expected one of" in capsys.readouterr().err
+    args = ["generate", "--input-jsonl", str(inputs), "--output-jsonl", str(outputs)]
+    assert main([*args, "--batch-size", "2"]) == 0
+    records = read_jsonl(outputs)
+    assert [r["id"] for r in records] == ["add", 2, 7]
+    assert records[0]["prompt"] == "12+345=" and records[0]["answer"] == "357"
+    assert records[1]["messages"][0]["content"] == "sort 3,9,1"
+    assert records[1]["answer"] == "1,3,9"
+    assert records[2]["prompt"] == "reverse abc\nreverse de"
+    assert records[0]["stats"]["forwards"] >= 1
+    assert records[0]["token_ids"] and "wrote 3 answers" in capsys.readouterr().out
+
+    # A second run with more prompts generates only the new ids, and says so.
+    write_jsonl(
+        inputs, [*map(json.loads, inputs.read_text().splitlines()), {"id": 9, "prompt": "1+2="}]
+    )
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "already holds 3 of the 4 prompts; generating the other 1" in captured.err
+    assert "wrote 1 answers" in captured.out
+    records = read_jsonl(outputs)
+    assert [r["id"] for r in records] == ["add", 2, 7, 9] and records[3]["answer"] == "3"
+
+
+def test_quiet_and_verbose(capsys, tmp_path):
+    outputs = tmp_path / "out.jsonl"
+    args = ["generate", "--prompt", "1+1=", "--output-jsonl", str(outputs)]
+    assert main(args) == 0
+    assert main([*args, "--quiet"]) == 0
+    assert capsys.readouterr().err == ""  # the "already holds" warning is not shown
+    assert main(["generate", "--prompt", "1+1=", "--verbose"]) == 0
+    assert "batch of 1: forwards" in capsys.readouterr().err
 
 
 def test_convert(capsys, dense_folder, tmp_path):
@@ -84,11 +151,7 @@ def test_generate_on_a_moe_folder(capsys, moe_folder):
 
 
 def test_converter_script(dense_folder, tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).parents[1] / "converters" / "hf_to_djax.py"
+    script = ROOT / "converters" / "hf_to_djax.py"
     out = tmp_path / "converted"
     run = subprocess.run(
         [sys.executable, str(script), str(dense_folder[0]), str(out)],
@@ -105,3 +168,130 @@ def test_converter_script(dense_folder, tmp_path):
         timeout=300,
     )
     assert again.returncode == 2 and "is not empty" in again.stderr
+
+
+# What a `djax ...` run imported: it runs the CLI as `python -m djax.cli` does, then prints
+# which of the heavy packages are in sys.modules.
+IMPORTS = """
+import runpy, sys
+sys.argv = ["djax", *sys.argv[1:]]
+try:
+    runpy.run_module("djax.cli", run_name="__main__")
+except SystemExit as exit:
+    assert exit.code in (0, None), exit.code
+print(sorted(m for m in ("jax", "torch", "transformers", "flax") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["--version"]])
+def test_help_imports_no_jax_or_torch(args):
+    run = subprocess.run(
+        [sys.executable, "-c", IMPORTS, *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_generate_does_not_import_torch():
+    run = subprocess.run(
+        [sys.executable, "-c", IMPORTS, "generate", "--prompt", "1+1="],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "['flax', 'jax', 'transformers']"
+
+
+def test_version():
+    run = subprocess.run(
+        [sys.executable, "-m", "djax.cli", "--version"],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=60,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == f"djax {djax.__version__}"
+    assert djax.__version__ == metadata.version("djax")
+
+
+def test_help_lists_choices_and_examples(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    assert "{auto,xla,cudnn,split_kv}" in text and "{none,prefix,dual,vicinity}" in text
+    assert "(default: None)" not in text and "examples:" in text
+    assert "--batch-size N" in text and "(default: 32)" in text
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_stop_signal_keeps_finished_batches(tmp_path, signum, status):
+    """A stop signal during a long job ends it within a few seconds, with one line and no
+    traceback, and the output file holds whole records of every finished batch."""
+    prompts, outputs = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
+    prompts.write_text("".join(f"{i}+{i * 7}=\n" for i in range(20_000)))
+    command = [sys.executable, "-m", "djax.cli", "generate", "--prompts-file", str(prompts)]
+    command += ["--batch-size", "4", "--output-jsonl", str(outputs)]
+    job = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env()
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (outputs.exists() and outputs.stat().st_size) and job.poll() is None:
+            assert time.monotonic() < deadline, "no batch finished in 120 s"
+            time.sleep(0.1)
+        sent = time.monotonic()
+        job.send_signal(signum)
+        _, err = job.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        job.kill()
+    assert job.returncode == status, err
+    assert took < 5 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    records = read_jsonl(outputs)
+    name = signal.Signals(signum).name
+    assert f"stopped by {name} after {len(records)} of 20000 prompts" in err
+    assert f"{len(records)} answers written" in err
+    assert 0 < len(records) < 20_000 and len(records) % 4 == 0
+    assert [r["id"] for r in records] == list(range(1, len(records) + 1))
+    assert records[0]["answer"] == "0"
+
+
+def readme_blocks(section: str, language: str) -> list[str]:
+    """The fenced `language` blocks of the README section headed `## {section}`."""
+    text = (ROOT / "README.md").read_text().split(f"\n## {section}\n", 1)[1].split("\n## ")[0]
+    return [block.split("```")[0] for block in text.split(f"```{language}\n")[1:]]
+
+
+def test_readme_cli_examples(tmp_path, monkeypatch, capsys):
+    """Every command of the README's demo examples runs as written."""
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.txt").write_text("1+1=\nsort 3,1\nreverse abc\n")
+    write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [
+            {"id": "q1", "prompt": "12+345="},
+            {"id": "q2", "messages": [{"role": "user", "content": "sort 3,9,1"}]},
+        ],
+    )
+    commands = readme_blocks("The CLI", "bash")[1].strip().splitlines()
+    assert len(commands) == 4
+    for line in commands:
+        argv = shlex.split(line, comments=True)
+        assert argv[0] == "djax" and main(argv[1:]) == 0, line
+    assert [r["answer"] for r in read_jsonl(tmp_path / "answers.jsonl")] == ["357", "1,3,9"]
+    assert "3305" in capsys.readouterr().out
+
+
+def test_readme_demo_python_example(capsys):
+    (example,) = readme_blocks("The Python API", "python")
+    exec(compile(example, "README.md", "exec"), {})
+    assert capsys.readouterr().out.startswith("['3305', '1,3,9']")

@@ -188,8 +188,8 @@ def test_gen_length_rounded_up_and_reported(dense_model):
         ({"threshold": 0.0}, "threshold=0.0; expected a value in \\(0, 1\\]"),
         ({"threshold": 1.5}, "threshold=1.5; expected a value in \\(0, 1\\]"),
         ({"gen_length": 0}, "gen_length=0; expected a positive int"),
-        ({"temperature": -1.0}, "temperature=-1.0; expected ≥ 0"),
-        ({"refresh_every": -2}, "refresh_every=-2; expected ≥ 0"),
+        ({"temperature": -1.0}, "temperature=-1.0; expected a finite number ≥ 0"),
+        ({"refresh_every": -2}, "refresh_every=-2; expected an int ≥ 0"),
     ],
 )
 def test_config_errors(changes, message):

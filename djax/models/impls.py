@@ -1,6 +1,6 @@
-"""Which implementation each part of the forward takes: the `*_impl` module options, their
-names, and what `auto` picks on each backend, dtype and shape (each choice's measured
-reason is in its docstring and bench/NOTES.md)."""
+"""Which implementation each part of the forward takes: what `auto` picks for each `*_impl`
+module option on each backend, dtype and shape (each choice's measured reason is in its
+docstring and bench/NOTES.md); the options' names and values are `djax.kernel_options`."""
 
 from __future__ import annotations
 
@@ -9,23 +9,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from djax.kernel_options import KERNEL_OPTIONS, check_choice
 from djax.models import flash_attention, pallas_tiles, residual_product, rope_write, split_k, swiglu
 
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "split_kv")
-MLP_IMPLS = ("auto", "xla", "pallas")
-NORM_IMPLS = ("auto", "xla", "pallas", "fused", "tiled")
-MATMUL_IMPLS = ("auto", "xla", "pallas")
-ROPE_IMPLS = ("auto", "xla", "pallas")
+ATTENTION_IMPLS = KERNEL_OPTIONS["attention_impl"].choices
+MLP_IMPLS = KERNEL_OPTIONS["mlp_impl"].choices
+NORM_IMPLS = KERNEL_OPTIONS["norm_impl"].choices
+MATMUL_IMPLS = KERNEL_OPTIONS["matmul_impl"].choices
+ROPE_IMPLS = KERNEL_OPTIONS["rope_impl"].choices
 # The fewest heads (kv heads x (group + 2), one program each) `fuse_qkv_rope` fuses: LLaDA-MoE's
 # 48, the smallest count measured to gain (13.6 µs against 10.5 + 5.4 on an H200). Fewer, as
 # under tensor parallelism, keep the split-K product, which spreads over more programs.
 MIN_FUSED_PROGRAMS = 48
-
-
-def check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
-    """Raise a ValueError naming `option`'s bad `value` and its `choices`."""
-    if value not in choices:
-        raise ValueError(f"{option}={value!r}; expected one of {choices}")
 
 
 def resolve_attention_impl(impl: str, head_dim: int = 128, dtype: Any = jnp.bfloat16) -> str:

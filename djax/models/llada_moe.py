@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import ModelConfig
+from djax.kernel_options import KERNEL_OPTIONS, check_choice
 from djax.models import expert_tiles, pallas_tiles
-from djax.models.impls import check_choice
 from djax.models.layers import GatedMLP, TransformerLM, _sum_over, init_normal
 from djax.models.sources import (
     Joined,
@@ -43,7 +43,7 @@ from djax.models.sources import (
 from djax.models.split_k import finish
 
 Array = jax.Array
-MOE_IMPLS = ("auto", "grouped", "dense", "hopper", "pallas")
+MOE_IMPLS = KERNEL_OPTIONS["moe_impl"].choices
 # `auto` runs `pallas` on GPUs (`expert_tiles_fit`); where it does not fit, `hopper` on Hopper
 # GPUs (LLaDA-MoE on an H200: 32-token block 5.5 ms, 384-token refresh 8.3 ms;
 # bench/results/forward_NVIDIA_H200_20261122_015632.json). Elsewhere it runs

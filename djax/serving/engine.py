@@ -34,7 +34,7 @@ import numpy as np
 
 from djax import engine as djax_engine
 from djax.diffusion import Plan, Rows, row_keys, run_block_call
-from djax.engine import GenerationConfig
+from djax.generation import GenerationConfig
 from djax.model import Model
 from djax.serving import layout
 from djax.serving.metrics import ServerMetrics
@@ -280,10 +280,12 @@ class ServingEngine:
             log.exception("event handler of %s failed", row.request.request_id)
 
     def _finish(self, row: _Row, event: Event) -> None:
-        """Send a request's last event and forget it (lock held)."""
-        self._emit(row, event)
+        """Forget a request, then send its last event (lock held): its id is free again by
+        the time the client hears it is done."""
         row.done = True
-        self._by_id.pop(row.request.request_id, None)
+        if self._by_id.get(row.request.request_id) is row:
+            del self._by_id[row.request.request_id]
+        self._emit(row, event)
 
     def _timed_call(self, program: Any, args: tuple, pending: list) -> tuple[dict, float]:
         """Run a device call, send `pending` events while it runs; its host outputs and

@@ -1,0 +1,146 @@
+"""`GenerationConfig`, how to generate, and the names of its decoders and cache policies.
+
+Imports nothing heavy (no jax), so the CLI can build its options from the dataclass without
+paying for jax at `--help`. Every field is checked when a config is made; the checks that
+need the model (stop ids inside its vocabulary) are `djax.engine.make_plan`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+FIXED_DECODERS = ("low_confidence", "random")
+DECODERS = (*FIXED_DECODERS, "threshold", "factor", "credit", "hierarchy")
+POLICIES = ("none", "prefix", "dual", "vicinity")
+SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT): what `jax.random.key` takes on every backend
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """How to generate (frozen: hashable, part of the compiled program's key).
+
+    gen_length: answer positions (rounded up to a multiple of block_length, reported in the
+    output's notes). steps: total denoising steps of the fixed-steps decoders
+    (`low_confidence`, `random`), split evenly over the blocks; default gen_length (one
+    token per step). decoder: one of `DECODERS`; threshold: τ of `threshold`/`credit`, τ_high
+    of `hierarchy`; low_threshold: τ_low of `hierarchy`; factor: f of `factor`; credit_*: α,
+    γ, β of `credit`. cache: one of `POLICIES`; refresh_every: extra refresh every k steps
+    within a block (0: never); vicinity_*: window and warm-up of `vicinity`. temperature: 0
+    is argmax, else finite and > 0. seed: in [0, 2**32). stop_ids: ids that end an answer
+    (default: the model's EOS and end-of-turn). early_stop: stop a row after the block
+    holding its first stop token. smoothing: iteration smoothing (soft embeddings of masked
+    positions).
+    """
+
+    gen_length: int = 128
+    block_length: int = 32
+    steps: int | None = None
+    decoder: str = "threshold"
+    threshold: float = 0.9
+    low_threshold: float = 0.4
+    factor: float = 1.0
+    credit_alpha: float = 0.7
+    credit_gamma: float = 0.2
+    credit_beta: float = 0.8
+    cache: str = "dual"
+    refresh_every: int = 0
+    vicinity_before: int = 16
+    vicinity_after: int = 16
+    vicinity_warmup: int = 4
+    temperature: float = 0.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] | None = None
+    early_stop: bool = True
+    smoothing: bool = False
+
+    def __post_init__(self):
+        _check_options(self)
+
+    def decoder_spec(self):
+        """The `djax.decoders.DecoderSpec` of this config."""
+        from djax.decoders import DecoderSpec
+
+        return DecoderSpec(
+            self.decoder,
+            self.low_threshold,
+            self.factor,
+            self.credit_alpha,
+            self.credit_gamma,
+            self.credit_beta,
+        )
+
+    def cache_policy(self):
+        """The `djax.kv_cache.CachePolicy` of this config."""
+        from djax.kv_cache import CachePolicy
+
+        return CachePolicy(
+            self.cache,
+            self.refresh_every,
+            self.vicinity_before,
+            self.vicinity_after,
+            self.vicinity_warmup,
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_options(c: GenerationConfig) -> None:
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ValueError(message)
+
+    need(c.decoder in DECODERS, f"decoder={c.decoder!r}; expected one of {DECODERS}")
+    need(c.cache in POLICIES, f"cache={c.cache!r}; expected one of {POLICIES}")
+    need(
+        _is_int(c.gen_length) and c.gen_length > 0,
+        f"gen_length={c.gen_length!r}; expected a positive int",
+    )
+    need(
+        _is_int(c.block_length) and c.block_length > 0,
+        f"block_length={c.block_length!r}; expected a positive int",
+    )
+    need(
+        c.steps is None or (_is_int(c.steps) and c.steps > 0),
+        f"steps={c.steps!r}; expected a positive int or None",
+    )
+    for name in ("threshold", "low_threshold", "factor", "credit_alpha", "credit_gamma"):
+        value = getattr(c, name)
+        need(
+            isinstance(value, int | float) and math.isfinite(value),
+            f"{name}={value!r}; expected a finite number",
+        )
+    for name in ("threshold", "low_threshold"):
+        value = getattr(c, name)
+        need(0 < value <= 1, f"{name}={value}; expected a value in (0, 1]")
+    need(c.factor > 0, f"factor={c.factor}; expected > 0")
+    need(
+        c.credit_alpha >= 0 and c.credit_gamma > 0 and 0 < c.credit_beta <= 1,
+        f"credit (alpha, gamma, beta)=({c.credit_alpha}, {c.credit_gamma}, {c.credit_beta});"
+        " expected alpha ≥ 0, gamma > 0, beta in (0, 1]",
+    )
+    need(
+        isinstance(c.temperature, int | float)
+        and math.isfinite(c.temperature)
+        and c.temperature >= 0,
+        f"temperature={c.temperature!r}; expected a finite number ≥ 0",
+    )
+    need(
+        _is_int(c.seed) and 0 <= c.seed < SEED_LIMIT,
+        f"seed={c.seed!r}; expected an int in [0, 2**32)",
+    )
+    need(
+        c.stop_ids is None
+        or (isinstance(c.stop_ids, tuple) and all(_is_int(t) and t >= 0 for t in c.stop_ids)),
+        f"stop_ids={c.stop_ids!r}; expected a tuple of token ids (ints ≥ 0) or None",
+    )
+    need(
+        _is_int(c.refresh_every) and c.refresh_every >= 0,
+        f"refresh_every={c.refresh_every!r}; expected an int ≥ 0",
+    )
+    need(
+        min(c.vicinity_before, c.vicinity_after, c.vicinity_warmup) >= 0,
+        "vicinity_before/after/warmup must be ≥ 0",
+    )

@@ -1,0 +1,136 @@
+"""Prompts in and answers out for `djax generate`: prompt files, JSONL records, resuming.
+
+A prompt is a `PromptRecord`: an `id` and either a string `prompt` or a chat conversation
+(`messages`, a list of `{"role", "content"}` dicts). Sources: `--prompt` texts (ids 0, 1,
+...), a prompts file (one prompt per line; the id is the 1-based line number) or a JSONL
+file (one JSON object per line with `prompt` or `messages` and an optional `id`, by default
+the line number). Answers are appended to an output JSONL file one record per prompt, a
+whole batch per write, so an interrupted job keeps every finished batch and a second run
+skips the ids the file already holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRecord:
+    """One prompt: `id` (str or int, unique in a job) and `prompt`, a string or a list of
+    `{"role": ..., "content": ...}` messages."""
+
+    id: str | int
+    prompt: str | list[dict[str, Any]]
+
+    @property
+    def is_conversation(self) -> bool:
+        return not isinstance(self.prompt, str)
+
+    def fields(self) -> dict[str, Any]:
+        """The record's id and prompt as an output record names them."""
+        key = "messages" if self.is_conversation else "prompt"
+        return {"id": self.id, key: self.prompt}
+
+
+def from_texts(texts: Sequence[str]) -> list[PromptRecord]:
+    """`--prompt` texts, ids 0, 1, ..."""
+    return [PromptRecord(i, text) for i, text in enumerate(texts)]
+
+
+def read_prompts_file(path: str | Path) -> list[PromptRecord]:
+    """One prompt per non-blank line, its id the 1-based line number; raises ValueError when
+    the file holds no prompt."""
+    lines = Path(path).read_text().splitlines()
+    records = [PromptRecord(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    if not records:
+        raise ValueError(f"{path} holds no prompts; expected one prompt per line")
+    return records
+
+
+def read_jsonl(path: str | Path) -> list[PromptRecord]:
+    """One JSON object per non-blank line with `prompt` (a non-empty string) or `messages`
+    (a non-empty list of {"role", "content"} objects) and an optional `id` (default: the
+    1-based line number). Raises ValueError naming the file and line of a bad record, a
+    repeated id, or a file without records."""
+    records, seen = [], set()
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: not JSON ({err.msg})") from None
+        record = _record(item, n, where)
+        if record.id in seen:
+            raise ValueError(f"{where}: id {record.id!r} repeats an earlier record's")
+        seen.add(record.id)
+        records.append(record)
+    if not records:
+        raise ValueError(f"{path} holds no records; expected one JSON object per line")
+    return records
+
+
+def _record(item: Any, line: int, where: str) -> PromptRecord:
+    if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
+        raise ValueError(f'{where}: expected an object with "prompt" or "messages"')
+    id_ = item.get("id", line)
+    if not isinstance(id_, str | int) or isinstance(id_, bool):
+        raise ValueError(f"{where}: id {id_!r}; expected a string or an int")
+    if "prompt" in item:
+        prompt = item["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f'{where}: "prompt" must be a non-empty string')
+        return PromptRecord(id_, prompt)
+    messages = item["messages"]
+    if not (
+        isinstance(messages, list)
+        and messages
+        and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages)
+    ):
+        raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}}')
+    return PromptRecord(id_, messages)
+
+
+def finished_ids(path: str | Path) -> set[str | int]:
+    """The ids of the records an output JSONL file already holds (none when it does not
+    exist). Raises ValueError naming the line of anything that is not such a record, so a
+    file that is not djax's output is never appended to."""
+    path = Path(path)
+    if not path.exists():
+        return set()
+    ids = set()
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        raise ValueError(f"{path}: the last line is cut short; remove it to resume")
+    for n, line in enumerate(text.splitlines(), 1):
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            item = None
+        if not isinstance(item, dict) or "id" not in item:
+            raise ValueError(
+                f"{path}:{n}: not a djax output record; expected a JSON object with an id"
+            )
+        ids.add(item["id"])
+    return ids
+
+
+def batches(records: Sequence[PromptRecord], size: int) -> Iterator[list[PromptRecord]]:
+    """`records` in consecutive batches of `size` (the last one may be smaller)."""
+    for start in range(0, len(records), size):
+        yield list(records[start : start + size])
+
+
+def append_records(path: str | Path, records: Iterable[dict[str, Any]]) -> None:
+    """Append `records` to a JSONL file in one write, then flush and sync it to disk."""
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,193 @@
+"""Bad inputs, table-driven: each CLI row is `djax` arguments with the exit status and a
+fragment of the one-line message on stderr (never a traceback); each API row is a call with
+the exception it raises and a fragment of its message."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import djax
+from djax import demo
+from djax.cli import main
+
+DEMO = str(demo.default_model_path())
+
+
+def files(tmp: Path) -> dict[str, str]:
+    """Bad input files, by name, written under `tmp`."""
+    contents = {
+        "empty.txt": "\n  \n",
+        "not_json.jsonl": '{"prompt": "1+1="}\n{oops\n',
+        "no_prompt.jsonl": '{"id": 1, "text": "1+1="}\n',
+        "both.jsonl": '{"prompt": "1+1=", "messages": []}\n',
+        "empty_prompt.jsonl": '{"prompt": ""}\n',
+        "bad_messages.jsonl": '{"messages": [{"content": "hi"}]}\n',
+        "repeated.jsonl": '{"id": "a", "prompt": "1+1="}\n{"id": "a", "prompt": "2+2="}\n',
+        "bool_id.jsonl": '{"id": true, "prompt": "1+1="}\n',
+        "empty.jsonl": "\n",
+        "not_ours.jsonl": "some notes\n",
+        "cut_short.jsonl": '{"id": 0, "answer": "2"}\n{"id": 1, "ans',
+    }
+    for name, text in contents.items():
+        (tmp / name).write_text(text)
+    return {name: str(tmp / name) for name in contents}
+
+
+GEN = ["generate", "--prompt", "1+1="]
+
+# (arguments with {file} placeholders, environment, exit status, message fragment)
+CLI_ROWS = [
+    (["generate", "--decoder", "greedy"], {}, 2, "invalid choice: 'greedy'"),
+    (["generate", "--cache", "paged"], {}, 2, "invalid choice: 'paged'"),
+    (["generate", "--attention-impl", "fast"], {}, 2, "invalid choice: 'fast'"),
+    (["generate", "--norm-impl", "fast"], {}, 2, "invalid choice: 'fast'"),
+    (["generate", "--moe-impl", "fast"], {}, 2, "invalid choice: 'fast'"),
+    (["generate", "--dtype", "float8"], {}, 2, "invalid choice: 'float8'"),
+    (["convert", "a", "b", "--dtype", "int8"], {}, 2, "invalid choice: 'int8'"),
+    (["generate", "--seed", "99999999999999999999"], {}, 2, "seed=99999999999999999999; expected"),
+    (["generate", "--seed", "-1"], {}, 2, "seed=-1; expected an int in [0, 2**32)"),
+    (["generate", "--seed", "1.5"], {}, 2, "invalid int value: '1.5'"),
+    ([*GEN, "--stop-ids", "99999"], {}, 2, "stop_ids [99999] outside the model's vocabulary"),
+    ([*GEN, "--stop-ids", "1,x"], {}, 2, "'1,x' is not a comma-separated list of ids"),
+    ([*GEN, "--stop-ids", "-3"], {}, 2, "stop_ids=(-3,); expected a tuple of token ids"),
+    ([*GEN, "--temperature", "inf"], {}, 2, "temperature=inf; expected a finite number ≥ 0"),
+    ([*GEN, "--temperature", "nan"], {}, 2, "temperature=nan; expected a finite number ≥ 0"),
+    ([*GEN, "--temperature", "-0.5"], {}, 2, "temperature=-0.5; expected a finite number"),
+    ([*GEN, "--threshold", "nan"], {}, 2, "threshold=nan; expected a finite number"),
+    ([*GEN, "--gen-length", "0"], {}, 2, "gen_length=0; expected a positive int"),
+    ([*GEN, "--gen-length", "256"], {}, 2, "exceeds the model's maximum sequence length 128"),
+    ([*GEN, "--batch-size", "0"], {}, 2, "'0' is not a positive int"),
+    ([*GEN, "--tensor-parallel", "-2"], {}, 2, "'-2' is not a positive int"),
+    ([*GEN, "--model", "{missing}"], {}, 2, "is not a folder"),
+    ([*GEN, "--prompts-file", "x"], {}, 2, "not allowed with argument --prompt"),
+    ([*GEN, "--json", "--output-jsonl", "x"], {}, 2, "not allowed with argument --json"),
+    (["generate", "--prompts-file", "{empty.txt}"], {}, 2, "holds no prompts"),
+    (["generate", "--prompts-file", "{missing}"], {}, 2, "No such file"),
+    (["generate", "--input-jsonl", "{not_json.jsonl}"], {}, 2, "not_json.jsonl:2: not JSON"),
+    (["generate", "--input-jsonl", "{no_prompt.jsonl}"], {}, 2, 'with "prompt" or "messages"'),
+    (["generate", "--input-jsonl", "{both.jsonl}"], {}, 2, 'with "prompt" or "messages"'),
+    (["generate", "--input-jsonl", "{empty_prompt.jsonl}"], {}, 2, "must be a non-empty string"),
+    (["generate", "--input-jsonl", "{bad_messages.jsonl}"], {}, 2, '"messages" must be'),
+    (["generate", "--input-jsonl", "{repeated.jsonl}"], {}, 2, "id 'a' repeats"),
+    (["generate", "--input-jsonl", "{bool_id.jsonl}"], {}, 2, "id True; expected a string"),
+    (["generate", "--input-jsonl", "{empty.jsonl}"], {}, 2, "holds no records"),
+    ([*GEN, "--output-jsonl", "{not_ours.jsonl}"], {}, 2, "not_ours.jsonl:1: not a djax output"),
+    ([*GEN, "--output-jsonl", "{cut_short.jsonl}"], {}, 2, "the last line is cut short"),
+    (
+        GEN,
+        {"DJAX_XLA_OPTIONS": "xla_no_such_option=1"},
+        2,
+        "DJAX_XLA_OPTIONS: No such compile option: 'xla_no_such_option'",
+    ),
+    (GEN, {"DJAX_XLA_OPTIONS": "gpu_thing=1"}, 2, "'gpu_thing=1' is not name=value"),
+]
+
+
+def row_id(row) -> str:
+    args, env, _, _ = row
+    return " ".join([*(f"{k}=.." for k in env), *args])[:60]
+
+
+@pytest.mark.parametrize("args, env, status, message", CLI_ROWS, ids=map(row_id, CLI_ROWS))
+def test_cli_rejects(args, env, status, message, tmp_path, capsys, monkeypatch):
+    paths = files(tmp_path) | {"missing": str(tmp_path / "missing")}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        code = main([paths[a[1:-1]] if a.startswith("{") else a for a in args])
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == status
+    assert message in err and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("djax")]
+    assert len(lines) == 1, err  # one line (argparse adds its usage before it)
+
+
+def test_cli_rejects_in_a_fresh_process():
+    """The issue's case as a user meets it: an overflowing seed is one line, no traceback."""
+    run = subprocess.run(
+        [sys.executable, "-m", "djax.cli", "generate", "--seed", "99999999999999999999"],
+        capture_output=True,
+        text=True,
+        env=os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])},
+        timeout=120,
+    )
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip() == (
+        "djax: error: seed=99999999999999999999; expected an int in [0, 2**32)"
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_model():
+    return djax.load(DEMO)
+
+
+SMALL = {"gen_length": 8, "block_length": 8}
+
+# (call taking the demo model, exception type, message fragment)
+API_ROWS = [
+    (
+        lambda m: djax.load(DEMO, atention_impl="xla"),
+        TypeError,
+        "unknown kernel option 'atention_impl'; did you mean 'attention_impl'?",
+    ),
+    (lambda m: djax.load(DEMO, kernels="fast"), TypeError, "expected one of ('attention_impl'"),
+    (lambda m: djax.load(DEMO, attention_impl="fast"), ValueError, "attention_impl='fast'"),
+    (lambda m: djax.load(DEMO, moe_impl="sparse"), ValueError, "moe_impl='sparse'; expected"),
+    (lambda m: djax.load(DEMO, norm_impl=None), ValueError, "norm_impl=None; expected one of"),
+    (lambda m: m.with_options(mlp_imp="xla"), TypeError, "did you mean 'mlp_impl'?"),
+    (lambda m: m.with_options(rope_impl="triton"), ValueError, "rope_impl='triton'"),
+    (lambda m: djax.load("/no/such/folder"), FileNotFoundError, "is not a folder"),
+    (lambda m: djax.GenerationConfig(seed=2**32), ValueError, "seed=4294967296; expected"),
+    (lambda m: djax.GenerationConfig(seed=-1), ValueError, "seed=-1; expected"),
+    (lambda m: djax.GenerationConfig(seed=True), ValueError, "seed=True; expected"),
+    (lambda m: djax.GenerationConfig(temperature=float("inf")), ValueError, "temperature=inf"),
+    (lambda m: djax.GenerationConfig(temperature=float("nan")), ValueError, "temperature=nan"),
+    (lambda m: djax.GenerationConfig(temperature=-1e-3), ValueError, "temperature=-0.001"),
+    (lambda m: djax.GenerationConfig(factor=float("inf")), ValueError, "factor=inf"),
+    (lambda m: djax.GenerationConfig(stop_ids=[1]), ValueError, "stop_ids=[1]; expected a tuple"),
+    (lambda m: djax.GenerationConfig(stop_ids=(1, -1)), ValueError, "stop_ids=(1, -1)"),
+    (lambda m: djax.GenerationConfig(gen_length=8.0), ValueError, "gen_length=8.0; expected"),
+    (
+        lambda m: djax.generate(m, ["1+1="], djax.GenerationConfig(**SMALL, stop_ids=(1, 128))),
+        ValueError,
+        "stop_ids [128] outside the model's vocabulary [0, 128)",
+    ),
+    (
+        lambda m: djax.generate(m, [[{"role": "user"}]], djax.GenerationConfig(**SMALL)),
+        TypeError,
+        "prompt 0 is [{'role': 'user'}]; expected a string, token ids or a list of",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, error, message", API_ROWS)
+def test_api_rejects(demo_model, call, error, message):
+    with pytest.raises(error) as raised:
+        call(demo_model)
+    assert message in str(raised.value)
+
+
+def test_unknown_xla_option_through_the_api(demo_model, monkeypatch):
+    monkeypatch.setenv("DJAX_XLA_OPTIONS", "xla_gpu_autotune_level=high")
+    with pytest.raises(ValueError) as raised:
+        djax.generate(demo_model, ["1+1="], djax.GenerationConfig(**SMALL))
+    assert str(raised.value) == (
+        "DJAX_XLA_OPTIONS: While setting option xla_gpu_autotune_level, 'high' is not a "
+        "valid int32 value."
+    )
+
+
+def test_a_conversation_is_a_prompt(demo_model):
+    """A list of {"role", "content"} messages goes through the chat template, as a string
+    prompt does under chat=True."""
+    config = djax.GenerationConfig(gen_length=32, block_length=8)
+    messages = [{"role": "user", "content": "12+345="}]
+    out = djax.generate(demo_model, [messages], config)
+    assert out.texts == ["357"]
+    assert out.token_ids == djax.generate(demo_model, ["12+345="], config, chat=True).token_ids
