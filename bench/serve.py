@@ -484,6 +484,7 @@ def run_server(args) -> None:
         scheduler=args.scheduler,
         max_batch=args.max_batch,
         max_seq_len=lengths.max_sequence,
+        sampling=False,  # the trace is greedy: no sampling programs to compile
     )
     serve(model, serve_config, port=args.port, model_name=served_model_name(args.model))
 
