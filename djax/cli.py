@@ -14,7 +14,7 @@ import types
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
-from djax.engine import GenerationConfig
+from djax.engine import GenerationConfig, generation_defaults
 
 _HELP = {
     "gen_length": "answer positions (rounded up to a multiple of --block-length)",
@@ -155,7 +155,7 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
 
     path = args.model or str(demo.default_model_path())
     label = demo.describe(path)  # None unless the folder holds a demo model
-    config = _generation_config(args, demo.generation_defaults(path) if label else {})
+    config = _generation_config(args, generation_defaults(path))
     mesh = None
     if args.tensor_parallel > 1 or args.expert_parallel > 1:
         from djax.sharding import make_mesh
@@ -218,9 +218,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out}")
             return 0
         result = run_generate(args)
-    except (ValueError, FileNotFoundError, FileExistsError, TypeError) as err:
+    except (ValueError, OSError, TypeError) as err:
         print(f"djax: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("djax: interrupted", file=sys.stderr)
+        return 130
     if args.json:
         print(json.dumps(result, indent=2))
     else:

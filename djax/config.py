@@ -86,9 +86,12 @@ def load_hf_config(folder: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: not found; expected a Hugging Face model folder")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        hf = json.loads(path.read_text())
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
         raise ConfigError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: holds a JSON {type(hf).__name__}; expected an object")
+    return hf
 
 
 def family_of(hf: dict[str, Any], source: str) -> str:

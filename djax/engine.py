@@ -9,6 +9,7 @@ persistent compilation cache is on by default, so a second process does not reco
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from djax import program_cache
+from djax.config import ConfigError
 from djax.decoders import DECODERS, FIXED_DECODERS, DecoderSpec
 from djax.diffusion import Plan, run_generation
 from djax.kv_cache import POLICIES, CachePolicy
@@ -90,6 +92,31 @@ class GenerationConfig:
             self.vicinity_after,
             self.vicinity_warmup,
         )
+
+
+GENERATION_FILE = "generation_config.json"
+
+
+def generation_defaults(folder: str | Path) -> dict[str, Any]:
+    """The `GenerationConfig` fields a model folder's `generation_config.json` sets (the HF
+    file; its other keys are ignored); {} when the folder has none. A file that is not a
+    JSON object, or sets a field to an invalid value, raises `ConfigError` naming it."""
+    path = Path(folder) / GENERATION_FILE
+    if not path.is_file():
+        return {}
+    try:
+        stored = json.loads(path.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(stored, dict):
+        raise ConfigError(f"{path}: holds a JSON {type(stored).__name__}; expected an object")
+    fields = {f.name for f in dataclasses.fields(GenerationConfig)}
+    defaults = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items() if k in fields}
+    try:
+        GenerationConfig(**defaults)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{path}: {err}") from err
+    return defaults
 
 
 def _check_options(c: GenerationConfig) -> None:

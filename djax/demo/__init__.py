@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from djax.demo import task
-
 MODEL_DIR = Path(__file__).parent / "model"
 METADATA = "demo.json"  # the training record `djax.demo.train` writes beside the weights
 EXAMPLE_PROMPTS = ("347+2958=", "sort 3,9,1,4,1,7", "reverse diffusion")
@@ -55,8 +53,8 @@ def describe(path: str | Path | None = None) -> str | None:
 
 
 def generation_defaults(path: str | Path | None = None) -> dict:
-    """`GenerationConfig` fields the demo model was trained for: gen_length, block_length."""
-    info = model_info(path) or {}
-    return info.get(
-        "generation", {"gen_length": task.GEN_LENGTH, "block_length": task.BLOCK_LENGTH}
-    )
+    """`GenerationConfig` fields the demo model was trained for (gen_length, block_length):
+    its folder's `generation_config.json`, which `djax convert` copies along."""
+    from djax.engine import generation_defaults
+
+    return generation_defaults(MODEL_DIR if path is None else path)
