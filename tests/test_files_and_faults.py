@@ -402,6 +402,20 @@ def test_random_config_json_is_a_config_error(tmp_path_factory, data):
         djax.load(folder)
 
 
+DEMO_CONFIG = json.loads((MODEL_DIR / "config.json").read_text())
+
+
+def test_random_config_values_are_config_errors():
+    """Every key of the demo's config.json set to values of the wrong type or range."""
+    values = [None, "x", -1, 0, 1.5, True, [], {}, [[1]], 10**30]
+    for key in DEMO_CONFIG:
+        for value in values:
+            try:
+                djax.config.from_hf_dict(DEMO_CONFIG | {key: value})
+            except ConfigError as err:
+                assert "config.json" in str(err)
+
+
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
