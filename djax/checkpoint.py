@@ -161,7 +161,7 @@ def _check_entry(
     if not isinstance(info, dict):
         raise CheckpointError(f"{where}: header entry is {info!r}; expected an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in _SAFETENSORS_DTYPES:
+    if not isinstance(dtype, str) or dtype not in _SAFETENSORS_DTYPES:
         raise CheckpointError(
             f"{where} has dtype {dtype!r}; supported: {sorted(_SAFETENSORS_DTYPES)}"
         )
@@ -202,7 +202,17 @@ class TorchBinStore:
 
         self._tensors: dict[str, Any] = {}
         for path in sorted(Path(folder).glob("pytorch_model*.bin")):
-            self._tensors.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            try:
+                tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:  # torch reports damaged archives in many ways
+                raise CheckpointError(
+                    f"{path}: not a readable torch weights file ({_first_line(err)})"
+                ) from err
+            if not isinstance(tensors, dict):
+                raise CheckpointError(
+                    f"{path}: holds a {type(tensors).__name__}; expected a dict of tensors"
+                )
+            self._tensors.update(tensors)
 
     def names(self) -> list[str]:
         return list(self._tensors)

@@ -423,7 +423,7 @@ JSON = st.recursive(
 )
 ENTRY = st.fixed_dictionaries(
     {
-        "dtype": st.sampled_from(["F32", "BF16", "I8", "F99", 3]),
+        "dtype": st.sampled_from(["F32", "BF16", "I8", "F99", 3, ["F32"]]),
         "shape": st.lists(st.integers(-2, 6), max_size=3) | JSON,
         "data_offsets": st.lists(st.integers(-4, 300), min_size=0, max_size=3) | JSON,
     }
@@ -450,6 +450,13 @@ def test_random_safetensors_header_is_a_checkpoint_error_or_valid(
         view = store.view(name)
         assert view.nbytes == math.prod(view.shape) * view.dtype.itemsize
         np.asarray(view).sum()
+
+
+def test_damaged_pickle_is_a_checkpoint_error(tmp_path):
+    shutil.copy(MODEL_DIR / "config.json", tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not a zip archive")
+    with pytest.raises(CheckpointError, match="pytorch_model.bin: not a readable torch"):
+        djax.load(tmp_path, allow_pickle=True)
 
 
 def test_bf16_tensors_are_read_as_stored():
