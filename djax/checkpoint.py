@@ -411,14 +411,40 @@ def _checkpointer() -> Any:
 
 def save_orbax(folder: str | Path, params: dict, metadata: dict) -> None:
     """Write params as an orbax checkpoint under `folder/djax_params`, then `djax.json`
-    (last: a folder without it is an unfinished one)."""
+    (last: a folder without it is an unfinished one) with `metadata` and the size of every
+    file of the checkpoint, by which a truncated or missing file is found before reading."""
     import orbax.checkpoint as ocp
 
     folder = Path(folder).absolute()
     _checkpointer().save(folder / PARAMS_DIR, args=ocp.args.StandardSave(params))
-    (folder / MARKER).write_text(
-        json.dumps({"format_version": FORMAT_VERSION, **metadata}, indent=2)
-    )
+    marker = {"format_version": FORMAT_VERSION, **metadata, "files": _file_sizes(folder)}
+    (folder / MARKER).write_text(json.dumps(marker, indent=2))
+
+
+def _file_sizes(folder: Path) -> dict[str, int]:
+    return {
+        str(path.relative_to(folder)): path.stat().st_size
+        for path in sorted((folder / PARAMS_DIR).rglob("*"))
+        if path.is_file()
+    }
+
+
+def _check_file_sizes(folder: Path, recorded: Any) -> None:
+    """Every file `djax.json` records is there, of its recorded size (folders converted
+    before djax recorded them pass)."""
+    if recorded is None:
+        return
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"{folder / MARKER}: 'files' is {recorded!r}; expected an object")
+    for name, size in recorded.items():
+        path = folder / name
+        actual = path.stat().st_size if path.is_file() else None
+        if actual != size:
+            found = "missing" if actual is None else f"{actual} bytes"
+            raise CheckpointError(
+                f"{path}: {found}; {MARKER} records {size} bytes: the checkpoint is damaged "
+                "or truncated, convert the model again"
+            )
 
 
 def is_converted(folder: str | Path) -> bool:
@@ -483,6 +509,7 @@ def restore_orbax(
         raise CheckpointError(
             f"{folder / MARKER}: format_version={version!r}; this djax reads {FORMAT_VERSION}"
         )
+    _check_file_sizes(folder, marker.get("files"))
     abstract = abstract_params(config, dtype)
     check_orbax(folder, abstract)
     default = SingleDeviceSharding(jax.local_devices()[0])
@@ -495,8 +522,8 @@ def restore_orbax(
         params = _checkpointer().restore(folder / PARAMS_DIR, args=ocp.args.StandardRestore(target))
     except Exception as err:  # tensorstore reports a damaged file in many ways
         raise CheckpointError(
-            f"{folder / PARAMS_DIR}: cannot be read ({_first_line(err)}); the checkpoint "
-            "is damaged or truncated: convert the model again"
+            f"{folder / PARAMS_DIR}: cannot be read ({type(err).__name__}); the checkpoint is "
+            "damaged: convert the model again"
         ) from err
     named = jax.tree_util.tree_flatten_with_path(params)[0]
     bad = first_nonfinite(a for _, a in named)

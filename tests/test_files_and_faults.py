@@ -193,7 +193,23 @@ def truncated_orbax(root):
     return ["generate", "--model", root / "old", "--prompt", "1+2="]
 
 
+def _forget_file_sizes(folder: Path) -> None:
+    """What a folder converted before djax recorded its files' sizes looks like."""
+    marker = json.loads((folder / checkpoint.MARKER).read_text())
+    del marker["files"]
+    (folder / checkpoint.MARKER).write_text(json.dumps(marker))
+
+
+def damaged_orbax(root):
+    """Same sizes, other bytes: found only by reading."""
+    _forget_file_sizes(root / "old")
+    largest = max((root / "old").rglob("*"), key=lambda p: p.stat().st_size)
+    largest.write_bytes(bytes(largest.stat().st_size))
+    return ["generate", "--model", root / "old", "--prompt", "1+2="]
+
+
 def orbax_without_metadata(root):
+    _forget_file_sizes(root / "old")
     shutil.rmtree(root / "old" / checkpoint.PARAMS_DIR / "ocdbt.process_0")
     for name in ("_METADATA", "manifest.ocdbt"):
         (root / "old" / checkpoint.PARAMS_DIR / name).unlink(missing_ok=True)
@@ -247,7 +263,8 @@ ROWS = [
     (nan_weights, CheckpointError, "tensor '.*q_proj.weight' holds NaN or inf values"),
     (bad_index, CheckpointError, "index.json: not a JSON object with a 'weight_map'"),
     (index_leaves_folder, CheckpointError, "names the file '../model/model.safetensors'"),
-    (truncated_orbax, CheckpointError, "djax_params: .*convert the model again"),
+    (truncated_orbax, CheckpointError, "djax_params/.*: \\d+ bytes; djax.json records \\d+"),
+    (damaged_orbax, CheckpointError, "djax_params: cannot be read"),
     (orbax_without_metadata, CheckpointError, "djax_params: not a readable orbax checkpoint"),
     (leftover_staging, CheckpointError, "unfinished `djax convert` output"),
     (leftover_orbax_tmp, CheckpointError, "unfinished `djax convert` output"),
