@@ -97,6 +97,11 @@ def parent_is_a_file(root):
     return ["convert", root / "model", root / "file" / "out"]
 
 
+def read_only_destination(root):
+    """sysfs takes no new folders, even from root (who writes into 0555 folders)."""
+    return ["convert", root / "model", "/sys/djax-converted"]
+
+
 def generate(root):
     return ["generate", "--model", root / "model", "--prompt", "1+2="]
 
@@ -237,6 +242,11 @@ def bad_generation_config(root):
     return generate(root)
 
 
+def bad_demo_record(root):
+    (root / "model" / "demo.json").write_text("{")
+    return generate(root)
+
+
 ROWS = [
     (same, ValueError, "is the source folder"),
     (parent, ValueError, "holds the source folder"),
@@ -245,6 +255,7 @@ ROWS = [
     (missing_source, FileNotFoundError, "mistyped' is not a folder"),
     (not_empty, FileExistsError, "is not empty"),
     (parent_is_a_file, PermissionError, "cannot write beside"),
+    (read_only_destination, PermissionError, "djax-converted': Operation not permitted in '/sys'"),
     (empty_file, CheckpointError, "model.safetensors: 0 bytes, too short"),
     (four_bytes, CheckpointError, "model.safetensors: 4 bytes, too short"),
     (random_bytes, CheckpointError, "model.safetensors: header length"),
@@ -269,6 +280,7 @@ ROWS = [
     (leftover_staging, CheckpointError, "unfinished `djax convert` output"),
     (leftover_orbax_tmp, CheckpointError, "unfinished `djax convert` output"),
     (bad_generation_config, ConfigError, "generation_config.json: gen_length=-4"),
+    (bad_demo_record, ConfigError, "demo.json: not valid JSON"),
 ]
 
 
@@ -283,6 +295,7 @@ def _call(argv):
     """The API call a CLI row stands for."""
     if argv[0] == "convert":
         return djax.convert(argv[1], argv[2], overwrite="--overwrite" in argv, progress=False)
+    djax.demo.describe(argv[2])
     djax.load(argv[2])
     return djax.engine.generation_defaults(argv[2])
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from djax.config import ConfigError
+
 MODEL_DIR = Path(__file__).parent / "model"
 METADATA = "demo.json"  # the training record `djax.demo.train` writes beside the weights
 EXAMPLE_PROMPTS = ("347+2958=", "sort 3,9,1,4,1,7", "reverse diffusion")
@@ -30,7 +32,15 @@ def model_info(path: str | Path | None = None) -> dict | None:
     the folder holds no demo model."""
     folder = MODEL_DIR if path is None else Path(path)
     record = folder / METADATA
-    return json.loads(record.read_text()) if record.is_file() else None
+    if not record.is_file():
+        return None
+    try:
+        info = json.loads(record.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{record}: not valid JSON ({err})") from err
+    if not isinstance(info, dict):
+        raise ConfigError(f"{record}: holds a JSON {type(info).__name__}; expected an object")
+    return info
 
 
 def describe(path: str | Path | None = None) -> str | None:
