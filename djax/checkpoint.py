@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -44,6 +45,8 @@ _SAFETENSORS_DTYPES = {
     "F8_E4M3": ml_dtypes.float8_e4m3fn,
     "F8_E5M2": ml_dtypes.float8_e5m2,
 }
+# The safetensors format's own limit on the JSON header.
+_MAX_HEADER_BYTES = 100_000_000
 # Buffers some HF exports carry that are recomputed, not learned.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -56,14 +59,17 @@ class SafetensorsStore:
     """Zero-copy numpy views of every tensor in a folder's `*.safetensors` files.
 
     Reads `model.safetensors.index.json` when present (sharded checkpoints), otherwise every
-    `*.safetensors` file in the folder.
+    `*.safetensors` file in the folder. Each file's header is checked against the file
+    before anything is mapped: its length, its JSON, and every tensor's dtype, shape and
+    byte range (inside the data, of the size its shape and dtype imply). A file that breaks
+    any rule raises `CheckpointError` naming the file, the tensor and what was expected.
     """
 
     def __init__(self, folder: str | Path):
         folder = Path(folder)
         index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = _read_index(index, folder) if index.is_file() else None
+        if weight_map is not None:
             files = sorted({folder / f for f in weight_map.values()})
         else:
             files = sorted(folder.glob("*.safetensors"))
@@ -74,28 +80,47 @@ class SafetensorsStore:
             if not path.is_file():
                 raise CheckpointError(f"{path}: listed in {index.name} but missing")
             self._read_header(path)
+        for name, file in (weight_map or {}).items():
+            if name not in self._entries:
+                raise CheckpointError(
+                    f"{index}: tensor {name!r} is listed in {file} but that file does not hold it"
+                )
 
     def _read_header(self, path: Path) -> None:
+        file_size = path.stat().st_size
         with open(path, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        data = np.memmap(path, dtype=np.uint8, mode="r")
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if info["dtype"] not in _SAFETENSORS_DTYPES:
+            prefix = fh.read(8)
+            if len(prefix) < 8:
                 raise CheckpointError(
-                    f"{path}: tensor {name} has dtype {info['dtype']}; "
-                    f"supported: {sorted(_SAFETENSORS_DTYPES)}"
+                    f"{path}: {file_size} bytes, too short for a safetensors file (expected an "
+                    "8-byte header length, a JSON header, then the tensor data)"
                 )
-            begin, end = info["data_offsets"]
-            self._entries[name] = (
-                data,
-                info["dtype"],
-                tuple(info["shape"]),
-                8 + size + begin,
-                8 + size + end,
+            (size,) = struct.unpack("<Q", prefix)
+            if size > min(file_size - 8, _MAX_HEADER_BYTES):
+                raise CheckpointError(
+                    f"{path}: header length {size} bytes; expected at most "
+                    f"{min(file_size - 8, _MAX_HEADER_BYTES)} (the file holds {file_size} "
+                    "bytes): not a safetensors file, or a truncated one"
+                )
+            raw = fh.read(size)
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except ValueError as err:  # UnicodeDecodeError and JSONDecodeError
+            raise CheckpointError(f"{path}: header is not valid UTF-8 JSON ({err})") from err
+        if not isinstance(header, dict):
+            raise CheckpointError(
+                f"{path}: header is a JSON {type(header).__name__}; expected an object "
+                "mapping tensor names to {dtype, shape, data_offsets}"
             )
+        data_size = file_size - 8 - size
+        entries = {
+            name: _check_entry(path, name, info, data_size)
+            for name, info in header.items()
+            if name != "__metadata__"
+        }
+        data = np.memmap(path, dtype=np.uint8, mode="r") if entries else None
+        for name, (dtype, shape, begin, end) in entries.items():
+            self._entries[name] = (data, dtype, shape, 8 + size + begin, 8 + size + end)
 
     def names(self) -> list[str]:
         return list(self._entries)
@@ -107,6 +132,68 @@ class SafetensorsStore:
         return data[begin:end].view(_SAFETENSORS_DTYPES[dtype]).reshape(shape)
 
 
+def _read_index(index: Path, folder: Path) -> dict[str, str]:
+    """`weight_map` of a sharded checkpoint's index: tensor name -> a file in `folder`."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, AttributeError) as err:
+        raise CheckpointError(f"{index}: not a JSON object with a 'weight_map' ({err})") from err
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            f"{index}: 'weight_map' is {type(weight_map).__name__}; expected an object "
+            "mapping tensor names to file names"
+        )
+    for file in set(weight_map.values()):
+        if Path(file).name != file or file in ("", ".", ".."):
+            raise CheckpointError(
+                f"{index}: weight_map names the file {file!r}; expected a file name in {folder}"
+            )
+    return weight_map
+
+
+def _check_entry(
+    path: Path, name: str, info: Any, data_size: int
+) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of a header entry, each checked against the data size."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{where}: header entry is {info!r}; expected an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _SAFETENSORS_DTYPES:
+        raise CheckpointError(
+            f"{where} has dtype {dtype!r}; supported: {sorted(_SAFETENSORS_DTYPES)}"
+        )
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(f"{where} has shape {shape!r}; expected a list of sizes >= 0")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_count(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise CheckpointError(
+            f"{where} has data_offsets {offsets!r}; expected [begin, end] with 0 <= begin <= end"
+        )
+    begin, end = offsets
+    if end > data_size:
+        raise CheckpointError(
+            f"{where} ends at byte {end} of the data, but the file holds {data_size} data "
+            "bytes (truncated?)"
+        )
+    nbytes = math.prod(shape) * np.dtype(_SAFETENSORS_DTYPES[dtype]).itemsize
+    if end - begin != nbytes:
+        raise CheckpointError(
+            f"{where} spans {end - begin} bytes; its shape {shape} in {dtype} needs {nbytes}"
+        )
+    return dtype, tuple(shape), begin, end
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 class TorchBinStore:
     """Pickled `pytorch_model*.bin` weights, read only after an explicit opt-in."""
 
@@ -115,7 +202,17 @@ class TorchBinStore:
 
         self._tensors: dict[str, Any] = {}
         for path in sorted(Path(folder).glob("pytorch_model*.bin")):
-            self._tensors.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            try:
+                tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:  # torch reports damaged archives in many ways
+                raise CheckpointError(
+                    f"{path}: not a readable torch weights file ({_first_line(err)})"
+                ) from err
+            if not isinstance(tensors, dict):
+                raise CheckpointError(
+                    f"{path}: holds a {type(tensors).__name__}; expected a dict of tensors"
+                )
+            self._tensors.update(tensors)
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -157,7 +254,8 @@ def _set_leaf(tree: dict, path: tuple[str, ...], value: Any) -> None:
 
 
 def check_sources(sources: list[ParamSource], store: Any, abstract: dict, folder: Any) -> None:
-    """Every param has its tensors, with the right shapes; no stored tensor goes unused."""
+    """Every param has its tensors, floating-point and of the right shapes; no stored tensor
+    goes unused."""
     stored = set(store.names())
     wanted = {n for s in sources for n in s.raw.names()}
     missing = sorted(wanted - stored)
@@ -171,6 +269,12 @@ def check_sources(sources: list[ParamSource], store: Any, abstract: dict, folder
             f"{folder}: {len(unused)} tensors are not used by the model the "
             f"config describes (wrong config.json?), e.g. {unused[:5]}"
         )
+    for name in sorted(wanted):
+        dtype = store.view(name).dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise CheckpointError(
+                f"{folder}: tensor {name!r} has dtype {dtype}; expected floating-point weights"
+            )
     for src in sources:
         try:
             shape = src.target_shape(store)
@@ -186,6 +290,30 @@ def check_sources(sources: list[ParamSource], store: Any, abstract: dict, folder
                 f"{src.raw.names()[:2]} has shape {shape}, config.json "
                 f"implies {expected}"
             )
+
+
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.isfinite(x).all()
+
+
+def first_nonfinite(arrays: Iterable[jax.Array]) -> int | None:
+    """Index of the first array holding NaN or inf, or None: one device reduction per
+    array and one transfer of all the flags."""
+    flags = jax.device_get([_all_finite(a) for a in arrays])
+    return next((i for i, ok in enumerate(flags) if not ok), None)
+
+
+def _nonfinite_error(folder: Any, src: ParamSource, store: Any, dtype: Any) -> CheckpointError:
+    for name in src.raw.names():
+        if not np.isfinite(np.asarray(store.view(name), np.float32)).all():
+            return CheckpointError(
+                f"{folder}: tensor {name!r} holds NaN or inf values; expected finite weights"
+            )
+    return CheckpointError(
+        f"{folder}: param {'/'.join(src.path)} (tensors {src.raw.names()}) overflows "
+        f"{jnp.dtype(dtype).name}; load it in a wider dtype"
+    )
 
 
 def _raw_sharding(target: Sharding, perm: tuple[int, ...] | None) -> Sharding:
@@ -216,6 +344,20 @@ def place_param(src: ParamSource, store: Any, dtype: Any, sharding: Sharding) ->
     return _finisher(src.perm, jnp.dtype(dtype), sharding)(raw)
 
 
+def open_checked(
+    folder: str | Path, config: ModelConfig, dtype: Any, allow_pickle: bool = False
+) -> tuple[Any, list[ParamSource], dict]:
+    """The folder's tensor store, the param sources and the abstract params, with every
+    tensor the config needs present, floating-point and of the right shape (nothing read
+    but the files' headers)."""
+    check_complete(folder)
+    store = open_store(folder, allow_pickle)
+    sources = hf_sources(config)
+    abstract = abstract_params(config, dtype)
+    check_sources(sources, store, abstract, folder)
+    return store, sources, abstract
+
+
 def load_hf_params(
     folder: str | Path,
     config: ModelConfig,
@@ -225,11 +367,9 @@ def load_hf_params(
     progress: Callable[[Iterable], Iterable] | None = None,
 ) -> dict:
     """Params of an HF folder in the djax layout, cast to `dtype`, placed per `shardings`
-    (a pytree of `Sharding`s like the params; default: the first local device)."""
-    store = open_store(folder, allow_pickle)
-    sources = hf_sources(config)
-    abstract = abstract_params(config, dtype)
-    check_sources(sources, store, abstract, folder)
+    (a pytree of `Sharding`s like the params; default: the first local device). A tensor
+    with NaN or inf values raises `CheckpointError` naming it."""
+    store, sources, abstract = open_checked(folder, config, dtype, allow_pickle)
     default = SingleDeviceSharding(jax.local_devices()[0])
     params: dict = {}
     items = progress(sources) if progress else sources
@@ -237,6 +377,9 @@ def load_hf_params(
         leaf_dtype = _leaf(abstract, src.path).dtype
         sharding = _leaf(shardings, src.path) if shardings else default
         _set_leaf(params, src.path, place_param(src, store, leaf_dtype, sharding))
+    bad = first_nonfinite(_leaf(params, src.path) for src in sources)
+    if bad is not None:
+        raise _nonfinite_error(folder, sources[bad], store, dtype)
     return params
 
 
@@ -260,42 +403,137 @@ def save_hf(
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
 
 
+def _checkpointer() -> Any:
+    import orbax.checkpoint as ocp
+
+    return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+
+
 def save_orbax(folder: str | Path, params: dict, metadata: dict) -> None:
-    """Write params as an orbax checkpoint under `folder/djax_params`, plus `djax.json`."""
+    """Write params as an orbax checkpoint under `folder/djax_params`, then `djax.json`
+    (last: a folder without it is an unfinished one) with `metadata` and the size of every
+    file of the checkpoint, by which a truncated or missing file is found before reading."""
     import orbax.checkpoint as ocp
 
     folder = Path(folder).absolute()
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(folder / PARAMS_DIR, params)
-    checkpointer.wait_until_finished()
-    (folder / MARKER).write_text(
-        json.dumps({"format_version": FORMAT_VERSION, **metadata}, indent=2)
-    )
+    _checkpointer().save(folder / PARAMS_DIR, args=ocp.args.StandardSave(params))
+    marker = {"format_version": FORMAT_VERSION, **metadata, "files": _file_sizes(folder)}
+    (folder / MARKER).write_text(json.dumps(marker, indent=2))
+
+
+def _file_sizes(folder: Path) -> dict[str, int]:
+    return {
+        str(path.relative_to(folder)): path.stat().st_size
+        for path in sorted((folder / PARAMS_DIR).rglob("*"))
+        if path.is_file()
+    }
+
+
+def _check_file_sizes(folder: Path, recorded: Any) -> None:
+    """Every file `djax.json` records is there, of its recorded size (folders converted
+    before djax recorded them pass)."""
+    if recorded is None:
+        return
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"{folder / MARKER}: 'files' is {recorded!r}; expected an object")
+    for name, size in recorded.items():
+        path = folder / name
+        actual = path.stat().st_size if path.is_file() else None
+        if actual != size:
+            found = "missing" if actual is None else f"{actual} bytes"
+            raise CheckpointError(
+                f"{path}: {found}; {MARKER} records {size} bytes: the checkpoint is damaged "
+                "or truncated, convert the model again"
+            )
 
 
 def is_converted(folder: str | Path) -> bool:
     return (Path(folder) / MARKER).is_file()
 
 
+def check_complete(folder: str | Path) -> None:
+    """Refuse a folder an interrupted `djax convert` (or orbax save) left behind."""
+    folder = Path(folder)
+    if is_converted(folder):
+        return
+    if (folder / PARAMS_DIR).exists() or any(folder.glob("*.orbax-checkpoint-tmp*")):
+        raise CheckpointError(
+            f"{folder}: an unfinished `djax convert` output ({PARAMS_DIR}/ without "
+            f"{MARKER}); delete it and convert again"
+        )
+
+
+def _first_line(err: BaseException) -> str:
+    line = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {line[:300]}"
+
+
+def check_orbax(folder: str | Path, abstract: dict) -> None:
+    """The checkpoint under `folder/djax_params` holds exactly the params `abstract`
+    describes: the same names and shapes (read from its metadata; no array is read)."""
+    path = Path(folder).absolute() / PARAMS_DIR
+    try:
+        tree = _checkpointer().metadata(path).item_metadata.tree
+        stored = {
+            _param_name(k): tuple(m.shape) for k, m in jax.tree_util.tree_flatten_with_path(tree)[0]
+        }
+    except Exception as err:  # orbax and tensorstore raise many kinds
+        raise CheckpointError(
+            f"{path}: not a readable orbax checkpoint ({_first_line(err)}); convert the model again"
+        ) from err
+    expected = {
+        _param_name(k): tuple(a.shape) for k, a in jax.tree_util.tree_flatten_with_path(abstract)[0]
+    }
+    if stored != expected:
+        diff = sorted(set(stored.items()) ^ set(expected.items()))
+        raise CheckpointError(
+            f"{path}: holds params that differ from what config.json describes, e.g. "
+            f"{diff[:3]} (name, shape); convert the model again"
+        )
+
+
 def restore_orbax(
     folder: str | Path, config: ModelConfig, dtype: Any, shardings: dict | None = None
 ) -> dict:
-    """Restore params straight into their target dtype and shardings."""
+    """Restore params straight into their target dtype and shardings. A damaged checkpoint
+    or NaN/inf values raise `CheckpointError`."""
     import orbax.checkpoint as ocp
 
     folder = Path(folder).absolute()
-    marker = json.loads((folder / MARKER).read_text())
-    if marker.get("format_version") != FORMAT_VERSION:
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+        version = marker.get("format_version")
+    except (ValueError, AttributeError) as err:
+        raise CheckpointError(f"{folder / MARKER}: not a JSON object ({err})") from err
+    if version != FORMAT_VERSION:
         raise CheckpointError(
-            f"{folder / MARKER}: format_version="
-            f"{marker.get('format_version')}; this djax reads "
-            f"{FORMAT_VERSION}"
+            f"{folder / MARKER}: format_version={version!r}; this djax reads {FORMAT_VERSION}"
         )
+    _check_file_sizes(folder, marker.get("files"))
     abstract = abstract_params(config, dtype)
+    check_orbax(folder, abstract)
     default = SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         abstract,
         shardings if shardings else jax.tree.map(lambda _: default, abstract),
     )
-    return ocp.StandardCheckpointer().restore(folder / PARAMS_DIR, target)
+    try:
+        params = _checkpointer().restore(folder / PARAMS_DIR, args=ocp.args.StandardRestore(target))
+    except Exception as err:  # tensorstore reports a damaged file in many ways
+        raise CheckpointError(
+            f"{folder / PARAMS_DIR}: cannot be read ({type(err).__name__}); the checkpoint is "
+            "damaged: convert the model again"
+        ) from err
+    named = jax.tree_util.tree_flatten_with_path(params)[0]
+    bad = first_nonfinite(a for _, a in named)
+    if bad is not None:
+        raise CheckpointError(
+            f"{folder / PARAMS_DIR}: param {_param_name(named[bad][0])} holds NaN or inf "
+            "values; expected finite weights"
+        )
+    return params
+
+
+def _param_name(path: tuple) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")

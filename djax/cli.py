@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any, get_args, get_type_hints
 
 from djax import __version__, prompt_io
-from djax.generation import DECODERS, POLICIES, GenerationConfig
+from djax.generation import DECODERS, POLICIES, GenerationConfig, generation_defaults
 from djax.kernel_options import KERNEL_OPTIONS
 
 log = logging.getLogger("djax")
@@ -412,7 +412,7 @@ def run_generate(
     stops = stops or StopSignals()
     path = args.model or str(demo.default_model_path())
     label = demo.describe(path)  # None unless the folder holds a demo model
-    config = _generation_config(args, demo.generation_defaults(path) if label else {})
+    config = _generation_config(args, generation_defaults(path))
     records = _unfinished(args, _records(args, bool(label)))
     progress = progress or Progress(len(records))
     progress.total = len(records)

@@ -86,9 +86,12 @@ def load_hf_config(folder: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: not found; expected a Hugging Face model folder")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        hf = json.loads(path.read_text())
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
         raise ConfigError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: holds a JSON {type(hf).__name__}; expected an object")
+    return hf
 
 
 def family_of(hf: dict[str, Any], source: str) -> str:
@@ -98,7 +101,8 @@ def family_of(hf: dict[str, Any], source: str) -> str:
         raise ConfigError(
             f"{source}: key 'architectures' is missing; expected one of {sorted(ARCHITECTURES)}"
         )
-    known = [a for a in archs if a in ARCHITECTURES]
+    listed = archs if isinstance(archs, list) else []
+    known = [a for a in listed if isinstance(a, str) and a in ARCHITECTURES]
     if not known:
         raise ConfigError(
             f"{source}: architectures={archs} is not supported; expected one of "
@@ -112,9 +116,23 @@ def from_hf_dict(hf: dict[str, Any], source: str = "config.json") -> ModelConfig
     tokenizer: see `resolve_token_ids`)."""
     family = family_of(hf, source)
     reader = _Reader(hf, source)
-    if family == DENSE:
-        return _dense_config(reader)
-    return _moe_config(reader)
+    config = _dense_config(reader) if family == DENSE else _moe_config(reader)
+    for field in _SIZES:
+        if getattr(config, field) <= 0:
+            raise ConfigError(f"{source}: {field}={getattr(config, field)}; expected > 0")
+    return config
+
+
+# The ModelConfig sizes every model needs to be positive.
+_SIZES = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "max_seq_len",
+)
 
 
 class _Reader:

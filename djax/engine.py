@@ -13,6 +13,7 @@ import functools
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,13 +62,25 @@ class GenerationOutput:
 
 def enable_compile_cache(directory: str | None = None) -> None:
     """Turn on JAX's persistent compilation cache (default ~/.cache/djax/xla, or
-    $DJAX_COMPILE_CACHE; set it to an empty string to turn the cache off)."""
+    $DJAX_COMPILE_CACHE; set it to an empty string to turn the cache off). A local folder
+    djax creates is private to the user (0700); XLA's executables in it are kept under
+    `program_cache.max_bytes()`, the least recently used evicted first."""
     directory = directory or os.environ.get(
         "DJAX_COMPILE_CACHE", str(Path.home() / ".cache" / "djax" / "xla")
     )
     if not directory or jax.config.jax_compilation_cache_dir:
         return
+    limit = program_cache.max_bytes()
+    if "://" not in directory:
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        except OSError as err:
+            warnings.warn(
+                f"compile cache {directory}: {err}; compiling without a cache", stacklevel=3
+            )
+            return
     jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_compilation_cache_max_size", limit)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -8,7 +8,10 @@ need the model (stop ids inside its vocabulary) are `djax.engine.make_plan`'s.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
+from typing import Any
 
 FIXED_DECODERS = ("low_confidence", "random")
 DECODERS = (*FIXED_DECODERS, "threshold", "factor", "credit", "hierarchy")
@@ -144,3 +147,30 @@ def _check_options(c: GenerationConfig) -> None:
         min(c.vicinity_before, c.vicinity_after, c.vicinity_warmup) >= 0,
         "vicinity_before/after/warmup must be ≥ 0",
     )
+
+
+GENERATION_FILE = "generation_config.json"
+
+
+def generation_defaults(folder: str | Path) -> dict[str, Any]:
+    """The `GenerationConfig` fields a model folder's `generation_config.json` sets (the HF
+    file; its other keys are ignored); {} when the folder has none. A file that is not a
+    JSON object, or sets a field to an invalid value, raises `ConfigError` naming it."""
+    from djax.config import ConfigError
+
+    path = Path(folder) / GENERATION_FILE
+    if not path.is_file():
+        return {}
+    try:
+        stored = json.loads(path.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(stored, dict):
+        raise ConfigError(f"{path}: holds a JSON {type(stored).__name__}; expected an object")
+    fields = {f.name for f in dataclasses.fields(GenerationConfig)}
+    defaults = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items() if k in fields}
+    try:
+        GenerationConfig(**defaults)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{path}: {err}") from err
+    return defaults

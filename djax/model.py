@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from djax import checkpoint
+from djax import checkpoint, folders
 from djax.config import ConfigError, ModelConfig, from_hf_dict, load_hf_config, resolve_token_ids
 from djax.kernel_options import check_kernel_options
-from djax.models import build_module
+from djax.models import abstract_params, build_module
 from djax.models.layers import TransformerLM
 
 TOKENIZER_FILES = (
@@ -29,6 +30,9 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# What `convert` copies beside the weights: the config, the tokenizer and generation
+# defaults, and the demo model's training record (`djax.demo`).
+MODEL_FILES = ("config.json", *TOKENIZER_FILES, "demo.json")
 
 
 @dataclasses.dataclass
@@ -113,6 +117,7 @@ def load(
             f"model path {str(folder)!r} is not a folder; expected an HF "
             "model folder or one written by `djax convert`"
         )
+    checkpoint.check_complete(folder)
     dtype = jnp.dtype(dtype or default_dtype())
     tokenizer = load_tokenizer(folder)
     config = read_config(folder, tokenizer)
@@ -147,35 +152,38 @@ def convert(
 ) -> Path:
     """HF folder -> orbax checkpoint folder that `djax.load` opens directly.
 
-    Copies config and tokenizer files along. Shapes and dtypes are checked against the
-    config before anything is written; a non-empty `dst` is refused unless `overwrite`.
+    `src` is only read, and is checked whole (config, every tensor's header, dtype and
+    shape) before anything is written. A `dst` that is, lies inside or holds `src` is
+    refused (symlinks resolved), and a non-empty one unless `overwrite`. The new folder is
+    written beside `dst` and renamed into place once written and verified; an old `dst` is
+    deleted only then. An error or interrupt (SIGINT, SIGTERM) leaves `dst` as it was.
+    Copies `MODEL_FILES` (config, tokenizer, generation defaults) along.
     """
-    import shutil
-
     src, dst = Path(src), Path(dst)
-    if dst.exists() and any(dst.iterdir()):
-        if not overwrite:
-            raise FileExistsError(
-                f"output folder {str(dst)!r} is not empty; pass "
-                "overwrite=True (CLI: --overwrite) to replace it"
-            )
-        shutil.rmtree(dst)
+    if not src.is_dir():
+        raise FileNotFoundError(f"source {str(src)!r} is not a folder; expected an HF model folder")
     if checkpoint.is_converted(src):
         raise ConfigError(f"{src}: already a djax checkpoint; nothing to convert")
-    model = load(src, dtype, allow_pickle=allow_pickle, progress=progress)
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", *TOKENIZER_FILES):
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-    checkpoint.save_orbax(
-        dst,
-        model.params,
-        {
-            "family": model.config.family,
-            "dtype": jnp.dtype(dtype).name,
-            "source": str(src.absolute()),
-        },
-    )
+    target = folders.check_apart(src, dst)
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"output {str(dst)!r} is a file; expected a folder")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"output folder {str(dst)!r} is not empty; pass "
+            "overwrite=True (CLI: --overwrite) to replace it"
+        )
+    dtype = jnp.dtype(dtype)
+    config = read_config(src, load_tokenizer(src))
+    checkpoint.open_checked(src, config, dtype, allow_pickle)
+    with folders.staged(target) as staging:
+        model = load(src, dtype, allow_pickle=allow_pickle, progress=progress)
+        for name in MODEL_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, staging / name)
+        metadata = {"family": config.family, "dtype": dtype.name, "source": str(src.absolute())}
+        checkpoint.save_orbax(staging, model.params, metadata)
+        checkpoint.check_orbax(staging, abstract_params(config, dtype))
+        folders.replace(staging, target)
     return dst
 
 

@@ -12,6 +12,11 @@ The key is a digest of everything that shapes the program: djax's own source fil
 jax, jaxlib and flax versions, every `jax.config` value, the devices, the caller's description
 of the program (model config, dtype, options, mesh, plan) and the structure, shapes, dtypes
 and shardings of its arguments. Any change gives a new key, never a stale program.
+
+The folders djax creates are private to the user (0700), and so are the saved programs
+(0600). The saved programs, like XLA's executables beside them, are kept under
+`max_bytes()` (default 2 GiB, `$DJAX_COMPILE_CACHE_MAX_SIZE`), the least recently used
+deleted first. A saved program that cannot be read or lowered is deleted and saved again.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ import jaxlib
 
 FOLDER = "programs"
 SUFFIX = ".jax_exported"
+MAX_SIZE_VARIABLE = "DJAX_COMPILE_CACHE_MAX_SIZE"
+DEFAULT_MAX_BYTES = 2 * 1024**3
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 # The artifacts never leave this machine's cache and are keyed by the exact jax and jaxlib
 # versions, so custom calls without a cross-version stability promise (Pallas Triton
 # kernels, cuDNN attention) are safe to keep.
@@ -49,6 +57,25 @@ def _source_digest() -> str:
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def max_bytes() -> int:
+    """The size cap of each part of the cache folder: `$DJAX_COMPILE_CACHE_MAX_SIZE`, bytes
+    with an optional K, M, G or T suffix (powers of 1024), else 2 GiB."""
+    text = os.environ.get(MAX_SIZE_VARIABLE, "").strip().upper().removesuffix("IB")
+    if not text:
+        return DEFAULT_MAX_BYTES
+    number, unit = (text[:-1], text[-1]) if text[-1] in _UNITS else (text, "")
+    try:
+        size = float(number) * _UNITS[unit]
+    except ValueError:
+        size = -1.0
+    if not size >= 0:
+        raise ValueError(
+            f"{MAX_SIZE_VARIABLE}={os.environ[MAX_SIZE_VARIABLE]!r}; expected a size in bytes "
+            "such as 2147483648 or 2G"
+        )
+    return int(size)
 
 
 def program_key(description: tuple, args: tuple) -> str:
@@ -88,6 +115,7 @@ def lower(
             return jax.jit(exported.call, donate_argnums=donate_argnums).lower(*args)
         except Exception as err:
             _warn(f"{path}: the saved program does not lower ({err}); exporting it again")
+            path.unlink(missing_ok=True)
     try:
         exported = jax.export.export(program, disabled_checks=_CHECKS)(*args)
     except Exception as err:  # tracing errors recur, and surface, in the direct lowering
@@ -102,8 +130,11 @@ def _warn(message: str) -> None:
 
 
 def _read(path: Path) -> jax.export.Exported | None:
+    """The saved program, its use recorded in its modification time (for eviction); a
+    damaged one is deleted."""
     try:
         blob = path.read_bytes()
+        os.utime(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as err:
@@ -114,22 +145,46 @@ def _read(path: Path) -> jax.export.Exported | None:
             importlib.import_module(module)
     try:
         return jax.export.deserialize(bytearray(blob))
-    except Exception as err:  # a truncated or foreign file: export again and replace it
-        _warn(f"{path}: unreadable saved program ({err}); exporting it again")
+    except Exception as err:  # a truncated or foreign file: delete it and export again
+        _warn(f"{path}: unreadable saved program ({err}); deleting it and exporting it again")
+        path.unlink(missing_ok=True)
         return None
 
 
 def _write(path: Path, blob: bytes) -> None:
-    """Write atomically (a rename), so a concurrent reader never sees half a file; readable
-    by every user who shares the cache folder."""
+    """Write atomically (a rename), so a concurrent reader never sees half a file; the
+    file private to the user (0600, in a 0700 folder when djax creates it). Then evict the
+    least recently used programs beyond `max_bytes()`."""
+    limit = max_bytes()
+    if len(blob) > limit:
+        _warn(f"{path}: the program ({len(blob)} bytes) exceeds the cache's {limit}; not saved")
+        return
     tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
-            tmp.write(blob)
-        os.chmod(tmp.name, 0o644)
+            tmp.write(blob)  # NamedTemporaryFile creates it 0600
         os.replace(tmp.name, path)
+        evict(path.parent, limit)
     except OSError as err:
         if tmp is not None and os.path.exists(tmp.name):
             os.unlink(tmp.name)
         _warn(f"{path}: could not save the lowered program ({err}); continuing")
+
+
+def evict(folder: Path, limit: int) -> None:
+    """Delete the least recently used (oldest modification time) saved programs in
+    `folder` until they take at most `limit` bytes."""
+    entries = []
+    for path in folder.glob(f"*{SUFFIX}"):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # evicted by another process
+            continue
+        entries.append((stat.st_mtime_ns, stat.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries, key=lambda e: e[:2]):
+        if total <= limit:
+            break
+        path.unlink(missing_ok=True)
+        total -= size

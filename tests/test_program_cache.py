@@ -1,6 +1,8 @@
 """Saved generation programs (`djax.program_cache`): read back instead of traced again, the
 same tokens as the program lowered directly, and a new key for anything that changes."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +47,8 @@ def test_saved_program_is_read_back_with_the_same_tokens(dense_model, tmp_path, 
     first = _lower(dense_model, plan, program, str(tmp_path))
     saved = list((tmp_path / program_cache.FOLDER).iterdir())
     assert len(saved) == 1 and saved[0].suffix == ".jax_exported"
-    assert saved[0].stat().st_mode & 0o044 == 0o044  # readable by others sharing the cache
+    assert saved[0].stat().st_mode & 0o777 == 0o600  # private to the user
+    assert saved[0].parent.stat().st_mode & 0o777 == 0o700
     _refuse_export(monkeypatch)
     second = _lower(dense_model, plan, program, str(tmp_path))
     np.testing.assert_array_equal(_tokens(first, dense_model, plan), direct)
@@ -138,3 +141,67 @@ def test_tensor_parallel_program_round_trips(dense_folder, dense_model, tmp_path
     np.testing.assert_array_equal(
         _tokens(read_back, sharded, plan)[:, plan.prompt_len :], single.answer_ids
     )
+
+
+def test_least_recently_used_programs_are_evicted(dense_model, tmp_path, monkeypatch):
+    folder = tmp_path / program_cache.FOLDER
+    folder.mkdir()
+    for age, name in enumerate(["used", "unused"]):  # "unused" is the older by mtime
+        path = folder / f"{name}{program_cache.SUFFIX}"
+        path.write_bytes(bytes(1000))
+        os.utime(path, ns=(0, 10**18 - age * 10**12))
+    monkeypatch.setenv(program_cache.MAX_SIZE_VARIABLE, "1000000")
+    plan, program = _setup(dense_model)
+    _lower(dense_model, plan, program, str(tmp_path))
+    (saved,) = (p for p in folder.iterdir() if p.stem not in ("used", "unused"))
+    os.utime(saved, ns=(0, 1))  # the oldest, until it is read
+    monkeypatch.setenv(program_cache.MAX_SIZE_VARIABLE, str(saved.stat().st_size + 1000))
+    _lower(dense_model, plan, program, str(tmp_path))  # a read: `saved` is now the newest
+    program_cache.evict(folder, program_cache.max_bytes())
+    assert sorted(p.stem for p in folder.iterdir()) == sorted(["used", saved.stem])
+
+
+@pytest.mark.parametrize(
+    "value, size",
+    [("", 2 * 1024**3), ("4096", 4096), ("512M", 512 * 1024**2), ("1.5GiB", 3 * 1024**3 // 2)],
+)
+def test_max_size_variable(monkeypatch, value, size):
+    monkeypatch.setenv(program_cache.MAX_SIZE_VARIABLE, value)
+    assert program_cache.max_bytes() == size
+
+
+@pytest.mark.parametrize("value", ["lots", "-1G", "G"])
+def test_bad_max_size_is_refused(monkeypatch, value):
+    monkeypatch.setenv(program_cache.MAX_SIZE_VARIABLE, value)
+    with pytest.raises(ValueError, match=f"DJAX_COMPILE_CACHE_MAX_SIZE={value!r}; expected"):
+        program_cache.max_bytes()
+
+
+def test_undeserializable_program_is_deleted(dense_model, tmp_path, monkeypatch):
+    plan, program = _setup(dense_model)
+    _lower(dense_model, plan, program, str(tmp_path))
+    (path,) = (tmp_path / program_cache.FOLDER).iterdir()
+    path.write_bytes(path.read_bytes()[:100])
+
+    def fail(*args, **kwargs):
+        raise NotImplementedError("no export for this program")
+
+    monkeypatch.setattr(jax.export, "export", fail)
+    with pytest.warns(UserWarning, match="unreadable saved program.*deleting it"):
+        _lower(dense_model, plan, program, str(tmp_path))
+    assert not path.exists()
+
+
+def test_compile_cache_folder_is_private_and_capped(tmp_path, monkeypatch):
+    monkeypatch.setenv(program_cache.MAX_SIZE_VARIABLE, "1M")
+    previous = jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size
+    folder = tmp_path / "cache" / "xla"
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        engine.enable_compile_cache(str(folder))
+        assert jax.config.jax_compilation_cache_dir == str(folder)
+        assert jax.config.jax_compilation_cache_max_size == 1024**2
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous[0])
+        jax.config.update("jax_compilation_cache_max_size", previous[1])
+    assert folder.stat().st_mode & 0o777 == 0o700

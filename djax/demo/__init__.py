@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from djax.demo import task
+from djax.config import ConfigError
 
 MODEL_DIR = Path(__file__).parent / "model"
 METADATA = "demo.json"  # the training record `djax.demo.train` writes beside the weights
@@ -32,7 +32,15 @@ def model_info(path: str | Path | None = None) -> dict | None:
     the folder holds no demo model."""
     folder = MODEL_DIR if path is None else Path(path)
     record = folder / METADATA
-    return json.loads(record.read_text()) if record.is_file() else None
+    if not record.is_file():
+        return None
+    try:
+        info = json.loads(record.read_text())
+    except ValueError as err:
+        raise ConfigError(f"{record}: not valid JSON ({err})") from err
+    if not isinstance(info, dict):
+        raise ConfigError(f"{record}: holds a JSON {type(info).__name__}; expected an object")
+    return info
 
 
 def describe(path: str | Path | None = None) -> str | None:
@@ -55,8 +63,8 @@ def describe(path: str | Path | None = None) -> str | None:
 
 
 def generation_defaults(path: str | Path | None = None) -> dict:
-    """`GenerationConfig` fields the demo model was trained for: gen_length, block_length."""
-    info = model_info(path) or {}
-    return info.get(
-        "generation", {"gen_length": task.GEN_LENGTH, "block_length": task.BLOCK_LENGTH}
-    )
+    """`GenerationConfig` fields the demo model was trained for (gen_length, block_length):
+    its folder's `generation_config.json`, which `djax convert` copies along."""
+    from djax.generation import generation_defaults
+
+    return generation_defaults(MODEL_DIR if path is None else path)

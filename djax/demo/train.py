@@ -36,6 +36,7 @@ from djax.checkpoint import save_hf
 from djax.config import ModelConfig, from_hf_dict, resolve_token_ids
 from djax.demo import METADATA, evaluate, task
 from djax.demo.tokenizer import build_char_tokenizer, save_char_tokenizer
+from djax.generation import GENERATION_FILE
 from djax.models import build_module, init_params
 
 VOCAB = 128  # the char tokenizer uses 103 ids; the rest are never produced
@@ -411,12 +412,13 @@ def save(folder: Path, run: dict, args: argparse.Namespace) -> None:
         "command": args.command,
         "reproduce": reproduce_command(args, run["steps"]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "generation": {"gen_length": task.GEN_LENGTH, "block_length": task.BLOCK_LENGTH},
         "task_weights": dict(zip(task.TASKS, TASK_WEIGHTS, strict=True)),
         "final_loss": run["history"][-1]["loss"] if run["history"] else None,
         "history": run["history"],
     }
     (folder / METADATA).write_text(json.dumps(record, indent=2))
+    generation = {"gen_length": task.GEN_LENGTH, "block_length": task.BLOCK_LENGTH}
+    (folder / GENERATION_FILE).write_text(json.dumps(generation, indent=2))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -41,7 +41,11 @@ class Tensor:
         return {self.name: raw.reshape(self.stored) if self.stored else raw}
 
     def raw_shape(self, store: TensorStore) -> tuple[int, ...]:
-        return tuple(self.shape) if self.shape else tuple(store.view(self.name).shape)
+        """The view's shape; ValueError when the stored tensor is not the `stored` shape."""
+        actual = tuple(store.view(self.name).shape)
+        if self.stored and actual != tuple(self.stored):
+            raise ValueError(f"tensor {self.name!r} has shape {actual}; expected {self.stored}")
+        return tuple(self.shape) if self.shape else actual
 
     def read(self, store: TensorStore, index: Index) -> np.ndarray:
         view = store.view(self.name)
@@ -76,7 +80,11 @@ class Joined:
         return out
 
     def raw_shape(self, store: TensorStore) -> tuple[int, ...]:
+        """ValueError when the parts' shapes differ (off the concatenation axis)."""
         shapes = [p.raw_shape(store) for p in self.parts]
+        kept = [s if self.stack else s[: self.axis] + s[self.axis + 1 :] for s in shapes]
+        if len(set(kept)) > 1:
+            raise ValueError(f"tensors {self.names()} have shapes {shapes} that do not join")
         first = list(shapes[0])
         if self.stack:
             return tuple(first[: self.axis] + [len(shapes)] + first[self.axis :])

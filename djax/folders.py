@@ -1,0 +1,115 @@
+"""Writing a folder atomically: build it in a staging folder beside the destination, then
+rename it into place, so an error or an interrupt leaves the destination as it was.
+
+A staging folder is named `.<destination name>.djax-staging-<random>`; the old
+destination, while it is replaced, `.<destination name>.djax-old-<random>`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def check_apart(src: Path, dst: Path) -> Path:
+    """`dst` with symlinks resolved, refused (ValueError) when it is, lies inside, or holds
+    the folder `src`: writing or replacing it would touch the source."""
+    real_src, real_dst = src.resolve(), dst.resolve()
+    if real_dst == real_src:
+        relation = "is"
+    elif real_src in real_dst.parents:
+        relation = "lies inside"
+    elif real_dst in real_src.parents:
+        relation = "holds"
+    else:
+        return real_dst
+    raise ValueError(
+        f"destination {str(dst)!r} {relation} the source folder {str(src)!r}; expected a "
+        "folder apart from the source"
+    )
+
+
+@contextlib.contextmanager
+def staged(dst: Path) -> Iterator[Path]:
+    """A new empty folder beside `dst` (on its file system, so a rename moves it), deleted
+    when the block raises or is interrupted; SIGTERM raises SystemExit(143) in the block
+    (main thread) so it unwinds the same way. An unwritable parent raises PermissionError
+    here, before the block runs."""
+    staging = dst.parent / f".{dst.name}.djax-staging-{secrets.token_hex(4)}"
+    created = False
+    with _terminate_raises():
+        try:
+            with _signals_deferred():  # no interrupt between creating and recording it
+                try:
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    staging.mkdir()
+                except OSError as err:
+                    raise PermissionError(
+                        f"cannot write beside {str(dst)!r}: {err.strerror or err} in "
+                        f"{str(dst.parent)!r}; expected a writable folder"
+                    ) from err
+                created = True
+            yield staging
+        except BaseException:
+            if created:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def replace(staging: Path, dst: Path) -> None:
+    """Move `staging` to `dst`. An existing `dst` is renamed aside, the new folder renamed
+    in, and only then the old one deleted; SIGINT and SIGTERM (main thread) take effect
+    once all that is done."""
+    with _signals_deferred():
+        if not dst.exists():
+            os.rename(staging, dst)
+            return
+        aside = dst.parent / f".{dst.name}.djax-old-{secrets.token_hex(4)}"
+        os.rename(dst, aside)
+        try:
+            os.rename(staging, dst)
+        except BaseException:
+            os.rename(aside, dst)
+            raise
+        shutil.rmtree(aside)
+
+
+@contextlib.contextmanager
+def _terminate_raises() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {
+        signum: signal.signal(signum, lambda signum, frame: pending.append(signum))
+        for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        for signum in pending:
+            signal.raise_signal(signum)
