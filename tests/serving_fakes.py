@@ -1,15 +1,13 @@
 """A stand-in for `djax.serving.engine` in the HTTP tests: `FakeEngine` answers each request
 with scripted events from a thread, without a model; `ServeConfig` mirrors the real one.
 
-`install()` puts this module's `ServeConfig` and a `make_engine` returning a `FakeEngine`
-in place of `djax.serving.engine` (for `serve` and the CLI in a test process).
+`engine_module()` stands in for `djax.serving.engine` (for `serve` and the CLI in tests).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import threading
 import time
 import types
@@ -102,11 +100,11 @@ class FakeEngine:
             on_event(event)
 
 
-def install(make_engine: Callable) -> None:
-    """Stand in for `djax.serving.engine` (until the real one exists, or in a subprocess
-    that serves a FakeEngine)."""
+def engine_module(make_engine: Callable | None) -> types.ModuleType:
+    """A stand-in for `djax.serving.engine` (to put in sys.modules): this module's
+    ServeConfig and `make_engine`."""
     module = types.ModuleType("djax.serving.engine")
     module.ServeConfig = ServeConfig
     module.SCHEDULERS = ("continuous", "static")
     module.make_engine = make_engine
-    sys.modules["djax.serving.engine"] = module
+    return module
