@@ -9,6 +9,7 @@ connections and waits for the requests in flight, then the engine stops (`drain=
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import socket
 import threading
@@ -50,15 +51,12 @@ def default_model_name(model: Model) -> str:
     return Path(model.path).name if model.path else "djax"
 
 
-def _build(
-    model: Model, config: ServeConfig, model_name: str | None
-) -> tuple[ServingEngine, FastAPI]:
+def _build(model: Model, config: ServeConfig, model_name: str) -> tuple[ServingEngine, FastAPI]:
     from djax.serving.engine import make_engine
 
     metrics = ServerMetrics()
     engine = make_engine(model, config, metrics)
-    name = model_name or default_model_name(model)
-    return engine, create_app(engine, model, model_name=name, metrics=metrics)
+    return engine, create_app(engine, model, model_name=model_name, metrics=metrics)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -83,9 +81,16 @@ def serve(
     The engine compiles its programs in the background; `/health` is 503 until it is
     ready. model_name: the id clients use (default: the model folder's name)."""
     sock = listen(host, port)
-    engine, app = _build(model, config, model_name)
+    name = model_name or default_model_name(model)
+    engine, app = _build(model, config, name)
     server = _Server(app, log_level)
     engine.start()
+    logging.getLogger("uvicorn.error").info(
+        "serving %r on http://%s:%d/v1 (GET /health answers 503 until the engine is ready)",
+        name,
+        _url_host(host),
+        sock.getsockname()[1],
+    )
     try:
         server.run(sockets=[sock])
     finally:
@@ -132,7 +137,7 @@ def running_server(
 ) -> Iterator[str]:
     """`serve` in a background thread on a free port: yields the base URL once the
     engine is ready (raises TimeoutError after `ready_timeout` seconds)."""
-    engine, app = _build(model, config, model_name)
+    engine, app = _build(model, config, model_name or default_model_name(model))
     with running_app(app, engine, host=host) as url:
         deadline = time.monotonic() + ready_timeout
         while not engine.ready:
