@@ -130,10 +130,12 @@ class _Generation:
 async def _next(queue: asyncio.Queue[Event], watcher: asyncio.Future) -> Event:
     """The next event, or _ClientGone once `watcher` (the disconnect watch) is done."""
     get = asyncio.ensure_future(queue.get())
-    await asyncio.wait((get, watcher), return_when=asyncio.FIRST_COMPLETED)
-    if get.done():
+    try:
+        await asyncio.wait((get, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        get.cancel()  # no-op once it is done
+    if get.done() and not get.cancelled():
         return get.result()
-    get.cancel()
     raise _ClientGone
 
 
@@ -265,7 +267,7 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
                 param=param,
             )
 
-    def answer_length(ids: list[int], max_tokens: int, param: str) -> None:
+    def check_length(ids: list[int], max_tokens: int, param: str) -> None:
         limit = engine.max_sequence
         answer = engine.answer_length(max_tokens) if max_tokens <= limit else max_tokens
         if len(ids) + answer > limit:
@@ -289,7 +291,7 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
             raise p.ProtocolError("the server is shutting down", status=503, kind="server_error")
         check_prompt(prompt_ids, param)
         max_tokens = body.answer_tokens or defaults.gen_length
-        answer_length(prompt_ids, max_tokens, param)
+        check_length(prompt_ids, max_tokens, param)
         temperature = defaults.temperature if body.temperature is None else body.temperature
         request = EngineRequest(
             request_id=f"{format_.prefix}-{uuid.uuid4().hex}",
@@ -323,8 +325,9 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            async for _ in generation.texts(http_request):
-                pass
+            async with contextlib.aclosing(generation.texts(http_request)) as texts:
+                async for _ in texts:
+                    pass
         except _ClientGone:
             return Response(status_code=499)
         except _EngineFailed as err:
@@ -337,8 +340,9 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
         generation: _Generation, out: _Format, http_request: Request, include_usage: bool
     ) -> AsyncIterator[str]:
         try:
-            async for text in generation.texts(http_request):
-                yield _sse(out.chunk(text, None))
+            async with contextlib.aclosing(generation.texts(http_request)) as texts:
+                async for text in texts:
+                    yield _sse(out.chunk(text, None))
             yield _sse(out.chunk("", generation.finish_reason))
             metrics.e2e.observe(time.perf_counter() - generation.arrival)
             if include_usage:

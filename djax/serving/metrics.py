@@ -46,9 +46,7 @@ class ServerMetrics:
             buckets=_HOST_BUCKETS,
             registry=r,
         )
-        self.compiles = Counter(
-            "djax_compiles", "programs compiled (warm-up included)", registry=r
-        )
+        self.compiles = Counter("djax_compiles", "programs compiled (warm-up included)", registry=r)
         self.requests = Counter(
             "djax_requests", "requests finished, by reason", ["reason"], registry=r
         )
