@@ -115,22 +115,31 @@ def test_health_follows_readiness_and_draining(url, engine, server):
 
 
 def test_metrics_exposition(url, client, server):
+    registry = server[3].registry
+    names = (
+        "djax_time_to_first_chunk_seconds_count",
+        "djax_request_latency_seconds_count",
+        "djax_generated_tokens_total",
+    )
+    before = [registry.get_sample_value(n) or 0 for n in names]
+    stops = registry.get_sample_value("djax_requests_total", {"reason": "stop"}) or 0
+    list(client.completions.create(model=NAME, prompt="347+2958=", stream=True))
     client.completions.create(model=NAME, prompt="347+2958=")
+    after = [registry.get_sample_value(n) for n in names]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2, 2 * len(ANSWER)]
+    assert registry.get_sample_value("djax_requests_total", {"reason": "stop"}) == stops + 2
     response = httpx.get(url + "/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
-    text = response.text
-    for name in (
-        "djax_time_to_first_chunk_seconds_count",
-        "djax_request_latency_seconds_count",
-        'djax_requests_total{reason="stop"}',
-        "djax_generated_tokens_total",
-        "djax_aborted_requests_total",
-        "djax_queue_depth",
-    ):
-        assert name in text, name
-    metrics = server[3]
-    assert metrics.generated_tokens._value.get() >= len(ANSWER)
+    for name in (*names, "djax_aborted_requests_total", "djax_queue_depth", "djax_compiles"):
+        assert name in response.text, name
+
+
+def test_unknown_routes_get_openai_errors(url):
+    response = httpx.get(url + "/v1/engines")
+    assert response.status_code == 404 and response.json()["error"]["message"] == "Not Found"
+    response = httpx.get(url + "/v1/completions")
+    assert response.status_code == 405 and "error" in response.json()
 
 
 # --- whole answers --------------------------------------------------------------------------
