@@ -1,0 +1,412 @@
+"""The HTTP endpoints of `djax serve` (FastAPI): OpenAI's completions and chat completions,
+streamed as server-sent events or whole, plus `/v1/models`, `/health` and `/metrics`.
+
+Each request is validated and tokenised here, submitted to the engine, and fed by the
+engine's events: they arrive on the engine's thread and are handed to the request's
+asyncio queue with `loop.call_soon_threadsafe`. A stop string, a client that goes away or a
+`Failed` event ends only that request; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from djax.engine import tokenize
+from djax.model import Model
+from djax.serving import protocol as p
+from djax.serving.detokenize import Detokenizer
+from djax.serving.metrics import ServerMetrics
+from djax.serving.requests import (
+    BlockCommitted,
+    Engine,
+    EngineRequest,
+    Event,
+    Failed,
+    Finished,
+    QueueFull,
+)
+
+
+class _ClientGone(Exception):
+    """The client closed the connection before the answer was complete."""
+
+
+class _EngineFailed(Exception):
+    """The engine sent `Failed` for this request."""
+
+
+class _Generation:
+    """One submitted request: its events (put on `queue` from the engine's thread), its
+    detokenizer, and how it ended (`finish_reason`, `completion_tokens`)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: ServerMetrics,
+        request: EngineRequest,
+        detokenizer: Detokenizer,
+        arrival: float,
+    ):
+        self.engine = engine
+        self.metrics = metrics
+        self.request = request
+        self.detokenizer = detokenizer
+        self.arrival = arrival
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.finish_reason: p.FinishReason | None = None
+        self.completion_tokens = 0
+        self.ended = False  # finished, failed or stopped: the engine holds it no more
+        self._loop = asyncio.get_running_loop()
+
+    def on_event(self, event: Event) -> None:
+        """The engine's callback (its thread)."""
+        with contextlib.suppress(RuntimeError):  # a closed loop: the server has gone
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def submit(self) -> None:
+        self.engine.submit(self.request, self.on_event)
+
+    async def texts(self, http_request: Request) -> AsyncIterator[str]:
+        """The answer's new text, one piece per committed block that made some; then sets
+        `finish_reason` and `completion_tokens`. Raises _ClientGone when the client leaves,
+        _EngineFailed on a `Failed` event. Unless the answer ended, the engine is told to
+        drop the request and it counts as aborted."""
+        watcher = asyncio.ensure_future(_disconnected(http_request))
+        try:
+            while self.finish_reason is None:
+                event = await _next(self.queue, watcher)
+                if isinstance(event, Failed):
+                    self.ended = True
+                    self.metrics.requests.labels("error").inc()
+                    raise _EngineFailed(event.message)
+                first = not self.detokenizer.text
+                text = self._take(event)
+                if text:
+                    if first:
+                        self.metrics.ttft.observe(time.perf_counter() - self.arrival)
+                    yield text
+        finally:
+            watcher.cancel()
+            if not self.ended:
+                self.engine.cancel(self.request.request_id)
+                self.metrics.aborted.inc()
+
+    def _take(self, event: BlockCommitted | Finished) -> str:
+        if isinstance(event, BlockCommitted):
+            self.completion_tokens += len(event.token_ids)
+            self.metrics.generated_tokens.inc(len(event.token_ids))
+            text = self.detokenizer.push(event.token_ids)
+            if self.detokenizer.stopped:
+                self.engine.cancel(self.request.request_id)
+                self._end("stop")
+            return text
+        self.completion_tokens = event.completion_tokens
+        text = self.detokenizer.finish()
+        self._end("stop" if self.detokenizer.stopped else event.reason)
+        return text
+
+    def _end(self, reason: p.FinishReason) -> None:
+        self.finish_reason = reason
+        self.ended = True
+        self.metrics.requests.labels(reason).inc()
+
+    def usage(self) -> p.Usage:
+        return p.Usage.of(len(self.request.prompt_ids), self.completion_tokens)
+
+
+async def _next(queue: asyncio.Queue[Event], watcher: asyncio.Future) -> Event:
+    """The next event, or _ClientGone once `watcher` (the disconnect watch) is done."""
+    get = asyncio.ensure_future(queue.get())
+    try:
+        await asyncio.wait((get, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        get.cancel()  # no-op once it is done
+    if get.done() and not get.cancelled():
+        return get.result()
+    raise _ClientGone
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (the body is already read, so
+    the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(payload: BaseModel | dict | str) -> str:
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json()
+    elif isinstance(payload, dict):
+        payload = json.dumps(payload)
+    return f"data: {payload}\n\n"
+
+
+class _Format:
+    """How one endpoint writes chunks and whole answers."""
+
+    prefix: str
+
+    def __init__(self, request_id: str, created: int, model: str):
+        self.id, self.created, self.model = request_id, created, model
+
+    def chunk(self, text: str, finish_reason: p.FinishReason | None) -> BaseModel: ...
+
+    def usage_chunk(self, usage: p.Usage) -> BaseModel: ...
+
+    def whole(self, text: str, finish_reason: p.FinishReason, usage: p.Usage) -> BaseModel: ...
+
+
+class _CompletionFormat(_Format):
+    prefix = "cmpl"
+
+    def chunk(self, text: str, finish_reason: p.FinishReason | None) -> BaseModel:
+        choice = p.CompletionChoice(text=text, finish_reason=finish_reason)
+        return p.Completion(id=self.id, created=self.created, model=self.model, choices=[choice])
+
+    def usage_chunk(self, usage: p.Usage) -> BaseModel:
+        return p.Completion(
+            id=self.id, created=self.created, model=self.model, choices=[], usage=usage
+        )
+
+    def whole(self, text: str, finish_reason: p.FinishReason, usage: p.Usage) -> BaseModel:
+        chunk = self.chunk(text, finish_reason)
+        chunk.usage = usage
+        return chunk
+
+
+class _ChatFormat(_Format):
+    prefix = "chatcmpl"
+    _role_sent = False
+
+    def chunk(self, text: str, finish_reason: p.FinishReason | None) -> BaseModel:
+        delta = p.Delta(content=text)
+        if not self._role_sent:
+            delta.role, self._role_sent = "assistant", True
+        choice = p.ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+        return p.ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[choice]
+        )
+
+    def usage_chunk(self, usage: p.Usage) -> BaseModel:
+        return p.ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[], usage=usage
+        )
+
+    def whole(self, text: str, finish_reason: p.FinishReason, usage: p.Usage) -> BaseModel:
+        choice = p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=finish_reason)
+        return p.ChatCompletion(
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+        )
+
+
+def create_app(engine: Engine, model: Model, *, model_name: str, metrics: ServerMetrics) -> FastAPI:
+    """The server's ASGI app. engine: started by the caller (it also has `config`, the
+    server's `ServeConfig`, whose generation settings give the request defaults); model:
+    its tokenizer and config; model_name: the one model id clients name.
+    `app.state.draining = True` makes `/health` answer 503 and new requests be refused."""
+    if model.tokenizer is None:
+        raise ValueError(
+            f"{model.path}: has no tokenizer; djax serve needs one to read prompts and "
+            "write answers"
+        )
+    defaults = engine.config.generation
+    created = int(time.time())
+    app = FastAPI(title="djax", description="OpenAI-compatible serving of diffusion LMs")
+    app.state.draining = False
+
+    @app.exception_handler(p.ProtocolError)
+    async def _refused(request: Request, err: p.ProtocolError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, err: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if err.status_code < 500 else "server_error"
+        error = p.ProtocolError(str(err.detail), status=err.status_code, kind=kind)
+        return JSONResponse(error.body(), status_code=err.status_code, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def _crashed(request: Request, err: Exception) -> JSONResponse:
+        error = p.ProtocolError(
+            f"internal error: {type(err).__name__}: {err}", status=500, kind="server_error"
+        )
+        return JSONResponse(error.body(), status_code=500)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise p.ProtocolError(
+                f"the model {name!r} does not exist; this server serves {model_name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_prompt(ids: list[int], param: str) -> None:
+        cfg = model.config
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise p.ProtocolError(
+                f"{param} holds token id {bad[0]}; expected ids in [0, {cfg.vocab_size})",
+                param=param,
+            )
+        if cfg.mask_token_id in ids:
+            raise p.ProtocolError(
+                f"{param} holds the mask id {cfg.mask_token_id}; masks are only for the answer",
+                param=param,
+            )
+
+    def check_length(ids: list[int], max_tokens: int, param: str) -> None:
+        limit = engine.max_sequence
+        answer = engine.answer_length(max_tokens) if max_tokens <= limit else max_tokens
+        if len(ids) + answer > limit:
+            raise p.ProtocolError(
+                f"the prompt ({len(ids)} tokens) + the answer ({answer} positions for "
+                f"max_tokens={max_tokens}) = {len(ids) + answer} exceeds this server's "
+                f"maximum sequence of {limit} tokens; shorten the prompt or lower max_tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def generate(
+        http_request: Request,
+        body: p.CompletionRequest | p.ChatCompletionRequest,
+        prompt_ids: list[int],
+        param: str,
+        format_: type[_Format],
+        arrival: float,
+    ) -> Response:
+        if app.state.draining:
+            raise p.ProtocolError("the server is shutting down", status=503, kind="server_error")
+        check_prompt(prompt_ids, param)
+        max_tokens = body.answer_tokens or defaults.gen_length
+        check_length(prompt_ids, max_tokens, param)
+        temperature = defaults.temperature if body.temperature is None else body.temperature
+        request = EngineRequest(
+            request_id=f"{format_.prefix}-{uuid.uuid4().hex}",
+            prompt_ids=tuple(prompt_ids),
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=secrets.randbelow(p.SEED_LIMIT) if body.seed is None else body.seed,
+            threshold=body.threshold,
+            ignore_eos=body.ignore_eos,
+        )
+        generation = _Generation(
+            engine, metrics, request, Detokenizer(model.tokenizer, body.stop), arrival
+        )
+        try:
+            generation.submit()
+        except QueueFull as err:
+            raise p.ProtocolError(
+                str(err),
+                status=429,
+                kind="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(max(1, math.ceil(err.retry_after)))},
+            ) from None
+        except ValueError as err:
+            raise p.ProtocolError(str(err)) from None
+        out = format_(request.request_id, int(time.time()), model_name)
+        if body.stream:
+            return StreamingResponse(
+                _stream(generation, out, http_request, body.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            async with contextlib.aclosing(generation.texts(http_request)) as texts:
+                async for _ in texts:
+                    pass
+        except _ClientGone:
+            return Response(status_code=499)
+        except _EngineFailed as err:
+            raise _failure(str(err)) from None
+        metrics.e2e.observe(time.perf_counter() - arrival)
+        whole = out.whole(generation.detokenizer.text, generation.finish_reason, generation.usage())
+        return JSONResponse(whole.model_dump())
+
+    async def _stream(
+        generation: _Generation, out: _Format, http_request: Request, include_usage: bool
+    ) -> AsyncIterator[str]:
+        try:
+            async with contextlib.aclosing(generation.texts(http_request)) as texts:
+                async for text in texts:
+                    yield _sse(out.chunk(text, None))
+            yield _sse(out.chunk("", generation.finish_reason))
+            metrics.e2e.observe(time.perf_counter() - generation.arrival)
+            if include_usage:
+                yield _sse(out.usage_chunk(generation.usage()))
+        except _ClientGone:
+            return
+        except _EngineFailed as err:
+            yield _sse(_failure(str(err)).body())
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        body = p.parse(p.CompletionRequest, await request.body())
+        check_model(body.model)
+        try:
+            ids = tokenize(model, [body.prompt], chat=False)[0]
+        except ValueError as err:
+            raise p.ProtocolError(str(err), param="prompt") from None
+        return await generate(request, body, ids, "prompt", _CompletionFormat, arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        body = p.parse(p.ChatCompletionRequest, await request.body())
+        check_model(body.model)
+        ids = _chat_ids(model, [m.template_turn() for m in body.messages])
+        return await generate(request, body, ids, "messages", _ChatFormat, arrival)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = p.ModelCard(id=model_name, created=created, max_model_len=engine.max_sequence)
+        return JSONResponse(p.ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if app.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not engine.ready:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _chat_ids(model: Model, turns: list[dict[str, str]]) -> list[int]:
+    """The prompt of a chat, as `djax.engine.tokenize` writes one: the chat template with
+    the assistant's header, tokenised without special tokens added."""
+    try:
+        text = model.tokenizer.apply_chat_template(
+            turns, add_generation_prompt=True, tokenize=False
+        )
+    except Exception as err:  # jinja and transformers raise their own types
+        raise p.ProtocolError(
+            f"the model's chat template refused these messages: {err}", param="messages"
+        ) from None
+    return model.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _failure(message: str) -> p.ProtocolError:
+    return p.ProtocolError(
+        f"the engine could not finish this request: {message}", status=500, kind="server_error"
+    )

@@ -1,0 +1,103 @@
+"""`djax serve`: the subcommand's options (`add_parser`) and what it runs (`run`).
+
+Every `GenerationConfig` field is an option, as for `djax generate`: they set the
+server-wide defaults (`--gen-length` is the default `max_tokens`). With no `--model` the
+demo model is served, with the answer layout it was trained for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEMO_NAME = "djax-demo"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `serve` on the `djax` command's subparsers."""
+    from djax.cli import _add_generation_options
+
+    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "--model",
+        help="HF model folder or `djax convert` output "
+        "(default: the small demo model shipped with djax)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument(
+        "--served-model-name",
+        help=f"the model id clients name (default: the folder's name; {DEMO_NAME} for the demo)",
+    )
+    serve.add_argument(
+        "--scheduler",
+        default="continuous",
+        choices=("continuous", "static"),
+        help="continuous: requests join and leave the batch at block boundaries; static: a "
+        "batch runs until all its requests finish (default: continuous)",
+    )
+    serve.add_argument(
+        "--max-batch", type=int, default=32, help="requests decoded together (default: 32)"
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="requests waiting for a batch row; beyond it, 429 (default: 1024)",
+    )
+    serve.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="longest prompt + answer served (default: the model's maximum)",
+    )
+    serve.add_argument("--dtype", help="bfloat16 | float32 (default: bf16 on GPU, fp32 on CPU)")
+    serve.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="accept pickled pytorch_model*.bin weights (runs unpickling)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level (default: info)",
+    )
+    _add_generation_options(serve)
+    return serve
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model and serve it until SIGINT or SIGTERM; 0 on a requested shutdown, 2
+    on an error the user can fix (printed)."""
+    import djax
+    from djax import demo
+    from djax.cli import _generation_config
+    from djax.serving.engine import ServeConfig
+    from djax.serving.server import listen, serve
+
+    try:
+        listen(args.host, args.port).close()  # a busy port fails now, not after loading
+        path = args.model or str(demo.default_model_path())
+        label = demo.describe(path)  # None unless the folder holds a demo model
+        config = ServeConfig(
+            generation=_generation_config(args, demo.generation_defaults(path) if label else {}),
+            scheduler=args.scheduler,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            max_seq_len=args.max_seq_len,
+        )
+        name = args.served_model_name or (DEMO_NAME if label else Path(path).name)
+        model = djax.load(path, args.dtype, allow_pickle=args.allow_pickle)
+        serve(
+            model,
+            config,
+            host=args.host,
+            port=args.port,
+            model_name=name,
+            log_level=args.log_level,
+        )
+    except (ValueError, FileNotFoundError, OSError, TypeError) as err:
+        print(f"djax: error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,374 @@
+"""The OpenAI wire format of `POST /v1/completions` and `POST /v1/chat/completions`: request
+bodies (validated strictly: a wrong type is refused, never coerced), responses, stream
+chunks and error bodies.
+
+Fields OpenAI defines that djax cannot honour (`n` > 1, `logprobs`, `best_of` > 1,
+`echo`, `suffix`, tools and functions) are refused with a 400 naming the field; fields it
+does not know are ignored. djax's own fields: `threshold` (τ of the threshold decoder) and
+`ignore_eos` (keep denoising past stop tokens up to max_tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+)
+from pydantic_core import PydanticCustomError
+
+MAX_STOP_STRINGS = 4
+SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT)
+
+FinishReason = Literal["stop", "length"]
+
+
+class ProtocolError(Exception):
+    """A request the server refuses, as an OpenAI error: HTTP status, error type, the
+    request field at fault (`param`, dotted) and a machine-readable `code`."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.kind = kind
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(
+            error=ErrorDetail(
+                message=self.message, type=self.kind, param=self.param, code=self.code
+            )
+        ).model_dump()
+
+
+def _refuse(kind: str, message: str, **context: Any) -> PydanticCustomError:
+    return PydanticCustomError(kind, message, context)
+
+
+def _unsupported(field: str, what: str) -> PydanticCustomError:
+    return _refuse("unsupported", f"{field} is not supported: {what}")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    threshold: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: Any = None
+    top_logprobs: Any = None
+    best_of: Any = None
+    echo: Any = False
+
+    @field_validator("stop", mode="plain")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        strings = [value] if isinstance(value, str) else value
+        if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+            raise _refuse("stop_type", "expected a string or a list of strings")
+        if len(strings) > MAX_STOP_STRINGS:
+            raise _refuse(
+                "stop_count",
+                "holds {n} strings; expected at most {limit}",
+                n=len(strings),
+                limit=MAX_STOP_STRINGS,
+            )
+        if not all(strings):
+            raise _refuse("stop_empty", "holds an empty string; stop strings must be non-empty")
+        return tuple(strings)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise _unsupported("n", "djax returns one choice per request (n=1)")
+        return value
+
+    @field_validator("logprobs", "top_logprobs", mode="plain")
+    @classmethod
+    def _no_logprobs(cls, value: Any, info) -> Any:
+        if value not in (None, False, 0):
+            raise _unsupported(info.field_name, "djax returns no log-probabilities")
+        return None
+
+    @field_validator("best_of", mode="plain")
+    @classmethod
+    def _no_best_of(cls, value: Any) -> Any:
+        if value not in (None, 1):
+            raise _unsupported("best_of", "djax returns its one answer (best_of=1)")
+        return None
+
+    @field_validator("echo", mode="plain")
+    @classmethod
+    def _no_echo(cls, value: Any) -> bool:
+        if value not in (None, False):
+            raise _unsupported("echo", "the answer never repeats the prompt")
+        return False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def answer_tokens(self) -> int | None:
+        """The answer tokens asked for (None: the server's default)."""
+        return self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    """`POST /v1/completions`: `prompt` is one string or one list of token ids (a batch of
+    one is unwrapped; larger batches are refused)."""
+
+    prompt: str | list[int]
+    suffix: Any = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, list) and value and not _is_ids(value):
+            if not all(isinstance(p, str) or _is_ids(p) for p in value):
+                raise _refuse(
+                    "prompt_type", "expected a string, a list of token ids, or a list of one"
+                )
+            if len(value) != 1:
+                raise _refuse(
+                    "prompt_batch",
+                    "holds {n} prompts; djax serves one prompt per request (send one "
+                    "request per prompt)",
+                    n=len(value),
+                )
+            value = value[0]
+        if not isinstance(value, str) and not _is_ids(value):
+            raise _refuse("prompt_type", "expected a string or a list of token ids")
+        if not value:
+            raise _refuse("prompt_empty", "is empty; expected at least one token")
+        return value
+
+    @field_validator("suffix", mode="plain")
+    @classmethod
+    def _no_suffix(cls, value: Any) -> None:
+        if value not in (None, ""):
+            raise _unsupported("suffix", "djax completes after the prompt only")
+        return None
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+class ChatMessage(BaseModel):
+    """One turn. `content` may be a list of text parts (joined); `developer` turns reach
+    the chat template as `system` turns."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _text(cls, value: Any) -> str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in value
+        ):
+            return "".join(p["text"] for p in value)
+        raise _refuse(
+            "content_type",
+            'expected a string or a list of text parts ({"type": "text", "text": ...})',
+        )
+
+    def template_turn(self) -> dict[str, str]:
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.content}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """`POST /v1/chat/completions`: the messages go through the model's chat template.
+    `max_completion_tokens` wins over the older `max_tokens`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    @field_validator("tools", "functions", mode="plain")
+    @classmethod
+    def _no_tools(cls, value: Any, info) -> None:
+        if value not in (None, []):
+            raise _unsupported(info.field_name, "djax does not call tools")
+        return None
+
+    @field_validator("tool_choice", "function_call", mode="plain")
+    @classmethod
+    def _no_tool_choice(cls, value: Any, info) -> None:
+        if value not in (None, "none"):
+            raise _unsupported(info.field_name, "djax does not call tools")
+        return None
+
+    @property
+    def answer_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def parse(kind: type[_GenerationRequest], body: bytes) -> _GenerationRequest:
+    """The request `body` (JSON) validated as `kind`; raises ProtocolError (400) naming the
+    first field at fault."""
+    try:
+        return kind.model_validate_json(body)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            raise ProtocolError(f"the body is not valid JSON: {first['msg']}") from None
+        param = ".".join(str(part) for part in first["loc"]) or None
+        where = f"{param}: " if param else "the body: "
+        raise ProtocolError(where + first["msg"], param=param) from None
+
+
+# --- responses --------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class Completion(BaseModel):
+    """A whole answer, or (streamed, `usage` None) one chunk of it; OpenAI names both
+    `text_completion`."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    """What a chat chunk adds; unset fields are left out of the JSON."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _set_fields(self) -> dict[str, str]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "djax"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,110 @@
+"""A stand-in for `djax.serving.engine` in the HTTP tests: `FakeEngine` answers each request
+with scripted events from a thread, without a model; `ServeConfig` mirrors the real one.
+
+`engine_module()` stands in for `djax.serving.engine` (for `serve` and the CLI in tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+import types
+from collections.abc import Callable
+
+from djax.engine import GenerationConfig
+from djax.serving.requests import BlockCommitted, EngineRequest, Event, Finished, QueueFull
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    generation: GenerationConfig = GenerationConfig()
+    scheduler: str = "continuous"
+    max_batch: int = 32
+    max_queue: int = 1024
+    max_seq_len: int | None = None
+
+
+def scripted(tokenizer, text: str, reason: str = "stop") -> Callable[[EngineRequest], list]:
+    """A script answering `text` (cut at max_tokens), one block of `block` tokens per
+    event, then Finished (`length` when cut, else `reason`)."""
+
+    def script(request: EngineRequest, block: int) -> list[Event]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        cut = ids[: request.max_tokens]
+        events = [BlockCommitted(tuple(cut[i : i + block])) for i in range(0, len(cut), block)]
+        finish = "length" if len(ids) > request.max_tokens else reason
+        return [*events, Finished(finish, len(cut))]
+
+    return script
+
+
+class FakeEngine:
+    """The `ServingEngine` interface without a model. Each request gets the events
+    `script(request, block_length)` returns, one per `interval` seconds, from a thread of
+    its own, until cancelled; while `release` is clear requests wait (queued). `full`:
+    submit raises QueueFull. `submitted` and `cancelled` record what the server asked."""
+
+    def __init__(self, config: ServeConfig, script, *, max_sequence: int = 128):
+        self.config = config
+        self.max_sequence = max_sequence
+        self.script = script
+        self.interval = 0.0
+        self.ready = False
+        self.full = False
+        self.release = threading.Event()
+        self.release.set()
+        self.submitted: list[EngineRequest] = []
+        self.cancelled: list[str] = []
+        self.stopped = False
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        self.ready = True
+
+    def stop(self, drain: bool = True, timeout: float = 30.0) -> None:
+        self.stopped = True
+        self.release.set()
+        for thread in self._threads:
+            thread.join(timeout)
+
+    def answer_length(self, max_tokens: int) -> int:
+        block = self.config.generation.block_length
+        return block * math.ceil(max_tokens / block)
+
+    def submit(self, request: EngineRequest, on_event: Callable[[Event], None]) -> None:
+        if self.full or self.stopped:
+            raise QueueFull(depth=self.config.max_queue, retry_after=1.5)
+        if request.max_tokens > 1000:
+            raise ValueError(f"max_tokens={request.max_tokens}; the fake serves ≤ 1000")
+        events = self.script(request, self.config.generation.block_length)
+        with self._lock:
+            self.submitted.append(request)
+        thread = threading.Thread(target=self._run, args=(request.request_id, events, on_event))
+        self._threads.append(thread)
+        thread.start()
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self.cancelled.append(request_id)
+
+    def _run(self, request_id: str, events: list[Event], on_event) -> None:
+        self.release.wait()
+        for event in events:
+            time.sleep(self.interval)
+            with self._lock:
+                if request_id in self.cancelled:
+                    return
+            on_event(event)
+
+
+def engine_module(make_engine: Callable | None) -> types.ModuleType:
+    """A stand-in for `djax.serving.engine` (to put in sys.modules): this module's
+    ServeConfig and `make_engine`."""
+    module = types.ModuleType("djax.serving.engine")
+    module.ServeConfig = ServeConfig
+    module.SCHEDULERS = ("continuous", "static")
+    module.make_engine = make_engine
+    return module

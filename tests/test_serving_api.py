@@ -1,0 +1,470 @@
+"""The HTTP half of `djax serve` against a scripted FakeEngine: a real uvicorn server on
+127.0.0.1, the official `openai` client, and httpx for the raw cases."""
+
+import json
+import math
+import time
+
+import httpx
+import openai
+import pytest
+from serving_fakes import FakeEngine, ServeConfig, scripted
+
+import djax
+from djax import demo
+from djax.engine import GenerationConfig, tokenize
+from djax.serving.api import create_app
+from djax.serving.metrics import ServerMetrics
+from djax.serving.requests import BlockCommitted, Failed, Finished
+from djax.serving.server import running_app
+
+ANSWER = "The sum is 3305. Done!"  # 22 characters: blocks of 8, 8, 6
+NAME = "djax-demo"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return djax.load(demo.default_model_path())
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    config = ServeConfig(GenerationConfig(gen_length=32, block_length=8, temperature=0.25))
+    engine = FakeEngine(config, scripted(model.tokenizer, ANSWER))
+    metrics = ServerMetrics()
+    app = create_app(engine, model, model_name=NAME, metrics=metrics)
+    with running_app(app, engine) as url:
+        yield url, engine, app, metrics
+
+
+@pytest.fixture
+def engine(server, model):
+    """The server's engine, reset to answer ANSWER at once."""
+    engine = server[1]
+    engine.script = scripted(model.tokenizer, ANSWER)
+    engine.interval = 0.0
+    engine.full = False
+    engine.ready = True
+    engine.release.set()
+    engine.submitted.clear()
+    engine.cancelled.clear()
+    return engine
+
+
+@pytest.fixture
+def url(server, engine):
+    return server[0]
+
+
+@pytest.fixture
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=10)
+
+
+def post(url, path, body, **kwargs):
+    return httpx.post(url + path, json=body, timeout=10, **kwargs)
+
+
+def sse_events(response):
+    """The `data:` payloads of an event stream: JSON objects, then the string [DONE]."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == "", line
+    return events
+
+
+def assert_error(response, status, param=None, code=None, mentions=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    kinds = {400: "invalid_request_error", 404: "invalid_request_error", 503: "server_error"}
+    assert error["type"] == kinds[status]
+    assert error["param"] == param
+    assert error["code"] == code
+    if mentions:
+        assert mentions in error["message"]
+    return error
+
+
+# --- model list, health, metrics ------------------------------------------------------------
+
+
+def test_models_lists_the_one_model(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [NAME]
+    assert models[0].object == "model" and models[0].owned_by == "djax"
+
+
+def test_health_follows_readiness_and_draining(url, engine, server):
+    app = server[2]
+    engine.ready = False
+    assert httpx.get(url + "/health").status_code == 503
+    engine.ready = True
+    assert httpx.get(url + "/health").status_code == 200
+    app.state.draining = True
+    try:
+        assert httpx.get(url + "/health").status_code == 503
+        response = post(url, "/v1/completions", {"model": NAME, "prompt": "1+1="})
+        assert_error(response, 503)
+    finally:
+        app.state.draining = False
+
+
+def test_metrics_exposition(url, client, server):
+    registry = server[3].registry
+    names = (
+        "djax_time_to_first_chunk_seconds_count",
+        "djax_request_latency_seconds_count",
+        "djax_generated_tokens_total",
+    )
+    before = [registry.get_sample_value(n) or 0 for n in names]
+    stops = registry.get_sample_value("djax_requests_total", {"reason": "stop"}) or 0
+    list(client.completions.create(model=NAME, prompt="347+2958=", stream=True))
+    client.completions.create(model=NAME, prompt="347+2958=")
+    after = [registry.get_sample_value(n) for n in names]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2, 2 * len(ANSWER)]
+    assert registry.get_sample_value("djax_requests_total", {"reason": "stop"}) == stops + 2
+    response = httpx.get(url + "/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    for name in (*names, "djax_aborted_requests_total", "djax_queue_depth", "djax_compiles"):
+        assert name in response.text, name
+
+
+def test_unknown_routes_get_openai_errors(url):
+    response = httpx.get(url + "/v1/engines")
+    assert response.status_code == 404 and response.json()["error"]["message"] == "Not Found"
+    response = httpx.get(url + "/v1/completions")
+    assert response.status_code == 405 and "error" in response.json()
+
+
+# --- whole answers --------------------------------------------------------------------------
+
+
+def test_completion(client, engine, model):
+    out = client.completions.create(model=NAME, prompt="347+2958=", seed=7)
+    assert out.id.startswith("cmpl-") and out.object == "text_completion"
+    assert out.model == NAME and abs(out.created - time.time()) < 60
+    assert [(c.index, c.text, c.finish_reason) for c in out.choices] == [(0, ANSWER, "stop")]
+    prompt = tokenize(model, ["347+2958="], chat=False)[0]
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt), len(ANSWER))
+    assert out.usage.total_tokens == len(prompt) + len(ANSWER)
+    (request,) = engine.submitted
+    assert request.request_id == out.id and list(request.prompt_ids) == prompt
+    assert (request.max_tokens, request.temperature, request.seed) == (32, 0.25, 7)
+    assert (request.threshold, request.ignore_eos) == (None, False)
+
+
+def test_chat_completion_uses_the_chat_template(client, engine, model):
+    out = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "347+2958="}], max_tokens=16
+    )
+    assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
+    (choice,) = out.choices
+    assert choice.message.role == "assistant"
+    assert (choice.message.content, choice.finish_reason) == (ANSWER[:16], "length")
+    (request,) = engine.submitted
+    assert list(request.prompt_ids) == tokenize(model, ["347+2958="], chat=True)[0]
+    assert out.usage.completion_tokens == 16 and request.max_tokens == 16
+
+
+def test_chat_turns_text_parts_and_max_completion_tokens(url, engine, model):
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "1+"}, {"type": "text", "text": "2="}],
+        },
+        {"role": "assistant", "content": "3"},
+        {"role": "user", "content": "again"},
+    ]
+    body = {"messages": messages, "max_tokens": 30, "max_completion_tokens": 9}
+    response = post(url, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    turns = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "1+2="},
+        {"role": "assistant", "content": "3"},
+        {"role": "user", "content": "again"},
+    ]
+    text = model.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    ids = model.tokenizer(text, add_special_tokens=False)["input_ids"]
+    (request,) = engine.submitted
+    assert list(request.prompt_ids) == ids and request.max_tokens == 9
+
+
+def test_prompt_token_ids_and_djax_extensions(url, engine):
+    body = {"prompt": [[0, 62, 63]], "threshold": 0.5, "ignore_eos": True, "temperature": 0}
+    body |= {"user": "someone", "top_p": 1.0, "presence_penalty": 0, "unknown_field": [1]}
+    response = post(url, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    (request,) = engine.submitted
+    assert request.prompt_ids == (0, 62, 63)
+    assert (request.threshold, request.ignore_eos, request.temperature) == (0.5, True, 0.0)
+    assert 0 <= request.seed < 2**32
+    assert response.json()["usage"]["prompt_tokens"] == 3
+
+
+# --- streaming ------------------------------------------------------------------------------
+
+
+def test_stream_sends_a_chunk_per_block_then_done(url, engine):
+    body = {"model": NAME, "prompt": "347+2958=", "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert texts == [ANSWER[0:8], ANSWER[8:16], ANSWER[16:], ""]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "stop"]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert all("usage" not in c or c["usage"] is None for c in chunks)
+
+
+def test_stream_include_usage_and_chat_chunks(client, engine):
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == ANSWER
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ANSWER)
+    assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + len(ANSWER)
+
+
+@pytest.mark.parametrize("max_tokens", [5, 32])
+def test_stream_equals_whole_answer(client, engine, max_tokens):
+    whole = client.completions.create(model=NAME, prompt="x", max_tokens=max_tokens)
+    stream = client.completions.create(model=NAME, prompt="x", max_tokens=max_tokens, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_a_block_that_makes_no_text_sends_no_chunk(url, engine, model):
+    ids = model.tokenizer("ab", add_special_tokens=False)["input_ids"]
+    events = [BlockCommitted(tuple(ids)), BlockCommitted(()), Finished("stop", 2)]
+    engine.script = lambda request, block: events
+    body = {"prompt": "x", "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as response:
+        chunks = sse_events(response)[:-1]
+    assert [c["choices"][0]["text"] for c in chunks] == ["ab", ""]
+
+
+# --- stop strings ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_the_answer_and_cancels(client, engine, stream):
+    # "3305" spans blocks 1 and 2 ("The sum " | "is 3305." | ...): "is 33" is held back.
+    out = client.completions.create(model=NAME, prompt="x", stop=["05.", "Z"], stream=stream)
+    if stream:
+        chunks = list(out)
+        text = "".join(c.choices[0].text for c in chunks)
+        assert [c.choices[0].text for c in chunks] == ["The sum ", "is 33", ""]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        text, finish = out.choices[0].text, out.choices[0].finish_reason
+        assert out.usage.completion_tokens == 16  # two blocks received
+    assert (text, finish) == ("The sum is 33", "stop")
+    assert engine.cancelled == [engine.submitted[0].request_id]
+
+
+def test_stop_string_held_back_then_released(client, engine):
+    chunks = list(client.completions.create(model=NAME, prompt="x", stop="sum X", stream=True))
+    # Block 1 ends "The sum ": the tail "sum " could start "sum X", so it waits for block 2.
+    assert [c.choices[0].text for c in chunks] == ["The ", "sum is 3305.", " Done!", ""]
+    assert chunks[-1].choices[0].finish_reason == "stop" and engine.cancelled == []
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path, body, param, mentions",
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "greater"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens", "integer"),
+        ("/v1/completions", {"prompt": "x", "temperature": -0.5}, "temperature", "greater"),
+        ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream", "boolean"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**40}, "seed", "less"),
+        ("/v1/completions", {"prompt": "x", "threshold": 1.5}, "threshold", "less"),
+        ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
+        ("/v1/completions", {"prompt": []}, "prompt", "empty"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", "2 prompts"),
+        ("/v1/completions", {"prompt": [1, "a"]}, "prompt", "expected"),
+        ("/v1/completions", {}, "prompt", "required"),
+        ("/v1/completions", {"prompt": "x", "stop": ["a"] * 5}, "stop", "at most 4"),
+        ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop", "empty"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n", "n is not supported"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs", "not supported"),
+        ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "not supported"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
+        ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
+        ("/v1/completions", {"prompt": [5, 128]}, "prompt", "token id 128"),
+        ("/v1/completions", {"prompt": [5, -1]}, "prompt", "token id -1"),
+        ("/v1/completions", {"prompt": [5, 2]}, "prompt", "mask id 2"),
+        ("/v1/chat/completions", {"messages": []}, "messages", "at least 1"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages", "array"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "tool", "content": "x"}]},
+            "messages.0.role",
+            "'user'",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.0.content",
+            "text parts",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools",
+            "not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+            "tool_choice",
+            "not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs",
+            "not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
+            "max_completion_tokens",
+            "greater",
+        ),
+    ],
+)
+def test_bad_requests_are_400_naming_the_field(url, engine, path, body, param, mentions):
+    assert_error(post(url, path, body), 400, param=param, mentions=mentions)
+    assert engine.submitted == []
+
+
+@pytest.mark.parametrize(
+    "raw", [b"{not json", b"", b"[1, 2]", b'{"prompt": "x", "temperature": NaN}']
+)
+def test_malformed_bodies_are_400(url, engine, raw):
+    response = httpx.post(url + "/v1/completions", content=raw, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert engine.submitted == []
+
+
+def test_the_openai_client_sees_bad_requests(client):
+    with pytest.raises(openai.BadRequestError, match="n is not supported"):
+        client.completions.create(model=NAME, prompt="x", n=2)
+
+
+def test_context_length_exceeded(url, engine, client):
+    # 120 prompt tokens + max_tokens 9 -> two blocks of 8 = 136 > 128.
+    response = post(url, "/v1/completions", {"prompt": [5] * 120, "max_tokens": 9})
+    error = assert_error(response, 400, param="prompt", code="context_length_exceeded")
+    assert "136" in error["message"] and "128" in error["message"]
+    assert post(url, "/v1/completions", {"prompt": [5] * 120, "max_tokens": 8}).status_code == 200
+    response = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 10**30})
+    assert_error(response, 400, param="prompt", code="context_length_exceeded")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "y" * 200}]
+        )
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
+
+
+def test_unknown_model_is_404(url, client):
+    response = post(url, "/v1/completions", {"model": "gpt-4", "prompt": "x"})
+    assert_error(response, 404, param="model", code="model_not_found", mentions="gpt-4")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_full_queue_is_429_with_retry_after(url, engine, client):
+    engine.full = True
+    response = post(url, "/v1/completions", {"prompt": "x"})
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == str(math.ceil(1.5))
+    assert response.json()["error"]["code"] == "queue_full"
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=NAME, prompt="x")
+
+
+def test_engine_value_error_is_400(url, engine):
+    engine.max_sequence = 4096  # the fake refuses max_tokens > 1000 at submit
+    try:
+        response = post(url, "/v1/completions", {"prompt": "x", "max_tokens": 2000})
+    finally:
+        engine.max_sequence = 128
+    assert_error(response, 400, mentions="max_tokens=2000")
+
+
+# --- failures and disconnects ---------------------------------------------------------------
+
+
+def test_failed_request_is_500_and_the_next_is_served(client, engine, model):
+    engine.script = lambda request, block: [BlockCommitted((62,)), Failed("device lost")]
+    with pytest.raises(openai.InternalServerError, match="device lost"):
+        client.completions.create(model=NAME, prompt="x")
+    engine.script = scripted(model.tokenizer, ANSWER)
+    assert client.completions.create(model=NAME, prompt="x").choices[0].text == ANSWER
+    assert engine.cancelled == []
+
+
+def test_failed_stream_sends_an_error_chunk_then_done(url, engine):
+    engine.script = lambda request, block: [BlockCommitted((62, 63)), Failed("device lost")]
+    body = {"prompt": "x", "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as response:
+        events = sse_events(response)
+    assert events[0]["choices"][0]["text"] == "34"
+    assert events[1]["error"]["type"] == "server_error" and "device lost" in str(events[1])
+    assert events[2:] == ["[DONE]"]
+
+
+def wait_for(condition, seconds=3.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_disconnect_mid_stream_cancels(url, engine, server, model):
+    metrics = server[3]
+    aborted = metrics.aborted._value.get()
+    engine.script = scripted(model.tokenizer, "x" * 64)
+    engine.interval = 0.05
+    body = {"prompt": "x", "stream": True, "max_tokens": 64}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as response:
+        first = next(response.iter_lines())
+        assert first.startswith("data: ")
+    wait_for(lambda: engine.cancelled == [engine.submitted[0].request_id])
+    assert metrics.aborted._value.get() == aborted + 1
+
+
+def test_disconnect_while_queued_cancels(url, engine, server):
+    metrics = server[3]
+    aborted = metrics.aborted._value.get()
+    engine.release.clear()  # requests wait in the queue
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=0.3)
+    wait_for(lambda: len(engine.cancelled) == 1)
+    assert engine.cancelled == [engine.submitted[0].request_id]
+    assert metrics.aborted._value.get() == aborted + 1
+    engine.release.set()

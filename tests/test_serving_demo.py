@@ -1,0 +1,57 @@
+"""`djax serve` end to end: the real engine serving the demo model, through the `openai`
+client (skipped while `djax.serving.engine` is absent)."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+import djax
+from djax import demo
+from djax.engine import GenerationConfig
+
+engine = pytest.importorskip("djax.serving.engine")
+
+PROBLEMS = {
+    "347+2958=": "3305",
+    "sort 3,9,1,4,1,7": "1,1,3,4,7,9",
+    "reverse diffusion": "noisuffid",
+}
+
+
+@pytest.fixture(scope="module")
+def client():
+    from djax.serving.server import running_server
+
+    model = djax.load(demo.default_model_path())
+    config = engine.ServeConfig(
+        generation=GenerationConfig(**demo.generation_defaults()), max_batch=4
+    )
+    with running_server(model, config, model_name="djax-demo") as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def ask(client, prompt, **kwargs):
+    messages = [{"role": "user", "content": prompt}]
+    return client.chat.completions.create(model="djax-demo", messages=messages, **kwargs)
+
+
+def test_concurrent_chats_get_their_own_answers(client):
+    with ThreadPoolExecutor(len(PROBLEMS)) as pool:
+        outs = list(pool.map(lambda prompt: ask(client, prompt), PROBLEMS))
+    for out, answer in zip(outs, PROBLEMS.values(), strict=True):
+        assert (out.choices[0].message.content, out.choices[0].finish_reason) == (answer, "stop")
+        assert out.usage.completion_tokens >= len(answer)
+
+
+def test_stream_equals_whole_answer(client):
+    chunks = list(ask(client, "347+2958=", stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "3305"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stop_string_and_length(client):
+    assert ask(client, "347+2958=", stop=["0"]).choices[0].message.content == "33"
+    out = ask(client, "reverse diffusion", max_tokens=3)
+    assert out.choices[0].finish_reason == "length"
+    assert out.choices[0].message.content == "noi"
