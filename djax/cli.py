@@ -254,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(gen)
     _add_generation_options(gen)
 
+    from djax.serving import cli as serving_cli
+
+    serving_cli.add_parser(commands, [common])
+
     conv = commands.add_parser(
         "convert",
         parents=[common],
@@ -515,6 +519,10 @@ def _convert(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args)
+    if args.command == "serve":  # uvicorn handles SIGINT and SIGTERM itself: it drains
+        from djax.serving import cli as serving_cli
+
+        return serving_cli.run(args)
     progress = Progress(0)
     try:
         with StopSignals() as stops:

@@ -1,7 +1,5 @@
 """`djax serve`: its options, and a served process that drains and exits 0 on a signal."""
 
-import argparse
-import importlib.util
 import json
 import signal
 import socket
@@ -13,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from djax.cli import build_parser
 from djax.serving import cli
 
 TESTS = Path(__file__).parent
@@ -20,19 +19,12 @@ ROOT = TESTS.parent
 
 
 def parse(argv):
-    parser = argparse.ArgumentParser(prog="djax")
-    cli.add_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["serve", *argv])
+    return build_parser().parse_args(["serve", *argv])
 
 
 @pytest.fixture
 def served(monkeypatch):
-    """What `run` hands `serve`, which is not run; a stand-in engine module when the real
-    one is missing."""
-    if importlib.util.find_spec("djax.serving.engine") is None:
-        import serving_fakes
-
-        monkeypatch.setitem(sys.modules, "djax.serving.engine", serving_fakes.engine_module(None))
+    """What `run` hands `serve`, which is not run."""
     calls = []
     monkeypatch.setattr(
         "djax.serving.server.serve", lambda model, config, **kw: calls.append((model, config, kw))
@@ -95,22 +87,8 @@ def test_user_errors_exit_2(served, capsys, tmp_path):
         parse(["--scheduler", "dynamic"])
 
 
-SERVE = """
-import argparse, sys
-sys.path.insert(0, {tests!r})
-import serving_fakes
-from djax.serving import cli
-
-def make_engine(model, config, metrics):
-    engine = serving_fakes.FakeEngine(config, serving_fakes.scripted(model.tokenizer, "x" * 64))
-    engine.interval = 0.1
-    return engine
-
-sys.modules["djax.serving.engine"] = serving_fakes.engine_module(make_engine)
-parser = argparse.ArgumentParser()
-cli.add_parser(parser.add_subparsers())
-sys.exit(cli.run(parser.parse_args(["serve", "--port", "{port}", "--log-level", "warning"])))
-"""
+# The demo model on one row, greedy only, sequences up to 64: one program to compile.
+SERVE = "serve --max-batch 1 --no-sampling --max-seq-len 64 --log-level warning --port"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -118,7 +96,7 @@ def test_a_signal_drains_the_requests_in_flight_and_exits_0(sig):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
-        [sys.executable, "-c", SERVE.format(tests=str(TESTS), port=port)],
+        [sys.executable, "-m", "djax.cli", *SERVE.split(), str(port)],
         cwd=ROOT,
         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
         stdout=subprocess.PIPE,
@@ -126,7 +104,7 @@ def test_a_signal_drains_the_requests_in_flight_and_exits_0(sig):
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180
         while True:
             assert process.poll() is None, process.communicate()
             assert time.monotonic() < deadline, "the server did not become ready"
@@ -137,14 +115,21 @@ def test_a_signal_drains_the_requests_in_flight_and_exits_0(sig):
                 pass
             time.sleep(0.1)
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "djax-demo"
-        body = {"prompt": "347+2958=", "stream": True}  # 32 tokens (the demo's gen_length)
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as response:
+        body = {  # three blocks: the answer, then end-of-text tokens (not text)
+            "messages": [{"role": "user", "content": "347+2958="}],
+            "stream": True,
+            "max_tokens": 24,
+            "ignore_eos": True,
+        }
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
             stream = response.iter_lines()
             first = next(stream)
             process.send_signal(sig)  # after the first block: the answer still completes
             lines = [first, *(line for line in stream if line)]
         chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
-        assert "".join(c["choices"][0]["text"] for c in chunks) == "x" * 32
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert text == "3305"
         assert lines[-1] == "data: [DONE]"
         _, err = process.communicate(timeout=30)
     finally:

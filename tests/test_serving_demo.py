@@ -1,6 +1,8 @@
 """`djax serve` end to end: the real engine serving the demo model, through the `openai`
-client (skipped while `djax.serving.engine` is absent)."""
+client: right answers, the answers `djax.generate` gives each request alone."""
 
+import dataclasses
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -9,8 +11,7 @@ import pytest
 import djax
 from djax import demo
 from djax.engine import GenerationConfig
-
-engine = pytest.importorskip("djax.serving.engine")
+from djax.serving import engine
 
 PROBLEMS = {
     "347+2958=": "3305",
@@ -24,8 +25,11 @@ def client():
     from djax.serving.server import running_server
 
     model = djax.load(demo.default_model_path())
-    config = engine.ServeConfig(
-        generation=GenerationConfig(**demo.generation_defaults()), max_batch=4
+    config = engine.ServeConfig(  # few programs: 2 rows, sequences of 64 and 72, greedy
+        generation=GenerationConfig(**demo.generation_defaults()),
+        max_batch=2,
+        max_seq_len=72,
+        sampling=False,
     )
     with running_server(model, config, model_name="djax-demo") as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -55,3 +59,23 @@ def test_stop_string_and_length(client):
     out = ask(client, "reverse diffusion", max_tokens=3)
     assert out.choices[0].finish_reason == "length"
     assert out.choices[0].message.content == "noi"
+
+
+def test_staggered_requests_equal_generate_alone(client):
+    """Requests arriving while others run, with mixed max_tokens, on 2 rows: each answer is
+    the one `djax.generate` gives that prompt alone (fp32, CPU)."""
+    model = djax.load(demo.default_model_path())
+    generation = GenerationConfig(**demo.generation_defaults())
+    asks = [(prompt, n) for n in (8, 16, 24) for prompt in PROBLEMS]
+
+    def staggered(i):
+        time.sleep(0.03 * i)
+        prompt, n = asks[i]
+        return ask(client, prompt, max_tokens=n).choices[0].message.content
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        got = list(pool.map(staggered, range(len(asks))))
+    for (prompt, n), text in zip(asks, got, strict=True):
+        config = dataclasses.replace(generation, gen_length=n)
+        alone = djax.generate(model, [prompt], config, chat=True)
+        assert text == alone.texts[0], (prompt, n)

@@ -14,16 +14,22 @@ from pathlib import Path
 DEMO_NAME = "djax-demo"
 
 
-def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `serve` on the `djax` command's subparsers."""
-    from djax.cli import _add_generation_options
+def add_parser(
+    commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]
+) -> argparse.ArgumentParser:
+    """Register `serve` on the `djax` command's subparsers (`parents`: the options every
+    command shares)."""
+    from djax.cli import _add_generation_options, _add_model_options
 
-    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    serve.add_argument(
-        "--model",
-        help="HF model folder or `djax convert` output "
-        "(default: the small demo model shipped with djax)",
+    serve = commands.add_parser(
+        "serve",
+        parents=parents,
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API with continuous "
+        "batching at block boundaries. SIGINT or SIGTERM drains the running requests and "
+        "exits 0.",
     )
+    _add_model_options(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     serve.add_argument(
@@ -51,11 +57,12 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         type=int,
         help="longest prompt + answer served (default: the model's maximum)",
     )
-    serve.add_argument("--dtype", help="bfloat16 | float32 (default: bf16 on GPU, fp32 on CPU)")
     serve.add_argument(
-        "--allow-pickle",
-        action="store_true",
-        help="accept pickled pytorch_model*.bin weights (runs unpickling)",
+        "--sampling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve temperature > 0; its programs are compiled at start, so --no-sampling "
+        "halves the warm-up (default: on)",
     )
     serve.add_argument(
         "--log-level",
@@ -70,9 +77,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Load the model and serve it until SIGINT or SIGTERM; 0 on a requested shutdown, 2
     on an error the user can fix (printed)."""
-    import djax
     from djax import demo
-    from djax.cli import _generation_config
+    from djax.cli import _generation_config, _load
+    from djax.generation import generation_defaults
     from djax.serving.engine import ServeConfig
     from djax.serving.server import listen, serve
 
@@ -81,14 +88,15 @@ def run(args: argparse.Namespace) -> int:
         path = args.model or str(demo.default_model_path())
         label = demo.describe(path)  # None unless the folder holds a demo model
         config = ServeConfig(
-            generation=_generation_config(args, demo.generation_defaults(path) if label else {}),
+            generation=_generation_config(args, generation_defaults(path)),
             scheduler=args.scheduler,
             max_batch=args.max_batch,
             max_queue=args.max_queue,
             max_seq_len=args.max_seq_len,
+            sampling=args.sampling,
         )
         name = args.served_model_name or (DEMO_NAME if label else Path(path).name)
-        model = djax.load(path, args.dtype, allow_pickle=args.allow_pickle)
+        model = _load(args, path, progress=False)
         serve(
             model,
             config,
