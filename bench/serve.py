@@ -31,8 +31,10 @@ at t = 0, saturation). Every rate sends the same requests, with its gaps the sam
 draws divided by the rate. Requests stream (a chunk per committed block that made text, usage
 in the last) with `ignore_eos`, so every answer is exactly `max_tokens` long; an answer of
 another length counts as failed. Time to first chunk: to the first chunk with a choice.
-`--equal N` replaces the rates by N requests of prompt 128 / answer 256, all at t = 0 (rate
-`equal`): continuous batching against the static scheduler's full batches. `--tiny` also
+`--equal N` adds, after the rates, N requests of prompt 128 / answer 256, all at t = 0 (rate
+`equal`): continuous batching against the static scheduler's full batches. The static
+scheduler compiles each batch shape the first time it meets it, so by default (`--warm-pass`)
+it runs each trace once unmeasured before the measured run. `--tiny` also
 shortens the lengths (`TINY_LENGTHS`: prompts up to 32 tokens, answers up to 64).
 
 Per scheduler and rate: answer tokens/s (answer tokens of the requests that succeeded / the
@@ -363,13 +365,12 @@ def run_client(args) -> None:
     config = model_config(args.model, args.tiny)
     vocabulary = prompt_vocabulary(config.vocab_size, special_ids(config))
     lengths = trace_lengths(args.tiny)
+    runs = [
+        (rate_label(r), make_trace(args.requests, r, vocabulary, args.seed, lengths))
+        for r in args.rates
+    ]
     if args.equal:
-        runs = [("equal", equal_trace(args.equal, vocabulary, args.seed, lengths))]
-    else:
-        runs = [
-            (rate_label(r), make_trace(args.requests, r, vocabulary, args.seed, lengths))
-            for r in args.rates
-        ]
+        runs.append(("equal", equal_trace(args.equal, vocabulary, args.seed, lengths)))
     logs = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="djax_serve_"))
     logs.mkdir(parents=True, exist_ok=True)
     rows, servers = [], {}
@@ -382,6 +383,8 @@ def run_client(args) -> None:
         try:
             servers[scheduler]["ready_s"] = wait_ready(base_url, server, log, args.ready_timeout)
             for label, trace in runs:
+                if scheduler in args.warm_pass:  # compiles the shapes this trace meets
+                    asyncio.run(run_trace(base_url, served_model_name(args.model), trace))
                 before = scrape(base_url)
                 records, makespan = asyncio.run(
                     run_trace(base_url, served_model_name(args.model), trace)
@@ -393,6 +396,7 @@ def run_client(args) -> None:
                         "model": args.model,
                         "scheduler": scheduler,
                         "request_rate": label,
+                        "warm_pass": scheduler in args.warm_pass,
                         **summarize(records, makespan),
                         **server_figures(before, after, makespan),
                         "errors": errors[:5],
@@ -602,7 +606,15 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--equal", type=int, metavar="N", help="instead of the rates: N requests 128/256 at t=0"
+        "--equal", type=int, metavar="N", help="after the rates: N requests 128/256 at t=0"
+    )
+    parser.add_argument(
+        "--warm-pass",
+        nargs="*",
+        choices=SCHEDULERS,
+        default=["static"],
+        help="schedulers that run each trace once unmeasured first: the static scheduler "
+        "compiles a batch shape when it first meets it (default: static)",
     )
     parser.add_argument(
         "--ready-timeout", type=float, default=900.0, help="seconds to wait for the warm-up"
