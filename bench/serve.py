@@ -34,7 +34,9 @@ another length counts as failed. Time to first chunk: to the first chunk with a 
 `--equal N` adds, after the rates, N requests of prompt 128 / answer 256, all at t = 0 (rate
 `equal`): continuous batching against the static scheduler's full batches. The static
 scheduler compiles each batch shape the first time it meets it, so by default (`--warm-pass`)
-it runs each trace once unmeasured before the measured run. `--tiny` also
+it runs the first `--warm-requests` of each trace unmeasured before the measured run (three
+full batches meet the shapes most batches of the trace have; the rows report the compiles
+left during the measured run). `--tiny` also
 shortens the lengths (`TINY_LENGTHS`: prompts up to 32 tokens, answers up to 64).
 
 Per scheduler and rate: answer tokens/s (answer tokens of the requests that succeeded / the
@@ -383,8 +385,9 @@ def run_client(args) -> None:
         try:
             servers[scheduler]["ready_s"] = wait_ready(base_url, server, log, args.ready_timeout)
             for label, trace in runs:
-                if scheduler in args.warm_pass:  # compiles the shapes this trace meets
-                    asyncio.run(run_trace(base_url, served_model_name(args.model), trace))
+                if scheduler in args.warm_pass:  # compiles the shapes this trace meets first
+                    warm = trace[: args.warm_requests]
+                    asyncio.run(run_trace(base_url, served_model_name(args.model), warm))
                 before = scrape(base_url)
                 records, makespan = asyncio.run(
                     run_trace(base_url, served_model_name(args.model), trace)
@@ -396,7 +399,7 @@ def run_client(args) -> None:
                         "model": args.model,
                         "scheduler": scheduler,
                         "request_rate": label,
-                        "warm_pass": scheduler in args.warm_pass,
+                        "warm_requests": args.warm_requests if scheduler in args.warm_pass else 0,
                         **summarize(records, makespan),
                         **server_figures(before, after, makespan),
                         "errors": errors[:5],
@@ -613,8 +616,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         nargs="*",
         choices=SCHEDULERS,
         default=["static"],
-        help="schedulers that run each trace once unmeasured first: the static scheduler "
-        "compiles a batch shape when it first meets it (default: static)",
+        help="schedulers that run the first --warm-requests of each trace unmeasured first: "
+        "the static scheduler compiles a batch shape when it first meets it (default: static)",
+    )
+    parser.add_argument(
+        "--warm-requests", type=int, default=96, help="requests of the warm pass (default: 96)"
     )
     parser.add_argument(
         "--ready-timeout", type=float, default=900.0, help="seconds to wait for the warm-up"

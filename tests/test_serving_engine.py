@@ -262,3 +262,35 @@ def test_serve_config_refuses_what_it_cannot_serve(generation):
     for options, message in cases:
         with pytest.raises(ValueError, match=message):
             ServeConfig(**({"generation": generation} | options))
+
+
+def test_short_and_long_rows_split_when_padding_costs_more(demo_model, generation):
+    """Two short and two long rows: one call pads the short ones to the long bucket; two
+    calls pay the weights twice. The engine takes the cheaper, by its cost model."""
+    config = ServeConfig(generation=generation, max_batch=4, sampling=False)
+    engine = make_engine(demo_model, config, ServerMetrics())
+    short, long = _ids(demo_model, "12+34="), _ids(demo_model, "sort 9,8,7,6,5,4")
+    rows = [
+        engine._row(EngineRequest(str(i), ids, n), lambda e: None)
+        for i, (ids, n) in enumerate([(long, 80), (short, 8), (long, 80), (short, 8)])
+    ]
+    assert [r.sequence for r in rows] == [len(long) + 80, len(short) + 8] * 2
+    engine.call_cost = 0  # weights free: padding decides
+    assert [sorted(r.request.request_id for r in g) for g in engine._groups(rows)] == [
+        ["1", "3"],
+        ["0", "2"],
+    ]
+    engine.call_cost = 10_000  # weights dear: one call
+    assert len(engine._groups(rows)) == 1
+
+
+def test_a_forward_weighs_more_tokens_for_a_sparse_model(demo_model):
+    from bench.common import TINY
+    from djax.config import from_hf_dict
+    from djax.models import init_params
+    from djax.serving.engine import RIDGE_FLOP_PER_BYTE, weight_read_tokens
+
+    moe = from_hf_dict(TINY["moe"])
+    model = djax.Model(moe, init_params(moe, np.float32), None, np.float32)
+    assert weight_read_tokens(demo_model) == RIDGE_FLOP_PER_BYTE  # dense: every weight works
+    assert weight_read_tokens(model) > RIDGE_FLOP_PER_BYTE  # 2 of 8 experts work per token

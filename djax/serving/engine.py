@@ -5,7 +5,9 @@ Two schedulers share the queue, the events and the metrics:
 - `continuous`: one device call per block (`diffusion.run_block_call`). Every running row
   gets its block's refresh and denoising steps; rows may belong to different requests at
   different blocks (`layout`). Requests join at the next call and leave when their last
-  block is done, so nobody waits for a whole batch. The host state of a row is its context
+  block is done, so nobody waits for a whole batch. When the running rows' sequences differ
+  enough, the shorter and the longer ones run as two calls, so short rows are not padded
+  to the longest (`ServingEngine._groups`). The host state of a row is its context
   (prompt and committed tokens) and its key; each call's inputs are rebuilt from it, and the
   previous call's events are sent while the next call runs.
 - `static`: first-come batches of up to `max_batch` requests, each run to completion as one
@@ -160,6 +162,7 @@ class ServingEngine:
         self._thread: threading.Thread | None = None
         self._last_ready: float | None = None  # when the device finished the last call
         self._calls, self._call_seconds = 0, 0.0
+        self.call_cost = (config.steps_per_block + 1) * weight_read_tokens(model)
 
     # ------------------------------------------------------------ the Engine protocol
 
@@ -445,14 +448,32 @@ class ServingEngine:
                     if not self._wait_for_work():
                         return
                 continue
-            try:
-                program, args = self._block_program(rows)
-                out, _ = self._timed_call(program, args, pending)
-            except Exception as err:  # the call failed: its rows fail, the server goes on
-                self._fail_call(rows, err, pending)
-                continue
-            with self._lock:
-                pending = self._commit(rows, out["block"], out["keys"])
+            for group in self._groups(rows):
+                try:
+                    program, args = self._block_program(group)
+                    out, _ = self._timed_call(program, args, pending)
+                except Exception as err:  # the call failed: its rows fail, the server goes on
+                    self._fail_call(group, err, pending)
+                    continue
+                with self._lock:
+                    pending = self._commit(group, out["block"], out["keys"])
+
+    def _groups(self, rows: list[_Row]) -> list[list[_Row]]:
+        """The running rows as one call, or as two calls (shorter and longer sequences)
+        when that costs less: a call costs its padded tokens (batch × sequence bucket, the
+        refresh's work) plus the weight reads of its forwards (`call_cost`)."""
+        rows = sorted(rows, key=lambda r: r.sequence)
+
+        def cost(group: list[_Row]) -> int:
+            batch = layout.bucket(len(group), self.batch_buckets)
+            return batch * layout.bucket(group[-1].sequence, self.seq_buckets) + self.call_cost
+
+        best, split = cost(rows), None
+        for k in range(1, len(rows)):
+            two = cost(rows[:k]) + cost(rows[k:])
+            if two < best:
+                best, split = two, k
+        return [rows] if split is None else [rows[:split], rows[split:]]
 
     def _commit(self, rows: list[_Row], block: np.ndarray, keys: np.ndarray) -> list:
         """Record each row's new block [rows, block_length] and its keys; the events to
@@ -573,6 +594,25 @@ class ServingEngine:
             self.metrics.compiles.inc()
         program, _ = djax_engine.executable(self.model, plan, args)
         return program, args, plan
+
+
+# A Hopper GPU's bf16 matrix rate over its memory bandwidth (~990 TFLOP/s / 3.35 TB/s),
+# FLOP per byte: the compute that takes as long as reading a byte.
+RIDGE_FLOP_PER_BYTE = 300
+
+
+def weight_read_tokens(model: Model) -> int:
+    """How many tokens' compute take as long as one forward's read of the weights: a
+    forward reads every weight once (all experts of a MoE layer, for a block's tokens) and
+    spends 2 FLOP per active weight on each token, so (ridge × 2 bytes × all weights) /
+    (2 × active weights) with 16-bit weights."""
+    cfg = model.config
+    total = active = 0
+    for leaf in jax.tree.leaves(model.params):
+        total += leaf.size
+        is_experts = cfg.is_moe and leaf.ndim >= 3 and leaf.shape[0] == cfg.n_experts
+        active += leaf.size * cfg.experts_per_token // cfg.n_experts if is_experts else leaf.size
+    return RIDGE_FLOP_PER_BYTE * total // max(active, 1)
 
 
 def make_engine(model: Model, config: ServeConfig, metrics: ServerMetrics) -> ServingEngine:
