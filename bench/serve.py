@@ -62,6 +62,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import os
 import signal
@@ -479,6 +480,7 @@ def run_server(args) -> None:
     from djax.serving.engine import ServeConfig
     from djax.serving.server import serve
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = model_config(args.model, args.tiny)
     if config.is_moe:
         use_routing(args.routing)
