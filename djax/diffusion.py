@@ -87,9 +87,11 @@ jax.export.register_namedtuple_serialization(Rows, serialized_name="djax.diffusi
 
 def row_keys(seed: int, rows: int) -> np.ndarray:
     """Key data [rows, 2] uint32 for rows 0..rows-1 of a batch seeded with `seed`: row i's
-    stream is `fold_in(key(seed), i)`, a function of the seed and its index alone."""
-    fold = jax.vmap(functools.partial(jax.random.fold_in, jax.random.key(seed)))
-    return np.asarray(jax.random.key_data(fold(jnp.arange(rows, dtype=jnp.uint32))))
+    stream is `fold_in(key(seed), i)`, a function of the seed and its index alone. Drawn on
+    the host's CPU device, so it never waits behind a program running on an accelerator."""
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        fold = jax.vmap(functools.partial(jax.random.fold_in, jax.random.key(seed)))
+        return np.asarray(jax.random.key_data(fold(jnp.arange(rows, dtype=jnp.uint32))))
 
 
 @jax.tree_util.register_dataclass

@@ -52,6 +52,9 @@ from djax.serving.requests import (
 log = logging.getLogger("djax.serve")
 
 SCHEDULERS = ("continuous", "static")
+# How long an idle engine waits for requests arriving together to join the first one
+# (each new arrival restarts a tenth of it), so they start in one call, not in waves.
+ARRIVAL_WINDOW = 0.05
 # Cache policies whose cached steps need nothing but the block's place: the layout moves
 # the block to the front, so `prefix` and `vicinity` windows would mean other positions.
 SERVED_CACHES = ("dual", "none")
@@ -345,11 +348,19 @@ class ServingEngine:
         return rows
 
     def _wait_for_work(self) -> bool:
-        """Sleep until a request waits; False when the engine should end (lock held)."""
+        """Sleep until a request waits, then let the requests arriving with it join it (up
+        to `ARRIVAL_WINDOW` seconds, until a batch is full or no more come); False when the
+        engine should end (lock held)."""
         while not self._waiting:
             if self._stopping:
                 return False
             self._lock.wait(0.5)
+        deadline = time.monotonic() + ARRIVAL_WINDOW
+        while len(self._waiting) < self.config.max_batch and time.monotonic() < deadline:
+            seen = len(self._waiting)
+            self._lock.wait(ARRIVAL_WINDOW / 10)
+            if len(self._waiting) == seen:
+                break
         return True
 
     # ------------------------------------------------------------ continuous
