@@ -432,13 +432,10 @@ def trace_lengths(tiny: bool) -> Lengths:
 
 
 def trace_parameters(args) -> dict:
-    """How the client's trace was drawn, for the result file."""
+    """How the client's traces were drawn, for the result file."""
     lengths = trace_lengths(args.tiny)
-    if args.equal:
-        prompt, answer = lengths.equal
-        return {"requests": args.equal, "prompt": prompt, "answer": answer, "arrivals": "t=0"}
     drawn = {"median": lengths.median, "sigma_of_log": lengths.sigma}
-    return {
+    parameters = {
         "requests": args.requests,
         "seed": args.seed,
         "prompt": {**drawn, "range": lengths.prompt},
@@ -446,6 +443,10 @@ def trace_parameters(args) -> dict:
         "rates": [rate_label(r) for r in args.rates],
         "arrivals": "poisson (inf: all at t=0)",
     }
+    if args.equal:
+        prompt, answer = lengths.equal
+        parameters["equal"] = {"requests": args.equal, "prompt": prompt, "answer": answer}
+    return parameters
 
 
 def served_generation(lengths: Lengths) -> GenerationConfig:

@@ -294,3 +294,17 @@ def test_a_forward_weighs_more_tokens_for_a_sparse_model(demo_model):
     model = djax.Model(moe, init_params(moe, np.float32), None, np.float32)
     assert weight_read_tokens(demo_model) == RIDGE_FLOP_PER_BYTE  # dense: every weight works
     assert weight_read_tokens(model) > RIDGE_FLOP_PER_BYTE  # 2 of 8 experts work per token
+
+
+def test_static_batch_gathers_requests_arriving_together(demo_model, generation):
+    """Requests sent 10 ms apart to an idle static engine start as one batch."""
+    engine = _engine(demo_model, generation, scheduler="static", max_batch=4)
+    got = Collector()
+    ids = _ids(demo_model, "12+34=")
+    for i in range(4):
+        engine.submit(EngineRequest(f"r{i}", ids, 8), got.sink(f"r{i}"))
+        time.sleep(0.01)
+    got.wait(4)
+    calls = engine._calls
+    engine.stop()
+    assert calls == 1

@@ -52,9 +52,22 @@ from djax.serving.requests import (
 log = logging.getLogger("djax.serve")
 
 SCHEDULERS = ("continuous", "static")
-# How long an idle engine waits for requests arriving together to join the first one
-# (each new arrival restarts a tenth of it), so they start in one call, not in waves.
-ARRIVAL_WINDOW = 0.05
+
+
+# How long an idle engine waits for requests arriving together to join the first one: up
+# to `limit` seconds, while each new arrival comes within `quiet` seconds of the last. The
+# continuous scheduler's next call is never far off; a static batch runs to completion, so
+# it gathers longer.
+@dataclasses.dataclass(frozen=True)
+class ArrivalWindow:
+    quiet: float
+    limit: float
+
+
+ARRIVAL_WINDOWS = {
+    "continuous": ArrivalWindow(quiet=0.005, limit=0.05),
+    "static": ArrivalWindow(quiet=0.025, limit=0.5),
+}
 # Cache policies whose cached steps need nothing but the block's place: the layout moves
 # the block to the front, so `prefix` and `vicinity` windows would mean other positions.
 SERVED_CACHES = ("dual", "none")
@@ -348,17 +361,18 @@ class ServingEngine:
         return rows
 
     def _wait_for_work(self) -> bool:
-        """Sleep until a request waits, then let the requests arriving with it join it (up
-        to `ARRIVAL_WINDOW` seconds, until a batch is full or no more come); False when the
-        engine should end (lock held)."""
+        """Sleep until a request waits, then let the requests arriving with it join it (the
+        scheduler's `ARRIVAL_WINDOWS`, until a batch is full); False when the engine should
+        end (lock held)."""
         while not self._waiting:
             if self._stopping:
                 return False
             self._lock.wait(0.5)
-        deadline = time.monotonic() + ARRIVAL_WINDOW
+        window = ARRIVAL_WINDOWS[self.config.scheduler]
+        deadline = time.monotonic() + window.limit
         while len(self._waiting) < self.config.max_batch and time.monotonic() < deadline:
             seen = len(self._waiting)
-            self._lock.wait(ARRIVAL_WINDOW / 10)
+            self._lock.wait(window.quiet)
             if len(self._waiting) == seen:
                 break
         return True
