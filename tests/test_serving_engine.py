@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import needs_devices
 
 import djax
 from djax import demo
@@ -16,6 +17,7 @@ from djax.serving import layout
 from djax.serving.engine import ServeConfig, make_engine
 from djax.serving.metrics import ServerMetrics
 from djax.serving.requests import BlockCommitted, EngineRequest, Failed, Finished, QueueFull
+from djax.sharding import make_mesh
 
 PROMPTS = ["347+2958=", "sort 5,3,9", "reverse abcdef", "12+34=", "sort 9,8,7,6,5,4"]
 
@@ -308,3 +310,25 @@ def test_static_batch_gathers_requests_arriving_together(demo_model, generation)
     calls = engine._calls
     engine.stop()
     assert calls == 1
+
+
+@needs_devices
+def test_a_mesh_serves_the_same_tokens(dense_folder, dense_model):
+    """Tensor parallel 2 × data parallel 2: the block calls run under shard_map with rows
+    split over `data` (batch buckets rounded up to 2) and give the single device's tokens."""
+    mesh = make_mesh(tensor_parallel=2, data_parallel=2)
+    sharded = djax.load(dense_folder[0], dtype=np.float32, mesh=mesh)
+    generation = djax.GenerationConfig(gen_length=16, block_length=8, steps=8)
+    prompts = [(0, 10, 20, 30, 40, 50), (0, 11, 12), (0, 7, 9, 11, 13)]
+    answers = []
+    for model in (dense_model, sharded):
+        engine = _engine(model, generation, max_batch=2, sampling=False)
+        got = Collector()
+        for i, ids in enumerate(prompts):
+            engine.submit(EngineRequest(f"r{i}", ids, 16, ignore_eos=True), got.sink(f"r{i}"))
+        got.wait(len(prompts))
+        engine.stop()
+        answers.append([got.tokens(f"r{i}") for i in range(len(prompts))])
+        assert all(len(a) == 16 for a in answers[-1])
+    assert answers[0] == answers[1]
+    assert layout.batch_buckets(2, multiple=2) == (2,)
