@@ -8,7 +8,9 @@ demo model is served, with the answer layout it was trained for.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import warnings
 from pathlib import Path
 
 DEMO_NAME = "djax-demo"
@@ -83,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
     from djax.serving.engine import ServeConfig
     from djax.serving.server import listen, serve
 
+    # The engine's progress (programs compiled, ready) is what a server's operator reads.
+    logging.getLogger("djax.serve").setLevel(logging.ERROR if args.quiet else logging.INFO)
+    # CPUs cannot reuse a donated buffer: said once per compiled program, it says nothing.
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     try:
         listen(args.host, args.port).close()  # a busy port fails now, not after loading
         path = args.model or str(demo.default_model_path())
