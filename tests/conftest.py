@@ -4,9 +4,33 @@ Eight fake CPU devices are configured before jax is imported, so the tensor- and
 expert-parallel tests can build meshes in this process; single-device tests use device 0.
 """
 
+import importlib.util
 import os
+import subprocess
+import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Without an accelerator plugin the suite runs on the CPU, compiling a few hundred small
+# programs that each run for milliseconds: XLA's quick CPU compile (no LLVM optimisation,
+# the loop emitters instead of the fusion emitters) builds them in far less time.
+QUICK_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def suite_xla_flags() -> str:
+    """Eight fake CPU devices, and the quick CPU compile where it applies: no accelerator
+    plugin, and flags this jaxlib knows (XLA aborts the process that reads an unknown flag,
+    so a throwaway process reads them first)."""
+    devices = "--xla_force_host_platform_device_count=8"
+    if importlib.util.find_spec("jax_plugins") is not None:
+        return devices
+    quick = f"{devices} {QUICK_CPU_COMPILE}"
+    probe = "import jaxlib._jax as xla; xla.CompileOptions()"
+    env = os.environ | {"XLA_FLAGS": quick}
+    known = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True)
+    return quick if known.returncode == 0 else devices
+
+
+if "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = suite_xla_flags()
 os.environ.setdefault("DJAX_COMPILE_CACHE", "")  # tests must not depend on a warm cache
 
 import jax  # noqa: E402

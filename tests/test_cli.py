@@ -150,7 +150,11 @@ def test_generate_on_a_moe_folder(capsys, moe_folder):
     assert result["stats"]["blocks"] >= 1 and len(result["texts"]) == 1
 
 
-def test_converter_script(dense_folder, tmp_path):
+def test_converter_script(dense_folder, tmp_path, monkeypatch, capsys):
+    """Run as a user runs it, then again in this process (as `__main__`) into the folder
+    it filled: refused with status 2."""
+    import runpy
+
     script = ROOT / "converters" / "hf_to_djax.py"
     out = tmp_path / "converted"
     run = subprocess.run(
@@ -161,13 +165,10 @@ def test_converter_script(dense_folder, tmp_path):
     )
     assert run.returncode == 0, run.stderr
     assert (out / "djax.json").is_file() and (out / "config.json").is_file()
-    again = subprocess.run(
-        [sys.executable, str(script), str(dense_folder[0]), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert again.returncode == 2 and "is not empty" in again.stderr
+    monkeypatch.setattr(sys, "argv", [str(script), str(dense_folder[0]), str(out)])
+    with pytest.raises(SystemExit) as again:
+        runpy.run_path(str(script), run_name="__main__")
+    assert again.value.code == 2 and "is not empty" in capsys.readouterr().err
 
 
 # What a `djax ...` run imported: it runs the CLI as `python -m djax.cli` does, then prints

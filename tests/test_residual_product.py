@@ -195,21 +195,34 @@ def test_scaled_rows_need_the_kernels():
 
 FUSED = {"matmul_impl": "pallas", "norm_impl": "fused", "rope_impl": "pallas"}
 XLA = {"matmul_impl": "xla", "norm_impl": "xla", "rope_impl": "xla", "mlp_impl": "xla"}
+GEN = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+PROMPTS = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def heads_of_32(dense_model):
+    """The dense layout with heads of 32 (random weights), and its generation on XLA's
+    path: the reference of both residual forms."""
+    from djax.model import Model
+    from djax.models import init_params
+
+    config = dataclasses.replace(dense_model.config, n_heads=2, n_kv_heads=1, head_dim=32)
+    model = Model(config, init_params(config, jnp.float32, seed=5), None, jnp.float32)
+    return model, djax.generate(model.with_options(**XLA), PROMPTS, GEN)
 
 
 @pytest.mark.parametrize("form", ["fused", "tiled"])
-def test_generation_with_fused_norms(dense_model, monkeypatch, form):
+def test_generation_with_fused_norms(heads_of_32, monkeypatch, form):
     """Heads of 32 let the q/k/v product run in the RoPE kernel, so both norms of every
     block layer move into the next product (the first layer's norm and the final norm stay
     whole); the tokens match XLA's path, and the residual add ran where `form` puts it
     (the unsplit product's epilogue, or the tiled kernel after the split-K product) after
     both products of the blocks."""
     from djax import engine
-    from djax.model import Model
-    from djax.models import init_params, residual_norm, split_k
+    from djax.models import residual_norm, split_k
 
-    config = dataclasses.replace(dense_model.config, n_heads=2, n_kv_heads=1, head_dim=32)
-    model = Model(config, init_params(config, jnp.float32, seed=5), None, jnp.float32)
+    model, ref = heads_of_32
+    config = model.config
     products = []
     if form == "fused":
         fused = residual_product.residual_product
@@ -237,15 +250,12 @@ def test_generation_with_fused_norms(dense_model, monkeypatch, form):
     monkeypatch.setattr(engine, "_EXECUTABLES", {})  # programs traced before the spy
     jax.clear_caches()
     try:
-        gen = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
-        prompts = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
         options = {**FUSED, "norm_impl": form, "mlp_impl": "pallas"}
-        ours = djax.generate(model.with_options(**options), prompts, gen)
+        ours = djax.generate(model.with_options(**options), PROMPTS, GEN)
         block = (2, 8)
         out_k, hidden = config.n_heads * config.head_dim, config.mlp_hidden
         assert ((*block, out_k), (out_k, config.d_model)) in products
         assert ((*block, hidden), (hidden, config.d_model)) in products
-        ref = djax.generate(model.with_options(**XLA), prompts, gen)
         np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
         assert (ours.stats.forwards, ours.stats.refreshes) == (
             ref.stats.forwards,
@@ -264,10 +274,8 @@ def test_generation_fused_without_the_qkv_kernel(assert_same_generation, form):
 
 def test_moe_generation_with_fused_norm_option(moe_model):
     """LLaDA-MoE's MoE layers keep their norms; its dense layer fuses where it can."""
-    gen = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
-    prompts = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
-    ours = djax.generate(moe_model.with_options(**FUSED, mlp_impl="pallas"), prompts, gen)
-    ref = djax.generate(moe_model.with_options(**XLA), prompts, gen)
+    ours = djax.generate(moe_model.with_options(**FUSED, mlp_impl="pallas"), PROMPTS, GEN)
+    ref = djax.generate(moe_model.with_options(**XLA), PROMPTS, GEN)
     np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
 
 

@@ -1,6 +1,7 @@
 """`djax serve`: its options, and a served process that drains and exits 0 on a signal."""
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -98,7 +99,12 @@ def test_a_signal_drains_the_requests_in_flight_and_exits_0(sig):
     process = subprocess.Popen(
         [sys.executable, "-m", "djax.cli", *SERVE.split(), str(port)],
         cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+        env={
+            "PYTHONPATH": str(ROOT),
+            "PATH": "/usr/bin:/bin",
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),  # conftest.py's quick CPU compile
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
