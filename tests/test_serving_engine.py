@@ -219,6 +219,14 @@ def test_static_scheduler_runs_whole_batches(demo_model, generation):
         assert got.tokens(f"r{i}") == _alone(demo_model, generation, _ids(demo_model, prompt), 16)
 
 
+def test_max_seq_len_beyond_the_model_is_refused(demo_model, generation):
+    config = ServeConfig(generation=generation, max_seq_len=4096)
+    with pytest.raises(
+        ValueError, match="max_seq_len=4096 exceeds the model's maximum sequence 128"
+    ):
+        make_engine(demo_model, config, ServerMetrics())
+
+
 def test_stop_without_drain_fails_waiting_requests(demo_model, generation):
     config = ServeConfig(generation=generation, max_batch=1, max_seq_len=64)
     engine = make_engine(demo_model, config, ServerMetrics())

@@ -153,8 +153,12 @@ class ServingEngine:
         cfg = model.config
         self.model, self.config, self.metrics = model, config, metrics
         self.block_length = config.generation.block_length
-        limit = cfg.max_seq_len if config.max_seq_len is None else config.max_seq_len
-        self._max_sequence = min(limit, cfg.max_seq_len)
+        if config.max_seq_len is not None and config.max_seq_len > cfg.max_seq_len:
+            raise ValueError(
+                f"max_seq_len={config.max_seq_len} exceeds the model's maximum sequence "
+                f"{cfg.max_seq_len}"
+            )
+        self._max_sequence = config.max_seq_len or cfg.max_seq_len
         if self._max_sequence <= self.block_length:
             raise ValueError(
                 f"the model's maximum sequence {cfg.max_seq_len} leaves no room for a prompt "
