@@ -80,18 +80,23 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object, as a dict; `ConfigError` naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
+        raise ConfigError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: holds a JSON {type(value).__name__}; expected an object")
+    return value
+
+
 def load_hf_config(folder: str | Path) -> dict[str, Any]:
     """Read `folder/config.json` as a dict, with a clear error if it is absent or broken."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: not found; expected a Hugging Face model folder")
-    try:
-        hf = json.loads(path.read_text())
-    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
-        raise ConfigError(f"{path}: not valid JSON ({err})") from err
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{path}: holds a JSON {type(hf).__name__}; expected an object")
-    return hf
+    return read_json_object(path)
 
 
 def family_of(hf: dict[str, Any], source: str) -> str:

@@ -8,7 +8,6 @@ need the model (stop ids inside its vocabulary) are `djax.engine.make_plan`'s.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -156,17 +155,12 @@ def generation_defaults(folder: str | Path) -> dict[str, Any]:
     """The `GenerationConfig` fields a model folder's `generation_config.json` sets (the HF
     file; its other keys are ignored); {} when the folder has none. A file that is not a
     JSON object, or sets a field to an invalid value, raises `ConfigError` naming it."""
-    from djax.config import ConfigError
+    from djax.config import ConfigError, read_json_object
 
     path = Path(folder) / GENERATION_FILE
     if not path.is_file():
         return {}
-    try:
-        stored = json.loads(path.read_text())
-    except ValueError as err:
-        raise ConfigError(f"{path}: not valid JSON ({err})") from err
-    if not isinstance(stored, dict):
-        raise ConfigError(f"{path}: holds a JSON {type(stored).__name__}; expected an object")
+    stored = read_json_object(path)
     fields = {f.name for f in dataclasses.fields(GenerationConfig)}
     defaults = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items() if k in fields}
     try:

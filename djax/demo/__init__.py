@@ -7,10 +7,9 @@ layout it was trained for (`djax generate` with no `--model` should use both).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from djax.config import ConfigError
+from djax.config import read_json_object
 
 MODEL_DIR = Path(__file__).parent / "model"
 METADATA = "demo.json"  # the training record `djax.demo.train` writes beside the weights
@@ -34,13 +33,7 @@ def model_info(path: str | Path | None = None) -> dict | None:
     record = folder / METADATA
     if not record.is_file():
         return None
-    try:
-        info = json.loads(record.read_text())
-    except ValueError as err:
-        raise ConfigError(f"{record}: not valid JSON ({err})") from err
-    if not isinstance(info, dict):
-        raise ConfigError(f"{record}: holds a JSON {type(info).__name__}; expected an object")
-    return info
+    return read_json_object(record)
 
 
 def describe(path: str | Path | None = None) -> str | None:
