@@ -1,8 +1,9 @@
-"""A small, obviously-correct numpy (float64) reference of the djax generation spec
-(../shared/ALGORITHMS.md): the LLaDA dense forward read straight from the HF tensors, every
-cache policy with explicitly variable-length inputs, every deterministic decoder written
-row by row, early stop and iteration smoothing. Rows are unpadded, each at its own offsets;
-all rows advance in lockstep, block by block, step by step, as the spec says."""
+"""A small, obviously-correct numpy (float64) reference of the djax generation spec (the
+README's generation options, the decoders' and cache policies' docstrings): the LLaDA dense
+forward read straight from the HF tensors, every cache policy with explicitly variable-length
+inputs, every deterministic decoder written row by row, early stop and iteration smoothing.
+Rows are unpadded, each at its own offsets; all rows advance in lockstep, block by block,
+step by step, as the spec says."""
 
 from __future__ import annotations
 
