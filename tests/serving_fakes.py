@@ -1,29 +1,16 @@
-"""A stand-in for `djax.serving.engine` in the HTTP tests: `FakeEngine` answers each request
-with scripted events from a thread, without a model; `ServeConfig` mirrors the real one.
-
-`engine_module()` stands in for `djax.serving.engine` (for `serve` and the CLI in tests).
-"""
+"""A stand-in engine for the HTTP tests: `FakeEngine` answers each request with scripted
+events from a thread, without a model, so the HTTP layer's cases (errors, queue bounds,
+disconnects, failures) can be played exactly."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 import time
-import types
 from collections.abc import Callable
 
-from djax.engine import GenerationConfig
+from djax.serving.engine import ServeConfig
 from djax.serving.requests import BlockCommitted, EngineRequest, Event, Finished, QueueFull
-
-
-@dataclasses.dataclass(frozen=True)
-class ServeConfig:
-    generation: GenerationConfig = GenerationConfig()
-    scheduler: str = "continuous"
-    max_batch: int = 32
-    max_queue: int = 1024
-    max_seq_len: int | None = None
 
 
 def scripted(tokenizer, text: str, reason: str = "stop") -> Callable[[EngineRequest], list]:
@@ -98,13 +85,3 @@ class FakeEngine:
                 if request_id in self.cancelled:
                     return
             on_event(event)
-
-
-def engine_module(make_engine: Callable | None) -> types.ModuleType:
-    """A stand-in for `djax.serving.engine` (to put in sys.modules): this module's
-    ServeConfig and `make_engine`."""
-    module = types.ModuleType("djax.serving.engine")
-    module.ServeConfig = ServeConfig
-    module.SCHEDULERS = ("continuous", "static")
-    module.make_engine = make_engine
-    return module

@@ -8,12 +8,13 @@ import time
 import httpx
 import openai
 import pytest
-from serving_fakes import FakeEngine, ServeConfig, scripted
+from serving_fakes import FakeEngine, scripted
 
 import djax
 from djax import demo
 from djax.engine import GenerationConfig, tokenize
 from djax.serving.api import create_app
+from djax.serving.engine import ServeConfig
 from djax.serving.metrics import ServerMetrics
 from djax.serving.requests import BlockCommitted, Failed, Finished
 from djax.serving.server import running_app
