@@ -376,7 +376,6 @@ def test_serve_command_lines():
 def test_serve_end_to_end(tmp_path):
     """The client against a real tiny server on the CPU: one scheduler, one rate, a few
     requests, every one answered in full, no compile during the run, a clean exit."""
-    pytest.importorskip("djax.serving.server")
     import json
     import os
     import subprocess
