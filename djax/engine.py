@@ -304,11 +304,6 @@ def executable_key(model: Model, plan: Plan, args: tuple, run: RowProgram) -> tu
     return key + (shapes, *sorted(options.items()))
 
 
-def is_compiled(model: Model, plan: Plan, args: tuple, run: RowProgram = run_generation) -> bool:
-    """Whether `executable` would return a program this process already compiled."""
-    return executable_key(model, plan, args, run) in _EXECUTABLES
-
-
 def executable(
     model: Model, plan: Plan, args: tuple, run: RowProgram = run_generation
 ) -> tuple[Any, float]:

@@ -310,9 +310,8 @@ class ServingEngine:
             del self._by_id[row.request.request_id]
         self._emit(row, event)
 
-    def _timed_call(self, program: Any, args: tuple, pending: list) -> tuple[dict, float]:
-        """Run a device call, send `pending` events while it runs; its host outputs and
-        when it was dispatched."""
+    def _timed_call(self, program: Any, args: tuple, pending: list) -> dict:
+        """Run a device call, send `pending` events while it runs; its host outputs."""
         if self._last_ready is not None:
             self.metrics.host_gap.observe(time.perf_counter() - self._last_ready)
         started = time.perf_counter()
@@ -324,7 +323,7 @@ class ServingEngine:
         self.metrics.block_call.observe(seconds)
         self._calls += 1
         self._call_seconds += seconds
-        return out, started
+        return out
 
     def _fail_call(self, rows: list[_Row], err: Exception, pending: list) -> None:
         log.exception("a device call failed")
@@ -423,10 +422,15 @@ class ServingEngine:
         sampling = any(r.request.temperature > 0 for r in rows)
         plan = self._block_plan(batch, seq, sampling)
         args = self._block_args(rows, batch, seq)
-        if not djax_engine.is_compiled(self.model, plan, args, run_block_call):
-            log.warning("compiling a block program while serving: batch %d, seq %d", batch, seq)
+        program, seconds = djax_engine.executable(self.model, plan, args, run_block_call)
+        if seconds:
+            log.warning(
+                "compiled a block program while serving (batch %d, seq %d): %.1f s",
+                batch,
+                seq,
+                seconds,
+            )
             self.metrics.compiles.inc()
-        program, _ = djax_engine.executable(self.model, plan, args, run_block_call)
         return program, args
 
     def _warm_up(self) -> None:
@@ -480,7 +484,7 @@ class ServingEngine:
             for group in self._groups(rows):
                 try:
                     program, args = self._block_program(group)
-                    out, _ = self._timed_call(program, args, pending)
+                    out = self._timed_call(program, args, pending)
                 except Exception as err:  # the call failed: its rows fail, the server goes on
                     self._fail_call(group, err, pending)
                     continue
@@ -568,7 +572,7 @@ class ServingEngine:
                 self.metrics.running_rows.set(len(rows))
             try:
                 program, args, plan = self._generation_program(rows)
-                out, _ = self._timed_call(program, args, [])
+                out = self._timed_call(program, args, [])
             except Exception as err:
                 self._fail_call(rows, err, [])
                 continue
@@ -619,9 +623,9 @@ class ServingEngine:
             self.model, [inputs["tokens"], inputs["key_valid"], inputs["positions"]]
         )
         args = (self.model.params, *placed, djax_engine.place(self.model, per_row))
-        if not djax_engine.is_compiled(self.model, plan, args):
+        program, seconds = djax_engine.executable(self.model, plan, args)
+        if seconds:
             self.metrics.compiles.inc()
-        program, _ = djax_engine.executable(self.model, plan, args)
         return program, args, plan
 
 
