@@ -81,8 +81,68 @@ class Rows(NamedTuple):
     temperature: Array
 
 
-# Saved programs (`djax.program_cache`) take `Rows` as an argument.
-jax.export.register_namedtuple_serialization(Rows, serialized_name="djax.diffusion.Rows")
+class Slots(NamedTuple):
+    """Where each row of a block call stands in the `Carried` table. index: [batch] int32,
+    the row's slot (≥ the table's size for an empty row); carry_at: [batch] int32, the
+    column of the row's tokens where its slot's block goes, or -1 when the row's last
+    block and keys come from the host instead."""
+
+    index: Array
+    carry_at: Array
+
+
+class Carried(NamedTuple):
+    """What the block calls leave on the device for the next one, by slot: each slot's
+    last block [slots, block_len] int32 and its keys after it [slots, 2] uint32. A block
+    call that follows another before the host has read it takes its continuing rows' last
+    blocks and keys from here (`carry_in`), so the host never waits between calls."""
+
+    blocks: Array
+    keys: Array
+
+
+# Saved programs (`djax.program_cache`) take `Rows` (and block calls `Slots` and
+# `Carried`) as arguments.
+for _kind in (Rows, Slots, Carried):
+    jax.export.register_namedtuple_serialization(
+        _kind, serialized_name=f"djax.diffusion.{_kind.__name__}"
+    )
+
+
+def carry_in(tokens: Array, rows: Rows, slots: Slots, carried: Carried) -> tuple[Array, Rows]:
+    """The call's tokens with each carried row's last block written at `carry_at`, and its
+    rows with those rows' keys taken from the table."""
+    batch, seq = tokens.shape
+    n_slots, block_len = carried.blocks.shape
+    carried_row = slots.carry_at >= 0
+    index = jnp.minimum(slots.index, n_slots - 1)
+    columns = slots.carry_at[:, None] + jnp.arange(block_len, dtype=jnp.int32)
+    columns = jnp.where(carried_row[:, None], columns, seq)  # out of range: not written
+    tokens = tokens.at[jnp.arange(batch)[:, None], columns].set(carried.blocks[index], mode="drop")
+    keys = jnp.where(carried_row[:, None], carried.keys[index], rows.keys)
+    return tokens, rows._replace(keys=keys)
+
+
+def carry_out(carried: Carried, slots: Slots, block: Array, keys: Array) -> Carried:
+    """The table with this call's blocks [batch, block_len] and keys [batch, 2] in their
+    rows' slots (empty rows write nothing)."""
+    return Carried(
+        carried.blocks.at[slots.index].set(block, mode="drop"),
+        carried.keys.at[slots.index].set(keys, mode="drop"),
+    )
+
+
+def chained(block_call: Any) -> Any:
+    """A block-call program `(params, tokens, key_valid, positions, rows) -> outputs` as
+    one that also takes the rows' `Slots` and the `Carried` table, carries the continuing
+    rows in first, and returns the updated table as `carried`."""
+
+    def call(params, tokens, key_valid, positions, rows, slots, carried):
+        tokens, rows = carry_in(tokens, rows, slots, carried)
+        out = block_call(params, tokens, key_valid, positions, rows)
+        return {**out, "carried": carry_out(carried, slots, out["block"], out["keys"])}
+
+    return call
 
 
 def row_keys(seed: int, rows: int) -> np.ndarray:

@@ -21,9 +21,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from djax import program_cache, xla_options
-from djax.diffusion import Plan, Rows, row_keys, run_generation
+from djax.diffusion import Plan, Rows, chained, row_keys, run_block_call, run_generation
 from djax.generation import FIXED_DECODERS, GenerationConfig
 from djax.model import Model
 
@@ -227,19 +228,26 @@ RowProgram = Callable[..., dict[str, jax.Array]]
 
 def _program(model: Model, plan: Plan, run: RowProgram = run_generation) -> Any:
     """The jitted row program `run` (`diffusion.run_generation` or `run_block_call`) for a
-    model (config, dtype, options, mesh) and plan; it donates the tokens."""
+    model (config, dtype, options, mesh) and plan; it donates the tokens. On a mesh it runs
+    under `shard_map` and returns its outputs replicated on every device. Block calls are
+    `diffusion.chained`: they also take the rows' slots and the carried table."""
     from djax.models import build_module
 
+    jit_options: dict[str, Any] = {"donate_argnums": (1,)}
     if model.mesh is not None:
-        from djax.sharding import sharded_program
+        from djax.sharding import sharded_rows
 
-        return sharded_program(model, plan, run)
-    module = build_module(model.config, model.dtype, None, **dict(model.options))
+        rows_program = sharded_rows(model, plan, run)
+        jit_options["out_shardings"] = NamedSharding(model.mesh, PartitionSpec())
+    else:
+        module = build_module(model.config, model.dtype, None, **dict(model.options))
 
-    def program(params, tokens, key_valid, positions, rows):
-        return run(module, params, plan, tokens, key_valid, positions, rows)
+        def rows_program(params, tokens, key_valid, positions, rows):
+            return run(module, params, plan, tokens, key_valid, positions, rows)
 
-    return jax.jit(program, donate_argnums=(1,))
+    if run is run_block_call:
+        rows_program = chained(rows_program)
+    return jax.jit(rows_program, **jit_options)
 
 
 _EXECUTABLES: dict[tuple, Any] = {}
@@ -272,6 +280,15 @@ def place(model: Model, arrays: Any) -> Any:
     return jax.tree.map(functools.partial(place_rows, model.mesh), arrays)
 
 
+def place_replicated(model: Model, arrays: Any) -> Any:
+    """Host arrays (a pytree) whole on every one of the model's devices."""
+    if model.mesh is None:
+        return jax.tree.map(jnp.asarray, arrays)
+    from djax.sharding import place_whole
+
+    return jax.tree.map(functools.partial(place_whole, model.mesh), arrays)
+
+
 def programs_folder() -> str | None:
     """Where generation programs are saved: the persistent compilation cache's folder."""
     return jax.config.jax_compilation_cache_dir
@@ -298,7 +315,7 @@ def lower(
 
 def executable_key(model: Model, plan: Plan, args: tuple, run: RowProgram) -> tuple:
     """What identifies a compiled program in this process."""
-    shapes = tuple((a.shape, str(a.dtype)) for a in args[1:4])
+    shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args[1:]))
     options = xla_options.compiler_options(jax.default_backend())
     key = (run.__name__, model.config, str(model.dtype), model.options, id(model.mesh), plan)
     return key + (shapes, *sorted(options.items()))

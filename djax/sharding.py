@@ -178,11 +178,11 @@ def sharded_logits(config: ModelConfig, dtype: Any, options: tuple, mesh: Mesh) 
     return jax.jit(program)
 
 
-def sharded_program(model: Any, plan: Any, run: Any) -> Any:
+def sharded_rows(model: Any, plan: Any, run: Any) -> Any:
     """A row program of `djax.diffusion` (`run_generation` or `run_block_call`) as one
-    `shard_map` over the model's mesh, jitted, the tokens donated. Takes host-shaped arrays
-    like the single-device program; returns its row outputs replicated on every device and
-    its counters as one value per data shard."""
+    `shard_map` over the model's mesh, to be jitted by the caller. Takes host-shaped arrays
+    like the single-device program; returns its row outputs split over `data` and its
+    counters as one value per data shard."""
     mesh = model.mesh
     axis = model_axis(mesh)
     module = _local_module(model.config, model.dtype, model.options, mesh)
@@ -193,11 +193,9 @@ def sharded_program(model: Any, plan: Any, run: Any) -> Any:
         return {k: jnp.reshape(v, (1,)) if v.ndim == 0 else v for k, v in out.items()}
 
     row = P(DATA)
-    program = jax.shard_map(
+    return jax.shard_map(
         local, mesh=mesh, in_specs=(specs, row, row, row, row), out_specs=row, check_vma=False
     )
-    replicated = NamedSharding(mesh, P())
-    return jax.jit(program, out_shardings=replicated, donate_argnums=(1,))
 
 
 def place_rows(mesh: Mesh, array: np.ndarray) -> jax.Array:
@@ -208,4 +206,11 @@ def place_rows(mesh: Mesh, array: np.ndarray) -> jax.Array:
             f"batch={array.shape[0]} is not divisible by data_parallel={mesh.shape[DATA]}"
         )
     sharding = NamedSharding(mesh, P(DATA))
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def place_whole(mesh: Mesh, array: np.ndarray) -> jax.Array:
+    """A host array replicated on every device of the mesh (every process passes the same
+    host array)."""
+    sharding = NamedSharding(mesh, P())
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])

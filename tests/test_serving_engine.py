@@ -3,6 +3,7 @@ tokens `djax.generate` gives it alone (fp32, CPU), whatever arrives beside it; c
 queue bounds, bad requests and failing calls touch only the requests they concern."""
 
 import dataclasses
+import itertools
 import queue
 import re
 import time
@@ -206,6 +207,52 @@ def test_a_failing_call_fails_its_rows_only(demo_model, generation, monkeypatch)
     compiled = engine.metrics.compiles._value.get()
     engine.stop()
     assert compiled == 2  # the warm-up's programs (batch 1, seq 64, with and without sampling)
+
+
+def test_a_call_failing_on_the_device_fails_its_rows_only(demo_model, generation, monkeypatch):
+    """A call that fails when its outputs are read (a device fault) fails its rows; the
+    call queued behind it is read too, the carried table starts anew, and the next request
+    gets the tokens generate gives it alone."""
+    engine = _engine(demo_model, generation, sampling=False)
+    real = engine._fetch
+    fetches = itertools.count()
+
+    def flaky(out):
+        if next(fetches) == 1:
+            raise RuntimeError("injected device fault")
+        return real(out)
+
+    monkeypatch.setattr(engine, "_fetch", flaky)
+    ids = _ids(demo_model, "347+2958=")
+    got = Collector()
+    engine.submit(EngineRequest("bad", ids, 32, ignore_eos=True), got.sink("bad"))
+    got.wait(1)
+    assert "injected device fault" in got.events["bad"][-1].message
+    assert len(got.tokens("bad")) == 8  # the first block arrived before the fault
+    engine.submit(EngineRequest("good", ids, 24), got.sink("good"))
+    got.wait(1)
+    engine.stop()
+    assert got.tokens("good") == _alone(demo_model, generation, ids, 24)
+
+
+def test_the_next_call_is_queued_before_the_last_ends(demo_model, generation):
+    """The device never waits for the host between block calls: each call is queued while
+    the one before runs (its rows' last blocks carried on the device), so the host time
+    the device waits is 0 for most calls."""
+    engine = _engine(demo_model, generation, max_batch=4, max_seq_len=128, sampling=False)
+    ids = _ids(demo_model, "347+2958=")
+    got = Collector()
+    for i in range(6):
+        engine.submit(EngineRequest(f"r{i}", ids, 64, ignore_eos=True), got.sink(f"r{i}"))
+    got.wait(6)
+    engine.stop()
+    assert {len(got.tokens(f"r{i}")) for i in range(6)} == {64}
+    samples = {
+        (s.name, s.labels.get("le")): s.value for s in engine.metrics.host_gap.collect()[0].samples
+    }
+    observed = samples[("djax_host_seconds_between_calls_count", None)]
+    waited_none = samples[("djax_host_seconds_between_calls_bucket", "1e-05")]
+    assert observed >= 10 and waited_none >= observed / 2
 
 
 def test_static_scheduler_runs_whole_batches(demo_model, generation):

@@ -8,8 +8,11 @@ Two schedulers share the queue, the events and the metrics:
   block is done, so nobody waits for a whole batch. When the running rows' sequences differ
   enough, the shorter and the longer ones run as two calls, so short rows are not padded
   to the longest (`ServingEngine._groups`). The host state of a row is its context
-  (prompt and committed tokens) and its key; each call's inputs are rebuilt from it, and the
-  previous call's events are sent while the next call runs.
+  (prompt and committed tokens) and its key; each call's inputs are rebuilt from it. The
+  engine queues the next call before it reads the last one: a row whose last block the
+  host has not read yet takes it, and its keys, from the table the calls leave on the
+  device (`diffusion.Carried`), so the device never waits for the host between calls. A
+  row that turns out to have stopped in the unread call has decoded one block in vain.
 - `static`: first-come batches of up to `max_batch` requests, each run to completion as one
   whole-generation program (`diffusion.run_generation`, as `djax.generate` runs it); the
   baseline continuous batching is measured against.
@@ -35,7 +38,7 @@ import jax
 import numpy as np
 
 from djax import engine as djax_engine
-from djax.diffusion import Plan, Rows, row_keys, run_block_call
+from djax.diffusion import Carried, Plan, Rows, Slots, row_keys, run_block_call
 from djax.generation import GenerationConfig
 from djax.model import Model
 from djax.serving import layout
@@ -124,6 +127,22 @@ class ServeConfig:
 
 
 @dataclasses.dataclass
+class _Call:
+    """A dispatched block call: its rows, its device outputs, and host times: when it was
+    queued, when the device can have started it, when the host last saw it running."""
+
+    rows: list[_Row]
+    out: dict
+    queued: float
+    started: float
+    seen_running: float
+
+    @property
+    def running(self) -> bool:
+        return not self.out["block"].is_ready()
+
+
+@dataclasses.dataclass
 class _Row:
     """A request on the host: what it has committed and where its randomness stands."""
 
@@ -133,6 +152,8 @@ class _Row:
     keys: np.ndarray  # [2] uint32, carried from call to call
     threshold: float
     committed: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1  # its place in the carried table while it runs
+    in_flight: int = 0  # blocks dispatched whose tokens the host has not read (0 or 1)
     done: bool = False  # the engine has finished it (its last events may still be unsent)
     cancelled: bool = False  # the client dropped it: no more events
 
@@ -180,7 +201,10 @@ class ServingEngine:
         self._stopping = False
         self._ready = False
         self._thread: threading.Thread | None = None
-        self._last_ready: float | None = None  # when the device finished the last call
+        self._last_ready: float | None = None  # static: when the device finished the last call
+        self._in_flight: _Call | None = None  # continuous: the call queued and not read yet
+        self._free_slots = list(range(config.max_batch))
+        self._carried: Carried | None = None
         self._calls, self._call_seconds = 0, 0.0
         self.call_cost = (config.steps_per_block + 1) * weight_read_tokens(model)
 
@@ -310,14 +334,12 @@ class ServingEngine:
             del self._by_id[row.request.request_id]
         self._emit(row, event)
 
-    def _timed_call(self, program: Any, args: tuple, pending: list) -> dict:
-        """Run a device call, send `pending` events while it runs; its host outputs."""
+    def _timed_call(self, program: Any, args: tuple) -> dict:
+        """Run a static batch's call and wait for it; its host outputs."""
         if self._last_ready is not None:
             self.metrics.host_gap.observe(time.perf_counter() - self._last_ready)
         started = time.perf_counter()
-        out = program(*args)
-        self._send(pending)
-        out = jax.tree.map(np.asarray, out)
+        out = jax.device_get(program(*args))
         self._last_ready = time.perf_counter()
         seconds = self._last_ready - started
         self.metrics.block_call.observe(seconds)
@@ -325,14 +347,12 @@ class ServingEngine:
         self._call_seconds += seconds
         return out
 
-    def _fail_call(self, rows: list[_Row], err: Exception, pending: list) -> None:
+    def _fail_rows(self, rows: list[_Row], err: Exception) -> None:
         log.exception("a device call failed")
-        self._send(pending)
         with self._lock:
             for row in rows:
                 if not row.done:
                     self._finish(row, Failed(f"the device call failed: {err}"))
-        self._last_ready = None
 
     # ------------------------------------------------------------ the thread
 
@@ -400,21 +420,39 @@ class ServingEngine:
         )
 
     def _block_args(self, rows: list[_Row], batch: int, seq: int) -> tuple:
+        """The call's arguments. A row with a block in flight gets mask ids where that
+        block goes, and the call carries the block and the keys after it in from the
+        device table (`Slots.carry_at`)."""
+        block = self.block_length
         arrays = self.layout.arrays(batch, seq)
         keys = np.zeros((batch, 2), np.uint32)
         threshold = np.ones(batch, np.float32)
         temperature = np.zeros(batch, np.float32)
+        index = np.full(batch, self.config.max_batch, np.int32)
+        carry_at = np.full(batch, -1, np.int32)
         for i, row in enumerate(rows):
-            later = row.answer_length - len(row.committed) - self.block_length
-            self.layout.fill(arrays, i, row.context, later)
+            context = row.context
+            if row.in_flight:
+                carry_at[i] = block + len(context)
+                context = np.concatenate([context, np.full(block, self.layout.mask_id, np.int32)])
+            later = row.answer_length - len(row.committed) - (row.in_flight + 1) * block
+            self.layout.fill(arrays, i, context, later)
             keys[i], threshold[i], temperature[i] = row.keys, row.threshold, row.request.temperature
-        per_row = Rows(keys, threshold, temperature)
+            index[i] = row.slot
         inputs = [arrays["tokens"], arrays["key_valid"], arrays["positions"]]
         return (
             self.model.params,
             *djax_engine.place(self.model, inputs),
-            djax_engine.place(self.model, per_row),
+            djax_engine.place(self.model, Rows(keys, threshold, temperature)),
+            djax_engine.place(self.model, Slots(index, carry_at)),
+            self._carried,
         )
+
+    def _empty_table(self) -> Carried:
+        """A carried table of `max_batch` slots, on every device of the model."""
+        n = self.config.max_batch
+        table = Carried(np.zeros((n, self.block_length), np.int32), np.zeros((n, 2), np.uint32))
+        return djax_engine.place_replicated(self.model, table)
 
     def _block_program(self, rows: list[_Row]) -> tuple[Any, tuple]:
         batch = layout.bucket(len(rows), self.batch_buckets)
@@ -438,6 +476,7 @@ class ServingEngine:
         time: tracing holds the GIL, XLA's compiler does not."""
         if self.config.scheduler != "continuous":
             return
+        self._carried = self._empty_table()
         samplings = (False, True) if self.config.sampling else (False,)
         shapes = [
             (b, s, sampling)
@@ -466,30 +505,99 @@ class ServingEngine:
         )
 
     def _serve_continuous(self) -> None:
-        pending: list[tuple[_Row, Event]] = []
         while True:
             with self._lock:
-                self._running = [r for r in self._running if not (r.cancelled or r.done)]
-                self._running += self._take_waiting(self.config.max_batch - len(self._running))
-                rows = list(self._running)
-                self.metrics.running_rows.set(len(rows))
-                idle = not rows
-            if idle:
-                self._send(pending)
+                rows = self._next_rows()
+            if rows:
+                for group in self._groups(rows):
+                    self._dispatch(group)
+            elif self._in_flight is not None:  # every running row's last block is queued
+                call, self._in_flight = self._in_flight, None
+                if not self._read(call):
+                    self._carried = self._empty_table()
+            else:
                 with self._lock:
-                    self._last_ready = None
                     if not self._wait_for_work():
                         return
-                continue
-            for group in self._groups(rows):
-                try:
-                    program, args = self._block_program(group)
-                    out = self._timed_call(program, args, pending)
-                except Exception as err:  # the call failed: its rows fail, the server goes on
-                    self._fail_call(group, err, pending)
-                    continue
-                with self._lock:
-                    pending = self._commit(group, out["block"], out["keys"])
+
+    def _next_rows(self) -> list[_Row]:
+        """Drop the finished and cancelled rows (their slots free), admit waiting ones into
+        free slots; the rows with a block left to queue (lock held)."""
+        running = []
+        for row in self._running:
+            if row.cancelled or row.done:
+                self._free_slots.append(row.slot)
+            else:
+                running.append(row)
+        for row in self._take_waiting(self.config.max_batch - len(running)):
+            row.slot = self._free_slots.pop()
+            running.append(row)
+        self._running = running
+        self.metrics.running_rows.set(len(running))
+        block = self.block_length
+        return [r for r in running if len(r.committed) + r.in_flight * block < r.answer_length]
+
+    def _dispatch(self, rows: list[_Row]) -> None:
+        """Queue a call for `rows`, then read the call queued before it (if any). The
+        device waits for the host only when that one ends before this one is queued: the
+        wait, bounded by the last time the host saw it running, goes to `host_gap`."""
+        previous = self._in_flight
+        self._note_running(previous)
+        call = None
+        try:
+            program, args = self._block_program(rows)
+            self._note_running(previous)
+            queued = time.perf_counter()
+            out = program(*args)
+        except Exception as err:  # the call failed: its rows fail, the server goes on
+            self._fail_rows(rows, err)
+        else:
+            self._carried = out["carried"]
+            for row in rows:
+                row.in_flight += 1
+            start = queued if previous is None or previous.running else previous.seen_running
+            if previous is not None:
+                self.metrics.host_gap.observe(queued - start)
+            call = _Call(rows, out, queued, started=queued, seen_running=queued)
+        self._in_flight = call
+        if previous is not None and not self._read(previous):
+            # the failed call's table went into this one: read it too, start a new table
+            if call is not None:
+                self._in_flight = None
+                self._read(call)
+            self._carried = self._empty_table()
+
+    def _fetch(self, out: dict) -> tuple[np.ndarray, np.ndarray]:
+        """A call's blocks and keys on the host, once the device has them."""
+        return jax.device_get((out["block"], out["keys"]))
+
+    def _note_running(self, call: _Call | None) -> None:
+        if call is not None and call.running:
+            call.seen_running = time.perf_counter()
+
+    def _read(self, call: _Call) -> bool:
+        """Wait for a call, commit its blocks and send their events; False (its rows
+        failed) when the device call failed."""
+        try:
+            block, keys = self._fetch(call.out)
+        except Exception as err:
+            self._fail_rows(call.rows, err)
+            return False
+        finally:
+            for row in call.rows:
+                row.in_flight -= 1
+        ended = time.perf_counter()
+        seconds = ended - call.started
+        self.metrics.block_call.observe(seconds)
+        self._calls += 1
+        self._call_seconds += seconds
+        if self._in_flight is not None:  # the next call starts on the device now
+            self._in_flight.started = max(self._in_flight.queued, ended)
+        with self._lock:
+            events = self._commit(call.rows, block, keys)
+        self._send(events)
+        self._note_running(self._in_flight)
+        return True
 
     def _groups(self, rows: list[_Row]) -> list[list[_Row]]:
         """The running rows as one call, or as two calls (shorter and longer sequences)
@@ -572,9 +680,10 @@ class ServingEngine:
                 self.metrics.running_rows.set(len(rows))
             try:
                 program, args, plan = self._generation_program(rows)
-                out = self._timed_call(program, args, [])
+                out = self._timed_call(program, args)
             except Exception as err:
-                self._fail_call(rows, err, [])
+                self._fail_rows(rows, err)
+                self._last_ready = None
                 continue
             events = []
             with self._lock:

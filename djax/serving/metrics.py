@@ -42,7 +42,8 @@ class ServerMetrics:
         )
         self.host_gap = Histogram(
             "djax_host_seconds_between_calls",
-            "host time the device waits between two block calls",
+            "host time the device waits before a block call (an upper bound; 0 when the "
+            "call was queued before the last one ended)",
             buckets=_HOST_BUCKETS,
             registry=r,
         )
