@@ -28,7 +28,9 @@ The trace (`LENGTHS`): prompt and answer lengths lognormal with median 128 and �
 log, clipped to 16–512 prompt and 32–512 answer tokens; prompts of random token ids (never a
 special id); arrivals a Poisson process at each rate (exponential gaps; `inf`: every request
 at t = 0, saturation). Every rate sends the same requests, with its gaps the same unit-rate
-draws divided by the rate. Requests stream (a chunk per committed block that made text, usage
+draws divided by the rate. A rate such as `0.85x` is that fraction of the first scheduler's
+saturation requests/s in this run (`--schedulers static continuous --rates inf 0.85x`: near
+the static scheduler's capacity). Requests stream (a chunk per committed block that made text, usage
 in the last) with `ignore_eos`, so every answer is exactly `max_tokens` long; an answer of
 another length counts as failed. Time to first chunk: to the first chunk with a choice.
 `--equal N` adds, after the rates, N requests of prompt 128 / answer 256, all at t = 0 (rate
@@ -352,14 +354,34 @@ def rate_label(rate: float) -> float | str:
     return "inf" if math.isinf(rate) else rate
 
 
-def parse_rate(text: str) -> float:
+@dataclasses.dataclass(frozen=True)
+class OfCapacity:
+    """A rate given as a fraction of the first scheduler's saturation requests/s (`0.85x`)."""
+
+    fraction: float
+
+
+def parse_rate(text: str) -> float | OfCapacity:
+    relative = text.endswith("x")
     try:
-        rate = float(text)
+        rate = float(text[:-1] if relative else text)
     except ValueError:
         rate = math.nan
-    if not rate > 0:
-        raise argparse.ArgumentTypeError(f"rate {text!r}; expected a positive number or inf")
-    return rate
+    if not rate > 0 or (relative and math.isinf(rate)):
+        raise argparse.ArgumentTypeError(
+            f"rate {text!r}; expected a positive number, inf, or a fraction of the first "
+            "scheduler's saturation rate such as 0.85x"
+        )
+    return OfCapacity(rate) if relative else rate
+
+
+def check_rates(rates: Sequence[float | OfCapacity]) -> None:
+    """A fraction of capacity needs the saturation run (inf) before it."""
+    for i, rate in enumerate(rates):
+        if isinstance(rate, OfCapacity) and math.inf not in rates[:i]:
+            raise SystemExit(
+                f"bench.serve: rate {rate.fraction}x needs inf (the saturation run) before it"
+            )
 
 
 def run_client(args) -> None:
@@ -368,10 +390,15 @@ def run_client(args) -> None:
     config = model_config(args.model, args.tiny)
     vocabulary = prompt_vocabulary(config.vocab_size, special_ids(config))
     lengths = trace_lengths(args.tiny)
-    runs = [
-        (rate_label(r), make_trace(args.requests, r, vocabulary, args.seed, lengths))
-        for r in args.rates
-    ]
+    check_rates(args.rates)
+    capacity: list[float] = []  # the first scheduler's saturation requests/s
+
+    def trace_at(rate: float | OfCapacity) -> tuple[float | str, list[TraceRequest]]:
+        if isinstance(rate, OfCapacity):
+            rate = round(rate.fraction * capacity[0], 3)
+        return rate_label(rate), make_trace(args.requests, rate, vocabulary, args.seed, lengths)
+
+    runs: list = list(args.rates)
     if args.equal:
         runs.append(("equal", equal_trace(args.equal, vocabulary, args.seed, lengths)))
     logs = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="djax_serve_"))
@@ -385,7 +412,10 @@ def run_client(args) -> None:
         servers[scheduler] = {"log": log.name}
         try:
             servers[scheduler]["ready_s"] = wait_ready(base_url, server, log, args.ready_timeout)
-            for label, trace in runs:
+            for i, run in enumerate(runs):
+                if not isinstance(run, tuple):  # a rate: its trace, drawn once
+                    runs[i] = run = trace_at(run)
+                label, trace = run
                 if scheduler in args.warm_pass:  # compiles the shapes this trace meets first
                     warm = trace[: args.warm_requests]
                     asyncio.run(run_trace(base_url, served_model_name(args.model), warm))
@@ -407,6 +437,8 @@ def run_client(args) -> None:
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
+                if label == "inf" and not capacity:
+                    capacity.append(rows[-1]["requests_per_s"])
         finally:
             servers[scheduler] |= stop_server(server)
         print(f"{scheduler} server: {servers[scheduler]}", flush=True)
@@ -440,7 +472,12 @@ def trace_parameters(args) -> dict:
         "seed": args.seed,
         "prompt": {**drawn, "range": lengths.prompt},
         "answer": {**drawn, "range": lengths.answer},
-        "rates": [rate_label(r) for r in args.rates],
+        "rates": [
+            f"{r.fraction}x of {args.schedulers[0]}'s saturation requests/s"
+            if isinstance(r, OfCapacity)
+            else rate_label(r)
+            for r in args.rates
+        ],
         "arrivals": "poisson (inf: all at t=0)",
     }
     if args.equal:

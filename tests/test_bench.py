@@ -371,6 +371,22 @@ def test_serve_command_lines():
     assert parse(["plot", "a.json", "b.json"]).results == ["a.json", "b.json"]
     with pytest.raises(SystemExit):
         parse(["--model", "dense", "--rates", "0"])
+    with pytest.raises(SystemExit):
+        parse(["--model", "dense", "--rates", "infx"])
+
+
+def test_serve_rate_as_a_fraction_of_capacity():
+    """`0.85x` is a fraction of the first scheduler's saturation rate: it needs the
+    saturation run before it."""
+    import math
+
+    from bench.serve import OfCapacity, check_rates, parse
+
+    client = parse(["--model", "dense", "--rates", "inf", "0.85x"])
+    assert client.rates == [math.inf, OfCapacity(0.85)]
+    check_rates(client.rates)
+    with pytest.raises(SystemExit, match="0.85x needs inf"):
+        check_rates([OfCapacity(0.85), math.inf])
 
 
 def test_serve_end_to_end(tmp_path):
@@ -385,14 +401,16 @@ def test_serve_end_to_end(tmp_path):
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(repo)}
     command = [sys.executable, "-m", "bench.serve", "--model", "dense", "--tiny"]
-    command += ["--schedulers", "continuous", "--rates", "inf", "--requests", "3"]
+    command += ["--schedulers", "continuous", "--rates", "inf", "0.5x", "--requests", "3"]
     command += ["--max-batch", "2", "--ready-timeout", "120"]
     subprocess.run(command, cwd=repo, env=env, check=True, timeout=300)
     (result,) = tmp_path.glob("serve_*.json")
     record = json.loads(result.read_text())
-    (row,) = record["results"]
+    row, half = record["results"]
     assert (row["scheduler"], row["request_rate"], row["requests"]) == ("continuous", "inf", 3)
-    assert row["failed"] == 0 and row["compiles_during_run"] == 0, row
-    assert row["output_tokens_per_s"] > 0 and row["p99_ttft_s"] <= row["p99_latency_s"]
+    assert half["request_rate"] == round(0.5 * row["requests_per_s"], 3)
+    for r in (row, half):
+        assert r["failed"] == 0 and r["compiles_during_run"] == 0, r
+        assert r["output_tokens_per_s"] > 0 and r["p99_ttft_s"] <= r["p99_latency_s"]
     assert record["servers"]["continuous"]["clean_exit"], record["servers"]
     assert (tmp_path / "serve_dense_continuous.log").exists()
