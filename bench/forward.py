@@ -61,6 +61,17 @@ def refresh_flops(config, params, seq: int) -> float:
     )
 
 
+def block_flops(config, params, kv_len: int) -> float:
+    """FLOPs of one sequence's block forward: `BLOCK` rows through every weight, attention to
+    `kv_len` keys, and the head."""
+    attention = 4 * BLOCK * kv_len * config.n_heads * config.head_dim * config.n_layers
+    return (
+        2 * BLOCK * active_matmul_params(config, params)
+        + attention
+        + (2 * BLOCK * config.d_model * config.vocab_size)
+    )
+
+
 def kv_bytes(config, kv_len: int, dtype) -> int:
     return (
         2

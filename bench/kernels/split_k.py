@@ -9,7 +9,7 @@ default tiles (`tiles_for`) and at each tiling of the sweep. `--mosaic` adds JAX
 warp-specialized Hopper matmul (`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`: TMA
 loads, Mosaic GPU) at a few tile shapes, its rows padded to 64 (its smallest row tile),
 followed by XLA's add and norm where `xla` has them: a first look at whether TMA streaming
-reads the weights faster than Triton's loads (bench/NOTES.md, "Not yet done" 1). Each call
+reads the weights faster than Triton's loads (it does not: bench/NOTES.md). Each call
 cycles through enough copies of the weight (>= 256 MB) that no copy is still in the L2 cache
 when it is read again, as inside a forward. Device time per product from profiler traces
 (µs, summed over its kernels); `weight_TB_per_s` is weight bytes over that time.
@@ -20,7 +20,7 @@ window's K/V written into a 384-position buffer at 128): `xla` (XLA's product an
 inside that kernel, `rope_write.project_rope_and_write`), for LLaDA-8B or, with `--model
 moe`, LLaDA-MoE's heads.
 
-    python -m bench.split_k [--model dense] [--rows 32] [--products qkv out down qkv_rope]
+    python -m bench.kernels.split_k [--model dense] [--rows 32] [--products qkv out down qkv_rope]
         [--sweep] [--norm-warps 4 8] [--mosaic] [--fused-sweep] [--tiny]
 """
 
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import model_config, save
-from bench.kernel_time import rel_error, time_row
+from bench.kernels.timing import rel_error, time_row
 from djax.models import layers, residual_product, rope_write
 from djax.models.residual_norm import add_rms_norm, add_scaled
 from djax.models.split_k import Tiles, matmul_partials, tiles_for

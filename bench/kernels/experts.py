@@ -14,7 +14,7 @@ hit, read once, at the measured read bandwidth, or the routed FLOPs at the matmu
 kernel from a profiler trace): XLA's sort (`argsort`, and again to invert it), the engine's
 counting sort (`sort_by_group`), and a pairwise compare-and-sum.
 
-    python -m bench.experts [--tokens 32 384 1280] [--sweep | --permutation] [--tiny]
+    python -m bench.kernels.experts [--tokens 32 384 1280] [--sweep | --permutation] [--tiny]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import measure_ceilings, model_config, save, time_in_program
-from bench.kernel_time import kernel_us
+from bench.kernels.timing import kernel_us
 from djax.models import expert_tiles
 from djax.models.llada_moe import experts_dense, experts_grouped, ragged_mlp, route, sort_by_group
 

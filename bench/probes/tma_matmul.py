@@ -1,19 +1,26 @@
-"""A skinny split-K product in Mosaic GPU (TMA copies, WGMMA) against djax's Triton one.
+"""Probe: does a skinny split-K product in Mosaic GPU (TMA copies, WGMMA) beat djax's Triton one?
 
-`bench.pdl` showed a Mosaic GPU kernel streaming the down product's 100.7 MB through TMA
-copies in 23.4 µs on an H200 (4.30 TB/s, start and tail included), where djax's Triton
-split-K product takes ~25.6 µs. This measures whether that holds once the kernel also
-multiplies: each CTA owns one column tile and one contraction slice, streams x's and w's
-tiles through a ring of `stages` shared-memory slots, multiplies them with WGMMA into a
-64-row fp32 accumulator (the block's 32 rows, padded: WGMMA's smallest row tile) and writes
-its fp32 partial product, as `split_k.matmul_partials` does. Rows: the product's device time
-per call (µs, from profiler traces, weights L2-cold) for each tiling and for the Triton
-kernel, with the error of the summed partials against XLA's product in fp32.
+Question. `bench.probes.pdl` showed a Mosaic GPU kernel streaming the down product's 100.7 MB
+through TMA copies in 23.4 µs on an H200 (4.30 TB/s, start and tail included), where djax's
+Triton split-K product takes ~25.6 µs. Does that hold once the kernel also multiplies? Each
+CTA owns one column tile and one contraction slice, streams x's and w's tiles through a ring
+of `stages` shared-memory slots, multiplies them with WGMMA into a 64-row fp32 accumulator
+(the block's 32 rows, padded: WGMMA's smallest row tile) and writes its fp32 partial
+product, as `split_k.matmul_partials` does. Rows: the product's device time per call (µs,
+from profiler traces, weights L2-cold) for each tiling and for the Triton kernel, with the
+error of the summed partials against XLA's product in fp32.
+
+Answer (H200, commits 725500e-c9c63cd, result `bench/results/tma_matmul_NVIDIA_H200.json`;
+the tables are in bench/NOTES.md). No: correct (1e-6 against fp32) but not faster. Down
+26.5 µs against Triton's 25.6-25.9, output 11.1 against 11.1, q/k/v 26.9 against 26.1-26.4,
+gate/up 52.4 against 53.8. A 2-D weight tile streams ~1.2 µs slower than contiguous tiles,
+x's reads and the multiplies cost ~0.7 µs each: TMA does not read these weights faster than
+Triton's loads. What Mosaic GPU offers is the kernel boundary (`bench.probes.pdl`).
 
 `tma-t` rows are `tma_partials_t`: the same product transposed (w's tile as WGMMA's 64-row
 operand, x's 32 rows unpadded), each slot refilled as soon as its product is done.
 
-    python -m bench.tma_matmul [--products qkv out down gate_up] [--rows 32] [--only-t]
+    python -m bench.probes.tma_matmul [--products qkv out down gate_up] [--rows 32] [--only-t]
 
 GPU only (Hopper or newer).
 """
@@ -26,8 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import model_config, save
-from bench.kernel_time import rel_error, time_row
-from bench.split_k import products
+from bench.kernels.split_k import products
+from bench.kernels.timing import rel_error, time_row
 from djax.models.split_k import matmul_partials
 
 COLD_BYTES = 256 << 20
@@ -250,7 +257,7 @@ def main() -> None:
     parser.add_argument("--tilings", type=int, default=None, help="tma-t: only the first N")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
-        raise SystemExit(f"bench.tma_matmul needs a Hopper GPU; got {jax.devices()}")
+        raise SystemExit(f"bench.probes.tma_matmul needs a Hopper GPU; got {jax.devices()}")
     cfg = model_config("dense", False)
     rows = []
     for name in args.products:

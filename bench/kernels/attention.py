@@ -10,7 +10,7 @@ kernels' device time in a profiler trace (`kernels_us` per kernel, `device_us` t
 every kernel the call launches, e.g. the split-K/V kernel, the merge of its slices and the
 key-bias kernel that a generation runs once per forward; no loop).
 
-    python -m bench.attention [--shapes 32x384 32x1280 384x384] [--model dense|moe] [--tiny]
+    python -m bench.kernels.attention [--shapes 32x384 32x1280 384x384] [--model dense|moe] [--tiny]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import model_config, save, time_in_program
-from bench.kernel_time import kernel_us
+from bench.kernels.timing import kernel_us
 from djax.models.flash_attention import Tiles, split_kv_attention
 from djax.models.layers import attend
 

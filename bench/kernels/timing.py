@@ -1,5 +1,5 @@
 """Device time of kernels, read from profiler traces, for the kernel benchmarks
-(`bench.matmul`, `bench.split_k`, `bench.attention`), and the error measure they share."""
+(`bench.kernels`, `bench.probes`), and the error measure they share."""
 
 from __future__ import annotations
 

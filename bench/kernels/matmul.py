@@ -7,7 +7,7 @@ sweep. Each is checked against fp32 (relative L2 error) and timed by its kernels
 time in a profiler trace (µs per call, summed over its kernels: no loop or timer overhead).
 `weight_TB_per_s` is weight bytes over that time (the weights dominate the bytes here).
 
-    python -m bench.matmul [--model dense] [--rows 32 64] [--sweep-rows 32 384] [--tiny]
+    python -m bench.kernels.matmul [--model dense] [--rows 32 64] [--sweep-rows 32 384] [--tiny]
 
 Sweeps at more than `BLOCK_ROWS` rows (a refresh) take `REFRESH_TILINGS` instead of `TILINGS`.
 """
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import model_config, save
-from bench.kernel_time import rel_error, time_row
+from bench.kernels.timing import rel_error, time_row
 from djax.models.layers import swiglu_xla
 from djax.models.swiglu import Tiles, swiglu_matmul
 
