@@ -9,7 +9,7 @@ back to back inside one compiled loop (as the engine runs them). Cases:
              the K/V buffer read is reported beside it).
 MoE runs both expert paths; dense runs both attention implementations.
 
-    python bench/forward.py [--models dense moe] [--tiny]
+    python -m bench.forward [--models dense moe] [--tiny]
 """
 
 from __future__ import annotations
