@@ -178,7 +178,9 @@ def use_routing(routing: str) -> None:
         llada_moe.route = spread_routing(llada_moe.route)
 
 
-def experts_hit(model: Model, prompt: list[int], config: GenerationConfig) -> dict[str, float]:
+def experts_hit(
+    model: Model, prompts: list[list[int]], config: GenerationConfig
+) -> dict[str, float]:
     """The mean number of experts a MoE layer's tokens are routed to, in a generation's
     whole-sequence forwards (`whole`: refreshes, the most token rows) and its other forwards
     (`window`: blocks, and the refreshes' last layer, which runs the block's rows only).
@@ -205,7 +207,7 @@ def experts_hit(model: Model, prompt: list[int], config: GenerationConfig) -> di
         mock.patch.object(engine, "_EXECUTABLES", {}),
         mock.patch.object(engine, "programs_folder", lambda: None),
     ):
-        jax.block_until_ready(generate(model, [prompt], config).answer_ids)
+        jax.block_until_ready(generate(model, prompts, config).answer_ids)
     whole = max(counts)  # the padded sequence: refreshes
     window = [c for rows, per_call in counts.items() if rows != whole for c in per_call]
     return {"whole": float(np.mean(counts[whole]))} | (
@@ -288,9 +290,18 @@ def measure_ceilings(tiny: bool = False) -> dict[str, float]:
     }
 
 
+def device_name(info: dict[str, Any]) -> str:
+    """The device part of a result file's name: the device kind with underscores for spaces,
+    and `_x<count>` when the machine has more than one device (`NVIDIA_H200_x2`)."""
+    kind = info["device"].replace(" ", "_")
+    return kind if info["device_count"] == 1 else f"{kind}_x{info['device_count']}"
+
+
 def save(name: str, payload: dict[str, Any]) -> Path:
-    """Write a result JSON under $OUT (the device machine's return folder) when set, else
-    under bench/results/; the name carries the device and the date."""
+    """Write a result JSON as `<name>_<device>.json` (`device_name`) under $OUT (the device
+    machine's return folder) when set, else under bench/results/: one file per suite (and
+    setting, where `name` carries one) and device, replaced by the next run. The record holds
+    the device, the commit, the command and the date; git keeps the earlier runs."""
     info = device_info()
     now = datetime.datetime.now(datetime.timezone.utc)
     record = {
@@ -303,8 +314,9 @@ def save(name: str, payload: dict[str, Any]) -> Path:
     }
     folder = Path(os.environ.get("OUT") or RESULTS)
     folder.mkdir(parents=True, exist_ok=True)
-    kind = info["device"].replace(" ", "_")
-    path = folder / f"{name}_{kind}_{now:%Y%m%d_%H%M%S}.json"
-    path.write_text(json.dumps(record, indent=2))
+    path = folder / f"{name}_{device_name(info)}.json"
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(json.dumps(record, indent=2))
+    staging.replace(path)
     print(f"wrote {path}")
     return path

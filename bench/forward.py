@@ -9,7 +9,7 @@ back to back inside one compiled loop (as the engine runs them). Cases:
              the K/V buffer read is reported beside it).
 MoE runs both expert paths; dense runs both attention implementations.
 
-    python bench/forward.py [--models dense moe] [--tiny]
+    python -m bench.forward [--models dense moe] [--tiny]
 """
 
 from __future__ import annotations
@@ -56,6 +56,17 @@ def refresh_flops(config, params, seq: int) -> float:
     attention = 4 * seq * seq * config.n_heads * config.head_dim * config.n_layers
     return (
         2 * seq * active_matmul_params(config, params)
+        + attention
+        + (2 * BLOCK * config.d_model * config.vocab_size)
+    )
+
+
+def block_flops(config, params, kv_len: int) -> float:
+    """FLOPs of one sequence's block forward: `BLOCK` rows through every weight, attention to
+    `kv_len` keys, and the head."""
+    attention = 4 * BLOCK * kv_len * config.n_heads * config.head_dim * config.n_layers
+    return (
+        2 * BLOCK * active_matmul_params(config, params)
         + attention
         + (2 * BLOCK * config.d_model * config.vocab_size)
     )

@@ -1,19 +1,24 @@
 """Whole-generation speed through `djax.generate`, at the setting every engine is compared on:
-batch 1, gen_length 256, block 32, 64 fixed steps (4 tokens per forward, so every engine
-does the same work), prompts of 128 and 512 tokens, caches none / prefix / dual, plus the
-threshold decoder with the dual cache. Random bf16 weights built on the device (so the
+gen_length 256, block 32, 64 fixed steps (4 tokens per forward, so every engine does the
+same work), prompts of 128 and 512 tokens, caches none / prefix / dual, plus the threshold
+decoder with the dual cache, at each `--batch` (default 1: that many different prompts of
+the same length, decoded together). Random bf16 weights built on the device (so the
 threshold decoder commits about one token per forward: its row shows the per-forward cost).
 
-The physical limit of a run is its refreshes at the measured matmul rate (or reading their
-weights, if longer) plus its other forwards at the HBM floor; tokens/s is reported beside
-it, with each program's compile time (`bench.compile` measures it from the persistent cache,
-in a fresh process). For LLaDA-MoE the weights counted are those of the experts the
-forwards' tokens reach (`experts_hit`, counted in a run of its own). `--routing spread`
-moves each token's experts by its row (`spread_routing`), so a block reaches every expert
-as a spread-out trained router would; the random router sends a block's mask tokens to ~10.
+The physical limit of a run is the sum over its forwards of the longer of two times: the
+forward's FLOPs (every row of the batch) at the measured matmul rate, and reading its weights
+once at the measured HBM read rate. Batch-1 block forwards are bound by the weights,
+refreshes and large batches by the FLOPs. Tokens/s (answer tokens of the whole batch) is
+reported beside it, with each program's compile time (`bench.compile` measures it from the
+persistent cache, in a fresh process). For LLaDA-MoE the weights counted are those of the
+experts the forwards' tokens reach (`experts_hit`, counted in a run of its own).
+`--routing spread` moves each token's experts by its row (`spread_routing`), so a block
+reaches every expert as a spread-out trained router would; the random router sends a
+block's mask tokens to ~10. Results: `generate_<device>.json`, or
+`generate_spread_<device>.json` with `--routing spread`.
 
-    python bench/generate.py [--models dense moe] [--variants default norm_impl=xla]
-        [--steps 64 32] [--routing model|spread] [--tiny]
+    python -m bench.generate [--models dense moe] [--batch 1 8] [--variants default
+        norm_impl=xla] [--steps 64 32] [--routing model|spread] [--tiny]
 
 Each `--variants` entry is a set of module options (`default`: the engine's own choices),
 run in turn on the same weights. With two `--steps` counts the dual-cache runs also split
@@ -42,31 +47,43 @@ from bench.common import (
     use_routing,
     weight_bytes,
 )
-from bench.forward import refresh_flops
+from bench.forward import block_flops, refresh_flops
 from djax import GenerationConfig, Model, engine, generate
 
 
 def run_case(
-    model: Model, prompt_len: int, config: GenerationConfig, ceilings: dict, repeats: int
+    model: Model,
+    prompt_len: int,
+    batch: int,
+    config: GenerationConfig,
+    ceilings: dict,
+    repeats: int,
 ) -> dict:
+    """The median of `repeats` generations of `batch` random prompts of `prompt_len` tokens
+    (after one that compiles), against the run's physical limit."""
     rng = np.random.default_rng(prompt_len)
-    prompt = rng.integers(0, min(1000, model.config.mask_token_id), prompt_len).tolist()
-    first = generate(model, [prompt], config)
-    runs = [generate(model, [prompt], config) for _ in range(repeats)]
+    high = min(1000, model.config.mask_token_id)
+    prompts = [rng.integers(0, high, prompt_len).tolist() for _ in range(batch)]
+    first = generate(model, prompts, config)
+    runs = [generate(model, prompts, config) for _ in range(repeats)]
     best = sorted(runs, key=lambda r: r.stats.seconds)[len(runs) // 2]
     s = best.stats
     seq = prompt_len + config.gen_length
-    hit = experts_hit(model, prompt, config) if model.config.is_moe else {}
-    bandwidth = ceilings["hbm_read_bytes_per_s"]
+    hit = experts_hit(model, prompts, config) if model.config.is_moe else {}
+    bandwidth, rate = ceilings["hbm_read_bytes_per_s"], ceilings["matmul_flops_per_s"]
     refresh_s = max(
-        refresh_flops(model.config, model.params, seq) / ceilings["matmul_flops_per_s"],
+        batch * refresh_flops(model.config, model.params, seq) / rate,
         weight_bytes(model.params, hit.get("whole")) / bandwidth,
     )
-    block_s = weight_bytes(model.params, hit.get("window", hit.get("whole"))) / bandwidth
+    block_s = max(
+        batch * block_flops(model.config, model.params, seq) / rate,
+        weight_bytes(model.params, hit.get("window", hit.get("whole"))) / bandwidth,
+    )
     limit_s = s.refreshes * refresh_s + (s.forwards - s.refreshes) * block_s
-    tokens = config.gen_length  # early stop is off: every answer position is generated
+    tokens = batch * config.gen_length  # early stop is off: every answer position is generated
     return {
         "prompt_len": prompt_len,
+        "batch": batch,
         "cache": config.cache,
         "decoder": config.decoder,
         "forwards": s.forwards,
@@ -89,7 +106,7 @@ def forward_splits(rows: list[dict]) -> list[dict]:
     found = []
     for a in rows:
         for b in rows:
-            same = ("model", "options", "prompt_len", "cache", "decoder", "refreshes")
+            same = ("model", "options", "prompt_len", "batch", "cache", "decoder", "refreshes")
             if a["steps"] <= b["steps"] or any(a[k] != b[k] for k in same):
                 continue
             blocks = a["forwards"] - a["refreshes"], b["forwards"] - b["refreshes"]
@@ -106,10 +123,18 @@ def forward_splits(rows: list[dict]) -> list[dict]:
     return found
 
 
+def positive(text: str) -> int:
+    """A batch size from the command line: a positive integer."""
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"batch {text!r}; expected a positive integer")
+    return int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["dense", "moe"])
     parser.add_argument("--prompts", nargs="+", type=int, default=[128, 512])
+    parser.add_argument("--batch", nargs="+", type=positive, default=[1], help="prompts per call")
     parser.add_argument("--caches", nargs="+", default=["none", "prefix", "dual"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -143,20 +168,20 @@ def main() -> None:
         for options in variants:
             variant = model.with_options(**options)
             for prompt_len in args.prompts:
-                for case in cases:
-                    row = run_case(variant, prompt_len, case, ceilings, args.repeats)
-                    rows.append({"model": name, "options": options, **row})
-                    print(rows[-1])
+                for batch in args.batch:
+                    for case in cases:
+                        row = run_case(variant, prompt_len, batch, case, ceilings, args.repeats)
+                        rows.append({"model": name, "options": options, **row})
+                        print(rows[-1])
         del model, variant
     splits = forward_splits([r for r in rows if r["decoder"] == base.decoder])
     for split in splits:
         print(split)
     save(
-        "generate",
+        "generate" if args.routing == "model" else "generate_spread",
         {
             "ceilings": ceilings,
             "setting": dataclasses.asdict(base),
-            "batch": 1,
             "options": vars(args),
             "results": rows,
             "splits": splits,

@@ -2,7 +2,8 @@
 
 Writes the XProf/TensorBoard trace (and its Perfetto JSON) under `--out`, then a table of
 device time per op category — matmul, attention, MoE, norms/elementwise, decoder, copies,
-idle gaps — read from the trace's device events, readable without a viewer.
+idle gaps — read from the trace's device events, readable without a viewer. Results:
+`profile_<model>_<device>.json` (`profile_moe_spread_<device>.json` with `--routing spread`).
 
     python -m bench.profile [--model dense] [--devices N] [--cache dual] [--options k=v,...]
                             [--out DIR] [--tiny]
@@ -223,8 +224,9 @@ def main() -> None:
     with jax.profiler.trace(str(out_dir), create_perfetto_trace=True):
         result = generate(model, [prompt], gen)
     summaries = trace_summaries(out_dir)
+    spread = "_spread" if config.is_moe and args.routing == "spread" else ""
     save(
-        "profile",
+        f"profile_{args.model}{spread}",
         {
             "model": args.model,
             "cache": args.cache,

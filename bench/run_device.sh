@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run benchmark stages on the GPU machine, each logged; results and logs land in $OUT.
 #   bash bench/run_device.sh STAGE [ARGS...]; STAGE: env | forward | generate | profile | parallel |
-#   decoders | flags | experts | attention | compile | matmul | split_k | overlap | serve | train
+#   decoders | flags | compile | serve | train, or kernels.NAME | probes.NAME (bench/kernels, bench/probes)
 # serve installs the wheels of .whl/ first (bench/wheels.sh; carry .whl).
 # DJAX_COMMIT names the commit being measured (the device copy has no .git).
 set -uo pipefail
@@ -15,7 +15,7 @@ case "$stage" in
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       python3 -c "import jax, flax, orbax.checkpoint as o, transformers, optax; print(jax.__version__, jax.devices(), flax.__version__, transformers.__version__)"
     } 2>&1 | tee "$log" ;;
-  forward | generate | profile | parallel | decoders | flags | experts | attention | compile | matmul | split_k | overlap)
+  forward | generate | profile | parallel | decoders | flags | compile | kernels.* | probes.*)
     python3 -m "bench.$stage" "$@" 2>&1 | tee "$log" ;;
   serve)
     if [ -d .whl ]; then

@@ -102,7 +102,7 @@ def test_kernel_time_rows():
     product and derives the weight read rate from it."""
     import jax.numpy as jnp
 
-    from bench.kernel_time import rel_error, time_row
+    from bench.kernels.timing import rel_error, time_row
 
     x = jnp.arange(1.0, 5.0)
     assert rel_error(x, x) == 0.0
@@ -158,12 +158,62 @@ def test_experts_hit_counts_a_generation(moe_model):
     from djax.models import llada_moe
 
     config = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
-    hit = experts_hit(moe_model, [0, 10, 20, 30, 40, 50], config)
+    hit = experts_hit(moe_model, [[0, 10, 20, 30, 40, 50]], config)
     assert set(hit) == {"whole", "window"}
     assert all(2 <= v <= 8 for v in hit.values()), hit
     with mock.patch.object(llada_moe, "route", spread_routing(llada_moe.route)):
-        spread = experts_hit(moe_model, [0, 10, 20, 30, 40, 50], config)
+        spread = experts_hit(moe_model, [[0, 10, 20, 30, 40, 50]], config)
     assert spread["whole"] == 8.0
+
+
+def test_save_keeps_one_file_per_suite_and_device(tmp_path, monkeypatch):
+    """`<name>_<device>.json` under $OUT, replaced by the next run of the same suite on the
+    same device; the record names the device, commit, command and date; no staging file
+    is left behind."""
+    import json
+
+    from bench import common
+
+    info = {"device": "NVIDIA H200", "device_count": 1, "platform": "gpu", "jax": "0"}
+    monkeypatch.setattr(common, "device_info", lambda: dict(info))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setenv("DJAX_COMMIT", "abc1234")
+    first = common.save("generate", {"results": [1]})
+    second = common.save("generate", {"results": [2]})
+    assert first == second == tmp_path / "generate_NVIDIA_H200.json"
+    record = json.loads(second.read_text())
+    assert record["results"] == [2] and record["commit"] == "abc1234"
+    assert {"benchmark", "device", "command", "date"} <= set(record)
+    assert [p.name for p in tmp_path.iterdir()] == ["generate_NVIDIA_H200.json"]
+    assert common.device_name({**info, "device_count": 2}) == "NVIDIA_H200_x2"
+
+
+def test_generate_rows_carry_the_batch_and_its_limit(dense_model):
+    """A batch of 2 generates twice the tokens in the same forwards: against reading the
+    weights (an unbounded matmul rate) its limit is twice batch 1's tokens/s, against the
+    FLOPs (an unbounded bandwidth) the same."""
+    import math
+
+    import djax
+    from bench.generate import positive, run_case
+
+    config = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, early_stop=False)
+    by_bytes = {"hbm_read_bytes_per_s": 1e9, "matmul_flops_per_s": math.inf}
+    by_flops = {"hbm_read_bytes_per_s": math.inf, "matmul_flops_per_s": 1e9}
+    rows = {
+        (batch, name): run_case(dense_model, 8, batch, config, ceilings, repeats=1)
+        for batch in (1, 2)
+        for name, ceilings in (("bytes", by_bytes), ("flops", by_flops))
+    }
+    one, two = rows[1, "bytes"], rows[2, "bytes"]
+    assert (one["batch"], two["batch"]) == (1, 2) and one["forwards"] == two["forwards"]
+    assert two["tokens_per_s"] == 32 / two["seconds"]
+    assert math.isclose(two["limit_tokens_per_s"], 2 * one["limit_tokens_per_s"])
+    flops_one, flops_two = rows[1, "flops"]["limit_tokens_per_s"], rows[2, "flops"]
+    assert math.isclose(flops_two["limit_tokens_per_s"], flops_one)
+    assert positive("8") == 8
+    with pytest.raises(Exception, match="batch '0'; expected a positive integer"):
+        positive("0")
 
 
 # bench.serve: the load generator's trace, its figures and plot (the server comes separately).

@@ -1,4 +1,4 @@
-"""The Mosaic GPU probes of bench/NOTES.md (`bench.pdl`, `bench.tma_matmul`): the TMA/WGMMA
+"""The Mosaic GPU probes (`bench.probes.pdl`, `bench.probes.tma_matmul`): the TMA/WGMMA
 split-K product's arithmetic in Mosaic GPU's interpreter, the tilings the sweep keeps, and
 the refusal off GPUs."""
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench import pdl, tma_matmul
+from bench.probes import pdl, tma_matmul
 
 
 def test_tma_partials_sum_to_the_product():

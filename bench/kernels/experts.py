@@ -1,0 +1,215 @@
+"""The routed-expert computation of one LLaDA-MoE layer (64 experts, top-8, model 2048,
+expert ffn 1024) per expert path, at block (32 tokens) and refresh (384, 1280) sizes.
+
+Paths: `dense` (every expert on every token), `grouped` (`jax.lax.ragged_dot`, also under
+XLA's experimental ragged-dot options), `hopper` (JAX's Mosaic GPU ragged-dot kernel, at a
+few tile shapes; GPU only) and `pallas` (djax's expert-tile kernels, `expert_tiles`, at the
+tiles of `EXPERT_TILES`; interpreted off GPUs). Each is checked against `dense` in fp32
+(relative L2 error) and timed in-program; the floor is the bytes of the experts the tokens
+hit, read once, at the measured read bandwidth, or the routed FLOPs at the matmul rate.
+
+`--sweep` replaces the first three paths by the Hopper kernel at a wider set of tiles
+(`SWEEP`).
+`--permutation` times only the sort of the token-expert pairs by expert (device µs of each
+kernel from a profiler trace): XLA's sort (`argsort`, and again to invert it), the engine's
+counting sort (`sort_by_group`), and a pairwise compare-and-sum.
+
+    python -m bench.kernels.experts [--tokens 32 384 1280] [--sweep | --permutation] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import measure_ceilings, model_config, save, time_in_program
+from bench.kernels.timing import kernel_us
+from djax.models import expert_tiles
+from djax.models.llada_moe import experts_dense, experts_grouped, ragged_mlp, route, sort_by_group
+
+HOPPER_TILES = (
+    {"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
+    {"block_m": 64, "block_n": 256, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
+    {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
+    {"block_m": 128, "block_n": 256, "block_k": 64, "max_concurrent_steps": 3, "grid_block_n": 2},
+)
+# --sweep: 64-row tiles (a block's 256 token-expert pairs fill few 128-row ones) at every
+# column width, contraction step, pipeline depth and column-tile grouping below.
+SWEEP = tuple(
+    {"block_m": 64, "block_n": n, "block_k": k, "max_concurrent_steps": steps, "grid_block_n": g}
+    for n in (128, 256)
+    for k in (64, 128)
+    for steps in (2, 4, 6)
+    for g in (1, 2)
+)
+# djax's expert-tile kernels (`expert_tiles`): (gate/up, down) tiles; None is `tiles_for`.
+# (64 x 128 gate/up tiles with 128-wide steps in 3 stages need 240 KB of shared memory: they
+# do not run on an H100/H200.)
+EXPERT_TILES = (
+    None,
+    (expert_tiles.Tiles(block_m=64, block_n=128), expert_tiles.Tiles(block_m=64, block_n=256)),
+    (expert_tiles.Tiles(block_m=64, block_n=64), expert_tiles.Tiles(block_m=64, block_n=128)),
+    (
+        expert_tiles.Tiles(block_m=64, block_n=128, num_warps=8),
+        expert_tiles.Tiles(block_m=64, block_n=128, num_warps=8),
+    ),
+    (expert_tiles.Tiles(block_m=32, block_n=128), expert_tiles.Tiles(block_m=32, block_n=128)),
+    (
+        expert_tiles.Tiles(block_m=128, block_n=64, num_warps=8),
+        expert_tiles.Tiles(block_m=128, block_n=128, num_warps=8),
+    ),
+    (
+        expert_tiles.Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3),
+        expert_tiles.Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3),
+    ),
+    (expert_tiles.Tiles(block_m=16, block_n=128), expert_tiles.Tiles(block_m=16, block_n=128)),
+)
+XLA_RAGGED_OPTIONS = {
+    "default": {},
+    "ragged_dot_fusion": {"xla_gpu_experimental_use_ragged_dot_fusion": True},
+    "ragged_dot_grouped_gemm": {"xla_gpu_experimental_use_ragged_dot_grouped_gemm": True},
+}
+
+
+def hopper_mlp(tiles: dict):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    ragged_dot = lambda lhs, rhs, sizes: ragged_dot_mgpu.ragged_dot(
+        lhs, rhs, group_sizes=sizes, **tiles
+    )
+    return functools.partial(ragged_mlp, ragged_dot=ragged_dot)
+
+
+def paths(sweep: bool = False) -> list[tuple[str, object, dict]]:
+    out = [] if sweep else [("dense", experts_dense, {})]
+    if not sweep:
+        out += [(f"grouped {k}", experts_grouped, v) for k, v in XLA_RAGGED_OPTIONS.items()]
+    if jax.default_backend() == "gpu":
+        for tiles in SWEEP if sweep else HOPPER_TILES:
+            label = "hopper " + " ".join(f"{k}={v}" for k, v in tiles.items())
+            run = functools.partial(experts_grouped, mlp=hopper_mlp(tiles))
+            out.append((label, run, {}))
+    for tiles in EXPERT_TILES:
+        label = "pallas " + ("tiles_for" if tiles is None else _tiles_label(tiles))
+        mlp = functools.partial(expert_tiles.expert_mlp, tiles=tiles)
+        out.append((label, functools.partial(experts_grouped, mlp=mlp), {}))
+    return out
+
+
+def _tiles_label(tiles) -> str:
+    return " / ".join(
+        f"{t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}" for t in tiles
+    )
+
+
+def sort_by_xla(group, n_groups: int):
+    """`sort_by_group`'s results from XLA's sort: the engine's way before the counting sort."""
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.sum(group[:, None] == jnp.arange(n_groups), axis=0, dtype=jnp.int32)
+    return order, jnp.argsort(order), sizes
+
+
+def sort_by_pairs(group, n_groups: int):
+    """`sort_by_group`'s results from a compare-and-sum over every pair of items (p² work)."""
+    index = jnp.arange(group.shape[0])
+    earlier = (group[None, :] < group[:, None]) | (
+        (group[None, :] == group[:, None]) & (index[None, :] < index[:, None])
+    )
+    rank = jnp.sum(earlier, axis=1, dtype=jnp.int32)
+    order = jnp.zeros_like(rank).at[rank].set(index, unique_indices=True)
+    sizes = jnp.sum(group[:, None] == jnp.arange(n_groups), axis=0, dtype=jnp.int32)
+    return order, rank, sizes
+
+
+def permutation_rows(tokens: list[int], n_experts: int, top_k: int, calls: int) -> list[dict]:
+    """Device µs of each way to sort `tokens × top_k` random pairs by expert; every way's
+    results must equal the engine's."""
+    rows = []
+    for n in tokens:
+        group = jax.random.randint(jax.random.key(n), (n * top_k,), 0, n_experts, jnp.int32)
+        expected = None
+        for label, sort in (
+            ("xla sort", sort_by_xla),
+            ("counting sort (engine)", sort_by_group),
+            ("pairwise", sort_by_pairs),
+        ):
+            fn = jax.jit(sort, static_argnums=1)
+            out = fn(group, n_experts)
+            expected = expected or out
+            same = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, expected, strict=True))
+            kernels = kernel_us(fn, (group, n_experts), calls)
+            row = {"tokens": n, "pairs": n * top_k, "path": label, "equal": same}
+            row |= {"us": sum(kernels.values()), "kernels_us": kernels}
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[32, 384, 1280])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true", help="the Hopper kernel at SWEEP tiles")
+    parser.add_argument("--permutation", action="store_true", help="only the sort by expert")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    cfg = model_config("moe", args.tiny)
+    e, m, f, k = cfg.n_experts, cfg.d_model, cfg.expert_hidden, cfg.experts_per_token
+    if args.permutation:
+        rows = permutation_rows(args.tokens, e, k, args.iters)
+        save("experts", {"permutation": True, "shape": [e, m, f, k], "results": rows})
+        return
+    ceilings = measure_ceilings(args.tiny)
+    keys = jax.random.split(jax.random.key(0), 4)
+    gate_up = (jax.random.normal(keys[0], (e, m, 2, f)) / np.sqrt(m)).astype(jnp.bfloat16)
+    down = (jax.random.normal(keys[1], (e, f, m)) / np.sqrt(f)).astype(jnp.bfloat16)
+    router = jax.random.normal(keys[2], (m, e), jnp.bfloat16)
+    rows = []
+    for n in args.tokens:
+        x = jax.random.normal(keys[3], (n, m), jnp.bfloat16)
+        weights, experts = jax.jit(route, static_argnums=(3, 4))(x, router, None, k, False)
+        hit = int(jnp.unique(experts).size)
+        floor_bytes = hit * (gate_up[0].nbytes + down[0].nbytes)
+        flops = 2 * n * k * 3 * m * f
+        floor_s = max(
+            floor_bytes / ceilings["hbm_read_bytes_per_s"],
+            flops / ceilings["matmul_flops_per_s"],
+        )
+        reference = experts_dense(
+            x.astype(jnp.float32),
+            weights,
+            experts,
+            gate_up.astype(jnp.float32),
+            down.astype(jnp.float32),
+            0,
+        )
+        for label, run, options in paths(args.sweep):
+            row = {"tokens": n, "path": label, "experts_hit": hit, "floor_ms": 1e3 * floor_s}
+            try:
+                compiled = jax.jit(run).lower(x, weights, experts, gate_up, down, 0)
+                y = compiled.compile(options)(x, weights, experts, gate_up, down, 0)
+                err = jnp.linalg.norm(y.astype(jnp.float32) - reference)
+                row["rel_error"] = float(err / jnp.linalg.norm(reference))
+
+                def step(x, weights, experts, gate_up, down, run=run):
+                    y = run(x, weights, experts, gate_up, down, 0)
+                    return x + (1e-3 * y).astype(x.dtype)
+
+                seconds = time_in_program(
+                    step, x, args.iters, weights, experts, gate_up, down, options=options
+                )
+                row["ms"] = 1e3 * seconds
+                row["x_floor"] = seconds / floor_s
+            except Exception as err:  # keep the other paths of a costly run
+                row["error"] = f"{type(err).__name__}: {err}"[:1500]
+            print(row, flush=True)
+            rows.append(row)
+    save("experts", {"ceilings": ceilings, "shape": [e, m, f, k], "results": rows})
+
+
+if __name__ == "__main__":
+    main()
