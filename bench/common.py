@@ -297,11 +297,12 @@ def device_name(info: dict[str, Any]) -> str:
     return kind if info["device_count"] == 1 else f"{kind}_x{info['device_count']}"
 
 
-def save(name: str, payload: dict[str, Any]) -> Path:
-    """Write a result JSON as `<name>_<device>.json` (`device_name`) under $OUT (the device
-    machine's return folder) when set, else under bench/results/: one file per suite (and
-    setting, where `name` carries one) and device, replaced by the next run. The record holds
-    the device, the commit, the command and the date; git keeps the earlier runs."""
+def save(name: str, payload: dict[str, Any], setting: str | None = None) -> Path:
+    """Write a result JSON as `<name>[_<setting>]_<device>.json` (`device_name`) under $OUT
+    (the device machine's return folder) when set, else under bench/results/: one file per
+    suite (and setting, where `name` or `setting` carries one) and device, replaced by the
+    next run. The record (benchmark `name`) holds the device, the commit, the command and the
+    date; git keeps the earlier runs."""
     info = device_info()
     now = datetime.datetime.now(datetime.timezone.utc)
     record = {
@@ -314,7 +315,8 @@ def save(name: str, payload: dict[str, Any]) -> Path:
     }
     folder = Path(os.environ.get("OUT") or RESULTS)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}_{device_name(info)}.json"
+    stem = name if setting is None else f"{name}_{setting}"
+    path = folder / f"{stem}_{device_name(info)}.json"
     staging = path.with_name(f".{path.name}.tmp")
     staging.write_text(json.dumps(record, indent=2))
     staging.replace(path)

@@ -48,7 +48,7 @@ compiled during the run (0 when the warm-up compiled every shape the run needs),
 host time between two block calls and the idle fraction (host time between calls /
 makespan; the engine records no gap while it has nothing to run), the busy fraction (block
 calls' time / makespan), from the histograms' buckets, sums and counts. Results go to
-`serve_<device>_<date>.json` (`bench.common.save`) and a plot of answer tokens/s and p99
+`serve_<model>_<device>.json` (`bench.common.save`) and a plot of answer tokens/s and p99
 latency against the rate beside it (same stem, `.png`; skipped without matplotlib).
 
 On the GPU machine, which lacks the server's and the client's packages: run `bash
@@ -454,6 +454,7 @@ def run_client(args) -> None:
             "servers": servers,
             "results": rows,
         },
+        setting=args.model,
     )
     print(table(rows))
     plot(rows, path.with_suffix(".png"))
