@@ -404,6 +404,23 @@ def run_client(args) -> None:
     logs = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="djax_serve_"))
     logs.mkdir(parents=True, exist_ok=True)
     rows, servers = [], {}
+
+    def record(rows: list[dict]) -> Path:
+        return save(
+            "serve",
+            {
+                "trace": trace_parameters(args),
+                "generation": dataclasses.asdict(served_generation(lengths)),
+                "max_seq_len": lengths.max_sequence,
+                "max_batch": args.max_batch,
+                "routing": args.routing if config.is_moe else None,
+                "tiny": args.tiny,
+                "servers": servers,
+                "results": rows,
+            },
+            setting=args.model,
+        )
+
     for scheduler in args.schedulers:
         port = free_port()
         base_url = f"http://127.0.0.1:{port}"
@@ -437,25 +454,13 @@ def run_client(args) -> None:
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
+                record(rows)  # so far: a run cut short keeps its finished rows
                 if label == "inf" and not capacity:
                     capacity.append(rows[-1]["requests_per_s"])
         finally:
             servers[scheduler] |= stop_server(server)
         print(f"{scheduler} server: {servers[scheduler]}", flush=True)
-    path = save(
-        "serve",
-        {
-            "trace": trace_parameters(args),
-            "generation": dataclasses.asdict(served_generation(lengths)),
-            "max_seq_len": lengths.max_sequence,
-            "max_batch": args.max_batch,
-            "routing": args.routing if config.is_moe else None,
-            "tiny": args.tiny,
-            "servers": servers,
-            "results": rows,
-        },
-        setting=args.model,
-    )
+    path = record(rows)
     print(table(rows))
     plot(rows, path.with_suffix(".png"))
 
