@@ -341,6 +341,26 @@ def test_short_and_long_rows_split_when_padding_costs_more(demo_model, generatio
     assert len(engine._groups(rows)) == 1
 
 
+def test_rounds_of_two_calls_give_generate_s_tokens(demo_model, generation, monkeypatch):
+    """Short and long rows split into two calls a round, each round queued before the last
+    is read: every request still gets the tokens generate gives it alone."""
+    engine = _engine(demo_model, generation, max_batch=4, max_seq_len=128, sampling=False)
+    engine.call_cost = 0  # weights free: a round splits whenever padding costs
+    rounds = []
+    real = engine._groups
+    monkeypatch.setattr(engine, "_groups", lambda rows: rounds.append(real(rows)) or rounds[-1])
+    max_tokens = [64, 8, 64, 8, 40]
+    rows = [_ids(demo_model, prompt) for prompt in PROMPTS]
+    got = Collector()
+    for i, ids in enumerate(rows):
+        engine.submit(EngineRequest(f"r{i}", ids, max_tokens[i]), got.sink(f"r{i}"))
+    got.wait(len(rows))
+    engine.stop()
+    assert any(len(groups) == 2 for groups in rounds)
+    for i, ids in enumerate(rows):
+        assert got.tokens(f"r{i}") == _alone(demo_model, generation, ids, max_tokens[i]), i
+
+
 def test_a_forward_weighs_more_tokens_for_a_sparse_model(demo_model):
     from bench.common import TINY
     from djax.config import from_hf_dict

@@ -9,10 +9,12 @@ Two schedulers share the queue, the events and the metrics:
   enough, the shorter and the longer ones run as two calls, so short rows are not padded
   to the longest (`ServingEngine._groups`). The host state of a row is its context
   (prompt and committed tokens) and its key; each call's inputs are rebuilt from it. The
-  engine queues the next call before it reads the last one: a row whose last block the
-  host has not read yet takes it, and its keys, from the table the calls leave on the
-  device (`diffusion.Carried`), so the device never waits for the host between calls. A
-  row that turns out to have stopped in the unread call has decoded one block in vain.
+  engine queues a round (every running row's next block, in one or two calls) before it
+  reads the round before it: a row whose last block the host has not read yet takes it,
+  and its keys, from the table the calls leave on the device (`diffusion.Carried`), so the
+  device runs one round while the host reads the last and prepares the next, and never
+  waits for it. A row that turns out to have stopped in the unread round has decoded one
+  block in vain.
 - `static`: first-come batches of up to `max_batch` requests, each run to completion as one
   whole-generation program (`diffusion.run_generation`, as `djax.generate` runs it); the
   baseline continuous batching is measured against.
@@ -202,7 +204,7 @@ class ServingEngine:
         self._ready = False
         self._thread: threading.Thread | None = None
         self._last_ready: float | None = None  # static: when the device finished the last call
-        self._in_flight: _Call | None = None  # continuous: the call queued and not read yet
+        self._queued: collections.deque[_Call] = collections.deque()  # continuous: unread calls
         self._free_slots = list(range(config.max_batch))
         self._carried: Carried | None = None
         self._calls, self._call_seconds = 0, 0.0
@@ -505,16 +507,18 @@ class ServingEngine:
         )
 
     def _serve_continuous(self) -> None:
+        """Rounds of block calls: queue a round (every row with a block left, in one or two
+        calls), then read the round before it while the device runs this one."""
         while True:
             with self._lock:
                 rows = self._next_rows()
             if rows:
+                previous = len(self._queued)
                 for group in self._groups(rows):
                     self._dispatch(group)
-            elif self._in_flight is not None:  # every running row's last block is queued
-                call, self._in_flight = self._in_flight, None
-                if not self._read(call):
-                    self._carried = self._empty_table()
+                self._read_calls(previous)
+            elif self._queued:  # every running row's last block is queued
+                self._read_calls(len(self._queued))
             else:
                 with self._lock:
                     if not self._wait_for_work():
@@ -538,33 +542,36 @@ class ServingEngine:
         return [r for r in running if len(r.committed) + r.in_flight * block < r.answer_length]
 
     def _dispatch(self, rows: list[_Row]) -> None:
-        """Queue a call for `rows`, then read the call queued before it (if any). The
-        device waits for the host only when that one ends before this one is queued: the
-        wait, bounded by the last time the host saw it running, goes to `host_gap`."""
-        previous = self._in_flight
-        self._note_running(previous)
-        call = None
+        """Queue a call for `rows` behind the calls already queued. The device waits for
+        the host only when the last of those ends before this one is queued: the wait,
+        bounded by the last time the host saw that call running, goes to `host_gap`."""
+        last = self._queued[-1] if self._queued else None
+        self._note_running(last)
         try:
             program, args = self._block_program(rows)
-            self._note_running(previous)
+            self._note_running(last)
             queued = time.perf_counter()
             out = program(*args)
         except Exception as err:  # the call failed: its rows fail, the server goes on
             self._fail_rows(rows, err)
-        else:
-            self._carried = out["carried"]
-            for row in rows:
-                row.in_flight += 1
-            start = queued if previous is None or previous.running else previous.seen_running
-            if previous is not None:
-                self.metrics.host_gap.observe(queued - start)
-            call = _Call(rows, out, queued, started=queued, seen_running=queued)
-        self._in_flight = call
-        if previous is not None and not self._read(previous):
-            # the failed call's table went into this one: read it too, start a new table
-            if call is not None:
-                self._in_flight = None
-                self._read(call)
+            return
+        self._carried = out["carried"]
+        for row in rows:
+            row.in_flight += 1
+        if last is not None:
+            self.metrics.host_gap.observe(0.0 if last.running else queued - last.seen_running)
+        started = queued if last is None else math.inf  # set when `last` is read
+        self._queued.append(_Call(rows, out, queued, started, seen_running=queued))
+
+    def _read_calls(self, n: int) -> None:
+        """Read the first `n` queued calls, in order. A call that failed on the device
+        fed its carried table to every call queued after it: those are read too, and the
+        table starts anew."""
+        failed = False
+        while self._queued and (n > 0 or failed):
+            n -= 1
+            failed = not self._read(self._queued.popleft()) or failed
+        if failed:
             self._carried = self._empty_table()
 
     def _fetch(self, out: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -591,12 +598,13 @@ class ServingEngine:
         self.metrics.block_call.observe(seconds)
         self._calls += 1
         self._call_seconds += seconds
-        if self._in_flight is not None:  # the next call starts on the device now
-            self._in_flight.started = max(self._in_flight.queued, ended)
+        if self._queued:  # the next call starts on the device now
+            self._queued[0].started = max(self._queued[0].queued, ended)
         with self._lock:
             events = self._commit(call.rows, block, keys)
         self._send(events)
-        self._note_running(self._in_flight)
+        if self._queued:
+            self._note_running(self._queued[-1])
         return True
 
     def _groups(self, rows: list[_Row]) -> list[list[_Row]]:
