@@ -594,18 +594,26 @@ def plot(rows: Sequence[dict], path: Path) -> Path | None:
     except ImportError:
         print("bench.serve: no matplotlib, no plot")
         return None
+    first: dict[tuple, dict] = {}
+    for r in rows:  # a rate measured twice: the first row drawn
+        first.setdefault((r["model"], r["scheduler"], r["request_rate"]), r)
+    rows = list(first.values())
     labels = sorted({r["request_rate"] for r in rows}, key=rate_order)
     position = {label: i for i, label in enumerate(labels)}
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
     for key in sorted({(r["model"], r["scheduler"]) for r in rows}):
-        line = sorted(
+        mine = sorted(
             (r for r in rows if (r["model"], r["scheduler"]) == key),
             key=lambda r: rate_order(r["request_rate"]),
         )
-        x = [position[r["request_rate"]] for r in line]
+        line = [r for r in mine if r["request_rate"] != "equal"]  # the rate axis
+        equal = [r for r in mine if r["request_rate"] == "equal"]  # apart, unconnected
         for ax, field in zip(axes, ("output_tokens_per_s", "p99_latency_s"), strict=True):
             y = [math.nan if r[field] is None else r[field] for r in line]
-            ax.plot(x, y, marker="o", label=" ".join(key))
+            drawn = ax.plot([position[r["request_rate"]] for r in line], y, marker="o")
+            drawn[0].set_label(" ".join(key))
+            if equal:
+                ax.plot([position["equal"]], [equal[0][field]], "s", color=drawn[0].get_color())
     for ax, title in zip(axes, ("answer tokens/s", "p99 end-to-end latency (s)"), strict=True):
         ax.set_xticks(range(len(labels)), [f"{x:g}" if x not in KINDS else x for x in labels])
         ax.set_xlabel("request rate (requests/s)")
