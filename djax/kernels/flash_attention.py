@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.models import pallas_tiles
+from djax.kernels import tiles as tiling
 
 Array = jax.Array
 # The additive score bias of a padding key: finite, so a slice of only padding keys stays
@@ -71,7 +71,7 @@ def tiles_for(t: int, s: int, batch_heads: int) -> Tiles:
 def fits(head_dim: int) -> bool:
     """Whether the kernel takes this head dim: Triton tiles are powers of two and at least 16
     wide (a query window of any length is tiled and masked)."""
-    return pallas_tiles.is_block(head_dim)
+    return tiling.is_block(head_dim)
 
 
 def _kernel(
@@ -173,7 +173,7 @@ def split_kv_attention(
             "head dim >= 16 and heads a multiple of kv heads"
         )
     tiles = tiles or tiles_for(t, s, b * n)
-    if not (pallas_tiles.is_block(tiles.block_q) and pallas_tiles.is_block(tiles.block_k)):
+    if not (tiling.is_block(tiles.block_q) and tiling.is_block(tiles.block_k)):
         raise ValueError(f"{tiles}: block_q and block_k must be powers of two >= 16")
     block_q = min(tiles.block_q, max(16, pl.next_power_of_2(t)))
     split_len = tiles.block_k * pl.cdiv(pl.cdiv(s, tiles.splits), tiles.block_k)
@@ -199,7 +199,7 @@ def split_kv_attention(
         compiler_params=plgpu.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
         ),
-        interpret=pallas_tiles.interpret_mode(interpret),
+        interpret=tiling.interpret_mode(interpret),
         name="split_kv_attention",
     )(q, keys, values, bias)
     if splits == 1:

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.models import pallas_tiles
-from djax.models.residual_product import ScaledRows, load_inv_rms
+from djax.kernels import tiles as tiling
+from djax.kernels.handoff import ScaledRows, load_inv_rms
 
 Array = jax.Array
 # Row counts up to this take the kernel under `auto`: whole generations were measured with
@@ -33,7 +33,7 @@ MAX_ROWS = 32
 
 
 # The program shape: `block_n` columns of gate and of up
-Tiles = pallas_tiles.ProductTiles
+Tiles = tiling.ProductTiles
 
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:
@@ -41,9 +41,9 @@ def tiles_for(m: int, k: int, n: int) -> Tiles:
     128 columns of each side, 64-wide contraction steps, 4 warps, 4 stages (48.6 µs; 50.9 at
     64 columns and 128-wide steps, 58.8-61.1 with 32 columns)."""
     return Tiles(
-        block_m=pallas_tiles.row_block(m),
-        block_n=pallas_tiles.largest_block(n, 128),
-        block_k=pallas_tiles.largest_block(k, 64),
+        block_m=tiling.row_block(m),
+        block_n=tiling.largest_block(n, 128),
+        block_k=tiling.largest_block(k, 64),
     )
 
 
@@ -98,7 +98,7 @@ def swiglu_matmul(
     eps = x.eps if isinstance(x, ScaledRows) else None
     m, k = inputs[0].shape
     n = w.shape[-1]
-    if w.shape[:2] != (k, 2) or not pallas_tiles.matmul_fits(k, n):
+    if w.shape[:2] != (k, 2) or not tiling.matmul_fits(k, n):
         raise ValueError(
             f"swiglu_matmul: x {x.shape}, w {w.shape}; expected w [{k}, 2, n] with {k} and n "
             "multiples of 16"
@@ -112,6 +112,6 @@ def swiglu_matmul(
         compiler_params=plgpu.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
         ),
-        interpret=pallas_tiles.interpret_mode(interpret),
+        interpret=tiling.interpret_mode(interpret),
         name="swiglu_matmul",
     )(*inputs)

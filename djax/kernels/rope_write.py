@@ -30,9 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.models import pallas_tiles
-from djax.models.residual_product import ScaledRows, load_inv_rms
-from djax.models.split_k import Partials, add_slices
+from djax.kernels import tiles as tiling
+from djax.kernels.handoff import Partials, ScaledRows, add_slices, load_inv_rms
 
 Array = jax.Array
 BLOCK_T = 32  # window positions per program
@@ -59,7 +58,7 @@ def _parts(head_dim: int, rotary_dim: int) -> tuple[tuple[int, int], ...]:
 def fits(head_dim: int, rotary_dim: int) -> bool:
     """Whether the kernel takes these heads: each part of a head (`_parts`) is a power of
     two wide, as Triton's tiles are."""
-    return all(pallas_tiles.is_power_of_two(size) for _, size in _parts(head_dim, rotary_dim))
+    return all(tiling.is_power_of_two(size) for _, size in _parts(head_dim, rotary_dim))
 
 
 def _finish(head, parts, ops: HeadOps, dtype, scale_ref=None):
@@ -191,7 +190,7 @@ def _run(kernel, grid, inputs, shape, dtype, buffers, num_warps, num_stages, int
             grid=grid,
             input_output_aliases=aliases,
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            interpret=pallas_tiles.interpret_mode(interpret),
+            interpret=tiling.interpret_mode(interpret),
             name=name,
         )(*inputs)
     )
@@ -258,7 +257,7 @@ def projection_fits(t: int, model: int, head_dim: int, rotary_dim: int) -> bool:
     return (
         t <= BLOCK_T
         and model % 16 == 0
-        and all(pallas_tiles.is_block(size) for _, size in _parts(head_dim, rotary_dim))
+        and all(tiling.is_block(size) for _, size in _parts(head_dim, rotary_dim))
     )
 
 
@@ -402,7 +401,7 @@ def project_rope_and_write(
         parts=_parts(d, rotary),
         group=group,
         buffered=buffers is not None,
-        block_k=pallas_tiles.largest_block(model, 128),
+        block_k=tiling.largest_block(model, 128),
         norm_eps=norm_eps,
     )
     shape = (b, t, kv_heads, group, d)

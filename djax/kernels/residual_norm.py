@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.models import pallas_tiles
-from djax.models.residual_product import ScaledRows, store_scaled_rows
-from djax.models.split_k import Partials, add_slices
+from djax.kernels import tiles as tiling
+from djax.kernels.handoff import Partials, ScaledRows, add_slices, store_scaled_rows
 
 Array = jax.Array
 
@@ -91,7 +90,7 @@ def add_rms_norm(
         out_shape=[out, out],
         grid=(rows.shape[0],),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=pallas_tiles.interpret_mode(interpret),
+        interpret=tiling.interpret_mode(interpret),
         name="add_rms_norm",
     )(rows, parts.reshape(parts.shape[0], -1, d), scale)
     return h.reshape(x.shape), normed.reshape(x.shape)
@@ -147,13 +146,13 @@ def add_scaled(
     from jax.experimental.pallas import triton as plgpu
 
     d = x.shape[-1]
-    block_n = block_n or pallas_tiles.largest_block(d, 32)
+    block_n = block_n or tiling.largest_block(d, 32)
     parts = y.parts if isinstance(y, Partials) else y[None]
     if (
         parts.shape[1:] != x.shape
         or y.dtype != x.dtype
         or scale.shape != (d,)
-        or not pallas_tiles.is_block(block_n)
+        or not tiling.is_block(block_n)
         or d % block_n
     ):
         raise ValueError(
@@ -163,14 +162,14 @@ def add_scaled(
         )
     rows = x.reshape(-1, d)
     m = rows.shape[0]
-    block_m = pallas_tiles.row_block(m)
+    block_m = tiling.row_block(m)
     out = jax.ShapeDtypeStruct((m, d), x.dtype)
     h, scaled, squares = pl.pallas_call(
         functools.partial(_scaled_kernel, block_m=block_m, block_n=block_n),
         out_shape=[out, out, jax.ShapeDtypeStruct((d // block_n, m), jnp.float32)],
         grid=(pl.cdiv(m, block_m), d // block_n),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=pallas_tiles.interpret_mode(interpret),
+        interpret=tiling.interpret_mode(interpret),
         name="add_scaled",
     )(rows, parts.reshape(parts.shape[0], m, d), scale)
     lead = x.shape[:-1]

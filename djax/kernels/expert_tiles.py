@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.models import pallas_tiles
+from djax.kernels import tiles as tiling
 
 Array = jax.Array
 
@@ -50,9 +50,9 @@ def tiles_for(pairs: int, groups: int, k: int, n: int) -> Tiles:
     """Rows per tile near the mean pairs per expert (16 to 64), columns and contraction
     steps of up to 128 and 64."""
     return Tiles(
-        block_m=pallas_tiles.row_block(max(1, pairs // max(1, groups))),
-        block_n=pallas_tiles.largest_block(n, 128),
-        block_k=pallas_tiles.largest_block(k, 64),
+        block_m=tiling.row_block(max(1, pairs // max(1, groups))),
+        block_n=tiling.largest_block(n, 128),
+        block_k=tiling.largest_block(k, 64),
     )
 
 
@@ -153,7 +153,7 @@ def grouped_matmul(
     pairs = x.shape[0] if source_rows is None else source_rows.shape[0]
     groups, n, gated = w.shape[0], w.shape[-1], w.ndim == 4
     expected = (groups, k, 2, n) if gated else (groups, k, n)
-    if w.shape != expected or group_sizes.shape != (groups,) or not pallas_tiles.matmul_fits(k, n):
+    if w.shape != expected or group_sizes.shape != (groups,) or not tiling.matmul_fits(k, n):
         raise ValueError(
             f"grouped_matmul: x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}; "
             f"expected w [groups, {k}, 2, n] or [groups, {k}, n], group_sizes [groups] and "
@@ -163,7 +163,7 @@ def grouped_matmul(
         raise ValueError(f"grouped_matmul: source_rows {source_rows.shape}; expected [pairs]")
     tiles = tiles or tiles_for(pairs, groups, k, n)
     blocks = (tiles.block_m, tiles.block_n, tiles.block_k)
-    if not all(map(pallas_tiles.is_block, blocks)) or n % tiles.block_n or k % tiles.block_k:
+    if not all(map(tiling.is_block, blocks)) or n % tiles.block_n or k % tiles.block_k:
         raise ValueError(
             f"{tiles}: blocks must be powers of two >= 16, block_n dividing n = {n} and "
             f"block_k dividing k = {k}"
@@ -179,7 +179,7 @@ def grouped_matmul(
         compiler_params=plgpu.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
         ),
-        interpret=pallas_tiles.interpret_mode(interpret),
+        interpret=tiling.interpret_mode(interpret),
         name="expert_matmul_gated" if gated else "expert_matmul",
     )(*table, *sources, x, w)
 
