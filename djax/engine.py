@@ -267,11 +267,16 @@ def programs_folder() -> str | None:
 
 
 def lower(
-    model: Model, plan: Plan, args: tuple, run: RowProgram, kernels: KernelChoice
+    model: Model,
+    plan: Plan,
+    args: tuple,
+    run: RowProgram = run_generation,
+    kernels: KernelChoice | None = None,
 ) -> jax.stages.Lowered:
-    """The row program following `kernels`, lowered for these arguments: traced and lowered
-    here, or read back from the programs saved in the persistent compilation cache's folder
-    (`program_cache`)."""
+    """The row program following `kernels` (default: `kernel_choice(model, plan)`), lowered
+    for these arguments: traced and lowered here, or read back from the programs saved in
+    the persistent compilation cache's folder (`program_cache`)."""
+    kernels = kernels or kernel_choice(model, plan)
     description = (run.__name__, model.config, str(model.dtype), kernels, repr(model.mesh), plan)
     return program_cache.lower(
         programs.row_program(model, plan, run, kernels),
