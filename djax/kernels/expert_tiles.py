@@ -1,18 +1,16 @@
 """The routed experts' two products over token-expert pairs sorted by expert, as Pallas
 Triton kernels whose row tiles each belong to one expert: djax's GPU path for LLaDA-MoE's
-experts (`moe_impl="pallas"`, what `auto` takes on GPUs).
+experts (`moe_impl="pallas"`).
 
-JAX's Mosaic GPU grouped matmul (`llada_moe.ragged_dot_hopper`) cuts the sorted rows into
-fixed tiles of `block_m` rows; a tile that straddles two experts is computed once per
-expert, and its grid of `rows / block_m + experts - 1` row slots runs every slot's whole
-contraction, used or not. Here the tiles follow the experts instead: expert `e`'s `n_e`
+A grouped matmul over fixed tiles of `block_m` sorted rows computes a tile that straddles
+two experts once per expert, and its grid of `rows / block_m + experts - 1` row slots runs
+every slot's whole contraction, used or not. Here the tiles follow the experts instead:
+expert `e`'s `n_e`
 rows make `ceil(n_e / block_m)` tiles of their own, described by a small table
 (`row_tiles`), so each expert's weights are read once per column tile (plus once per extra
 tile of an expert with more than `block_m` rows), and the programs past the table's used
 tiles (the grid holds `max_tiles`, the most any routing can need) return at once: a forward
-whose tokens reach few experts reads only theirs. On an H200 with uniformly random routing
-this is 10-12% faster per layer at block and refresh sizes; in a generation of the bench's
-random LLaDA-MoE, whose blocks reach ~10 experts, 2.2x (bench/NOTES.md).
+whose tokens reach few experts reads only theirs.
 
 `expert_mlp` runs both products: the gate/up product with `silu(gate) * up` fused (the
 gate and up columns of the `[experts, model, 2, ffn]` weight side by side in two fp32

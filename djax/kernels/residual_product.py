@@ -8,15 +8,13 @@ multiplies the contraction dim of the next product and so must come before it), 
 tile's share of each row's sum of squares. The next product multiplies `h * scale` and
 scales its accumulator rows by `1 / rms(h)` from the summed shares: the norm's kernel goes
 away, and no operand is changed in registers before a product (which stops Triton's load
-pipelining, bench/NOTES.md).
+pipelining).
 
 Unsplit, 4096 output columns are 128 programs of 32 columns, each streaming 64-byte runs
-of its weight rows. That reaches ~3.0 TB/s of kernel time on an H200: on an H100 (3.0 TB/s)
-the LLaDA-8B output and down products with their residual add take 14.9 and 37.0 µs where
-the split-K kernel and the norm kernel take 17.5 and 39.5; on an H200 (4.36 TB/s) 13.6 and
-33.5 against 14.0 and 29.6 (bench.split_k --residual). A split-K form whose last slice per
-tile finished the tile (an atomic count) took 13.3 and 29.2 on the H200 and did not speed
-up the generation (code at 518c1f6).
+of its weight rows: their read rate has a ceiling of its own, below the fastest GPU
+memories, so this form pays only where memory is no faster than that ceiling
+(`norm_impl="fused"`); elsewhere the split-K product with `residual_norm.add_scaled` after
+it (`"tiled"`) is faster.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ Tiles = tiling.ProductTiles
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:
     """32-column tiles (128 programs at a 4096-wide model, one wave on 132 SMs) in up to
-    256-wide steps, 4 stages (bench.split_k --residual, H100: LLaDA-8B's output product
-    14.95 µs and down 36.82 against 17.51 and 39.38 for the split-K kernel and the norm)."""
+    256-wide steps, 4 stages."""
     return Tiles(
         block_m=tiling.row_block(m),
         block_n=tiling.largest_block(n, 32),

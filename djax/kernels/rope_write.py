@@ -2,19 +2,17 @@
 optional q/k RMSNorm and clip, RoPE on queries and keys, and the window's keys and values
 written into the K/V buffers in place.
 
-In a 32-token LLaDA-8B block forward XLA spends three kernels per layer here (RoPE as a
-concatenate fusion, 1.95 µs on an H200, then one dynamic-update-slice per buffer, 1.85 and
-1.92 µs), each moving well under a megabyte: the cost is launches and latency, not bytes
-(bench/NOTES.md). Here one program per (sequence, kv head, tile of window positions) reads
-that head's query, key and value rows once and writes all three results.
+In a block forward XLA spends three kernels per layer here (RoPE as a concatenate fusion,
+then one dynamic-update-slice per buffer), each moving well under a megabyte at block rows:
+the cost is launches and latency, not bytes. Here one program per (sequence, kv head, tile
+of window positions) reads that head's query, key and value rows once and writes all three
+results.
 
 The q/k/v product may come as a split-K matmul's fp32 partial products
-(`split_k.Partials`): the kernel adds them and rounds to the activation dtype first, as
+(`handoff.Partials`): the kernel adds them and rounds to the activation dtype first, as
 `Partials.total()` would. In a denoising block it can also run inside the kernel
 (`project_rope_and_write`): one program per (kv head, slot) computes that head's rows from
-the normed window, so the product never goes through memory and one launch is saved
-(LLaDA-8B on an H200: 27.7 µs per block layer where the product and this kernel took 26.5 +
-3.0; bench/NOTES.md).
+the normed window, so the product never goes through memory and one launch is saved.
 
 Semantics are those of `layers.Attention`'s XLA path: `rms_norm` with the q/k scales, the
 clip, rotate-half RoPE in fp32 from the given cos/sin tables, and buffer rows outside the

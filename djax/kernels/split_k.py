@@ -7,7 +7,7 @@ and the output alone has too few tiles to occupy every SM (4096 columns are 32 t
 on 132 SMs). Cutting the contraction into `splits` slices gives each SM its own stream of
 weight tiles; the slices' sums come back as `Partials`. XLA does the same with its own
 split-K GEMMs, but their reduction is a separate kernel whenever the consumer is a custom
-call, which cost djax's fused residual/norm and RoPE kernels their gain (bench/NOTES.md).
+call, which would cost djax's fused residual/norm and RoPE kernels their gain.
 Here the consumers (`residual_norm.add_rms_norm`, `rope_write.rope_and_write`) add the
 slices themselves, and `Partials.total()` does it for XLA paths.
 """
@@ -25,8 +25,6 @@ from djax.kernels import tiles as tiling
 from djax.kernels.handoff import Partials
 
 Array = jax.Array
-# Row counts up to this take the kernel under `auto` (a block of one sequence).
-MAX_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +42,9 @@ class Tiles:
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:
     """Column tiles of up to 128 and the fewest contraction slices that give one wave of programs
-    (>= 96 on an H100/H200's 132 SMs); 128-wide steps when unsplit, else 64. The measured
-    best at LLaDA-8B's block products (bench.split_k, H200, L2-cold weights): q/k/v
-    (4096 -> 12288) unsplit with 128-wide steps, 26.2 µs against XLA's 30.8 (GEMM and its
-    split-K reduction); attention output (4096 -> 4096) and down (12288 -> 4096) in 4
-    slices of 64-wide steps, 14.1 and 29.7 µs with the residual add and norm summing the
-    partials, against XLA's 12.6 and 30.6 there."""
+    (>= 96, for a GPU of ~132 SMs); 128-wide steps when unsplit, else 64. At LLaDA-8B's
+    block products this leaves q/k/v (4096 -> 12288) unsplit and cuts the attention output
+    (4096 -> 4096) and down (12288 -> 4096) products into 4 slices."""
     block_n = tiling.largest_block(n, 128)
     splits = 1
     while (n // block_n) * splits < 96 and k % (splits * 2 * 64) == 0 and splits < 8:

@@ -9,8 +9,8 @@ Rules of `auto`:
   XLA everywhere else. A kernel that still fails to compile there falls back to XLA (the
   engine compiles again with `KernelOptions.auto_as_xla`).
 - The products, the SwiGLU kernel and the norm fused into the next product take at most
-  `KERNEL_MAX_ROWS` token rows (a denoising block of one sequence): more rows are
-  compute-bound, where XLA's GEMMs are as fast.
+  `KERNEL_MAX_ROWS` token rows (a denoising block of one sequence), the rows their tiles
+  were built for; more rows take XLA's GEMMs.
 - cuDNN's attention only runs refreshes: at block shapes its dense mask makes it slower
   than XLA's einsums.
 - The MoE experts' XLA path sorts token-expert pairs into groups (`ragged_dot`) up to
