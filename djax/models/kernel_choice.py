@@ -306,9 +306,10 @@ class _Rule:
             and all(residual_product.fits(h, cfg.d_model) for h in w.mlp_hidden)
             else "no"
         )
-        norm = o.norm_impl if o.norm_impl in ("xla", "pallas") else "pallas"
         if o.norm_impl == "auto":
             norm = "pallas" if self.kernels_pay else "xla"
+        else:  # `fused` and `tiled` run the norms they cannot move into a product as `pallas`
+            norm = "xla" if o.norm_impl == "xla" else "pallas"
         return Kernels(
             attention=self._attention(refresh),
             qkv=qkv,
