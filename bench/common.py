@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -23,6 +24,7 @@ import numpy as np
 
 from djax import GenerationConfig, Model, engine, generate
 from djax.config import ModelConfig, from_hf_dict
+from djax.kernel_options import KernelOptions
 from djax.models import init_params
 from djax.sharding import make_mesh, param_shardings
 from djax.xla_options import compiler_options
@@ -110,14 +112,18 @@ SETTING = GenerationConfig(
 )
 
 
-def bench_model(config: ModelConfig, devices: int = 1, options: tuple = ()) -> tuple[Model, dict]:
+def bench_model(
+    config: ModelConfig, devices: int = 1, options: Mapping[str, str] | None = None
+) -> tuple[Model, dict]:
     """A `Model` with random bf16 weights built on the device(s): on one device, or split
-    over a mesh of `devices` (TP for dense models, EP for MoE). Returns (model, the split)."""
+    over a mesh of `devices` (TP for dense models, EP for MoE), with kernel `options`
+    (`KernelOptions` names). Returns (model, the split)."""
     split = {"expert_parallel" if config.is_moe else "tensor_parallel": devices}
     mesh = make_mesh(**split) if devices > 1 else None
     shardings = param_shardings(config, jnp.bfloat16, mesh) if mesh else None
     params = init_params(config, jnp.bfloat16, seed=0, shardings=shardings)
-    return Model(config, params, None, jnp.bfloat16, mesh=mesh, options=options), split
+    kernels = KernelOptions.from_keywords(dict(options or {}))
+    return Model(config, params, None, jnp.bfloat16, mesh=mesh, options=kernels), split
 
 
 def parse_options(text: str) -> dict[str, str]:

@@ -27,7 +27,10 @@ from bench.common import (
     time_in_program,
     weight_bytes,
 )
-from djax.models import build_module, init_params
+from djax import programs
+from djax.kernel_options import KernelOptions
+from djax.models import init_params
+from djax.models.kernel_choice import Shapes
 from djax.models.layers import Window
 
 BLOCK = 32
@@ -83,6 +86,15 @@ def kv_bytes(config, kv_len: int, dtype) -> int:
     )
 
 
+def module_for(config, dtype, options: dict, seqs: list[int], kv_len: int):
+    """The module with `options` resolved for block forwards of one sequence over `kv_len`
+    positions and refreshes of the longest of `seqs`."""
+    kernels = programs.kernel_choice(
+        KernelOptions(**options), config, dtype, Shapes(1, kv_len, max(seqs), BLOCK)
+    )
+    return programs.local_module(config, dtype, kernels, None)
+
+
 def _inputs(config, seq: int, dtype):
     x = jax.random.normal(jax.random.key(1), (1, seq, config.d_model), dtype)
     positions = jnp.arange(seq, dtype=jnp.int32)[None]
@@ -120,7 +132,7 @@ def time_block(module, params, config, kv_len: int, iters: int) -> float:
     def step(carry, params):
         x, kv = carry
         hidden, kv = module.apply(
-            {"params": params}, x, positions, valid, kv, Window(start), 0, BLOCK
+            {"params": params}, x, positions, valid, kv, Window(start), 0, BLOCK, True
         )
         logits = module.apply({"params": params}, hidden, method="logits")
         return x + (1e-6 * jnp.mean(logits)).astype(x.dtype), kv
@@ -149,7 +161,7 @@ def attention_impls_agree(params, config, seq: int = 256) -> float:
     positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
     out = {}
     for impl in ("xla", "cudnn"):
-        module = build_module(config, jnp.bfloat16, None, attention_impl=impl)
+        module = module_for(config, jnp.bfloat16, {"attention_impl": impl}, [seq], seq)
         fn = jax.jit(
             lambda p, x, m=module: m.apply(
                 {"params": p}, m.apply({"params": p}, x, positions, valid)[0], method="logits"
@@ -166,7 +178,7 @@ def main() -> None:
     parser.add_argument("--kv-len", type=int, default=1280)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--attention-impls", nargs="+", default=["xla", "cudnn"])
-    parser.add_argument("--moe-impls", nargs="+", default=["dense", "grouped", "hopper"])
+    parser.add_argument("--moe-impls", nargs="+", default=["xla", "pallas"])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = parser.parse_args()
     dtype = jnp.bfloat16
@@ -183,12 +195,10 @@ def main() -> None:
             else [{"attention_impl": i} for i in args.attention_impls]
         )
         for options in variants:
-            gpu_only = (
-                options.get("attention_impl") == "cudnn" or options.get("moe_impl") == "hopper"
-            )
+            gpu_only = "cudnn" in options.values() or "pallas" in options.values()
             if gpu_only and jax.default_backend() != "gpu":
                 continue
-            module = build_module(config, dtype, None, **options)
+            module = module_for(config, dtype, options, args.seqs, args.kv_len)
             for seq in args.seqs:
                 ms = 1e3 * time_refresh(module, params, config, seq, args.iters)
                 floor = 1e3 * refresh_flops(config, params, seq) / ceilings["matmul_flops_per_s"]
@@ -226,7 +236,7 @@ def main() -> None:
         if not config.is_moe and jax.default_backend() == "gpu":
             extra["cudnn_vs_xla_rel_error"] = attention_impls_agree(params, config)
         if config.is_moe:
-            module = build_module(config, dtype, None, moe_impl="grouped")
+            module = module_for(config, dtype, {"moe_impl": "xla"}, [64], args.kv_len)
             extra["ragged_dot_hlo_ops"] = ragged_dot_kernels(module, params, config)
         rows.append({"model": name, "weight_bytes": w_bytes, **extra})
         del params

@@ -252,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_io_options(gen)
     _add_model_options(gen)
+    gen.add_argument(
+        "--explain",
+        action="store_true",
+        help="print the device, the kernel options and the kernels they resolve to for the "
+        "first batch's program, before generating (under --json: its `kernels` entry)",
+    )
     _add_generation_options(gen)
 
     from djax.serving import cli as serving_cli
@@ -435,6 +441,13 @@ def run_generate(
 
     import djax
 
+    if args.explain:
+        first = next(iter(prompt_io.batches(records, args.batch_size)))
+        explanation = _explain(model, [r.prompt for r in first], config, chat)
+        if args.json:
+            result["kernels"] = explanation
+        else:
+            print(explanation, flush=True)
     with tqdm(total=len(records), unit="prompt", file=sys.stderr, disable=not show_progress) as bar:
         for batch in prompt_io.batches(records, args.batch_size):
             out = djax.generate(model, [r.prompt for r in batch], config, chat=chat)
@@ -464,6 +477,15 @@ def run_generate(
             bar.update(len(batch))
     result["stats"] = _totals(progress.stats)
     return result
+
+
+def _explain(model: Any, prompts: list[Any], config: GenerationConfig, chat: bool) -> str:
+    """`djax.engine.explain` for the program that generates `prompts`."""
+    from djax import engine
+
+    rows = engine.tokenize(model, prompts, chat)
+    plan, _ = engine.make_plan(model, config, len(rows), max(len(r) for r in rows))
+    return engine.explain(model, plan)
 
 
 def _shown(record: prompt_io.PromptRecord) -> str:

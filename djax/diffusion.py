@@ -234,7 +234,14 @@ class _Generation:
                 x = self._inputs(state, window.start, width, bs)
                 pos = jax.lax.dynamic_slice_in_dim(self.positions, window.start, width, axis=1)
                 hidden, kv = self._apply(
-                    x, pos, self.key_valid, state.kv, window, bs - window.start, plan.block_len
+                    x,
+                    pos,
+                    self.key_valid,
+                    state.kv,
+                    window,
+                    bs - window.start,
+                    plan.block_len,
+                    block_forward=True,
                 )
         with jax.named_scope("decoder"):
             state = self.decode(state, hidden, bs)

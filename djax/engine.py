@@ -21,12 +21,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
-from djax import program_cache, xla_options
-from djax.diffusion import Plan, Rows, chained, row_keys, run_block_call, run_generation
+from djax import program_cache, programs, xla_options
+from djax.diffusion import Plan, Rows, row_keys, run_generation
 from djax.generation import FIXED_DECODERS, GenerationConfig
 from djax.model import Model
+from djax.models.kernel_choice import KernelChoice
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
 
@@ -226,28 +226,9 @@ def build_inputs(rows: list[list[int]], plan: Plan, pad_id: int) -> dict[str, np
 RowProgram = Callable[..., dict[str, jax.Array]]
 
 
-def _program(model: Model, plan: Plan, run: RowProgram = run_generation) -> Any:
-    """The jitted row program `run` (`diffusion.run_generation` or `run_block_call`) for a
-    model (config, dtype, options, mesh) and plan; it donates the tokens. On a mesh it runs
-    under `shard_map` and returns its outputs replicated on every device. Block calls are
-    `diffusion.chained`: they also take the rows' slots and the carried table."""
-    from djax.models import build_module
-
-    jit_options: dict[str, Any] = {"donate_argnums": (1,)}
-    if model.mesh is not None:
-        from djax.sharding import sharded_rows
-
-        rows_program = sharded_rows(model, plan, run)
-        jit_options["out_shardings"] = NamedSharding(model.mesh, PartitionSpec())
-    else:
-        module = build_module(model.config, model.dtype, None, **dict(model.options))
-
-        def rows_program(params, tokens, key_valid, positions, rows):
-            return run(module, params, plan, tokens, key_valid, positions, rows)
-
-    if run is run_block_call:
-        rows_program = chained(rows_program)
-    return jax.jit(rows_program, **jit_options)
+def kernel_choice(model: Model, plan: Plan) -> KernelChoice:
+    """What the model's kernel options resolve to for a program of `plan`."""
+    return model.kernel_choice(programs.plan_shapes(plan, model.mesh))
 
 
 _EXECUTABLES: dict[tuple, Any] = {}
@@ -295,21 +276,23 @@ def programs_folder() -> str | None:
 
 
 def lower(
-    model: Model, plan: Plan, args: tuple, run: RowProgram = run_generation
+    model: Model,
+    plan: Plan,
+    args: tuple,
+    run: RowProgram = run_generation,
+    kernels: KernelChoice | None = None,
 ) -> jax.stages.Lowered:
-    """The row program lowered for these arguments: traced and lowered here, or read back
-    from the programs saved in the persistent compilation cache's folder
-    (`program_cache`)."""
-    description = (
-        run.__name__,
-        model.config,
-        str(model.dtype),
-        model.options,
-        repr(model.mesh),
-        plan,
-    )
+    """The row program following `kernels` (default: `kernel_choice(model, plan)`), lowered
+    for these arguments: traced and lowered here, or read back from the programs saved in
+    the persistent compilation cache's folder (`program_cache`)."""
+    kernels = kernels or kernel_choice(model, plan)
+    description = (run.__name__, model.config, str(model.dtype), kernels, repr(model.mesh), plan)
     return program_cache.lower(
-        _program(model, plan, run), args, description, programs_folder(), donate_argnums=(1,)
+        programs.row_program(model, plan, run, kernels),
+        args,
+        description,
+        programs_folder(),
+        donate_argnums=(1,),
     )
 
 
@@ -325,15 +308,53 @@ def executable(
     model: Model, plan: Plan, args: tuple, run: RowProgram = run_generation
 ) -> tuple[Any, float]:
     """The compiled program for these arguments' shapes, and the seconds spent compiling it
-    now (0 when this process compiled it before; from the persistent cache it is small)."""
+    now (0 when this process compiled it before; from the persistent cache it is small).
+
+    Where kernels that `auto` chose fail to lower or compile (on a GPU they were not built
+    for), the program is compiled again with XLA's paths in their place
+    (`KernelOptions.auto_as_xla`), and a warning names the error."""
     key = executable_key(model, plan, args, run)
     if key in _EXECUTABLES:
         return _EXECUTABLES[key], 0.0
-    options = xla_options.compiler_options(jax.default_backend())
     start = time.perf_counter()
-    compiled = xla_options.compile_lowered(lower(model, plan, args, run), options)
+    kernels = kernel_choice(model, plan)
+    try:
+        compiled = _compile(model, plan, args, run, kernels)
+    except Exception as err:
+        fallback = kernel_choice(
+            dataclasses.replace(model, options=model.options.auto_as_xla()), plan
+        )
+        if fallback == kernels:
+            raise
+        warnings.warn(
+            f"djax's kernels do not compile on {programs.device_of(model.mesh)} "
+            f"({type(err).__name__}: {err}); running XLA's paths where the kernel options "
+            "are auto",
+            stacklevel=2,
+        )
+        compiled = _compile(model, plan, args, run, fallback)
     _EXECUTABLES[key] = compiled
     return compiled, time.perf_counter() - start
+
+
+def _compile(model: Model, plan: Plan, args: tuple, run: RowProgram, kernels: KernelChoice) -> Any:
+    options = xla_options.compiler_options(jax.default_backend())
+    return xla_options.compile_lowered(lower(model, plan, args, run, kernels), options)
+
+
+def explain(model: Model, plan: Plan) -> str:
+    """The device, the kernel options and what they resolve to for a program of `plan`,
+    as lines of text (`djax generate --explain`)."""
+    options = ", ".join(f"{name}={value}" for name, value in model.options.items())
+    return "\n".join(
+        [
+            f"device: {programs.device_of(model.mesh)}",
+            f"kernel options: {options}",
+            f"batch {plan.batch}, prompt {plan.prompt_len}, gen {plan.gen_length}, "
+            f"block {plan.block_len}, cache {plan.cache.name}",
+            kernel_choice(model, plan).explain(),
+        ]
+    )
 
 
 def generate(

@@ -1,6 +1,9 @@
-"""The kernel options `djax.load` takes (`attention_impl=...`, ...): their names, allowed
-values and what `auto` picks, in one table that `load`, the models and the CLI's `choices`
-all read. Imports nothing heavy, so the CLI can list them without importing jax."""
+"""The kernel options `djax.load` takes (`attention_impl=...`, ...) as `KernelOptions`, a
+frozen dataclass whose fields are the options: each field's metadata holds its choices
+(`auto` first) and what `auto` picks, and `load`, `Model.with_options` and the CLI's
+`choices` all read them from there. `djax.models.kernel_choice.resolve` turns the options
+into the concrete choice for a device. Imports nothing heavy, so the CLI can list the
+options without importing jax."""
 
 from __future__ import annotations
 
@@ -10,10 +13,83 @@ from collections.abc import Mapping
 from typing import Any
 
 
+def _option(choices: tuple[str, ...], auto: str) -> Any:
+    return dataclasses.field(default="auto", metadata={"choices": choices, "auto": auto})
+
+
+def check_choice(option: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raise a ValueError naming `option`'s bad `value` and its `choices`."""
+    if value not in choices:
+        raise ValueError(f"{option}={value!r}; expected one of {choices}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """Which implementation each part of the forward takes; `auto` leaves it to
+    `resolve`, which takes djax's kernels only on GPUs they were built for (see
+    `djax.models.kernel_choice`). Every value is checked on construction."""
+
+    attention_impl: str = _option(
+        ("auto", "xla", "cudnn", "split_kv"),
+        "split_kv on kernel GPUs with 16-bit weights where its tiles fit the heads; else "
+        "cudnn for refreshes on GPUs (16-bit) and xla",
+    )
+    mlp_impl: str = _option(
+        ("auto", "xla", "pallas"),
+        "the SwiGLU gate/up product: pallas on kernel GPUs for <= 32 token rows with 16-bit "
+        "weights, else xla",
+    )
+    matmul_impl: str = _option(
+        ("auto", "xla", "pallas"),
+        "the q/k/v, output and down products: split-K pallas on kernel GPUs for <= 32 token "
+        "rows with 16-bit weights, else xla",
+    )
+    norm_impl: str = _option(
+        ("auto", "xla", "pallas", "fused", "tiled"),
+        "residual add + RMSNorm: tiled into the next product on kernel GPUs (16-bit weights, "
+        "<= 32 rows), else one pallas kernel there, else xla",
+    )
+    rope_impl: str = _option(
+        ("auto", "xla", "pallas"),
+        "q/k norm, RoPE and K/V writes: pallas on kernel GPUs with 16-bit weights, else xla",
+    )
+    moe_impl: str = _option(
+        ("auto", "xla", "pallas"),
+        "MoE experts: pallas on kernel GPUs with 16-bit weights, else xla (grouped up to 64 "
+        "tokens per forward, dense above)",
+    )
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            check_choice(field.name, getattr(self, field.name), field.metadata["choices"])
+
+    @classmethod
+    def from_keywords(cls, options: Mapping[str, Any]) -> KernelOptions:
+        """Options from `load`'s keywords: an unknown name raises a TypeError naming the
+        closest valid one and all of them; a value outside its choices a ValueError."""
+        check_names(options)
+        return cls(**options)
+
+    def replace(self, **options: Any) -> KernelOptions:
+        """These options with `options` replaced (checked as `from_keywords` checks them)."""
+        check_names(options)
+        return dataclasses.replace(self, **options)
+
+    def auto_as_xla(self) -> KernelOptions:
+        """These options with every `auto` taken as `xla`: what a generation falls back to
+        when a kernel `auto` chose does not compile."""
+        return dataclasses.replace(
+            self, **{name: "xla" for name, value in self.items() if value == "auto"}
+        )
+
+    def items(self) -> list[tuple[str, str]]:
+        return [(field.name, getattr(self, field.name)) for field in dataclasses.fields(self)]
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelOption:
-    """A module option: `name` (a `djax.load` keyword), its `choices` (`auto` first) and
-    `auto`, what `auto` picks (the rules themselves are in `djax.models.impls`)."""
+    """One field of `KernelOptions` as the CLI lists it: `name` (a `djax.load` keyword),
+    its `choices` (`auto` first) and `auto`, what `auto` picks."""
 
     name: str
     choices: tuple[str, ...]
@@ -25,59 +101,18 @@ class KernelOption:
 
 
 KERNEL_OPTIONS: dict[str, KernelOption] = {
-    option.name: option
-    for option in (
-        KernelOption(
-            "attention_impl",
-            ("auto", "xla", "cudnn", "split_kv"),
-            "split_kv on GPUs (cudnn where its tiles do not fit), xla elsewhere and for fp32",
-        ),
-        KernelOption(
-            "mlp_impl",
-            ("auto", "xla", "pallas"),
-            "pallas on GPUs for <= 32 token rows with 16-bit weights, else xla",
-        ),
-        KernelOption(
-            "matmul_impl",
-            ("auto", "xla", "pallas"),
-            "the q/k/v, output and down products: split-K pallas on GPUs for <= 32 token rows "
-            "with 16-bit weights, else xla",
-        ),
-        KernelOption(
-            "norm_impl",
-            ("auto", "xla", "pallas", "fused", "tiled"),
-            "residual add + RMSNorm: fused on H100s, tiled on other GPUs (16-bit weights), "
-            "else xla",
-        ),
-        KernelOption(
-            "rope_impl",
-            ("auto", "xla", "pallas"),
-            "q/k norm, RoPE and K/V writes: pallas on GPUs with 16-bit weights, else xla",
-        ),
-        KernelOption(
-            "moe_impl",
-            ("auto", "grouped", "dense", "hopper", "pallas"),
-            "MoE experts: pallas on GPUs, hopper on Hopper GPUs where pallas does not fit, "
-            "else grouped up to 64 tokens per forward and dense above",
-        ),
-    )
+    field.name: KernelOption(field.name, field.metadata["choices"], field.metadata["auto"])
+    for field in dataclasses.fields(KernelOptions)
 }
 
 
-def check_choice(option: str, value: Any, choices: tuple[str, ...]) -> None:
-    """Raise a ValueError naming `option`'s bad `value` and its `choices`."""
-    if value not in choices:
-        raise ValueError(f"{option}={value!r}; expected one of {choices}")
-
-
-def check_kernel_options(options: Mapping[str, Any]) -> None:
-    """Refuse unknown option names (TypeError naming the closest valid one and all of them)
-    and values outside an option's choices (ValueError naming its choices)."""
-    for name, value in options.items():
+def check_names(options: Mapping[str, Any]) -> None:
+    """Refuse option names that are not `KernelOptions` fields (a TypeError naming the
+    closest valid one and all of them)."""
+    for name in options:
         if name not in KERNEL_OPTIONS:
             close = difflib.get_close_matches(name, KERNEL_OPTIONS, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise TypeError(
                 f"unknown kernel option {name!r}; {hint}expected one of {tuple(KERNEL_OPTIONS)}"
             )
-        check_choice(name, value, KERNEL_OPTIONS[name].choices)

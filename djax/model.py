@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from djax import checkpoint, folders
+from djax import checkpoint, folders, programs, sharding
 from djax.config import ConfigError, ModelConfig, from_hf_dict, load_hf_config, resolve_token_ids
-from djax.kernel_options import check_kernel_options
-from djax.models import abstract_params, build_module
-from djax.models.layers import TransformerLM
+from djax.kernel_options import KernelOptions
+from djax.models import abstract_params
+from djax.models.kernel_choice import KernelChoice, Shapes
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -40,7 +40,8 @@ class Model:
     """A loaded model: what `generate` and `forward_logits` take.
 
     `params` is the plain nested dict of arrays (possibly sharded over `mesh`); `options`
-    are module options such as `attention_impl`, `mlp_impl`, `matmul_impl` and `moe_impl`.
+    are the kernel options (`KernelOptions`), resolved for each program it runs
+    (`kernel_choice`).
     """
 
     config: ModelConfig
@@ -49,13 +50,17 @@ class Model:
     dtype: Any
     path: str | None = None
     mesh: Any | None = None
-    options: tuple[tuple[str, Any], ...] = ()
+    options: KernelOptions = KernelOptions()
 
     def with_options(self, **options: Any) -> Model:
         """This model with kernel `options` replaced (checked as `load` checks them)."""
-        check_kernel_options(options)
-        merged = dict(self.options) | options
-        return dataclasses.replace(self, options=tuple(sorted(merged.items())))
+        return dataclasses.replace(self, options=self.options.replace(**options))
+
+    def kernel_choice(self, shapes: Shapes) -> KernelChoice:
+        """What the kernel options resolve to on this model's device for forwards of
+        `shapes` (`KernelChoice.explain()` prints it; `djax.engine.kernel_choice` gives a
+        generation's)."""
+        return programs.kernel_choice(self.options, self.config, self.dtype, shapes, self.mesh)
 
 
 def default_dtype() -> Any:
@@ -102,15 +107,14 @@ def load(
     """Load an HF model folder or a folder written by `djax convert`.
 
     dtype: compute and storage dtype (default: bf16 on GPU/TPU, fp32 on CPU). mesh: a
-    `jax.sharding.Mesh` from `djax.make_mesh` to load straight into shards. options:
-    module options (`attention_impl="auto"|"xla"|"cudnn"|"split_kv"`,
-    `mlp_impl="auto"|"xla"|"pallas"`, `moe_impl="auto"|"grouped"|"dense"|"hopper"|"pallas"`,
-    `matmul_impl`, `norm_impl` and `rope_impl`, each `"auto"|"xla"|"pallas"`; `norm_impl`
-    also `"fused"` and `"tiled"`; the table is `djax.kernel_options.KERNEL_OPTIONS`). An
-    unknown option name raises a TypeError and a value outside its choices a ValueError,
-    before anything is read.
+    `jax.sharding.Mesh` from `djax.make_mesh` to load straight into shards. options: the
+    fields of `djax.kernel_options.KernelOptions` (`attention_impl="auto"|"xla"|"cudnn"|
+    "split_kv"`, `mlp_impl`, `matmul_impl`, `rope_impl` and `moe_impl`, each
+    `"auto"|"xla"|"pallas"`, `norm_impl` also `"fused"` and `"tiled"`). An unknown option
+    name raises a TypeError naming the closest valid one, and a value outside its choices a
+    ValueError naming them, before anything is read.
     """
-    check_kernel_options(options)
+    kernel_options = KernelOptions.from_keywords(options)
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(
@@ -123,17 +127,13 @@ def load(
     config = read_config(folder, tokenizer)
     shardings = None
     if mesh is not None:
-        from djax.sharding import param_shardings
-
-        shardings = param_shardings(config, dtype, mesh)
+        shardings = sharding.param_shardings(config, dtype, mesh)
     if checkpoint.is_converted(folder):
         params = checkpoint.restore_orbax(folder, config, dtype, shardings)
     else:
         bar = _progress_bar(f"loading {folder.name}") if progress else None
         params = checkpoint.load_hf_params(folder, config, dtype, shardings, allow_pickle, bar)
-    return Model(
-        config, params, tokenizer, dtype, str(folder), mesh, tuple(sorted(options.items()))
-    )
+    return Model(config, params, tokenizer, dtype, str(folder), mesh, kernel_options)
 
 
 def _progress_bar(description: str):
@@ -187,28 +187,6 @@ def convert(
     return dst
 
 
-def sequence_logits(
-    module: TransformerLM, params: dict, token_ids: jax.Array, key_valid: jax.Array
-) -> jax.Array:
-    """Whole-sequence logits of `module` ([batch, seq, vocab_local] fp32); positions count
-    from each row's first valid token."""
-    positions = jnp.maximum(jnp.cumsum(key_valid, axis=1) - 1, 0)
-    x = module.apply({"params": params}, token_ids, method="embed")
-    hidden, _ = module.apply({"params": params}, x, positions, key_valid)
-    return module.apply({"params": params}, hidden, method="logits")
-
-
-@functools.lru_cache(maxsize=16)
-def _forward_fn(config: ModelConfig, dtype: Any, options: tuple, mesh: Any) -> Any:
-    if mesh is not None:
-        from djax.sharding import sharded_logits
-
-        return sharded_logits(config, dtype, options, mesh)
-    return jax.jit(
-        functools.partial(sequence_logits, build_module(config, dtype, None, **dict(options)))
-    )
-
-
 def forward_logits(model: Model, token_ids: Any, attention_mask: Any = None) -> jax.Array:
     """Full-sequence fp32 logits [batch, seq, vocab] (bidirectional attention).
 
@@ -233,5 +211,6 @@ def forward_logits(model: Model, token_ids: Any, attention_mask: Any = None) -> 
         mask = mask[None]
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask has shape {mask.shape}; expected {ids.shape}")
-    fn = _forward_fn(model.config, model.dtype, model.options, model.mesh)
+    kernels = model.kernel_choice(Shapes.whole_sequence(*ids.shape))
+    fn = programs.forward_program(model.config, model.dtype, kernels, model.mesh)
     return fn(model.params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask))

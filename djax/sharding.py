@@ -1,5 +1,5 @@
 """Tensor and expert parallelism: the device mesh, the param -> `PartitionSpec` table, and
-the `shard_map`-wrapped generation program.
+the placement of row arrays (`djax.programs` wraps the programs in `shard_map`).
 
 Mesh axes are `("data", "model")`, or `("data", "expert")` when experts split by expert.
 Everything model-parallel shares that second axis, of size
@@ -16,18 +16,16 @@ devices, with no transport of our own.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from djax.config import ModelConfig
-from djax.models import abstract_params, build_module
+from djax.models import abstract_params
 
 DATA, MODEL, EXPERT = "data", "model", "expert"
 
@@ -151,50 +149,6 @@ def param_shardings(config: ModelConfig, dtype: Any, mesh: Mesh) -> dict:
         lambda spec: NamedSharding(mesh, spec),
         param_specs(config, dtype, mesh),
         is_leaf=lambda x: isinstance(x, P),
-    )
-
-
-def _local_module(config: ModelConfig, dtype: Any, options: tuple, mesh: Mesh) -> Any:
-    """The module as one device sees it: its weight shards, `psum` over the model axis."""
-    axis = model_axis(mesh)
-    return build_module(
-        config, dtype, axis, shards=mesh.shape[axis], split_experts=axis == EXPERT, **dict(options)
-    )
-
-
-def sharded_logits(config: ModelConfig, dtype: Any, options: tuple, mesh: Mesh) -> Any:
-    """`djax.forward_logits` on a mesh: the sharded forward under `shard_map`, logits
-    gathered over the vocabulary at the end (a debugging and parity path)."""
-    from djax.model import sequence_logits
-
-    module = _local_module(config, dtype, options, mesh)
-    program = jax.shard_map(
-        functools.partial(sequence_logits, module),
-        mesh=mesh,
-        in_specs=(param_specs(config, dtype, mesh), P(), P()),
-        out_specs=P(None, None, model_axis(mesh)),
-        check_vma=False,
-    )
-    return jax.jit(program)
-
-
-def sharded_rows(model: Any, plan: Any, run: Any) -> Any:
-    """A row program of `djax.diffusion` (`run_generation` or `run_block_call`) as one
-    `shard_map` over the model's mesh, to be jitted by the caller. Takes host-shaped arrays
-    like the single-device program; returns its row outputs split over `data` and its
-    counters as one value per data shard."""
-    mesh = model.mesh
-    axis = model_axis(mesh)
-    module = _local_module(model.config, model.dtype, model.options, mesh)
-    specs = param_specs(model.config, model.dtype, mesh)
-
-    def local(params, tokens, key_valid, positions, rows):
-        out = run(module, params, plan, tokens, key_valid, positions, rows, axis)
-        return {k: jnp.reshape(v, (1,)) if v.ndim == 0 else v for k, v in out.items()}
-
-    row = P(DATA)
-    return jax.shard_map(
-        local, mesh=mesh, in_specs=(specs, row, row, row, row), out_specs=row, check_vma=False
     )
 
 

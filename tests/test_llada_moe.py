@@ -2,7 +2,6 @@
 routing options, loading, and generation with every cache policy."""
 
 import dataclasses
-import functools
 import json
 import shutil
 
@@ -15,15 +14,13 @@ from safetensors.numpy import load_file, save_file
 import djax
 from djax.checkpoint import CheckpointError
 from djax.config import from_hf_dict
+from djax.models.kernel_choice import Shapes
 from djax.models.llada_moe import (
     PAIRWISE_SORT_MAX,
     SORT_CHUNK,
     MoEBlock,
-    choose_moe_impl,
     experts_dense,
     experts_grouped,
-    hopper_kernel_fits,
-    ragged_dot_hopper,
     ragged_mlp,
     route,
     sort_by_group,
@@ -32,12 +29,14 @@ from djax.models.llada_moe import (
 from torch_reference import MASK_ID, rel_error, torch_logits
 
 
-@pytest.mark.parametrize("impl", ["dense", "grouped"])
-def test_fp32_parity_with_torch(moe_folder, impl):
+@pytest.mark.parametrize("seq, path", [(20, "grouped"), (40, "dense")])
+def test_fp32_parity_with_torch(moe_folder, seq, path):
+    """XLA's two expert paths: grouped up to 64 tokens per forward, dense above."""
     folder, torch_model = moe_folder
-    model = djax.load(folder, dtype=jnp.float32, moe_impl=impl)
+    model = djax.load(folder, dtype=jnp.float32, moe_impl="xla")
     assert model.config.mask_token_id == MASK_ID  # from the tokenizer: config has none
-    ids = np.random.default_rng(0).integers(4, 100, (2, 20))
+    assert model.kernel_choice(Shapes.whole_sequence(2, seq)).refresh.layers.moe == path
+    ids = np.random.default_rng(0).integers(4, 100, (2, seq))
     err = rel_error(np.asarray(djax.forward_logits(model, ids)), torch_logits(torch_model, ids))
     assert err <= 1e-5, err
 
@@ -140,11 +139,11 @@ def test_expert_paths_split_over_devices_sum_to_whole():
         np.testing.assert_allclose(np.asarray(parts), np.asarray(whole), rtol=1e-5, atol=1e-5)
 
 
-def _ragged_dot_unwritten_tail(lhs, rhs, group_sizes):
-    """ragged_dot that leaves rows past the groups as NaN, as the Hopper kernel leaves them
+def _mlp_unwritten_tail(x, source_rows, gate_up, down, group_sizes):
+    """`ragged_mlp` that leaves rows past the groups as NaN, as a kernel may leave them
     unwritten."""
-    out = jax.lax.ragged_dot(lhs, rhs, group_sizes)
-    inside = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
+    out = ragged_mlp(x, source_rows, gate_up, down, group_sizes)
+    inside = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
     return jnp.where(inside[:, None], out, jnp.nan)
 
 
@@ -153,41 +152,10 @@ def test_grouped_path_masks_rows_outside_the_groups():
     whatever a kernel leaves there (NaN here) must not reach the output."""
     x, weights, experts, gate_up, down = _routed_experts(2)
     local = (gate_up[3:], down[3:])
-    mlp = functools.partial(ragged_mlp, ragged_dot=_ragged_dot_unwritten_tail)
-    out = experts_grouped(x, weights, experts, *local, 3, mlp=mlp)
+    out = experts_grouped(x, weights, experts, *local, 3, mlp=_mlp_unwritten_tail)
     assert np.isfinite(np.asarray(out)).all()
     expected = experts_dense(x, weights, experts, *local, 3)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.skipif(
-    not hopper_kernel_fits(jnp.bfloat16, 256, 128, 128), reason="needs a Hopper GPU"
-)
-@pytest.mark.parametrize("first_expert, n_local", [(0, 8), (4, 4)])
-@pytest.mark.parametrize("tokens", [64, 2200])
-def test_hopper_kernel_matches_ragged_dot(first_expert, n_local, tokens):
-    """On an H100/H200: the Mosaic GPU kernel against XLA's ragged_dot, all experts local
-    and half of them (the expert-parallel case, with pairs outside every group), with the
-    pairs sorted in one chunk and in several (128 and 4,400 pairs)."""
-    x, weights, experts, gate_up, down = _routed_experts(3, tokens, 256, 8, 128, 2, jnp.bfloat16)
-    mine = slice(first_expert, first_expert + n_local)
-    local = (gate_up[mine], down[mine])
-    expected = experts_grouped(x, weights, experts, *local, first_expert)
-    # Under jit, as in a generation: XLA's buffer assignment decides what the kernel gets.
-    mlp = functools.partial(ragged_mlp, ragged_dot=ragged_dot_hopper)
-    hopper = jax.jit(functools.partial(experts_grouped, mlp=mlp))
-    out = hopper(x, weights, experts, *local, first_expert)
-    assert np.isfinite(np.asarray(out, np.float32)).all()
-    assert rel_error(np.asarray(out, np.float32), np.asarray(expected, np.float32)) < 1e-2
-
-
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the refusal is of a CPU")
-def test_hopper_path_refuses_a_cpu(moe_model):
-    module = MoEBlock(moe_model.config, jnp.bfloat16, moe_impl="hopper")
-    x = jnp.ones((1, 4, moe_model.config.d_model), jnp.bfloat16)
-    assert not hopper_kernel_fits(jnp.bfloat16, 2048, 1024, 256)
-    with pytest.raises(ValueError, match="moe_impl='hopper' needs a Hopper GPU"):
-        module.init(jax.random.key(0), x)
 
 
 def test_shared_expert_and_clip(moe_model):
@@ -211,16 +179,6 @@ def test_shared_expert_and_clip(moe_model):
     )
     np.testing.assert_allclose(loose, djax.forward_logits(moe_model, ids), rtol=1e-5, atol=1e-5)
     assert rel_error(np.asarray(clipped), np.asarray(loose)) > 1e-3
-
-
-def test_auto_picks_by_tokens():
-    assert choose_moe_impl("auto", 32) == "grouped"
-    assert choose_moe_impl("auto", 1024) == "dense"
-    assert choose_moe_impl("grouped", 32) == "grouped"
-    assert choose_moe_impl("auto", 1024, hopper_fits=True) == "hopper"
-    assert choose_moe_impl("dense", 32, hopper_fits=True) == "dense"
-    with pytest.raises(ValueError, match="moe_impl='fast'; expected one of"):
-        choose_moe_impl("fast", 32)
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual", "vicinity"])

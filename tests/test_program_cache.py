@@ -10,7 +10,8 @@ import pytest
 from conftest import needs_devices
 
 import djax
-from djax import engine, program_cache
+from djax import engine, program_cache, programs
+from djax.diffusion import run_generation
 from djax.sharding import make_mesh
 
 CONFIG = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
@@ -19,7 +20,9 @@ ROWS = [[5, 6, 7, 8, 9, 10, 11, 12]]
 
 def _setup(model, rows=ROWS, config=CONFIG):
     plan, _ = engine.make_plan(model, config, len(rows), max(map(len, rows)))
-    return plan, engine._program(model, plan)
+    return plan, programs.row_program(
+        model, plan, run_generation, engine.kernel_choice(model, plan)
+    )
 
 
 def _tokens(lowered, model, plan, rows=ROWS):

@@ -131,7 +131,7 @@ def test_mesh_errors(moe_model):
 def test_split_kv_attention_under_tensor_parallel(tmp_path, monkeypatch):
     """The split-K/V kernel (Pallas's interpreter here) inside `shard_map`, each device with
     its own kv heads: tokens as the single-device einsum path."""
-    from djax.models import flash_attention
+    from djax.kernels import flash_attention
 
     calls = []
     kernel = flash_attention.split_kv_attention

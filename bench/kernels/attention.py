@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from bench.common import model_config, save, time_in_program
 from bench.kernels.timing import kernel_us
-from djax.models.flash_attention import Tiles, split_kv_attention
+from djax.kernels.flash_attention import Tiles, split_kv_attention
 from djax.models.layers import attend
 
 TILINGS = (

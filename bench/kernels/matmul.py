@@ -1,5 +1,5 @@
 """A SwiGLU MLP's gate/up product and activation, XLA against djax's Pallas kernel
-(`djax.models.swiglu`), at the row counts of a denoising block (32 per row of the batch).
+(`djax.kernels.swiglu`), at the row counts of a denoising block (32 per row of the batch).
 
 `xla` is `GatedMLP`'s XLA path (`layers.swiglu_xla`: one fused gate/up matmul, then
 `silu(gate) * up`); `pallas` is the kernel at its default tiles and at each tiling of the
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 from bench.common import model_config, save
 from bench.kernels.timing import rel_error, time_row
+from djax.kernels.swiglu import Tiles, swiglu_matmul
 from djax.models.layers import swiglu_xla
-from djax.models.swiglu import Tiles, swiglu_matmul
 
 # Around the configuration XLA's autotuner picked for this shape (64 columns, 64-wide steps,
 # 5 stages) and wider ones.

@@ -1,5 +1,5 @@
 """LLaDA-8B's q/k/v, attention-output and down products at block rows, XLA against djax's
-split-K kernel (`djax.models.split_k`) with its partials summed by the consumer.
+split-K kernel (`djax.kernels.split_k`) with its partials summed by the consumer.
 
 `xla` is the product as XLA runs it inside a layer: for the output and down products with
 the residual add and RMSNorm after them (`layers.RMSNorm`'s XLA path), for q/k/v alone.
@@ -35,9 +35,10 @@ import jax.numpy as jnp
 
 from bench.common import model_config, save
 from bench.kernels.timing import rel_error, time_row
-from djax.models import layers, residual_product, rope_write
-from djax.models.residual_norm import add_rms_norm, add_scaled
-from djax.models.split_k import Tiles, matmul_partials, tiles_for
+from djax.kernels import residual_product, rope_write
+from djax.kernels.residual_norm import add_rms_norm, add_scaled
+from djax.kernels.split_k import Tiles, matmul_partials, tiles_for
+from djax.models import layers
 
 COLD_BYTES = 256 << 20
 EPS = 1e-5

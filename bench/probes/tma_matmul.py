@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from bench.common import model_config, save
 from bench.kernels.split_k import products
 from bench.kernels.timing import rel_error, time_row
-from djax.models.split_k import matmul_partials
+from djax.kernels.split_k import matmul_partials
 
 COLD_BYTES = 256 << 20
 PAD_ROWS = 64  # WGMMA's row tile

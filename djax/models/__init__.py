@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from djax.config import DENSE, MOE, ModelConfig
 from djax.models import llada, llada_moe
+from djax.models.kernel_choice import KernelChoice
 from djax.models.layers import TransformerLM, Window
 from djax.models.sources import ParamSource
 
@@ -21,11 +22,25 @@ _FAMILIES = {
 
 
 def build_module(
-    config: ModelConfig, dtype: Any = jnp.float32, axis_name: str | None = None, **options: Any
+    config: ModelConfig,
+    dtype: Any = jnp.float32,
+    axis_name: str | None = None,
+    kernels: KernelChoice | None = None,
+    shards: int = 1,
+    split_experts: bool = False,
 ) -> TransformerLM:
-    """The Flax module of a config's family (`options`: e.g. `attention_impl`, `mlp_impl`)."""
+    """The Flax module of a config's family, following the resolved `kernels`
+    (`kernel_choice.resolve`; XLA's paths by default); `axis_name`, `shards` and
+    `split_experts` describe its share of a mesh (`djax.sharding`)."""
     module_cls, _ = _FAMILIES[config.family]
-    return module_cls(config, dtype=dtype, axis_name=axis_name, **options)
+    return module_cls(
+        config,
+        dtype=dtype,
+        axis_name=axis_name,
+        kernels=kernels or KernelChoice(),
+        shards=shards,
+        split_experts=split_experts,
+    )
 
 
 def hf_sources(config: ModelConfig) -> list[ParamSource]:

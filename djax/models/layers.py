@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import ModelConfig
-from djax.models import (
+from djax.kernels import (
     flash_attention,
     residual_norm,
     residual_product,
@@ -32,32 +32,19 @@ from djax.models import (
     split_k,
     swiglu,
 )
-from djax.models.impls import (
-    MATMUL_IMPLS,
-    MLP_IMPLS,
-    check_choice,
-    fuse_qkv_rope,
-    fuse_residual_norm,
-    residual_norm_form,
-    resolve_attention_impl,
-    resolve_matmul_impl,
-    resolve_mlp_impl,
-    resolve_norm_impl,
-    resolve_rope_impl,
-)
-from djax.models.residual_product import ScaledRows
-from djax.models.split_k import Partials, finish
+from djax.kernels.handoff import Partials, ScaledRows, finish
+from djax.models.kernel_choice import XLA_KERNELS, KernelChoice, Kernels
 
 Array = jax.Array
 LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, head_dim]
 
 
 def project(x: Array, w: Array, impl: str) -> Array | Partials:
-    """`x [..., k] @ w [k, ...]` -> [..., *w.shape[1:]]: XLA's einsum, or the split-K
-    kernel's `Partials` under `matmul_impl` (`resolve_matmul_impl`)."""
+    """`x [..., k] @ w [k, ...]` -> [..., *w.shape[1:]]: XLA's einsum (`impl="xla"`), or
+    the split-K kernel's `Partials` (`"pallas"`)."""
     k, out_shape = w.shape[0], w.shape[1:]
     flat = w.reshape(k, -1)
-    if resolve_matmul_impl(impl, x.size // k, k, flat.shape[1], x.dtype) == "xla":
+    if impl == "xla":
         return jnp.einsum("...k,kn->...n", x, flat).reshape(x.shape[:-1] + out_shape)
     y = split_k.matmul_partials(x, flat)  # Pallas's interpreter off GPUs (for tests)
     return Partials(y.parts.reshape(y.parts.shape[:-1] + out_shape), y.dtype)
@@ -66,8 +53,8 @@ def project(x: Array, w: Array, impl: str) -> Array | Partials:
 @dataclasses.dataclass(frozen=True)
 class Product:
     """A block layer's attention-output or down product `x [..., k] @ w [k, n]`, left for the
-    residual norm after it to run with the residual add (`fuse_residual_norm`), in its
-    epilogue or right after it (`residual_norm_form`)."""
+    residual norm after it to run with the residual add, in its epilogue (`fused`) or right
+    after it (`tiled`; `Kernels.norm_into_mlp`, `Kernels.norm_into_attention`)."""
 
     x: Array
     w: Array
@@ -204,30 +191,31 @@ def _attend_cudnn(q: Array, keys: Array, values: Array, key_valid: Array) -> Arr
 
 class RMSNorm(nn.Module):
     """RMSNorm with a learned scale (param `scale` [width]). `norm(x)` normalises x;
-    `norm(y, residual=x)` adds first and returns `(x + y, norm(x + y))`, the pair between
-    a decoder layer's blocks, in one kernel under `impl="pallas"` (`resolve_norm_impl`).
+    `norm(y, residual=x, impl=...)` adds first and returns `(x + y, norm(x + y))`, the pair
+    between a decoder layer's blocks, in XLA (`impl="xla"`) or in one kernel (`"pallas"`).
     `y` may be a split-K product's `Partials`, or a `Product` still to run: then the add
-    runs in the product's kernel (`residual_product`) or in a tiled kernel after the
-    split-K product (`residual_norm.add_scaled`), as `residual_norm_form` says, and the
-    norm is returned as `ScaledRows` for the next product's kernel to apply."""
+    runs in the product's kernel (`impl="fused"`, `residual_product`) or in a tiled kernel
+    after the split-K product (`"tiled"`, `residual_norm.add_scaled`), and the norm is
+    returned as `ScaledRows` for the next product's kernel to apply."""
 
     eps: float
     dtype: Any
-    impl: str = "xla"
 
     @nn.compact
     def __call__(
-        self, x: Array | Partials | Product, residual: Array | None = None
+        self, x: Array | Partials | Product, residual: Array | None = None, impl: str = "xla"
     ) -> Array | tuple[Array, Array | ScaledRows]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if isinstance(x, Product):
-            if residual_norm_form(self.impl) == "fused":
+            if impl == "fused":
                 return residual_product.residual_product(x.x, x.w, residual, scale, self.eps)
+            if impl != "tiled":
+                raise ValueError(f"RMSNorm: a Product needs impl 'fused' or 'tiled'; got {impl!r}")
             y = split_k.matmul_partials(x.x, x.w)
             return residual_norm.add_scaled(residual, y, scale, self.eps)
         if residual is None:
             return rms_norm(finish(x), scale, self.eps)
-        if resolve_norm_impl(self.impl, x.dtype) == "pallas":
+        if impl == "pallas":
             return residual_norm.add_rms_norm(residual, x, scale, self.eps)
         h = residual + finish(x)
         return h, rms_norm(h, scale, self.eps)
@@ -256,10 +244,7 @@ class Attention(nn.Module):
     config: ModelConfig
     dtype: Any
     axis_name: str | None = None
-    attention_impl: str = "auto"
     shards: int = 1
-    rope_impl: str = "auto"
-    matmul_impl: str = "auto"
 
     @nn.compact
     def __call__(
@@ -270,14 +255,17 @@ class Attention(nn.Module):
         kv: LayerKV | None,
         window: Window,
         query_rows: tuple[Any, int] | None = None,
+        kernels: Kernels = XLA_KERNELS,
+        out_impl: str = "xla",
         defer_output: bool = False,
     ) -> tuple[Array | Partials | Product, LayerKV]:
         """x: [b, W, model] normed window rows (`ScaledRows` only where the q/k/v product
-        runs in the RoPE kernel) -> the attention output [b, W, model] (or `Partials`, or
-        with `defer_output` the output `Product` still to run) and the layer's K/V with the
-        window's written. `query_rows=(start, n)`: attend and project only window rows
-        `[start, start + n)` (every row's K/V is still written); the output is then
-        [b, n, model]."""
+        runs in the RoPE kernel, `kernels.qkv == "rope"`) -> the attention output [b, W,
+        model] (or `Partials`, or with `defer_output` the output `Product` still to run) and
+        the layer's K/V with the window's written. `query_rows=(start, n)`: attend and
+        project only window rows `[start, start + n)` (every row's K/V is still written);
+        the output is then [b, n, model]. `kernels` chooses the q/k/v, RoPE and attention
+        paths, `out_impl` the output product's (`xla` or `pallas`)."""
         cfg = self.config
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
@@ -296,34 +284,30 @@ class Attention(nn.Module):
                 NormScale(self.dtype, name=name)(cfg.head_dim) for name in ("q_norm", "k_norm")
             )
         ops = rope_write.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
-        rope_impl = resolve_rope_impl(self.rope_impl, cfg.head_dim, cfg.rope_dim, x.dtype)
-        if rope_impl == "pallas":  # Pallas's interpreter off GPUs (for tests)
+        if kernels.rope == "pallas":  # Pallas's interpreter off GPUs (for tests)
             cos, sin, bounds = self._rope_inputs(positions, window, x.shape[1])
-        if fuse_qkv_rope(
-            self.matmul_impl, rope_impl, x.shape, qkv_kernel.shape, cfg.rope_dim, x.dtype
-        ):
+        if kernels.qkv == "rope":
             q, keys, values = rope_write.project_rope_and_write(
                 x, qkv_kernel, cos, sin, kv, bounds, scales, ops
             )
         elif isinstance(x, ScaledRows):
             raise ValueError("Attention: ScaledRows need the q/k/v product in the RoPE kernel")
-        elif rope_impl == "pallas":
-            qkv = project(x, qkv_kernel, self.matmul_impl)  # [b, t, kv, group + 2, d]
+        elif kernels.rope == "pallas":
+            qkv = project(x, qkv_kernel, kernels.qkv)  # [b, t, kv, group + 2, d]
             q, keys, values = rope_write.rope_and_write(qkv, cos, sin, kv, bounds, scales, ops)
         else:
-            qkv = finish(project(x, qkv_kernel, self.matmul_impl))
+            qkv = finish(project(x, qkv_kernel, kernels.qkv))
             q, keys, values = rope_and_write_xla(
                 qkv, positions, kv, window, scales, ops, cfg.rope_theta, cfg.rope_dim
             )
         if query_rows is not None:
             q = jax.lax.dynamic_slice_in_dim(q, query_rows[0], query_rows[1], axis=1)
-        impl = resolve_attention_impl(self.attention_impl, cfg.head_dim, q.dtype)
-        out = attend(q, keys, values, key_valid, impl)
+        out = attend(q, keys, values, key_valid, kernels.attention)
         b, t = out.shape[:2]
         out, out_kernel = out.reshape(b, t, -1), out_kernel.reshape(-1, cfg.d_model)
         if defer_output:
             return Product(out, out_kernel), (keys, values)
-        y = project(out, out_kernel, self.matmul_impl)
+        y = project(out, out_kernel, out_impl)
         return _sum_over(y, self.axis_name), (keys, values)
 
     def _rope_inputs(self, positions, window, t):
@@ -345,18 +329,17 @@ def swiglu_xla(x: Array, gate_up: Array) -> Array:
 
 class GatedMLP(nn.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))` with gate and up fused as [model, 2, hidden];
-    `mlp_impl` chooses how the gate/up product and activation run (`resolve_mlp_impl`)."""
+    the call's `kernels` choose how the gate/up path (`mlp`) and the down product (`down`)
+    run."""
 
     hidden: int
     dtype: Any
     axis_name: str | None = None
     shards: int = 1
-    mlp_impl: str = "auto"
-    matmul_impl: str = "auto"  # of the down product (see resolve_matmul_impl)
 
     @nn.compact
     def __call__(
-        self, x: Array | ScaledRows, defer_down: bool = False
+        self, x: Array | ScaledRows, kernels: Kernels = XLA_KERNELS, defer_down: bool = False
     ) -> Array | Partials | Product:
         """x: [b, t, model] normed rows (`ScaledRows` only where the gate/up product takes
         djax's kernel) -> [b, t, model] (or `Partials`, or with `defer_down` the down
@@ -364,8 +347,7 @@ class GatedMLP(nn.Module):
         (b, t, d_model), hidden = x.shape, self.hidden // self.shards
         gate_up = self.param("gate_up", init_normal(), (d_model, 2, hidden), self.dtype)
         down = self.param("down", init_normal(), (hidden, d_model), self.dtype)
-        if resolve_mlp_impl(self.mlp_impl, b * t, d_model, hidden, x.dtype) == "pallas":
-            # Pallas's interpreter off GPUs (for tests)
+        if kernels.mlp == "pallas":  # Pallas's interpreter off GPUs (for tests)
             act = swiglu.swiglu_matmul(x.reshape(b * t, d_model), gate_up).reshape(b, t, hidden)
         elif isinstance(x, ScaledRows):
             raise ValueError("GatedMLP: ScaledRows need the gate/up product in djax's kernel")
@@ -373,7 +355,7 @@ class GatedMLP(nn.Module):
             act = swiglu_xla(x, gate_up)
         if defer_down:
             return Product(act, down)
-        return _sum_over(project(act, down, self.matmul_impl), self.axis_name)
+        return _sum_over(project(act, down, kernels.down), self.axis_name)
 
 
 def _sum_over(x: Array | Partials, axis_name: str | None) -> Array | Partials:
@@ -384,6 +366,8 @@ def _sum_over(x: Array | Partials, axis_name: str | None) -> Array | Partials:
 class TransformerLM(nn.Module):
     """Embedding, pre-norm decoder layers (unrolled: one set of weights per layer), final
     norm and output head. Subclasses choose each layer's feed-forward (`feed_forward`).
+    `kernels` is the resolved kernel choice (`kernel_choice.resolve`; XLA's paths by
+    default) the forwards follow.
 
     Param tree: `embed.embedding` [vocab, model], `layers_{i}.{attn_norm, attn, ff_norm,
     ff}`, `final_norm.scale`, `lm_head.kernel` [model, vocab].
@@ -392,12 +376,7 @@ class TransformerLM(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     axis_name: str | None = None
-    attention_impl: str = "auto"
-    mlp_impl: str = "auto"  # gate/up path of SwiGLU MLPs (see resolve_mlp_impl)
-    norm_impl: str = "auto"  # residual add + RMSNorm (see resolve_norm_impl)
-    rope_impl: str = "auto"  # q/k norm, RoPE and K/V writes (see resolve_rope_impl)
-    matmul_impl: str = "auto"  # q/k/v, attention-output and down products (resolve_matmul_impl)
-    moe_impl: str = "auto"  # expert path of MoE families (see llada_moe.MOE_IMPLS)
+    kernels: KernelChoice = KernelChoice()
     shards: int = 1  # size of the model-parallel mesh axis `axis_name`
     split_experts: bool = False  # MoE: experts split by expert (True) or by hidden unit
 
@@ -405,51 +384,33 @@ class TransformerLM(nn.Module):
         raise NotImplementedError
 
     def gated_mlp(self, layer: int) -> GatedMLP:
-        """Layer `layer`'s dense SwiGLU feed-forward of `config.mlp_hidden`, with the model's
-        options."""
+        """Layer `layer`'s dense SwiGLU feed-forward of `config.mlp_hidden`."""
         return GatedMLP(
             self.config.mlp_hidden,
             self.dtype,
             axis_name=self.axis_name,
             shards=self.shards,
-            mlp_impl=self.mlp_impl,
-            matmul_impl=self.matmul_impl,
             name=f"ff_{layer}",
         )
 
     def setup(self):
         cfg = self.config
-        # a bad name or dtype fails before any layer runs
-        resolve_attention_impl(self.attention_impl, cfg.head_dim, self.dtype)
-        check_choice("mlp_impl", self.mlp_impl, MLP_IMPLS)
-        check_choice("matmul_impl", self.matmul_impl, MATMUL_IMPLS)
-        resolve_norm_impl(self.norm_impl, self.dtype)
-        resolve_rope_impl(self.rope_impl, cfg.head_dim, cfg.rope_dim, self.dtype)
         self.embedding = self.param(
             "embed", init_normal(), (cfg.vocab_size, cfg.d_model), self.dtype
         )
-        eps, norm_impl = cfg.rms_norm_eps, self.norm_impl
+        eps = cfg.rms_norm_eps
         self.attn_norms = [
-            RMSNorm(eps, self.dtype, norm_impl, name=f"attn_norm_{i}") for i in range(cfg.n_layers)
+            RMSNorm(eps, self.dtype, name=f"attn_norm_{i}") for i in range(cfg.n_layers)
         ]
         self.attns = [
             Attention(
-                cfg,
-                self.dtype,
-                axis_name=self.axis_name,
-                attention_impl=self.attention_impl,
-                shards=self.shards,
-                rope_impl=self.rope_impl,
-                matmul_impl=self.matmul_impl,
-                name=f"attn_{i}",
+                cfg, self.dtype, axis_name=self.axis_name, shards=self.shards, name=f"attn_{i}"
             )
             for i in range(cfg.n_layers)
         ]
-        self.ff_norms = [
-            RMSNorm(eps, self.dtype, norm_impl, name=f"ff_norm_{i}") for i in range(cfg.n_layers)
-        ]
+        self.ff_norms = [RMSNorm(eps, self.dtype, name=f"ff_norm_{i}") for i in range(cfg.n_layers)]
         self.ffs = [self.feed_forward(i) for i in range(cfg.n_layers)]
-        self.final_norm = RMSNorm(eps, self.dtype, norm_impl, name="final_norm")
+        self.final_norm = RMSNorm(eps, self.dtype, name="final_norm")
         self.lm_head = self.param(
             "lm_head", init_normal(), (cfg.d_model, cfg.vocab_size // self.shards), self.dtype
         )
@@ -463,6 +424,7 @@ class TransformerLM(nn.Module):
         window: Window = Window(),
         hidden_start: Any = 0,
         hidden_len: int | None = None,
+        block_forward: bool = False,
     ) -> tuple[Array, tuple[LayerKV, ...]]:
         """Run the decoder stack on a window.
 
@@ -472,15 +434,21 @@ class TransformerLM(nn.Module):
         whole sequence. Returns final-norm hidden states [batch, hidden_len, model] from
         `hidden_start` (relative to the window) and the updated per-layer K/V. Only the
         last layer's K/V need every row, so its queries, attention output and feed-forward
-        run on those `hidden_len` rows alone (a refresh's block).
+        run on those `hidden_len` rows alone (a refresh's block). `block_forward`: the
+        forward takes `kernels.block`'s paths, else `kernels.refresh`'s.
         """
+        forward = self.kernels.block if block_forward else self.kernels.refresh
         new_kv = []
         n_layers = self.config.n_layers
         trim = hidden_len is not None and hidden_len != x.shape[1]
         normed = self.attn_norms[0](x)
         for i in range(n_layers):
             last_trimmed = trim and i == n_layers - 1
-            rows = x.shape[0] * (hidden_len if last_trimmed else x.shape[1])
+            layer = forward.layers
+            kept = forward.last if last_trimmed else layer  # the rows after attention
+            dense_ff = isinstance(self.ffs[i], GatedMLP)
+            into_mlp = kept.norm_into_mlp if dense_ff else "no"
+            into_attention = layer.norm_into_attention if dense_ff and i + 1 < n_layers else "no"
             with jax.named_scope(f"layer_{i}"):
                 with jax.named_scope("attention"):
                     attn_out, layer_kv = self.attns[i](
@@ -490,61 +458,24 @@ class TransformerLM(nn.Module):
                         None if kv is None else kv[i],
                         window,
                         (hidden_start, hidden_len) if last_trimmed else None,
-                        defer_output=self._norm_into_mlp(i, rows),
+                        kernels=layer,
+                        out_impl=kept.out,
+                        defer_output=into_mlp != "no",
                     )
                 if last_trimmed:
                     x = jax.lax.dynamic_slice_in_dim(x, hidden_start, hidden_len, axis=1)
-                h, normed = self.ff_norms[i](attn_out, residual=x)
+                impl = kept.norm if into_mlp == "no" else into_mlp
+                h, normed = self.ff_norms[i](attn_out, residual=x, impl=impl)
                 with jax.named_scope("mlp"):
-                    if self._norm_into_attention(i + 1, x.shape):
-                        mlp_out = self.ffs[i](normed, defer_down=True)
+                    if into_attention != "no":
+                        mlp_out = self.ffs[i](normed, kept, defer_down=True)
                     else:
-                        mlp_out = self.ffs[i](normed)
+                        mlp_out = self.ffs[i](normed, kept)
                 next_norm = self.attn_norms[i + 1] if i + 1 < n_layers else self.final_norm
-                x, normed = next_norm(mlp_out, residual=h)
+                impl = kept.norm if into_attention == "no" else into_attention
+                x, normed = next_norm(mlp_out, residual=h, impl=impl)
                 new_kv.append(layer_kv)
         return normed, tuple(new_kv)
-
-    def _norm_into_mlp(self, layer: int, rows: int) -> bool:
-        """Whether layer `layer`'s feed-forward norm runs inside its attention-output product
-        (the residual add) and its gate/up kernel (`fuse_residual_norm`)."""
-        cfg, ff = self.config, self.ffs[layer]
-        return (
-            isinstance(ff, GatedMLP)
-            and fuse_residual_norm(
-                self.norm_impl,
-                self.matmul_impl,
-                rows,
-                cfg.n_heads * cfg.head_dim,
-                cfg.d_model,
-                self.dtype,
-                self.axis_name is not None,
-            )
-            and resolve_mlp_impl(self.mlp_impl, rows, cfg.d_model, ff.hidden, self.dtype)
-            == "pallas"
-        )
-
-    def _norm_into_attention(self, layer: int, x_shape: tuple[int, ...]) -> bool:
-        """Whether the norm before layer `layer`'s attention runs inside the previous layer's
-        down product (the residual add) and this layer's q/k/v kernel; `x_shape` [b, t,
-        model] is the window's."""
-        cfg = self.config
-        if layer >= cfg.n_layers or not isinstance(self.ffs[layer - 1], GatedMLP):
-            return False
-        group = cfg.n_heads // cfg.n_kv_heads
-        qkv_shape = (cfg.d_model, cfg.n_kv_heads, group + 2, cfg.head_dim)
-        rope_impl = resolve_rope_impl(self.rope_impl, cfg.head_dim, cfg.rope_dim, self.dtype)
-        return fuse_residual_norm(
-            self.norm_impl,
-            self.matmul_impl,
-            x_shape[0] * x_shape[1],
-            self.ffs[layer - 1].hidden,
-            cfg.d_model,
-            self.dtype,
-            self.axis_name is not None,
-        ) and fuse_qkv_rope(
-            self.matmul_impl, rope_impl, x_shape, qkv_shape, cfg.rope_dim, self.dtype
-        )
 
     def embed(self, token_ids: Array) -> Array:
         """token_ids: [batch, t] -> embeddings [batch, t, model] in the compute dtype."""

@@ -5,9 +5,9 @@ Routing follows the LLaDA-MoE reference: router logits in fp32, softmax over all
 optional per-expert bias added to the probabilities, top-k of the (biased) probabilities
 as the weights, renormalised only when `norm_topk_prob`, cast to the activation dtype.
 Experts are stored stacked: `gate_up` [experts, model, 2, ffn], `down` [experts, ffn,
-model]. Three expert paths compute the same function (`moe_impl`): `grouped` sorts the
-token-expert pairs by expert and runs `jax.lax.ragged_dot`; `hopper` runs the same sorted
-pairs through JAX's Mosaic GPU grouped-matmul kernel (Hopper GPUs only); `dense` runs every
+model]. Three expert paths compute the same function (`Kernels.moe`): `grouped` sorts the
+token-expert pairs by expert and runs `jax.lax.ragged_dot`; `pallas` runs the same sorted
+pairs through djax's expert-tile kernels (`djax.kernels.expert_tiles`); `dense` runs every
 local expert on every token and weights the outputs (zero weight where not routed).
 
 HF layout: `model.embed_tokens`, `model.layers.{i}.self_attn.{q,k,v,o}_proj`,
@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import ModelConfig
-from djax.kernel_options import KERNEL_OPTIONS, check_choice
-from djax.models import expert_tiles, pallas_tiles
+from djax.kernels import expert_tiles
+from djax.kernels.handoff import finish
+from djax.models.kernel_choice import XLA_KERNELS, Kernels
 from djax.models.layers import GatedMLP, TransformerLM, _sum_over, init_normal
 from djax.models.sources import (
     Joined,
@@ -40,30 +41,12 @@ from djax.models.sources import (
     gate_up,
     transposed,
 )
-from djax.models.split_k import finish
 
 Array = jax.Array
-MOE_IMPLS = KERNEL_OPTIONS["moe_impl"].choices
-# `auto` runs `pallas` on GPUs (`expert_tiles_fit`); where it does not fit, `hopper` on Hopper
-# GPUs (LLaDA-MoE on an H200: 32-token block 5.5 ms, 384-token refresh 8.3 ms;
-# bench/results/forward_NVIDIA_H200_20261122_015632.json). Elsewhere it runs
-# the grouped path up to this many tokens per forward and the dense one above it: on the same
-# H200 a block took 6.7 ms grouped vs 9.6 ms dense, a refresh 57 ms grouped vs 15 ms dense,
-# because XLA lowers `ragged_dot` there to a dense cuBLAS matmul over every group.
-GROUPED_EXPERTS_MAX_TOKENS = 64
-# Tiles of `ragged_dot_hopper`: the fastest of bench/experts.py's set at 32, 384 and 1,280
-# tokens on an H200 (bench/results/experts_NVIDIA_H200_20261122_015220.json).
 # `sort_by_group` compares every pair of up to PAIRWISE_SORT_MAX items at once (a block's
 # and a refresh's pairs at batch 1); more it cuts into chunks of SORT_CHUNK items.
 PAIRWISE_SORT_MAX = 4096
 SORT_CHUNK = 512
-HOPPER_TILES = {
-    "block_m": 64,
-    "block_n": 256,
-    "block_k": 64,
-    "max_concurrent_steps": 4,
-    "grid_block_n": 1,
-}
 
 
 def route(
@@ -101,36 +84,6 @@ def experts_dense(
     return jnp.einsum("nem,ne->nm", y, combine)
 
 
-@jax.jit
-def ragged_dot_hopper(lhs: Array, rhs: Array, group_sizes: Array) -> Array:
-    """`jax.lax.ragged_dot` through JAX's Mosaic GPU grouped-matmul kernel for Hopper
-    (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`): each tile of rows reads only its
-    own group's weights. lhs: [rows, k]; rhs: [groups, k, n]; group_sizes: [groups].
-    Rows past sum(group_sizes) are left unwritten (the caller masks them).
-
-    Jitted so that every layer calls one lowered kernel per shape: lowering the kernel at
-    each call site instead cost ~2 minutes of compile time for a LLaDA-MoE generation."""
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    return ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, **HOPPER_TILES)
-
-
-def hopper_kernel_fits(dtype: Any, d_model: int, ffn: int, pairs: int) -> bool:
-    """Whether `ragged_dot_hopper` can run these expert matmuls on this backend: a Hopper
-    GPU (compute capability 9.x), 16-bit weights, every contracted and output width a whole
-    number of tiles, and at least one whole row tile of token-expert `pairs` (the sizes the
-    kernel was measured at; fewer pairs take the other paths)."""
-    devices = jax.devices()
-    hopper = devices[0].platform == "gpu" and all(
-        str(getattr(d, "compute_capability", "")).startswith("9.") for d in devices
-    )
-    tile_k, tile_n = HOPPER_TILES["block_k"], HOPPER_TILES["block_n"]
-    widths_fit = d_model % tile_k == 0 and ffn % tile_k == 0
-    widths_fit = widths_fit and d_model % tile_n == 0 and (2 * ffn) % tile_n == 0
-    enough_rows = pairs >= HOPPER_TILES["block_m"]
-    return hopper and jnp.dtype(dtype).itemsize == 2 and widths_fit and enough_rows
-
-
 def sort_by_group(group: Array, n_groups: int) -> tuple[Array, Array, Array]:
     """A stable sort of items by a small integer key, without a sort kernel.
 
@@ -142,9 +95,7 @@ def sort_by_group(group: Array, n_groups: int) -> tuple[Array, Array, Array]:
     the earlier ones of its own key. Up to PAIRWISE_SORT_MAX items every pair is compared
     (p² work). More items are cut into chunks of SORT_CHUNK: inside its chunk an item is
     compared with every other, and the other chunks count by key ([chunks, keys] counts).
-    On an H200 (`experts_…_20261123_194012`), XLA's sort and its inverse took 7.1 µs at
-    256 items (a LLaDA-MoE block's pairs), 33.2 at 3,072 (a refresh's) and 60.9 at 10,240;
-    every pair compared 3.7, 10.4 and 64.4; 512-item chunks 3.7, 13.7 and 12.2.
+    Either is faster than XLA's sort and its inverse at a generation's sizes.
     """
     p = group.shape[0]
     chunk = p if p <= PAIRWISE_SORT_MAX else SORT_CHUNK
@@ -164,32 +115,24 @@ def sort_by_group(group: Array, n_groups: int) -> tuple[Array, Array, Array]:
         rank = rank + other_lower + jnp.take_along_axis(in_earlier_chunks, keys, axis=1)
     rank = rank.reshape(-1)[:p]
     order = jnp.zeros_like(rank).at[rank].set(jnp.arange(p), unique_indices=True)
-    # Counted on their own, not sliced from `counts`: XLA can hand a slice to the Hopper
-    # kernel as an offset into the larger buffer, and the kernel needs its group sizes
-    # 256-byte aligned.
     sizes = jnp.sum(group[:, None] == jnp.arange(n_groups), axis=0, dtype=jnp.int32)
     return order, rank, sizes
 
 
 def ragged_mlp(
-    x: Array,
-    source_rows: Array,
-    gate_up: Array,
-    down: Array,
-    group_sizes: Array,
-    ragged_dot: Callable[[Array, Array, Array], Array] = jax.lax.ragged_dot,
+    x: Array, source_rows: Array, gate_up: Array, down: Array, group_sizes: Array
 ) -> Array:
     """The experts' SwiGLU MLP on the rows `x[source_rows]` (sorted by expert), as two
-    grouped matmuls (`ragged_dot`) with the activation between them.
+    grouped matmuls (`jax.lax.ragged_dot`) with the activation between them.
 
     x: [tokens, model]; source_rows: [pairs] int32; gate_up: [experts, model, 2, ffn];
     down: [experts, ffn, model]; group_sizes: [experts] int32. Returns [pairs, model]; rows
     past sum(group_sizes) may hold anything.
     """
     n_local, d_model, _, ffn = gate_up.shape
-    h = ragged_dot(x[source_rows], gate_up.reshape(n_local, d_model, 2 * ffn), group_sizes)
+    h = jax.lax.ragged_dot(x[source_rows], gate_up.reshape(n_local, d_model, 2 * ffn), group_sizes)
     act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]
-    return ragged_dot(act, down, group_sizes)
+    return jax.lax.ragged_dot(act, down, group_sizes)
 
 
 def experts_grouped(
@@ -215,44 +158,13 @@ def experts_grouped(
     sort_key = jnp.where(is_local, local, n_local).reshape(-1)
     order, rank, group_sizes = sort_by_group(sort_key, n_local)
     # The way back is a gather through `rank`: XLA's scatter-adds (a bincount, an
-    # `.at[token].add`) took ~7% of a LLaDA-MoE generation on an H200.
+    # `.at[token].add`) are slower.
     y = mlp(x, order // top_k, gate_up, down, group_sizes)[rank].reshape(n, top_k, d_model)
     y = jnp.where(is_local[..., None], y, 0)  # rows outside every group may hold anything
     pair_weight = jnp.where(is_local, weights, 0.0).astype(x.dtype)
     return jnp.einsum("nk,nkm->nm", pair_weight, y, preferred_element_type=jnp.float32).astype(
         x.dtype
     )
-
-
-def expert_tiles_fit(dtype: Any, d_model: int, ffn: int) -> bool:
-    """Whether `auto` takes djax's expert-tile kernels (`expert_tiles`): on GPUs with 16-bit
-    weights and model and expert widths that are multiples of 16. On an H200 with 64
-    experts, top-8 and uniformly random routing they took 0.227, 0.279, 0.551 and 1.315 ms
-    per layer at 32, 384, 1,280 and 4,096 tokens, where the Hopper kernel's best tiles took
-    0.258, 0.311, 0.554 and 1.273; and where a block's tokens reach few experts they read
-    only those, while the Hopper kernel's grid does the same work whatever the routing
-    (bench/NOTES.md)."""
-    return (
-        jax.default_backend() == "gpu"
-        and jnp.dtype(dtype).itemsize == 2
-        and pallas_tiles.matmul_fits(d_model, ffn)
-    )
-
-
-def choose_moe_impl(
-    impl: str, n_tokens: int, hopper_fits: bool = False, tiles_fit: bool = False
-) -> str:
-    """The expert path for `n_tokens` tokens: `impl` itself unless it is `auto`, which takes
-    `pallas` where `expert_tiles_fit` says so (`tiles_fit`), else `hopper` where that kernel
-    fits, else `grouped` up to GROUPED_EXPERTS_MAX_TOKENS tokens and `dense` above."""
-    check_choice("moe_impl", impl, MOE_IMPLS)
-    if impl != "auto":
-        return impl
-    if tiles_fit:
-        return "pallas"
-    if hopper_fits:
-        return "hopper"
-    return "grouped" if n_tokens <= GROUPED_EXPERTS_MAX_TOKENS else "dense"
 
 
 class MoEBlock(nn.Module):
@@ -266,14 +178,13 @@ class MoEBlock(nn.Module):
     config: ModelConfig
     dtype: Any
     axis_name: str | None = None
-    moe_impl: str = "auto"
     shards: int = 1
     split_experts: bool = False
-    mlp_impl: str = "auto"  # of the shared expert
-    matmul_impl: str = "auto"  # of the shared expert's down product
 
     @nn.compact
-    def __call__(self, x: Array) -> Array:
+    def __call__(self, x: Array, kernels: Kernels = XLA_KERNELS) -> Array:
+        """x: [b, t, model] normed rows -> [b, t, model]; `kernels.moe` chooses the expert
+        path, `kernels.mlp` and `kernels.down` the shared expert's."""
         cfg = self.config
         e, m, f = cfg.n_experts, cfg.d_model, cfg.expert_hidden
         local_e = e // self.shards if self.split_experts else e
@@ -291,32 +202,12 @@ class MoEBlock(nn.Module):
         with jax.named_scope("router"):
             weights, experts = route(flat, router, bias, cfg.experts_per_token, cfg.norm_topk_prob)
         first = 0 if local_e == e else jax.lax.axis_index(self.axis_name) * local_e
-        pairs = b * t * cfg.experts_per_token
-        hopper_fits = hopper_kernel_fits(self.dtype, m, local_f, pairs)
-        tiles_fit = expert_tiles_fit(self.dtype, m, local_f)
-        impl = choose_moe_impl(self.moe_impl, b * t, hopper_fits, tiles_fit)
-        if impl == "hopper" and not hopper_fits:
-            raise ValueError(
-                f"moe_impl='hopper' needs a Hopper GPU (compute capability 9.x), 16-bit "
-                f"weights, model and expert widths in whole tiles and at least block_m "
-                f"token-expert pairs (tiles {HOPPER_TILES}); got devices "
-                f"{jax.devices()[0].device_kind!r}, dtype {jnp.dtype(self.dtype).name}, "
-                f"model {m}, local expert ffn {local_f}, {pairs} pairs"
-            )
-        if impl == "pallas" and not pallas_tiles.matmul_fits(m, local_f):
-            raise ValueError(
-                f"moe_impl='pallas' takes model and local expert widths that are multiples "
-                f"of 16; got model {m}, local expert ffn {local_f}"
-            )
         run = {
             "dense": experts_dense,
             "grouped": experts_grouped,
-            "hopper": functools.partial(
-                experts_grouped, mlp=functools.partial(ragged_mlp, ragged_dot=ragged_dot_hopper)
-            ),
             "pallas": functools.partial(experts_grouped, mlp=expert_tiles.expert_mlp),
-        }[impl]
-        with jax.named_scope(f"experts_{impl}"):
+        }[kernels.moe]
+        with jax.named_scope(f"experts_{kernels.moe}"):
             y = run(flat, weights, experts, gate_up, down, first).reshape(b, t, m)
         y = _sum_over(y, self.axis_name)
         if cfg.shared_expert_hidden:
@@ -325,11 +216,9 @@ class MoEBlock(nn.Module):
                 self.dtype,
                 axis_name=self.axis_name,
                 shards=self.shards,
-                mlp_impl=self.mlp_impl,
-                matmul_impl=self.matmul_impl,
                 name="shared",
             )
-            y = y + finish(shared(x))
+            y = y + finish(shared(x, kernels))
         return y
 
 
@@ -344,11 +233,8 @@ class LLaDAMoE(TransformerLM):
                 cfg,
                 self.dtype,
                 axis_name=self.axis_name,
-                moe_impl=self.moe_impl,
                 shards=self.shards,
                 split_experts=self.split_experts,
-                mlp_impl=self.mlp_impl,
-                matmul_impl=self.matmul_impl,
                 name=name,
             )
         return self.gated_mlp(layer)

@@ -1,13 +1,13 @@
 """The residual add and the RMSNorm after it, in one Pallas Triton kernel: djax's GPU path
 for the `h = x + y; rms_norm(h)` pairs between the blocks of a decoder layer.
 
-In a 32-token LLaDA-8B block forward XLA runs each pair as two kernels (the add, 2.4 µs on
-an H200, and the norm, 1.8-1.9 µs, which recomputes the add), twice per layer. Both are far
-too small to be limited by memory (256 KB per operand): they are launch- and latency-bound,
-so one kernel that writes `h` and the normed rows together takes about the time of one.
+In a block forward XLA runs each pair as two kernels (the add, and the norm, which
+recomputes the add), twice per layer. At block rows both are far too small to be limited by
+memory: they are launch- and latency-bound, so one kernel that writes `h` and the normed
+rows together takes about the time of one.
 Each program normalises one row across the whole model dim.
 
-`y` may come as a split-K matmul's fp32 partial products (`split_k.Partials`): the kernel
+`y` may come as a split-K matmul's fp32 partial products (`handoff.Partials`): the kernel
 adds them and rounds to the activation dtype first, as `Partials.total()` would, so XLA's
 separate reduction kernel is not needed.
 
@@ -15,8 +15,8 @@ Semantics are `layers.rms_norm`'s: the sum in the activation dtype, the norm in 
 back, then times the scale in the activation dtype.
 
 `add_scaled` does the add alone, tiled over columns, and leaves the norm to the next
-product's kernel (`residual_product.ScaledRows`): no program needs a whole row, so it
-spreads over many more programs (`norm_impl="tiled"`, bench/NOTES.md).
+product's kernel (`handoff.ScaledRows`): no program needs a whole row, so it spreads over
+many more programs (`norm_impl="tiled"`).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.models import pallas_tiles
-from djax.models.residual_product import ScaledRows, store_scaled_rows
-from djax.models.split_k import Partials, add_slices
+from djax.kernels import tiles as tiling
+from djax.kernels.handoff import Partials, ScaledRows, add_slices, store_scaled_rows
 
 Array = jax.Array
 
@@ -70,9 +69,8 @@ def add_rms_norm(
     """`h = x + y` and `rms_norm(h, scale, eps)` in one kernel.
 
     x: [..., d]; y: [..., d] in x's dtype, or `Partials` of that shape and dtype; scale:
-    [d]. Returns (h, normed), both shaped and typed like x. `num_warps` per row: 16 took
-    3.23 and 3.44 µs after LLaDA-8B's 4-slice output and down products at block rows on an
-    H200, 4 warps 3.40 and 3.62 (bench.split_k). `interpret`: run in Pallas's interpreter
+    [d]. Returns (h, normed), both shaped and typed like x. `num_warps`: per row (one
+    program each). `interpret`: run in Pallas's interpreter
     (default: exactly off GPUs, as the CPU tests do).
     """
     from jax.experimental.pallas import triton as plgpu
@@ -91,7 +89,7 @@ def add_rms_norm(
         out_shape=[out, out],
         grid=(rows.shape[0],),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=pallas_tiles.interpret_mode(interpret),
+        interpret=tiling.interpret_mode(interpret),
         name="add_rms_norm",
     )(rows, parts.reshape(parts.shape[0], -1, d), scale)
     return h.reshape(x.shape), normed.reshape(x.shape)
@@ -139,21 +137,18 @@ def add_scaled(
     x: [..., d]; y: [..., d] in x's dtype, or `Partials` of that shape and dtype (summed and
     rounded first, as `Partials.total()` does); scale: [d], the norm's learned scale, and
     `eps` its epsilon. Returns (h, ScaledRows), h shaped and typed like x. `block_n`:
-    columns per program (default: the largest power of two up to 32 dividing d); with 32
-    columns and 8 warps it took 1.92 and 2.13 µs after LLaDA-8B's 4-slice output and down
-    products at block rows on an H200, where `add_rms_norm` took 3.25 and 3.42
-    (bench.split_k --scaled).
+    columns per program (default: the largest power of two up to 32 dividing d).
     """
     from jax.experimental.pallas import triton as plgpu
 
     d = x.shape[-1]
-    block_n = block_n or pallas_tiles.largest_block(d, 32)
+    block_n = block_n or tiling.largest_block(d, 32)
     parts = y.parts if isinstance(y, Partials) else y[None]
     if (
         parts.shape[1:] != x.shape
         or y.dtype != x.dtype
         or scale.shape != (d,)
-        or not pallas_tiles.is_block(block_n)
+        or not tiling.is_block(block_n)
         or d % block_n
     ):
         raise ValueError(
@@ -163,14 +158,14 @@ def add_scaled(
         )
     rows = x.reshape(-1, d)
     m = rows.shape[0]
-    block_m = pallas_tiles.row_block(m)
+    block_m = tiling.row_block(m)
     out = jax.ShapeDtypeStruct((m, d), x.dtype)
     h, scaled, squares = pl.pallas_call(
         functools.partial(_scaled_kernel, block_m=block_m, block_n=block_n),
         out_shape=[out, out, jax.ShapeDtypeStruct((d // block_n, m), jnp.float32)],
         grid=(pl.cdiv(m, block_m), d // block_n),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=pallas_tiles.interpret_mode(interpret),
+        interpret=tiling.interpret_mode(interpret),
         name="add_scaled",
     )(rows, parts.reshape(parts.shape[0], m, d), scale)
     lead = x.shape[:-1]

@@ -1,16 +1,15 @@
 """The SwiGLU gate/up product for few rows with its activation fused, as a Pallas Triton
 kernel: djax's GPU path for the first MLP matmul of a denoising block forward.
 
-In a 32-token LLaDA-8B block forward XLA runs the fused gate/up matmul (50.3 µs on an H200)
-and then a separate kernel for `silu(gate) * up` (2.6 µs). This kernel reads the gate and up
-columns of the `[model, 2, hidden]` weight side by side into two fp32 accumulators and
-writes `silu(gate) * up` directly: 48.7 µs for both on an H200 (bench/NOTES.md). Each
+In a block forward XLA runs the fused gate/up matmul and then a separate kernel for
+`silu(gate) * up`. This kernel reads the gate and up columns of the `[model, 2, hidden]`
+weight side by side into two fp32 accumulators and writes `silu(gate) * up` directly. Each
 program owns a `block_m x block_n` tile of the output and loops over the model dim in
 `block_k` steps, Triton pipelining the weight loads over `num_stages`.
 
-Normalising the `x` tile in registers before the product did not pay (bench/NOTES.md): it
-stops Triton's load pipelining. Given `ScaledRows` (rows already multiplied by the norm's
-scale, `residual_product`) the kernel applies the RMSNorm after the product instead, as
+The `x` tile is never normalised in registers before the product: that stops Triton's load
+pipelining. Given `ScaledRows` (rows already multiplied by the norm's scale,
+`handoff.ScaledRows`) the kernel applies the RMSNorm after the product instead, as
 one scale per accumulator row.
 """
 
@@ -22,28 +21,23 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.models import pallas_tiles
-from djax.models.residual_product import ScaledRows, load_inv_rms
+from djax.kernels import tiles as tiling
+from djax.kernels.handoff import ScaledRows, load_inv_rms
 
 Array = jax.Array
-# Row counts up to this take the kernel under `auto`: whole generations were measured with
-# 32 rows (a block of one sequence). At 64 rows the kernel alone was still faster (50.6 µs
-# against XLA's 52.8) but no batched generation has been measured with it yet.
-MAX_ROWS = 32
 
 
 # The program shape: `block_n` columns of gate and of up
-Tiles = pallas_tiles.ProductTiles
+Tiles = tiling.ProductTiles
 
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:
-    """The measured best program shape (bench.matmul, H200, 32 rows x 4096 -> 2 x 12288):
-    128 columns of each side, 64-wide contraction steps, 4 warps, 4 stages (48.6 µs; 50.9 at
-    64 columns and 128-wide steps, 58.8-61.1 with 32 columns)."""
+    """128 columns of each side, 64-wide contraction steps, 4 warps, 4 stages: the fastest
+    program shape at a block's rows of LLaDA-8B's MLP."""
     return Tiles(
-        block_m=pallas_tiles.row_block(m),
-        block_n=pallas_tiles.largest_block(n, 128),
-        block_k=pallas_tiles.largest_block(k, 64),
+        block_m=tiling.row_block(m),
+        block_n=tiling.largest_block(n, 128),
+        block_k=tiling.largest_block(k, 64),
     )
 
 
@@ -98,7 +92,7 @@ def swiglu_matmul(
     eps = x.eps if isinstance(x, ScaledRows) else None
     m, k = inputs[0].shape
     n = w.shape[-1]
-    if w.shape[:2] != (k, 2) or not pallas_tiles.matmul_fits(k, n):
+    if w.shape[:2] != (k, 2) or not tiling.matmul_fits(k, n):
         raise ValueError(
             f"swiglu_matmul: x {x.shape}, w {w.shape}; expected w [{k}, 2, n] with {k} and n "
             "multiples of 16"
@@ -112,6 +106,6 @@ def swiglu_matmul(
         compiler_params=plgpu.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
         ),
-        interpret=pallas_tiles.interpret_mode(interpret),
+        interpret=tiling.interpret_mode(interpret),
         name="swiglu_matmul",
     )(*inputs)

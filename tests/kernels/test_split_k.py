@@ -1,5 +1,5 @@
 """The split-K matmul (run by Pallas's interpreter on the CPU) against an fp32 product, its
-partials summed by each consumer, its errors, `matmul_impl`'s choice, and whole generations
+partials summed by each consumer, its errors, and whole generations
 (alone, with the fused consumers, and under tensor parallelism)."""
 
 import jax
@@ -9,8 +9,9 @@ import pytest
 from conftest import needs_devices
 
 import djax
-from djax.models import impls, layers
-from djax.models.split_k import Tiles, finish, matmul_partials, tiles_for
+from djax.kernels.handoff import finish
+from djax.kernels.split_k import Tiles, matmul_partials, tiles_for
+from djax.models import kernel_choice, layers
 
 
 def _problem(shape, k, n, dtype=jnp.float32, seed=0):
@@ -76,41 +77,12 @@ def test_partials_consumers_sum_them():
     x, w = _problem((2, 5), 128, 64, seed=2)
     y = matmul_partials(x, w, tiles=Tiles(block_m=16, block_n=32, block_k=16, splits=4))
     residual = jax.random.normal(jax.random.key(3), (2, 5, 64))
-    norm = layers.RMSNorm(1e-5, jnp.float32, "pallas")
+    norm = layers.RMSNorm(1e-5, jnp.float32)
     params = norm.init(jax.random.key(0), residual)
-    ours = norm.apply(params, y, residual=residual)
-    ref = layers.RMSNorm(1e-5, jnp.float32, "xla").apply(params, y, residual=residual)
+    ours = norm.apply(params, y, residual=residual, impl="pallas")
+    ref = norm.apply(params, y, residual=residual, impl="xla")
     for a, b in zip(ours, ref, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-
-
-def test_auto_choice(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert impls.resolve_matmul_impl("auto", 32, 4096, 4096, jnp.bfloat16) == "xla"
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert impls.resolve_matmul_impl("auto", 32, 4096, 4096, jnp.bfloat16) == "pallas"
-    assert impls.resolve_matmul_impl("auto", 384, 4096, 4096, jnp.bfloat16) == "xla"
-    assert impls.resolve_matmul_impl("auto", 32, 4096, 4096, jnp.float32) == "xla"
-    assert impls.resolve_matmul_impl("auto", 32, 4096, 1000, jnp.bfloat16) == "xla"
-    assert impls.resolve_matmul_impl("pallas", 384, 4096, 4096, jnp.float32) == "pallas"
-    block, w = (1, 32, 4096), (4096, 32, 3, 128)  # LLaDA-8B's q/k/v product at a block
-    assert impls.fuse_qkv_rope("auto", "pallas", block, w, 128, jnp.bfloat16)
-    assert not impls.fuse_qkv_rope("auto", "xla", block, w, 128, jnp.bfloat16)
-    assert not impls.fuse_qkv_rope("xla", "pallas", block, w, 128, jnp.bfloat16)
-    assert not impls.fuse_qkv_rope("auto", "pallas", (1, 384, 4096), w, 128, jnp.bfloat16)
-    forced = ("pallas", "pallas")  # the split-K product at any row count, but not fused:
-    assert not impls.fuse_qkv_rope(*forced, (1, 64, 4096), w, 128, jnp.bfloat16)  # long window
-    assert not impls.fuse_qkv_rope(*forced, (4, 16, 4096), w, 128, jnp.bfloat16)  # 64 rows
-    tp4 = (4096, 8, 3, 128)  # LLaDA-8B's heads over 4 devices: 24 programs
-    assert not impls.fuse_qkv_rope("auto", "pallas", block, tp4, 128, jnp.bfloat16)
-    small = (4096, 16, 3, 32)  # heads of 32 with rotary 16: halves of 8, no matmul tile
-    assert impls.fuse_qkv_rope("auto", "pallas", block, small, 32, jnp.bfloat16)
-    assert not impls.fuse_qkv_rope("auto", "pallas", block, small, 16, jnp.bfloat16)
-
-
-def test_unknown_impl_fails_at_setup(dense_model):
-    with pytest.raises(ValueError, match=r"matmul_impl='fast'; expected one of \('auto'"):
-        djax.forward_logits(dense_model.with_options(matmul_impl="fast"), [[4, 5, 6]])
 
 
 XLA = {"matmul_impl": "xla", "norm_impl": "xla", "rope_impl": "xla"}
@@ -159,16 +131,11 @@ def test_compiled_kernel_on_gpu():
             assert err <= 1e-2, (m, k, n, err)
 
 
-def test_forced_pallas_names_the_misfit():
-    with pytest.raises(ValueError, match="matmul_impl='pallas'.*multiples of 16; got 40 -> 64"):
-        impls.resolve_matmul_impl("pallas", 32, 40, 64, jnp.bfloat16)
-
-
 def test_generation_with_several_slices(assert_same_generation, monkeypatch):
     """The tiny model's products are too short for `tiles_for` to split them: force two
     slices, so the norm and RoPE kernels add partials inside a generation."""
     from djax import engine
-    from djax.models import split_k
+    from djax.kernels import split_k
 
     shapes = []
 
@@ -215,8 +182,9 @@ def test_generation_with_qkv_product_in_rope_kernel(dense_model, moe_model, monk
     import dataclasses
 
     from djax import engine
+    from djax.kernels import rope_write
     from djax.model import Model
-    from djax.models import init_params, rope_write
+    from djax.models import init_params
 
     base = (dense_model if family == "dense" else moe_model).config
     kv_heads = 1 if family == "dense" else 2
@@ -230,7 +198,9 @@ def test_generation_with_qkv_product_in_rope_kernel(dense_model, moe_model, monk
         return fused(x, *args, **kwargs)
 
     monkeypatch.setattr(rope_write, "project_rope_and_write", spy)
-    monkeypatch.setattr(impls, "MIN_FUSED_PROGRAMS", 1)  # a speed rule; these have 4-8 heads
+    monkeypatch.setattr(
+        kernel_choice, "MIN_FUSED_PROGRAMS", 1
+    )  # a speed rule; these have 4-8 heads
     monkeypatch.setattr(engine, "_EXECUTABLES", {})  # programs traced before the spy
     jax.clear_caches()
     try:

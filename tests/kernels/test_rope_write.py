@@ -1,7 +1,6 @@
-"""The two Pallas kernels around the matmuls of a decoder layer (run by Pallas's interpreter
-on the CPU): the residual add with its RMSNorm (`residual_norm`) and the q/k norm, clip,
-RoPE and K/V buffer writes (`rope_write`), each against the XLA path it replaces; their
-errors, `norm_impl`/`rope_impl`'s choice, and whole generations."""
+"""The q/k norm, clip, RoPE and K/V buffer-write kernels (`rope_write`, run by Pallas's
+interpreter on the CPU), with and without the q/k/v product, against the XLA path they
+replace; their errors, and whole generations with them."""
 
 import jax
 import jax.numpy as jnp
@@ -9,36 +8,13 @@ import numpy as np
 import pytest
 
 import djax
-from djax.models import impls, layers
-from djax.models.residual_norm import add_rms_norm
-from djax.models.rope_write import HeadOps, project_rope_and_write, rope_and_write
-from djax.models.split_k import Partials
+from djax.kernels.handoff import Partials
+from djax.kernels.rope_write import HeadOps, project_rope_and_write, rope_and_write
+from djax.models import layers
 
 
 def _normal(seed, shape, dtype=jnp.float32, scale=1.0):
     return (jax.random.normal(jax.random.key(seed), shape) * scale).astype(dtype)
-
-
-@pytest.mark.parametrize("shape, dtype", [((2, 5, 48), jnp.float32), ((32, 256), jnp.bfloat16)])
-def test_add_rms_norm_matches_xla(shape, dtype):
-    x, y = _normal(0, shape, dtype), _normal(1, shape, dtype)
-    scale = _normal(2, shape[-1:], dtype, 0.1) + 1
-    h, normed = add_rms_norm(x, y, scale, 1e-5, interpret=True)
-    assert h.shape == normed.shape == shape and h.dtype == normed.dtype == dtype
-    np.testing.assert_array_equal(h, x + y)
-    np.testing.assert_allclose(
-        normed.astype(jnp.float32),
-        layers.rms_norm(x + y, scale, 1e-5).astype(jnp.float32),
-        rtol=1e-6 if dtype == jnp.float32 else 1e-2,
-    )
-
-
-def test_add_rms_norm_errors():
-    x = jnp.zeros((4, 32))
-    with pytest.raises(ValueError, match=r"expected y shaped and typed like x and scale \[32\]"):
-        add_rms_norm(x, jnp.zeros((4, 16)), jnp.ones(32), 1e-5, interpret=True)
-    with pytest.raises(ValueError, match=r"scale \(16,\)"):
-        add_rms_norm(x, x, jnp.ones(16), 1e-5, interpret=True)
 
 
 def _xla_rope_and_write(qkv, positions, buffers, window, rotary, scales, ops):
@@ -301,28 +277,6 @@ def test_project_rope_and_write_errors():
         project_rope_and_write(x, w, cos, sin, None, bounds, ops=ops, interpret=True)
 
 
-def test_auto_choice(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert impls.resolve_norm_impl("auto", jnp.bfloat16) == "xla"
-    assert impls.resolve_rope_impl("auto", 128, 128, jnp.bfloat16) == "xla"
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert impls.resolve_norm_impl("auto", jnp.bfloat16) == "pallas"
-    assert impls.resolve_norm_impl("auto", jnp.float32) == "xla"
-    assert impls.resolve_norm_impl("pallas", jnp.float32) == "pallas"
-    assert impls.resolve_rope_impl("auto", 128, 128, jnp.bfloat16) == "pallas"
-    assert impls.resolve_rope_impl("auto", 128, 64, jnp.bfloat16) == "pallas"  # partial RoPE
-    assert impls.resolve_rope_impl("auto", 96, 96, jnp.bfloat16) == "xla"  # halves of 48
-    assert impls.resolve_rope_impl("auto", 128, 128, jnp.float32) == "xla"
-    with pytest.raises(ValueError, match="rotary halves \\(48\\).*head_dim=96, rotary_dim=96"):
-        impls.resolve_rope_impl("pallas", 96, 96, jnp.bfloat16)
-
-
-@pytest.mark.parametrize("option", ["norm_impl", "rope_impl"])
-def test_unknown_impl_fails_at_setup(dense_model, option):
-    with pytest.raises(ValueError, match=rf"{option}='fast'; expected one of \('auto'"):
-        djax.forward_logits(dense_model.with_options(**{option: "fast"}), [[4, 5, 6]])
-
-
 @pytest.mark.parametrize("cache", ["dual", "vicinity", "prefix", "none"])
 def test_generation_tokens_unchanged(assert_same_generation, cache):
     xla = {"norm_impl": "xla", "rope_impl": "xla"}
@@ -341,15 +295,8 @@ def test_moe_generation_tokens_unchanged(moe_model):
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 def test_compiled_kernels_on_gpu():
-    """On a GPU: both Triton-compiled kernels at LLaDA-8B's block shapes (bf16, 32 rows, a
-    384-position buffer written at 128) and a refresh's 384 rows, against the XLA paths."""
-    for rows in (32, 384):
-        x, y = _normal(0, (1, rows, 4096), jnp.bfloat16), _normal(1, (1, rows, 4096), jnp.bfloat16)
-        scale = _normal(2, (4096,), jnp.bfloat16, 0.1) + 1
-        h, normed = add_rms_norm(x, y, scale, 1e-5)
-        np.testing.assert_array_equal(h, x + y)
-        ref = layers.rms_norm(x + y, scale, 1e-5).astype(jnp.float32)
-        assert float(jnp.abs(normed.astype(jnp.float32) - ref).max()) <= 0.05
+    """On a GPU: the Triton-compiled kernel at LLaDA-8B's block shapes (bf16, 32 rows, a
+    384-position buffer written at 128), against the XLA path."""
     for case in ("LLaDA-8B block, bf16", "LLaDA-MoE-like, bf16"):
         t, kv, group, d, rotary, s, window, ops, dtype = ROPE_CASES[case]
         qkv = _normal(0, (1, t, kv, group + 2, d), dtype, 3.0)

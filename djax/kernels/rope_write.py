@@ -2,19 +2,17 @@
 optional q/k RMSNorm and clip, RoPE on queries and keys, and the window's keys and values
 written into the K/V buffers in place.
 
-In a 32-token LLaDA-8B block forward XLA spends three kernels per layer here (RoPE as a
-concatenate fusion, 1.95 µs on an H200, then one dynamic-update-slice per buffer, 1.85 and
-1.92 µs), each moving well under a megabyte: the cost is launches and latency, not bytes
-(bench/NOTES.md). Here one program per (sequence, kv head, tile of window positions) reads
-that head's query, key and value rows once and writes all three results.
+In a block forward XLA spends three kernels per layer here (RoPE as a concatenate fusion,
+then one dynamic-update-slice per buffer), each moving well under a megabyte at block rows:
+the cost is launches and latency, not bytes. Here one program per (sequence, kv head, tile
+of window positions) reads that head's query, key and value rows once and writes all three
+results.
 
 The q/k/v product may come as a split-K matmul's fp32 partial products
-(`split_k.Partials`): the kernel adds them and rounds to the activation dtype first, as
+(`handoff.Partials`): the kernel adds them and rounds to the activation dtype first, as
 `Partials.total()` would. In a denoising block it can also run inside the kernel
 (`project_rope_and_write`): one program per (kv head, slot) computes that head's rows from
-the normed window, so the product never goes through memory and one launch is saved
-(LLaDA-8B on an H200: 27.7 µs per block layer where the product and this kernel took 26.5 +
-3.0; bench/NOTES.md).
+the normed window, so the product never goes through memory and one launch is saved.
 
 Semantics are those of `layers.Attention`'s XLA path: `rms_norm` with the q/k scales, the
 clip, rotate-half RoPE in fp32 from the given cos/sin tables, and buffer rows outside the
@@ -30,9 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.models import pallas_tiles
-from djax.models.residual_product import ScaledRows, load_inv_rms
-from djax.models.split_k import Partials, add_slices
+from djax.kernels import tiles as tiling
+from djax.kernels.handoff import Partials, ScaledRows, add_slices, load_inv_rms
 
 Array = jax.Array
 BLOCK_T = 32  # window positions per program
@@ -59,7 +56,7 @@ def _parts(head_dim: int, rotary_dim: int) -> tuple[tuple[int, int], ...]:
 def fits(head_dim: int, rotary_dim: int) -> bool:
     """Whether the kernel takes these heads: each part of a head (`_parts`) is a power of
     two wide, as Triton's tiles are."""
-    return all(pallas_tiles.is_power_of_two(size) for _, size in _parts(head_dim, rotary_dim))
+    return all(tiling.is_power_of_two(size) for _, size in _parts(head_dim, rotary_dim))
 
 
 def _finish(head, parts, ops: HeadOps, dtype, scale_ref=None):
@@ -191,7 +188,7 @@ def _run(kernel, grid, inputs, shape, dtype, buffers, num_warps, num_stages, int
             grid=grid,
             input_output_aliases=aliases,
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            interpret=pallas_tiles.interpret_mode(interpret),
+            interpret=tiling.interpret_mode(interpret),
             name=name,
         )(*inputs)
     )
@@ -258,7 +255,7 @@ def projection_fits(t: int, model: int, head_dim: int, rotary_dim: int) -> bool:
     return (
         t <= BLOCK_T
         and model % 16 == 0
-        and all(pallas_tiles.is_block(size) for _, size in _parts(head_dim, rotary_dim))
+        and all(tiling.is_block(size) for _, size in _parts(head_dim, rotary_dim))
     )
 
 
@@ -402,7 +399,7 @@ def project_rope_and_write(
         parts=_parts(d, rotary),
         group=group,
         buffered=buffers is not None,
-        block_k=pallas_tiles.largest_block(model, 128),
+        block_k=tiling.largest_block(model, 128),
         norm_eps=norm_eps,
     )
     shape = (b, t, kv_heads, group, d)

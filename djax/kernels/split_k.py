@@ -7,7 +7,7 @@ and the output alone has too few tiles to occupy every SM (4096 columns are 32 t
 on 132 SMs). Cutting the contraction into `splits` slices gives each SM its own stream of
 weight tiles; the slices' sums come back as `Partials`. XLA does the same with its own
 split-K GEMMs, but their reduction is a separate kernel whenever the consumer is a custom
-call, which cost djax's fused residual/norm and RoPE kernels their gain (bench/NOTES.md).
+call, which would cost djax's fused residual/norm and RoPE kernels their gain.
 Here the consumers (`residual_norm.add_rms_norm`, `rope_write.rope_and_write`) add the
 slices themselves, and `Partials.total()` does it for XLA paths.
 """
@@ -16,47 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.models import pallas_tiles
+from djax.kernels import tiles as tiling
+from djax.kernels.handoff import Partials
 
 Array = jax.Array
-# Row counts up to this take the kernel under `auto` (a block of one sequence).
-MAX_ROWS = 32
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Partials:
-    """Partial products of a split-K matmul: `parts` [splits, ..., n] fp32, whose sum,
-    rounded to `dtype`, is the product."""
-
-    parts: Array
-    dtype: Any = dataclasses.field(metadata={"static": True})
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The product's shape."""
-        return self.parts.shape[1:]
-
-    def total(self) -> Array:
-        """The product: [..., n] in `dtype`."""
-        return self.parts.sum(axis=0).astype(self.dtype)
-
-
-def add_slices(slices: list[Array], dtype) -> Array:
-    """Inside a consumer kernel: loaded fp32 slices of a product added and rounded to
-    `dtype` as `Partials.total()` does, then back in fp32 for the kernel's own math."""
-    return sum(slices[1:], slices[0]).astype(dtype).astype(jnp.float32)
-
-
-def finish(y: Array | Partials) -> Array:
-    """A product that may still be in partials, summed."""
-    return y.total() if isinstance(y, Partials) else y
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,18 +42,15 @@ class Tiles:
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:
     """Column tiles of up to 128 and the fewest contraction slices that give one wave of programs
-    (>= 96 on an H100/H200's 132 SMs); 128-wide steps when unsplit, else 64. The measured
-    best at LLaDA-8B's block products (bench.split_k, H200, L2-cold weights): q/k/v
-    (4096 -> 12288) unsplit with 128-wide steps, 26.2 µs against XLA's 30.8 (GEMM and its
-    split-K reduction); attention output (4096 -> 4096) and down (12288 -> 4096) in 4
-    slices of 64-wide steps, 14.1 and 29.7 µs with the residual add and norm summing the
-    partials, against XLA's 12.6 and 30.6 there."""
-    block_n = pallas_tiles.largest_block(n, 128)
+    (>= 96, for a GPU of ~132 SMs); 128-wide steps when unsplit, else 64. At LLaDA-8B's
+    block products this leaves q/k/v (4096 -> 12288) unsplit and cuts the attention output
+    (4096 -> 4096) and down (12288 -> 4096) products into 4 slices."""
+    block_n = tiling.largest_block(n, 128)
     splits = 1
     while (n // block_n) * splits < 96 and k % (splits * 2 * 64) == 0 and splits < 8:
         splits *= 2
-    block_k = pallas_tiles.largest_block(k // splits, 128 if splits == 1 else 64)
-    return Tiles(block_m=pallas_tiles.row_block(m), block_n=block_n, block_k=block_k, splits=splits)
+    block_k = tiling.largest_block(k // splits, 128 if splits == 1 else 64)
+    return Tiles(block_m=tiling.row_block(m), block_n=block_n, block_k=block_k, splits=splits)
 
 
 def _kernel(x_ref, w_ref, out_ref, *, tiles, steps, program=None):
@@ -123,7 +88,7 @@ def matmul_partials(
     from jax.experimental.pallas import triton as plgpu
 
     k, n = w.shape
-    if x.shape[-1] != k or not pallas_tiles.matmul_fits(k, n):
+    if x.shape[-1] != k or not tiling.matmul_fits(k, n):
         raise ValueError(
             f"matmul_partials: x {x.shape}, w {w.shape}; expected x [..., {k}] and k, n "
             "multiples of 16"
@@ -133,7 +98,7 @@ def matmul_partials(
     tiles = tiles or tiles_for(m, k, n)
     blocks = (tiles.block_m, tiles.block_n, tiles.block_k)
     if (
-        not all(map(pallas_tiles.is_block, blocks))
+        not all(map(tiling.is_block, blocks))
         or n % tiles.block_n
         or k % (tiles.splits * tiles.block_k)
     ):
@@ -149,7 +114,7 @@ def matmul_partials(
         compiler_params=plgpu.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
         ),
-        interpret=pallas_tiles.interpret_mode(interpret),
+        interpret=tiling.interpret_mode(interpret),
         name="matmul_partials",
     )(rows, w)
     return Partials(parts.reshape((tiles.splits, *x.shape[:-1], n)), x.dtype)

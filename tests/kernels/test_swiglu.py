@@ -1,13 +1,11 @@
 """The SwiGLU gate/up Pallas kernel (run by Pallas's interpreter on the CPU) against XLA's
-einsum and activation, its errors, `mlp_impl`'s choice, and whole generations."""
+einsum and activation, its errors, and whole generations."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-import djax
-from djax.models import impls
-from djax.models.swiglu import Tiles, swiglu_matmul
+from djax.kernels.swiglu import Tiles, swiglu_matmul
 
 
 def _problem(m, k, n, dtype=jnp.float32, seed=0):
@@ -58,24 +56,6 @@ def test_shape_and_tile_errors():
         swiglu_matmul(x, w, tiles=Tiles(block_n=64), interpret=True)
     with pytest.raises(ValueError, match="powers of two >= 16"):
         swiglu_matmul(x, w, tiles=Tiles(block_k=48), interpret=True)
-
-
-def test_auto_choice(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert impls.resolve_mlp_impl("auto", 32, 4096, 12288, jnp.bfloat16) == "xla"
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert impls.resolve_mlp_impl("auto", 32, 4096, 12288, jnp.bfloat16) == "pallas"
-    assert impls.resolve_mlp_impl("auto", 384, 4096, 12288, jnp.bfloat16) == "xla"  # a refresh
-    assert impls.resolve_mlp_impl("auto", 32, 4096, 12288, jnp.float32) == "xla"
-    assert impls.resolve_mlp_impl("auto", 32, 4096, 1000, jnp.bfloat16) == "xla"  # no fit
-    assert impls.resolve_mlp_impl("pallas", 384, 4096, 12288, jnp.float32) == "pallas"
-    with pytest.raises(ValueError, match="mlp_impl='pallas'.*multiples of 16; got 4096 -> 1000"):
-        impls.resolve_mlp_impl("pallas", 32, 4096, 1000, jnp.bfloat16)
-
-
-def test_unknown_impl_fails_at_setup(dense_model):
-    with pytest.raises(ValueError, match=r"mlp_impl='fast'; expected one of \('auto'"):
-        djax.forward_logits(dense_model.with_options(mlp_impl="fast"), [[4, 5, 6]])
 
 
 @pytest.mark.parametrize("cache", ["dual", "none"])

@@ -1,18 +1,16 @@
 """The routed experts' two products over token-expert pairs sorted by expert, as Pallas
 Triton kernels whose row tiles each belong to one expert: djax's GPU path for LLaDA-MoE's
-experts (`moe_impl="pallas"`, what `auto` takes on GPUs).
+experts (`moe_impl="pallas"`).
 
-JAX's Mosaic GPU grouped matmul (`llada_moe.ragged_dot_hopper`) cuts the sorted rows into
-fixed tiles of `block_m` rows; a tile that straddles two experts is computed once per
-expert, and its grid of `rows / block_m + experts - 1` row slots runs every slot's whole
-contraction, used or not. Here the tiles follow the experts instead: expert `e`'s `n_e`
+A grouped matmul over fixed tiles of `block_m` sorted rows computes a tile that straddles
+two experts once per expert, and its grid of `rows / block_m + experts - 1` row slots runs
+every slot's whole contraction, used or not. Here the tiles follow the experts instead:
+expert `e`'s `n_e`
 rows make `ceil(n_e / block_m)` tiles of their own, described by a small table
 (`row_tiles`), so each expert's weights are read once per column tile (plus once per extra
 tile of an expert with more than `block_m` rows), and the programs past the table's used
 tiles (the grid holds `max_tiles`, the most any routing can need) return at once: a forward
-whose tokens reach few experts reads only theirs. On an H200 with uniformly random routing
-this is 10-12% faster per layer at block and refresh sizes; in a generation of the bench's
-random LLaDA-MoE, whose blocks reach ~10 experts, 2.2x (bench/NOTES.md).
+whose tokens reach few experts reads only theirs.
 
 `expert_mlp` runs both products: the gate/up product with `silu(gate) * up` fused (the
 gate and up columns of the `[experts, model, 2, ffn]` weight side by side in two fp32
@@ -28,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.models import pallas_tiles
+from djax.kernels import tiles as tiling
 
 Array = jax.Array
 
@@ -50,9 +48,9 @@ def tiles_for(pairs: int, groups: int, k: int, n: int) -> Tiles:
     """Rows per tile near the mean pairs per expert (16 to 64), columns and contraction
     steps of up to 128 and 64."""
     return Tiles(
-        block_m=pallas_tiles.row_block(max(1, pairs // max(1, groups))),
-        block_n=pallas_tiles.largest_block(n, 128),
-        block_k=pallas_tiles.largest_block(k, 64),
+        block_m=tiling.row_block(max(1, pairs // max(1, groups))),
+        block_n=tiling.largest_block(n, 128),
+        block_k=tiling.largest_block(k, 64),
     )
 
 
@@ -153,7 +151,7 @@ def grouped_matmul(
     pairs = x.shape[0] if source_rows is None else source_rows.shape[0]
     groups, n, gated = w.shape[0], w.shape[-1], w.ndim == 4
     expected = (groups, k, 2, n) if gated else (groups, k, n)
-    if w.shape != expected or group_sizes.shape != (groups,) or not pallas_tiles.matmul_fits(k, n):
+    if w.shape != expected or group_sizes.shape != (groups,) or not tiling.matmul_fits(k, n):
         raise ValueError(
             f"grouped_matmul: x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}; "
             f"expected w [groups, {k}, 2, n] or [groups, {k}, n], group_sizes [groups] and "
@@ -163,7 +161,7 @@ def grouped_matmul(
         raise ValueError(f"grouped_matmul: source_rows {source_rows.shape}; expected [pairs]")
     tiles = tiles or tiles_for(pairs, groups, k, n)
     blocks = (tiles.block_m, tiles.block_n, tiles.block_k)
-    if not all(map(pallas_tiles.is_block, blocks)) or n % tiles.block_n or k % tiles.block_k:
+    if not all(map(tiling.is_block, blocks)) or n % tiles.block_n or k % tiles.block_k:
         raise ValueError(
             f"{tiles}: blocks must be powers of two >= 16, block_n dividing n = {n} and "
             f"block_k dividing k = {k}"
@@ -179,7 +177,7 @@ def grouped_matmul(
         compiler_params=plgpu.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
         ),
-        interpret=pallas_tiles.interpret_mode(interpret),
+        interpret=tiling.interpret_mode(interpret),
         name="expert_matmul_gated" if gated else "expert_matmul",
     )(*table, *sources, x, w)
 

@@ -2,15 +2,12 @@
 kernel: djax's GPU attention for denoising blocks against a long K/V buffer, and (with
 larger query tiles) for refreshes.
 
-A denoising block forward has few queries (32) and a few hundred keys. cuDNN's fused
-attention spends 12-17 µs per LLaDA-8B layer on that shape on an H200 while reading only
-6 MB (bench/NOTES.md): one program per head is too little parallelism to hide memory
-latency. Here each program takes one query head, one tile of queries and one slice of the
+A denoising block forward has few queries (32) and a few hundred keys: with one program per
+head, as fused attention runs it, there is too little parallelism to hide memory latency.
+Here each program takes one query head, one tile of queries and one slice of the
 keys; slices, where there are several, are merged afterwards by their log-sum-exp. K/V are
 read in the engine's `[batch, seq, kv_heads, head_dim]` buffer layout through strides, so
-nothing is transposed. The padding mask is a per-key bias, where cuDNN takes a dense `[t, s]`
-mask: with it cuDNN takes 1.5-2.0x as long as without, at every shape measured
-(bench/NOTES.md).
+nothing is transposed. The padding mask is a per-key bias, not a dense `[t, s]` mask.
 
 Semantics are `layers.attend`'s: bidirectional attention with a key-padding mask, scores in
 fp32, probabilities cast to the value dtype before the value product.
@@ -25,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.models import pallas_tiles
+from djax.kernels import tiles as tiling
 
 Array = jax.Array
 # The additive score bias of a padding key: finite, so a slice of only padding keys stays
@@ -51,18 +48,11 @@ class Tiles:
 
 
 def tiles_for(t: int, s: int, batch_heads: int) -> Tiles:
-    """The measured tiling for `t` queries against `s` keys, with `batch_heads` (batch x
-    query heads on this device) programs per query tile (bench.attention, H200, device time
-    of the kernel and the merge of its slices). A block of up to 64 queries takes 16-query
-    tiles and one key slice per `KEYS_PER_SLICE` keys: with LLaDA-8B's heads at 32 x 384 one
-    slice and no merge, 6.1 µs against 7.8 for six slices merged (4.9 + 2.9), and at
-    32 x 1280 two slices, 12.8 against 13.2 for six. Longer windows (refreshes, prefix-cache
-    windows) take 64-query tiles over all keys while that makes at least 64 programs: 13.6 µs
-    at 384 x 384 (128-query tiles with 8 warps took 12.8, too close to adopt on one shape,
-    and their shared memory does not fit fp32). With fewer programs they are tiled as blocks
-    are: at 128 x 384 with LLaDA-MoE's 16 heads, 6.6 µs against 8.8 for 64-query tiles
-    (measured at batch 1 on one GPU; fewer heads per device under tensor parallelism are
-    not)."""
+    """The tiling for `t` queries against `s` keys, with `batch_heads` (batch x query heads
+    on this device) programs per query tile. A block of up to 64 queries takes 16-query
+    tiles and one key slice per `KEYS_PER_SLICE` keys (so a few hundred keys need no merge).
+    Longer windows (refreshes, prefix-cache windows) take 64-query tiles over all keys while
+    that makes at least 64 programs, and are tiled as blocks are with fewer."""
     if t <= 64 or batch_heads * pl.cdiv(t, 64) < 64:
         return Tiles(block_q=16, block_k=64, splits=pl.cdiv(s, KEYS_PER_SLICE), num_stages=3)
     return Tiles(block_q=64, block_k=64, splits=1, num_stages=2)
@@ -71,7 +61,7 @@ def tiles_for(t: int, s: int, batch_heads: int) -> Tiles:
 def fits(head_dim: int) -> bool:
     """Whether the kernel takes this head dim: Triton tiles are powers of two and at least 16
     wide (a query window of any length is tiled and masked)."""
-    return pallas_tiles.is_block(head_dim)
+    return tiling.is_block(head_dim)
 
 
 def _kernel(
@@ -173,7 +163,7 @@ def split_kv_attention(
             "head dim >= 16 and heads a multiple of kv heads"
         )
     tiles = tiles or tiles_for(t, s, b * n)
-    if not (pallas_tiles.is_block(tiles.block_q) and pallas_tiles.is_block(tiles.block_k)):
+    if not (tiling.is_block(tiles.block_q) and tiling.is_block(tiles.block_k)):
         raise ValueError(f"{tiles}: block_q and block_k must be powers of two >= 16")
     block_q = min(tiles.block_q, max(16, pl.next_power_of_2(t)))
     split_len = tiles.block_k * pl.cdiv(pl.cdiv(s, tiles.splits), tiles.block_k)
@@ -199,7 +189,7 @@ def split_kv_attention(
         compiler_params=plgpu.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
         ),
-        interpret=pallas_tiles.interpret_mode(interpret),
+        interpret=tiling.interpret_mode(interpret),
         name="split_kv_attention",
     )(q, keys, values, bias)
     if splits == 1:

@@ -1,7 +1,7 @@
 """The residual add inside the output/down product and the RMSNorm inside the next product
 (`residual_product`, run by Pallas's interpreter on the CPU): the kernel against XLA's add
 and norm, the gate/up and q/k/v kernels taking `ScaledRows` against them taking normed
-rows, `fuse_residual_norm`'s choice, the errors, and whole generations."""
+rows, the errors, and whole generations."""
 
 import dataclasses
 import itertools
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import djax
-from djax.models import impls, layers, residual_product, rope_write
-from djax.models.residual_norm import add_rms_norm, add_scaled
-from djax.models.residual_product import ScaledRows
-from djax.models.split_k import Partials
-from djax.models.swiglu import swiglu_matmul
+from djax.kernels import residual_product, rope_write
+from djax.kernels.handoff import Partials, ScaledRows
+from djax.kernels.residual_norm import add_rms_norm, add_scaled
+from djax.kernels.swiglu import swiglu_matmul
+from djax.models import kernel_choice, layers
 
 EPS = 1e-5
 
@@ -154,40 +154,10 @@ def test_qkv_kernel_applies_the_norm_of_scaled_rows():
         np.testing.assert_allclose(o, ref, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_fuse_residual_norm_choice():
-    fuse = impls.fuse_residual_norm
-    bf16 = jnp.bfloat16
-    assert not fuse("auto", "auto", 32, 4096, 4096, bf16, False)  # the CPU: XLA's products
-    assert fuse("fused", "pallas", 32, 4096, 4096, jnp.float32, False)
-    assert not fuse("fused", "xla", 32, 4096, 4096, bf16, False)  # XLA's product
-    assert not fuse("fused", "pallas", 64, 4096, 4096, bf16, False)  # more than a block
-    assert not fuse("fused", "pallas", 32, 4096, 4096, bf16, True)  # all-reduced first
-    assert not fuse("pallas", "pallas", 32, 4096, 4096, bf16, False)
-    assert fuse("tiled", "pallas", 32, 4096, 4096, jnp.float32, False)
-    assert not fuse("tiled", "pallas", 64, 4096, 4096, bf16, False)
-    assert impls.resolve_norm_impl("fused", jnp.float32) == "pallas"  # the other sites
-    assert impls.resolve_norm_impl("tiled", jnp.float32) == "pallas"
-    with pytest.raises(ValueError, match=r"norm_impl='fuse'; expected one of"):
-        fuse("fuse", "pallas", 32, 4096, 4096, bf16, False)
-
-
-@pytest.mark.parametrize(
-    "kind, form", [("NVIDIA H100 80GB HBM3", "fused"), ("NVIDIA H200", "tiled"), ("cpu", "tiled")]
-)
-def test_residual_norm_form(kind, form, monkeypatch):
-    """`auto` adds the residual in the unsplit product's epilogue on H100s only, elsewhere in
-    the tiled kernel after the split-K product; the explicit options are kept."""
-    device = type("Device", (), {"device_kind": kind})()
-    monkeypatch.setattr(jax, "devices", lambda: [device])
-    assert impls.residual_norm_form("auto") == form
-    assert impls.residual_norm_form("fused") == "fused"
-    assert impls.residual_norm_form("tiled") == "tiled"
-
-
 def test_scaled_rows_need_the_kernels():
     """ScaledRows reach only kernels that apply the norm; anything else is a loud error."""
     rows = ScaledRows(jnp.zeros((1, 4, 32)), jnp.zeros((1, 1, 4)), EPS)
-    mlp = layers.GatedMLP(48, jnp.float32, mlp_impl="xla")
+    mlp = layers.GatedMLP(48, jnp.float32)  # XLA's gate/up path
     params = mlp.init(jax.random.key(0), jnp.zeros((1, 4, 32)))
     with pytest.raises(ValueError, match="GatedMLP: ScaledRows need the gate/up product"):
         mlp.apply(params, rows)
@@ -219,7 +189,7 @@ def test_generation_with_fused_norms(heads_of_32, monkeypatch, form):
     (the unsplit product's epilogue, or the tiled kernel after the split-K product) after
     both products of the blocks."""
     from djax import engine
-    from djax.models import residual_norm, split_k
+    from djax.kernels import residual_norm, split_k
 
     model, ref = heads_of_32
     config = model.config
@@ -246,7 +216,7 @@ def test_generation_with_fused_norms(heads_of_32, monkeypatch, form):
 
         monkeypatch.setattr(split_k, "matmul_partials", product_spy)
         monkeypatch.setattr(residual_norm, "add_scaled", spy)
-    monkeypatch.setattr(impls, "MIN_FUSED_PROGRAMS", 1)  # a speed rule; this has 3 heads
+    monkeypatch.setattr(kernel_choice, "MIN_FUSED_PROGRAMS", 1)  # a speed rule; this has 3 heads
     monkeypatch.setattr(engine, "_EXECUTABLES", {})  # programs traced before the spy
     jax.clear_caches()
     try:
@@ -285,7 +255,7 @@ def test_compiled_kernels_on_gpu():
     and down products with their residual add (32 and a ragged 20 rows; in the unsplit
     product, or the split-K product and the tiled add), then the gate/up and q/k/v kernels
     applying the norm, against the same kernels on XLA's normed rows."""
-    from djax.models.split_k import matmul_partials
+    from djax.kernels.split_k import matmul_partials
 
     bf16 = jnp.bfloat16
     for m, k, form in itertools.product((32, 20), (4096, 12288), ("fused", "tiled")):

@@ -1,14 +1,13 @@
 """The split-K/V Pallas attention kernel (run by Pallas's interpreter on the CPU) against the
-einsum attention, its shape errors, `auto`'s choice per window, and whole generations with
+einsum attention, its shape errors, its tiles per window, and whole generations with
 it."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-import djax
-from djax.models import impls, layers
-from djax.models.flash_attention import KEYS_PER_SLICE, Tiles, split_kv_attention, tiles_for
+from djax.kernels.flash_attention import KEYS_PER_SLICE, Tiles, split_kv_attention, tiles_for
+from djax.models import layers
 
 
 def _problem(b, t, n, kv, d, s, dtype=jnp.float32, seed=0):
@@ -69,20 +68,6 @@ def test_shape_and_tile_errors():
     q, k, v = _problem(1, 8, 4, 2, 16, 32)
     with pytest.raises(ValueError, match="block_q and block_k must be powers of two >= 16"):
         split_kv_attention(q, k, v, jnp.ones((1, 32), bool), tiles=Tiles(block_k=48))
-
-
-def test_auto_choice(monkeypatch):
-    assert impls.resolve_attention_impl("auto", 128) == "xla"  # on the CPU
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert impls.resolve_attention_impl("auto", 128) == "split_kv"
-    assert impls.resolve_attention_impl("auto", 8) == "cudnn"  # tiles do not fit
-    assert impls.resolve_attention_impl("split_kv", 8) == "split_kv"
-    assert impls.resolve_attention_impl("auto", 128, jnp.float32) == "xla"
-
-
-def test_cudnn_refuses_fp32(dense_model):
-    with pytest.raises(ValueError, match="'cudnn' takes bf16 or fp16 inputs; got float32"):
-        djax.forward_logits(dense_model.with_options(attention_impl="cudnn"), [[4, 5, 6]])
 
 
 @pytest.mark.parametrize("cache", ["dual", "none"])

@@ -1,0 +1,383 @@
+"""The kernel choice, made once per program: `resolve` turns `KernelOptions` (what the
+user asked, `auto` by default), the device (`Device`: compute capability and shared memory)
+and the shapes of a generation's forwards into `KernelChoice`, the concrete path of every
+part of a block forward and of a refresh. The layers receive it and take what it says.
+
+Rules of `auto`:
+- djax's kernels run only on GPUs they were built and tuned for (`Device.runs_kernels`:
+  compute capability >= 9.0 and >= 227 KiB of shared memory per block), with 16-bit weights;
+  XLA everywhere else. A kernel that still fails to compile there falls back to XLA (the
+  engine compiles again with `KernelOptions.auto_as_xla`).
+- The products, the SwiGLU kernel and the norm fused into the next product take at most
+  `KERNEL_MAX_ROWS` token rows (a denoising block of one sequence), the rows their tiles
+  were built for; more rows take XLA's GEMMs.
+- cuDNN's attention only runs refreshes: at block shapes its dense mask makes it slower
+  than XLA's einsums.
+- The MoE experts' XLA path sorts token-expert pairs into groups (`ragged_dot`) up to
+  `GROUPED_EXPERTS_MAX_TOKENS` tokens per forward and runs every expert on every token
+  above it (XLA lowers `ragged_dot` to a dense product over every group).
+
+An option other than `auto` is taken as given wherever its kernel fits (a ValueError naming
+the misfit otherwise), except the fused forms, which need their rows and products as above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from djax.config import ModelConfig
+from djax.kernel_options import KernelOptions
+from djax.kernels import flash_attention, residual_product, rope_write, tiles
+
+# The most token rows djax's product kernels take under `auto` (a block of one sequence).
+KERNEL_MAX_ROWS = 32
+# What a GPU needs for `auto` to take djax's kernels: the compute capability and the shared
+# memory per block (opt-in) of the GPUs their tiles were built for.
+KERNEL_MIN_CAPABILITY = (9, 0)
+KERNEL_MIN_SHARED_MEMORY = 227 * 1024
+# The fewest heads (kv heads x (group + 2), one program each) the q/k/v product runs inside
+# the RoPE kernel with; fewer (as under tensor parallelism) keep the split-K product, which
+# spreads over more programs.
+MIN_FUSED_PROGRAMS = 48
+GROUPED_EXPERTS_MAX_TOKENS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What the choice reads of a device: its platform (`"gpu"`, `"cpu"`, `"tpu"`), and on
+    GPUs the compute capability `(major, minor)` and the shared memory a block may use
+    (bytes, opt-in)."""
+
+    platform: str
+    compute_capability: tuple[int, int] | None = None
+    shared_memory: int = 0
+
+    @property
+    def runs_kernels(self) -> bool:
+        """Whether `auto` takes djax's kernels here."""
+        return (
+            self.platform == "gpu"
+            and self.compute_capability is not None
+            and self.compute_capability >= KERNEL_MIN_CAPABILITY
+            and self.shared_memory >= KERNEL_MIN_SHARED_MEMORY
+        )
+
+    def __str__(self) -> str:
+        if self.compute_capability is None:
+            return self.platform
+        major, minor = self.compute_capability
+        return f"{self.platform} {major}.{minor}, {self.shared_memory // 1024} KiB shared memory"
+
+
+def describe(device: Any) -> Device:
+    """A `jax.Device` as `Device` (a GPU's attributes as its runtime reports them)."""
+    if device.platform != "gpu":
+        return Device(device.platform)
+    capability = str(getattr(device, "compute_capability", "") or "")
+    major, _, minor = capability.partition(".")
+    return Device(
+        "gpu",
+        (int(major), int(minor or 0)) if major.isdigit() else None,
+        int(getattr(device, "shared_memory_per_block_optin", 0) or 0),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The path of each part of a decoder layer at one number of token rows.
+
+    attention: `xla`, `split_kv` or `cudnn`. qkv: the q/k/v product, `xla`, `pallas`
+    (split-K) or `rope` (inside the RoPE kernel). rope: the q/k norm, RoPE and K/V writes,
+    `xla` or `pallas`. out, mlp, down: the attention-output product, the SwiGLU gate/up
+    path and the down product, `xla` or `pallas`. norm: a residual add and RMSNorm on their
+    own, `xla` or `pallas`. norm_into_mlp / norm_into_attention: where the norm before the
+    feed-forward (a dense MLP) / before the next layer's attention runs inside the products
+    around it, `fused` (the add in the product's epilogue), `tiled` (in a kernel after it)
+    or `no`. moe: the routed experts, `dense`, `grouped` or `pallas` (`resolve` says `none`
+    for a model without experts)."""
+
+    attention: str = "xla"
+    qkv: str = "xla"
+    rope: str = "xla"
+    out: str = "xla"
+    mlp: str = "xla"
+    down: str = "xla"
+    norm: str = "xla"
+    norm_into_mlp: str = "no"
+    norm_into_attention: str = "no"
+    moe: str = "dense"
+
+
+XLA_KERNELS = Kernels()  # XLA's paths everywhere
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardKernels:
+    """One forward's choice: `layers` for every layer's rows, `last` for the last layer's
+    rows from its attention output on, where the forward keeps only a block of them (a
+    refresh; its attention's own parts are `layers`'); equal to `layers` otherwise."""
+
+    layers: Kernels = Kernels()
+    last: Kernels = Kernels()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """The resolved choice of a program: its block forwards' and its refreshes' (a
+    whole-sequence forward takes `refresh`). The default is XLA's paths everywhere."""
+
+    block: ForwardKernels = ForwardKernels()
+    refresh: ForwardKernels = ForwardKernels()
+
+    def explain(self) -> str:
+        """The choice as one line per forward (`part=path, ...`), and a line for the last
+        layer's kept rows where they differ."""
+        lines = []
+        for name, forward in (("block forward", self.block), ("refresh", self.refresh)):
+            lines.append(f"{name}: {_listed(forward.layers)}")
+            if forward.last != forward.layers:
+                lines.append(f"  last layer, kept rows: {_listed(forward.last, forward.layers)}")
+        return "\n".join(lines)
+
+
+def _listed(kernels: Kernels, base: Kernels | None = None) -> str:
+    """`kernels`' fields as `name=value, ...`: all of them, or those that differ from
+    `base`'s."""
+    return ", ".join(
+        f"{f.name}={getattr(kernels, f.name)}"
+        for f in dataclasses.fields(kernels)
+        if base is None or getattr(kernels, f.name) != getattr(base, f.name)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The forwards a program runs: `batch` sequences (on one device), block forwards over
+    windows of `window` positions, refreshes over `seq` positions, each keeping `kept`
+    positions (the block) at its last layer."""
+
+    batch: int
+    window: int
+    seq: int
+    kept: int
+
+    @classmethod
+    def whole_sequence(cls, batch: int, seq: int) -> Shapes:
+        """A forward over every position that keeps them all (`forward_logits`)."""
+        return cls(batch, seq, seq, seq)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Widths:
+    """The local widths of a model's products on one device."""
+
+    config: ModelConfig
+    shards: int
+    split_experts: bool
+
+    @property
+    def kv_heads(self) -> int:
+        return self.config.n_kv_heads // self.shards
+
+    @property
+    def group(self) -> int:
+        return self.config.n_heads // self.config.n_kv_heads
+
+    @property
+    def qkv(self) -> tuple[int, int]:
+        cfg = self.config
+        return cfg.d_model, self.kv_heads * (self.group + 2) * cfg.head_dim
+
+    @property
+    def out(self) -> tuple[int, int]:
+        return self.kv_heads * self.group * self.config.head_dim, self.config.d_model
+
+    @property
+    def mlp_hidden(self) -> list[int]:
+        """The hidden widths of the model's dense SwiGLU MLPs (shared experts included)."""
+        cfg = self.config
+        hidden = []
+        if not cfg.is_moe or not all(cfg.moe_layers):
+            hidden.append(cfg.mlp_hidden // self.shards)
+        if cfg.is_moe and cfg.shared_expert_hidden:
+            hidden.append(cfg.shared_expert_hidden // self.shards)
+        return hidden
+
+    @property
+    def expert_hidden(self) -> int:
+        f = self.config.expert_hidden
+        return f if self.split_experts else f // self.shards
+
+
+def resolve(
+    options: KernelOptions,
+    device: Device,
+    config: ModelConfig,
+    dtype: Any,
+    shapes: Shapes,
+    shards: int = 1,
+    split_experts: bool = False,
+    sharded: bool = False,
+) -> KernelChoice:
+    """The concrete choice for a program of `shapes` running `config` in `dtype` on
+    `device`, its weights split `shards` ways (experts by expert where `split_experts`),
+    `sharded` when it runs under a mesh (its products are then summed over the model axis
+    before any norm). Raises a ValueError where an option other than `auto` names a kernel
+    that does not take these shapes or dtype."""
+    rule = _Rule(options, device, _Widths(config, shards, split_experts), dtype, sharded)
+    return KernelChoice(
+        block=rule.forward(shapes.batch, shapes.window, shapes.kept, refresh=False),
+        refresh=rule.forward(shapes.batch, shapes.seq, shapes.kept, refresh=True),
+    )
+
+
+class _Rule:
+    """The rules of `resolve` for one model, dtype and device."""
+
+    def __init__(
+        self, options: KernelOptions, device: Device, widths: _Widths, dtype: Any, sharded: bool
+    ):
+        self.options, self.widths, self.sharded = options, widths, sharded
+        self.half = jnp.dtype(dtype).itemsize == 2
+        self.dtype_name = jnp.dtype(dtype).name
+        self.gpu = device.platform == "gpu"
+        self.kernels_pay = device.runs_kernels and self.half
+        if options.attention_impl == "cudnn" and not self.half:
+            raise ValueError(
+                f"attention_impl='cudnn' takes bf16 or fp16 inputs; got {self.dtype_name}"
+            )
+
+    def forward(self, batch: int, positions: int, kept: int, refresh: bool) -> ForwardKernels:
+        """The choice for a forward of `batch` windows of `positions` positions keeping
+        `kept` of them at its last layer (whose attention runs every window row)."""
+        layers = self.kernels(batch * positions, positions, refresh)
+        last = self.kernels(batch * kept, positions, refresh)
+        window_parts = ("attention", "qkv", "rope", "norm_into_attention")
+        last = dataclasses.replace(last, **{name: getattr(layers, name) for name in window_parts})
+        return ForwardKernels(layers, last)
+
+    def kernels(self, rows: int, positions: int, refresh: bool) -> Kernels:
+        """The choice for `rows` token rows of windows of `positions` positions."""
+        o, w, cfg = self.options, self.widths, self.widths.config
+        few = rows <= KERNEL_MAX_ROWS
+        rope = self._pallas_or_xla(
+            "rope_impl",
+            o.rope_impl,
+            rope_write.fits(cfg.head_dim, cfg.rope_dim),
+            f"heads whose rotary halves ({cfg.rope_dim // 2}) and unrotated rest "
+            f"({cfg.head_dim - cfg.rope_dim}) are powers of two or zero; got "
+            f"head_dim={cfg.head_dim}, rotary_dim={cfg.rope_dim}",
+            self.kernels_pay,
+        )
+        qkv = self._product(w.qkv, few)
+        out = self._product(w.out, few)
+        mlp = self._pallas_or_xla(
+            "mlp_impl",
+            o.mlp_impl,
+            all(tiles.matmul_fits(cfg.d_model, h) for h in w.mlp_hidden),
+            f"model and hidden widths that are multiples of 16; got {cfg.d_model} -> "
+            f"{w.mlp_hidden}",
+            self.kernels_pay and few,
+        )
+        downs = [self._product((h, cfg.d_model), few) for h in w.mlp_hidden]
+        down = "pallas" if downs and all(d == "pallas" for d in downs) else "xla"
+        if (
+            rope == "pallas"
+            and qkv == "pallas"
+            and few
+            and w.kv_heads * (w.group + 2) >= MIN_FUSED_PROGRAMS
+            and rope_write.projection_fits(positions, cfg.d_model, cfg.head_dim, cfg.rope_dim)
+        ):
+            qkv = "rope"
+        fusing = self._norm_fusion(few)
+        into_mlp = (
+            fusing
+            if fusing != "no" and out == "pallas" and mlp == "pallas" and _fits(w.out)
+            else "no"
+        )
+        into_attention = (
+            fusing
+            if fusing != "no"
+            and down == "pallas"
+            and qkv == "rope"
+            and all(residual_product.fits(h, cfg.d_model) for h in w.mlp_hidden)
+            else "no"
+        )
+        if o.norm_impl == "auto":
+            norm = "pallas" if self.kernels_pay else "xla"
+        else:  # `fused` and `tiled` run the norms they cannot move into a product as `pallas`
+            norm = "xla" if o.norm_impl == "xla" else "pallas"
+        return Kernels(
+            attention=self._attention(refresh),
+            qkv=qkv,
+            rope=rope,
+            out=out,
+            mlp=mlp,
+            down=down,
+            norm=norm,
+            norm_into_mlp=into_mlp,
+            norm_into_attention=into_attention,
+            moe=self._moe(rows) if cfg.is_moe else "none",
+        )
+
+    def _attention(self, refresh: bool) -> str:
+        impl = self.options.attention_impl
+        if impl == "cudnn":
+            return "cudnn" if refresh else "xla"
+        if impl != "auto":
+            return impl
+        if self.kernels_pay and flash_attention.fits(self.widths.config.head_dim):
+            return "split_kv"
+        return "cudnn" if refresh and self.gpu and self.half else "xla"
+
+    def _product(self, widths: tuple[int, int], few: bool) -> str:
+        k, n = widths
+        return self._pallas_or_xla(
+            "matmul_impl",
+            self.options.matmul_impl,
+            tiles.matmul_fits(k, n),
+            f"products whose contraction and output widths are multiples of 16; got {k} -> {n}",
+            self.kernels_pay and few,
+        )
+
+    def _norm_fusion(self, few: bool) -> str:
+        """Where a residual norm moved into the next product runs its add, before the
+        products are checked: `tiled` under `auto` (the split-K product, then a tiled
+        kernel: on GPUs of the fastest memory the unsplit `fused` product cannot keep up),
+        `no` where it does not apply."""
+        impl = self.options.norm_impl
+        wanted = impl in ("fused", "tiled") or (impl == "auto" and self.kernels_pay)
+        if not wanted or self.sharded or not few:
+            return "no"
+        return impl if impl in ("fused", "tiled") else "tiled"
+
+    def _moe(self, tokens: int) -> str:
+        cfg, w = self.widths.config, self.widths
+        fits = tiles.matmul_fits(cfg.d_model, w.expert_hidden)
+        impl = self.options.moe_impl
+        if impl == "pallas" and not fits:
+            raise ValueError(
+                f"moe_impl='pallas' takes model and local expert widths that are multiples "
+                f"of 16; got model {cfg.d_model}, local expert ffn {w.expert_hidden}"
+            )
+        if impl == "pallas" or (impl == "auto" and self.kernels_pay and fits):
+            return "pallas"
+        return "grouped" if tokens <= GROUPED_EXPERTS_MAX_TOKENS else "dense"
+
+    @staticmethod
+    def _pallas_or_xla(option: str, impl: str, fits: bool, unfit: str, pays: bool) -> str:
+        """The rule every Pallas-kernel option shares: `pallas` where the kernel does not
+        fit raises a ValueError naming `option` and `unfit` (what the kernel takes and what
+        it got); `auto` is `pallas` where it fits and `pays`, else `xla`."""
+        if impl == "pallas" and not fits:
+            raise ValueError(f"{option}='pallas' takes {unfit}")
+        if impl != "auto":
+            return impl
+        return "pallas" if pays and fits else "xla"
+
+
+def _fits(widths: tuple[int, int]) -> bool:
+    return residual_product.fits(*widths)

@@ -1,0 +1,136 @@
+"""The programs a loaded model runs, built with its kernel choice resolved once: the
+whole-sequence forward of `forward_logits` and the row programs of `djax.diffusion`
+(`run_generation`, `run_block_call`), on one device or as one `shard_map` over the model's
+mesh (`djax.sharding`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from djax import sharding
+from djax.config import ModelConfig
+from djax.diffusion import Plan, chained, run_block_call
+from djax.kernel_options import KernelOptions
+from djax.models import build_module
+from djax.models.kernel_choice import Device, KernelChoice, Shapes, describe, resolve
+from djax.models.layers import TransformerLM
+
+
+def device_of(mesh: Any) -> Device:
+    """The device a model's programs run on (the mesh's first, or JAX's default)."""
+    return describe(mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
+
+
+def plan_shapes(plan: Plan, mesh: Any = None) -> Shapes:
+    """The forwards of a generation program of `plan`, per device: its rows split over the
+    mesh's `data` axis; block forwards over the cache policy's window (none without a
+    cache: every forward is then a refresh)."""
+    batch = plan.batch // (mesh.shape[sharding.DATA] if mesh is not None else 1)
+    window = plan.seq_len
+    if plan.cache.cached:
+        window = plan.cache.window_length(plan.prompt_len, plan.block_len, plan.seq_len)
+    return Shapes(batch, window, plan.seq_len, plan.block_len)
+
+
+def kernel_choice(
+    options: KernelOptions,
+    config: ModelConfig,
+    dtype: Any,
+    shapes: Shapes,
+    mesh: Any = None,
+    device: Device | None = None,
+) -> KernelChoice:
+    """`kernel_choice.resolve` for a model of `config` in `dtype` on `mesh` (or one device):
+    the device read from the mesh unless given."""
+    device = device or device_of(mesh)
+    if mesh is None:
+        return resolve(options, device, config, dtype, shapes)
+    axis = sharding.model_axis(mesh)
+    return resolve(
+        options,
+        device,
+        config,
+        dtype,
+        shapes,
+        shards=mesh.shape[axis],
+        split_experts=axis == sharding.EXPERT,
+        sharded=True,
+    )
+
+
+def local_module(config: ModelConfig, dtype: Any, kernels: KernelChoice, mesh: Any) -> Any:
+    """The module as one device runs it: the whole model without a mesh, else its weight
+    shards, summed (`psum`) over the mesh's model axis."""
+    if mesh is None:
+        return build_module(config, dtype, None, kernels)
+    axis = sharding.model_axis(mesh)
+    return build_module(
+        config, dtype, axis, kernels, shards=mesh.shape[axis], split_experts=axis == sharding.EXPERT
+    )
+
+
+def sequence_logits(
+    module: TransformerLM, params: dict, token_ids: jax.Array, key_valid: jax.Array
+) -> jax.Array:
+    """Whole-sequence logits of `module` ([batch, seq, vocab_local] fp32); positions count
+    from each row's first valid token."""
+    positions = jnp.maximum(jnp.cumsum(key_valid, axis=1) - 1, 0)
+    x = module.apply({"params": params}, token_ids, method="embed")
+    hidden, _ = module.apply({"params": params}, x, positions, key_valid)
+    return module.apply({"params": params}, hidden, method="logits")
+
+
+@functools.lru_cache(maxsize=16)
+def forward_program(config: ModelConfig, dtype: Any, kernels: KernelChoice, mesh: Any) -> Any:
+    """The jitted `sequence_logits` (`forward_logits`); on a mesh the sharded forward under
+    `shard_map`, its logits gathered over the vocabulary at the end."""
+    module = local_module(config, dtype, kernels, mesh)
+    if mesh is None:
+        return jax.jit(functools.partial(sequence_logits, module))
+    program = jax.shard_map(
+        functools.partial(sequence_logits, module),
+        mesh=mesh,
+        in_specs=(sharding.param_specs(config, dtype, mesh), P(), P()),
+        out_specs=P(None, None, sharding.model_axis(mesh)),
+        check_vma=False,
+    )
+    return jax.jit(program)
+
+
+def row_program(model: Any, plan: Plan, run: Any, kernels: KernelChoice) -> Any:
+    """A row program of `djax.diffusion` (`run_generation` or `run_block_call`) for `model`
+    (config, dtype, mesh) and `plan`, following `kernels`, jitted, the tokens donated. On a
+    mesh it is one `shard_map` that takes host-shaped arrays like the single-device program
+    and returns its row outputs replicated on every device and its counters as one value
+    per data shard. Block calls are `diffusion.chained`: they also take the rows' `Slots`
+    and the `Carried` table, and return the table updated."""
+    module = local_module(model.config, model.dtype, kernels, model.mesh)
+    jit_options: dict[str, Any] = {"donate_argnums": (1,)}
+    if model.mesh is None:
+
+        def program(params, tokens, key_valid, positions, rows):
+            return run(module, params, plan, tokens, key_valid, positions, rows)
+
+    else:
+        mesh = model.mesh
+        axis = sharding.model_axis(mesh)
+        specs = sharding.param_specs(model.config, model.dtype, mesh)
+
+        def local(params, tokens, key_valid, positions, rows):
+            out = run(module, params, plan, tokens, key_valid, positions, rows, axis)
+            return {k: jnp.reshape(v, (1,)) if v.ndim == 0 else v for k, v in out.items()}
+
+        row = P(sharding.DATA)
+        program = jax.shard_map(
+            local, mesh=mesh, in_specs=(specs, row, row, row, row), out_specs=row, check_vma=False
+        )
+        jit_options["out_shardings"] = NamedSharding(mesh, P())
+    if run is run_block_call:
+        program = chained(program)
+    return jax.jit(program, **jit_options)

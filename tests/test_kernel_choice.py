@@ -1,0 +1,225 @@
+"""`KernelOptions` (validated at `load`), `resolve` on fake device descriptions, the
+compile-failure fallback to XLA, and `djax generate --explain`."""
+
+import dataclasses
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import djax
+from djax import engine
+from djax.config import DENSE, MOE, ModelConfig
+from djax.kernel_options import KERNEL_OPTIONS, KernelOptions
+from djax.models.kernel_choice import Device, Kernels, Shapes, describe, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+HOPPER = Device("gpu", (9, 0), 227 * 1024)
+AMPERE = Device("gpu", (8, 0), 163 * 1024)
+CPU = Device("cpu")
+BF16 = jnp.bfloat16
+# LLaDA-8B's shape, and LLaDA-MoE's (7B-A1B)
+LLADA_8B = ModelConfig(DENSE, 126464, 4096, 32, 32, 32, 128, 12288, 5e5, 1e-5, 4096, 1, 2, 3)
+LLADA_MOE = ModelConfig(
+    MOE, 157184, 2048, 16, 16, 16, 128, 8192, 5e4, 1e-6, 8192, 1, 2, 3, qk_norm=True,
+    n_experts=64, experts_per_token=8, expert_hidden=1024, moe_layers=(True,) * 16,
+)  # fmt: skip
+# batch 1, prompt 128 + gen 256, blocks of 32, dual cache
+GENERATION = Shapes(batch=1, window=32, seq=384, kept=32)
+
+
+def _choice(options=None, device=HOPPER, config=LLADA_8B, dtype=BF16, **kwargs):
+    options = options or KernelOptions()
+    return resolve(options, device, config, dtype, kwargs.pop("shapes", GENERATION), **kwargs)
+
+
+def test_options_refuse_unknown_names_and_values():
+    with pytest.raises(TypeError, match="did you mean 'attention_impl'.*expected one of"):
+        KernelOptions.from_keywords({"atention_impl": "xla"})
+    with pytest.raises(ValueError, match=r"moe_impl='hopper'; expected one of \('auto'"):
+        KernelOptions(moe_impl="hopper")  # removed: it never won
+    options = KernelOptions(mlp_impl="xla")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.mlp_impl = "pallas"
+    assert options.replace(rope_impl="pallas").items()[-2:] == [
+        ("rope_impl", "pallas"),
+        ("moe_impl", "auto"),
+    ]
+    assert dict(KernelOptions(norm_impl="tiled").auto_as_xla().items()) == {
+        **{name: "xla" for name in KERNEL_OPTIONS},
+        "norm_impl": "tiled",
+    }
+
+
+def test_cli_choices_come_from_the_dataclass():
+    fields = {f.name: f.metadata["choices"] for f in dataclasses.fields(KernelOptions)}
+    assert {name: o.choices for name, o in KERNEL_OPTIONS.items()} == fields
+    assert KERNEL_OPTIONS["attention_impl"].flag == "--attention-impl"
+
+
+def test_load_refuses_a_typo_before_reading(tmp_path):
+    with pytest.raises(TypeError, match="unknown kernel option 'atention_impl'; did you mean"):
+        djax.load(tmp_path / "missing", atention_impl="xla")  # before the path is looked at
+
+
+def test_describe_reads_capability_and_shared_memory():
+    @dataclasses.dataclass
+    class FakeGpu:
+        platform: str = "gpu"
+        compute_capability: str = "9.0"
+        shared_memory_per_block_optin: int = 232448
+
+    assert describe(FakeGpu()) == Device("gpu", (9, 0), 232448)
+    assert describe(FakeGpu(compute_capability="8.6")).compute_capability == (8, 6)
+    assert describe(jax.devices("cpu")[0]) == CPU
+    assert HOPPER.runs_kernels
+    assert not AMPERE.runs_kernels  # too little shared memory and an older capability
+    assert not Device("gpu", (9, 0), 100 * 1024).runs_kernels
+    assert not CPU.runs_kernels
+
+
+def test_auto_on_a_hopper_gpu():
+    """Blocks take every kernel (the q/k/v product inside the RoPE kernel, the norms fused
+    into the products, tiled); refreshes of 384 rows keep XLA's products."""
+    choice = _choice()
+    block = choice.block.layers
+    assert block == Kernels(
+        attention="split_kv",
+        qkv="rope",
+        rope="pallas",
+        out="pallas",
+        mlp="pallas",
+        down="pallas",
+        norm="pallas",
+        norm_into_mlp="tiled",
+        norm_into_attention="tiled",
+        moe="none",
+    )
+    assert choice.block.last == block  # a dual-cache block keeps every row
+    refresh = choice.refresh.layers
+    assert (refresh.attention, refresh.rope, refresh.norm) == ("split_kv", "pallas", "pallas")
+    assert (refresh.qkv, refresh.out, refresh.mlp, refresh.down) == ("xla",) * 4
+    assert (refresh.norm_into_mlp, refresh.norm_into_attention) == ("no", "no")
+    assert choice.refresh.last.out == choice.refresh.last.mlp == "pallas"  # the kept block
+    assert choice.refresh.last.norm_into_mlp == "tiled"
+
+
+def test_auto_elsewhere_is_xla():
+    for device, dtype in ((AMPERE, BF16), (CPU, BF16), (HOPPER, jnp.float32)):
+        choice = _choice(device=device, dtype=dtype)
+        assert choice.block.layers == Kernels(moe="none"), (device, dtype)
+        cudnn = device.platform == "gpu" and dtype == BF16
+        assert choice.refresh.layers.attention == ("cudnn" if cudnn else "xla")
+
+
+def test_auto_rows_and_shapes():
+    batch8 = _choice(shapes=Shapes(8, 32, 384, 32)).block.layers  # 256 rows
+    assert (batch8.qkv, batch8.mlp, batch8.norm_into_mlp) == ("xla", "xla", "no")
+    assert batch8.rope == "pallas" and batch8.attention == "split_kv"
+    prefix = _choice(shapes=Shapes(1, 256, 384, 32)).block  # a prefix-cache window
+    assert prefix.layers.qkv == "xla" and prefix.last.mlp == "pallas"
+    tp4 = _choice(shards=4, sharded=True).block.layers  # 8 kv heads x 3: 24 programs
+    assert tp4.qkv == "pallas" and tp4.norm_into_mlp == "no"  # summed before any norm
+    odd = _choice(config=LLADA_8B.replace(head_dim=96, d_model=3072)).block.layers
+    assert (odd.attention, odd.rope) == ("xla", "xla")  # no Triton tile of 96
+
+
+def test_moe_choice():
+    block = _choice(config=LLADA_MOE).block.layers
+    assert block.moe == "pallas" and block.qkv == "rope"  # 16 kv heads x 3 programs
+    for device in (AMPERE, CPU):
+        choice = _choice(config=LLADA_MOE, device=device)
+        assert (choice.block.layers.moe, choice.refresh.layers.moe) == ("grouped", "dense")
+    forced = _choice(KernelOptions(moe_impl="pallas"), CPU, LLADA_MOE)
+    assert forced.refresh.layers.moe == "pallas"
+    with pytest.raises(ValueError, match="moe_impl='pallas' takes .* local expert ffn 40"):
+        _choice(KernelOptions(moe_impl="pallas"), CPU, LLADA_MOE.replace(expert_hidden=40))
+
+
+def test_explicit_options():
+    """An explicit kernel runs wherever it fits, off GPUs and in fp32 included; the fused
+    forms keep their row limits; cuDNN runs only refreshes."""
+    pallas = KernelOptions(mlp_impl="pallas", matmul_impl="pallas", norm_impl="fused")
+    choice = _choice(pallas, CPU, dtype=jnp.float32)
+    assert choice.refresh.layers.mlp == choice.refresh.layers.out == "pallas"
+    assert choice.refresh.layers.norm_into_mlp == "no"  # 384 rows
+    assert choice.block.layers.norm_into_mlp == "fused"
+    assert choice.block.layers.norm == "pallas"
+    cudnn = _choice(KernelOptions(attention_impl="cudnn"))
+    assert (cudnn.block.layers.attention, cudnn.refresh.layers.attention) == ("xla", "cudnn")
+    with pytest.raises(ValueError, match="'cudnn' takes bf16 or fp16 inputs; got float32"):
+        _choice(KernelOptions(attention_impl="cudnn"), dtype=jnp.float32)
+    with pytest.raises(ValueError, match="matmul_impl='pallas'.*multiples of 16; got 40 -> "):
+        _choice(KernelOptions(matmul_impl="pallas"), config=LLADA_8B.replace(d_model=40))
+    with pytest.raises(ValueError, match="mlp_impl='pallas'.*multiples of 16; got 4096 -> \\[1000"):
+        _choice(KernelOptions(mlp_impl="pallas"), config=LLADA_8B.replace(mlp_hidden=1000))
+    with pytest.raises(ValueError, match="rope_impl='pallas' takes heads whose rotary halves"):
+        _choice(KernelOptions(rope_impl="pallas"), config=LLADA_8B.replace(head_dim=96))
+
+
+def test_explain_lists_each_forward():
+    text = _choice().explain()
+    assert text.splitlines()[0].startswith("block forward: attention=split_kv, qkv=rope,")
+    assert "refresh: attention=split_kv, qkv=xla," in text
+    assert "  last layer, kept rows: out=pallas, mlp=pallas, down=pallas," in text
+
+
+def test_fallback_to_xla_when_a_kernel_does_not_compile(dense_model, monkeypatch):
+    """Kernels `auto` chose (on a GPU the test pretends to run on) that fail to compile
+    are replaced by XLA's paths, with a warning; the tokens are XLA's."""
+    params = jax.tree.map(lambda a: a.astype(BF16), dense_model.params)
+    model = dataclasses.replace(dense_model, params=params, dtype=BF16)  # `auto` needs 16 bits
+    config = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+    xla = model.with_options(**dict(KernelOptions().auto_as_xla().items()))
+    ref = djax.generate(xla, [[0, 10, 20, 30]], config)
+    compiled = []
+    real_compile = engine._compile
+
+    def compile_xla_only(model, plan, args, run, kernels):
+        if kernels.block.layers.mlp == "pallas":
+            raise RuntimeError("triton: no kernel image for this GPU")
+        compiled.append(kernels)
+        return real_compile(model, plan, args, run, kernels)
+
+    monkeypatch.setattr(engine.programs, "device_of", lambda mesh: HOPPER)
+    monkeypatch.setattr(engine, "_compile", compile_xla_only)
+    monkeypatch.setattr(engine, "_EXECUTABLES", {})
+    plan = engine.make_plan(model, config, 1, 4)[0]
+    assert engine.kernel_choice(model, plan).block.layers.mlp == "pallas"
+    with pytest.warns(UserWarning, match=r"kernels do not compile on gpu 9\.0.*no kernel image"):
+        ours = djax.generate(model, [[0, 10, 20, 30]], config)
+    np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
+    assert compiled == [engine.kernel_choice(xla, plan)]
+
+
+def test_explicit_kernels_that_fail_are_not_replaced(dense_model, monkeypatch):
+    def failing(model, plan, args, run, kernels):
+        raise RuntimeError("triton: no kernel image")
+
+    monkeypatch.setattr(engine, "_compile", failing)
+    monkeypatch.setattr(engine, "_EXECUTABLES", {})
+    config = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        with pytest.raises(RuntimeError, match="no kernel image"):
+            djax.generate(dense_model.with_options(mlp_impl="pallas"), [[0, 10]], config)
+
+
+def test_cli_explain(tmp_path):
+    env = {"PYTHONPATH": str(ROOT), "DJAX_COMPILE_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-m", "djax.cli", "generate", "--explain", "--prompt", "1+2=",
+         "--gen-length", "16", "--block-length", "8", "--mlp-impl", "xla"],
+        capture_output=True, text=True, env=env, check=True, cwd=tmp_path,
+    ).stdout  # fmt: skip
+    assert "device: cpu" in out
+    assert "kernel options: attention_impl=auto, mlp_impl=xla," in out
+    assert re.search(r"batch 1, prompt \d+, gen 16, block 8, cache dual", out)
+    assert "block forward: attention=xla, qkv=xla, rope=xla," in out
+    assert out.index("block forward:") < out.index("> 1+2=")  # before the answers
