@@ -187,35 +187,58 @@ def convert(
     return dst
 
 
+def block_causal(key_valid: jax.Array, positions: jax.Array, block_length: int) -> jax.Array:
+    """Each query's visible keys [batch, seq, seq] under block-causal attention: the valid
+    keys of its own block and earlier ones, blocks of `block_length` positions from
+    position 0 (`positions` [batch, seq])."""
+    block = positions // block_length
+    return key_valid[:, None, :] & (block[:, None, :] <= block[:, :, None])
+
+
 def sequence_logits(
-    module: TransformerLM, params: dict, token_ids: jax.Array, key_valid: jax.Array
+    module: TransformerLM,
+    params: dict,
+    token_ids: jax.Array,
+    key_valid: jax.Array,
+    block_length: int | None = None,
 ) -> jax.Array:
     """Whole-sequence logits of `module` ([batch, seq, vocab_local] fp32); positions count
-    from each row's first valid token."""
+    from each row's first valid token. Attention is bidirectional, or block-causal in blocks
+    of `block_length` (`block_causal`)."""
     positions = jnp.maximum(jnp.cumsum(key_valid, axis=1) - 1, 0)
+    mask = key_valid if block_length is None else block_causal(key_valid, positions, block_length)
     x = module.apply({"params": params}, token_ids, method="embed")
-    hidden, _ = module.apply({"params": params}, x, positions, key_valid)
+    hidden, _ = module.apply({"params": params}, x, positions, mask)
     return module.apply({"params": params}, hidden, method="logits")
 
 
 @functools.lru_cache(maxsize=16)
-def _forward_fn(config: ModelConfig, dtype: Any, options: tuple, mesh: Any) -> Any:
+def _forward_fn(
+    config: ModelConfig, dtype: Any, options: tuple, mesh: Any, block_length: int | None
+) -> Any:
     if mesh is not None:
         from djax.sharding import sharded_logits
 
-        return sharded_logits(config, dtype, options, mesh)
-    return jax.jit(
-        functools.partial(sequence_logits, build_module(config, dtype, None, **dict(options)))
-    )
+        return sharded_logits(config, dtype, options, mesh, block_length)
+    module = build_module(config, dtype, None, **dict(options))
+    return jax.jit(functools.partial(sequence_logits, module, block_length=block_length))
 
 
-def forward_logits(model: Model, token_ids: Any, attention_mask: Any = None) -> jax.Array:
-    """Full-sequence fp32 logits [batch, seq, vocab] (bidirectional attention).
+def forward_logits(
+    model: Model, token_ids: Any, attention_mask: Any = None, *, block_length: int | None = None
+) -> jax.Array:
+    """Full-sequence fp32 logits [batch, seq, vocab].
 
     token_ids: [batch, seq] ints; attention_mask: [batch, seq], 1 for real tokens and 0 for
     padding (left padding: positions count from each row's first real token). Padding keys
-    are masked out of every row's attention.
+    are masked out of every row's attention. Attention is bidirectional, or with
+    `block_length=B` block-causal (LLaDA2's block diffusion): a position sees its own block
+    and the earlier ones, blocks of B positions counted from each row's first real token.
     """
+    if block_length is not None and (
+        not isinstance(block_length, int) or isinstance(block_length, bool) or block_length < 1
+    ):
+        raise ValueError(f"block_length={block_length!r}; expected a positive int or None")
     ids = np.asarray(token_ids)
     if ids.ndim == 1:
         ids = ids[None]
@@ -233,5 +256,5 @@ def forward_logits(model: Model, token_ids: Any, attention_mask: Any = None) -> 
         mask = mask[None]
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask has shape {mask.shape}; expected {ids.shape}")
-    fn = _forward_fn(model.config, model.dtype, model.options, model.mesh)
+    fn = _forward_fn(model.config, model.dtype, model.options, model.mesh, block_length)
     return fn(model.params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask))

@@ -162,14 +162,16 @@ def _local_module(config: ModelConfig, dtype: Any, options: tuple, mesh: Mesh) -
     )
 
 
-def sharded_logits(config: ModelConfig, dtype: Any, options: tuple, mesh: Mesh) -> Any:
+def sharded_logits(
+    config: ModelConfig, dtype: Any, options: tuple, mesh: Mesh, block_length: int | None = None
+) -> Any:
     """`djax.forward_logits` on a mesh: the sharded forward under `shard_map`, logits
     gathered over the vocabulary at the end (a debugging and parity path)."""
     from djax.model import sequence_logits
 
     module = _local_module(config, dtype, options, mesh)
     program = jax.shard_map(
-        functools.partial(sequence_logits, module),
+        functools.partial(sequence_logits, module, block_length=block_length),
         mesh=mesh,
         in_specs=(param_specs(config, dtype, mesh), P(), P()),
         out_specs=P(None, None, model_axis(mesh)),

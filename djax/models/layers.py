@@ -175,27 +175,31 @@ def rope_and_write_xla(
 
 
 def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "xla") -> Array:
-    """Bidirectional grouped-query attention with a key-padding mask.
+    """Grouped-query attention with a key mask: bidirectional over the valid keys.
 
     q: [batch, t, kv_heads, group, head_dim]; keys, values: [batch, s, kv_heads, head_dim];
-    key_valid: [batch, s] bool. Returns [batch, t, kv_heads, group, head_dim].
+    key_valid: [batch, s] bool (the same keys for every query), or [batch, t, s] (each query's
+    own keys, as block-causal attention needs: XLA's or cuDNN's path). Returns
+    [batch, t, kv_heads, group, head_dim].
     """
     if impl == "cudnn":
         return _attend_cudnn(q, keys, values, key_valid)
-    if impl == "split_kv":  # Pallas's interpreter off GPUs (for tests)
+    if impl == "split_kv" and key_valid.ndim == 2:  # Pallas's interpreter off GPUs (for tests)
         b, t, k, g, d = q.shape
         out = flash_attention.split_kv_attention(q.reshape(b, t, k * g, d), keys, values, key_valid)
         return out.reshape(q.shape)
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
-    scores = jnp.where(key_valid[:, None, None, None, :], scores * scale, flash_attention.MASKED)
+    mask = key_valid[:, None, None, None, :] if key_valid.ndim == 2 else key_valid[:, None, None]
+    scores = jnp.where(mask, scores * scale, flash_attention.MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, values)
 
 
 def _attend_cudnn(q: Array, keys: Array, values: Array, key_valid: Array) -> Array:
     b, t, k, g, d = q.shape
-    mask = jnp.broadcast_to(key_valid[:, None, None, :], (b, 1, t, keys.shape[1]))
+    per_query = key_valid if key_valid.ndim == 3 else key_valid[:, None, :]
+    mask = jnp.broadcast_to(per_query[:, None], (b, 1, t, keys.shape[1]))
     out = jax.nn.dot_product_attention(
         q.reshape(b, t, k * g, d), keys, values, mask=mask, implementation="cudnn"
     )
@@ -317,6 +321,10 @@ class Attention(nn.Module):
             )
         if query_rows is not None:
             q = jax.lax.dynamic_slice_in_dim(q, query_rows[0], query_rows[1], axis=1)
+            if key_valid.ndim == 3:  # each query row's own keys
+                key_valid = jax.lax.dynamic_slice_in_dim(
+                    key_valid, query_rows[0], query_rows[1], axis=1
+                )
         impl = resolve_attention_impl(self.attention_impl, cfg.head_dim, q.dtype)
         out = attend(q, keys, values, key_valid, impl)
         b, t = out.shape[:2]
@@ -467,7 +475,8 @@ class TransformerLM(nn.Module):
         """Run the decoder stack on a window.
 
         x: [batch, W, model] input embeddings; positions: [batch, W] RoPE positions;
-        key_valid: [batch, seq] which buffer positions are real keys; kv: per layer
+        key_valid: [batch, seq] which buffer positions are real keys (or [batch, W, seq],
+        each window row's own keys); kv: per layer
         (keys, values) [batch, seq, kv_heads, head_dim], or None when the window is the
         whole sequence. Returns final-norm hidden states [batch, hidden_len, model] from
         `hidden_start` (relative to the window) and the updated per-layer K/V. Only the

