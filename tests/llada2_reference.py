@@ -210,7 +210,7 @@ def make_llada2(
     config: dict | None = None,
     *,
     seed: int = 0,
-    std: float = 0.15,
+    std: float = 0.3,
     head_scale: float = 4.0,
     shards: int = 2,
 ) -> LLaDA2Reference:

@@ -3,6 +3,7 @@ fused while loading), logits against the independent torch reference (bidirectio
 block-causal), converting to orbax, and block-diffusion generation against the reference's
 greedy generate under both cache modes."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -164,3 +165,97 @@ def test_convert_to_orbax(llada2_model, llada2_folder, tmp_path):
         np.asarray(djax.forward_logits(llada2_model, ids, block_length=8)),
     )
     assert json.loads((out / "djax.json").read_text())["family"] == "llada2"
+
+
+PROMPTS = [list(range(10, 15)), list(range(20, 40)), list(range(5, 21))]  # 5, 20, 16 tokens
+
+
+def _config(**changes):
+    base = djax.GenerationConfig(gen_length=20, block_length=8, stop_ids=(EOS_ID,))
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.mark.parametrize("cache", ["dual", "none"])
+@pytest.mark.parametrize(
+    "decoder, threshold, steps_per_block", [("low_confidence", None, 4), ("threshold", 0.3, 8)]
+)
+def test_generation_matches_the_reference(
+    llada2_model, llada2_folder, cache, decoder, threshold, steps_per_block
+):
+    """Greedy tokens equal the reference generate's for prompts shorter than a block, of
+    whole blocks and ending inside one; `steps` is the total over the generated blocks."""
+    reference = llada2_folder[1]
+    for prompt in PROMPTS:
+        blocks = -(-(len(prompt) % 8 + 20) // 8)
+        config = _config(
+            decoder=decoder,
+            threshold=threshold or 0.9,
+            steps=steps_per_block * blocks,
+            cache=cache,
+        )
+        ours = djax.generate(llada2_model, [prompt], config)
+        theirs = reference.generate(prompt, 20, 8, steps_per_block, threshold=threshold)
+        assert ours.token_ids[0] == theirs, (prompt, ours.token_ids[0], theirs)
+
+
+def test_batch_rows_are_generated_as_alone(llada2_model, llada2_folder):
+    """Per-row prompts in one batch: each row's blocks align at its own position 0 and it
+    takes its own steps per block, so it gets the tokens it gets alone (and the
+    reference's)."""
+    reference = llada2_folder[1]
+    config = _config(decoder="low_confidence", gen_length=12, block_length=4)
+    together = djax.generate(llada2_model, PROMPTS, config)
+    for row, prompt in enumerate(PROMPTS):
+        alone = djax.generate(llada2_model, [prompt], config)
+        assert together.token_ids[row] == alone.token_ids[0]
+        assert alone.token_ids[0] == reference.generate(prompt, 12, 4, 4)
+
+
+def test_block_cache_counts_and_stop(llada2_model):
+    """The cache prefills the prompt's whole blocks once; each block's steps feed only the
+    block and one more forward writes its K/V (none after the last); a row stops after the
+    block holding its first stop token."""
+    prompt = PROMPTS[1]  # 20 tokens: blocks 0 and 1 prefilled, block 2 holds 4 prompt tokens
+    config = _config(decoder="low_confidence", steps=12, stop_ids=(999,), gen_length=20)
+    with pytest.raises(ValueError, match="stop_ids"):
+        djax.generate(llada2_model, [prompt], config)
+    config = dataclasses.replace(config, stop_ids=(127,))  # never produced here
+    out = djax.generate(llada2_model, [prompt], config)
+    # 3 generated blocks of 4 steps (8 / 4 = 2 commits a step; the first block has 4
+    # masks, so 2 steps), a K/V write after each block but the last, and the prefill
+    assert out.stats.forwards == 2 + 4 + 4 + 2 + 1 and out.stats.refreshes == 1
+    assert out.stats.blocks == 3 and len(out.token_ids[0]) == 20
+    answer = out.token_ids[0]
+    # a token first met in the second generated block (answer positions 4..11)
+    at = next(i for i in range(4, 12) if answer[i] not in answer[:i])
+    stopped = djax.generate(
+        llada2_model, [prompt], dataclasses.replace(config, stop_ids=(answer[at],))
+    )
+    assert stopped.stats.blocks == 2
+    assert stopped.token_ids[0] == answer[:at]
+    assert (stopped.answer_ids[0, 12:] == EOS_ID).all()  # the blocks after it: EOS
+
+
+@pytest.mark.parametrize("decoder", ["random", "factor", "hierarchy"])
+def test_other_decoders_fill_every_block(llada2_model, decoder):
+    config = _config(decoder=decoder, stop_ids=(127,), factor=2.0, threshold=0.5)
+    for cache in ("dual", "none"):
+        out = djax.generate(llada2_model, PROMPTS[:2], dataclasses.replace(config, cache=cache))
+        assert out.answer_ids.shape == (2, 20) and not out.notes
+    assert out.stats.refreshes == out.stats.forwards  # cache="none": whole-sequence forwards
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"steps": 5}, r"steps=5 is the total over each row's generated blocks"),
+        ({"decoder": "credit"}, "decoder='credit' is not available for block diffusion"),
+        ({"cache": "prefix"}, "cache='prefix'"),
+        ({"refresh_every": 2}, "refresh_every=2"),
+        ({"smoothing": True}, "smoothing=True"),
+        ({"gen_length": 510}, "exceeds the model's maximum sequence length 512"),
+    ],
+)
+def test_generation_refusals(llada2_model, change, message):
+    with pytest.raises(ValueError, match=message):
+        djax.generate(llada2_model, PROMPTS[:1], _config(**change))
