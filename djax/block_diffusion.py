@@ -262,7 +262,8 @@ def run_block_diffusion(
     gen = _Blocks(module, params, plan, key_valid, positions, rows, answer_start, axis_name)
     kv = None
     if plan.cached:
-        kv = init_buffers(params, module.config.n_layers, plan.batch, plan.seq_len, module.dtype)
+        batch = tokens.shape[0]  # this data shard's rows
+        kv = init_buffers(params, module.config.n_layers, batch, plan.seq_len, module.dtype)
         if plan.prefix_len:
             kv = gen.prefill(tokens, kv)
     zero = jnp.zeros((), jnp.int32)

@@ -9,11 +9,13 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_devices
 from safetensors.numpy import load_file
 
 import djax
 from djax.config import ConfigError, from_hf_dict
 from djax.models.llada2 import route_grouped
+from djax.sharding import make_mesh
 
 from llada2_reference import TINY, make_llada2
 from torch_reference import EOS_ID, MASK_ID, rel_error
@@ -259,3 +261,32 @@ def test_other_decoders_fill_every_block(llada2_model, decoder):
 def test_generation_refusals(llada2_model, change, message):
     with pytest.raises(ValueError, match=message):
         djax.generate(llada2_model, PROMPTS[:1], _config(**change))
+
+
+@needs_devices
+@pytest.mark.parametrize("tp, ep", [(2, 1), (4, 1), (1, 4), (1, 8), (2, 2)])
+def test_tensor_and_expert_parallel_tokens(tmp_path_factory, tp, ep):
+    """8 heads over 4 kv heads: tensor parallelism up to 4 splits whole kv heads, expert
+    parallelism whole experts, with rows over 2 data shards for (2, 2); logits and tokens
+    (both cache modes) as on one device. A `model` axis of size n splits the kv heads too, so
+    expert parallelism 8 is refused."""
+    folder = tmp_path_factory.mktemp("llada2_tp")
+    make_llada2(folder, {**TINY, "num_attention_heads": 8, "num_key_value_heads": 4}, seed=6)
+    single = djax.load(folder, dtype=jnp.float32)
+    if ep == 8:
+        with pytest.raises(ValueError, match="n_kv_heads=4 is not divisible"):
+            djax.load(folder, dtype=jnp.float32, mesh=make_mesh(expert_parallel=8))
+        return
+    mesh = make_mesh(tensor_parallel=tp, expert_parallel=ep, data_parallel=2 if tp == ep else 1)
+    sharded = djax.load(folder, dtype=jnp.float32, mesh=mesh)
+    ids = np.random.default_rng(5).integers(4, 100, (2, 19))
+    a = np.asarray(djax.forward_logits(single, ids, block_length=8))
+    b = np.asarray(djax.forward_logits(sharded, ids, block_length=8))
+    assert rel_error(b, a) <= 1e-6
+    for cache in ("dual", "none"):
+        config = _config(decoder="threshold", threshold=0.5, steps=None, cache=cache)
+        ours = djax.generate(sharded, PROMPTS[:2], config)
+        theirs = djax.generate(single, PROMPTS[:2], config)
+        np.testing.assert_array_equal(ours.answer_ids, theirs.answer_ids, err_msg=cache)
+        if tp != ep:  # (data parallel shards loop on their own rows)
+            assert ours.stats.forwards == theirs.stats.forwards
