@@ -53,6 +53,7 @@ class ModelConfig:
     rotary_dim: int | None = None
     qk_norm: bool = False
     clip_qkv: float | None = None
+    attn_out_bias: bool = False  # LLaDA2's `use_bias`: a bias on the attention output
     n_experts: int = 0
     experts_per_token: int = 0
     expert_hidden: int = 0

@@ -1,10 +1,11 @@
 """LLaDA2.0's `config.json` (`model_type: llada2_moe`, `LLaDA2MoeModelLM`) as a `ModelConfig`.
 
-A missing key takes the default of the LLaDA2 config class (so a folder means what it means
-to the original code). Keys are honoured, accepted only at the value djax implements
-(`_FIXED`: another value raises `ConfigError` naming the key), or inert at inference
-(`INERT`: dropouts, initialisation, cache and logging switches, version stamps). Other keys
-are ignored, as for the other families.
+A missing key takes the default of the LLaDA2 config class, so a folder means what it means
+to the original code (without `use_bias`, the attention output has a bias). Keys are
+honoured, accepted only at the value djax implements (`_FIXED`: another value raises
+`ConfigError` naming the key), or inert at inference (`INERT`: dropouts, initialisation,
+cache and logging switches, version stamps). Other keys are ignored, as for the other
+families.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ INERT = (
 _FIXED = (
     ("hidden_act", "silu", "silu", "LLaDA2 experts are SwiGLU"),
     ("use_qkv_bias", False, False, "djax's attention has no q/k/v bias"),
-    ("use_bias", False, True, "djax's attention output has no bias"),
     ("norm_head", False, False, "djax's output head is a plain matmul"),
     ("tie_word_embeddings", False, False, "LLaDA2 has an untied lm_head"),
     ("rope_scaling", None, None, "djax implements plain RoPE"),
@@ -131,6 +131,7 @@ def llada2_config(r: _Reader) -> ModelConfig:
         eot_token_id=r.first_id("eot_token_id"),
         rotary_dim=rotary_dim if rotary_dim != head_dim else None,
         qk_norm=r.get("use_qk_norm", bool, True),
+        attn_out_bias=r.get("use_bias", bool, True),
         n_experts=n_experts,
         experts_per_token=top_k,
         expert_hidden=expert_hidden,

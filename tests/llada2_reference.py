@@ -131,7 +131,8 @@ class LLaDA2Reference:
         scores = torch.einsum("qhd,khd->hqk", q, k) * d**-0.5
         probs = scores.masked_fill(~visible, -math.inf).softmax(-1)
         out = torch.einsum("hqk,khd->qhd", probs, v).reshape(x.shape[0], heads * d)
-        return out @ w[f"{att}.dense.weight"].T
+        out = out @ w[f"{att}.dense.weight"].T
+        return out + w[f"{att}.dense.bias"] if cfg.get("use_bias", True) else out
 
     def logits(self, ids, block_length: int | None = None) -> np.ndarray:
         """fp32 logits [seq, vocab] of one row `ids` [seq], positions 0..seq-1: bidirectional,
@@ -246,6 +247,8 @@ def make_llada2(
         w[f"{layer}.post_attention_layernorm.weight"] = norm(m)
         w[f"{layer}.attention.query_key_value.weight"] = normal((heads + 2 * kv) * d, m)
         w[f"{layer}.attention.dense.weight"] = normal(m, heads * d)
+        if cfg.get("use_bias", True):  # the LLaDA2 config class's default
+            w[f"{layer}.attention.dense.bias"] = normal(m)
         if cfg["use_qk_norm"]:
             w[f"{layer}.attention.query_layernorm.weight"] = norm(d)
             w[f"{layer}.attention.key_layernorm.weight"] = norm(d)

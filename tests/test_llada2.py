@@ -54,7 +54,6 @@ def test_config_defaults_are_the_llada2_class_defaults():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"use_bias": True}, "use_bias=True is not supported"),
         ({"use_qkv_bias": True}, "use_qkv_bias=True is not supported"),
         ({"tie_word_embeddings": True}, "tie_word_embeddings=True is not supported"),
         ({"score_function": "softmax"}, "score_function='softmax' is not supported"),
@@ -77,10 +76,16 @@ def test_config_refusals(change, message):
         from_hf_dict({**TINY, **change}, "my/config.json")
 
 
-def test_use_bias_absent_means_the_class_default():
-    hf = {k: v for k, v in TINY.items() if k != "use_bias"}
-    with pytest.raises(ConfigError, match=r"use_bias=absent \(LLaDA2's default True\)"):
-        from_hf_dict(hf)
+def test_attention_output_bias(tmp_path):
+    """Without `use_bias` the original config class adds a bias to the attention output
+    (`attention.dense.bias`): loaded and added."""
+    config = {k: v for k, v in TINY.items() if k != "use_bias"}
+    reference = make_llada2(tmp_path, config, seed=7, shards=1)
+    model = djax.load(tmp_path, dtype=jnp.float32)
+    assert model.config.attn_out_bias
+    ids = np.random.default_rng(4).integers(4, 100, (1, 21))
+    ours = np.asarray(djax.forward_logits(model, ids, block_length=8))
+    assert rel_error(ours, reference.logits(ids[0], 8)[None]) <= 1e-5
 
 
 def test_group_limited_routing_by_hand():
@@ -267,11 +272,12 @@ def test_generation_refusals(llada2_model, change, message):
 @pytest.mark.parametrize("tp, ep", [(2, 1), (4, 1), (1, 4), (1, 8), (2, 2)])
 def test_tensor_and_expert_parallel_tokens(tmp_path_factory, tp, ep):
     """8 heads over 4 kv heads: tensor parallelism up to 4 splits whole kv heads, expert
-    parallelism whole experts, with rows over 2 data shards for (2, 2); logits and tokens
-    (both cache modes) as on one device. A `model` axis of size n splits the kv heads too, so
-    expert parallelism 8 is refused."""
+    parallelism whole experts, with rows over 2 data shards for (2, 2); the attention output
+    bias is added once; logits and tokens (both cache modes) as on one device. A `model`
+    axis of size n splits the kv heads too, so expert parallelism 8 is refused."""
     folder = tmp_path_factory.mktemp("llada2_tp")
-    make_llada2(folder, {**TINY, "num_attention_heads": 8, "num_key_value_heads": 4}, seed=6)
+    config = {**TINY, "num_attention_heads": 8, "num_key_value_heads": 4, "use_bias": True}
+    make_llada2(folder, config, seed=6)
     single = djax.load(folder, dtype=jnp.float32)
     if ep == 8:
         with pytest.raises(ValueError, match="n_kv_heads=4 is not divisible"):

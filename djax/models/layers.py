@@ -253,7 +253,8 @@ class Attention(nn.Module):
 
     Weights: `qkv` [model, kv_heads, group + 2, head_dim] (per kv head: its `group` query
     heads, then its key, then its value — one matmul, split by kv heads under tensor
-    parallelism) and `attn_out` [kv_heads, group, head_dim, model]. With `config.qk_norm`,
+    parallelism), `attn_out` [kv_heads, group, head_dim, model] and, with
+    `config.attn_out_bias`, `attn_out_bias` [model]. With `config.qk_norm`,
     `q_norm`/`k_norm` scales [head_dim] shared by all heads are applied before RoPE.
     """
 
@@ -294,6 +295,11 @@ class Attention(nn.Module):
             (kv_heads, group, cfg.head_dim, cfg.d_model),
             self.dtype,
         )
+        out_bias = None
+        if cfg.attn_out_bias:
+            out_bias = self.param(
+                "attn_out_bias", nn.initializers.zeros, (cfg.d_model,), self.dtype
+            )
         scales = None
         if cfg.qk_norm:
             scales = tuple(
@@ -331,8 +337,10 @@ class Attention(nn.Module):
         out, out_kernel = out.reshape(b, t, -1), out_kernel.reshape(-1, cfg.d_model)
         if defer_output:
             return Product(out, out_kernel), (keys, values)
-        y = project(out, out_kernel, self.matmul_impl)
-        return _sum_over(y, self.axis_name), (keys, values)
+        y = _sum_over(project(out, out_kernel, self.matmul_impl), self.axis_name)
+        if out_bias is not None:  # added once, after the sum over shards
+            y = finish(y) + out_bias
+        return y, (keys, values)
 
     def _rope_inputs(self, positions, window, t):
         """The Pallas RoPE kernels' cos/sin tables and their `bounds` (window start, write_lo,
@@ -520,6 +528,7 @@ class TransformerLM(nn.Module):
         cfg, ff = self.config, self.ffs[layer]
         return (
             isinstance(ff, GatedMLP)
+            and not cfg.attn_out_bias
             and fuse_residual_norm(
                 self.norm_impl,
                 self.matmul_impl,

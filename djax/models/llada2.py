@@ -14,10 +14,10 @@ blocks aligned at position 0, which `djax.forward_logits(..., block_length=B)` a
 HF layout (torch Linear weights `[out, in]`): `model.word_embeddings`, per layer `i`
 `model.layers.{i}.{input,post_attention}_layernorm`,
 `...attention.query_key_value` (all query heads, then the key heads, then the value heads),
-`...attention.dense`, `...attention.{query,key}_layernorm`; dense layers
-`...mlp.{gate,up,down}_proj`; MoE layers `...mlp.gate.weight`, `...mlp.gate.expert_bias`,
-`...mlp.experts.{j}.{gate,up,down}_proj`, `...mlp.shared_experts.{gate,up,down}_proj`;
-`model.norm`, `lm_head`.
+`...attention.dense` (and its `.bias` under `use_bias`), `...attention.{query,key}_layernorm`;
+dense layers `...mlp.{gate,up,down}_proj`; MoE layers `...mlp.gate.weight`,
+`...mlp.gate.expert_bias`, `...mlp.experts.{j}.{gate,up,down}_proj`,
+`...mlp.shared_experts.{gate,up,down}_proj`; `model.norm`, `lm_head`.
 """
 
 from __future__ import annotations
@@ -181,6 +181,8 @@ def hf_sources(config: ModelConfig) -> list[ParamSource]:
             ),
             ParamSource((f"attn_{i}", "attn_out"), out, (1, 2, 3, 0)),
         ]
+        if config.attn_out_bias:
+            sources.append(copy((f"attn_{i}", "attn_out_bias"), f"{att}.dense.bias"))
         if config.qk_norm:
             sources += [
                 copy((f"attn_{i}", "q_norm", "scale"), f"{att}.query_layernorm.weight"),
