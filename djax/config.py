@@ -374,17 +374,20 @@ def _moe_layer_pattern(r: _Reader, freq: Any, n_layers: int) -> tuple[bool, ...]
 
 def resolve_token_ids(config: ModelConfig, tokenizer: Any | None, source: str) -> ModelConfig:
     """Fill in the mask, end-of-turn and BOS ids from the tokenizer where the config is silent
-    (and EOS, which only LLaDA2's config may leave out: `eos_token_id` -1).
+    (and EOS, which only LLaDA2's config may leave out, `eos_token_id` -1: the tokenizer's,
+    else the pad id).
 
     The mask id is required: a dLLM cannot generate without it.
     """
     changes: dict[str, Any] = {}
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
-    if config.eos_token_id < 0:
+    if config.eos_token_id < 0:  # LLaDA2: its pad token is its EOS
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        eos = config.pad_token_id if eos is None and config.pad_token_id >= 0 else eos
         if eos is None:
             raise ConfigError(
-                f"{source}: no 'eos_token_id' in config.json and no tokenizer with an EOS token"
+                f"{source}: no 'eos_token_id' or 'pad_token_id' in config.json and no "
+                "tokenizer with an EOS token"
             )
         changes["eos_token_id"] = eos
     if config.pad_token_id < 0:

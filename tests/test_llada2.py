@@ -13,7 +13,9 @@ from conftest import needs_devices
 from safetensors.numpy import load_file
 
 import djax
-from djax.config import ConfigError, from_hf_dict
+from djax.config import ConfigError, from_hf_dict, resolve_token_ids
+from djax.demo.tokenizer import save_char_tokenizer
+from djax.model import load_tokenizer
 from djax.models.llada2 import route_grouped
 from djax.sharding import make_mesh
 
@@ -308,3 +310,18 @@ def test_tensor_and_expert_parallel_tokens(tmp_path_factory, tp, ep):
         np.testing.assert_array_equal(ours.answer_ids, theirs.answer_ids, err_msg=cache)
         if tp != ep:  # (data parallel shards loop on their own rows)
             assert ours.stats.forwards == theirs.stats.forwards
+
+
+def test_token_ids_from_the_tokenizer_or_pad(tmp_path):
+    """EOS and the mask id may be missing from config.json: EOS is the tokenizer's, else the
+    pad id (LLaDA2's pad token is its EOS); the mask id is the tokenizer's."""
+    config = {k: v for k, v in TINY.items() if k != "eos_token_id"} | {"pad_token_id": 5}
+    hf = from_hf_dict(config)
+    assert hf.eos_token_id == -1
+    save_char_tokenizer(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    assert resolve_token_ids(hf, tokenizer, "x").eos_token_id == EOS_ID
+    no_tokenizer = resolve_token_ids(hf.replace(mask_token_id=9), None, "x")
+    assert (no_tokenizer.eos_token_id, no_tokenizer.pad_token_id) == (5, 5)
+    with pytest.raises(ConfigError, match="no 'mask_token_id' in config.json"):
+        resolve_token_ids(hf, None, "x")
