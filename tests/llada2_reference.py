@@ -213,10 +213,13 @@ def make_llada2(
     seed: int = 0,
     std: float = 0.3,
     head_scale: float = 4.0,
+    mask_head_scale: float = 1.0,
     shards: int = 2,
 ) -> LLaDA2Reference:
     """Random weights for `config` (default `TINY`) written as an HF LLaDA2 folder (sharded
-    safetensors with an index, config.json, the char tokenizer: mask id from it)."""
+    safetensors with an index, config.json, the char tokenizer: mask id from it).
+    `mask_head_scale` scales the mask token's output row (above 1: the mask token is
+    predicted at some positions)."""
     cfg = dict(config or TINY)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -235,6 +238,7 @@ def make_llada2(
         "model.norm.weight": norm(m),
         "lm_head.weight": normal(cfg["vocab_size"], m, scale=std * head_scale),
     }
+    w["lm_head.weight"][MASK_ID] *= mask_head_scale
 
     def mlp(prefix, hidden):
         w[f"{prefix}.gate_proj.weight"] = normal(hidden, m)

@@ -257,6 +257,20 @@ def test_block_cache_counts_and_stop(llada2_model):
     assert (stopped.answer_ids[0, 12:] == EOS_ID).all()  # the blocks after it: EOS
 
 
+def test_a_predicted_mask_token_keeps_the_position_masked(tmp_path):
+    """The prediction is the argmax over the whole vocabulary, as the original's: where it is
+    the mask token, committing it leaves the position masked, and a block whose steps run
+    out keeps it (said in the notes)."""
+    reference = make_llada2(tmp_path, seed=4, mask_head_scale=4.0)
+    model = djax.load(tmp_path, dtype=jnp.float32)
+    prompt = PROMPTS[1]
+    for cache in ("dual", "none"):
+        config = _config(decoder="low_confidence", gen_length=12, steps=16, cache=cache)
+        out = djax.generate(model, [prompt], config)
+        assert out.token_ids[0] == reference.generate(prompt, 12, 8, 8)
+        assert MASK_ID in out.token_ids[0] and "kept the mask id" in out.notes[0]
+
+
 @pytest.mark.parametrize("decoder", ["random", "factor", "hierarchy"])
 def test_other_decoders_fill_every_block(llada2_model, decoder):
     config = _config(decoder=decoder, stop_ids=(127,), factor=2.0, threshold=0.5)
