@@ -178,8 +178,7 @@ class _Blocks:
         token, confidence = decoders.predict(
             logits, self.temperature, keys[:, 1], -1, self.axis_name
         )
-        steps = jnp.maximum(self.row_steps, 1)
-        k = b // steps + (state.step < b % steps).astype(jnp.int32)
+        k = decoders.fixed_schedule(jnp.full_like(self.row_steps, b), self.row_steps, state.step)
         name = plan.decoder.name
         if name == "threshold":
             commit = commit_at_least(confidence, masked, self.threshold, k)
