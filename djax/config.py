@@ -110,8 +110,11 @@ def load_hf_config(folder: str | Path) -> dict[str, Any]:
 
 
 def family_of(hf: dict[str, Any], source: str) -> str:
-    """Route by `architectures`: both LLaDA families say `model_type: llada`."""
+    """Route by `architectures`: both LLaDA families say `model_type: llada`. LLaDA2's own
+    `model_type` (`llada2_moe`) names it even where `architectures` is missing."""
     archs = hf.get("architectures")
+    if not archs and hf.get("model_type") == "llada2_moe":
+        return LLADA2
     if not archs:
         raise ConfigError(
             f"{source}: key 'architectures' is missing; expected one of {sorted(ARCHITECTURES)}"

@@ -44,6 +44,10 @@ def test_config_keys():
     assert cfg.shared_expert_hidden == 32 and cfg.router_expert_bias
 
 
+def test_model_type_names_the_family_without_architectures():
+    assert from_hf_dict({k: v for k, v in TINY.items() if k != "architectures"}).block_diffusion
+
+
 def test_config_defaults_are_the_llada2_class_defaults():
     """Absent keys mean what they mean to the original config class."""
     minimal = {k: TINY[k] for k in TINY if k not in ("partial_rotary_factor", "n_group")}
