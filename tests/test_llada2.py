@@ -82,6 +82,27 @@ def test_config_refusals(change, message):
         from_hf_dict({**TINY, **change}, "my/config.json")
 
 
+def test_other_config_branches_match_the_reference(tmp_path):
+    """Top-1 routing (no renormalisation), no shared expert, no dense layer, no q/k norm,
+    whole-head RoPE, MHA: logits as the reference's."""
+    config = TINY | {
+        "num_experts_per_tok": 1,
+        "num_shared_experts": 0,
+        "first_k_dense_replace": 0,
+        "use_qk_norm": False,
+        "partial_rotary_factor": 1.0,
+        "num_key_value_heads": 4,
+        "topk_group": 1,
+    }
+    reference = make_llada2(tmp_path, config, seed=9)
+    model = djax.load(tmp_path, dtype=jnp.float32)
+    assert model.config.shared_expert_hidden == 0 and all(model.config.moe_layers)
+    ids = np.random.default_rng(8).integers(4, 100, (1, 19))
+    for block_length in (None, 4):
+        ours = np.asarray(djax.forward_logits(model, ids, block_length=block_length))
+        assert rel_error(ours, reference.logits(ids[0], block_length)[None]) <= 1e-5
+
+
 def test_attention_output_bias(tmp_path):
     """Without `use_bias` the original config class adds a bias to the attention output
     (`attention.dense.bias`): loaded and added."""
