@@ -10,7 +10,8 @@ Buffer layout (`layout`): every row's first generated block starts at the same b
 position S (a multiple of the block length); row r's prompt of L_r tokens starts at
 `S - (L_r // B) * B`, after padding (invalid keys). Its whole prompt blocks, [0, S), are
 prefilled once into the K/V buffers; each generated block is then denoised with only its B
-tokens fed against the cache, and when it is done one more forward writes its final K/V.
+tokens fed against the cache, and the next block's first step also feeds it (2B tokens,
+block-causal) to write its final K/V.
 Under `cache="none"` every step is a whole-sequence block-causal forward instead.
 
 Per row: its generated blocks n_r = ceil(((L_r mod B) + gen_length) / B) (the last block may
@@ -55,13 +56,16 @@ CACHES = ("dual", "none")  # the block cache (the default policy's name), or non
 class BlockPlan:
     """Everything static about one block-diffusion program.
 
-    prefix_len: S, the prefilled whole prompt blocks (a multiple of block_len); n_blocks:
-    generated block slots after it; steps: the total steps of each row (None: block_len per
+    prefix_len: S, the whole prompt blocks, after padding (a multiple of block_len; under
+    the cache at least one block, which the first step feeds beside the first generated
+    one); prefill: whether a prompt has a whole block (S is then prefilled); n_blocks:
+    generated block slots after S; steps: the total steps of each row (None: block_len per
     block); cached: the append-only block cache (else whole-sequence forwards).
     """
 
     batch: int
     prefix_len: int
+    prefill: bool
     n_blocks: int
     block_len: int
     gen_length: int
@@ -100,12 +104,14 @@ def generated_blocks(prompt_len: Any, gen_length: int, block_len: int) -> Any:
     return -(-(prompt_len % block_len + gen_length) // block_len)
 
 
-def block_causal(key_valid: Array, query_start: int, n_queries: int, block_len: int) -> Array:
+def block_causal(key_valid: Array, query_start: Any, n_queries: int, block_len: int) -> Array:
     """[b, n_queries, seq]: the valid keys of each query's own block and the earlier ones
-    (buffer blocks are aligned with every row's blocks)."""
-    key_block = jnp.arange(key_valid.shape[1]) // block_len
-    query_block = (query_start + jnp.arange(n_queries)) // block_len
-    return key_valid[:, None, :] & (key_block[None, None, :] <= query_block[None, :, None])
+    (buffer blocks are aligned with every row's blocks), and itself: a padding query, which
+    sees no valid key, then attends to something (its output is never used)."""
+    key_at = jnp.arange(key_valid.shape[1])
+    query_at = query_start + jnp.arange(n_queries)
+    earlier = key_at[None, :] // block_len <= query_at[:, None] // block_len
+    return (key_valid[:, None, :] & earlier[None]) | (key_at[None, :] == query_at[:, None])[None]
 
 
 def commit_at_least(confidence: Array, masked: Array, threshold: Array, k: Array) -> Array:
@@ -148,17 +154,25 @@ class _Blocks:
         _, kv = self._apply(x, self.positions[:, :s], mask, kv, Window(0), 0, 1)
         return kv
 
-    def forward(self, state: State, start: Array) -> tuple[Array, Any]:
-        """The current block's final hidden states [b, B, model] and the K/V buffers."""
+    def forward(self, state: State, start: Array, with_previous: bool) -> tuple[Array, Any]:
+        """The current block's final hidden states [b, B, model] and the K/V buffers. With
+        the cache, only the block is fed, and `with_previous` feeds the finished block
+        before it too, so that its final K/V are written by the same forward."""
         plan, b = self.plan, self.plan.block_len
         if not plan.cached:
             x = self._apply(state.tokens, method="embed")
             mask = block_causal(self.key_valid, 0, plan.seq_len, b)
             hidden, _ = self._apply(x, self.positions, mask, None, Window(), start, b)
             return hidden, None
-        ids = jax.lax.dynamic_slice_in_dim(state.tokens, start, b, axis=1)
-        x = self._apply(ids, method="embed")
-        pos = jax.lax.dynamic_slice_in_dim(self.positions, start, b, axis=1)
+        lo = start - b if with_previous else start
+        width = 2 * b if with_previous else b
+        x = self._apply(
+            jax.lax.dynamic_slice_in_dim(state.tokens, lo, width, axis=1), method="embed"
+        )
+        pos = jax.lax.dynamic_slice_in_dim(self.positions, lo, width, axis=1)
+        if with_previous:
+            visible = block_causal(self.key_valid, lo, width, b)
+            return self._apply(x, pos, visible, state.kv, Window(lo), b, b)
         visible = self.key_valid & (jnp.arange(plan.seq_len) < start + b)[None, :]
         return self._apply(x, pos, visible, state.kv, Window(start))
 
@@ -166,10 +180,10 @@ class _Blocks:
         """[b]: rows that decode in this step."""
         return ~state.done & (state.step < self.step_bound)
 
-    def step(self, state: State) -> State:
+    def step(self, state: State, with_previous: bool = False) -> State:
         plan, b = self.plan, self.plan.block_len
         start = plan.prefix_len + state.block * b
-        hidden, kv = self.forward(state, start)
+        hidden, kv = self.forward(state, start, with_previous)
         logits = self._apply(hidden, method="logits")
         block = jax.lax.dynamic_slice_in_dim(state.tokens, start, b, axis=1)
         masked = (block == plan.mask_id) & self.live(state)[:, None]
@@ -200,26 +214,22 @@ class _Blocks:
             forwards=state.forwards + 1,
         )
 
-    def write_block(self, state: State, start: Array) -> State:
-        """The finished block's final K/V into the cache: one forward of its B tokens."""
-        _, kv = self.forward(state, start)
-        return dataclasses.replace(state, kv=kv, forwards=state.forwards + 1)
-
     def run_block(self, state: State) -> State:
+        """Denoise the current block. Under the cache its first step also feeds the block
+        before it (a generated block's final K/V are written so; a prompt block's are
+        rewritten as they were). Every row not done has masks in the block, so that first
+        step always runs."""
         plan, b = self.plan, self.plan.block_len
         start = plan.prefix_len + state.block * b
         state = dataclasses.replace(state, step=jnp.zeros((), jnp.int32))
+        state = self.step(state, with_previous=plan.cached)
 
         def go_on(s: State) -> Array:
             block = jax.lax.dynamic_slice_in_dim(s.tokens, start, b, axis=1)
             return jnp.any(self.live(s) & jnp.any(block == plan.mask_id, axis=1))
 
         state = jax.lax.while_loop(go_on, self.step, state)
-        state = self.finish_block(state, start)
-        if plan.cached:
-            more = (state.block < plan.n_blocks) & ~jnp.all(state.done)
-            state = jax.lax.cond(more, lambda s: self.write_block(s, start), lambda s: s, state)
-        return state
+        return self.finish_block(state, start)
 
     def finish_block(self, state: State, start: Array) -> State:
         """Rows whose answer in this block holds a stop token stop (EOS after the block);
@@ -263,7 +273,7 @@ def run_block_diffusion(
     if plan.cached:
         batch = tokens.shape[0]  # this data shard's rows
         kv = init_buffers(params, module.config.n_layers, batch, plan.seq_len, module.dtype)
-        if plan.prefix_len:
+        if plan.prefill:
             kv = gen.prefill(tokens, kv)
     zero = jnp.zeros((), jnp.int32)
     state = State(
@@ -278,7 +288,7 @@ def run_block_diffusion(
     more = lambda s: (s.block < plan.n_blocks) & ~jnp.all(s.done)
     state = jax.lax.while_loop(more, gen.run_block, state)
     at = answer_start[:, None] + jnp.arange(plan.gen_length)[None, :]
-    prefills = int(plan.cached and plan.prefix_len > 0)
+    prefills = int(plan.cached and plan.prefill)
     return {
         "tokens": state.tokens,
         "answers": jnp.take_along_axis(state.tokens, at, axis=1),
@@ -323,8 +333,11 @@ def make_plan(
                 f"ceil((prompt_len % block_length + gen_length) / block_length) blocks)"
             )
     prefix = max(n // b for n in lengths) * b
+    prefill = prefix > 0 and config.cache != "none"
     if prefix:
         prefix = b * math.ceil(engine.prompt_bucket(prefix, max(limit - gen, prefix)) / b)
+    if config.cache != "none":
+        prefix = max(prefix, b)
     stop_ids = config.stop_ids if config.stop_ids is not None else model.config.stop_token_ids
     outside = [t for t in stop_ids if not 0 <= t < model.config.vocab_size]
     if outside:
@@ -334,6 +347,7 @@ def make_plan(
     plan = BlockPlan(
         batch=len(rows),
         prefix_len=prefix,
+        prefill=prefill,
         n_blocks=max(blocks),
         block_len=b,
         gen_length=gen,
