@@ -296,6 +296,16 @@ def test_a_predicted_mask_token_keeps_the_position_masked(tmp_path):
         assert MASK_ID in out.token_ids[0] and "kept the mask id" in out.notes[0]
 
 
+def test_sampling_follows_the_seed(llada2_model):
+    config = _config(decoder="threshold", temperature=1.5, stop_ids=(127,))
+    a = djax.generate(llada2_model, PROMPTS[:2], config)
+    b = djax.generate(llada2_model, PROMPTS[:2], config)
+    c = djax.generate(llada2_model, PROMPTS[:2], dataclasses.replace(config, seed=1))
+    greedy = djax.generate(llada2_model, PROMPTS[:2], dataclasses.replace(config, temperature=0))
+    np.testing.assert_array_equal(a.answer_ids, b.answer_ids)
+    assert (a.answer_ids != c.answer_ids).any() and (a.answer_ids != greedy.answer_ids).any()
+
+
 @pytest.mark.parametrize("decoder", ["random", "factor", "hierarchy"])
 def test_other_decoders_fill_every_block(llada2_model, decoder):
     config = _config(decoder=decoder, stop_ids=(127,), factor=2.0, threshold=0.5)
