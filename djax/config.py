@@ -14,7 +14,8 @@ from typing import Any
 
 DENSE = "llada"
 MOE = "llada_moe"
-ARCHITECTURES = {"LLaDAModelLM": DENSE, "LLaDAMoEModelLM": MOE}
+LLADA2 = "llada2"  # LLaDA2.0 (`model_type: llada2_moe`): block diffusion, djax.llada2_config
+ARCHITECTURES = {"LLaDAModelLM": DENSE, "LLaDAMoEModelLM": MOE, "LLaDA2MoeModelLM": LLADA2}
 
 # Token strings that end a chat turn in the LLaDA family's tokenizers, in order of preference.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|role_end|>", "<end_of_turn>")
@@ -52,6 +53,7 @@ class ModelConfig:
     rotary_dim: int | None = None
     qk_norm: bool = False
     clip_qkv: float | None = None
+    attn_out_bias: bool = False  # LLaDA2's `use_bias`: a bias on the attention output
     n_experts: int = 0
     experts_per_token: int = 0
     expert_hidden: int = 0
@@ -59,10 +61,18 @@ class ModelConfig:
     norm_topk_prob: bool = False
     router_expert_bias: bool = False
     moe_layers: tuple[bool, ...] = ()
+    expert_groups: int = 1  # LLaDA2's group-limited routing: experts in this many groups,
+    groups_per_token: int = 1  # of which each token's experts come from this many
+    routed_scaling: float = 1.0  # LLaDA2: the routed experts' weights times this
 
     @property
     def is_moe(self) -> bool:
-        return self.family == MOE
+        return self.n_experts > 0
+
+    @property
+    def block_diffusion(self) -> bool:
+        """Whether the family generates by block diffusion (`djax.block_diffusion`)."""
+        return self.family == LLADA2
 
     @property
     def rope_dim(self) -> int:
@@ -100,8 +110,11 @@ def load_hf_config(folder: str | Path) -> dict[str, Any]:
 
 
 def family_of(hf: dict[str, Any], source: str) -> str:
-    """Route by `architectures`: both LLaDA families say `model_type: llada`."""
+    """Route by `architectures`: both LLaDA families say `model_type: llada`. LLaDA2's own
+    `model_type` (`llada2_moe`) names it even where `architectures` is missing."""
     archs = hf.get("architectures")
+    if not archs and hf.get("model_type") == "llada2_moe":
+        return LLADA2
     if not archs:
         raise ConfigError(
             f"{source}: key 'architectures' is missing; expected one of {sorted(ARCHITECTURES)}"
@@ -121,7 +134,12 @@ def from_hf_dict(hf: dict[str, Any], source: str = "config.json") -> ModelConfig
     tokenizer: see `resolve_token_ids`)."""
     family = family_of(hf, source)
     reader = _Reader(hf, source)
-    config = _dense_config(reader) if family == DENSE else _moe_config(reader)
+    if family == LLADA2:
+        from djax.llada2_config import llada2_config
+
+        config = llada2_config(reader)
+    else:
+        config = _dense_config(reader) if family == DENSE else _moe_config(reader)
     for field in _SIZES:
         if getattr(config, field) <= 0:
             raise ConfigError(f"{source}: {field}={getattr(config, field)}; expected > 0")
@@ -358,12 +376,25 @@ def _moe_layer_pattern(r: _Reader, freq: Any, n_layers: int) -> tuple[bool, ...]
 
 
 def resolve_token_ids(config: ModelConfig, tokenizer: Any | None, source: str) -> ModelConfig:
-    """Fill in the mask, end-of-turn and BOS ids from the tokenizer where the config is silent.
+    """Fill in the mask, end-of-turn and BOS ids from the tokenizer where the config is silent
+    (and EOS, which only LLaDA2's config may leave out, `eos_token_id` -1: the tokenizer's,
+    else the pad id).
 
     The mask id is required: a dLLM cannot generate without it.
     """
     changes: dict[str, Any] = {}
     vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+    if config.eos_token_id < 0:  # LLaDA2: its pad token is its EOS
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        eos = config.pad_token_id if eos is None and config.pad_token_id >= 0 else eos
+        if eos is None:
+            raise ConfigError(
+                f"{source}: no 'eos_token_id' or 'pad_token_id' in config.json and no "
+                "tokenizer with an EOS token"
+            )
+        changes["eos_token_id"] = eos
+    if config.pad_token_id < 0:
+        changes["pad_token_id"] = changes.get("eos_token_id", config.eos_token_id)
     if config.mask_token_id < 0:
         mask = getattr(tokenizer, "mask_token_id", None) if tokenizer is not None else None
         if mask is None:

@@ -371,6 +371,10 @@ def generate(
     template) or lists of token ids. Rows of different lengths are left-padded, padding keys masked.
     """
     config = config or GenerationConfig()
+    if model.config.block_diffusion:  # LLaDA2: block by block, block-causal
+        from djax import block_diffusion
+
+        return block_diffusion.generate(model, prompts, config, chat=chat)
     enable_compile_cache()
     rows = tokenize(model, prompts, chat)
     _check_prompts(model, rows)

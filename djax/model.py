@@ -187,13 +187,21 @@ def convert(
     return dst
 
 
-def forward_logits(model: Model, token_ids: Any, attention_mask: Any = None) -> jax.Array:
-    """Full-sequence fp32 logits [batch, seq, vocab] (bidirectional attention).
+def forward_logits(
+    model: Model, token_ids: Any, attention_mask: Any = None, *, block_length: int | None = None
+) -> jax.Array:
+    """Full-sequence fp32 logits [batch, seq, vocab].
 
     token_ids: [batch, seq] ints; attention_mask: [batch, seq], 1 for real tokens and 0 for
     padding (left padding: positions count from each row's first real token). Padding keys
-    are masked out of every row's attention.
+    are masked out of every row's attention. Attention is bidirectional, or with
+    `block_length=B` block-causal (LLaDA2's block diffusion): a position sees its own block
+    and the earlier ones, blocks of B positions counted from each row's first real token.
     """
+    if block_length is not None and (
+        not isinstance(block_length, int) or isinstance(block_length, bool) or block_length < 1
+    ):
+        raise ValueError(f"block_length={block_length!r}; expected a positive int or None")
     ids = np.asarray(token_ids)
     if ids.ndim == 1:
         ids = ids[None]
@@ -212,5 +220,5 @@ def forward_logits(model: Model, token_ids: Any, attention_mask: Any = None) -> 
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask has shape {mask.shape}; expected {ids.shape}")
     kernels = model.kernel_choice(Shapes.whole_sequence(*ids.shape))
-    fn = programs.forward_program(model.config, model.dtype, kernels, model.mesh)
+    fn = programs.forward_program(model.config, model.dtype, kernels, model.mesh, block_length)
     return fn(model.params, jnp.asarray(ids, jnp.int32), jnp.asarray(mask))

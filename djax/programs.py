@@ -75,26 +75,47 @@ def local_module(config: ModelConfig, dtype: Any, kernels: KernelChoice, mesh: A
     )
 
 
+def block_causal(key_valid: jax.Array, positions: jax.Array, block_length: int) -> jax.Array:
+    """Each query's visible keys [batch, seq, seq] under block-causal attention: the valid
+    keys of its own block and earlier ones, blocks of `block_length` positions from
+    position 0 (`positions` [batch, seq])."""
+    block = positions // block_length
+    return key_valid[:, None, :] & (block[:, None, :] <= block[:, :, None])
+
+
 def sequence_logits(
-    module: TransformerLM, params: dict, token_ids: jax.Array, key_valid: jax.Array
+    module: TransformerLM,
+    params: dict,
+    token_ids: jax.Array,
+    key_valid: jax.Array,
+    block_length: int | None = None,
 ) -> jax.Array:
     """Whole-sequence logits of `module` ([batch, seq, vocab_local] fp32); positions count
-    from each row's first valid token."""
+    from each row's first valid token. Attention is bidirectional, or block-causal in blocks
+    of `block_length` (`block_causal`)."""
     positions = jnp.maximum(jnp.cumsum(key_valid, axis=1) - 1, 0)
+    mask = key_valid if block_length is None else block_causal(key_valid, positions, block_length)
     x = module.apply({"params": params}, token_ids, method="embed")
-    hidden, _ = module.apply({"params": params}, x, positions, key_valid)
+    hidden, _ = module.apply({"params": params}, x, positions, mask)
     return module.apply({"params": params}, hidden, method="logits")
 
 
 @functools.lru_cache(maxsize=16)
-def forward_program(config: ModelConfig, dtype: Any, kernels: KernelChoice, mesh: Any) -> Any:
+def forward_program(
+    config: ModelConfig,
+    dtype: Any,
+    kernels: KernelChoice,
+    mesh: Any,
+    block_length: int | None = None,
+) -> Any:
     """The jitted `sequence_logits` (`forward_logits`); on a mesh the sharded forward under
     `shard_map`, its logits gathered over the vocabulary at the end."""
     module = local_module(config, dtype, kernels, mesh)
+    logits = functools.partial(sequence_logits, module, block_length=block_length)
     if mesh is None:
-        return jax.jit(functools.partial(sequence_logits, module))
+        return jax.jit(logits)
     program = jax.shard_map(
-        functools.partial(sequence_logits, module),
+        logits,
         mesh=mesh,
         in_specs=(sharding.param_specs(config, dtype, mesh), P(), P()),
         out_specs=P(None, None, sharding.model_axis(mesh)),

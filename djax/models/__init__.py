@@ -7,8 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from djax.config import DENSE, MOE, ModelConfig
-from djax.models import llada, llada_moe
+from djax.config import DENSE, LLADA2, MOE, ModelConfig
+from djax.models import llada, llada2, llada_moe
 from djax.models.kernel_choice import KernelChoice
 from djax.models.layers import TransformerLM, Window
 from djax.models.sources import ParamSource
@@ -18,6 +18,7 @@ __all__ = ["build_module", "hf_sources", "abstract_params", "init_params", "Wind
 _FAMILIES = {
     DENSE: (llada.LLaDA, llada.hf_sources),
     MOE: (llada_moe.LLaDAMoE, llada_moe.hf_sources),
+    LLADA2: (llada2.LLaDA2, llada2.hf_sources),
 }
 
 

@@ -295,7 +295,11 @@ class _Rule:
         fusing = self._norm_fusion(few)
         into_mlp = (
             fusing
-            if fusing != "no" and out == "pallas" and mlp == "pallas" and _fits(w.out)
+            if fusing != "no"
+            and out == "pallas"
+            and mlp == "pallas"
+            and _fits(w.out)
+            and not cfg.attn_out_bias  # the output product's epilogue adds no bias
             else "no"
         )
         into_attention = (

@@ -162,27 +162,31 @@ def rope_and_write_xla(
 
 
 def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "xla") -> Array:
-    """Bidirectional grouped-query attention with a key-padding mask.
+    """Grouped-query attention with a key mask: bidirectional over the valid keys.
 
     q: [batch, t, kv_heads, group, head_dim]; keys, values: [batch, s, kv_heads, head_dim];
-    key_valid: [batch, s] bool. Returns [batch, t, kv_heads, group, head_dim].
+    key_valid: [batch, s] bool (the same keys for every query), or [batch, t, s] (each query's
+    own keys, as block-causal attention needs: XLA's or cuDNN's path). Returns
+    [batch, t, kv_heads, group, head_dim].
     """
     if impl == "cudnn":
         return _attend_cudnn(q, keys, values, key_valid)
-    if impl == "split_kv":  # Pallas's interpreter off GPUs (for tests)
+    if impl == "split_kv" and key_valid.ndim == 2:  # Pallas's interpreter off GPUs (for tests)
         b, t, k, g, d = q.shape
         out = flash_attention.split_kv_attention(q.reshape(b, t, k * g, d), keys, values, key_valid)
         return out.reshape(q.shape)
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
-    scores = jnp.where(key_valid[:, None, None, None, :], scores * scale, flash_attention.MASKED)
+    mask = key_valid[:, None, None, None, :] if key_valid.ndim == 2 else key_valid[:, None, None]
+    scores = jnp.where(mask, scores * scale, flash_attention.MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, values)
 
 
 def _attend_cudnn(q: Array, keys: Array, values: Array, key_valid: Array) -> Array:
     b, t, k, g, d = q.shape
-    mask = jnp.broadcast_to(key_valid[:, None, None, :], (b, 1, t, keys.shape[1]))
+    per_query = key_valid if key_valid.ndim == 3 else key_valid[:, None, :]
+    mask = jnp.broadcast_to(per_query[:, None], (b, 1, t, keys.shape[1]))
     out = jax.nn.dot_product_attention(
         q.reshape(b, t, k * g, d), keys, values, mask=mask, implementation="cudnn"
     )
@@ -237,7 +241,8 @@ class Attention(nn.Module):
 
     Weights: `qkv` [model, kv_heads, group + 2, head_dim] (per kv head: its `group` query
     heads, then its key, then its value — one matmul, split by kv heads under tensor
-    parallelism) and `attn_out` [kv_heads, group, head_dim, model]. With `config.qk_norm`,
+    parallelism), `attn_out` [kv_heads, group, head_dim, model] and, with
+    `config.attn_out_bias`, `attn_out_bias` [model]. With `config.qk_norm`,
     `q_norm`/`k_norm` scales [head_dim] shared by all heads are applied before RoPE.
     """
 
@@ -278,6 +283,11 @@ class Attention(nn.Module):
             (kv_heads, group, cfg.head_dim, cfg.d_model),
             self.dtype,
         )
+        out_bias = None
+        if cfg.attn_out_bias:
+            out_bias = self.param(
+                "attn_out_bias", nn.initializers.zeros, (cfg.d_model,), self.dtype
+            )
         scales = None
         if cfg.qk_norm:
             scales = tuple(
@@ -302,13 +312,19 @@ class Attention(nn.Module):
             )
         if query_rows is not None:
             q = jax.lax.dynamic_slice_in_dim(q, query_rows[0], query_rows[1], axis=1)
+            if key_valid.ndim == 3:  # each query row's own keys
+                key_valid = jax.lax.dynamic_slice_in_dim(
+                    key_valid, query_rows[0], query_rows[1], axis=1
+                )
         out = attend(q, keys, values, key_valid, kernels.attention)
         b, t = out.shape[:2]
         out, out_kernel = out.reshape(b, t, -1), out_kernel.reshape(-1, cfg.d_model)
         if defer_output:
             return Product(out, out_kernel), (keys, values)
-        y = project(out, out_kernel, out_impl)
-        return _sum_over(y, self.axis_name), (keys, values)
+        y = _sum_over(project(out, out_kernel, out_impl), self.axis_name)
+        if out_bias is not None:  # added once, after the sum over shards
+            y = finish(y) + out_bias
+        return y, (keys, values)
 
     def _rope_inputs(self, positions, window, t):
         """The Pallas RoPE kernels' cos/sin tables and their `bounds` (window start, write_lo,
@@ -429,7 +445,8 @@ class TransformerLM(nn.Module):
         """Run the decoder stack on a window.
 
         x: [batch, W, model] input embeddings; positions: [batch, W] RoPE positions;
-        key_valid: [batch, seq] which buffer positions are real keys; kv: per layer
+        key_valid: [batch, seq] which buffer positions are real keys (or [batch, W, seq],
+        each window row's own keys); kv: per layer
         (keys, values) [batch, seq, kv_heads, head_dim], or None when the window is the
         whole sequence. Returns final-norm hidden states [batch, hidden_len, model] from
         `hidden_start` (relative to the window) and the updated per-layer K/V. Only the

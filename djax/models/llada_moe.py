@@ -200,7 +200,7 @@ class MoEBlock(nn.Module):
         b, t, _ = x.shape
         flat = x.reshape(b * t, m)
         with jax.named_scope("router"):
-            weights, experts = route(flat, router, bias, cfg.experts_per_token, cfg.norm_topk_prob)
+            weights, experts = self.route(flat, router, bias)
         first = 0 if local_e == e else jax.lax.axis_index(self.axis_name) * local_e
         run = {
             "dense": experts_dense,
@@ -220,6 +220,12 @@ class MoEBlock(nn.Module):
             )
             y = y + finish(shared(x, kernels))
         return y
+
+    def route(self, x: Array, router: Array, expert_bias: Array | None) -> tuple[Array, Array]:
+        """The routing weights and experts of tokens x [n, model] (`route`'s result); a
+        family with another router overrides this."""
+        cfg = self.config
+        return route(x, router, expert_bias, cfg.experts_per_token, cfg.norm_topk_prob)
 
 
 class LLaDAMoE(TransformerLM):

@@ -1,0 +1,443 @@
+"""Block diffusion (LLaDA2): generation block by block under a block-causal mask, as one
+device program.
+
+Blocks are `block_length` positions aligned at each row's position 0, so the prompt's tail
+shares the first generated block. Block b sees blocks ≤ b (bidirectionally inside its own),
+so a finished block's K/V never change and an append-only cache is exact, like an
+autoregressive cache at block granularity.
+
+Buffer layout (`layout`): every row's first generated block starts at the same buffer
+position S (a multiple of the block length); row r's prompt of L_r tokens starts at
+`S - (L_r // B) * B`, after padding (invalid keys). Its whole prompt blocks, [0, S), are
+prefilled once into the K/V buffers; each generated block is then denoised with only its B
+tokens fed against the cache, and the next block's first step also feeds it (2B tokens,
+block-causal) to write its final K/V.
+Under `cache="none"` every step is a whole-sequence block-causal forward instead.
+
+Per row: its generated blocks n_r = ceil(((L_r mod B) + gen_length) / B) (the last block may
+reach past the answer; those positions are decoded and then cut, as the original does);
+steps per block s_r = steps / n_r (default B), at most gen_length; step i commits k_i masked
+positions, the block length split over the s_r steps with the remainder first, capped at the
+masks left. Decoders: `low_confidence` (the k_i most confident), `random` (k_i at random),
+`threshold` (every masked position with p > τ when there are at least k_i of them, else the
+k_i most confident), `factor` and `hierarchy` (their own rules, at most B steps a block).
+A prediction is the argmax over the whole vocabulary at temperature 0 (Gumbel-max sampling
+above), the mask id included as in the original: committing it leaves the position masked,
+and a block whose steps run out keeps its masks. A row stops after the block holding its
+first stop token in the answer, or after its n_r blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from djax import decoders, engine
+from djax.diffusion import Rows, row_keys
+from djax.generation import GenerationConfig
+from djax.kv_cache import init_buffers
+from djax.model import Model
+from djax.models.layers import TransformerLM, Window
+
+Array = jax.Array
+FIXED_STEP_DECODERS = ("low_confidence", "random", "threshold")
+DECODERS = (*FIXED_STEP_DECODERS, "factor", "hierarchy")
+CACHES = ("dual", "none")  # the block cache (the default policy's name), or none
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """Everything static about one block-diffusion program.
+
+    prefix_len: S, the whole prompt blocks, after padding (a multiple of block_len; under
+    the cache at least one block, which the first step feeds beside the first generated
+    one); prefill: whether a prompt has a whole block (S is then prefilled); n_blocks:
+    generated block slots after S; steps: the total steps of each row (None: block_len per
+    block); cached: the append-only block cache (else whole-sequence forwards).
+    """
+
+    batch: int
+    prefix_len: int
+    prefill: bool
+    n_blocks: int
+    block_len: int
+    gen_length: int
+    steps: int | None
+    decoder: decoders.DecoderSpec
+    cached: bool
+    mask_id: int
+    fill_id: int
+    stop_ids: tuple[int, ...]
+    early_stop: bool = True
+    sampling: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        return self.prefix_len + self.n_blocks * self.block_len
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class State:
+    """The loop carry: tokens [b, seq]; kv per layer or None; keys [b]; done [b] (stopped or
+    past its blocks); counters."""
+
+    tokens: Array
+    kv: Any
+    keys: Array
+    done: Array
+    block: Array
+    step: Array
+    forwards: Array
+
+
+def generated_blocks(prompt_len: Any, gen_length: int, block_len: int) -> Any:
+    """The blocks a row generates: from the one holding its prompt's end to the one holding
+    its answer's last position."""
+    return -(-(prompt_len % block_len + gen_length) // block_len)
+
+
+def block_causal(key_valid: Array, query_start: Any, n_queries: int, block_len: int) -> Array:
+    """[b, n_queries, seq]: the valid keys of each query's own block and the earlier ones
+    (buffer blocks are aligned with every row's blocks), and itself: a padding query, which
+    sees no valid key, then attends to something (its output is never used)."""
+    key_at = jnp.arange(key_valid.shape[1])
+    query_at = query_start + jnp.arange(n_queries)
+    earlier = key_at[None, :] // block_len <= query_at[:, None] // block_len
+    return (key_valid[:, None, :] & earlier[None]) | (key_at[None, :] == query_at[:, None])[None]
+
+
+def commit_at_least(confidence: Array, masked: Array, threshold: Array, k: Array) -> Array:
+    """LLaDA2's threshold rule: every masked position with confidence > τ when there are at
+    least k of them, else the k most confident masked ones. threshold: [b, 1]; k: [b]."""
+    high = masked & (confidence > threshold)
+    enough = jnp.sum(high, axis=1) >= k
+    return jnp.where(enough[:, None], high, decoders.commit_top_k(confidence, masked, k))
+
+
+class _Blocks:
+    """Closes over the module, params, plan and per-row values; builds the loop bodies."""
+
+    def __init__(self, module, params, plan, key_valid, positions, rows, answer_start, axis):
+        self.module, self.params, self.plan = module, params, plan
+        self.key_valid, self.positions, self.axis_name = key_valid, positions, axis
+        self.threshold = rows.threshold[:, None]
+        self.temperature = rows.temperature if plan.sampling else None
+        self.answer_start = answer_start
+        blocks = generated_blocks(answer_start - plan.prefix_len, plan.gen_length, plan.block_len)
+        self.row_blocks = blocks
+        if plan.steps is None:
+            steps = jnp.full_like(blocks, plan.block_len)
+        else:
+            steps = plan.steps // blocks
+        self.row_steps = jnp.minimum(steps, plan.gen_length)
+        if plan.decoder.name in FIXED_STEP_DECODERS:
+            self.step_bound = self.row_steps
+        else:
+            self.step_bound = jnp.full_like(blocks, plan.block_len)
+
+    def _apply(self, *args, **kwargs):
+        return self.module.apply({"params": self.params}, *args, **kwargs)
+
+    def prefill(self, tokens: Array, kv: Any) -> Any:
+        """The whole prompt blocks' K/V, [0, S), written into the buffers."""
+        s = self.plan.prefix_len
+        x = self._apply(tokens[:, :s], method="embed")
+        mask = block_causal(self.key_valid, 0, s, self.plan.block_len)
+        _, kv = self._apply(x, self.positions[:, :s], mask, kv, Window(0), 0, 1)
+        return kv
+
+    def forward(self, state: State, start: Array, with_previous: bool) -> tuple[Array, Any]:
+        """The current block's final hidden states [b, B, model] and the K/V buffers. With
+        the cache, only the block is fed, and `with_previous` feeds the finished block
+        before it too, so that its final K/V are written by the same forward."""
+        plan, b = self.plan, self.plan.block_len
+        if not plan.cached:
+            x = self._apply(state.tokens, method="embed")
+            mask = block_causal(self.key_valid, 0, plan.seq_len, b)
+            hidden, _ = self._apply(x, self.positions, mask, None, Window(), start, b)
+            return hidden, None
+        lo = start - b if with_previous else start
+        width = 2 * b if with_previous else b
+        x = self._apply(
+            jax.lax.dynamic_slice_in_dim(state.tokens, lo, width, axis=1), method="embed"
+        )
+        pos = jax.lax.dynamic_slice_in_dim(self.positions, lo, width, axis=1)
+        if with_previous:
+            visible = block_causal(self.key_valid, lo, width, b)
+            return self._apply(x, pos, visible, state.kv, Window(lo), b, b)
+        visible = self.key_valid & (jnp.arange(plan.seq_len) < start + b)[None, :]
+        return self._apply(x, pos, visible, state.kv, Window(start))
+
+    def live(self, state: State) -> Array:
+        """[b]: rows that decode in this step."""
+        return ~state.done & (state.step < self.step_bound)
+
+    def step(self, state: State, with_previous: bool = False) -> State:
+        plan, b = self.plan, self.plan.block_len
+        start = plan.prefix_len + state.block * b
+        hidden, kv = self.forward(state, start, with_previous)
+        logits = self._apply(hidden, method="logits")
+        block = jax.lax.dynamic_slice_in_dim(state.tokens, start, b, axis=1)
+        masked = (block == plan.mask_id) & self.live(state)[:, None]
+        keys = jax.vmap(lambda key: jax.random.split(key, 3))(state.keys)
+        # mask id -1: no vocabulary entry is excluded, so the mask token may be predicted
+        token, confidence = decoders.predict(
+            logits, self.temperature, keys[:, 1], -1, self.axis_name
+        )
+        k = decoders.fixed_schedule(jnp.full_like(self.row_steps, b), self.row_steps, state.step)
+        name = plan.decoder.name
+        if name == "threshold":
+            commit = commit_at_least(confidence, masked, self.threshold, k)
+        elif name in ("factor", "hierarchy"):
+            commit = decoders.decide(plan.decoder, confidence, masked, threshold=self.threshold)
+        else:
+            commit = decoders.decide(
+                plan.decoder, confidence, masked, threshold=self.threshold, k=k, keys=keys[:, 2]
+            )
+        tokens = jax.lax.dynamic_update_slice_in_dim(
+            state.tokens, jnp.where(commit, token, block), start, axis=1
+        )
+        return dataclasses.replace(
+            state,
+            tokens=tokens,
+            kv=kv if plan.cached else state.kv,
+            keys=keys[:, 0],
+            step=state.step + 1,
+            forwards=state.forwards + 1,
+        )
+
+    def run_block(self, state: State) -> State:
+        """Denoise the current block. Under the cache its first step also feeds the block
+        before it (a generated block's final K/V are written so; a prompt block's are
+        rewritten as they were). Every row not done has masks in the block, so that first
+        step always runs."""
+        plan, b = self.plan, self.plan.block_len
+        start = plan.prefix_len + state.block * b
+        state = dataclasses.replace(state, step=jnp.zeros((), jnp.int32))
+        state = self.step(state, with_previous=plan.cached)
+
+        def go_on(s: State) -> Array:
+            block = jax.lax.dynamic_slice_in_dim(s.tokens, start, b, axis=1)
+            return jnp.any(self.live(s) & jnp.any(block == plan.mask_id, axis=1))
+
+        state = jax.lax.while_loop(go_on, self.step, state)
+        return self.finish_block(state, start)
+
+    def finish_block(self, state: State, start: Array) -> State:
+        """Rows whose answer in this block holds a stop token stop (EOS after the block);
+        rows past their blocks are done."""
+        plan, b = self.plan, self.plan.block_len
+        tokens, done = state.tokens, state.done
+        if plan.early_stop:
+            block = jax.lax.dynamic_slice_in_dim(tokens, start, b, axis=1)
+            in_answer = (start + jnp.arange(b))[None, :] >= self.answer_start[:, None]
+            stop = in_answer & jnp.isin(block, jnp.asarray(plan.stop_ids))
+            has_stop = ~done & jnp.any(stop, axis=1)
+            later = jnp.arange(plan.seq_len) >= start + b
+            tokens = jnp.where(has_stop[:, None] & later[None, :], plan.fill_id, tokens)
+            done = done | has_stop
+        block = state.block + 1
+        done = done | (block >= self.row_blocks)
+        return dataclasses.replace(state, tokens=tokens, done=done, block=block)
+
+
+def run_block_diffusion(
+    module: TransformerLM,
+    params: dict,
+    plan: BlockPlan,
+    tokens: Array,
+    key_valid: Array,
+    positions: Array,
+    rows: Rows,
+    axis_name: str | None = None,
+) -> dict[str, Array]:
+    """Generate every row's answer block by block (see the module docstring).
+
+    tokens: [batch, seq] int32 in the `layout` (padding, prompt, then mask ids); key_valid:
+    [batch, seq] bool (False on padding); positions: [batch, seq] int32, 0 at each row's
+    first prompt token. Returns the final tokens, each row's answer [batch, gen_length] and
+    the counters (forwards, refreshes: whole-sequence forwards and the prefill, blocks).
+    """
+    answer_start = jnp.sum(key_valid & (tokens != plan.mask_id), axis=1, dtype=jnp.int32)
+    answer_start = answer_start + plan.seq_len - jnp.sum(key_valid, axis=1, dtype=jnp.int32)
+    gen = _Blocks(module, params, plan, key_valid, positions, rows, answer_start, axis_name)
+    kv = None
+    if plan.cached:
+        batch = tokens.shape[0]  # this data shard's rows
+        kv = init_buffers(params, module.config.n_layers, batch, plan.seq_len, module.dtype)
+        if plan.prefill:
+            kv = gen.prefill(tokens, kv)
+    zero = jnp.zeros((), jnp.int32)
+    state = State(
+        tokens=tokens,
+        kv=kv,
+        keys=jax.random.wrap_key_data(rows.keys),
+        done=jnp.zeros(tokens.shape[:1], bool),
+        block=zero,
+        step=zero,
+        forwards=zero,
+    )
+    more = lambda s: (s.block < plan.n_blocks) & ~jnp.all(s.done)
+    state = jax.lax.while_loop(more, gen.run_block, state)
+    at = answer_start[:, None] + jnp.arange(plan.gen_length)[None, :]
+    prefills = int(plan.cached and plan.prefill)
+    return {
+        "tokens": state.tokens,
+        "answers": jnp.take_along_axis(state.tokens, at, axis=1),
+        "forwards": state.forwards + prefills,
+        "refreshes": state.forwards + prefills if not plan.cached else zero + prefills,
+        "blocks": state.block,
+    }
+
+
+def make_plan(
+    model: Model, config: GenerationConfig, rows: list[list[int]]
+) -> tuple[BlockPlan, list[str]]:
+    """The static plan for a request (its options checked for block diffusion), and notes."""
+    if config.decoder not in DECODERS:
+        raise ValueError(
+            f"decoder={config.decoder!r} is not available for block diffusion "
+            f"({model.config.family}); expected one of {DECODERS}"
+        )
+    if config.cache not in CACHES or config.refresh_every:
+        raise ValueError(
+            f"cache={config.cache!r}, refresh_every={config.refresh_every}: block diffusion "
+            f"takes cache='dual' (the exact append-only block cache) or 'none', and no "
+            "refreshes"
+        )
+    if config.smoothing:
+        raise ValueError("smoothing=True is not available for block diffusion")
+    b, gen = config.block_length, config.gen_length
+    lengths = [len(r) for r in rows]
+    limit = model.config.max_seq_len
+    if max(lengths) + gen > limit:
+        raise ValueError(
+            f"prompt ({max(lengths)} tokens) + gen_length ({gen}) = {max(lengths) + gen} "
+            f"exceeds the model's maximum sequence length {limit}"
+        )
+    blocks = [generated_blocks(n, gen, b) for n in lengths]
+    if config.steps is not None:
+        uneven = [(i, n) for i, n in enumerate(blocks) if config.steps % n]
+        if uneven:
+            raise ValueError(
+                f"steps={config.steps} is the total over each row's generated blocks and must "
+                f"split evenly: (row, generated blocks) {uneven} (a row generates "
+                f"ceil((prompt_len % block_length + gen_length) / block_length) blocks)"
+            )
+    prefix = max(n // b for n in lengths) * b
+    prefill = prefix > 0 and config.cache != "none"
+    if prefix:
+        prefix = b * math.ceil(engine.prompt_bucket(prefix, max(limit - gen, prefix)) / b)
+    if config.cache != "none":
+        prefix = max(prefix, b)
+    stop_ids = config.stop_ids if config.stop_ids is not None else model.config.stop_token_ids
+    outside = [t for t in stop_ids if not 0 <= t < model.config.vocab_size]
+    if outside:
+        raise ValueError(
+            f"stop_ids {outside} outside the model's vocabulary [0, {model.config.vocab_size})"
+        )
+    plan = BlockPlan(
+        batch=len(rows),
+        prefix_len=prefix,
+        prefill=prefill,
+        n_blocks=max(blocks),
+        block_len=b,
+        gen_length=gen,
+        steps=config.steps,
+        decoder=config.decoder_spec(),
+        cached=config.cache != "none",
+        mask_id=model.config.mask_token_id,
+        fill_id=model.config.eos_token_id,
+        stop_ids=tuple(stop_ids),
+        early_stop=config.early_stop,
+        sampling=config.temperature > 0,
+    )
+    return plan, []
+
+
+def layout(rows: list[list[int]], plan: BlockPlan, pad_id: int) -> dict[str, np.ndarray]:
+    """Tokens (padding, prompt, mask ids), key validity and positions: row r's prompt starts
+    at S - (L_r // B) * B, so every row's first generated block starts at S."""
+    batch, seq, b = len(rows), plan.seq_len, plan.block_len
+    tokens = np.full((batch, seq), plan.mask_id, np.int32)
+    valid = np.ones((batch, seq), bool)
+    positions = np.zeros((batch, seq), np.int32)
+    for i, ids in enumerate(rows):
+        start = plan.prefix_len - len(ids) // b * b
+        tokens[i, :start] = pad_id
+        tokens[i, start : start + len(ids)] = ids
+        valid[i, :start] = False
+        positions[i, start:] = np.arange(seq - start)
+    return {"tokens": tokens, "key_valid": valid, "positions": positions}
+
+
+def generate(
+    model: Model, prompts: Sequence[Any], config: GenerationConfig, *, chat: bool = False
+) -> engine.GenerationOutput:
+    """`djax.generate` for a block-diffusion family (same arguments and result)."""
+    engine.enable_compile_cache()
+    rows = engine.tokenize(model, prompts, chat)
+    engine._check_prompts(model, rows)
+    plan, notes = make_plan(model, config, rows)
+    inputs = layout(rows, plan, model.config.pad_token_id)
+    batch = len(rows)
+    per_row = Rows(
+        keys=row_keys(config.seed, batch),
+        threshold=np.full(batch, config.threshold, np.float32),
+        temperature=np.full(batch, config.temperature, np.float32),
+    )
+    placed = engine.place(model, [inputs["tokens"], inputs["key_valid"], inputs["positions"]])
+    args = (model.params, *placed, engine.place(model, per_row))
+    program, compile_seconds = engine.executable(model, plan, args, run_block_diffusion)
+    start = time.perf_counter()
+    out = jax.block_until_ready(program(*args))
+    seconds = time.perf_counter() - start
+    return _output(model, plan, out, seconds, compile_seconds, notes)
+
+
+def _output(
+    model: Model, plan: BlockPlan, out: dict, seconds: float, compile_seconds: float, notes: list
+) -> engine.GenerationOutput:
+    answers = np.asarray(out["answers"])
+    vocab = model.config.vocab_size
+    broken = {i: int(n) for i, n in enumerate(((answers < 0) | (answers >= vocab)).sum(1)) if n}
+    if broken:
+        raise RuntimeError(
+            f"generation failed: rows {broken} (row: positions) hold ids outside the "
+            f"vocabulary [0, {vocab}): the model's logits are not finite (check the weights "
+            "and dtype for NaN/inf)"
+        )
+    stops = np.isin(answers, plan.stop_ids)
+    lengths = np.where(stops.any(axis=1), stops.argmax(axis=1), answers.shape[1])
+    token_ids = [answers[i, :n].tolist() for i, n in enumerate(lengths)]
+    masked = {i: int(n) for i, n in enumerate((answers == plan.mask_id).sum(1)) if n}
+    if masked:
+        notes = [
+            *notes,
+            f"rows {masked} (row: positions) kept the mask id: the model predicted the mask "
+            "token there until its block's steps ran out",
+        ]
+    texts = None
+    if model.tokenizer is not None:
+        texts = [model.tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
+    forwards = int(np.max(out["forwards"]))
+    generated = int(lengths.sum())
+    stats = engine.GenerationStats(
+        forwards=forwards,
+        refreshes=int(np.max(out["refreshes"])),
+        blocks=int(np.max(out["blocks"])),
+        generated_tokens=generated,
+        tokens_per_forward=generated / max(forwards, 1),
+        seconds=seconds,
+        tokens_per_second=generated / seconds if seconds > 0 else 0.0,
+        compile_seconds=compile_seconds,
+    )
+    return engine.GenerationOutput(token_ids, texts, answers, stats, notes)

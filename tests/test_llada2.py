@@ -1,0 +1,376 @@
+"""LLaDA2.0: config keys honoured or refused, loading the HF layout (fused q/k/v, experts
+fused while loading), logits against the independent torch reference (bidirectional and
+block-causal), converting to orbax, and block-diffusion generation against the reference's
+greedy generate under both cache modes."""
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import needs_devices
+from safetensors.numpy import load_file
+
+import djax
+from djax.config import ConfigError, from_hf_dict, resolve_token_ids
+from djax.demo.tokenizer import save_char_tokenizer
+from djax.model import load_tokenizer
+from djax.models.llada2 import route_grouped
+from djax.sharding import make_mesh
+
+from llada2_reference import TINY, make_llada2
+from torch_reference import EOS_ID, MASK_ID, rel_error
+
+
+@pytest.fixture(scope="module")
+def llada2_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llada2")
+    return folder, make_llada2(folder, seed=4)
+
+
+@pytest.fixture(scope="module")
+def llada2_model(llada2_folder):
+    return djax.load(llada2_folder[0], dtype=jnp.float32)
+
+
+def test_config_keys():
+    cfg = from_hf_dict(TINY)
+    assert cfg.family == "llada2" and cfg.block_diffusion and cfg.is_moe
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_dim) == (4, 2, 16, 8)
+    assert cfg.moe_layers == (False, True, True) and cfg.mlp_hidden == 96
+    assert (cfg.n_experts, cfg.experts_per_token, cfg.expert_hidden) == (8, 2, 32)
+    assert (cfg.expert_groups, cfg.groups_per_token, cfg.routed_scaling) == (4, 2, 2.5)
+    assert cfg.shared_expert_hidden == 32 and cfg.router_expert_bias
+
+
+def test_model_type_names_the_family_without_architectures():
+    assert from_hf_dict({k: v for k, v in TINY.items() if k != "architectures"}).block_diffusion
+
+
+def test_config_defaults_are_the_llada2_class_defaults():
+    """Absent keys mean what they mean to the original config class."""
+    minimal = {k: TINY[k] for k in TINY if k not in ("partial_rotary_factor", "n_group")}
+    minimal |= {"topk_group": 1, "num_experts": 16}
+    cfg = from_hf_dict(minimal)
+    assert cfg.rope_dim == 8 and cfg.expert_groups == 8  # partial rotary 0.5, 8 groups
+    assert from_hf_dict({**TINY, "num_shared_experts": None}).shared_expert_hidden == 0
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"use_qkv_bias": True}, "use_qkv_bias=True is not supported"),
+        ({"tie_word_embeddings": True}, "tie_word_embeddings=True is not supported"),
+        ({"score_function": "softmax"}, "score_function='softmax' is not supported"),
+        ({"norm_topk_prob": False}, "norm_topk_prob=False is not supported"),
+        ({"rope_scaling": {"type": "linear"}}, "rope_scaling="),
+        ({"num_nextn_predict_layers": 1}, "num_nextn_predict_layers=1"),
+        ({"n_group": 3}, "num_experts=8 in n_group=3 groups"),
+        ({"n_group": 8}, "equal groups of at least 2 experts"),
+        ({"topk_group": 5}, "topk_group=5 exceeds n_group=4"),
+        ({"num_experts_per_tok": 5}, "exceeds the 2 kept groups' 4 experts"),
+        ({"rotary_dim": 16}, "rotary_dim=16 disagrees"),
+        ({"moe_shared_expert_intermediate_size": 64}, "disagrees with moe_intermediate_size"),
+        ({"first_k_dense_replace": 4}, "first_k_dense_replace=4"),
+        ({"num_key_value_heads": None}, "'num_key_value_heads' is missing"),
+        ({"partial_rotary_factor": 0.1}, "partial_rotary_factor=0.1"),
+    ],
+)
+def test_config_refusals(change, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        from_hf_dict({**TINY, **change}, "my/config.json")
+
+
+def test_other_config_branches_match_the_reference(tmp_path):
+    """Top-1 routing (no renormalisation), no shared expert, no dense layer, no q/k norm,
+    whole-head RoPE, MHA: logits as the reference's."""
+    config = TINY | {
+        "num_experts_per_tok": 1,
+        "num_shared_experts": 0,
+        "first_k_dense_replace": 0,
+        "use_qk_norm": False,
+        "partial_rotary_factor": 1.0,
+        "num_key_value_heads": 4,
+        "topk_group": 1,
+    }
+    reference = make_llada2(tmp_path, config, seed=9)
+    model = djax.load(tmp_path, dtype=jnp.float32)
+    assert model.config.shared_expert_hidden == 0 and all(model.config.moe_layers)
+    ids = np.random.default_rng(8).integers(4, 100, (1, 19))
+    for block_length in (None, 4):
+        ours = np.asarray(djax.forward_logits(model, ids, block_length=block_length))
+        assert rel_error(ours, reference.logits(ids[0], block_length)[None]) <= 1e-5
+
+
+def test_attention_output_bias(tmp_path):
+    """Without `use_bias` the original config class adds a bias to the attention output
+    (`attention.dense.bias`): loaded and added."""
+    config = {k: v for k, v in TINY.items() if k != "use_bias"}
+    reference = make_llada2(tmp_path, config, seed=7, shards=1)
+    model = djax.load(tmp_path, dtype=jnp.float32)
+    assert model.config.attn_out_bias
+    ids = np.random.default_rng(4).integers(4, 100, (1, 21))
+    ours = np.asarray(djax.forward_logits(model, ids, block_length=8))
+    assert rel_error(ours, reference.logits(ids[0], 8)[None]) <= 1e-5
+
+
+def test_group_limited_routing_by_hand():
+    """One token, 8 experts in 4 groups: groups score the sum of their two best biased
+    scores, groups 0 and 2 stay; inside them the biased scores choose experts 5 and 0 (the
+    bias lifts 0 over 1); the weights are the unbiased sigmoid scores renormalised, times
+    the scaling."""
+    logits = np.array([0.0, 1.0, -3.0, -3.0, 0.5, 2.0, -1.0, -1.0], np.float32)
+    bias = np.array([0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], np.float32)
+    x = np.eye(8, dtype=np.float32)[:1]
+    router = np.zeros((8, 8), np.float32)
+    router[0] = logits  # x @ router = logits
+    weights, experts = route_grouped(
+        jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), 2, 4, 2, 2.5
+    )
+    scores = 1 / (1 + np.exp(-logits))
+    assert list(np.asarray(experts[0])) == [5, 0]
+    expected = scores[[5, 0]] / scores[[5, 0]].sum() * 2.5
+    np.testing.assert_allclose(np.asarray(weights[0]), expected, rtol=1e-6)
+    _, one = route_grouped(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), 1, 4, 1, 1.0)
+    # one group kept: group 0 (1.53) beats group 2 (1.50), so expert 0, though 5 scores best
+    assert list(np.asarray(one[0])) == [0]
+
+
+def test_loads_fused_qkv_and_experts(llada2_model, llada2_folder):
+    folder = llada2_folder[0]
+    stored = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        stored |= load_file(str(file))
+    qkv = np.asarray(llada2_model.params["attn_1"]["qkv"])  # [model, kv, group + 2, d]
+    fused = stored["model.layers.1.attention.query_key_value.weight"].reshape(8, 16, 64)
+    # kv head 1: query heads 2 and 3, key head 1 (row block 5), value head 1 (block 7)
+    for slot, head in enumerate([2, 3, 5, 7]):
+        np.testing.assert_array_equal(qkv[:, 1, slot, :], fused[head].T)
+    gate_up = np.asarray(llada2_model.params["ff_2"]["gate_up"])
+    assert gate_up.shape == (8, 64, 2, 32)
+    np.testing.assert_array_equal(
+        gate_up[6, :, 0, :], stored["model.layers.2.mlp.experts.6.gate_proj.weight"].T
+    )
+    np.testing.assert_array_equal(
+        np.asarray(llada2_model.params["ff_2"]["expert_bias"]),
+        stored["model.layers.2.mlp.gate.expert_bias"],
+    )
+    assert llada2_model.config.mask_token_id == MASK_ID  # from the tokenizer
+
+
+@pytest.mark.parametrize("block_length", [None, 16, 5])
+def test_fp32_logits_match_the_reference(llada2_model, llada2_folder, block_length):
+    reference = llada2_folder[1]
+    ids = np.random.default_rng(0).integers(4, 100, (2, 37))
+    ours = np.asarray(djax.forward_logits(llada2_model, ids, block_length=block_length))
+    theirs = np.stack([reference.logits(row, block_length) for row in ids])
+    assert rel_error(ours, theirs) <= 1e-5
+
+
+@pytest.mark.parametrize("moe_impl", ["grouped", "dense"])
+def test_bf16_logits_and_expert_paths(tmp_path_factory, moe_impl):
+    """bf16 against the fp32 reference, every expert routed (all groups kept, top-8 of 8):
+    a bf16 rounding then only moves the weights, never flips a discrete expert choice."""
+    folder = tmp_path_factory.mktemp("llada2_bf16")
+    reference = make_llada2(folder, {**TINY, "num_experts_per_tok": 8, "topk_group": 4}, seed=8)
+    model = djax.load(folder, dtype=jnp.bfloat16, moe_impl=moe_impl)
+    ids = np.random.default_rng(6).integers(4, 100, (1, 24))
+    ours = np.asarray(djax.forward_logits(model, ids, block_length=8))
+    assert rel_error(ours, reference.logits(ids[0], 8)[None]) <= 3e-2
+
+
+def test_block_causal_hides_later_blocks(llada2_model):
+    ids = np.random.default_rng(1).integers(4, 100, (1, 24))
+    changed = ids.copy()
+    changed[0, 20] = 99
+    a = np.asarray(djax.forward_logits(llada2_model, ids, block_length=8))
+    b = np.asarray(djax.forward_logits(llada2_model, changed, block_length=8))
+    np.testing.assert_array_equal(a[0, :16], b[0, :16])  # blocks 0 and 1 never see block 2
+    assert not np.allclose(a[0, 16:], b[0, 16:])
+    with pytest.raises(ValueError, match="block_length=0; expected a positive int"):
+        djax.forward_logits(llada2_model, ids, block_length=0)
+
+
+def test_left_padding_aligns_blocks_at_each_rows_first_token(llada2_model):
+    ids = np.random.default_rng(2).integers(4, 100, (1, 13))
+    padded = np.concatenate([np.full((1, 3), EOS_ID), ids], axis=1)
+    valid = np.concatenate([np.zeros((1, 3), bool), np.ones((1, 13), bool)], axis=1)
+    alone = np.asarray(djax.forward_logits(llada2_model, ids, block_length=4))
+    beside = np.asarray(djax.forward_logits(llada2_model, padded, valid, block_length=4))
+    assert rel_error(beside[0, 3:], alone[0]) <= 1e-5
+
+
+def test_convert_to_orbax(llada2_model, llada2_folder, tmp_path):
+    out = djax.convert(llada2_folder[0], tmp_path / "converted", dtype=jnp.float32, progress=False)
+    converted = djax.load(out, dtype=jnp.float32)
+    assert converted.config == llada2_model.config
+    ids = np.random.default_rng(3).integers(4, 100, (1, 20))
+    np.testing.assert_array_equal(
+        np.asarray(djax.forward_logits(converted, ids, block_length=8)),
+        np.asarray(djax.forward_logits(llada2_model, ids, block_length=8)),
+    )
+    assert json.loads((out / "djax.json").read_text())["family"] == "llada2"
+
+
+PROMPTS = [list(range(10, 15)), list(range(20, 40)), list(range(5, 21))]  # 5, 20, 16 tokens
+
+
+def _config(**changes):
+    base = djax.GenerationConfig(gen_length=20, block_length=8, stop_ids=(EOS_ID,))
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.mark.parametrize("cache", ["dual", "none"])
+@pytest.mark.parametrize(
+    "decoder, threshold, steps_per_block", [("low_confidence", None, 4), ("threshold", 0.3, 8)]
+)
+def test_generation_matches_the_reference(
+    llada2_model, llada2_folder, cache, decoder, threshold, steps_per_block
+):
+    """Greedy tokens equal the reference generate's for prompts shorter than a block, of
+    whole blocks and ending inside one; `steps` is the total over the generated blocks."""
+    reference = llada2_folder[1]
+    for prompt in PROMPTS:
+        blocks = -(-(len(prompt) % 8 + 20) // 8)
+        config = _config(
+            decoder=decoder,
+            threshold=threshold or 0.9,
+            steps=steps_per_block * blocks,
+            cache=cache,
+        )
+        ours = djax.generate(llada2_model, [prompt], config)
+        theirs = reference.generate(prompt, 20, 8, steps_per_block, threshold=threshold)
+        assert ours.token_ids[0] == theirs, (prompt, ours.token_ids[0], theirs)
+
+
+def test_batch_rows_are_generated_as_alone(llada2_model, llada2_folder):
+    """Per-row prompts in one batch: each row's blocks align at its own position 0 and it
+    takes its own steps per block, so it gets the tokens it gets alone (and the
+    reference's)."""
+    reference = llada2_folder[1]
+    config = _config(decoder="low_confidence", gen_length=12, block_length=4)
+    together = djax.generate(llada2_model, PROMPTS, config)
+    for row, prompt in enumerate(PROMPTS):
+        alone = djax.generate(llada2_model, [prompt], config)
+        assert together.token_ids[row] == alone.token_ids[0]
+        assert alone.token_ids[0] == reference.generate(prompt, 12, 4, 4)
+
+
+def test_block_cache_counts_and_stop(llada2_model):
+    """The cache prefills the prompt's whole blocks once; each block's steps feed only the
+    block, and the next block's first step writes its final K/V; a row stops after the
+    block holding its first stop token."""
+    prompt = PROMPTS[1]  # 20 tokens: blocks 0 and 1 prefilled, block 2 holds 4 prompt tokens
+    config = _config(decoder="low_confidence", steps=12, stop_ids=(999,), gen_length=20)
+    with pytest.raises(ValueError, match="stop_ids"):
+        djax.generate(llada2_model, [prompt], config)
+    config = dataclasses.replace(config, stop_ids=(127,))  # never produced here
+    out = djax.generate(llada2_model, [prompt], config)
+    # 3 generated blocks of 4 steps (8 / 4 = 2 commits a step; the first block has 4
+    # masks, so 2 steps) and the prefill
+    assert out.stats.forwards == 2 + 4 + 4 + 1 and out.stats.refreshes == 1
+    assert out.stats.blocks == 3 and len(out.token_ids[0]) == 20
+    answer = out.token_ids[0]
+    # a token first met in the second generated block (answer positions 4..11)
+    at = next(i for i in range(4, 12) if answer[i] not in answer[:i])
+    stopped = djax.generate(
+        llada2_model, [prompt], dataclasses.replace(config, stop_ids=(answer[at],))
+    )
+    assert stopped.stats.blocks == 2
+    assert stopped.token_ids[0] == answer[:at]
+    assert (stopped.answer_ids[0, 12:] == EOS_ID).all()  # the blocks after it: EOS
+
+
+def test_a_predicted_mask_token_keeps_the_position_masked(tmp_path):
+    """The prediction is the argmax over the whole vocabulary, as the original's: where it is
+    the mask token, committing it leaves the position masked, and a block whose steps run
+    out keeps it (said in the notes)."""
+    reference = make_llada2(tmp_path, seed=4, mask_head_scale=4.0)
+    model = djax.load(tmp_path, dtype=jnp.float32)
+    prompt = PROMPTS[1]
+    for cache in ("dual", "none"):
+        config = _config(decoder="low_confidence", gen_length=12, steps=16, cache=cache)
+        out = djax.generate(model, [prompt], config)
+        assert out.token_ids[0] == reference.generate(prompt, 12, 8, 8)
+        assert MASK_ID in out.token_ids[0] and "kept the mask id" in out.notes[0]
+
+
+def test_sampling_follows_the_seed(llada2_model):
+    config = _config(decoder="threshold", temperature=1.5, stop_ids=(127,))
+    a = djax.generate(llada2_model, PROMPTS[:2], config)
+    b = djax.generate(llada2_model, PROMPTS[:2], config)
+    c = djax.generate(llada2_model, PROMPTS[:2], dataclasses.replace(config, seed=1))
+    greedy = djax.generate(llada2_model, PROMPTS[:2], dataclasses.replace(config, temperature=0))
+    np.testing.assert_array_equal(a.answer_ids, b.answer_ids)
+    assert (a.answer_ids != c.answer_ids).any() and (a.answer_ids != greedy.answer_ids).any()
+
+
+@pytest.mark.parametrize("decoder", ["random", "factor", "hierarchy"])
+def test_other_decoders_fill_every_block(llada2_model, decoder):
+    config = _config(decoder=decoder, stop_ids=(127,), factor=2.0, threshold=0.5)
+    for cache in ("dual", "none"):
+        out = djax.generate(llada2_model, PROMPTS[:2], dataclasses.replace(config, cache=cache))
+        assert out.answer_ids.shape == (2, 20) and not out.notes
+    assert out.stats.refreshes == out.stats.forwards  # cache="none": whole-sequence forwards
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"steps": 5}, r"steps=5 is the total over each row's generated blocks"),
+        ({"decoder": "credit"}, "decoder='credit' is not available for block diffusion"),
+        ({"cache": "prefix"}, "cache='prefix'"),
+        ({"refresh_every": 2}, "refresh_every=2"),
+        ({"smoothing": True}, "smoothing=True"),
+        ({"gen_length": 510}, "exceeds the model's maximum sequence length 512"),
+    ],
+)
+def test_generation_refusals(llada2_model, change, message):
+    with pytest.raises(ValueError, match=message):
+        djax.generate(llada2_model, PROMPTS[:1], _config(**change))
+
+
+@needs_devices
+@pytest.mark.parametrize("tp, ep", [(2, 1), (4, 1), (1, 4), (1, 8), (2, 2)])
+def test_tensor_and_expert_parallel_tokens(tmp_path_factory, tp, ep):
+    """8 heads over 4 kv heads: tensor parallelism up to 4 splits whole kv heads, expert
+    parallelism whole experts, with rows over 2 data shards for (2, 2); the attention output
+    bias is added once; logits and tokens (both cache modes) as on one device. A `model`
+    axis of size n splits the kv heads too, so expert parallelism 8 is refused."""
+    folder = tmp_path_factory.mktemp("llada2_tp")
+    config = {**TINY, "num_attention_heads": 8, "num_key_value_heads": 4, "use_bias": True}
+    make_llada2(folder, config, seed=6)
+    single = djax.load(folder, dtype=jnp.float32)
+    if ep == 8:
+        with pytest.raises(ValueError, match="n_kv_heads=4 is not divisible"):
+            djax.load(folder, dtype=jnp.float32, mesh=make_mesh(expert_parallel=8))
+        return
+    mesh = make_mesh(tensor_parallel=tp, expert_parallel=ep, data_parallel=2 if tp == ep else 1)
+    sharded = djax.load(folder, dtype=jnp.float32, mesh=mesh)
+    ids = np.random.default_rng(5).integers(4, 100, (2, 19))
+    a = np.asarray(djax.forward_logits(single, ids, block_length=8))
+    b = np.asarray(djax.forward_logits(sharded, ids, block_length=8))
+    assert rel_error(b, a) <= 1e-6
+    for cache in ("dual", "none"):
+        config = _config(decoder="threshold", threshold=0.5, steps=None, cache=cache)
+        ours = djax.generate(sharded, PROMPTS[:2], config)
+        theirs = djax.generate(single, PROMPTS[:2], config)
+        np.testing.assert_array_equal(ours.answer_ids, theirs.answer_ids, err_msg=cache)
+        if tp != ep:  # (data parallel shards loop on their own rows)
+            assert ours.stats.forwards == theirs.stats.forwards
+
+
+def test_token_ids_from_the_tokenizer_or_pad(tmp_path):
+    """EOS and the mask id may be missing from config.json: EOS is the tokenizer's, else the
+    pad id (LLaDA2's pad token is its EOS); the mask id is the tokenizer's."""
+    config = {k: v for k, v in TINY.items() if k != "eos_token_id"} | {"pad_token_id": 5}
+    hf = from_hf_dict(config)
+    assert hf.eos_token_id == -1
+    save_char_tokenizer(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    assert resolve_token_ids(hf, tokenizer, "x").eos_token_id == EOS_ID
+    no_tokenizer = resolve_token_ids(hf.replace(mask_token_id=9), None, "x")
+    assert (no_tokenizer.eos_token_id, no_tokenizer.pad_token_id) == (5, 5)
+    with pytest.raises(ConfigError, match="no 'mask_token_id' in config.json"):
+        resolve_token_ids(hf, None, "x")
