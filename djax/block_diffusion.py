@@ -82,6 +82,12 @@ class BlockPlan:
     def seq_len(self) -> int:
         return self.prefix_len + self.n_blocks * self.block_len
 
+    @property
+    def forward_window(self) -> int:
+        """The positions a cached forward feeds: a block and the one before it (whose
+        final K/V it writes); the whole sequence without the cache."""
+        return 2 * self.block_len if self.cached else self.seq_len
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

@@ -70,6 +70,14 @@ class Plan:
     def n_blocks(self) -> int:
         return self.gen_length // self.block_len
 
+    @property
+    def forward_window(self) -> int:
+        """The positions a cached forward feeds: the cache policy's window (the whole
+        sequence without a cache: every forward is then a refresh)."""
+        if not self.cache.cached:
+            return self.seq_len
+        return self.cache.window_length(self.prompt_len, self.block_len, self.seq_len)
+
 
 class Rows(NamedTuple):
     """Per-row values of a program. keys: [batch, 2] uint32 PRNG key data, one stream per

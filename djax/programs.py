@@ -28,14 +28,11 @@ def device_of(mesh: Any) -> Device:
 
 
 def plan_shapes(plan: Plan, mesh: Any = None) -> Shapes:
-    """The forwards of a generation program of `plan`, per device: its rows split over the
-    mesh's `data` axis; block forwards over the cache policy's window (none without a
-    cache: every forward is then a refresh)."""
+    """The forwards of a generation program of `plan` (`diffusion.Plan` or
+    `block_diffusion.BlockPlan`), per device: its rows split over the mesh's `data` axis;
+    block forwards over `plan.forward_window` positions."""
     batch = plan.batch // (mesh.shape[sharding.DATA] if mesh is not None else 1)
-    window = plan.seq_len
-    if plan.cache.cached:
-        window = plan.cache.window_length(plan.prompt_len, plan.block_len, plan.seq_len)
-    return Shapes(batch, window, plan.seq_len, plan.block_len)
+    return Shapes(batch, plan.forward_window, plan.seq_len, plan.block_len)
 
 
 def kernel_choice(

@@ -168,7 +168,7 @@ def test_fp32_logits_match_the_reference(llada2_model, llada2_folder, block_leng
     assert rel_error(ours, theirs) <= 1e-5
 
 
-@pytest.mark.parametrize("moe_impl", ["grouped", "dense"])
+@pytest.mark.parametrize("moe_impl", ["xla", "pallas"])
 def test_bf16_logits_and_expert_paths(tmp_path_factory, moe_impl):
     """bf16 against the fp32 reference, every expert routed (all groups kept, top-8 of 8):
     a bf16 rounding then only moves the weights, never flips a discrete expert choice."""
@@ -374,3 +374,13 @@ def test_token_ids_from_the_tokenizer_or_pad(tmp_path):
     assert (no_tokenizer.eos_token_id, no_tokenizer.pad_token_id) == (5, 5)
     with pytest.raises(ConfigError, match="no 'mask_token_id' in config.json"):
         resolve_token_ids(hf, None, "x")
+
+
+def test_the_server_refuses_block_diffusion(llada2_model):
+    """`djax serve` decodes LLaDA's way; a LLaDA2 model is refused by name, not served
+    bidirectionally."""
+    from djax.serving.engine import ServeConfig, make_engine
+    from djax.serving.metrics import ServerMetrics
+
+    with pytest.raises(ValueError, match="block diffusion, which the server does not serve"):
+        make_engine(llada2_model, ServeConfig(), ServerMetrics())

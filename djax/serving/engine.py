@@ -174,6 +174,11 @@ class ServingEngine:
 
     def __init__(self, model: Model, config: ServeConfig, metrics: ServerMetrics):
         cfg = model.config
+        if cfg.block_diffusion:
+            raise ValueError(
+                f"the {cfg.family} family decodes by block diffusion, which the server does "
+                "not serve yet (djax generate runs it)"
+            )
         self.model, self.config, self.metrics = model, config, metrics
         self.block_length = config.generation.block_length
         if config.max_seq_len is not None and config.max_seq_len > cfg.max_seq_len:
