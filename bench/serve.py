@@ -232,10 +232,23 @@ def histogram_median(before: dict, after: dict, name: str) -> float | None:
     return low + (bounds[i] - low) * (half - below) / (counts[i] - below)
 
 
+def histogram_above(before: dict, after: dict, name: str, bound: float) -> int:
+    """How many of histogram `name`'s observations between two scrapes exceed `bound` (one
+    of its bucket bounds)."""
+    prefix = f'{name}_bucket{{le="'
+
+    def count(le: str) -> float:
+        key = f'{prefix}{le}"}}'
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    return int(count("+Inf") - count(repr(bound)))
+
+
 def server_figures(before: dict, after: dict, makespan: float) -> dict:
     """What the server's metrics say of one run: programs compiled during it, the median
     host time between two block calls and its share of the makespan (idle_fraction: the
-    device waiting on the host while it has work), the block calls, their median and their
+    device waiting on the host while it has work), how many of those waits exceeded 10 ms,
+    the block calls, their median and their
     share of the makespan (busy_fraction)."""
 
     def delta(name):
@@ -246,6 +259,7 @@ def server_figures(before: dict, after: dict, makespan: float) -> dict:
         "compiles_during_run": int(delta("djax_compiles_total")),
         "host_gap_median_s": histogram_median(before, after, gaps),
         "idle_fraction": delta(f"{gaps}_sum") / makespan,
+        "host_gaps_over_10ms": histogram_above(before, after, gaps, 0.01),
         "block_calls": int(delta("djax_block_call_seconds_count")),
         "block_call_median_s": histogram_median(before, after, "djax_block_call_seconds"),
         "busy_fraction": delta("djax_block_call_seconds_sum") / makespan,

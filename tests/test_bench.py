@@ -328,7 +328,7 @@ def test_serve_server_figures_from_two_scrapes():
     metrics.compiles.inc(7)
     metrics.host_gap.observe(0.5)  # before the run: not counted
     before = parse_metrics(metrics.exposition().decode())
-    for gap in (2e-4, 3e-4, 4e-4, 0.003):  # buckets (1e-4, 2.5e-4] once, (2.5e-4, 5e-4] twice
+    for gap in (2e-4, 3e-4, 4e-4, 0.003, 0.02):  # (1e-4, 2.5e-4] once, (2.5e-4, 5e-4] twice
         metrics.host_gap.observe(gap)
     for call in (0.02, 0.02):
         metrics.block_call.observe(call)
@@ -337,9 +337,10 @@ def test_serve_server_figures_from_two_scrapes():
     assert figures == pytest.approx(
         {
             "compiles_during_run": 1,
-            # half = 2 observations: the first bucket holds 1, the next 2 more; halfway in it
-            "host_gap_median_s": 2.5e-4 + (5e-4 - 2.5e-4) * (2 - 1) / 2,
-            "idle_fraction": (2e-4 + 3e-4 + 4e-4 + 0.003) / 2.0,
+            # half = 2.5 observations: the first bucket holds 1, the next 2 more
+            "host_gap_median_s": 2.5e-4 + (5e-4 - 2.5e-4) * (2.5 - 1) / 2,
+            "idle_fraction": (2e-4 + 3e-4 + 4e-4 + 0.003 + 0.02) / 2.0,
+            "host_gaps_over_10ms": 1,
             "block_calls": 2,
             "block_call_median_s": 0.01 + (0.025 - 0.01) * 1 / 2,
             "busy_fraction": 0.04 / 2.0,
