@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run benchmark stages on the GPU machine, each logged; results and logs land in $OUT.
 #   bash bench/run_device.sh STAGE [ARGS...]; STAGE: env | forward | generate | profile | parallel |
-#   decoders | flags | compile | serve | train, or kernels.NAME | probes.NAME (bench/kernels, bench/probes)
+#   decoders | flags | compile | serve | train | gputests, or kernels.NAME | probes.NAME
+#   (bench/kernels, bench/probes). gputests: the kernel tests on the GPU (the tests marked
+#   "needs a GPU" run there), their log kept as gputests.log with the results.
 # serve installs the wheels of .whl/ first (bench/wheels.sh; carry .whl).
 # DJAX_COMMIT names the commit being measured (the device copy has no .git).
 set -uo pipefail
@@ -24,6 +26,9 @@ case "$stage" in
       export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     fi
     python3 -m bench.serve "$@" 2>&1 | tee "$log" ;;
+  gputests)
+    python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/test_kernel_choice.py \
+      tests/test_llada.py tests/test_llada_moe.py "$@" 2>&1 | tee "$log" ;;
   train)
     python3 -m djax.demo.train "$@" 2>&1 | tee "$log" ;;
   *)
