@@ -17,14 +17,31 @@ reaches every expert as a spread-out trained router would; the random router sen
 block's mask tokens to ~10. Results: `generate_<device>.json`, or
 `generate_spread_<device>.json` with `--routing spread`.
 
-    python -m bench.generate [--models dense moe] [--batch 1 8] [--variants default
-        norm_impl=xla] [--steps 64 32] [--routing model|spread] [--tiny]
+`--models llada2_mini` (the LLaDA2.0-mini shape) generates by block diffusion, which
+`djax.generate` chooses from the family (`djax.block_diffusion`): under its block cache
+(`dual`) a run's forwards are the prefill of the prompt's whole blocks (`refreshes`: one,
+or none for a prompt shorter than a block; it computes no logits, so reads no head), then
+per generated block (`blocks`) a first step feeding the block and the one before it (2 ×
+block rows, writing the finished block's K/V into the append-only cache) and its other steps
+feeding the block alone; `cache="none"` runs whole-sequence forwards. The limit counts each
+kind of forward with its own rows and experts (`experts_hit`: `prefill`, `block_and_previous`,
+`block`). `--steps` stays the total over the generated blocks (a prompt of a multiple of 32
+tokens generates 256 / 32 = 8: `--steps 256` is 32 steps a block, `64` is 8 a block, 4
+tokens per forward); the cache `prefix` is skipped; `--routing spread` moves LLaDA2's
+experts by `spread_grouped_routing`, keeping each token's groups. Results:
+`generate_llada2[_spread]_<device>.json`.
+
+    python -m bench.generate [--models dense moe llada2_mini] [--batch 1 8] [--variants
+        default norm_impl=xla] [--steps 64 32] [--routing model|spread] [--tiny]
 
 Each `--variants` entry is a set of module options (`default`: the engine's own choices),
-run in turn on the same weights. With two `--steps` counts the dual-cache runs also split
-their time between the two kinds of forward, inside the generation: both counts do the same
-refreshes (one per block), so the time difference over the forward-count difference is one
-block forward, and what is left of a run over its refreshes is one refresh (`splits`).
+run in turn on the same weights. The threshold decoder runs with the dual cache at the first
+`--steps` count. With two `--steps` counts the dual-cache runs also split their time
+between the two kinds of forward, inside the generation: both counts do the same refreshes
+(one per block), so the time difference over the forward-count difference is one block
+forward, and what is left of a run over its refreshes is one refresh (`splits`; under
+block diffusion both do the same prefill and first steps, and the split is the block forward
+alone).
 """
 
 from __future__ import annotations
