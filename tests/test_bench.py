@@ -215,6 +215,35 @@ def test_spread_grouped_routing_reaches_more_experts_in_a_generation():
     assert spread["block"] > hit["block"] and spread["block_and_previous"] > hit["block"]
 
 
+def test_block_diffusion_limit_counts_each_kind_of_forward():
+    """Against reading the weights alone: the prefill reads its experts and no head, each
+    block's first step the experts of two blocks' tokens, the other steps the block's; without
+    the cache every step is a whole-sequence forward. Against the FLOPs alone, a batch of 2
+    takes twice as long."""
+    import dataclasses
+    import math
+    from types import SimpleNamespace
+
+    from bench.common import SETTING, bench_model, model_config, weight_bytes
+    from bench.generate import block_diffusion_limit
+
+    model, _ = bench_model(model_config("llada2_mini", tiny=True))
+    params, config = model.params, dataclasses.replace(SETTING, steps=16)
+    stats = SimpleNamespace(forwards=17, refreshes=1, blocks=8)
+    hit = {"prefill": 4.0, "block_and_previous": 8.0, "block": 6.0}
+    by_bytes = {"hbm_read_bytes_per_s": 1.0, "matmul_flops_per_s": math.inf}
+    expected = weight_bytes(params, 4.0, head=False) + 8 * weight_bytes(params, 8.0)
+    expected += 8 * weight_bytes(params, 6.0)
+    assert block_diffusion_limit(model, stats, 128, 1, config, hit, by_bytes) == expected
+    whole = SimpleNamespace(forwards=16, refreshes=16, blocks=8)
+    none = dataclasses.replace(config, cache="none")
+    seconds = block_diffusion_limit(model, whole, 128, 1, none, {"whole": 16.0}, by_bytes)
+    assert seconds == 16 * weight_bytes(params, 16.0)
+    by_flops = {"hbm_read_bytes_per_s": math.inf, "matmul_flops_per_s": 1.0}
+    one, two = (block_diffusion_limit(model, stats, 128, b, config, hit, by_flops) for b in (1, 2))
+    assert math.isclose(two, 2 * one)
+
+
 def test_generate_runs_the_llada2_mini_shape_end_to_end(tmp_path):
     """`python -m bench.generate --models llada2_mini --tiny`: block diffusion chosen from the
     family (its block cache; the prefix cache skipped), one row per decoder with the family,
