@@ -255,7 +255,7 @@ def spread_grouped_routing(route_grouped):
 ROUTINGS = ("model", "spread")
 
 
-def router(config: ModelConfig) -> tuple[Any, str]:
+def router_of(config: ModelConfig) -> tuple[Any, str]:
     """The module and name of the function that routes a MoE family's tokens (patched by
     `use_routing` and `experts_hit`)."""
     from djax.models import llada2, llada_moe
@@ -296,7 +296,7 @@ def experts_hit(
     memory nor the saved ones are used or kept). A random router can send a block's tokens
     to a few experts only, and the floors must count what the forwards read."""
     counts: dict[int, list[int]] = {}  # token rows per call -> experts reached per call
-    module, name = router(model.config)
+    module, name = router_of(model.config)
     route = getattr(module, name)
 
     def record(experts):
