@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from djax import GenerationConfig, Model, engine, generate
-from djax.config import ModelConfig, from_hf_dict
+from djax import GenerationConfig, Model, block_diffusion, engine, generate
+from djax.config import LLADA2, ModelConfig, from_hf_dict
 from djax.kernel_options import KernelOptions
 from djax.models import init_params
 from djax.sharding import make_mesh, param_shardings
@@ -63,6 +63,40 @@ LLADA_MOE = {
     "eos_token_id": 156892,
     "rms_norm_eps": 1e-6,
 }
+# LLaDA2.0-mini (16B total, ~1.4B active): the keys of its published `config.json` that set
+# the shape, at their published values: 20 layers of width 2048, layer 0 a dense SwiGLU of
+# 5120, the others 256 experts of 512, top-8 from the 4 best of 8 groups, plus one shared
+# expert, routed scaling 2.5; 16 query / 4 kv heads of 128 with q/k norms, half of each head
+# rotated, theta 600000; vocab 157,184; an untied head; no attention-output bias. The bench
+# has no tokenizer: the mask and EOS ids are the family tokenizer's (LLaDA-MoE's above).
+LLADA2_MINI = {
+    "architectures": ["LLaDA2MoeModelLM"],
+    "model_type": "llada2_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 20,
+    "intermediate_size": 5120,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "partial_rotary_factor": 0.5,
+    "rope_theta": 600000.0,
+    "use_qk_norm": True,
+    "use_bias": False,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "moe_intermediate_size": 512,
+    "num_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "vocab_size": 157184,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+    "mask_token_id": 156895,
+    "eos_token_id": 156892,
+    "pad_token_id": 156892,
+}
 # Same key sets, a few layers and small widths: for checking the scripts on a CPU.
 TINY = {
     "dense": {
@@ -91,12 +125,36 @@ TINY = {
         "mask_token_id": 500,
         "eos_token_id": 501,
     },
+    # 16 experts in 4 groups: a token's 4 experts come from 2 of them. Layer 0 dense, then
+    # two MoE layers (a forward's last layer runs fewer rows than the others).
+    "llada2_mini": {
+        **LLADA2_MINI,
+        "hidden_size": 128,
+        "num_hidden_layers": 3,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "moe_intermediate_size": 32,
+        "vocab_size": 512,
+        "mask_token_id": 500,
+        "eos_token_id": 501,
+        "pad_token_id": 501,
+    },
 }
+MODELS = {"dense": LLADA_8B, "moe": LLADA_MOE, "llada2_mini": LLADA2_MINI}
 
 
 def model_config(name: str, tiny: bool = False) -> ModelConfig:
-    """`dense` (LLaDA-8B shape) or `moe` (LLaDA-MoE-7B-A1B shape)."""
-    hf = TINY[name] if tiny else {"dense": LLADA_8B, "moe": LLADA_MOE}[name]
+    """`dense` (LLaDA-8B shape), `moe` (LLaDA-MoE-7B-A1B shape) or `llada2_mini`
+    (LLaDA2.0-mini shape), read by the loader's own config reader."""
+    if name not in MODELS:
+        raise SystemExit(f"bench: model {name!r}; expected one of {sorted(MODELS)}")
+    hf = TINY[name] if tiny else MODELS[name]
     return from_hf_dict(hf, f"bench:{name}")
 
 
@@ -137,15 +195,17 @@ def parse_options(text: str) -> dict[str, str]:
     return {key: value for key, _, value in pairs}
 
 
-def weight_bytes(params: dict, experts_read: float | None = None) -> int:
-    """Bytes of every weight a forward reads (the embedding is gathered, not read whole).
+def weight_bytes(params: dict, experts_read: float | None = None, head: bool = True) -> int:
+    """Bytes of every weight a forward reads (the embedding is gathered, not read whole;
+    `head=False`: a forward without logits, which reads no `lm_head`).
 
     `experts_read`: how many of each MoE layer's stacked experts (`gate_up` [experts, model,
     2, ffn], `down` [experts, ffn, model]) the forward's tokens are routed to, on average;
     None counts every expert."""
+    skipped = ("embed",) if head else ("embed", "lm_head")
     total = 0
     for path, x in jax.tree_util.tree_leaves_with_path(params):
-        if path[0].key == "embed":
+        if path[0].key in skipped:
             continue
         name = path[-1].key
         stacked = (name, x.ndim) in (("gate_up", 4), ("down", 3))
@@ -170,35 +230,74 @@ def spread_routing(route):
     return spread
 
 
+def spread_grouped_routing(route_grouped):
+    """`route_grouped` (LLaDA2's group-limited router) with each token's experts moved inside
+    the group layout: token row r's groups rotate by r (mod the groups) and, inside each
+    group, its experts by r // groups (mod the group's size). A token keeps its weights, its
+    experts' count in each group and so its `groups_per_token` groups (rotated); consecutive
+    tokens go to other groups and other places in them, so a block's tokens reach many
+    experts, as a trained router's would, where the random router sends the mask tokens
+    that fill a block to one token's few."""
+
+    def spread(x, router, expert_bias, top_k, groups, groups_per_token, scaling):
+        weights, experts = route_grouped(
+            x, router, expert_bias, top_k, groups, groups_per_token, scaling
+        )
+        size = router.shape[1] // groups
+        row = jnp.arange(experts.shape[0], dtype=experts.dtype)[:, None]
+        group = (experts // size + row) % groups
+        place = (experts % size + row // groups) % size
+        return weights, group * size + place
+
+    return spread
+
+
 ROUTINGS = ("model", "spread")
 
 
+def router_of(config: ModelConfig) -> tuple[Any, str]:
+    """The module and name of the function that routes a MoE family's tokens (patched by
+    `use_routing` and `experts_hit`)."""
+    from djax.models import llada2, llada_moe
+
+    return (llada2, "route_grouped") if config.family == LLADA2 else (llada_moe, "route")
+
+
 def use_routing(routing: str) -> None:
-    """Route LLaDA-MoE's tokens as `--routing` says, for the whole process: `model` (the
-    random router's own choice) or `spread` (`spread_routing`). With `spread` the compile
-    cache moves to a fresh folder, so no program saved with the model's routing is read."""
-    from djax.models import llada_moe
+    """Route the MoE families' tokens as `--routing` says, for the whole process: `model`
+    (the random router's own choice) or `spread` (`spread_routing` for LLaDA-MoE,
+    `spread_grouped_routing` for LLaDA2). With `spread` the compile cache moves to a fresh
+    folder, so no program saved with the model's routing is read."""
+    from djax.models import llada2, llada_moe
 
     if routing == "spread":
         jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="djax_spread_"))
         llada_moe.route = spread_routing(llada_moe.route)
+        llada2.route_grouped = spread_grouped_routing(llada2.route_grouped)
 
 
 def experts_hit(
     model: Model, prompts: list[list[int]], config: GenerationConfig
 ) -> dict[str, float]:
-    """The mean number of experts a MoE layer's tokens are routed to, in a generation's
-    whole-sequence forwards (`whole`: refreshes, the most token rows) and its other forwards
-    (`window`: blocks, and the refreshes' last layer, which runs the block's rows only).
+    """The mean number of experts a MoE layer's tokens are routed to, per kind of forward.
 
-    Counted by running the generation once more with `route` reporting every call's expert
-    ids to the host, as a program of its own (neither the compiled programs in memory nor
-    the saved ones are used or kept). A random router can send a block's tokens to a few
-    experts only, and the floors must count what the forwards read."""
-    from djax.models import llada_moe
+    LLaDA families: the whole-sequence forwards (`whole`: refreshes, the most token rows)
+    and the others (`window`: blocks, and the refreshes' last layer, which runs the block's
+    rows only). Block diffusion (LLaDA2) under its cache: the prompt blocks' `prefill`, the
+    block forwards (`block`) and each block's first step, which feeds the block before it
+    too (`block_and_previous`); without the cache, `whole`. Calls are told apart by their
+    token rows: a forward's last layer runs only the rows it returns (the block's, counted
+    with `block`; the prefill's one row, not counted), and a kind with as many rows as
+    another is counted with it (under both names). A kind with no call of its own rows is
+    left out (`weight_bytes` then counts every expert).
 
+    Counted by running the generation once more with the family's router reporting every
+    call's expert ids to the host, as a program of its own (neither the compiled programs in
+    memory nor the saved ones are used or kept). A random router can send a block's tokens
+    to a few experts only, and the floors must count what the forwards read."""
     counts: dict[int, list[int]] = {}  # token rows per call -> experts reached per call
-    route = llada_moe.route
+    module, name = router_of(model.config)
+    route = getattr(module, name)
 
     def record(experts):
         counts.setdefault(experts.shape[0], []).append(len(np.unique(experts)))
@@ -209,11 +308,22 @@ def experts_hit(
         return weights, experts
 
     with (
-        mock.patch.object(llada_moe, "route", counting_route),
+        mock.patch.object(module, name, counting_route),
         mock.patch.object(engine, "_EXECUTABLES", {}),
         mock.patch.object(engine, "programs_folder", lambda: None),
     ):
         jax.block_until_ready(generate(model, prompts, config).answer_ids)
+    if model.config.block_diffusion:
+        plan, _ = block_diffusion.make_plan(model, config, prompts)
+        if plan.cached:  # token rows per sequence of each kind of forward
+            rows = {"block": plan.block_len, "block_and_previous": 2 * plan.block_len}
+            rows |= {"prefill": plan.prefix_len} if plan.prefill else {}
+        else:
+            rows = {"whole": plan.seq_len}
+        batch = len(prompts)
+        return {
+            k: float(np.mean(counts[batch * n])) for k, n in rows.items() if batch * n in counts
+        }
     whole = max(counts)  # the padded sequence: refreshes
     window = [c for rows, per_call in counts.items() if rows != whole for c in per_call]
     return {"whole": float(np.mean(counts[whole]))} | (

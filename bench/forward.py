@@ -55,24 +55,25 @@ def active_matmul_params(config, params) -> int:
     return total
 
 
-def refresh_flops(config, params, seq: int) -> float:
-    attention = 4 * seq * seq * config.n_heads * config.head_dim * config.n_layers
+def forward_flops(config, params, rows: int, kv_len: int, head_rows: int = BLOCK) -> float:
+    """FLOPs of one sequence's forward: `rows` token rows through the weights each token
+    multiplies by, their attention to `kv_len` keys, and the head on `head_rows` rows."""
+    attention = 4 * rows * kv_len * config.n_heads * config.head_dim * config.n_layers
     return (
-        2 * seq * active_matmul_params(config, params)
+        2 * rows * active_matmul_params(config, params)
         + attention
-        + (2 * BLOCK * config.d_model * config.vocab_size)
+        + (2 * head_rows * config.d_model * config.vocab_size)
     )
+
+
+def refresh_flops(config, params, seq: int) -> float:
+    """A whole-sequence forward of `seq` tokens with logits for one `BLOCK`."""
+    return forward_flops(config, params, seq, seq)
 
 
 def block_flops(config, params, kv_len: int) -> float:
-    """FLOPs of one sequence's block forward: `BLOCK` rows through every weight, attention to
-    `kv_len` keys, and the head."""
-    attention = 4 * BLOCK * kv_len * config.n_heads * config.head_dim * config.n_layers
-    return (
-        2 * BLOCK * active_matmul_params(config, params)
-        + attention
-        + (2 * BLOCK * config.d_model * config.vocab_size)
-    )
+    """A block forward: `BLOCK` rows attending to `kv_len` keys, and the head."""
+    return forward_flops(config, params, BLOCK, kv_len)
 
 
 def kv_bytes(config, kv_len: int, dtype) -> int:

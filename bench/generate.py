@@ -17,14 +17,31 @@ reaches every expert as a spread-out trained router would; the random router sen
 block's mask tokens to ~10. Results: `generate_<device>.json`, or
 `generate_spread_<device>.json` with `--routing spread`.
 
-    python -m bench.generate [--models dense moe] [--batch 1 8] [--variants default
-        norm_impl=xla] [--steps 64 32] [--routing model|spread] [--tiny]
+`--models llada2_mini` (the LLaDA2.0-mini shape) generates by block diffusion, which
+`djax.generate` chooses from the family (`djax.block_diffusion`): under its block cache
+(`dual`) a run's forwards are the prefill of the prompt's whole blocks (`refreshes`: one,
+or none for a prompt shorter than a block; it computes no logits, so reads no head), then
+per generated block (`blocks`) a first step feeding the block and the one before it (2 ×
+block rows, writing the finished block's K/V into the append-only cache) and its other steps
+feeding the block alone; `cache="none"` runs whole-sequence forwards. The limit counts each
+kind of forward with its own rows and experts (`experts_hit`: `prefill`, `block_and_previous`,
+`block`). `--steps` stays the total over the generated blocks (a prompt of a multiple of 32
+tokens generates 256 / 32 = 8: `--steps 256` is 32 steps a block, `64` is 8 a block, 4
+tokens per forward); the cache `prefix` is skipped; `--routing spread` moves LLaDA2's
+experts by `spread_grouped_routing`, keeping each token's groups. Results:
+`generate_llada2[_spread]_<device>.json`.
+
+    python -m bench.generate [--models dense moe llada2_mini] [--batch 1 8] [--variants
+        default norm_impl=xla] [--steps 64 32] [--routing model|spread] [--tiny]
 
 Each `--variants` entry is a set of module options (`default`: the engine's own choices),
-run in turn on the same weights. With two `--steps` counts the dual-cache runs also split
-their time between the two kinds of forward, inside the generation: both counts do the same
-refreshes (one per block), so the time difference over the forward-count difference is one
-block forward, and what is left of a run over its refreshes is one refresh (`splits`).
+run in turn on the same weights. The threshold decoder runs with the dual cache at the first
+`--steps` count. With two `--steps` counts the dual-cache runs also split their time
+between the two kinds of forward, inside the generation: both counts do the same refreshes
+(one per block), so the time difference over the forward-count difference is one block
+forward, and what is left of a run over its refreshes is one refresh (`splits`; under
+block diffusion both do the same prefill and first steps, and the split is the block forward
+alone).
 """
 
 from __future__ import annotations
@@ -47,8 +64,9 @@ from bench.common import (
     use_routing,
     weight_bytes,
 )
-from bench.forward import block_flops, refresh_flops
-from djax import GenerationConfig, Model, engine, generate
+from bench.forward import forward_flops
+from djax import GenerationConfig, Model, block_diffusion, engine, generate
+from djax.config import LLADA2, ModelConfig
 
 
 def run_case(
@@ -68,26 +86,19 @@ def run_case(
     runs = [generate(model, prompts, config) for _ in range(repeats)]
     best = sorted(runs, key=lambda r: r.stats.seconds)[len(runs) // 2]
     s = best.stats
-    seq = prompt_len + config.gen_length
     hit = experts_hit(model, prompts, config) if model.config.is_moe else {}
-    bandwidth, rate = ceilings["hbm_read_bytes_per_s"], ceilings["matmul_flops_per_s"]
-    refresh_s = max(
-        batch * refresh_flops(model.config, model.params, seq) / rate,
-        weight_bytes(model.params, hit.get("whole")) / bandwidth,
-    )
-    block_s = max(
-        batch * block_flops(model.config, model.params, seq) / rate,
-        weight_bytes(model.params, hit.get("window", hit.get("whole"))) / bandwidth,
-    )
-    limit_s = s.refreshes * refresh_s + (s.forwards - s.refreshes) * block_s
+    limit = block_diffusion_limit if model.config.block_diffusion else denoising_limit
+    limit_s = limit(model, s, prompt_len, batch, config, hit, ceilings)
     tokens = batch * config.gen_length  # early stop is off: every answer position is generated
     return {
+        "family": model.config.family,
         "prompt_len": prompt_len,
         "batch": batch,
         "cache": config.cache,
         "decoder": config.decoder,
         "forwards": s.forwards,
         "refreshes": s.refreshes,
+        "blocks": s.blocks,
         "tokens_per_forward": tokens / s.forwards,
         "seconds": s.seconds,
         "tokens_per_s": tokens / s.seconds,
@@ -98,6 +109,53 @@ def run_case(
         "experts_hit": hit,
         "steps": config.steps,
     }
+
+
+def forward_seconds(
+    model: Model,
+    batch: int,
+    ceilings: dict,
+    rows: int,
+    kv_len: int,
+    experts: float | None,
+    head_rows: int,
+) -> float:
+    """One forward's physical limit: the longer of its FLOPs (`rows` token rows of each of
+    the `batch` sequences, attending to `kv_len` keys, the head on `head_rows`) at the
+    matmul rate and reading its weights once (`experts` experts of each MoE layer; no head
+    without `head_rows`) at the HBM read rate."""
+    flops = batch * forward_flops(model.config, model.params, rows, kv_len, head_rows)
+    read = weight_bytes(model.params, experts, head=head_rows > 0)
+    return max(flops / ceilings["matmul_flops_per_s"], read / ceilings["hbm_read_bytes_per_s"])
+
+
+def denoising_limit(model, s, prompt_len, batch, config, hit, ceilings) -> float:
+    """LLaDA's forwards: `s.refreshes` whole-sequence forwards, the rest block forwards of
+    `block_length` rows against the whole sequence's keys; the head on one block."""
+    seq, b = prompt_len + config.gen_length, config.block_length
+    refresh = forward_seconds(model, batch, ceilings, seq, seq, hit.get("whole"), b)
+    window = hit.get("window", hit.get("whole"))
+    block = forward_seconds(model, batch, ceilings, b, seq, window, b)
+    return s.refreshes * refresh + (s.forwards - s.refreshes) * block
+
+
+def block_diffusion_limit(model, s, prompt_len, batch, config, hit, ceilings) -> float:
+    """Block diffusion's forwards (`djax.block_diffusion`). Under its cache: the prefill of
+    the prompt's whole blocks (`s.refreshes`: one or none; no head), each generated block's
+    first step feeding the block and the one before it (`s.blocks`), and its other steps
+    feeding the block alone, each attending to at most the whole sequence's keys. Without
+    the cache every step is a whole-sequence forward. The head runs on the block's rows."""
+    seq, b = prompt_len + config.gen_length, config.block_length
+    if config.cache == "none":
+        return s.forwards * forward_seconds(model, batch, ceilings, seq, seq, hit.get("whole"), b)
+    whole_blocks = prompt_len // b * b
+    prefill = forward_seconds(
+        model, batch, ceilings, whole_blocks, whole_blocks, hit.get("prefill"), 0
+    )
+    first = forward_seconds(model, batch, ceilings, 2 * b, seq, hit.get("block_and_previous"), b)
+    block = forward_seconds(model, batch, ceilings, b, seq, hit.get("block"), b)
+    steps = s.forwards - s.refreshes - s.blocks
+    return s.refreshes * prefill + s.blocks * first + steps * block
 
 
 def forward_splits(rows: list[dict]) -> list[dict]:
@@ -111,15 +169,15 @@ def forward_splits(rows: list[dict]) -> list[dict]:
                 continue
             blocks = a["forwards"] - a["refreshes"], b["forwards"] - b["refreshes"]
             block_s = (a["seconds"] - b["seconds"]) / (blocks[0] - blocks[1])
-            refresh_s = (b["seconds"] - blocks[1] * block_s) / b["refreshes"]
-            found.append(
-                {
-                    **{k: a[k] for k in same},
-                    "steps": (a["steps"], b["steps"]),
-                    "block_forward_ms": 1e3 * block_s,
-                    "refresh_ms": 1e3 * refresh_s,
-                }
-            )
+            split = {
+                **{k: a[k] for k in same},
+                "steps": (a["steps"], b["steps"]),
+                "block_forward_ms": 1e3 * block_s,
+            }
+            if a["family"] != LLADA2:  # block diffusion has a prefill, not refreshes
+                refresh_s = (b["seconds"] - blocks[1] * block_s) / b["refreshes"]
+                split["refresh_ms"] = 1e3 * refresh_s
+            found.append(split)
     return found
 
 
@@ -154,39 +212,47 @@ def main() -> None:
     use_routing(args.routing)
     ceilings = measure_ceilings(args.tiny)
     variants = [parse_options(text) for text in args.variants]
+    configs = {name: model_config(name, args.tiny) for name in args.models}
+    name = "generate"
+    if any(config.block_diffusion for config in configs.values()):
+        name += "_llada2"
+    if args.routing == "spread":
+        name += "_spread"
     base = SETTING
     rows = []
-    for name in args.models:
-        config = model_config(name, args.tiny)
+    for model_name, config in configs.items():
         model, _ = bench_model(config, 1, (("moe_impl", args.moe_impl),))
-        cases = [
-            dataclasses.replace(base, cache=c, steps=steps)
-            for c in args.caches
-            for steps in args.steps
-        ]
-        cases.append(dataclasses.replace(base, decoder="threshold", cache="dual"))
         for options in variants:
             variant = model.with_options(**options)
             for prompt_len in args.prompts:
                 for batch in args.batch:
-                    for case in cases:
+                    for case in cases(config, base, args.caches, args.steps):
                         row = run_case(variant, prompt_len, batch, case, ceilings, args.repeats)
-                        rows.append({"model": name, "options": options, **row})
+                        rows.append({"model": model_name, "options": options, **row})
                         print(rows[-1])
+                        # saved after every row: a run cut short keeps the rows it measured
+                        splits = forward_splits([r for r in rows if r["decoder"] == base.decoder])
+                        payload = {"ceilings": ceilings, "setting": dataclasses.asdict(base)}
+                        payload |= {"options": vars(args), "results": rows, "splits": splits}
+                        save(name, payload)
         del model, variant
-    splits = forward_splits([r for r in rows if r["decoder"] == base.decoder])
-    for split in splits:
+    for split in forward_splits([r for r in rows if r["decoder"] == base.decoder]):
         print(split)
-    save(
-        "generate" if args.routing == "model" else "generate_spread",
-        {
-            "ceilings": ceilings,
-            "setting": dataclasses.asdict(base),
-            "options": vars(args),
-            "results": rows,
-            "splits": splits,
-        },
-    )
+
+
+def cases(
+    config: ModelConfig, base: GenerationConfig, caches: list[str], steps: list[int]
+) -> list[GenerationConfig]:
+    """The runs of one model: `base` under each cache at each step count, then the threshold
+    decoder with the dual cache at the first step count. Block diffusion runs the caches it
+    has (`dual`, its append-only block cache, and `none`); the others are skipped."""
+    if config.block_diffusion:
+        skipped = [c for c in caches if c not in block_diffusion.CACHES]
+        if skipped:
+            print(f"block diffusion ({config.family}) has no cache {skipped}: skipped")
+        caches = [c for c in caches if c in block_diffusion.CACHES]
+    runs = [dataclasses.replace(base, cache=c, steps=n) for c in caches for n in steps]
+    return [*runs, dataclasses.replace(base, decoder="threshold", cache="dual", steps=steps[0])]
 
 
 if __name__ == "__main__":

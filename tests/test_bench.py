@@ -166,6 +166,124 @@ def test_experts_hit_counts_a_generation(moe_model):
     assert spread["whole"] == 8.0
 
 
+def test_spread_grouped_routing_keeps_each_token_group_limited():
+    """LLaDA2's router on 8 identical tokens (a block of mask tokens) at the tiny shape (16
+    experts in 4 groups of 4, 2 groups kept, top-4): all pick one token's 4 experts. Spread,
+    row r keeps its weights and 4 distinct experts in 2 groups, its count per group rotated
+    by r groups, and the 8 rows reach at least twice as many experts."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench.common import model_config, spread_grouped_routing
+    from djax.models.llada2 import route_grouped
+
+    cfg = model_config("llada2_mini", tiny=True)
+    assert (cfg.n_experts, cfg.expert_groups, cfg.groups_per_token) == (16, 4, 2)
+    token = jax.random.normal(jax.random.key(0), (1, cfg.d_model))
+    router = jax.random.normal(jax.random.key(1), (cfg.d_model, cfg.n_experts))
+    args = (jnp.tile(token, (8, 1)), router, jnp.zeros(16), 4, 4, 2, cfg.routed_scaling)
+    weights, experts = route_grouped(*args)
+    spread_weights, spread = spread_grouped_routing(route_grouped)(*args)
+    spread = np.asarray(spread)
+    assert len(np.unique(experts)) == 4
+    np.testing.assert_array_equal(spread_weights, weights)
+    per_group = np.bincount(np.asarray(experts[0]) // 4, minlength=4)
+    for r, row in enumerate(spread):
+        assert len(set(row)) == 4 and len(set(row // 4)) == 2, row
+        np.testing.assert_array_equal(np.bincount(row // 4, minlength=4), np.roll(per_group, r))
+    assert len(np.unique(spread)) >= 8
+
+
+def test_spread_grouped_routing_reaches_more_experts_in_a_generation():
+    """The tiny LLaDA2 bench model (random bf16 weights): a generation's block forwards reach
+    more of the 16 experts per MoE layer with spread routing than with the random router."""
+    from unittest import mock
+
+    import djax
+    from bench.common import bench_model, experts_hit, model_config, spread_grouped_routing
+    from djax.models import llada2
+
+    model, _ = bench_model(model_config("llada2_mini", tiny=True))
+    config = djax.GenerationConfig(gen_length=32, block_length=8, steps=8, early_stop=False)
+    prompts = [list(range(1, 17))]
+    hit = experts_hit(model, prompts, config)
+    with mock.patch.object(llada2, "route_grouped", spread_grouped_routing(llada2.route_grouped)):
+        spread = experts_hit(model, prompts, config)
+    assert set(hit) == set(spread) == {"prefill", "block", "block_and_previous"}
+    assert all(4 <= v <= 16 for v in (*hit.values(), *spread.values())), (hit, spread)
+    assert spread["block"] > hit["block"] and spread["block_and_previous"] > hit["block"]
+
+
+def test_block_diffusion_limit_counts_each_kind_of_forward():
+    """Against reading the weights alone: the prefill reads its experts and no head, each
+    block's first step the experts of two blocks' tokens, the other steps the block's; without
+    the cache every step is a whole-sequence forward. Against the FLOPs alone, a batch of 2
+    takes twice as long."""
+    import dataclasses
+    import math
+    from types import SimpleNamespace
+
+    from bench.common import SETTING, bench_model, model_config, weight_bytes
+    from bench.generate import block_diffusion_limit
+
+    model, _ = bench_model(model_config("llada2_mini", tiny=True))
+    params, config = model.params, dataclasses.replace(SETTING, steps=16)
+    stats = SimpleNamespace(forwards=17, refreshes=1, blocks=8)
+    hit = {"prefill": 4.0, "block_and_previous": 8.0, "block": 6.0}
+    by_bytes = {"hbm_read_bytes_per_s": 1.0, "matmul_flops_per_s": math.inf}
+    expected = weight_bytes(params, 4.0, head=False) + 8 * weight_bytes(params, 8.0)
+    expected += 8 * weight_bytes(params, 6.0)
+    assert block_diffusion_limit(model, stats, 128, 1, config, hit, by_bytes) == expected
+    whole = SimpleNamespace(forwards=16, refreshes=16, blocks=8)
+    none = dataclasses.replace(config, cache="none")
+    seconds = block_diffusion_limit(model, whole, 128, 1, none, {"whole": 16.0}, by_bytes)
+    assert seconds == 16 * weight_bytes(params, 16.0)
+    by_flops = {"hbm_read_bytes_per_s": math.inf, "matmul_flops_per_s": 1.0}
+    one, two = (block_diffusion_limit(model, stats, 128, b, config, hit, by_flops) for b in (1, 2))
+    assert math.isclose(two, 2 * one)
+
+
+def test_generate_runs_the_llada2_mini_shape_end_to_end(tmp_path):
+    """`python -m bench.generate --models llada2_mini --tiny`: block diffusion chosen from the
+    family (its block cache; the prefix cache skipped), one row per decoder with the family,
+    the batch, tokens/s and a positive limit; the forwards are the prefill, each block's
+    first step (with the block before it) and its other steps."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OUT": str(tmp_path)}
+    command = [sys.executable, "-m", "bench.generate", "--models", "llada2_mini", "--tiny"]
+    command += ["--prompts", "32", "--caches", "prefix", "dual", "--steps", "16"]
+    command += ["--batch", "1", "--repeats", "1", "--routing", "spread"]
+    done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "has no cache ['prefix']: skipped" in done.stdout
+    [path] = tmp_path.iterdir()
+    assert path.name.startswith("generate_llada2_spread_cpu")  # _x<n> with fake devices
+    rows = json.loads(path.read_text())["results"]
+    assert [(r["decoder"], r["cache"]) for r in rows] == [
+        ("low_confidence", "dual"),
+        ("threshold", "dual"),
+    ]
+    for row in rows:
+        assert (row["model"], row["family"], row["batch"], row["steps"]) == (
+            "llada2_mini",
+            "llada2",
+            1,
+            16,
+        )
+        assert row["tokens_per_s"] > 0 and row["limit_tokens_per_s"] > 0
+        assert row["pct_of_limit"] > 0
+        # 8 blocks of 2 steps: 1 prefill, 8 first steps, 8 others
+        assert (row["forwards"], row["refreshes"], row["blocks"]) == (17, 1, 8)
+        assert set(row["experts_hit"]) == {"prefill", "block", "block_and_previous"}
+
+
 def test_save_keeps_one_file_per_suite_and_device(tmp_path, monkeypatch):
     """`<name>_<device>.json` under $OUT, replaced by the next run of the same suite on the
     same device; the record names the device, commit, command and date; no staging file
