@@ -13,8 +13,8 @@ the mask id is never predicted, so it is never committed.
 a time and keeps only running statistics per position (the best choosable score, its id,
 the logit there, the running max and the sum of exps), so no [batch, block, vocab] array
 exists. Both draw the same Gumbel noise (`gumbel_noise`, a function of the row's key, the
-position and the vocabulary id) and pick the same tokens; `DecoderSpec.chunk_for` says
-which one a program takes.
+position and the vocabulary id), so from the same logits they pick the same tokens;
+`DecoderSpec.chunk_for` says which one a program takes.
 """
 
 from __future__ import annotations
@@ -249,9 +249,11 @@ def predict_chunked(
     logits_at(start): fp32 logits [batch, block, chunk] of this device's ids [start,
     start + chunk). Chunk c covers ids [c · chunk, (c + 1) · chunk); the last one starts at
     vocab_local - chunk instead, so that every chunk is whole, and its ids seen before are
-    left out. Only the running `VocabStats` outlive a chunk. The token and the logit at it
-    are `predict`'s exactly (maxima do not depend on the order); the normaliser is summed in
-    another order, so a confidence may differ from `predict`'s in its last bits.
+    left out. Only the running `VocabStats` outlive a chunk. Given the logits `predict`
+    gets, the token and the logit at it are its exactly (maxima do not depend on the
+    order), the normaliser is summed in another order, so a confidence may differ in its
+    last bits. (A chunk's product may round a logit differently from the whole head's,
+    which can change a token only where two scores tie within that rounding.)
     """
     if not 0 < chunk <= vocab_local:
         raise ValueError(f"chunk={chunk}; expected 0 < chunk ≤ vocab_local={vocab_local}")
