@@ -136,6 +136,8 @@ class _Blocks:
         self.key_valid, self.positions, self.axis_name = key_valid, positions, axis
         self.threshold = rows.threshold[:, None]
         self.temperature = rows.temperature if plan.sampling else None
+        self.vocab_local = params["lm_head"].shape[1]
+        self.chunk = plan.decoder.chunk_for(self.vocab_local)
         self.answer_start = answer_start
         blocks = generated_blocks(answer_start - plan.prefix_len, plan.gen_length, plan.block_len)
         self.row_blocks = blocks
@@ -186,18 +188,31 @@ class _Blocks:
         """[b]: rows that decode in this step."""
         return ~state.done & (state.step < self.step_bound)
 
+    def predict(self, hidden: Array, keys: Array) -> tuple[Array, Array]:
+        """Token and confidence [b, B] from the block's final hidden states, the logits made
+        whole or a vocabulary chunk at a time (`DecoderSpec.chunk_for`). Mask id -1: no
+        vocabulary entry is excluded, so the mask token may be predicted."""
+        if self.chunk is None:
+            logits = self._apply(hidden, method="logits")
+            return decoders.predict(logits, self.temperature, keys, -1, self.axis_name)
+        return decoders.predict_chunked(
+            lambda start: self._apply(hidden, start, self.chunk, method="logits"),
+            self.vocab_local,
+            self.chunk,
+            self.temperature,
+            keys,
+            -1,
+            self.axis_name,
+        )
+
     def step(self, state: State, with_previous: bool = False) -> State:
         plan, b = self.plan, self.plan.block_len
         start = plan.prefix_len + state.block * b
         hidden, kv = self.forward(state, start, with_previous)
-        logits = self._apply(hidden, method="logits")
         block = jax.lax.dynamic_slice_in_dim(state.tokens, start, b, axis=1)
         masked = (block == plan.mask_id) & self.live(state)[:, None]
         keys = jax.vmap(lambda key: jax.random.split(key, 3))(state.keys)
-        # mask id -1: no vocabulary entry is excluded, so the mask token may be predicted
-        token, confidence = decoders.predict(
-            logits, self.temperature, keys[:, 1], -1, self.axis_name
-        )
+        token, confidence = self.predict(hidden, keys[:, 1])
         k = decoders.fixed_schedule(jnp.full_like(self.row_steps, b), self.row_steps, state.step)
         name = plan.decoder.name
         if name == "threshold":

@@ -52,6 +52,7 @@ _HELP = {
     "stop_ids": "comma-separated token ids that end an answer",
     "early_stop": "stop a row after the block holding its first stop token",
     "smoothing": "iteration smoothing (soft embeddings of masked positions)",
+    "logits_chunk": "vocabulary ids per chunk of a step's logits (0: the whole vocabulary)",
 }
 # Where a field's dataclass default is not what a user gets.
 _DEFAULT_TEXT = {

@@ -8,16 +8,27 @@ the (token, confidence) reduction then combines per-device maxima and sums with
 Semantics: confidence is softmax(clean logits)[token]; the
 prediction is argmax at temperature 0, a Gumbel-max sample of softmax(logits / T) above;
 the mask id is never predicted, so it is never committed.
+
+`predict` takes a step's whole logits; `predict_chunked` computes them a vocabulary chunk at
+a time and keeps only running statistics per position (the best choosable score, its id,
+the logit there, the running max and the sum of exps), so no [batch, block, vocab] array
+exists. Both draw the same Gumbel noise (`gumbel_noise`, a function of the row's key, the
+position and the vocabulary id), so from the same logits they pick the same tokens;
+`DecoderSpec.chunk_for` says which one a program takes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.extend.random import threefry_2x32
 
-from djax.generation import DECODERS, FIXED_DECODERS
+from djax.generation import DECODERS, FIXED_DECODERS, LOGITS_CHUNK
 
 Array = jax.Array
 NEG_INF = float("-inf")
@@ -30,7 +41,8 @@ class DecoderSpec:
     low_threshold: τ_low of `hierarchy`; factor: f of `factor`; credit_*: α, γ, β of
     `credit`. The threshold (τ of `threshold` and `credit`, τ_high of `hierarchy`) and the
     temperature are per-row values of the program (`djax.diffusion.Rows`), so rows of one
-    batch may differ in them.
+    batch may differ in them. logits_chunk: vocabulary ids per chunk of a step's logits
+    (`predict_chunked`), 0 for the whole vocabulary at once (`chunk_for`).
     """
 
     name: str = "threshold"
@@ -39,10 +51,22 @@ class DecoderSpec:
     credit_alpha: float = 0.7
     credit_gamma: float = 0.2
     credit_beta: float = 0.8
+    logits_chunk: int = LOGITS_CHUNK
 
     @property
     def fixed_steps(self) -> bool:
         return self.name in FIXED_DECODERS
+
+    def chunk_for(self, vocab_local: int, smoothing: bool = False) -> int | None:
+        """The vocabulary chunk a step computes its logits in (`predict_chunked`), or None
+        for the whole of this device's `vocab_local` ids at once (`predict`): None when
+        `logits_chunk` is 0 or covers the vocabulary, for `credit` (its state holds every
+        token of every position) and under iteration `smoothing` (the expected embedding
+        needs every probability)."""
+        whole = self.name == "credit" or smoothing
+        if whole or self.logits_chunk == 0 or self.logits_chunk >= vocab_local:
+            return None
+        return self.logits_chunk
 
 
 # ---------------------------------------------------------------- vocabulary reductions
@@ -52,49 +76,65 @@ def _vocab_offset(local_vocab: int, axis_name: str | None) -> Array | int:
     return 0 if axis_name is None else jax.lax.axis_index(axis_name) * local_vocab
 
 
-def _vocab_pass(choosable: Array, logits: Array) -> tuple[Array, ...]:
-    """One pass over this device's part of the vocabulary (the last axis of both).
+class VocabStats(NamedTuple):
+    """Running statistics of a pass over vocabulary ids, each [...]: the best choosable
+    score, its id (the lowest on ties), the clean logit there, the max clean logit and the
+    sum of exp(logit - that max)."""
 
-    Returns, each [...]: the max of `choosable`, its first index, `logits` at that index,
-    and the max of `logits` with the sum of exp(logits - that max). One variadic reduction
-    in place of three over fp32 logits of [batch, block, vocab] (a LLaDA-8B block's are
-    16 MB): XLA ran the arg-max, the max and the sum of exps as three reductions of two
-    kernels each, 18 µs per forward on an H200 (`profile_…_20261123_182352`).
+    best: Array
+    arg: Array
+    at: Array
+    top: Array
+    total: Array
+
+
+def _merge(a: tuple[Array, ...], b: tuple[Array, ...]) -> VocabStats:
+    """The statistics of two disjoint sets of ids (associative and commutative)."""
+    best_a, arg_a, at_a, top_a, sum_a = a
+    best_b, arg_b, at_b, top_b, sum_b = b
+    take_b = (best_b > best_a) | ((best_b == best_a) & (arg_b < arg_a))
+    top = jnp.maximum(top_a, top_b)
+
+    def rescaled(part_top: Array, part_sum: Array) -> Array:  # empty parts stay 0
+        return jnp.where(part_top == top, part_sum, part_sum * jnp.exp(part_top - top))
+
+    return VocabStats(
+        jnp.where(take_b, best_b, best_a),
+        jnp.where(take_b, arg_b, arg_a),
+        jnp.where(take_b, at_b, at_a),
+        top,
+        rescaled(top_a, sum_a) + rescaled(top_b, sum_b),
+    )
+
+
+def _vocab_pass(choosable: Array, logits: Array) -> VocabStats:
+    """One pass over some vocabulary ids (the last axis of both); `arg` counts from the
+    first of them.
+
+    One variadic reduction in place of three over fp32 logits of [batch, block, vocab] (a
+    LLaDA-8B block's are 16 MB): XLA ran the arg-max, the max and the sum of exps as three
+    reductions of two kernels each, 18 µs per forward on an H200
+    (`profile_…_20261123_182352`).
     """
     index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-
-    def combine(a: tuple[Array, ...], b: tuple[Array, ...]) -> tuple[Array, ...]:
-        best_a, arg_a, at_a, top_a, sum_a = a
-        best_b, arg_b, at_b, top_b, sum_b = b
-        take_b = (best_b > best_a) | ((best_b == best_a) & (arg_b < arg_a))
-        top = jnp.maximum(top_a, top_b)
-
-        def rescaled(part_top: Array, part_sum: Array) -> Array:  # empty parts stay 0
-            return jnp.where(part_top == top, part_sum, part_sum * jnp.exp(part_top - top))
-
-        return (
-            jnp.where(take_b, best_b, best_a),
-            jnp.where(take_b, arg_b, arg_a),
-            jnp.where(take_b, at_b, at_a),
-            top,
-            rescaled(top_a, sum_a) + rescaled(top_b, sum_b),
-        )
-
     operands = (choosable, index, logits, logits, jnp.ones_like(logits))
     init = (NEG_INF, jnp.iinfo(jnp.int32).max, 0.0, NEG_INF, 0.0)
     init = tuple(jnp.asarray(v, x.dtype) for v, x in zip(init, operands, strict=True))
-    return jax.lax.reduce(operands, init, combine, (logits.ndim - 1,))
+    merge = lambda a, b: tuple(_merge(a, b))
+    return VocabStats(*jax.lax.reduce(operands, init, merge, (logits.ndim - 1,)))
 
 
-def _top_and_logsumexp(
-    choosable: Array, logits: Array, axis_name: str | None
+def _token_and_logsumexp(
+    stats: VocabStats, vocab_local: int, axis_name: str | None
 ) -> tuple[Array, Array, Array]:
-    """The first arg-max of `choosable` over the (possibly split) vocabulary as a global
-    token id, `logits` at it, and logsumexp(logits); each [...]."""
-    best, arg, at, top, total = _vocab_pass(choosable, logits)
+    """A pass's statistics over this device's `vocab_local` ids (`arg` a local id) as the
+    global token id of the best choosable score, the logit at it and logsumexp(logits) over
+    the (possibly split) vocabulary: the devices' statistics are combined with
+    `pmax`/`pmin`/`psum`."""
+    best, arg, at, top, total = stats
     if axis_name is None:
         return arg, at, top + jnp.log(total)
-    candidate = arg + _vocab_offset(logits.shape[-1], axis_name)
+    candidate = arg + _vocab_offset(vocab_local, axis_name)
     is_best = best == jax.lax.pmax(best, axis_name)
     big = jnp.iinfo(jnp.int32).max
     token = jax.lax.pmin(jnp.where(is_best, candidate, big), axis_name)
@@ -102,6 +142,15 @@ def _top_and_logsumexp(
     global_top = jax.lax.pmax(top, axis_name)
     total = jax.lax.psum(total * jnp.exp(top - global_top), axis_name)
     return token, at, global_top + jnp.log(total)
+
+
+def _top_and_logsumexp(
+    choosable: Array, logits: Array, axis_name: str | None
+) -> tuple[Array, Array, Array]:
+    """The first arg-max of `choosable` over the (possibly split) vocabulary as a global
+    token id, `logits` at it, and logsumexp(logits); each [...]."""
+    stats = _vocab_pass(choosable, logits)
+    return _token_and_logsumexp(stats, logits.shape[-1], axis_name)
 
 
 def _logsumexp_global(logits: Array, axis_name: str | None) -> Array:
@@ -113,16 +162,56 @@ def _logsumexp_global(logits: Array, axis_name: str | None) -> Array:
     return global_max + jnp.log(total)
 
 
-def gumbel_noise(key: Array, shape: tuple[int, ...], axis_name: str | None) -> Array:
-    """Gumbel noise over the *full* vocabulary, sliced to this device's part, so a split
-    vocabulary samples exactly what one device would."""
-    if axis_name is None:
-        return jax.random.gumbel(key, shape, jnp.float32)
-    n = jax.lax.axis_size(axis_name)
-    full = jax.random.gumbel(key, shape[:-1] + (shape[-1] * n,), jnp.float32)
-    return jax.lax.dynamic_slice_in_dim(
-        full, _vocab_offset(shape[-1], axis_name), shape[-1], axis=-1
-    )
+def gumbel_noise(key: Array, positions: int, vocab_ids: Array, vocab_size: int) -> Array:
+    """Gumbel noise [positions, len(vocab_ids)] for the given global vocabulary ids of a
+    row's `positions` block positions.
+
+    Element (p, v) is a function of the key and its counter p · vocab_size + v alone
+    (Threefry-2x32 on that counter, as `jax.random.gumbel(key, (positions, vocab_size))`
+    draws it under JAX's default partitionable Threefry), so any split of the vocabulary,
+    over devices or into chunks, draws exactly the noise of the whole.
+    """
+    if positions * vocab_size >= 2**32:
+        raise ValueError(
+            f"gumbel_noise: {positions} positions × vocabulary {vocab_size} ≥ 2**32 counters"
+        )
+    counter = jnp.arange(positions, dtype=jnp.uint32)[:, None] * jnp.uint32(vocab_size)
+    counter = counter + vocab_ids.astype(jnp.uint32)[None, :]
+    k1, k2 = jax.random.key_data(key)
+    # threefry_2x32 hashes the first half of its counts with the second: (0, c) for each c
+    pairs = jnp.concatenate([jnp.zeros_like(counter), counter]).ravel()
+    hashed = threefry_2x32((k1, k2), pairs).reshape((2,) + counter.shape)
+    bits = hashed[0] ^ hashed[1]
+    # a uniform in [tiny, 1) from the top 23 bits, as jax.random.uniform makes it
+    one = jnp.asarray(np.float32(1.0).view(np.uint32))
+    floats = jax.lax.bitcast_convert_type((bits >> 9) | one, jnp.float32) - 1.0
+    tiny = jnp.finfo(jnp.float32).tiny
+    uniform = jnp.maximum(tiny, floats * (1.0 - tiny) + tiny)
+    return -jnp.log(-jnp.log(uniform))
+
+
+def _choosable(
+    logits: Array,
+    local_ids: Array,
+    temperature: Array | None,
+    keys: Array | None,
+    mask_id: int,
+    axis_name: str | None,
+    vocab_local: int,
+) -> Array:
+    """The scores a prediction maximises at this device's vocabulary ids `local_ids`
+    [width] of `logits` [batch, positions, width]: the logits (the mask id at -inf), over
+    the row's temperature plus Gumbel noise where it is above 0."""
+    offset = _vocab_offset(vocab_local, axis_name)
+    choosable = jnp.where(local_ids == mask_id - offset, NEG_INF, logits)
+    if temperature is None:
+        return choosable
+    vocab_size = vocab_local * (1 if axis_name is None else jax.lax.axis_size(axis_name))
+    positions = logits.shape[1]
+    noise = jax.vmap(lambda key: gumbel_noise(key, positions, offset + local_ids, vocab_size))(keys)
+    t = temperature[:, None, None]
+    sampled = choosable / jnp.where(t > 0, t, 1.0) + noise
+    return jnp.where(t > 0, sampled, choosable)
 
 
 def predict(
@@ -139,15 +228,53 @@ def predict(
     a row's sample never depends on its batch-mates. Returns token [batch, block] int32
     (never the mask id) and confidence = softmax(logits)[token] [batch, block] fp32.
     """
-    local_mask = mask_id - _vocab_offset(logits.shape[-1], axis_name)
-    vocab_ids = jnp.arange(logits.shape[-1])
-    choosable = jnp.where(vocab_ids == local_mask, NEG_INF, logits)
-    if temperature is not None:
-        noise = jax.vmap(lambda key: gumbel_noise(key, logits.shape[1:], axis_name))(keys)
-        t = temperature[:, None, None]
-        sampled = choosable / jnp.where(t > 0, t, 1.0) + noise
-        choosable = jnp.where(t > 0, sampled, choosable)
+    vocab_local = logits.shape[-1]
+    local_ids = jnp.arange(vocab_local)
+    choosable = _choosable(logits, local_ids, temperature, keys, mask_id, axis_name, vocab_local)
     token, logit, normaliser = _top_and_logsumexp(choosable, logits, axis_name)
+    return token, jnp.exp(logit - normaliser)
+
+
+def predict_chunked(
+    logits_at: Callable[[Array], Array],
+    vocab_local: int,
+    chunk: int,
+    temperature: Array | None,
+    keys: Array | None,
+    mask_id: int,
+    axis_name: str | None = None,
+) -> tuple[Array, Array]:
+    """`predict`'s token and confidence with the logits made `chunk` ids at a time.
+
+    logits_at(start): fp32 logits [batch, block, chunk] of this device's ids [start,
+    start + chunk). Chunk c covers ids [c · chunk, (c + 1) · chunk); the last one starts at
+    vocab_local - chunk instead, so that every chunk is whole, and its ids seen before are
+    left out. Only the running `VocabStats` outlive a chunk. Given the logits `predict`
+    gets, the token and the logit at it are its exactly (maxima do not depend on the
+    order), the normaliser is summed in another order, so a confidence may differ in its
+    last bits. (A chunk's product may round a logit differently from the whole head's,
+    which can change a token only where two scores tie within that rounding.)
+    """
+    if not 0 < chunk <= vocab_local:
+        raise ValueError(f"chunk={chunk}; expected 0 < chunk ≤ vocab_local={vocab_local}")
+
+    def chunk_stats(c: Array | int) -> VocabStats:
+        first = c * chunk
+        start = jnp.minimum(first, vocab_local - chunk)
+        logits = logits_at(start)
+        local_ids = start + jnp.arange(chunk)
+        new = local_ids >= first
+        choosable = _choosable(
+            logits, local_ids, temperature, keys, mask_id, axis_name, vocab_local
+        )
+        part = _vocab_pass(jnp.where(new, choosable, NEG_INF), jnp.where(new, logits, NEG_INF))
+        return part._replace(arg=part.arg + start)
+
+    n_chunks = -(-vocab_local // chunk)
+    stats = jax.lax.fori_loop(
+        1, n_chunks, lambda c, stats: _merge(stats, chunk_stats(c)), chunk_stats(0)
+    )
+    token, logit, normaliser = _token_and_logsumexp(stats, vocab_local, axis_name)
     return token, jnp.exp(logit - normaliser)
 
 

@@ -201,6 +201,8 @@ class _Generation:
         self.key_valid, self.positions, self.axis_name = key_valid, positions, axis_name
         self.threshold = rows.threshold[:, None]
         self.temperature = rows.temperature if plan.sampling else None
+        self.vocab_local = params["lm_head"].shape[1]
+        self.chunk = plan.decoder.chunk_for(self.vocab_local, plan.smoothing)
 
     def _apply(self, *args, **kwargs):
         return self.module.apply({"params": self.params}, *args, **kwargs)
@@ -257,20 +259,41 @@ class _Generation:
             state, kv=kv, forwards=state.forwards + 1, refreshes=state.refreshes + int(refresh)
         )
 
+    def predict(self, hidden: Array, keys: Array) -> tuple[Array, Array]:
+        """`decoders.predict_chunked`'s token and confidence [batch, block] from the block's
+        final hidden states, the logits made a vocabulary chunk at a time."""
+        return decoders.predict_chunked(
+            lambda start: self._apply(hidden, start, self.chunk, method="logits"),
+            self.vocab_local,
+            self.chunk,
+            self.temperature,
+            keys,
+            self.plan.mask_id,
+            self.axis_name,
+        )
+
     def decode(self, state: State, hidden: Array, bs: Array) -> State:
         plan, spec = self.plan, self.plan.decoder
-        logits = self._apply(hidden, method="logits")
         block = self.block_tokens(state.tokens, bs)
         masked = block == plan.mask_id
         keys = jax.vmap(lambda key: jax.random.split(key, 3))(state.keys)
-        credit, decode_logits = state.credit, logits
-        if spec.name == "credit":
-            credit, decode_logits = decoders.credit_update(
-                state.credit, logits, masked, spec, state.step_in_block == 0, self.axis_name
+        credit, soft = state.credit, state.soft
+        if self.chunk is not None:
+            token, confidence = self.predict(hidden, keys[:, 1])
+        else:
+            logits = self._apply(hidden, method="logits")
+            decode_logits = logits
+            if spec.name == "credit":
+                credit, decode_logits = decoders.credit_update(
+                    state.credit, logits, masked, spec, state.step_in_block == 0, self.axis_name
+                )
+            token, confidence = decoders.predict(
+                decode_logits, self.temperature, keys[:, 1], plan.mask_id, self.axis_name
             )
-        token, confidence = decoders.predict(
-            decode_logits, self.temperature, keys[:, 1], plan.mask_id, self.axis_name
-        )
+            if plan.smoothing:
+                soft = self._apply(
+                    decoders.probabilities(logits, self.axis_name), method="embed_distribution"
+                )
         threshold = self.threshold
         if plan.smoothing:
             threshold = jnp.maximum(1.0 - 0.02 * state.step, threshold)
@@ -285,11 +308,6 @@ class _Generation:
         tokens = jax.lax.dynamic_update_slice_in_dim(
             state.tokens, jnp.where(commit, token, block), bs, axis=1
         )
-        soft = state.soft
-        if plan.smoothing:
-            soft = self._apply(
-                decoders.probabilities(logits, self.axis_name), method="embed_distribution"
-            )
         return dataclasses.replace(
             state,
             tokens=tokens,

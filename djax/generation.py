@@ -15,6 +15,7 @@ from typing import Any
 FIXED_DECODERS = ("low_confidence", "random")
 DECODERS = (*FIXED_DECODERS, "threshold", "factor", "credit", "hierarchy")
 POLICIES = ("none", "prefix", "dual", "vicinity")
+LOGITS_CHUNK = 16_384  # vocabulary ids per chunk of a step's logits (`logits_chunk`)
 SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT): what `jax.random.key` takes on every backend
 
 
@@ -32,7 +33,9 @@ class GenerationConfig:
     is argmax, else finite and > 0. seed: in [0, 2**32). stop_ids: ids that end an answer
     (default: the model's EOS and end-of-turn). early_stop: stop a row after the block
     holding its first stop token. smoothing: iteration smoothing (soft embeddings of masked
-    positions).
+    positions). logits_chunk: a step computes its logits this many vocabulary ids at a time,
+    keeping only running statistics (`djax.decoders.predict_chunked`); 0 computes them
+    whole. `credit` and smoothing always take the whole vocabulary.
     """
 
     gen_length: int = 128
@@ -55,6 +58,7 @@ class GenerationConfig:
     stop_ids: tuple[int, ...] | None = None
     early_stop: bool = True
     smoothing: bool = False
+    logits_chunk: int = LOGITS_CHUNK
 
     def __post_init__(self):
         _check_options(self)
@@ -70,6 +74,7 @@ class GenerationConfig:
             self.credit_alpha,
             self.credit_gamma,
             self.credit_beta,
+            self.logits_chunk,
         )
 
     def cache_policy(self):
@@ -137,6 +142,10 @@ def _check_options(c: GenerationConfig) -> None:
         c.stop_ids is None
         or (isinstance(c.stop_ids, tuple) and all(_is_int(t) and t >= 0 for t in c.stop_ids)),
         f"stop_ids={c.stop_ids!r}; expected a tuple of token ids (ints ≥ 0) or None",
+    )
+    need(
+        _is_int(c.logits_chunk) and c.logits_chunk >= 0,
+        f"logits_chunk={c.logits_chunk!r}; expected an int ≥ 0 (0: the whole vocabulary)",
     )
     need(
         _is_int(c.refresh_every) and c.refresh_every >= 0,

@@ -1,5 +1,6 @@
 """The decoders' pass over the vocabulary: token and confidence from one reduction, on one
-device and with the vocabulary split over 4 fake CPU devices (set in conftest.py)."""
+device and with the vocabulary split over 4 fake CPU devices (set in conftest.py), whole or
+a chunk of the vocabulary at a time."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from djax.decoders import DecoderSpec, credit_update, predict
+from djax.decoders import DecoderSpec, credit_update, gumbel_noise, predict, predict_chunked
 
 MASK = 5
 VOCAB = 64
@@ -100,3 +101,74 @@ def test_credit_adds_at_the_top_token():
     np.put_along_axis(expected, top[..., None], (p1**spec.credit_gamma)[..., None], axis=-1)
     expected[1, 0] = 0.0
     np.testing.assert_allclose(credit, expected, rtol=1e-5, atol=1e-7)
+
+
+def _chunks_of(logits: jax.Array, chunk: int):
+    """`predict_chunked`'s logits_at over the last axis of `logits` [..., positions, vocab]."""
+    return lambda start: jax.lax.dynamic_slice_in_dim(logits, start, chunk, axis=-1)
+
+
+def test_noise_of_any_vocabulary_slice_is_the_whole_draw():
+    """Each (position, id) draws the noise `jax.random.gumbel` draws for [positions,
+    vocab] (so sampled tokens are what they were before chunking), whatever ids are asked."""
+    key = jax.random.key(11)
+    whole = np.asarray(jax.random.gumbel(key, (6, VOCAB)))
+    np.testing.assert_array_equal(gumbel_noise(key, 6, jnp.arange(VOCAB), VOCAB), whole)
+    ids = jnp.array([63, 0, 17, 18])
+    np.testing.assert_array_equal(gumbel_noise(key, 6, ids, VOCAB), whole[:, [63, 0, 17, 18]])
+    with pytest.raises(ValueError, match="2\\*\\*32 counters"):
+        gumbel_noise(key, 2**16, ids, 2**16)
+
+
+@pytest.mark.parametrize("chunk", [8, 20, 64])
+@pytest.mark.parametrize("temperature", [None, (0.7, 0.7), (0.0, 1.3)])
+def test_chunked_prediction_matches_the_whole(chunk, temperature):
+    """Chunks of 8 (ties at 9/40 and 15/16 in different chunks, the mask in its own), 20
+    (the last chunk overlapping the one before) and the whole vocabulary: the same tokens
+    as one pass, sampled ones included, and the same confidences up to summation order."""
+    logits = jnp.asarray(_logits(4))
+    keys = jax.random.split(jax.random.key(5), 2)
+    t = None if temperature is None else jnp.asarray(temperature, jnp.float32)
+    whole = jax.jit(lambda x: predict(x, t, keys, MASK))(logits)
+    chunked = jax.jit(lambda x: predict_chunked(_chunks_of(x, chunk), VOCAB, chunk, t, keys, MASK))(
+        logits
+    )
+    np.testing.assert_array_equal(chunked[0], whole[0])
+    np.testing.assert_allclose(chunked[1], whole[1], rtol=1e-6)
+    if temperature is None:
+        assert chunked[0][0, 0] == 9 and chunked[0][1, 2] == 15 and chunked[0][0, 1] != MASK
+    with pytest.raises(ValueError, match="chunk=65; expected 0 < chunk"):
+        predict_chunked(_chunks_of(logits, 65), VOCAB, 65, t, keys, MASK)
+
+
+@pytest.mark.parametrize("temperature", [None, (0.0, 1.3)])
+def test_chunks_of_a_split_vocabulary_match_one_device(temperature):
+    """4 devices, each its 16 ids in chunks of 6: their combined statistics give one
+    device's whole-vocabulary token and confidence."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    logits = jnp.asarray(_logits(1))
+    keys = jax.random.split(jax.random.key(3), 2)
+    t = None if temperature is None else jnp.asarray(temperature, jnp.float32)
+    whole = jax.jit(lambda x: predict(x, t, keys, MASK))(logits)
+    split = jax.jit(
+        jax.shard_map(
+            lambda x: predict_chunked(_chunks_of(x, 6), VOCAB // 4, 6, t, keys, MASK, "model"),
+            mesh=mesh,
+            in_specs=P(None, None, "model"),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )(logits)
+    np.testing.assert_array_equal(split[0], whole[0])
+    np.testing.assert_allclose(split[1], whole[1], rtol=1e-6)
+
+
+def test_which_decoders_take_chunks():
+    """Chunks wherever the vocabulary spans more than one, except for credit and under
+    smoothing (they need every probability) or with logits_chunk 0."""
+    assert DecoderSpec("threshold", logits_chunk=16).chunk_for(64) == 16
+    assert DecoderSpec("low_confidence", logits_chunk=16).chunk_for(64) == 16
+    assert DecoderSpec("threshold", logits_chunk=64).chunk_for(64) is None
+    assert DecoderSpec("threshold", logits_chunk=0).chunk_for(64) is None
+    assert DecoderSpec("credit", logits_chunk=16).chunk_for(64) is None
+    assert DecoderSpec("hierarchy", logits_chunk=16).chunk_for(64, smoothing=True) is None

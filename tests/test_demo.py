@@ -142,3 +142,20 @@ def test_early_stop_ends_after_the_answer_block(demo_model, threshold):
 
 def test_batch_and_single_agree(threshold, threshold_single):
     assert threshold_single[1] == threshold[1][:SINGLE]
+
+
+@pytest.mark.parametrize("decoder", ["threshold", "low_confidence"])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_chunked_logits_answer_as_the_whole_vocabulary(demo_model, decoder, temperature):
+    """Logits made 48 ids at a time (3 chunks of the demo's 128) change no answer token."""
+    config = dataclasses.replace(
+        THRESHOLD if decoder == "threshold" else LOW_CONFIDENCE,
+        temperature=temperature,
+        early_stop=False,
+    )
+    prompts = [p for p, _ in PROBLEMS[:SINGLE]]
+    whole, chunked = (
+        djax.generate(demo_model, prompts, dataclasses.replace(config, logits_chunk=c), chat=True)
+        for c in (0, 48)
+    )
+    np.testing.assert_array_equal(chunked.answer_ids, whole.answer_ids)

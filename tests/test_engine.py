@@ -164,6 +164,48 @@ def test_temperature_sampling(dense_model):
     assert not np.any(a.answer_ids == MASK_ID)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize(
+    "decoder, cache",
+    [
+        ("low_confidence", "none"),
+        ("threshold", "dual"),
+        ("factor", "prefix"),
+        ("hierarchy", "vicinity"),
+        ("random", "dual"),
+    ],
+)
+def test_chunked_logits_give_the_same_tokens(dense_model, decoder, cache, temperature):
+    """Logits made 24 ids at a time (6 chunks of the 128, the last overlapping) give every
+    decoder's tokens of the whole vocabulary at once, greedy and sampled."""
+    config = dataclasses.replace(
+        BASE, decoder=decoder, cache=cache, temperature=temperature, early_stop=False
+    )
+    whole = djax.generate(dense_model, PROMPTS, dataclasses.replace(config, logits_chunk=0))
+    chunked = djax.generate(dense_model, PROMPTS, dataclasses.replace(config, logits_chunk=24))
+    np.testing.assert_array_equal(chunked.answer_ids, whole.answer_ids)
+    assert chunked.stats.forwards == whole.stats.forwards
+
+
+def test_chunked_logits_take_less_memory(dense_model):
+    """A 32k vocabulary: the compiled generation's temporaries shrink by more than a whole
+    block's logits with chunks of 1,024 ids, as no [batch, block, vocab] array is made."""
+    from djax import engine
+    from djax.models import init_params
+
+    config = dataclasses.replace(dense_model.config, vocab_size=32_768)
+    model = djax.Model(config, init_params(config, jnp.float32), None, jnp.float32)
+    temp = {}
+    for chunk in (0, 1024):
+        options = dataclasses.replace(BASE, temperature=1.0, logits_chunk=chunk)
+        plan, _ = engine.make_plan(model, options, len(PROMPTS), max(map(len, PROMPTS)))
+        args = engine.program_args(model, plan, PROMPTS, options)
+        compiled = engine.lower(model, plan, args).compile()
+        temp[chunk] = compiled.memory_analysis().temp_size_in_bytes
+    block_logits = len(PROMPTS) * BASE.block_length * config.vocab_size * 4
+    assert temp[0] - temp[1024] > block_logits, temp
+
+
 def test_string_prompts_and_chat(dense_model):
     plain = djax.generate(dense_model, ["12+34="], BASE)
     chat = djax.generate(dense_model, ["12+34="], BASE, chat=True)
@@ -190,6 +232,7 @@ def test_gen_length_rounded_up_and_reported(dense_model):
         ({"gen_length": 0}, "gen_length=0; expected a positive int"),
         ({"temperature": -1.0}, "temperature=-1.0; expected a finite number ≥ 0"),
         ({"refresh_every": -2}, "refresh_every=-2; expected an int ≥ 0"),
+        ({"logits_chunk": -1}, "logits_chunk=-1; expected an int ≥ 0"),
     ],
 )
 def test_config_errors(changes, message):

@@ -306,6 +306,17 @@ def test_sampling_follows_the_seed(llada2_model):
     assert (a.answer_ids != c.answer_ids).any() and (a.answer_ids != greedy.answer_ids).any()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_chunked_logits_give_the_same_tokens(llada2_model, temperature):
+    """Block diffusion's logits made 40 ids at a time: the whole vocabulary's tokens."""
+    config = _config(decoder="threshold", temperature=temperature, stop_ids=(127,))
+    whole, chunked = (
+        djax.generate(llada2_model, PROMPTS[:2], dataclasses.replace(config, logits_chunk=c))
+        for c in (0, 40)
+    )
+    np.testing.assert_array_equal(chunked.answer_ids, whole.answer_ids)
+
+
 @pytest.mark.parametrize("decoder", ["random", "factor", "hierarchy"])
 def test_other_decoders_fill_every_block(llada2_model, decoder):
     config = _config(decoder=decoder, stop_ids=(127,), factor=2.0, threshold=0.5)

@@ -123,6 +123,34 @@ def test_length_cut_and_ignore_eos(demo_model, generation, continuous):
     assert got.events["all"][-1] == Finished("length", 16)
 
 
+def test_chunked_logits_serve_generates_tokens(demo_model, generation):
+    """A server whose block calls make their logits 48 ids at a time (3 chunks of the
+    demo's 128) gives the tokens generate gives from the whole vocabulary at once, greedy
+    and sampled."""
+    engine = _engine(demo_model, dataclasses.replace(generation, logits_chunk=48))
+    try:
+        got = Collector()
+        requests = [("347+2958=", 0.0, 0), ("sort 5,3,9", 1.5, 7)]
+        for i, (prompt, temperature, seed) in enumerate(requests):
+            ids = _ids(demo_model, prompt)
+            request = EngineRequest(f"c{i}", ids, 16, temperature, seed=seed)
+            engine.submit(request, got.sink(f"c{i}"))
+        got.wait(len(requests))
+    finally:
+        engine.stop()
+    for i, (prompt, temperature, seed) in enumerate(requests):
+        whole = _alone(
+            demo_model,
+            generation,
+            _ids(demo_model, prompt),
+            16,
+            temperature=temperature,
+            seed=seed,
+            logits_chunk=0,
+        )
+        assert got.tokens(f"c{i}") == whole, prompt
+
+
 def test_sampled_tokens_follow_the_seed_alone(demo_model, generation, continuous):
     """At temperature > 0 a request's tokens are those generate draws for row 0 of the same
     seed, whether it runs alone or beside another request."""

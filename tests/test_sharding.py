@@ -80,6 +80,21 @@ def test_temperature_sampling_is_exact_under_vocab_split(dense4):
     np.testing.assert_array_equal(single.answer_ids, sharded.answer_ids)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_chunked_logits_under_tensor_parallel(dense4, temperature):
+    """TP 2 (64 ids a device) in chunks of 24, the devices' running statistics combined:
+    the single device's tokens of the whole vocabulary at once, greedy and sampled."""
+    single = djax.load(dense4, dtype=jnp.float32)
+    sharded = djax.load(dense4, dtype=jnp.float32, mesh=make_mesh(tensor_parallel=2))
+    for decoder, cache in [("threshold", "dual"), ("low_confidence", "none")]:
+        config = dataclasses.replace(
+            BASE, decoder=decoder, cache=cache, temperature=temperature, early_stop=False
+        )
+        whole = djax.generate(single, PROMPTS, dataclasses.replace(config, logits_chunk=0))
+        chunked = djax.generate(sharded, PROMPTS, dataclasses.replace(config, logits_chunk=24))
+        np.testing.assert_array_equal(chunked.answer_ids, whole.answer_ids, err_msg=decoder)
+
+
 @pytest.mark.parametrize("tp, ep", [(1, 2), (1, 4), (1, 8), (2, 1)])
 def test_expert_and_tensor_parallel_moe(moe_folder, moe_model, tp, ep):
     mesh = make_mesh(tensor_parallel=tp, expert_parallel=ep)

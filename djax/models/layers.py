@@ -513,9 +513,11 @@ class TransformerLM(nn.Module):
         out = jnp.einsum("btv,vm->btm", probs.astype(self.dtype), table)
         return out if probs.shape[-1] == self.embedding.shape[0] else _sum_over(out, self.axis_name)
 
-    def logits(self, hidden: Array) -> Array:
-        """hidden: [batch, t, model] -> fp32 logits [batch, t, vocab_local]."""
+    def logits(self, hidden: Array, start: Any = 0, width: int | None = None) -> Array:
+        """hidden: [batch, t, model] -> fp32 logits [batch, t, width] of the local vocabulary
+        ids [start, start + width) (`start` may be traced), all of them by default."""
+        head = self.lm_head
+        if width is not None:
+            head = jax.lax.dynamic_slice_in_dim(head, start, width, axis=1)
         with jax.named_scope("head"):
-            return jnp.einsum(
-                "btm,mv->btv", hidden, self.lm_head, preferred_element_type=jnp.float32
-            )
+            return jnp.einsum("btm,mv->btv", hidden, head, preferred_element_type=jnp.float32)
