@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import threefry_2x32
 
-from djax.generation import DECODERS, FIXED_DECODERS, LOGITS_CHUNK
+from djax.generation import DECODERS, FIXED_DECODERS
 
 Array = jax.Array
 NEG_INF = float("-inf")
@@ -51,7 +51,7 @@ class DecoderSpec:
     credit_alpha: float = 0.7
     credit_gamma: float = 0.2
     credit_beta: float = 0.8
-    logits_chunk: int = LOGITS_CHUNK
+    logits_chunk: int = 0
 
     @property
     def fixed_steps(self) -> bool:

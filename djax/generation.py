@@ -15,7 +15,6 @@ from typing import Any
 FIXED_DECODERS = ("low_confidence", "random")
 DECODERS = (*FIXED_DECODERS, "threshold", "factor", "credit", "hierarchy")
 POLICIES = ("none", "prefix", "dual", "vicinity")
-LOGITS_CHUNK = 16_384  # vocabulary ids per chunk of a step's logits (`logits_chunk`)
 SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT): what `jax.random.key` takes on every backend
 
 
@@ -58,7 +57,7 @@ class GenerationConfig:
     stop_ids: tuple[int, ...] | None = None
     early_stop: bool = True
     smoothing: bool = False
-    logits_chunk: int = LOGITS_CHUNK
+    logits_chunk: int = 0
 
     def __post_init__(self):
         _check_options(self)
