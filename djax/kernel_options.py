@@ -58,6 +58,12 @@ class KernelOptions:
         "MoE experts: pallas on kernel GPUs with 16-bit weights, else xla (grouped up to 64 "
         "tokens per forward, dense above)",
     )
+    fp8_impl: str = _option(
+        ("auto", "dequant", "scaled"),
+        "products of fp8 weights (weights='fp8'): scaled (fp8 x fp8, rows quantised per row) "
+        "for refreshes on GPUs of compute capability >= 8.9, else dequant (weights converted "
+        "inside XLA's dot)",
+    )
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
