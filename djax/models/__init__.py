@@ -51,7 +51,7 @@ def hf_sources(config: ModelConfig) -> list[ParamSource]:
 
 
 def _init(config: ModelConfig, dtype: Any, key: jax.Array, weights: str = "dtype") -> dict:
-    module = build_module(config, dtype, kernels=KernelChoice(weights=weights))
+    module = build_module(config, dtype, kernels=KernelChoice.xla(weights))
     x = jnp.zeros((1, 1, config.d_model), dtype)
     positions = jnp.zeros((1, 1), jnp.int32)
     return module.init(key, x, positions, jnp.ones((1, 1), bool))["params"]

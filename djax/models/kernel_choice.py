@@ -145,6 +145,13 @@ class KernelChoice:
     refresh: ForwardKernels = ForwardKernels()
     weights: str = "dtype"
 
+    @classmethod
+    def xla(cls, weights: str = "dtype") -> KernelChoice:
+        """XLA's paths everywhere for params of the format `weights` (fp8 ones through
+        `dequant`)."""
+        kernels = Kernels(fp8="dequant" if weights == "fp8" else "no")
+        return cls(ForwardKernels(kernels, kernels), ForwardKernels(kernels, kernels), weights)
+
     def explain(self) -> str:
         """The choice as one line per forward (`part=path, ...`), and a line for the last
         layer's kept rows where they differ."""
