@@ -29,6 +29,7 @@ from djax.models.kernel_choice import Device, resolve
 from djax.models.llada_moe import experts_dense, experts_grouped, ragged_mlp
 from djax.sharding import make_mesh, param_specs
 
+from llada2_reference import make_llada2
 from torch_reference import rel_error
 
 # e4m3's relative rounding error: half a unit of its 3-bit mantissa (normal values), and the
@@ -176,10 +177,16 @@ def _dequantised(params: dict) -> dict:
     return out
 
 
-def test_fp8_forward_is_the_dequantised_models(demo, moe_folder):
+def test_fp8_forward_is_the_dequantised_models(demo, moe_folder, tmp_path):
     """The dequant path computes exactly the model whose weights are the fp8 ones read back
-    (dense and MoE): what remains of the error against the dtype model is quantisation."""
-    for quantised in (demo[1], djax.load(moe_folder[0], jnp.float32, weights="fp8")):
+    (dense, LLaDA-MoE and LLaDA2): what remains of the error against the dtype model is
+    quantisation."""
+    make_llada2(tmp_path, seed=4)
+    for quantised in (
+        demo[1],
+        djax.load(moe_folder[0], jnp.float32, weights="fp8"),
+        djax.load(tmp_path, jnp.float32, weights="fp8"),
+    ):
         reference = dataclasses.replace(
             quantised, params=_dequantised(quantised.params), weights="dtype"
         )
