@@ -49,6 +49,7 @@ from bench.common import (
 )
 from bench.forward import block_flops, refresh_flops
 from djax import GenerationConfig, Model, engine, generate
+from djax.config import WEIGHTS
 
 
 def run_case(
@@ -149,6 +150,9 @@ def main() -> None:
     parser.add_argument("--moe-impl", default="auto")
     parser.add_argument("--routing", choices=ROUTINGS, default="model", help="see use_routing")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
+    parser.add_argument(
+        "--weights", choices=WEIGHTS, default="dtype", help="fp8: projections and experts in fp8"
+    )
     args = parser.parse_args()
     engine.enable_compile_cache(tempfile.mkdtemp(prefix="djax_xla_cache_"))
     use_routing(args.routing)
@@ -158,7 +162,7 @@ def main() -> None:
     rows = []
     for name in args.models:
         config = model_config(name, args.tiny)
-        model, _ = bench_model(config, 1, (("moe_impl", args.moe_impl),))
+        model, _ = bench_model(config, 1, (("moe_impl", args.moe_impl),), args.weights)
         cases = [
             dataclasses.replace(base, cache=c, steps=steps)
             for c in args.caches
@@ -171,7 +175,8 @@ def main() -> None:
                 for batch in args.batch:
                     for case in cases:
                         row = run_case(variant, prompt_len, batch, case, ceilings, args.repeats)
-                        rows.append({"model": name, "options": options, **row})
+                        row = {"model": name, "weights": args.weights, "options": options, **row}
+                        rows.append(row)
                         print(rows[-1])
         del model, variant
     splits = forward_splits([r for r in rows if r["decoder"] == base.decoder])
@@ -186,6 +191,7 @@ def main() -> None:
             "results": rows,
             "splits": splits,
         },
+        "fp8" if args.weights == "fp8" else None,
     )
 
 

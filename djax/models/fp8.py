@@ -37,8 +37,6 @@ Array = jax.Array
 FP8 = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(FP8).max)  # 448
 SCALE_SUFFIX = "_scale"
-# The products `Kernels.fp8` names: `no` where the weights are in the model's dtype.
-FP8_PRODUCTS = ("no", "dequant", "scaled")
 
 
 @dataclasses.dataclass(frozen=True)
