@@ -208,6 +208,18 @@ def test_moe_fp8_logits_close(moe_model, moe_folder):
     np.testing.assert_array_equal(*runs)
 
 
+@pytest.mark.parametrize("tokens", [40, 80])  # grouped experts, then dense ones (> 64)
+def test_bf16_moe_fp8_forward(moe_folder, tokens):
+    """bf16 rows through fp8 weights (the GPU setting) on both expert paths."""
+    full = djax.load(moe_folder[0], jnp.bfloat16)
+    quantised = djax.load(moe_folder[0], jnp.bfloat16, weights="fp8")
+    ids = _ids(full.config.vocab_size, (1, tokens))
+    ref = np.asarray(djax.forward_logits(full, ids))
+    for impl, (bound, _) in MOE_BOUNDS.items():
+        ours = np.asarray(djax.forward_logits(quantised.with_options(fp8_impl=impl), ids))
+        assert rel_error(ours, ref) <= bound, impl
+
+
 @pytest.mark.parametrize("impl", ["dequant", "scaled"])
 def test_fp8_expert_paths_agree(moe_model, impl):
     """The dense and grouped expert paths compute the same function on fp8 experts."""

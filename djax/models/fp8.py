@@ -14,7 +14,8 @@ and `down`, and the experts' stacked `gate_up` and `down`. The embedding, norms,
 expert bias and the output head stay in the model's dtype.
 
 Products (`Kernels.fp8`): `dequant` converts the values to the rows' dtype inside XLA's
-dot and scales its fp32 result per output channel; `scaled` also quantises the rows to e4m3
+dot (whose result is in the rows' dtype, as with weights of the model's dtype) and scales
+it per output channel in fp32; `scaled` also quantises the rows to e4m3
 (one scale per row, over the contraction axis) and runs an fp8 x fp8 dot accumulating in
 fp32, scaled by both.
 """
@@ -170,8 +171,8 @@ def einsum(subscripts: str, x: Array, w: Weight, impl: str = "no") -> Array:
         return (y * x_scale * w.scale).astype(x.dtype)
     if impl != "dequant":
         raise ValueError(f"an Fp8Weight's product takes fp8='dequant' or 'scaled'; got {impl!r}")
-    y = jnp.einsum(subscripts, x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
-    return (y * w.scale).astype(x.dtype)
+    y = jnp.einsum(subscripts, x, w.values.astype(x.dtype))
+    return (y.astype(jnp.float32) * w.scale).astype(x.dtype)
 
 
 def ragged_dot(x: Array, w: Weight, group_sizes: Array, impl: str = "no") -> Array:
@@ -189,9 +190,8 @@ def ragged_dot(x: Array, w: Weight, group_sizes: Array, impl: str = "no") -> Arr
         return (y * x_scale[:, None] * scale).astype(x.dtype)
     if impl != "dequant":
         raise ValueError(f"an Fp8Weight's product takes fp8='dequant' or 'scaled'; got {impl!r}")
-    values = w.values.astype(x.dtype)
-    y = jax.lax.ragged_dot(x, values, group_sizes, preferred_element_type=jnp.float32)
-    return (y * scale).astype(x.dtype)
+    y = jax.lax.ragged_dot(x, w.values.astype(x.dtype), group_sizes)
+    return (y.astype(jnp.float32) * scale).astype(x.dtype)
 
 
 def param(module: Any, name: str, init: Any, shape: tuple[int, ...], dtype: Any, weights: str):
