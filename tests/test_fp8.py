@@ -273,6 +273,17 @@ def test_convert_round_trip_is_bit_exact_and_recorded(dense_folder, tmp_path):
     np.testing.assert_array_equal(*logits)
     with pytest.raises(CheckpointError, match="holds 'fp8' weights.*weights='dtype' contradicts"):
         djax.load(out, weights="dtype")
+    # another compute dtype: the fp8 values and scales as stored, the rest cast
+    half = djax.load(out, jnp.bfloat16)
+    assert half.params["embed"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(half.params["attn_0"]["qkv"]).view(np.uint8),
+        np.asarray(direct.params["attn_0"]["qkv"]).view(np.uint8),
+    )
+    marker["weights"] = "int4"
+    (out / checkpoint.MARKER).write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match=r"weights='int4'; expected one of \('dtype', 'fp8'"):
+        djax.load(out)
 
 
 def test_fp8_folder_is_smaller(dense_folder, tmp_path):
