@@ -208,6 +208,18 @@ def test_moe_fp8_logits_close(moe_model, moe_folder):
     np.testing.assert_array_equal(*runs)
 
 
+def test_fp8_with_the_kernels_auto_keeps_on_hopper(dense_folder):
+    """What `auto` picks under fp8 on kernel GPUs (djax's attention, RoPE and norm kernels,
+    XLA's products; Pallas's interpreter here) gives the all-XLA path's tokens."""
+    quantised = djax.load(dense_folder[0], jnp.float32, weights="fp8")
+    kernels = {"attention_impl": "split_kv", "rope_impl": "pallas", "norm_impl": "pallas"}
+    config = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+    prompts = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
+    ours = djax.generate(quantised.with_options(**kernels), prompts, config)
+    ref = djax.generate(quantised, prompts, config)
+    np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
+
+
 @pytest.mark.parametrize("tokens", [40, 80])  # grouped experts, then dense ones (> 64)
 def test_bf16_moe_fp8_forward(moe_folder, tokens):
     """bf16 rows through fp8 weights (the GPU setting) on both expert paths."""
