@@ -171,17 +171,22 @@ SETTING = GenerationConfig(
 
 
 def bench_model(
-    config: ModelConfig, devices: int = 1, options: Mapping[str, str] | None = None
+    config: ModelConfig,
+    devices: int = 1,
+    options: Mapping[str, str] | None = None,
+    weights: str = "dtype",
 ) -> tuple[Model, dict]:
     """A `Model` with random bf16 weights built on the device(s): on one device, or split
     over a mesh of `devices` (TP for dense models, EP for MoE), with kernel `options`
-    (`KernelOptions` names). Returns (model, the split)."""
+    (`KernelOptions` names), its projections and experts in fp8 under `weights="fp8"`.
+    Returns (model, the split)."""
     split = {"expert_parallel" if config.is_moe else "tensor_parallel": devices}
     mesh = make_mesh(**split) if devices > 1 else None
-    shardings = param_shardings(config, jnp.bfloat16, mesh) if mesh else None
-    params = init_params(config, jnp.bfloat16, seed=0, shardings=shardings)
+    shardings = param_shardings(config, jnp.bfloat16, mesh, weights) if mesh else None
+    params = init_params(config, jnp.bfloat16, seed=0, shardings=shardings, weights=weights)
     kernels = KernelOptions.from_keywords(dict(options or {}))
-    return Model(config, params, None, jnp.bfloat16, mesh=mesh, options=kernels), split
+    model = Model(config, params, None, jnp.bfloat16, mesh=mesh, options=kernels, weights=weights)
+    return model, split
 
 
 def parse_options(text: str) -> dict[str, str]:

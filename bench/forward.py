@@ -41,8 +41,8 @@ def active_matmul_params(config, params) -> int:
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         top, last = path[0].key, path[-1].key
-        if top in ("embed", "lm_head") or leaf.ndim < 2:
-            continue
+        if top in ("embed", "lm_head") or leaf.ndim < 2 or last.endswith("_scale"):
+            continue  # fp8 weights' scales multiply outputs, not rows
         if (
             top.startswith("ff_")
             and leaf.ndim >= 3

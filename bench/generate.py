@@ -66,7 +66,7 @@ from bench.common import (
 )
 from bench.forward import forward_flops
 from djax import GenerationConfig, Model, block_diffusion, engine, generate
-from djax.config import LLADA2, ModelConfig
+from djax.config import LLADA2, WEIGHTS, ModelConfig
 
 
 def run_case(
@@ -207,6 +207,9 @@ def main() -> None:
     parser.add_argument("--moe-impl", default="auto")
     parser.add_argument("--routing", choices=ROUTINGS, default="model", help="see use_routing")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
+    parser.add_argument(
+        "--weights", choices=WEIGHTS, default="dtype", help="fp8: projections and experts in fp8"
+    )
     args = parser.parse_args()
     engine.enable_compile_cache(tempfile.mkdtemp(prefix="djax_xla_cache_"))
     use_routing(args.routing)
@@ -221,20 +224,21 @@ def main() -> None:
     base = SETTING
     rows = []
     for model_name, config in configs.items():
-        model, _ = bench_model(config, 1, (("moe_impl", args.moe_impl),))
+        model, _ = bench_model(config, 1, (("moe_impl", args.moe_impl),), args.weights)
         for options in variants:
             variant = model.with_options(**options)
             for prompt_len in args.prompts:
                 for batch in args.batch:
                     for case in cases(config, base, args.caches, args.steps):
                         row = run_case(variant, prompt_len, batch, case, ceilings, args.repeats)
-                        rows.append({"model": model_name, "options": options, **row})
+                        labels = {"model": model_name, "weights": args.weights, "options": options}
+                        rows.append(labels | row)
                         print(rows[-1])
                         # saved after every row: a run cut short keeps the rows it measured
                         splits = forward_splits([r for r in rows if r["decoder"] == base.decoder])
                         payload = {"ceilings": ceilings, "setting": dataclasses.asdict(base)}
                         payload |= {"options": vars(args), "results": rows, "splits": splits}
-                        save(name, payload)
+                        save(name, payload, "fp8" if args.weights == "fp8" else None)
         del model, variant
     for split in forward_splits([r for r in rows if r["decoder"] == base.decoder]):
         print(split)

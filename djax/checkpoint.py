@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from djax.config import ModelConfig
-from djax.models import abstract_params, hf_sources
+from djax.models import abstract_params, fp8, hf_sources
 from djax.models.sources import ParamSource
 
 PARAMS_DIR = "djax_params"
@@ -492,11 +492,29 @@ def check_orbax(folder: str | Path, abstract: dict) -> None:
         )
 
 
+def stored_weights(folder: str | Path) -> str:
+    """The weight format a converted folder holds (its `djax.json`'s `weights`; `"dtype"`
+    for folders converted before djax recorded it)."""
+    path = Path(folder) / MARKER
+    try:
+        weights = json.loads(path.read_text()).get("weights", "dtype")
+    except (ValueError, AttributeError) as err:
+        raise CheckpointError(f"{path}: not a JSON object ({err})") from err
+    if weights not in fp8.WEIGHTS:
+        raise CheckpointError(f"{path}: weights={weights!r}; expected one of {fp8.WEIGHTS}")
+    return weights
+
+
 def restore_orbax(
-    folder: str | Path, config: ModelConfig, dtype: Any, shardings: dict | None = None
+    folder: str | Path,
+    config: ModelConfig,
+    dtype: Any,
+    shardings: dict | None = None,
+    weights: str = "dtype",
 ) -> dict:
-    """Restore params straight into their target dtype and shardings. A damaged checkpoint
-    or NaN/inf values raise `CheckpointError`."""
+    """Restore params of the format `weights` straight into their target dtype and
+    shardings (fp8 values and their scales as stored). A damaged checkpoint or NaN/inf
+    values raise `CheckpointError`."""
     import orbax.checkpoint as ocp
 
     folder = Path(folder).absolute()
@@ -510,7 +528,7 @@ def restore_orbax(
             f"{folder / MARKER}: format_version={version!r}; this djax reads {FORMAT_VERSION}"
         )
     _check_file_sizes(folder, marker.get("files"))
-    abstract = abstract_params(config, dtype)
+    abstract = abstract_params(config, dtype, weights)
     check_orbax(folder, abstract)
     default = SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any, get_args, get_type_hints
 
 from djax import __version__, prompt_io
+from djax.config import WEIGHTS
 from djax.generation import DECODERS, POLICIES, GenerationConfig, generation_defaults
 from djax.kernel_options import KERNEL_OPTIONS
 
@@ -150,6 +151,12 @@ def _add_model_options(gen: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=("bfloat16", "float32"),
         help="compute and storage dtype (default: bfloat16 on GPUs, float32 on the CPU)",
+    )
+    model.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        help="fp8: projection and expert weights as e4m3 with a scale per output channel "
+        "(default: what a converted folder holds, else dtype: every weight in --dtype)",
     )
     model.add_argument(
         "--allow-pickle",
@@ -279,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("bfloat16", "float32"),
         help="stored dtype (default: bfloat16)",
     )
+    conv.add_argument(
+        "--weights",
+        default="dtype",
+        choices=WEIGHTS,
+        help="fp8: store projection and expert weights as e4m3 with a scale per output "
+        "channel (default: dtype, every weight in --dtype)",
+    )
     conv.add_argument("--overwrite", action="store_true", help="replace a non-empty dst")
     conv.add_argument(
         "--allow-pickle",
@@ -401,6 +415,7 @@ def _load(args: argparse.Namespace, path: str, progress: bool) -> Any:
         path,
         args.dtype,
         mesh=mesh,
+        weights=args.weights,
         allow_pickle=args.allow_pickle,
         progress=progress,
         **{name: getattr(args, name) for name in KERNEL_OPTIONS},
@@ -535,6 +550,7 @@ def _convert(args: argparse.Namespace) -> None:
         overwrite=args.overwrite,
         allow_pickle=args.allow_pickle,
         progress=not args.quiet,
+        weights=args.weights,
     )
     print(f"wrote {out}")
 

@@ -20,6 +20,16 @@ ARCHITECTURES = {"LLaDAModelLM": DENSE, "LLaDAMoEModelLM": MOE, "LLaDA2MoeModelL
 # Token strings that end a chat turn in the LLaDA family's tokenizers, in order of preference.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|role_end|>", "<end_of_turn>")
 MASK_TOKENS = ("<|mdm_mask|>", "<|mask|>", "[MASK]")
+# The weight formats a model may hold (`djax.load(weights=...)`, `djax.models.fp8`): every
+# weight in the model's dtype, or the projections and experts as e4m3 with fp32 scales.
+WEIGHTS = ("dtype", "fp8")
+
+
+def check_weights(weights: Any) -> str:
+    """`weights` if it names a weight format, else a ValueError naming it and `WEIGHTS`."""
+    if not isinstance(weights, str) or weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}; expected one of {WEIGHTS}")
+    return weights
 
 
 class ConfigError(ValueError):

@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 
-def _option(choices: tuple[str, ...], auto: str) -> Any:
-    return dataclasses.field(default="auto", metadata={"choices": choices, "auto": auto})
+def _option(choices: tuple[str, ...], auto: str, fallback: str = "xla") -> Any:
+    return dataclasses.field(
+        default="auto", metadata={"choices": choices, "auto": auto, "fallback": fallback}
+    )
 
 
 def check_choice(option: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -43,6 +45,13 @@ class KernelOptions:
         ("auto", "xla", "pallas"),
         "the q/k/v, output and down products: split-K pallas on kernel GPUs for <= 32 token "
         "rows with 16-bit weights, else xla",
+    )
+    fp8_impl: str = _option(
+        ("auto", "dequant", "scaled"),
+        "products of fp8 weights (weights='fp8'): scaled (fp8 x fp8, rows quantised per row) "
+        "for refreshes on GPUs of compute capability >= 8.9, else dequant (weights converted "
+        "inside XLA's dot)",
+        fallback="dequant",
     )
     norm_impl: str = _option(
         ("auto", "xla", "pallas", "fused", "tiled"),
@@ -76,10 +85,12 @@ class KernelOptions:
         return dataclasses.replace(self, **options)
 
     def auto_as_xla(self) -> KernelOptions:
-        """These options with every `auto` taken as `xla`: what a generation falls back to
-        when a kernel `auto` chose does not compile."""
+        """These options with every `auto` taken as XLA's plain path (`xla`; `dequant` for
+        `fp8_impl`): what a generation falls back to when a kernel `auto` chose does not
+        compile."""
+        fallback = {f.name: f.metadata["fallback"] for f in dataclasses.fields(self)}
         return dataclasses.replace(
-            self, **{name: "xla" for name, value in self.items() if value == "auto"}
+            self, **{name: fallback[name] for name, value in self.items() if value == "auto"}
         )
 
     def items(self) -> list[tuple[str, str]]:

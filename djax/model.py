@@ -16,7 +16,7 @@ import numpy as np
 from djax import checkpoint, folders, programs, sharding
 from djax.config import ConfigError, ModelConfig, from_hf_dict, load_hf_config, resolve_token_ids
 from djax.kernel_options import KernelOptions
-from djax.models import abstract_params
+from djax.models import abstract_params, fp8
 from djax.models.kernel_choice import KernelChoice, Shapes
 
 TOKENIZER_FILES = (
@@ -41,7 +41,9 @@ class Model:
 
     `params` is the plain nested dict of arrays (possibly sharded over `mesh`); `options`
     are the kernel options (`KernelOptions`), resolved for each program it runs
-    (`kernel_choice`).
+    (`kernel_choice`); `weights` is the params' weight format (`djax.models.fp8.WEIGHTS`:
+    `dtype`, every weight in `dtype`, or `fp8`, the projections and experts as e4m3 values
+    `<name>` beside fp32 scales `<name>_scale`).
     """
 
     config: ModelConfig
@@ -51,6 +53,7 @@ class Model:
     path: str | None = None
     mesh: Any | None = None
     options: KernelOptions = KernelOptions()
+    weights: str = "dtype"
 
     def with_options(self, **options: Any) -> Model:
         """This model with kernel `options` replaced (checked as `load` checks them)."""
@@ -60,7 +63,9 @@ class Model:
         """What the kernel options resolve to on this model's device for forwards of
         `shapes` (`KernelChoice.explain()` prints it; `djax.engine.kernel_choice` gives a
         generation's)."""
-        return programs.kernel_choice(self.options, self.config, self.dtype, shapes, self.mesh)
+        return programs.kernel_choice(
+            self.options, self.config, self.dtype, shapes, self.mesh, weights=self.weights
+        )
 
 
 def default_dtype() -> Any:
@@ -89,9 +94,21 @@ def load_tokenizer(folder: str | Path) -> Any | None:
 
 
 def read_config(folder: str | Path, tokenizer: Any | None) -> ModelConfig:
+    """The folder's config; a config.json that declares quantised weights
+    (`quantization_config`) raises a ConfigError naming its method: djax quantises from
+    full-precision weights itself (`weights="fp8"`)."""
     folder = Path(folder)
     hf = load_hf_config(folder)
     source = str(folder / "config.json")
+    if "quantization_config" in hf:
+        quant = hf["quantization_config"]
+        method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else quant
+        raise ConfigError(
+            f"{source}: declares quantised weights (quantization_config with quant_method="
+            f"{method!r}); djax does not load pre-quantised checkpoints (their block-wise "
+            "scales included): load the full-precision model, with weights='fp8' "
+            "(CLI: --weights fp8) to store its projections in fp8"
+        )
     return resolve_token_ids(from_hf_dict(hf, source), tokenizer, source)
 
 
@@ -100,6 +117,7 @@ def load(
     dtype: Any = None,
     *,
     mesh: Any = None,
+    weights: str | None = None,
     allow_pickle: bool = False,
     progress: bool = False,
     **options: Any,
@@ -107,7 +125,11 @@ def load(
     """Load an HF model folder or a folder written by `djax convert`.
 
     dtype: compute and storage dtype (default: bf16 on GPU/TPU, fp32 on CPU). mesh: a
-    `jax.sharding.Mesh` from `djax.make_mesh` to load straight into shards. options: the
+    `jax.sharding.Mesh` from `djax.make_mesh` to load straight into shards. weights: the
+    weight format (`djax.models.fp8`): `"dtype"` (every weight in `dtype`) or `"fp8"` (every
+    projection and expert weight as e4m3 with an fp32 scale per output channel, quantised
+    as loaded); default: what a converted folder holds, else `"dtype"`. A converted folder
+    holding another format than `weights` raises a CheckpointError. options: the
     fields of `djax.kernel_options.KernelOptions` (`attention_impl="auto"|"xla"|"cudnn"|
     "split_kv"`, `mlp_impl`, `matmul_impl`, `rope_impl` and `moe_impl`, each
     `"auto"|"xla"|"pallas"`, `norm_impl` also `"fused"` and `"tiled"`). An unknown option
@@ -115,6 +137,8 @@ def load(
     ValueError naming them, before anything is read.
     """
     kernel_options = KernelOptions.from_keywords(options)
+    if weights is not None:
+        fp8.check_weights(weights)
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(
@@ -125,15 +149,29 @@ def load(
     dtype = jnp.dtype(dtype or default_dtype())
     tokenizer = load_tokenizer(folder)
     config = read_config(folder, tokenizer)
-    shardings = None
-    if mesh is not None:
-        shardings = sharding.param_shardings(config, dtype, mesh)
     if checkpoint.is_converted(folder):
-        params = checkpoint.restore_orbax(folder, config, dtype, shardings)
+        stored = checkpoint.stored_weights(folder)
+        if weights not in (None, stored):
+            raise checkpoint.CheckpointError(
+                f"{folder}: holds {stored!r} weights (converted with --weights {stored}); "
+                f"weights={weights!r} contradicts it: leave weights unset (or pass "
+                f"{stored!r}), or convert the source again with --weights {weights}"
+            )
+        weights = stored
+        shardings = _shardings(config, dtype, mesh, weights)
+        params = checkpoint.restore_orbax(folder, config, dtype, shardings, weights)
     else:
+        weights = weights or "dtype"
         bar = _progress_bar(f"loading {folder.name}") if progress else None
+        shardings = _shardings(config, dtype, mesh, "dtype")
         params = checkpoint.load_hf_params(folder, config, dtype, shardings, allow_pickle, bar)
-    return Model(config, params, tokenizer, dtype, str(folder), mesh, kernel_options)
+        if weights == "fp8":
+            params = fp8.quantize_params(params, _shardings(config, dtype, mesh, weights))
+    return Model(config, params, tokenizer, dtype, str(folder), mesh, kernel_options, weights)
+
+
+def _shardings(config: ModelConfig, dtype: Any, mesh: Any, weights: str) -> dict | None:
+    return None if mesh is None else sharding.param_shardings(config, dtype, mesh, weights)
 
 
 def _progress_bar(description: str):
@@ -149,8 +187,11 @@ def convert(
     overwrite: bool = False,
     allow_pickle: bool = False,
     progress: bool = True,
+    weights: str = "dtype",
 ) -> Path:
-    """HF folder -> orbax checkpoint folder that `djax.load` opens directly.
+    """HF folder -> orbax checkpoint folder that `djax.load` opens directly, its weights in
+    the format `weights` (`load`'s; under `"fp8"` the e4m3 values and fp32 scales are stored,
+    so loading does not quantise again, and the folder's `djax.json` records it).
 
     `src` is only read, and is checked whole (config, every tensor's header, dtype and
     shape) before anything is written. A `dst` that is, lies inside or holds `src` is
@@ -159,6 +200,7 @@ def convert(
     deleted only then. An error or interrupt (SIGINT, SIGTERM) leaves `dst` as it was.
     Copies `MODEL_FILES` (config, tokenizer, generation defaults) along.
     """
+    fp8.check_weights(weights)
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise FileNotFoundError(f"source {str(src)!r} is not a folder; expected an HF model folder")
@@ -176,13 +218,18 @@ def convert(
     config = read_config(src, load_tokenizer(src))
     checkpoint.open_checked(src, config, dtype, allow_pickle)
     with folders.staged(target) as staging:
-        model = load(src, dtype, allow_pickle=allow_pickle, progress=progress)
+        model = load(src, dtype, weights=weights, allow_pickle=allow_pickle, progress=progress)
         for name in MODEL_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, staging / name)
-        metadata = {"family": config.family, "dtype": dtype.name, "source": str(src.absolute())}
+        metadata = {
+            "family": config.family,
+            "dtype": dtype.name,
+            "weights": weights,
+            "source": str(src.absolute()),
+        }
         checkpoint.save_orbax(staging, model.params, metadata)
-        checkpoint.check_orbax(staging, abstract_params(config, dtype))
+        checkpoint.check_orbax(staging, abstract_params(config, dtype, weights))
         folders.replace(staging, target)
     return dst
 

@@ -42,12 +42,13 @@ def kernel_choice(
     shapes: Shapes,
     mesh: Any = None,
     device: Device | None = None,
+    weights: str = "dtype",
 ) -> KernelChoice:
-    """`kernel_choice.resolve` for a model of `config` in `dtype` on `mesh` (or one device):
-    the device read from the mesh unless given."""
+    """`kernel_choice.resolve` for a model of `config` in `dtype` with weights of the format
+    `weights` on `mesh` (or one device): the device read from the mesh unless given."""
     device = device or device_of(mesh)
     if mesh is None:
-        return resolve(options, device, config, dtype, shapes)
+        return resolve(options, device, config, dtype, shapes, weights=weights)
     axis = sharding.model_axis(mesh)
     return resolve(
         options,
@@ -58,6 +59,7 @@ def kernel_choice(
         shards=mesh.shape[axis],
         split_experts=axis == sharding.EXPERT,
         sharded=True,
+        weights=weights,
     )
 
 
@@ -114,7 +116,7 @@ def forward_program(
     program = jax.shard_map(
         logits,
         mesh=mesh,
-        in_specs=(sharding.param_specs(config, dtype, mesh), P(), P()),
+        in_specs=(sharding.param_specs(config, dtype, mesh, kernels.weights), P(), P()),
         out_specs=P(None, None, sharding.model_axis(mesh)),
         check_vma=False,
     )
@@ -138,7 +140,7 @@ def row_program(model: Any, plan: Plan, run: Any, kernels: KernelChoice) -> Any:
     else:
         mesh = model.mesh
         axis = sharding.model_axis(mesh)
-        specs = sharding.param_specs(model.config, model.dtype, mesh)
+        specs = sharding.param_specs(model.config, model.dtype, mesh, kernels.weights)
 
         def local(params, tokens, key_valid, positions, rows):
             out = run(module, params, plan, tokens, key_valid, positions, rows, axis)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from djax.config import ModelConfig
-from djax.models import abstract_params
+from djax.models import abstract_params, fp8
 
 DATA, MODEL, EXPERT = "data", "model", "expert"
 
@@ -134,20 +134,34 @@ def param_spec(path: tuple[str, ...], ndim: int, axis: str) -> P:
     return P()  # embedding, norms, router, expert bias: replicated
 
 
-def param_specs(config: ModelConfig, dtype: Any, mesh: Mesh) -> dict:
+def param_specs(config: ModelConfig, dtype: Any, mesh: Mesh, weights: str = "dtype") -> dict:
+    """The `PartitionSpec` of every param of weights of the format `weights`: an fp8
+    weight's values as the weight, its scales as the values' output axes
+    (`fp8.scale_spec`)."""
     check_divisible(config, mesh)
     axis = model_axis(mesh)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: param_spec(tuple(k.key for k in path), leaf.ndim, axis),
-        abstract_params(config, dtype),
-    )
+    abstract = abstract_params(config, dtype, weights)
+
+    def spec(path: tuple, leaf: Any) -> P:
+        keys = tuple(k.key for k in path)
+        values = fp8.values_name(keys[-1])
+        if values is None:
+            return param_spec(keys, leaf.ndim, axis)
+        parent = abstract
+        for key in keys[:-1]:
+            parent = parent[key]
+        ndim = parent[values].ndim
+        axes = fp8.contraction_axes(values, ndim)
+        return fp8.scale_spec(param_spec((*keys[:-1], values), ndim, axis), axes, ndim)
+
+    return jax.tree_util.tree_map_with_path(spec, abstract)
 
 
-def param_shardings(config: ModelConfig, dtype: Any, mesh: Mesh) -> dict:
+def param_shardings(config: ModelConfig, dtype: Any, mesh: Mesh, weights: str = "dtype") -> dict:
     """`NamedSharding`s for loading params straight into their shards."""
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec),
-        param_specs(config, dtype, mesh),
+        param_specs(config, dtype, mesh, weights),
         is_leaf=lambda x: isinstance(x, P),
     )
 

@@ -54,6 +54,7 @@ def test_options_refuse_unknown_names_and_values():
     assert dict(KernelOptions(norm_impl="tiled").auto_as_xla().items()) == {
         **{name: "xla" for name in KERNEL_OPTIONS},
         "norm_impl": "tiled",
+        "fp8_impl": "dequant",
     }
 
 

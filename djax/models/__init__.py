@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import DENSE, LLADA2, MOE, ModelConfig
-from djax.models import llada, llada2, llada_moe
+from djax.models import fp8, llada, llada2, llada_moe
 from djax.models.kernel_choice import KernelChoice
 from djax.models.layers import TransformerLM, Window
 from djax.models.sources import ParamSource
@@ -31,8 +31,9 @@ def build_module(
     split_experts: bool = False,
 ) -> TransformerLM:
     """The Flax module of a config's family, following the resolved `kernels`
-    (`kernel_choice.resolve`; XLA's paths by default); `axis_name`, `shards` and
-    `split_experts` describe its share of a mesh (`djax.sharding`)."""
+    (`kernel_choice.resolve`; XLA's paths by default) and holding params of its weight
+    format (`kernels.weights`); `axis_name`, `shards` and `split_experts` describe its share
+    of a mesh (`djax.sharding`)."""
     module_cls, _ = _FAMILIES[config.family]
     return module_cls(
         config,
@@ -49,19 +50,27 @@ def hf_sources(config: ModelConfig) -> list[ParamSource]:
     return _FAMILIES[config.family][1](config)
 
 
-def _init(config: ModelConfig, dtype: Any, key: jax.Array) -> dict:
-    module = build_module(config, dtype)
+def _init(config: ModelConfig, dtype: Any, key: jax.Array, weights: str = "dtype") -> dict:
+    module = build_module(config, dtype, kernels=KernelChoice.xla(weights))
     x = jnp.zeros((1, 1, config.d_model), dtype)
     positions = jnp.zeros((1, 1), jnp.int32)
     return module.init(key, x, positions, jnp.ones((1, 1), bool))["params"]
 
 
-def abstract_params(config: ModelConfig, dtype: Any) -> dict:
-    """The params pytree as `jax.ShapeDtypeStruct`s (no memory)."""
-    return jax.eval_shape(lambda: _init(config, dtype, jax.random.key(0)))
+def abstract_params(config: ModelConfig, dtype: Any, weights: str = "dtype") -> dict:
+    """The params pytree as `jax.ShapeDtypeStruct`s (no memory), for weights of the format
+    `weights` (`djax.models.fp8.WEIGHTS`)."""
+    weights = fp8.check_weights(weights)
+    return jax.eval_shape(lambda: _init(config, dtype, jax.random.key(0), weights))
 
 
-def init_params(config: ModelConfig, dtype: Any, seed: int = 0, shardings: Any = None) -> dict:
-    """Random params (normal, std 0.02; norms at 1), built directly on the device(s)."""
+def init_params(
+    config: ModelConfig, dtype: Any, seed: int = 0, shardings: Any = None, weights: str = "dtype"
+) -> dict:
+    """Random params (normal, std 0.02; norms at 1), built directly on the device(s); under
+    `weights="fp8"` those of `dtype`, quantised (`fp8.quantize_params`)."""
+    if fp8.check_weights(weights) == "fp8":
+        placed = None if shardings is None else fp8.without_scales(shardings)
+        return fp8.quantize_params(init_params(config, dtype, seed, placed), shardings)
     fn = jax.jit(lambda key: _init(config, dtype, key), out_shardings=shardings)
     return fn(jax.random.key(seed))

@@ -8,6 +8,11 @@ Rules of `auto`:
   compute capability >= 9.0 and >= 227 KiB of shared memory per block), with 16-bit weights;
   XLA everywhere else. A kernel that still fails to compile there falls back to XLA (the
   engine compiles again with `KernelOptions.auto_as_xla`).
+- With fp8 weights (`weights="fp8"`, `djax.models.fp8`) every product of weights runs in
+  XLA (djax's product kernels take 16-bit weights; the attention, RoPE and norm kernels,
+  which read no weights, are chosen as above). Their fp8 path (`Kernels.fp8`): `scaled`
+  (fp8 x fp8) for refreshes on GPUs with fp8 tensor cores (`FP8_MIN_CAPABILITY`),
+  `dequant` for block forwards and everywhere else.
 - The products, the SwiGLU kernel and the norm fused into the next product take at most
   `KERNEL_MAX_ROWS` token rows (a denoising block of one sequence), the rows their tiles
   were built for; more rows take XLA's GEMMs.
@@ -31,6 +36,7 @@ import jax.numpy as jnp
 from djax.config import ModelConfig
 from djax.kernel_options import KernelOptions
 from djax.kernels import flash_attention, residual_product, rope_write, tiles
+from djax.models import fp8
 
 # The most token rows djax's product kernels take under `auto` (a block of one sequence).
 KERNEL_MAX_ROWS = 32
@@ -43,6 +49,8 @@ KERNEL_MIN_SHARED_MEMORY = 227 * 1024
 # spreads over more programs.
 MIN_FUSED_PROGRAMS = 48
 GROUPED_EXPERTS_MAX_TOKENS = 64
+# GPUs with fp8 tensor cores (Ada, Hopper and later).
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +105,8 @@ class Kernels:
     feed-forward (a dense MLP) / before the next layer's attention runs inside the products
     around it, `fused` (the add in the product's epilogue), `tiled` (in a kernel after it)
     or `no`. moe: the routed experts, `dense`, `grouped` or `pallas` (`resolve` says `none`
-    for a model without experts)."""
+    for a model without experts). fp8: how XLA's products take fp8 weights, `dequant` or
+    `scaled` (`djax.models.fp8`), `no` for weights in the model's dtype."""
 
     attention: str = "xla"
     qkv: str = "xla"
@@ -109,6 +118,7 @@ class Kernels:
     norm_into_mlp: str = "no"
     norm_into_attention: str = "no"
     moe: str = "dense"
+    fp8: str = "no"
 
 
 XLA_KERNELS = Kernels()  # XLA's paths everywhere
@@ -127,10 +137,20 @@ class ForwardKernels:
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
     """The resolved choice of a program: its block forwards' and its refreshes' (a
-    whole-sequence forward takes `refresh`). The default is XLA's paths everywhere."""
+    whole-sequence forward takes `refresh`), for params of the weight format `weights`
+    (`djax.models.fp8.WEIGHTS`), which the modules built with it hold. The default is XLA's
+    paths everywhere, weights in the model's dtype."""
 
     block: ForwardKernels = ForwardKernels()
     refresh: ForwardKernels = ForwardKernels()
+    weights: str = "dtype"
+
+    @classmethod
+    def xla(cls, weights: str = "dtype") -> KernelChoice:
+        """XLA's paths everywhere for params of the format `weights` (fp8 ones through
+        `dequant`)."""
+        kernels = Kernels(fp8="dequant" if weights == "fp8" else "no")
+        return cls(ForwardKernels(kernels, kernels), ForwardKernels(kernels, kernels), weights)
 
     def explain(self) -> str:
         """The choice as one line per forward (`part=path, ...`), and a line for the last
@@ -221,16 +241,19 @@ def resolve(
     shards: int = 1,
     split_experts: bool = False,
     sharded: bool = False,
+    weights: str = "dtype",
 ) -> KernelChoice:
-    """The concrete choice for a program of `shapes` running `config` in `dtype` on
-    `device`, its weights split `shards` ways (experts by expert where `split_experts`),
-    `sharded` when it runs under a mesh (its products are then summed over the model axis
-    before any norm). Raises a ValueError where an option other than `auto` names a kernel
-    that does not take these shapes or dtype."""
-    rule = _Rule(options, device, _Widths(config, shards, split_experts), dtype, sharded)
+    """The concrete choice for a program of `shapes` running `config` in `dtype` with
+    weights of the format `weights` on `device`, its weights split `shards` ways (experts
+    by expert where `split_experts`), `sharded` when it runs under a mesh (its products are
+    then summed over the model axis before any norm). Raises a ValueError where an option
+    other than `auto` names a kernel that does not take these shapes, dtype or weights."""
+    widths = _Widths(config, shards, split_experts)
+    rule = _Rule(options, device, widths, dtype, sharded, fp8.check_weights(weights))
     return KernelChoice(
         block=rule.forward(shapes.batch, shapes.window, shapes.kept, refresh=False),
         refresh=rule.forward(shapes.batch, shapes.seq, shapes.kept, refresh=True),
+        weights=weights,
     )
 
 
@@ -238,17 +261,38 @@ class _Rule:
     """The rules of `resolve` for one model, dtype and device."""
 
     def __init__(
-        self, options: KernelOptions, device: Device, widths: _Widths, dtype: Any, sharded: bool
+        self,
+        options: KernelOptions,
+        device: Device,
+        widths: _Widths,
+        dtype: Any,
+        sharded: bool,
+        weights: str,
     ):
         self.options, self.widths, self.sharded = options, widths, sharded
         self.half = jnp.dtype(dtype).itemsize == 2
         self.dtype_name = jnp.dtype(dtype).name
         self.gpu = device.platform == "gpu"
         self.kernels_pay = device.runs_kernels and self.half
+        self.fp8 = weights == "fp8"
+        # djax's product kernels take 16-bit weights: not fp8 ones.
+        self.products_pay = self.kernels_pay and not self.fp8
+        self.fp8_tensor_cores = (
+            self.gpu
+            and device.compute_capability is not None
+            and device.compute_capability >= FP8_MIN_CAPABILITY
+        )
         if options.attention_impl == "cudnn" and not self.half:
             raise ValueError(
                 f"attention_impl='cudnn' takes bf16 or fp16 inputs; got {self.dtype_name}"
             )
+        if self.fp8:
+            for name in ("matmul_impl", "mlp_impl", "moe_impl"):
+                if getattr(options, name) == "pallas":
+                    raise ValueError(
+                        f"{name}='pallas' takes 16-bit weights; with weights='fp8' the "
+                        "products run in XLA: give 'auto' or 'xla'"
+                    )
 
     def forward(self, batch: int, positions: int, kept: int, refresh: bool) -> ForwardKernels:
         """The choice for a forward of `batch` windows of `positions` positions keeping
@@ -280,7 +324,7 @@ class _Rule:
             all(tiles.matmul_fits(cfg.d_model, h) for h in w.mlp_hidden),
             f"model and hidden widths that are multiples of 16; got {cfg.d_model} -> "
             f"{w.mlp_hidden}",
-            self.kernels_pay and few,
+            self.products_pay and few,
         )
         downs = [self._product((h, cfg.d_model), few) for h in w.mlp_hidden]
         down = "pallas" if downs and all(d == "pallas" for d in downs) else "xla"
@@ -325,6 +369,7 @@ class _Rule:
             norm_into_mlp=into_mlp,
             norm_into_attention=into_attention,
             moe=self._moe(rows) if cfg.is_moe else "none",
+            fp8=self._fp8(refresh),
         )
 
     def _attention(self, refresh: bool) -> str:
@@ -344,8 +389,16 @@ class _Rule:
             self.options.matmul_impl,
             tiles.matmul_fits(k, n),
             f"products whose contraction and output widths are multiples of 16; got {k} -> {n}",
-            self.kernels_pay and few,
+            self.products_pay and few,
         )
+
+    def _fp8(self, refresh: bool) -> str:
+        if not self.fp8:
+            return "no"
+        impl = self.options.fp8_impl
+        if impl != "auto":
+            return impl
+        return "scaled" if refresh and self.fp8_tensor_cores else "dequant"
 
     def _norm_fusion(self, few: bool) -> str:
         """Where a residual norm moved into the next product runs its add, before the
@@ -367,7 +420,7 @@ class _Rule:
                 f"moe_impl='pallas' takes model and local expert widths that are multiples "
                 f"of 16; got model {cfg.d_model}, local expert ffn {w.expert_hidden}"
             )
-        if impl == "pallas" or (impl == "auto" and self.kernels_pay and fits):
+        if impl == "pallas" or (impl == "auto" and self.products_pay and fits):
             return "pallas"
         return "grouped" if tokens <= GROUPED_EXPERTS_MAX_TOKENS else "dense"
 

@@ -17,6 +17,7 @@ starting `hidden_start` positions into the window.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -33,17 +34,23 @@ from djax.kernels import (
     swiglu,
 )
 from djax.kernels.handoff import Partials, ScaledRows, finish
+from djax.models import fp8
+from djax.models.fp8 import Fp8Weight
 from djax.models.kernel_choice import XLA_KERNELS, KernelChoice, Kernels
 
 Array = jax.Array
 LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, head_dim]
 
 
-def project(x: Array, w: Array, impl: str) -> Array | Partials:
+def project(x: Array, w: fp8.Weight, impl: str, fp8_impl: str = "no") -> Array | Partials:
     """`x [..., k] @ w [k, ...]` -> [..., *w.shape[1:]]: XLA's einsum (`impl="xla"`), or
-    the split-K kernel's `Partials` (`"pallas"`)."""
+    the split-K kernel's `Partials` (`"pallas"`). An `Fp8Weight` takes XLA's product
+    `fp8_impl` (`Kernels.fp8`)."""
     k, out_shape = w.shape[0], w.shape[1:]
-    flat = w.reshape(k, -1)
+    flat = fp8.matrix(w, k, math.prod(out_shape))
+    if isinstance(w, Fp8Weight):
+        y = fp8.einsum("...k,kn->...n", x, flat, fp8_impl)
+        return y.reshape(x.shape[:-1] + out_shape)
     if impl == "xla":
         return jnp.einsum("...k,kn->...n", x, flat).reshape(x.shape[:-1] + out_shape)
     y = split_k.matmul_partials(x, flat)  # Pallas's interpreter off GPUs (for tests)
@@ -241,15 +248,17 @@ class Attention(nn.Module):
 
     Weights: `qkv` [model, kv_heads, group + 2, head_dim] (per kv head: its `group` query
     heads, then its key, then its value — one matmul, split by kv heads under tensor
-    parallelism), `attn_out` [kv_heads, group, head_dim, model] and, with
-    `config.attn_out_bias`, `attn_out_bias` [model]. With `config.qk_norm`,
-    `q_norm`/`k_norm` scales [head_dim] shared by all heads are applied before RoPE.
+    parallelism), `attn_out` [kv_heads, group, head_dim, model] (both `Fp8Weight`s under
+    `weights="fp8"`) and, with `config.attn_out_bias`, `attn_out_bias` [model]. With
+    `config.qk_norm`, `q_norm`/`k_norm` scales [head_dim] shared by all heads are applied
+    before RoPE.
     """
 
     config: ModelConfig
     dtype: Any
     axis_name: str | None = None
     shards: int = 1
+    weights: str = "dtype"
 
     @nn.compact
     def __call__(
@@ -274,14 +283,21 @@ class Attention(nn.Module):
         cfg = self.config
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
-        qkv_kernel = self.param(
-            "qkv", init_normal(), (cfg.d_model, kv_heads, group + 2, cfg.head_dim), self.dtype
+        qkv_kernel = fp8.param(
+            self,
+            "qkv",
+            init_normal(),
+            (cfg.d_model, kv_heads, group + 2, cfg.head_dim),
+            self.dtype,
+            self.weights,
         )
-        out_kernel = self.param(
+        out_kernel = fp8.param(
+            self,
             "attn_out",
             init_normal(),
             (kv_heads, group, cfg.head_dim, cfg.d_model),
             self.dtype,
+            self.weights,
         )
         out_bias = None
         if cfg.attn_out_bias:
@@ -303,10 +319,10 @@ class Attention(nn.Module):
         elif isinstance(x, ScaledRows):
             raise ValueError("Attention: ScaledRows need the q/k/v product in the RoPE kernel")
         elif kernels.rope == "pallas":
-            qkv = project(x, qkv_kernel, kernels.qkv)  # [b, t, kv, group + 2, d]
+            qkv = project(x, qkv_kernel, kernels.qkv, kernels.fp8)  # [b, t, kv, group + 2, d]
             q, keys, values = rope_write.rope_and_write(qkv, cos, sin, kv, bounds, scales, ops)
         else:
-            qkv = finish(project(x, qkv_kernel, kernels.qkv))
+            qkv = finish(project(x, qkv_kernel, kernels.qkv, kernels.fp8))
             q, keys, values = rope_and_write_xla(
                 qkv, positions, kv, window, scales, ops, cfg.rope_theta, cfg.rope_dim
             )
@@ -318,10 +334,11 @@ class Attention(nn.Module):
                 )
         out = attend(q, keys, values, key_valid, kernels.attention)
         b, t = out.shape[:2]
-        out, out_kernel = out.reshape(b, t, -1), out_kernel.reshape(-1, cfg.d_model)
+        out = out.reshape(b, t, -1)
+        out_kernel = fp8.matrix(out_kernel, out.shape[-1], cfg.d_model)
         if defer_output:
             return Product(out, out_kernel), (keys, values)
-        y = _sum_over(project(out, out_kernel, out_impl), self.axis_name)
+        y = _sum_over(project(out, out_kernel, out_impl, kernels.fp8), self.axis_name)
         if out_bias is not None:  # added once, after the sum over shards
             y = finish(y) + out_bias
         return y, (keys, values)
@@ -336,22 +353,23 @@ class Attention(nn.Module):
         return cos, sin, jnp.array([window.start, lo, hi], jnp.int32)
 
 
-def swiglu_xla(x: Array, gate_up: Array) -> Array:
+def swiglu_xla(x: Array, gate_up: fp8.Weight, fp8_impl: str = "no") -> Array:
     """XLA's SwiGLU gate/up path: x [..., model], gate_up [model, 2, hidden] ->
-    silu(x @ gate) * (x @ up) [..., hidden]."""
-    h = jnp.einsum("...m,mcf->...cf", x, gate_up)
+    silu(x @ gate) * (x @ up) [..., hidden] (an `Fp8Weight` through `fp8_impl`)."""
+    h = fp8.einsum("...m,mcf->...cf", x, gate_up, fp8_impl)
     return jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
 
 
 class GatedMLP(nn.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))` with gate and up fused as [model, 2, hidden];
     the call's `kernels` choose how the gate/up path (`mlp`) and the down product (`down`)
-    run."""
+    run. Both are `Fp8Weight`s under `weights="fp8"`."""
 
     hidden: int
     dtype: Any
     axis_name: str | None = None
     shards: int = 1
+    weights: str = "dtype"
 
     @nn.compact
     def __call__(
@@ -361,17 +379,19 @@ class GatedMLP(nn.Module):
         djax's kernel) -> [b, t, model] (or `Partials`, or with `defer_down` the down
         `Product` still to run)."""
         (b, t, d_model), hidden = x.shape, self.hidden // self.shards
-        gate_up = self.param("gate_up", init_normal(), (d_model, 2, hidden), self.dtype)
-        down = self.param("down", init_normal(), (hidden, d_model), self.dtype)
+        gate_up = fp8.param(
+            self, "gate_up", init_normal(), (d_model, 2, hidden), self.dtype, self.weights
+        )
+        down = fp8.param(self, "down", init_normal(), (hidden, d_model), self.dtype, self.weights)
         if kernels.mlp == "pallas":  # Pallas's interpreter off GPUs (for tests)
             act = swiglu.swiglu_matmul(x.reshape(b * t, d_model), gate_up).reshape(b, t, hidden)
         elif isinstance(x, ScaledRows):
             raise ValueError("GatedMLP: ScaledRows need the gate/up product in djax's kernel")
         else:
-            act = swiglu_xla(x, gate_up)
+            act = swiglu_xla(x, gate_up, kernels.fp8)
         if defer_down:
             return Product(act, down)
-        return _sum_over(project(act, down, kernels.down), self.axis_name)
+        return _sum_over(project(act, down, kernels.down, kernels.fp8), self.axis_name)
 
 
 def _sum_over(x: Array | Partials, axis_name: str | None) -> Array | Partials:
@@ -383,7 +403,8 @@ class TransformerLM(nn.Module):
     """Embedding, pre-norm decoder layers (unrolled: one set of weights per layer), final
     norm and output head. Subclasses choose each layer's feed-forward (`feed_forward`).
     `kernels` is the resolved kernel choice (`kernel_choice.resolve`; XLA's paths by
-    default) the forwards follow.
+    default) the forwards follow; its `weights` is the weight format the params hold
+    (`djax.models.fp8`).
 
     Param tree: `embed.embedding` [vocab, model], `layers_{i}.{attn_norm, attn, ff_norm,
     ff}`, `final_norm.scale`, `lm_head.kernel` [model, vocab].
@@ -406,6 +427,7 @@ class TransformerLM(nn.Module):
             self.dtype,
             axis_name=self.axis_name,
             shards=self.shards,
+            weights=self.kernels.weights,
             name=f"ff_{layer}",
         )
 
@@ -420,7 +442,12 @@ class TransformerLM(nn.Module):
         ]
         self.attns = [
             Attention(
-                cfg, self.dtype, axis_name=self.axis_name, shards=self.shards, name=f"attn_{i}"
+                cfg,
+                self.dtype,
+                axis_name=self.axis_name,
+                shards=self.shards,
+                weights=self.kernels.weights,
+                name=f"attn_{i}",
             )
             for i in range(cfg.n_layers)
         ]

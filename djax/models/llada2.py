@@ -100,6 +100,7 @@ class LLaDA2(TransformerLM):
             axis_name=self.axis_name,
             shards=self.shards,
             split_experts=self.split_experts,
+            weights=self.kernels.weights,
             name=f"ff_{layer}",
         )
 

@@ -4,11 +4,12 @@ HF name map.
 Routing follows the LLaDA-MoE reference: router logits in fp32, softmax over all experts,
 optional per-expert bias added to the probabilities, top-k of the (biased) probabilities
 as the weights, renormalised only when `norm_topk_prob`, cast to the activation dtype.
-Experts are stored stacked: `gate_up` [experts, model, 2, ffn], `down` [experts, ffn,
-model]. Three expert paths compute the same function (`Kernels.moe`): `grouped` sorts the
-token-expert pairs by expert and runs `jax.lax.ragged_dot`; `pallas` runs the same sorted
-pairs through djax's expert-tile kernels (`djax.kernels.expert_tiles`); `dense` runs every
-local expert on every token and weights the outputs (zero weight where not routed).
+Experts are stored stacked: `gate_up` [experts, model, 2, ffn], `down` [experts, ffn, model]
+(`Fp8Weight`s under `weights="fp8"`: `djax.models.fp8`). Three expert paths compute the same
+function (`Kernels.moe`): `grouped` sorts the token-expert pairs by expert and runs
+`jax.lax.ragged_dot`; `pallas` runs the same sorted pairs through djax's expert-tile kernels
+(`djax.kernels.expert_tiles`); `dense` runs every local expert on every token and weights the
+outputs (zero weight where not routed).
 
 HF layout: `model.embed_tokens`, `model.layers.{i}.self_attn.{q,k,v,o}_proj`,
 `...self_attn.{q,k}_norm`, `...{input,post_attention}_layernorm`, `...mlp.gate`,
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 from djax.config import ModelConfig
 from djax.kernels import expert_tiles
 from djax.kernels.handoff import finish
+from djax.models import fp8
 from djax.models.kernel_choice import XLA_KERNELS, Kernels
 from djax.models.layers import GatedMLP, TransformerLM, _sum_over, init_normal
 from djax.models.sources import (
@@ -67,20 +69,27 @@ def route(
 
 
 def experts_dense(
-    x: Array, weights: Array, experts: Array, gate_up: Array, down: Array, first_expert: Any
+    x: Array,
+    weights: Array,
+    experts: Array,
+    gate_up: fp8.Weight,
+    down: fp8.Weight,
+    first_expert: Any,
+    fp8_impl: str = "no",
 ) -> Array:
     """Every local expert on every token, outputs weighted by the routing weights.
 
     x: [n, model]; weights, experts: [n, top_k]; gate_up: [local_experts, model, 2, ffn];
-    down: [local_experts, ffn, model]; first_expert: global id of local expert 0.
+    down: [local_experts, ffn, model] (`Fp8Weight`s through `fp8_impl`); first_expert:
+    global id of local expert 0.
     """
     n_local = gate_up.shape[0]
     local = experts - first_expert
     onehot = (local[..., None] == jnp.arange(n_local)).astype(x.dtype)  # [n, top_k, e]
     combine = jnp.einsum("nk,nke->ne", weights.astype(x.dtype), onehot)
-    h = jnp.einsum("nm,emcf->necf", x, gate_up)
+    h = fp8.einsum("nm,emcf->necf", x, gate_up, fp8_impl)
     act = jax.nn.silu(h[..., 0, :]) * h[..., 1, :]
-    y = jnp.einsum("nef,efm->nem", act, down)
+    y = fp8.einsum("nef,efm->nem", act, down, fp8_impl)
     return jnp.einsum("nem,ne->nm", y, combine)
 
 
@@ -120,19 +129,29 @@ def sort_by_group(group: Array, n_groups: int) -> tuple[Array, Array, Array]:
 
 
 def ragged_mlp(
-    x: Array, source_rows: Array, gate_up: Array, down: Array, group_sizes: Array
+    x: Array,
+    source_rows: Array,
+    gate_up: fp8.Weight,
+    down: fp8.Weight,
+    group_sizes: Array,
+    fp8_impl: str = "no",
 ) -> Array:
     """The experts' SwiGLU MLP on the rows `x[source_rows]` (sorted by expert), as two
     grouped matmuls (`jax.lax.ragged_dot`) with the activation between them.
 
     x: [tokens, model]; source_rows: [pairs] int32; gate_up: [experts, model, 2, ffn];
-    down: [experts, ffn, model]; group_sizes: [experts] int32. Returns [pairs, model]; rows
-    past sum(group_sizes) may hold anything.
+    down: [experts, ffn, model] (`Fp8Weight`s through `fp8_impl`); group_sizes: [experts]
+    int32. Returns [pairs, model]; rows past sum(group_sizes) may hold anything.
     """
     n_local, d_model, _, ffn = gate_up.shape
-    h = jax.lax.ragged_dot(x[source_rows], gate_up.reshape(n_local, d_model, 2 * ffn), group_sizes)
+    shape = (n_local, d_model, 2 * ffn)
+    if isinstance(gate_up, fp8.Fp8Weight):
+        gate_up = gate_up.reshape(shape, (n_local, 2 * ffn))
+    else:
+        gate_up = gate_up.reshape(shape)
+    h = fp8.ragged_dot(x[source_rows], gate_up, group_sizes, fp8_impl)
     act = jax.nn.silu(h[:, :ffn]) * h[:, ffn:]
-    return jax.lax.ragged_dot(act, down, group_sizes)
+    return fp8.ragged_dot(act, down, group_sizes, fp8_impl)
 
 
 def experts_grouped(
@@ -180,6 +199,7 @@ class MoEBlock(nn.Module):
     axis_name: str | None = None
     shards: int = 1
     split_experts: bool = False
+    weights: str = "dtype"
 
     @nn.compact
     def __call__(self, x: Array, kernels: Kernels = XLA_KERNELS) -> Array:
@@ -195,16 +215,21 @@ class MoEBlock(nn.Module):
             if cfg.router_expert_bias
             else None
         )
-        gate_up = self.param("gate_up", init_normal(), (local_e, m, 2, local_f), self.dtype)
-        down = self.param("down", init_normal(), (local_e, local_f, m), self.dtype)
+        gate_up = fp8.param(
+            self, "gate_up", init_normal(), (local_e, m, 2, local_f), self.dtype, self.weights
+        )
+        down = fp8.param(
+            self, "down", init_normal(), (local_e, local_f, m), self.dtype, self.weights
+        )
         b, t, _ = x.shape
         flat = x.reshape(b * t, m)
         with jax.named_scope("router"):
             weights, experts = self.route(flat, router, bias)
         first = 0 if local_e == e else jax.lax.axis_index(self.axis_name) * local_e
+        ragged = functools.partial(ragged_mlp, fp8_impl=kernels.fp8)
         run = {
-            "dense": experts_dense,
-            "grouped": experts_grouped,
+            "dense": functools.partial(experts_dense, fp8_impl=kernels.fp8),
+            "grouped": functools.partial(experts_grouped, mlp=ragged),
             "pallas": functools.partial(experts_grouped, mlp=expert_tiles.expert_mlp),
         }[kernels.moe]
         with jax.named_scope(f"experts_{kernels.moe}"):
@@ -216,6 +241,7 @@ class MoEBlock(nn.Module):
                 self.dtype,
                 axis_name=self.axis_name,
                 shards=self.shards,
+                weights=self.weights,
                 name="shared",
             )
             y = y + finish(shared(x, kernels))
@@ -241,6 +267,7 @@ class LLaDAMoE(TransformerLM):
                 axis_name=self.axis_name,
                 shards=self.shards,
                 split_experts=self.split_experts,
+                weights=self.kernels.weights,
                 name=name,
             )
         return self.gated_mlp(layer)
