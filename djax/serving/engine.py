@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import gc
 import logging
 import math
 import os
@@ -367,11 +366,6 @@ class ServingEngine:
     def _main(self) -> None:
         try:
             self._warm_up()
-            # Everything alive now (the model, the programs, the libraries) lives as long as
-            # the server: out of the cyclic collector's reach, a full collection no longer
-            # pauses every thread to scan it between two calls.
-            gc.collect()
-            gc.freeze()
             self._ready = True
             log.info("ready: %s scheduler", self.config.scheduler)
             if self.config.scheduler == "continuous":
