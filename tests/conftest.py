@@ -50,6 +50,22 @@ needs_devices = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_programs_freed():
+    """Free the programs a test module compiled when it ends. One process runs the whole
+    suite, and every compiled XLA CPU program holds memory mappings; kept for the whole
+    run, they exceed the kernel's per-process mapping limit and XLA fails to allocate."""
+    yield
+    import gc
+
+    from djax import engine, programs
+
+    engine._EXECUTABLES.clear()
+    programs.forward_program.cache_clear()
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def dense_folder(tmp_path_factory):
     """LLaDA dense, GQA (4 heads, 2 kv heads), weights in two safetensors shards."""
