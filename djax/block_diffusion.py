@@ -436,9 +436,6 @@ def _output(
             f"vocabulary [0, {vocab}): the model's logits are not finite (check the weights "
             "and dtype for NaN/inf)"
         )
-    stops = np.isin(answers, plan.stop_ids)
-    lengths = np.where(stops.any(axis=1), stops.argmax(axis=1), answers.shape[1])
-    token_ids = [answers[i, :n].tolist() for i, n in enumerate(lengths)]
     masked = {i: int(n) for i, n in enumerate((answers == plan.mask_id).sum(1)) if n}
     if masked:
         notes = [
@@ -446,19 +443,6 @@ def _output(
             f"rows {masked} (row: positions) kept the mask id: the model predicted the mask "
             "token there until its block's steps ran out",
         ]
-    texts = None
-    if model.tokenizer is not None:
-        texts = [model.tokenizer.decode(ids, skip_special_tokens=True) for ids in token_ids]
-    forwards = int(np.max(out["forwards"]))
-    generated = int(lengths.sum())
-    stats = engine.GenerationStats(
-        forwards=forwards,
-        refreshes=int(np.max(out["refreshes"])),
-        blocks=int(np.max(out["blocks"])),
-        generated_tokens=generated,
-        tokens_per_forward=generated / max(forwards, 1),
-        seconds=seconds,
-        tokens_per_second=generated / seconds if seconds > 0 else 0.0,
-        compile_seconds=compile_seconds,
+    return engine.generation_output(
+        model, answers, plan.stop_ids, out, seconds, compile_seconds, notes
     )
-    return engine.GenerationOutput(token_ids, texts, answers, stats, notes)

@@ -409,7 +409,22 @@ def _output(
             "decoder commits at least one position per step unless the model's logits are "
             "not finite (check the weights and dtype for NaN/inf)"
         )
-    stops = np.isin(answers, plan.stop_ids)
+    return generation_output(model, answers, plan.stop_ids, out, seconds, compile_seconds, notes)
+
+
+def generation_output(
+    model: Model,
+    answers: np.ndarray,
+    stop_ids: Sequence[int],
+    out: dict,
+    seconds: float,
+    compile_seconds: float,
+    notes: list[str],
+) -> GenerationOutput:
+    """A finished generation as `generate` returns it: each row's answer [batch, gen] cut
+    before its first stop id, decoded when the model has a tokenizer, and the counters of
+    the program's `out` (forwards, refreshes, blocks: the most of any shard)."""
+    stops = np.isin(answers, stop_ids)
     lengths = np.where(stops.any(axis=1), stops.argmax(axis=1), answers.shape[1])
     token_ids = [answers[i, :n].tolist() for i, n in enumerate(lengths)]
     texts = None

@@ -31,7 +31,7 @@ import numpy as np
 
 from djax.config import ModelConfig
 from djax.models.layers import TransformerLM
-from djax.models.llada_moe import MoEBlock, _mlp_sources, _stacked_experts
+from djax.models.llada_moe import MoEBlock, _mlp_sources, expert_sources
 from djax.models.sources import Index, ParamSource, Tensor, TensorStore, copy, transposed
 
 Array = jax.Array
@@ -190,22 +190,10 @@ def hf_sources(config: ModelConfig) -> list[ParamSource]:
         if not config.moe_layers[i]:
             sources += _mlp_sources((ff,), f"{hf}.mlp")
             continue
-        experts = [f"{hf}.mlp.experts.{j}" for j in range(config.n_experts)]
         sources += [
             transposed((ff, "router"), f"{hf}.mlp.gate.weight"),
             copy((ff, "expert_bias"), f"{hf}.mlp.gate.expert_bias"),
-            ParamSource(
-                (ff, "gate_up"),
-                _stacked_experts(
-                    [(f"{x}.gate_proj.weight", f"{x}.up_proj.weight") for x in experts]
-                ),
-                (0, 3, 1, 2),
-            ),
-            ParamSource(
-                (ff, "down"),
-                _stacked_experts([(f"{x}.down_proj.weight",) for x in experts]),
-                (0, 2, 1),
-            ),
+            *expert_sources(ff, f"{hf}.mlp.experts", config.n_experts),
         ]
         if config.shared_expert_hidden:
             sources += _mlp_sources((ff, "shared"), f"{hf}.mlp.shared_experts")

@@ -273,6 +273,25 @@ class LLaDAMoE(TransformerLM):
         return self.gated_mlp(layer)
 
 
+def expert_sources(ff: str, prefix: str, n_experts: int) -> list[ParamSource]:
+    """A MoE layer's fused expert weights from HF's per-expert SwiGLU tensors
+    `{prefix}.{j}.{gate,up,down}_proj.weight`: `gate_up` [experts, model, 2, ffn] and
+    `down` [experts, ffn, model] of param `ff`."""
+    experts = [f"{prefix}.{j}" for j in range(n_experts)]
+    return [
+        ParamSource(
+            (ff, "gate_up"),
+            _stacked_experts([(f"{x}.gate_proj.weight", f"{x}.up_proj.weight") for x in experts]),
+            (0, 3, 1, 2),
+        ),
+        ParamSource(
+            (ff, "down"),
+            _stacked_experts([(f"{x}.down_proj.weight",) for x in experts]),
+            (0, 2, 1),
+        ),
+    ]
+
+
 def _stacked_experts(names: list[tuple[str, ...]]) -> Joined:
     """Per-expert tensors stacked on a new leading expert axis."""
     parts = tuple(
@@ -320,21 +339,9 @@ def hf_sources(config: ModelConfig) -> list[ParamSource]:
         if not config.moe_layers[i]:
             sources += _mlp_sources((ff,), f"{hf}.mlp")
             continue
-        experts = [f"{hf}.mlp.experts.{j}" for j in range(config.n_experts)]
         sources += [
             transposed((ff, "router"), f"{hf}.mlp.gate.weight"),
-            ParamSource(
-                (ff, "gate_up"),
-                _stacked_experts(
-                    [(f"{x}.gate_proj.weight", f"{x}.up_proj.weight") for x in experts]
-                ),
-                (0, 3, 1, 2),
-            ),
-            ParamSource(
-                (ff, "down"),
-                _stacked_experts([(f"{x}.down_proj.weight",) for x in experts]),
-                (0, 2, 1),
-            ),
+            *expert_sources(ff, f"{hf}.mlp.experts", config.n_experts),
         ]
         if config.router_expert_bias:
             sources.append(copy((ff, "expert_bias"), f"{hf}.mlp.expert_bias"))
