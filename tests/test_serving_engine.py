@@ -300,14 +300,28 @@ def test_the_serve_process_freezes_its_warm_heap(continuous):
 
 
 def test_static_scheduler_runs_whole_batches(demo_model, generation):
-    engine = _engine(demo_model, generation, scheduler="static", max_batch=4)
+    """Batches of different prompt lengths within one sequence bucket share one program
+    (the prompt is left-padded to the bucket) and give `generate`'s tokens."""
+    engine = _engine(demo_model, generation, scheduler="static", max_batch=4, max_seq_len=128)
     got = Collector()
-    for i, prompt in enumerate(PROMPTS[:3]):
-        engine.submit(EngineRequest(f"r{i}", _ids(demo_model, prompt), 16), got.sink(f"r{i}"))
-    got.wait(3)
+    batches = [PROMPTS[:3], PROMPTS[2:]]  # three rows each: one batch bucket
+    for b, prompts in enumerate(batches):
+        for i, prompt in enumerate(prompts):
+            engine.submit(
+                EngineRequest(f"r{b}{i}", _ids(demo_model, prompt), 16), got.sink(f"r{b}{i}")
+            )
+        got.wait(len(prompts))
     engine.stop()
-    for i, prompt in enumerate(PROMPTS[:3]):
-        assert got.tokens(f"r{i}") == _alone(demo_model, generation, _ids(demo_model, prompt), 16)
+    lengths = {len(_ids(demo_model, p)) for p in PROMPTS}
+    assert (
+        max(lengths) <= 64
+        and len({max(map(len, (_ids(demo_model, p) for p in b))) for b in batches}) == 2
+    )
+    assert engine.metrics.compiles._value.get() == 1
+    for b, prompts in enumerate(batches):
+        for i, prompt in enumerate(prompts):
+            ids = _ids(demo_model, prompt)
+            assert got.tokens(f"r{b}{i}") == _alone(demo_model, generation, ids, 16)
 
 
 def test_max_seq_len_beyond_the_model_is_refused(demo_model, generation):

@@ -56,6 +56,9 @@ from djax.serving.requests import (
 
 log = logging.getLogger("djax.serve")
 
+# A wait of the device for the host this long is logged (INFO) with the queue it met.
+STALL_SECONDS = 0.02
+
 SCHEDULERS = ("continuous", "static")
 
 
@@ -564,7 +567,15 @@ class ServingEngine:
         for row in rows:
             row.in_flight += 1
         if last is not None:
-            self.metrics.host_gap.observe(0.0 if last.running else queued - last.seen_running)
+            gap = 0.0 if last.running else queued - last.seen_running
+            self.metrics.host_gap.observe(gap)
+            if gap > STALL_SECONDS:
+                log.info(
+                    "the device waited up to %.0f ms for the host (%d rows running, %d waiting)",
+                    1e3 * gap,
+                    len(self._running),
+                    len(self._waiting),
+                )
         started = queued if last is None else math.inf  # set when `last` is read
         self._queued.append(_Call(rows, out, queued, started, seen_running=queued))
 
@@ -714,7 +725,9 @@ class ServingEngine:
         """The whole-generation program for a static batch, its arguments and plan. The
         batch is padded to its bucket with copies of its first row (they stop with it); its
         answer length is the longest request's, rounded up to a power of two blocks where
-        that fits."""
+        that fits; its prompt length is the longest prompt's, rounded up to a sequence bucket
+        (more left padding) where that fits beside the answer. Rounding keeps the number of
+        shapes, and so of compiles while serving, small."""
         n = len(rows)
         batch = layout.bucket(n, self.batch_buckets)
         padded = rows + [rows[0]] * (batch - n)
@@ -723,6 +736,9 @@ class ServingEngine:
         rounded = self.block_length * 2 ** math.ceil(math.log2(answer // self.block_length))
         if prompt + rounded <= self._max_sequence:
             answer = rounded
+        bucketed = next((s for s in layout.SEQ_BUCKETS if s >= prompt), prompt)
+        if bucketed + answer <= self._max_sequence:
+            prompt = bucketed
         g = self.config.generation
         config = dataclasses.replace(
             g,
