@@ -27,6 +27,7 @@ from djax.diffusion import Plan, Rows, row_keys, run_generation
 from djax.generation import FIXED_DECODERS, GenerationConfig
 from djax.model import Model
 from djax.models.kernel_choice import KernelChoice
+from djax.models.sparse_attention import plan_sparse
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
 
@@ -206,6 +207,7 @@ def make_plan(
         early_stop=config.early_stop,
         smoothing=config.smoothing,
         sampling=config.temperature > 0,
+        sparse=plan_sparse(config.attention_sparsity, config.attention_window, bucket + gen, block),
     )
     return plan, notes
 
