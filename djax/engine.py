@@ -354,7 +354,12 @@ def explain(model: Model, plan: Plan) -> str:
             f"device: {programs.device_of(model.mesh)}",
             f"kernel options: {options}",
             f"batch {plan.batch}, prompt {plan.prompt_len}, gen {plan.gen_length}, "
-            f"block {plan.block_len}, cache {plan.cache.name}",
+            f"block {plan.block_len}, cache {plan.cache.name}"
+            + (
+                f", sparse attention: {plan.sparse.keys} of {plan.seq_len} keys per head"
+                if plan.sparse
+                else ""
+            ),
             kernel_choice(model, plan).explain(),
         ]
     )
