@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_devices
 
 import djax
 from djax import engine, programs
@@ -195,3 +196,19 @@ def test_split_kv_kernel_on_the_gathered_rows_equals_xla():
             "gts,sd->tgd", softmax(scores / math.sqrt(d)), np.asarray(values[0, rows, h])
         )
         np.testing.assert_allclose(np.asarray(xla[0, :, h]), out, rtol=1e-4, atol=1e-5)
+
+
+@needs_devices
+def test_tensor_parallel_heads_choose_as_on_one_device(dense_folder, dense_model):
+    """Under TP=2 each device chooses for its own kv head: the tokens are one device's."""
+    from djax.sharding import make_mesh
+
+    split = djax.load(dense_folder[0], dtype=jnp.float32, mesh=make_mesh(tensor_parallel=2))
+    config = djax.GenerationConfig(
+        gen_length=32, block_length=8, attention_sparsity=0.1, attention_window=2
+    )
+    prompts = [[0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 15, 25, 35, 45], [0, 11, 12]]
+    assert engine.make_plan(dense_model, config, 2, 14)[0].sparse.keys == 5 + 8 + 2  # of 48
+    ours = djax.generate(split, prompts, config)
+    one = djax.generate(dense_model, prompts, config)
+    np.testing.assert_array_equal(ours.answer_ids, one.answer_ids)
