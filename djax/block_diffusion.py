@@ -336,6 +336,11 @@ def make_plan(
         )
     if config.smoothing:
         raise ValueError("smoothing=True is not available for block diffusion")
+    if config.attention_sparsity < 1:
+        raise ValueError(
+            f"attention_sparsity={config.attention_sparsity} is not available for block "
+            "diffusion (its cached steps read an exact append-only cache); expected 1.0"
+        )
     b, gen = config.block_length, config.gen_length
     lengths = [len(r) for r in rows]
     limit = model.config.max_seq_len

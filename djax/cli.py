@@ -54,6 +54,9 @@ _HELP = {
     "early_stop": "stop a row after the block holding its first stop token",
     "smoothing": "iteration smoothing (soft embeddings of masked positions)",
     "logits_chunk": "vocabulary ids per chunk of a step's logits (0: the whole vocabulary)",
+    "attention_sparsity": "fraction of key positions each attention head keeps for a block's "
+    "cached steps, in (0, 1] (1: dense)",
+    "attention_window": "positions before the block that sparse attention always keeps",
 }
 # Where a field's dataclass default is not what a user gets.
 _DEFAULT_TEXT = {

@@ -33,6 +33,7 @@ from djax import decoders
 from djax.decoders import DecoderSpec
 from djax.kv_cache import CachePolicy, init_buffers
 from djax.models.layers import TransformerLM, Window
+from djax.models.sparse_attention import SparseAttention
 
 Array = jax.Array
 
@@ -45,7 +46,9 @@ class Plan:
     `[P, P + gen_length)`, split into blocks of `block_len`. steps_per_block: used by the
     fixed-steps decoders. stop_ids: ids that end a row (early stop); fill_id: what the rest
     of a stopped row becomes (EOS). sampling: some row may have a temperature above 0 (the
-    Gumbel noise is drawn only then).
+    Gumbel noise is drawn only then). sparse: the reuse steps' sparse attention
+    (`djax.models.sparse_attention`: each refresh chooses every head's keys, the block's
+    cached steps attend to those only), None for dense attention.
     """
 
     batch: int
@@ -61,6 +64,7 @@ class Plan:
     early_stop: bool = True
     smoothing: bool = False
     sampling: bool = False
+    sparse: SparseAttention | None = None
 
     @property
     def seq_len(self) -> int:
@@ -168,7 +172,9 @@ class State:
     """The loop carry. keys: [batch] PRNG keys; kv: per-layer (keys, values) or None
     (`none` policy); credit:
     [batch, block, vocab_local] or None; soft: expected embeddings of the block's masked
-    positions from the previous step [batch, block, model] or None."""
+    positions from the previous step [batch, block, model] or None; chosen: the keys each
+    layer's kv heads attend to in the block's cached steps [n_layers, batch, kv_heads,
+    plan.sparse.keys] int32 (the last refresh's choice), or None (dense attention)."""
 
     tokens: Array
     kv: Any
@@ -182,6 +188,7 @@ class State:
     block_masks: Array
     credit: Any
     soft: Any
+    chosen: Any = None
 
 
 class _Generation:
@@ -233,10 +240,20 @@ class _Generation:
         if refresh:
             with jax.named_scope("refresh"):
                 x = self._inputs(state, 0, plan.seq_len, bs)
-                hidden, kv = self._apply(
-                    x, self.positions, self.key_valid, None, Window(), bs, plan.block_len
+                out = self._apply(
+                    x,
+                    self.positions,
+                    self.key_valid,
+                    None,
+                    Window(),
+                    bs,
+                    plan.block_len,
+                    sparse=plan.sparse,
                 )
+            hidden, kv = out[:2]
             kv = kv if plan.cache.cached else None
+            if plan.sparse is not None:
+                state = dataclasses.replace(state, chosen=out[2])
         else:
             window = plan.cache.window(bs, plan.prompt_len, plan.block_len, plan.seq_len)
             width = plan.cache.window_length(plan.prompt_len, plan.block_len, plan.seq_len)
@@ -252,6 +269,7 @@ class _Generation:
                     bs - window.start,
                     plan.block_len,
                     block_forward=True,
+                    chosen=state.chosen,
                 )
         with jax.named_scope("decoder"):
             state = self.decode(state, hidden, bs)
@@ -379,6 +397,11 @@ def initial_state(
         credit = jnp.zeros((batch, plan.block_len, vocab_local), jnp.float32)
     if plan.smoothing:
         soft = jnp.zeros((batch, plan.block_len, module.config.d_model), dtype)
+    chosen = None
+    if plan.sparse is not None:
+        kv_heads = params["attn_0"]["qkv"].shape[1]
+        shape = (module.config.n_layers, batch, kv_heads, plan.sparse.keys)
+        chosen = jnp.zeros(shape, jnp.int32)
     return State(
         tokens=tokens,
         kv=kv,
@@ -392,6 +415,7 @@ def initial_state(
         block_masks=jnp.zeros((batch,), jnp.int32),
         credit=credit,
         soft=soft,
+        chosen=chosen,
     )
 
 

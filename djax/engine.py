@@ -27,6 +27,7 @@ from djax.diffusion import Plan, Rows, row_keys, run_generation
 from djax.generation import FIXED_DECODERS, GenerationConfig
 from djax.model import Model
 from djax.models.kernel_choice import KernelChoice
+from djax.models.sparse_attention import plan_sparse
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024)
 
@@ -206,6 +207,7 @@ def make_plan(
         early_stop=config.early_stop,
         smoothing=config.smoothing,
         sampling=config.temperature > 0,
+        sparse=plan_sparse(config.attention_sparsity, config.attention_window, bucket + gen, block),
     )
     return plan, notes
 
@@ -352,7 +354,12 @@ def explain(model: Model, plan: Plan) -> str:
             f"device: {programs.device_of(model.mesh)}",
             f"kernel options: {options}",
             f"batch {plan.batch}, prompt {plan.prompt_len}, gen {plan.gen_length}, "
-            f"block {plan.block_len}, cache {plan.cache.name}",
+            f"block {plan.block_len}, cache {plan.cache.name}"
+            + (
+                f", sparse attention: {plan.sparse.keys} of {plan.seq_len} keys per head"
+                if plan.sparse
+                else ""
+            ),
             kernel_choice(model, plan).explain(),
         ]
     )

@@ -34,7 +34,11 @@ class GenerationConfig:
     holding its first stop token. smoothing: iteration smoothing (soft embeddings of masked
     positions). logits_chunk: a step computes its logits this many vocabulary ids at a time,
     keeping only running statistics (`djax.decoders.predict_chunked`); 0 computes them
-    whole. `credit` and smoothing always take the whole vocabulary.
+    whole. `credit` and smoothing always take the whole vocabulary. attention_sparsity: the
+    fraction in (0, 1] of the key positions each attention head keeps, by the attention
+    mass the block put on them at its refresh, for the block's cached steps (1: dense
+    attention; below 1 it needs a cache policy other than `none`); attention_window: the
+    positions before the block every head keeps besides (`djax.models.sparse_attention`).
     """
 
     gen_length: int = 128
@@ -58,6 +62,8 @@ class GenerationConfig:
     early_stop: bool = True
     smoothing: bool = False
     logits_chunk: int = 0
+    attention_sparsity: float = 1.0
+    attention_window: int = 64
 
     def __post_init__(self):
         _check_options(self)
@@ -153,6 +159,20 @@ def _check_options(c: GenerationConfig) -> None:
     need(
         min(c.vicinity_before, c.vicinity_after, c.vicinity_warmup) >= 0,
         "vicinity_before/after/warmup must be ≥ 0",
+    )
+    keep = c.attention_sparsity
+    need(
+        isinstance(keep, int | float) and not isinstance(keep, bool) and 0 < keep <= 1,
+        f"attention_sparsity={keep!r}; expected the fraction of key positions kept, in (0, 1]",
+    )
+    need(
+        keep == 1 or c.cache != "none",
+        f"attention_sparsity={keep} needs a cache policy with cached steps; cache='none' has "
+        "none (every step attends densely)",
+    )
+    need(
+        _is_int(c.attention_window) and c.attention_window >= 0,
+        f"attention_window={c.attention_window!r}; expected an int ≥ 0",
     )
 
 

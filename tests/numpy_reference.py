@@ -42,10 +42,11 @@ class RefLLaDA:
         rot = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1)
         return x * np.cos(ang) + rot * np.sin(ang)
 
-    def forward(self, inputs: np.ndarray, lo: int, seq: int, cache):
+    def forward(self, inputs: np.ndarray, lo: int, seq: int, cache, allowed=None):
         """inputs: [t, model] embeddings of positions [lo, lo + t) of a sequence of `seq`.
         cache: per layer (K, V) [seq, kv, d] or None. Fresh K/V of the fed positions replace
-        the cache's; every query attends to all `seq` positions.
+        the cache's; every query attends to all `seq` positions, or with `allowed` (per
+        layer a bool [kv, seq]) the queries of each kv head's group to its allowed keys only.
         Returns logits [t, vocab] and the cache with the fed positions written."""
         x, t = inputs, inputs.shape[0]
         pos = np.arange(lo, lo + t, dtype=np.float64)
@@ -68,6 +69,9 @@ class RefLLaDA:
             kh = np.repeat(keys, group, axis=1)
             vh = np.repeat(values, group, axis=1)
             scores = np.einsum("thd,shd->hts", q, kh) / np.sqrt(self.head_dim)
+            if allowed is not None:
+                keep = np.repeat(allowed[i], group, axis=0)[:, None, :]
+                scores = np.where(keep, scores, -np.inf)
             scores = np.exp(scores - scores.max(-1, keepdims=True))
             probs = scores / scores.sum(-1, keepdims=True)
             att = np.einsum("hts,shd->thd", probs, vh).reshape(t, -1)

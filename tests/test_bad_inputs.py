@@ -58,6 +58,8 @@ CLI_ROWS = [
     ([*GEN, "--temperature", "-0.5"], {}, 2, "temperature=-0.5; expected a finite number"),
     ([*GEN, "--threshold", "nan"], {}, 2, "threshold=nan; expected a finite number"),
     ([*GEN, "--gen-length", "0"], {}, 2, "gen_length=0; expected a positive int"),
+    ([*GEN, "--attention-sparsity", "0"], {}, 2, "attention_sparsity=0.0; expected the fraction"),
+    ([*GEN, "--attention-sparsity", "0.5", "--cache", "none"], {}, 2, "cache='none' has none"),
     ([*GEN, "--gen-length", "256"], {}, 2, "exceeds the model's maximum sequence length 128"),
     ([*GEN, "--batch-size", "0"], {}, 2, "'0' is not a positive int"),
     ([*GEN, "--tensor-parallel", "-2"], {}, 2, "'-2' is not a positive int"),

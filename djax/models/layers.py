@@ -11,7 +11,9 @@ it feeds a *window* of `W` consecutive positions starting at `window.start`, wri
 their fresh K/V into the `[batch, seq, kv_heads, head_dim]` buffers (only inside
 `[window.write_lo, window.write_hi)` when given), lets the window's queries attend to every
 valid key of the whole buffer, and returns final hidden states for `hidden_len` positions
-starting `hidden_start` positions into the window.
+starting `hidden_start` positions into the window. With sparse attention
+(`djax.models.sparse_attention`) a refresh also returns each layer's chosen keys per kv
+head, and a block forward given them attends to those keys only.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from djax.kernels import (
     swiglu,
 )
 from djax.kernels.handoff import Partials, ScaledRows, finish
-from djax.models import fp8
+from djax.models import fp8, sparse_attention
 from djax.models.fp8 import Fp8Weight
 from djax.models.kernel_choice import XLA_KERNELS, KernelChoice, Kernels
+from djax.models.sparse_attention import SparseAttention
 
 Array = jax.Array
 LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, head_dim]
@@ -272,14 +275,20 @@ class Attention(nn.Module):
         kernels: Kernels = XLA_KERNELS,
         out_impl: str = "xla",
         defer_output: bool = False,
-    ) -> tuple[Array | Partials | Product, LayerKV]:
+        sparse: tuple[SparseAttention, Any, int] | None = None,
+        chosen: Array | None = None,
+    ) -> tuple[Array | Partials | Product, LayerKV, Array | None]:
         """x: [b, W, model] normed window rows (`ScaledRows` only where the q/k/v product
         runs in the RoPE kernel, `kernels.qkv == "rope"`) -> the attention output [b, W,
         model] (or `Partials`, or with `defer_output` the output `Product` still to run) and
         the layer's K/V with the window's written. `query_rows=(start, n)`: attend and
         project only window rows `[start, start + n)` (every row's K/V is still written);
         the output is then [b, n, model]. `kernels` chooses the q/k/v, RoPE and attention
-        paths, `out_impl` the output product's (`xla` or `pallas`)."""
+        paths, `out_impl` the output product's (`xla` or `pallas`). `sparse=(rule, row, B)`
+        (a refresh): also choose each kv head's keys by `rule` from the block's queries,
+        window rows `[row, row + B)` (`sparse_attention.choose`), returned third (else
+        None). `chosen` [b, kv_heads, n] (a block forward): attend to those
+        keys only (`sparse_attention.attend_chosen`, on the gathered rows)."""
         cfg = self.config
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
@@ -326,22 +335,32 @@ class Attention(nn.Module):
             q, keys, values = rope_and_write_xla(
                 qkv, positions, kv, window, scales, ops, cfg.rope_theta, cfg.rope_dim
             )
+        new_chosen = None
+        if sparse is not None:
+            rule, row, block_len = sparse
+            q_block = jax.lax.dynamic_slice_in_dim(q, row, block_len, axis=1)
+            new_chosen = sparse_attention.choose(rule, q_block, keys, key_valid, positions, row)
         if query_rows is not None:
             q = jax.lax.dynamic_slice_in_dim(q, query_rows[0], query_rows[1], axis=1)
             if key_valid.ndim == 3:  # each query row's own keys
                 key_valid = jax.lax.dynamic_slice_in_dim(
                     key_valid, query_rows[0], query_rows[1], axis=1
                 )
-        out = attend(q, keys, values, key_valid, kernels.attention)
+        if chosen is not None:
+            out = sparse_attention.attend_chosen(
+                q, keys, values, key_valid, chosen, kernels.attention
+            )
+        else:
+            out = attend(q, keys, values, key_valid, kernels.attention)
         b, t = out.shape[:2]
         out = out.reshape(b, t, -1)
         out_kernel = fp8.matrix(out_kernel, out.shape[-1], cfg.d_model)
         if defer_output:
-            return Product(out, out_kernel), (keys, values)
+            return Product(out, out_kernel), (keys, values), new_chosen
         y = _sum_over(project(out, out_kernel, out_impl, kernels.fp8), self.axis_name)
         if out_bias is not None:  # added once, after the sum over shards
             y = finish(y) + out_bias
-        return y, (keys, values)
+        return y, (keys, values), new_chosen
 
     def _rope_inputs(self, positions, window, t):
         """The Pallas RoPE kernels' cos/sin tables and their `bounds` (window start, write_lo,
@@ -468,7 +487,9 @@ class TransformerLM(nn.Module):
         hidden_start: Any = 0,
         hidden_len: int | None = None,
         block_forward: bool = False,
-    ) -> tuple[Array, tuple[LayerKV, ...]]:
+        sparse: SparseAttention | None = None,
+        chosen: Array | None = None,
+    ) -> tuple[Array, tuple[LayerKV, ...]] | tuple[Array, tuple[LayerKV, ...], Array]:
         """Run the decoder stack on a window.
 
         x: [batch, W, model] input embeddings; positions: [batch, W] RoPE positions;
@@ -480,9 +501,16 @@ class TransformerLM(nn.Module):
         last layer's K/V need every row, so its queries, attention output and feed-forward
         run on those `hidden_len` rows alone (a refresh's block). `block_forward`: the
         forward takes `kernels.block`'s paths, else `kernels.refresh`'s.
+
+        Sparse attention (`djax.models.sparse_attention`): a refresh given `sparse` (the
+        whole sequence fed, the block at rows `[hidden_start, hidden_start + hidden_len)`)
+        also returns, third, every layer's chosen keys [n_layers, batch, kv_heads,
+        sparse.keys] int32; a block forward given them as `chosen` attends to those keys
+        only.
         """
         forward = self.kernels.block if block_forward else self.kernels.refresh
-        new_kv = []
+        choosing = None if sparse is None else (sparse, hidden_start, hidden_len)
+        new_kv, new_chosen = [], []
         n_layers = self.config.n_layers
         trim = hidden_len is not None and hidden_len != x.shape[1]
         normed = self.attn_norms[0](x)
@@ -495,7 +523,7 @@ class TransformerLM(nn.Module):
             into_attention = layer.norm_into_attention if dense_ff and i + 1 < n_layers else "no"
             with jax.named_scope(f"layer_{i}"):
                 with jax.named_scope("attention"):
-                    attn_out, layer_kv = self.attns[i](
+                    attn_out, layer_kv, layer_chosen = self.attns[i](
                         normed,
                         positions,
                         key_valid,
@@ -505,7 +533,10 @@ class TransformerLM(nn.Module):
                         kernels=layer,
                         out_impl=kept.out,
                         defer_output=into_mlp != "no",
+                        sparse=choosing,
+                        chosen=None if chosen is None else chosen[i],
                     )
+                new_chosen.append(layer_chosen)
                 if last_trimmed:
                     x = jax.lax.dynamic_slice_in_dim(x, hidden_start, hidden_len, axis=1)
                 impl = kept.norm if into_mlp == "no" else into_mlp
@@ -519,6 +550,8 @@ class TransformerLM(nn.Module):
                 impl = kept.norm if into_attention == "no" else into_attention
                 x, normed = next_norm(mlp_out, residual=h, impl=impl)
                 new_kv.append(layer_kv)
+        if sparse is not None:
+            return normed, tuple(new_kv), jnp.stack(new_chosen)
         return normed, tuple(new_kv)
 
     def embed(self, token_ids: Array) -> Array:

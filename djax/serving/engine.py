@@ -43,6 +43,7 @@ from djax import engine as djax_engine
 from djax.diffusion import Carried, Plan, Rows, Slots, row_keys, run_block_call
 from djax.generation import GenerationConfig
 from djax.model import Model
+from djax.models.sparse_attention import plan_sparse
 from djax.serving import layout
 from djax.serving.metrics import ServerMetrics
 from djax.serving.requests import (
@@ -427,6 +428,7 @@ class ServingEngine:
             stop_ids=(),
             early_stop=False,
             sampling=sampling,
+            sparse=plan_sparse(g.attention_sparsity, g.attention_window, seq, self.block_length),
         )
 
     def _block_args(self, rows: list[_Row], batch: int, seq: int) -> tuple:

@@ -1,0 +1,230 @@
+"""Sparse attention (`attention_sparsity`): the block forward's speed at the LLaDA-8B shape, and
+the demo model's accuracy, against dense attention.
+
+    python -m bench.sparse [--parts speed accuracy] [--prompt-lens 1024 4096 8192]
+                           [--keep 0.25] [--keeps 1.0 0.5 0.25 0.1] [--window 8] [--tiny]
+
+speed: random bf16 LLaDA-8B weights built on the device; for each prompt length P, a
+32-token dual-cache block forward (the block at position P, gen 256: P + 256 keys) with
+dense attention and with each head attending to its `keys = ceil(keep·S) + 32 + 64` chosen
+positions (block, the 64 before it, the rest drawn at random: the speed does not depend on
+which). Medians of forwards run back to back in one compiled loop (`time_in_program`);
+`speedup` = dense ms / sparse ms. Also the refresh (a whole-sequence forward over S keeping
+the block) with and without choosing the keys, for the choice's cost. Saved as
+`sparse_speed_<device>.json`.
+
+accuracy: the demo model on held-out demo problems (`djax.demo.task`, as `bench.decoders`),
+`low_confidence` (one token per step: most of a block's steps reuse the cache) and
+`threshold` 0.9, both under the dual cache, at each keep fraction; the demo's sequences are
+at most 128 positions, so its recent window is `--window` (default 8, one block) rather than
+the option's default 64, which would keep every position. `accuracy_delta` = exact match
+minus dense exact match. Saved as `sparse_accuracy_<device>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from bench.common import model_config, save, time_in_program
+from djax import programs
+from djax.kernel_options import KernelOptions
+from djax.models import init_params
+from djax.models.kernel_choice import Shapes
+from djax.models.layers import Window
+from djax.models.sparse_attention import RECENT, SparseAttention, kept_keys
+
+BLOCK = 32
+GEN = 256
+
+
+def random_choice(rule: SparseAttention, layers: int, kv_heads: int, seq: int, block_row: int):
+    """Chosen keys [layers, 1, kv_heads, rule.keys] as the rule keeps them (the block and
+    the `recent` positions before it) with the others drawn at random, ascending."""
+    score = jax.random.uniform(jax.random.key(3), (layers, 1, kv_heads, seq))
+    index = jnp.arange(seq)
+    forced = (index >= block_row - rule.recent) & (index < block_row + BLOCK)
+    score = jnp.where(forced, 2.0, score)
+    return jnp.sort(jax.lax.top_k(score, rule.keys)[1], axis=-1).astype(jnp.int32)
+
+
+def time_block(module, params, config, seq: int, block_row: int, chosen, iters: int) -> float:
+    """A dual-cache block forward at `block_row` over `seq` keys; `chosen` None is dense."""
+    x = jax.random.normal(jax.random.key(1), (1, BLOCK, config.d_model), module.dtype)
+    positions = (block_row + jnp.arange(BLOCK, dtype=jnp.int32))[None]
+    valid = jnp.ones((1, seq), bool)
+    shape = (1, seq, config.n_kv_heads, config.head_dim)
+    kv = tuple(
+        (
+            jax.random.normal(jax.random.key(i), shape, module.dtype),
+            jax.random.normal(jax.random.key(i + 1), shape, module.dtype),
+        )
+        for i in range(config.n_layers)
+    )
+
+    def step(carry, params, chosen):
+        x, kv = carry
+        hidden, kv = module.apply(
+            {"params": params},
+            x,
+            positions,
+            valid,
+            kv,
+            Window(block_row),
+            0,
+            BLOCK,
+            True,
+            chosen=chosen,
+        )
+        logits = module.apply({"params": params}, hidden, method="logits")
+        return x + (1e-6 * jnp.mean(logits)).astype(x.dtype), kv
+
+    return time_in_program(step, (x, kv), iters, params, chosen)
+
+
+def time_refresh(module, params, config, seq: int, block_row: int, rule, iters: int) -> float:
+    """A refresh over `seq` positions keeping the block at `block_row`; with `rule`, it
+    also chooses every head's keys."""
+    x = jax.random.normal(jax.random.key(1), (1, seq, config.d_model), module.dtype)
+    positions = jnp.arange(seq, dtype=jnp.int32)[None]
+    valid = jnp.ones((1, seq), bool)
+
+    def step(x, params):
+        out = module.apply(
+            {"params": params}, x, positions, valid, None, Window(), block_row, BLOCK, sparse=rule
+        )
+        logits = module.apply({"params": params}, out[0], method="logits")
+        extra = 0.0 if rule is None else 1e-9 * jnp.sum(out[2][..., 0])
+        return x + (1e-6 * jnp.mean(logits) + extra).astype(x.dtype)
+
+    return time_in_program(step, x, iters, params)
+
+
+def speed(args) -> None:
+    dtype = jnp.bfloat16
+    config = model_config("dense", args.tiny)
+    params = init_params(config, dtype, seed=0)
+    rows = []
+    for prompt_len in args.prompt_lens:
+        seq = prompt_len + GEN
+        shapes = Shapes(1, BLOCK, seq, BLOCK)
+        kernels = programs.kernel_choice(KernelOptions(), config, dtype, shapes)
+        module = programs.local_module(config, dtype, kernels, None)
+        rule = SparseAttention(args.keep, RECENT, kept_keys(args.keep, RECENT, seq, BLOCK))
+        chosen = random_choice(rule, config.n_layers, config.n_kv_heads, seq, prompt_len)
+        dense_ms = 1e3 * time_block(module, params, config, seq, prompt_len, None, args.iters)
+        sparse_ms = 1e3 * time_block(module, params, config, seq, prompt_len, chosen, args.iters)
+        refresh = {}
+        if args.refresh_iters:
+            for name, r in (("dense", None), ("sparse", rule)):
+                seconds = time_refresh(
+                    module, params, config, seq, prompt_len, r, args.refresh_iters
+                )
+                refresh[f"refresh_{name}_ms"] = 1e3 * seconds
+        row = {
+            "case": f"block {BLOCK} at {prompt_len}, {seq} keys",
+            "sparse": dataclasses.asdict(rule),
+            "prompt_len": prompt_len,
+            "keys": seq,
+            "attention": kernels.block.layers.attention,
+            "dense_ms": dense_ms,
+            "sparse_ms": sparse_ms,
+            "speedup": dense_ms / sparse_ms,
+            **refresh,
+        }
+        print(row, flush=True)
+        rows.append(row)
+    save(
+        "sparse",
+        {"model": "dense", "tiny": args.tiny, "block": BLOCK, "gen": GEN, "results": rows},
+        setting="speed",
+    )
+
+
+def accuracy(args) -> None:
+    import djax
+    from djax.demo import default_model_path, describe, task
+    from djax.demo.evaluate import accuracy_by_task, demo_config, score
+
+    folder = args.model or default_model_path()
+    model = djax.load(folder, args.dtype)
+    problems = task.make_problems(args.problems, "test", args.seed)
+    decoders = {
+        "low_confidence": {"decoder": "low_confidence", "steps": task.GEN_LENGTH},
+        "threshold": {"decoder": "threshold", "threshold": 0.9},
+    }
+    rows = []
+    for name, fields in decoders.items():
+        dense_accuracy = None
+        for keep in args.keeps:
+            config = demo_config(
+                **fields, cache="dual", attention_sparsity=keep, attention_window=args.window
+            )
+            result, texts = score(model, problems, config, args.batch)
+            if keep == 1.0:
+                dense_accuracy = result.accuracy
+            row = {
+                "decoder": name,
+                "cache": "dual",
+                "keep": keep,
+                "window": args.window,
+                "config": dataclasses.asdict(config),
+                **result.summary(),
+                "accuracy_delta": None
+                if dense_accuracy is None
+                else result.accuracy - dense_accuracy,
+                "by_task": accuracy_by_task(problems, texts),
+            }
+            print(
+                f"  {name} keep {keep}: {result.accuracy:.4f} exact "
+                f"(delta {row['accuracy_delta']}), {result.forwards_per_answer:.2f} fwd/answer",
+                flush=True,
+            )
+            rows.append(row)
+    save(
+        "sparse",
+        {
+            "model": str(folder),
+            "model_info": describe(folder),
+            "dtype": str(model.dtype),
+            "problems": args.problems,
+            "seed": args.seed,
+            "batch": args.batch,
+            "results": rows,
+        },
+        setting="accuracy",
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--parts", nargs="+", default=["speed", "accuracy"], choices=["speed", "accuracy"]
+    )
+    p.add_argument("--prompt-lens", nargs="+", type=int, default=[1024, 4096, 8192])
+    p.add_argument("--keep", type=float, default=0.25, help="speed: the keep fraction")
+    p.add_argument("--iters", type=int, default=20, help="speed: block forwards per timing")
+    p.add_argument(
+        "--refresh-iters", type=int, default=2, help="speed: refreshes per timing (0: skip)"
+    )
+    p.add_argument("--tiny", action="store_true", help="speed: tiny shapes (CPU check)")
+    p.add_argument("--keeps", nargs="+", type=float, default=[1.0, 0.5, 0.25, 0.1])
+    p.add_argument("--window", type=int, default=8, help="accuracy: the recent window")
+    p.add_argument("--model", type=Path, default=None, help="accuracy: model folder (the demo)")
+    p.add_argument("--problems", type=int, default=256)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--dtype", default=None, help="accuracy: compute dtype (djax.load's)")
+    args = p.parse_args(argv)
+    if args.keeps[0] != 1.0:
+        raise SystemExit("bench.sparse: --keeps must start with 1.0 (the dense reference)")
+    for part in args.parts:
+        {"speed": speed, "accuracy": accuracy}[part](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Sparse attention (`djax.models.sparse_attention`): the choice of each head's keys against a
+float64 restatement of the rule, a block forward over the chosen keys against the numpy
+reference with each head's attention masked to the same keys, and the plan's dense path."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import needs_devices
+
+import djax
+from djax import engine, programs
+from djax.models.kernel_choice import KernelChoice
+from djax.models.layers import Window
+from djax.models.sparse_attention import SparseAttention, choose, kept_keys, plan_sparse
+
+from numpy_reference import RefLLaDA, softmax
+
+
+def reference_choice(rule, q_block, keys, key_valid, positions, block_row):
+    """The rule as it reads, in float64, one row and kv head at a time: a set of kept
+    valid positions per (row, head)."""
+    b, block_len, kv_heads, group, d = q_block.shape
+    chosen = {}
+    for r in range(b):
+        valid = np.flatnonzero(key_valid[r])
+        p0 = positions[r, block_row]
+        forced = {int(i) for i in valid if p0 - rule.recent <= positions[r, i] < p0 + block_len}
+        for h in range(kv_heads):
+            scores = np.einsum("tgd,sd->gts", q_block[r, :, h], keys[r][valid][:, h]) / math.sqrt(d)
+            mass = softmax(scores).sum(axis=(0, 1))
+            others = sorted(
+                (i for i in range(len(valid)) if valid[i] not in forced), key=lambda i: -mass[i]
+            )
+            best = [int(valid[i]) for i in others[: rule.keys - len(forced)]]
+            chosen[r, h] = forced | set(best)
+    return chosen
+
+
+def test_choice_follows_the_rule():
+    rng = np.random.default_rng(0)
+    b, seq, kv_heads, group, d, block_len, block_row = 2, 24, 2, 2, 8, 4, 14
+    key_valid = np.ones((b, seq), bool)
+    key_valid[1, :5] = False  # a left-padded row
+    positions = np.maximum(np.cumsum(key_valid, axis=1) - 1, 0)
+    keys = rng.normal(size=(b, seq, kv_heads, d)).astype(np.float32) * 2
+    q_block = rng.normal(size=(b, block_len, kv_heads, group, d)).astype(np.float32) * 2
+    rule = SparseAttention(0.25, 3, kept_keys(0.25, 3, seq, block_len))
+    assert rule.keys == 6 + 4 + 3
+    ours = np.asarray(
+        choose(rule, jnp.asarray(q_block), jnp.asarray(keys), key_valid, positions, block_row)
+    )
+    assert ours.shape == (b, kv_heads, rule.keys)
+    expected = reference_choice(rule, q_block.astype(np.float64), keys, key_valid, positions, 14)
+    for (r, h), kept in expected.items():
+        got = {int(i) for i in ours[r, h] if key_valid[r, i]}
+        assert got == kept, (r, h)
+        assert set(range(block_row - 3, block_row + block_len)) <= got  # block and window
+    assert len({frozenset(v) for v in expected.values()}) > 1  # heads choose differently
+
+
+@pytest.fixture(scope="module")
+def forwards(dense_model):
+    """The dense model's refresh (choosing keys) and block forward (given chosen keys),
+    jitted, with the numpy reference of the same weights."""
+    module = programs.local_module(dense_model.config, dense_model.dtype, KernelChoice(), None)
+    params = dense_model.params
+
+    def apply(*args, **kwargs):
+        return module.apply({"params": params}, *args, **kwargs)
+
+    @jax.jit
+    def refresh(tokens, positions, valid, block_row):
+        x = apply(tokens, method="embed")
+        return apply(x, positions, valid, None, Window(), block_row, BLOCK, sparse=RULE)
+
+    @jax.jit
+    def block_forward(block, positions, valid, kv, chosen, block_row):
+        x = apply(block, method="embed")
+        pos = jax.lax.dynamic_slice_in_dim(positions, block_row, BLOCK, axis=1)
+        hidden, _ = apply(x, pos, valid, kv, Window(block_row), 0, BLOCK, True, chosen=chosen)
+        return apply(hidden, method="logits")
+
+    return refresh, block_forward
+
+
+SEQ, BLOCK, BLOCK_ROW = 32, 8, 16
+RULE = SparseAttention(0.25, 4, kept_keys(0.25, 4, SEQ, BLOCK))
+
+
+def test_block_forward_attends_to_the_chosen_keys(forwards, dense_folder, dense_model):
+    refresh, block_forward = forwards
+    rng = np.random.default_rng(1)
+    mask_id = dense_model.config.mask_token_id
+    tokens = rng.integers(4, 100, size=(1, SEQ)).astype(np.int32)
+    tokens[:, BLOCK_ROW:] = mask_id
+    positions = np.arange(SEQ, dtype=np.int32)[None]
+    valid = np.ones((1, SEQ), bool)
+    _, kv, chosen = refresh(tokens, positions, valid, BLOCK_ROW)
+    chosen = np.asarray(chosen)  # [layers, 1, kv_heads, keys]
+    assert chosen.shape == (dense_model.config.n_layers, 1, 2, RULE.keys) == (2, 1, 2, 20)
+    window = set(range(BLOCK_ROW - RULE.recent, BLOCK_ROW + BLOCK))
+    assert all(window <= set(head.tolist()) for head in chosen.reshape(-1, RULE.keys))
+
+    block = tokens[:, BLOCK_ROW : BLOCK_ROW + BLOCK].copy()
+    block[0, [1, 4, 6]] = [17, 42, 9]  # some positions committed since the refresh
+    ours = np.asarray(block_forward(block, positions, valid, kv, chosen, BLOCK_ROW))[0]
+
+    ref = RefLLaDA(dense_folder[0])
+    _, cache = ref.forward(ref.emb[tokens[0]], 0, SEQ, None)
+    allowed = np.zeros((chosen.shape[0], 2, SEQ), bool)
+    for layer in range(chosen.shape[0]):
+        for head in range(2):
+            allowed[layer, head, chosen[layer, 0, head]] = True
+    expected, _ = ref.forward(ref.emb[block[0]], BLOCK_ROW, SEQ, cache, allowed=allowed)
+    dense, _ = ref.forward(ref.emb[block[0]], BLOCK_ROW, SEQ, cache)
+    error = np.linalg.norm(ours - expected) / np.linalg.norm(expected)
+    assert error < 1e-5
+    assert np.linalg.norm(dense - expected) / np.linalg.norm(expected) > 100 * error
+
+
+PROMPTS = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
+
+
+def test_keep_one_is_the_dense_plan(dense_model):
+    dense = djax.GenerationConfig(gen_length=16, block_length=8)
+    for keep, window in ((1.0, 64), (1.0, 0), (0.5, 64)):  # the last keeps every position
+        config = djax.GenerationConfig(
+            gen_length=16, block_length=8, attention_sparsity=keep, attention_window=window
+        )
+        assert engine.make_plan(dense_model, config, 2, 6) == engine.make_plan(
+            dense_model, dense, 2, 6
+        )
+    assert plan_sparse(1.0, 0, 1024, 32) is None
+    assert plan_sparse(0.1, 64, 1024, 32) == SparseAttention(0.1, 64, 103 + 32 + 64)
+
+
+def test_generation_gathers_and_matches_dense_where_every_real_key_is_kept(dense_model):
+    """Prompts padded to 16 and 16 answer positions: 32 positions, of which each row has
+    at most 22 real keys; keep 0.5 with no window keeps 16 + 8 = 24 per head, so the
+    gathered path runs and must give the dense tokens."""
+    dense = djax.GenerationConfig(gen_length=16, block_length=8)
+    sparse = djax.GenerationConfig(
+        gen_length=16, block_length=8, attention_sparsity=0.5, attention_window=0
+    )
+    plan, _ = engine.make_plan(dense_model, sparse, 2, 6)
+    assert plan.sparse == SparseAttention(0.5, 0, 24)
+    ours = djax.generate(dense_model, PROMPTS, sparse)
+    ref = djax.generate(dense_model, PROMPTS, dense)
+    np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
+    assert ours.stats.forwards == ref.stats.forwards > ours.stats.refreshes
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"attention_sparsity": 0},
+        {"attention_sparsity": -0.5},
+        {"attention_sparsity": 1.5},
+        {"attention_sparsity": float("nan")},
+        {"attention_sparsity": True},
+        {"attention_sparsity": "0.5"},
+        {"attention_sparsity": 0.5, "cache": "none"},
+        {"attention_window": -1},
+        {"attention_window": 2.5},
+    ],
+)
+def test_bad_values_are_refused(options):
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=name):
+        djax.GenerationConfig(**options)
+
+
+def test_split_kv_kernel_on_the_gathered_rows_equals_xla():
+    from djax.models.sparse_attention import attend_chosen
+
+    rng = np.random.default_rng(2)
+    b, seq, kv_heads, group, d, t, n = 1, 40, 2, 2, 16, 4, 12
+    q = jnp.asarray(rng.normal(size=(b, t, kv_heads, group, d)), jnp.float32)
+    keys, values = (jnp.asarray(rng.normal(size=(b, seq, kv_heads, d)), jnp.float32) for _ in "kv")
+    valid = np.ones((b, seq), bool)
+    valid[0, :3] = False
+    chosen = jnp.asarray(
+        np.sort([rng.choice(seq, n, replace=False) for _ in range(kv_heads)])[None], jnp.int32
+    )
+    xla = attend_chosen(q, keys, values, valid, chosen, "xla")
+    kernel = attend_chosen(q, keys, values, valid, chosen, "split_kv")
+    np.testing.assert_allclose(np.asarray(kernel), np.asarray(xla), rtol=1e-4, atol=1e-5)
+    # against attention over each head's chosen valid keys, written out
+    for h in range(kv_heads):
+        rows = [i for i in np.asarray(chosen[0, h]) if valid[0, i]]
+        scores = np.einsum("tgd,sd->gts", np.asarray(q[0, :, h]), np.asarray(keys[0, rows, h]))
+        out = np.einsum(
+            "gts,sd->tgd", softmax(scores / math.sqrt(d)), np.asarray(values[0, rows, h])
+        )
+        np.testing.assert_allclose(np.asarray(xla[0, :, h]), out, rtol=1e-4, atol=1e-5)
+
+
+@needs_devices
+def test_tensor_parallel_heads_choose_as_on_one_device(dense_folder, dense_model):
+    """Under TP=2 each device chooses for its own kv head: the tokens are one device's."""
+    from djax.sharding import make_mesh
+
+    split = djax.load(dense_folder[0], dtype=jnp.float32, mesh=make_mesh(tensor_parallel=2))
+    config = djax.GenerationConfig(
+        gen_length=32, block_length=8, attention_sparsity=0.1, attention_window=2
+    )
+    prompts = [[0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 15, 25, 35, 45], [0, 11, 12]]
+    assert engine.make_plan(dense_model, config, 2, 14)[0].sparse.keys == 5 + 8 + 2  # of 48
+    ours = djax.generate(split, prompts, config)
+    one = djax.generate(dense_model, prompts, config)
+    np.testing.assert_array_equal(ours.answer_ids, one.answer_ids)
