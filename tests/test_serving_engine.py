@@ -414,6 +414,21 @@ def test_a_budget_the_weights_fill_is_refused(demo_model, generation):
         make_engine(demo_model, config, ServerMetrics())
 
 
+def test_a_budget_no_call_fits_stops_the_warm_up(demo_model, generation, caplog):
+    weights = memory.weight_bytes(demo_model.params)
+    config = ServeConfig(
+        generation=generation,
+        max_batch=1,
+        max_seq_len=64,
+        sampling=False,
+        memory_bytes=weights + 1000,
+    )
+    engine = make_engine(demo_model, config, ServerMetrics())
+    engine.start()
+    assert not engine.wait_ready(120)
+    assert "holds no block call: the smallest (batch 1, sequence 64) takes 0.8 MiB" in caplog.text
+
+
 def test_max_seq_len_beyond_the_model_is_refused(demo_model, generation):
     config = ServeConfig(generation=generation, max_seq_len=4096)
     with pytest.raises(

@@ -228,6 +228,7 @@ class ServingEngine:
         )
         self.memory = memory.MemoryBudget(limit, (False, True) if config.sampling else (False,))
         self._measured = False  # continuous: every served call's bytes are known
+        self._estimated = False  # some call's bytes are estimated (no memory analysis)
         metrics.memory_budget.set(limit or 0)
         self._lock = threading.Condition()
         self._waiting: collections.deque[_Row] = collections.deque()
@@ -558,6 +559,12 @@ class ServingEngine:
         """The program's analysed bytes, or the estimate where the backend gives none."""
         nbytes = memory.analysed_call_bytes(program, self._weight_bytes)
         if nbytes is None:
+            if not self._estimated:
+                log.warning(
+                    "the backend gives no memory analysis of a program: block calls' bytes "
+                    "are estimated (K/V buffers and logits, no other activation)"
+                )
+                self._estimated = True
             chunk = self.config.generation.logits_chunk or None
             nbytes = memory.estimate_call_bytes(self.model, batch, seq, self.block_length, chunk)
         return nbytes
@@ -581,7 +588,7 @@ class ServingEngine:
             seq, sampling = chain
             for batch in self.batch_buckets:
                 with table:
-                    if self.memory.never_fits(batch, seq, sampling):
+                    if self.memory.never_fits(batch, seq):
                         return
                 plan = self._block_plan(batch, seq, sampling)
                 args = self._block_args([], batch, seq)
@@ -596,6 +603,14 @@ class ServingEngine:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             list(pool.map(compile_chain, chains))
         self._measured = True
+        smallest = (self.batch_buckets[0], self.seq_buckets[0])
+        if not self.memory.fits(*smallest):
+            raise ValueError(
+                f"the memory budget of {_mib(self.memory.limit or 0)} beside the weights "
+                f"({_mib(self._weight_bytes)}) holds no block call: the smallest (batch "
+                f"{smallest[0]}, sequence {smallest[1]}) takes "
+                f"{_mib(self.memory.call_bytes(*smallest) or 0)}; raise --memory-fraction"
+            )
         log.info(
             "compiled %d block programs (batches %s, sequences %s) in %.1f s",
             len(compiled),

@@ -93,13 +93,10 @@ class MemoryBudget:
         nbytes = self.calls.get((batch, seq, sampling))
         return self.limit is not None and nbytes is not None and nbytes > self.limit
 
-    def never_fits(self, batch: int, seq: int, sampling: bool) -> bool:
-        """Whether a call no larger in batch and sequence is known to exceed the budget (so
-        this one would too, and need not be compiled)."""
-        return any(
-            b <= batch and s <= seq and x == sampling and self.over(b, s, x)
-            for b, s, x in self.calls
-        )
+    def never_fits(self, batch: int, seq: int) -> bool:
+        """Whether a call no larger in batch and sequence is known to exceed the budget, in
+        some sampling variant (so this bucket would too, and need not be compiled)."""
+        return any(b <= batch and s <= seq and self.over(b, s, x) for b, s, x in self.calls)
 
     def fits(self, batch: int, seq: int) -> bool:
         """Whether a call of this bucket fits, whatever its rows' sampling: every served
