@@ -341,6 +341,39 @@ def test_a_memory_budget_runs_fewer_rows_and_refuses_what_never_fits(
         assert got.tokens(f"r{i}") == alone[max_tokens[i]][i], PROMPTS[i]
 
 
+def test_a_budget_runs_a_long_and_a_short_row_as_two_calls(demo_model, generation, monkeypatch):
+    """A budget that holds a call of one row of sequence 128 or of two of 64, not of two of
+    128: a long request and a short one still run side by side, as two calls a round, and
+    each gets the tokens generate gives it alone."""
+    config = ServeConfig(generation=generation, max_batch=2, max_seq_len=128, sampling=False)
+    probe = make_engine(demo_model, config, ServerMetrics())  # measures, never started
+    two_long = probe.call_bytes(2, 128)
+    limit = (max(probe.call_bytes(1, 128), probe.call_bytes(2, 64)) + two_long) // 2
+    weights = memory.weight_bytes(demo_model.params)
+    engine = _engine(
+        demo_model, generation, max_seq_len=128, sampling=False, memory_bytes=weights + limit
+    )
+    rounds = []
+    real = engine._groups
+    monkeypatch.setattr(engine, "_groups", lambda rows: rounds.append(real(rows)) or rounds[-1])
+    got = Collector()
+    requests = {
+        "long": (_ids(demo_model, PROMPTS[0]), 64),
+        "short": (_ids(demo_model, PROMPTS[1]), 8),
+    }
+    try:
+        assert engine.memory.fits(2, 64) and not engine.memory.fits(2, 128)
+        for name, (ids, max_tokens) in requests.items():
+            engine.submit(EngineRequest(name, ids, max_tokens), got.sink(name))
+        got.wait(2)
+    finally:
+        engine.stop()
+    shapes = [[[r.request.request_id for r in group] for group in groups] for groups in rounds]
+    assert [["short"], ["long"]] in shapes
+    for name, (ids, max_tokens) in requests.items():  # as test_rounds_of_two_calls_give_...
+        assert got.tokens(name) == _alone(demo_model, generation, ids, max_tokens), name
+
+
 def test_a_call_s_bytes_come_from_its_program_or_an_estimate(demo_model, continuous):
     """Arguments + outputs + temporaries less the weights; where the backend gives no
     analysis, the K/V buffers and the logits: 6 layers × (keys, values) × [1, 64, 5, 32]

@@ -356,6 +356,15 @@ class ServingEngine:
         seq = layout.bucket(max(r.sequence for r in rows), self.seq_buckets)
         return self.memory.fits(batch, seq)
 
+    def _round_fits(self, rows: list[_Row]) -> bool:
+        """Whether these rows can run as a round within the memory budget: as one call, or
+        as two (the shorter sequences, then the longer; the device runs them one after the
+        other), each of which fits."""
+        if self._fits(rows):
+            return True
+        rows = sorted(rows, key=lambda r: r.sequence)
+        return any(self._fits(rows[:k]) and self._fits(rows[k:]) for k in range(1, len(rows)))
+
     def _over_budget(self, row: _Row) -> OverBudget:
         """The refusal of a request whose block call does not fit even alone, naming the
         sizes."""
@@ -650,9 +659,9 @@ class ServingEngine:
 
     def _next_rows(self) -> list[_Row]:
         """Drop the finished and cancelled rows (their slots free), admit waiting ones into
-        free slots while one call of every running row fits the memory budget (first come
-        first served: a request that does not fit waits for rows to finish); the rows with
-        a block left to queue (lock held)."""
+        free slots while the running rows' round fits the memory budget (`_round_fits`;
+        first come first served: a request that does not fit waits for rows to finish); the
+        rows with a block left to queue (lock held)."""
         running = []
         for row in self._running:
             if row.cancelled or row.done:
@@ -663,7 +672,7 @@ class ServingEngine:
             row = self._waiting.popleft()
             self._finish(row, Failed(str(self._over_budget(row))))
         free = self.config.max_batch - len(running)
-        for row in self._take_waiting(free, lambda rows: self._fits([*running, *rows])):
+        for row in self._take_waiting(free, lambda rows: self._round_fits([*running, *rows])):
             row.slot = self._free_slots.pop()
             running.append(row)
         self._running = running
@@ -747,15 +756,16 @@ class ServingEngine:
 
     def _groups(self, rows: list[_Row]) -> list[list[_Row]]:
         """The running rows as one call, or as two calls (shorter and longer sequences)
-        when that costs less: a call costs its padded tokens (batch × sequence bucket, the
-        refresh's work) plus the weight reads of its forwards (`call_cost`)."""
+        when that costs less or when only two fit the memory budget: a call costs its
+        padded tokens (batch × sequence bucket, the refresh's work) plus the weight reads of
+        its forwards (`call_cost`)."""
         rows = sorted(rows, key=lambda r: r.sequence)
 
         def cost(group: list[_Row]) -> int:
             batch = layout.bucket(len(group), self.batch_buckets)
             return batch * layout.bucket(group[-1].sequence, self.seq_buckets) + self.call_cost
 
-        best, split = cost(rows), None
+        best, split = cost(rows) if self._fits(rows) else math.inf, None
         for k in range(1, len(rows)):
             two = cost(rows[:k]) + cost(rows[k:])
             if two < best and self._fits(rows[:k]) and self._fits(rows[k:]):
