@@ -7,7 +7,8 @@ its compiled program's own figures (`Compiled.memory_analysis()`): arguments + o
 temporaries, less the weights among the arguments. The K/V buffers, the refresh's
 activations and the step's logits (one vocabulary chunk of them under `logits_chunk`) are
 temporaries of the call: the serving engine rebuilds the K/V in every call, so nothing of
-a row outlives its call on the device beyond its carried block. Where a backend gives no
+a row outlives its call on the device beyond its carried block. The device runs calls one
+after the other, so a budget holds one call at a time. Where a backend gives no
 memory analysis the call's bytes are estimated (`estimate_call_bytes`: the K/V buffers and
 the logits, no other activation, so an estimate falls short of the true need).
 
@@ -41,7 +42,11 @@ def device_memory(model: Model) -> int | None:
 def weight_bytes(params: Any) -> int:
     """The weights' bytes on one device: a split weight counts its shard, a replicated one
     its whole."""
-    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(params))
+    total = 0
+    for leaf in jax.tree.leaves(params):
+        shards = getattr(leaf, "addressable_shards", None)  # a host array has none
+        total += shards[0].data.nbytes if shards else leaf.nbytes
+    return total
 
 
 def analysed_call_bytes(compiled: Any, weights: int) -> int | None:
