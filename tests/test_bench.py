@@ -583,3 +583,64 @@ def test_serve_end_to_end(tmp_path):
         assert r["output_tokens_per_s"] > 0 and r["p99_ttft_s"] <= r["p99_latency_s"]
     assert record["servers"]["continuous"]["clean_exit"], record["servers"]
     assert (tmp_path / "serve_dense_continuous.log").exists()
+
+
+def test_memory_largest_batch_finds_the_boundary_in_few_compiles():
+    """Against every batch tried in turn: the same largest batch, with the fitting batch
+    and the one above it both asked for; a linear cost takes at most 4 asks."""
+    from bench.memory import largest_batch
+
+    costs = {
+        "linear": lambda b: 100 + 37 * b,
+        "steps": lambda b: 100 + 50 * (b // 4),
+        "curved": lambda b: 100 + 3 * b * b,
+    }
+    for name, cost in costs.items():
+        for limit in (50, 137, 500, 1000, 5000):
+            for max_batch in (1, 2, 16, 64):
+                batch, probes = largest_batch(cost, limit, max_batch)
+                fitting = [b for b in range(1, max_batch + 1) if cost(b) <= limit]
+                assert batch == max(fitting, default=0), (name, limit, max_batch)
+                assert all(probes[b] == cost(b) for b in probes)
+                if 0 < batch < max_batch:
+                    assert {batch, batch + 1} <= set(probes), (name, limit, max_batch)
+                if name == "linear":
+                    assert len(probes) <= 4, (limit, max_batch, probes)
+
+
+def test_memory_bench_writes_both_batches(tmp_path, monkeypatch):
+    """`python -m bench.memory --tiny` (the engine's call bytes replaced by a line: 1000 +
+    500 bytes a row with chunked logits, 1000 + 700 with whole ones): the largest batches
+    within the budget, their ratio and bytes, one row per sequence."""
+    import json
+
+    from bench import memory as bench_memory
+    from djax.serving.engine import ServingEngine
+
+    def call_bytes(engine, batch, seq, sampling=False):
+        whole = engine.config.generation.logits_chunk == 0
+        return 1000 + (700 if whole else 500) * batch * seq // 64
+
+    monkeypatch.setattr(ServingEngine, "call_bytes", call_bytes)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    bench_memory.main(["--tiny", "--seqs", "64", "128", "--memory-bytes", "1100000"])
+    (path,) = tmp_path.glob("memory_*.json")
+    record = json.loads(path.read_text())
+    assert record["benchmark"] == "memory" and record["memory_bytes"] == 1_100_000
+    short, long = record["results"]
+    weights = short["weight_bytes"]
+    assert 500_000 < weights < 1_000_000  # the tiny dense model's bf16 weights
+    budget = 1_100_000 - weights
+    assert short["budget_bytes"] == long["budget_bytes"] == budget
+    for row, rows_per_64 in ((short, 1), (long, 2)):
+        chunked = (budget - 1000) // (500 * rows_per_64)
+        whole = (budget - 1000) // (700 * rows_per_64)
+        assert (row["batch_budgeted"], row["batch_unbudgeted"]) == (chunked, whole)
+        assert row["ratio"] == round(chunked / whole, 3)
+        assert row["call_bytes_budgeted"] == 1000 + 500 * rows_per_64 * chunked
+        assert row["bytes_per_row_unbudgeted"] == 700 * rows_per_64
+        assert row["logits_bytes_at_batch"] == {
+            "batch": whole,
+            "whole_less_chunked": 200 * rows_per_64 * whole,
+        }
+        assert row["logits_chunk"] == 128 and row["device_bytes"] is None

@@ -16,7 +16,7 @@ from djax.engine import GenerationConfig, tokenize
 from djax.serving.api import create_app
 from djax.serving.engine import ServeConfig
 from djax.serving.metrics import ServerMetrics
-from djax.serving.requests import BlockCommitted, Failed, Finished
+from djax.serving.requests import BlockCommitted, Failed, Finished, OverBudget
 from djax.serving.server import running_app
 
 ANSWER = "The sum is 3305. Done!"  # 22 characters: blocks of 8, 8, 6
@@ -415,6 +415,17 @@ def test_engine_value_error_is_400(url, engine):
     finally:
         engine.max_sequence = 128
     assert_error(response, 400, mentions="max_tokens=2000")
+
+
+def test_a_request_over_the_memory_budget_is_400(url, engine, monkeypatch):
+    """The engine's refusal of a call that cannot fit even alone is a 400 with its code."""
+
+    def over(request, on_event):
+        raise OverBudget("its block call (batch 1, sequence 128) takes 1.6 MiB")
+
+    monkeypatch.setattr(engine, "submit", over)
+    response = post(url, "/v1/completions", {"prompt": "x"})
+    assert_error(response, 400, code="memory_budget_exceeded", mentions="sequence 128")
 
 
 # --- failures and disconnects ---------------------------------------------------------------

@@ -61,8 +61,10 @@ def test_demo_model_with_its_generation_defaults(served):
 def test_options_reach_the_config(served):
     argv = "--gen-length 16 --threshold 0.7 --temperature 0.5 --scheduler static --max-batch 4"
     argv += " --max-queue 9 --max-seq-len 96 --served-model-name tiny --port 0 --log-level debug"
+    argv += " --memory-fraction 0.5"
     assert cli.run(parse(argv.split())) == 0
     ((_, config, kw),) = served
+    assert (config.memory_fraction, config.memory_bytes) == (0.5, None)
     g = config.generation
     assert (g.gen_length, g.block_length, g.threshold, g.temperature) == (16, 8, 0.7, 0.5)
     assert (config.scheduler, config.max_batch, config.max_queue, config.max_seq_len) == (
@@ -72,6 +74,17 @@ def test_options_reach_the_config(served):
         96,
     )
     assert (kw["model_name"], kw["port"], kw["log_level"]) == ("tiny", 0, "debug")
+
+
+def test_bad_memory_fraction_is_refused(served, capsys):
+    for value in ("0", "-0.5", "1.5", "nan"):
+        assert cli.run(parse(["--memory-fraction", value, "--port", "0"])) == 2
+        err = capsys.readouterr().err
+        assert f"memory_fraction={float(value)}; expected a number in (0, 1]" in err
+    with pytest.raises(SystemExit):
+        parse(["--memory-fraction", "most"])
+    assert "invalid float value: 'most'" in capsys.readouterr().err
+    assert not served
 
 
 def test_user_errors_exit_2(served, capsys, tmp_path):

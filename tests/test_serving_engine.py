@@ -11,13 +11,21 @@ import time
 import numpy as np
 import pytest
 from conftest import needs_devices
+from prometheus_client.parser import text_string_to_metric_families
 
 import djax
 from djax import demo
-from djax.serving import layout
+from djax.serving import layout, memory
 from djax.serving.engine import ServeConfig, make_engine
 from djax.serving.metrics import ServerMetrics
-from djax.serving.requests import BlockCommitted, EngineRequest, Failed, Finished, QueueFull
+from djax.serving.requests import (
+    BlockCommitted,
+    EngineRequest,
+    Failed,
+    Finished,
+    OverBudget,
+    QueueFull,
+)
 from djax.sharding import make_mesh
 
 PROMPTS = ["347+2958=", "sort 5,3,9", "reverse abcdef", "12+34=", "sort 9,8,7,6,5,4"]
@@ -283,6 +291,115 @@ def test_the_next_call_is_queued_before_the_last_ends(demo_model, generation):
     assert observed >= 10 and waited_none >= observed / 2
 
 
+def test_a_memory_budget_runs_fewer_rows_and_refuses_what_never_fits(
+    demo_model, generation, continuous, monkeypatch
+):
+    """A budget of 1.25 rows' bytes at sequence 64 (the `continuous` engine measured them):
+    warm-up compiles no bucket a smaller one over the budget rules out, every call runs one
+    row, each request still gets generate's tokens, a request whose call would not fit
+    alone is refused naming the sizes, and the gauges say the budget and the call's bytes."""
+    one, two = (continuous.memory.calls[b, 64, False] for b in (1, 2))
+    limit = one + (two - one) // 4
+    weights = memory.weight_bytes(demo_model.params)
+    engine = _engine(
+        demo_model, generation, max_seq_len=128, sampling=False, memory_bytes=weights + limit
+    )
+    try:
+        assert engine.memory.limit == limit
+        assert engine.memory.fits(1, 64) and not engine.memory.fits(2, 64)
+        assert not engine.memory.fits(1, 128) and (2, 128, False) not in engine.memory.calls
+        ids = _ids(demo_model, "347+2958=")
+        with pytest.raises(OverBudget, match=r"\(batch 1, sequence 128\) takes 1\.\d MiB"):
+            engine.submit(EngineRequest("long", ids, 40), lambda event: None)
+        calls = []
+        real = engine._dispatch
+        monkeypatch.setattr(engine, "_dispatch", lambda rows: calls.append(len(rows)) or real(rows))
+        got = Collector()
+        max_tokens = [24, 16, 24, 16, 24]
+        rows = [_ids(demo_model, prompt) for prompt in PROMPTS]
+        for i, ids in enumerate(rows):
+            engine.submit(EngineRequest(f"r{i}", ids, max_tokens[i]), got.sink(f"r{i}"))
+        got.wait(len(rows))
+        exported = engine.metrics.exposition().decode()
+    finally:
+        engine.stop()
+    assert calls and set(calls) == {1}
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(exported)
+        for sample in family.samples
+    }
+    assert samples["djax_memory_budget_bytes"] == limit
+    assert samples["djax_memory_call_bytes"] == one
+    alone = {  # as test_staggered_requests_equal_generate_alone (its compiled programs)
+        n: djax.generate(
+            demo_model, [list(r) for r in rows], dataclasses.replace(generation, gen_length=n)
+        ).token_ids
+        for n in set(max_tokens)
+    }
+    for i in range(len(rows)):
+        assert got.tokens(f"r{i}") == alone[max_tokens[i]][i], PROMPTS[i]
+
+
+def test_a_budget_runs_a_long_and_a_short_row_as_two_calls(demo_model, generation, monkeypatch):
+    """A budget that holds a call of one row of sequence 128 or of two of 64, not of two of
+    128: a long request and a short one still run side by side, as two calls a round, and
+    each gets the tokens generate gives it alone."""
+    config = ServeConfig(generation=generation, max_batch=2, max_seq_len=128, sampling=False)
+    probe = make_engine(demo_model, config, ServerMetrics())  # measures, never started
+    two_long = probe.call_bytes(2, 128)
+    limit = (max(probe.call_bytes(1, 128), probe.call_bytes(2, 64)) + two_long) // 2
+    weights = memory.weight_bytes(demo_model.params)
+    engine = _engine(
+        demo_model, generation, max_seq_len=128, sampling=False, memory_bytes=weights + limit
+    )
+    rounds = []
+    real = engine._groups
+    monkeypatch.setattr(engine, "_groups", lambda rows: rounds.append(real(rows)) or rounds[-1])
+    got = Collector()
+    requests = {
+        "long": (_ids(demo_model, PROMPTS[0]), 64),
+        "short": (_ids(demo_model, PROMPTS[1]), 8),
+    }
+    try:
+        assert engine.memory.fits(2, 64) and not engine.memory.fits(2, 128)
+        for name, (ids, max_tokens) in requests.items():
+            engine.submit(EngineRequest(name, ids, max_tokens), got.sink(name))
+        got.wait(2)
+    finally:
+        engine.stop()
+    shapes = [[[r.request.request_id for r in group] for group in groups] for groups in rounds]
+    assert [["short"], ["long"]] in shapes
+    for name, (ids, max_tokens) in requests.items():  # as test_rounds_of_two_calls_give_...
+        assert got.tokens(name) == _alone(demo_model, generation, ids, max_tokens), name
+
+
+def test_a_call_s_bytes_come_from_its_program_or_an_estimate(demo_model, continuous):
+    """Arguments + outputs + temporaries less the weights; where the backend gives no
+    analysis, the K/V buffers and the logits: 6 layers × (keys, values) × [1, 64, 5, 32]
+    fp32, plus [1, 8, 128] fp32 logits (or one chunk of 48 ids of them)."""
+
+    class Stats:
+        argument_size_in_bytes, output_size_in_bytes, temp_size_in_bytes = 1000, 10, 200
+
+    class Program:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_analysis(self):
+            return self.stats
+
+    assert memory.analysed_call_bytes(Program(Stats()), weights=900) == 310
+    assert memory.analysed_call_bytes(Program(None), weights=900) is None
+    kv, logits = 2 * 6 * 64 * 5 * 32 * 4, 8 * 128 * 4
+    assert memory.estimate_call_bytes(demo_model, 1, 64, 8, None) == kv + logits
+    assert memory.estimate_call_bytes(demo_model, 2, 64, 8, 48) == 2 * kv + 2 * 8 * 48 * 4
+    assert continuous._call_bytes(Program(None), 1, 64) == kv + logits
+    # the real analysis counts the K/V among the call's temporaries
+    assert continuous.memory.calls[1, 64, False] > kv
+    assert continuous.memory.limit is None  # the CPU reports no memory: no budget
+
+
 def test_the_serve_process_freezes_its_warm_heap(continuous):
     """`djax serve` freezes the objects alive once the engine is warm out of the cyclic
     collector (`server.freeze_when_ready`): a full collection then scans only what serving
@@ -322,6 +439,27 @@ def test_static_scheduler_runs_whole_batches(demo_model, generation):
         for i, prompt in enumerate(prompts):
             ids = _ids(demo_model, prompt)
             assert got.tokens(f"r{b}{i}") == _alone(demo_model, generation, ids, 16)
+
+
+def test_a_budget_the_weights_fill_is_refused(demo_model, generation):
+    config = ServeConfig(generation=generation, memory_bytes=1000)
+    with pytest.raises(ValueError, match="the weights take 8159360 bytes a device"):
+        make_engine(demo_model, config, ServerMetrics())
+
+
+def test_a_budget_no_call_fits_stops_the_warm_up(demo_model, generation, caplog):
+    weights = memory.weight_bytes(demo_model.params)
+    config = ServeConfig(
+        generation=generation,
+        max_batch=1,
+        max_seq_len=64,
+        sampling=False,
+        memory_bytes=weights + 1000,
+    )
+    engine = make_engine(demo_model, config, ServerMetrics())
+    engine.start()
+    assert not engine.wait_ready(120)
+    assert "holds no block call: the smallest (batch 1, sequence 64) takes 0.8 MiB" in caplog.text
 
 
 def test_max_seq_len_beyond_the_model_is_refused(demo_model, generation):
@@ -373,6 +511,11 @@ def test_serve_config_refuses_what_it_cannot_serve(generation):
             {"generation": dataclasses.replace(generation, temperature=1.0), "sampling": False},
             "needs sampling=True",
         ),
+        ({"memory_fraction": 0}, r"memory_fraction=0; expected a number in \(0, 1\]"),
+        ({"memory_fraction": 1.5}, "memory_fraction=1.5"),
+        ({"memory_fraction": float("nan")}, "memory_fraction=nan"),
+        ({"memory_fraction": "0.5"}, "memory_fraction='0.5'"),
+        ({"memory_bytes": 0}, "memory_bytes=0; expected a positive int or None"),
     ]
     for options, message in cases:
         with pytest.raises(ValueError, match=message):

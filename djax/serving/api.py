@@ -316,7 +316,7 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
                 headers={"Retry-After": str(max(1, math.ceil(err.retry_after)))},
             ) from None
         except ValueError as err:
-            raise p.ProtocolError(str(err)) from None
+            raise p.ProtocolError(str(err), code=getattr(err, "code", None)) from None
         out = format_(request.request_id, int(time.time()), model_name)
         if body.stream:
             return StreamingResponse(

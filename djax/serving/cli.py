@@ -60,6 +60,15 @@ def add_parser(
         help="longest prompt + answer served (default: the model's maximum)",
     )
     serve.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.9,
+        help="share of each device's memory the server may use, weights included; a block "
+        "call (batch, sequence) runs only where its compiled program fits beside the weights, "
+        "otherwise requests wait, and one that cannot fit alone is refused (default: 0.9; "
+        "no budget where the device reports no memory, as on the CPU)",
+    )
+    serve.add_argument(
         "--sampling",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -100,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             max_seq_len=args.max_seq_len,
             sampling=args.sampling,
+            memory_fraction=args.memory_fraction,
         )
         name = args.served_model_name or (DEMO_NAME if label else Path(path).name)
         model = _load(args, path, progress=False)

@@ -44,7 +44,7 @@ from djax.diffusion import Carried, Plan, Rows, Slots, row_keys, run_block_call
 from djax.generation import GenerationConfig
 from djax.model import Model
 from djax.models.sparse_attention import plan_sparse
-from djax.serving import layout
+from djax.serving import layout, memory
 from djax.serving.metrics import ServerMetrics
 from djax.serving.requests import (
     BlockCommitted,
@@ -52,6 +52,7 @@ from djax.serving.requests import (
     Event,
     Failed,
     Finished,
+    OverBudget,
     QueueFull,
 )
 
@@ -92,7 +93,10 @@ class ServeConfig:
     `SCHEDULERS`. max_batch: rows per device call; max_queue: requests waiting beyond them.
     max_seq_len: the longest prompt + answer served (None: the model's maximum); it bounds
     the compiled shapes. sampling: whether temperature > 0 is served (its programs are
-    compiled at warm-up too).
+    compiled at warm-up too). memory_fraction: the share of each device's memory the
+    server may use, weights included (`djax.serving.memory`); memory_bytes: those bytes
+    given outright instead (None: from memory_fraction, where the device reports its
+    memory). The continuous scheduler runs only block calls that fit beside the weights.
     """
 
     generation: GenerationConfig = GenerationConfig()
@@ -101,6 +105,8 @@ class ServeConfig:
     max_queue: int = 1024
     max_seq_len: int | None = None
     sampling: bool = True
+    memory_fraction: float = 0.9
+    memory_bytes: int | None = None
 
     def __post_init__(self):
         g = self.generation
@@ -117,6 +123,19 @@ class ServeConfig:
                 f"max_seq_len={self.max_seq_len!r}; expected an int above block_length "
                 f"{g.block_length}"
             )
+        fraction = self.memory_fraction
+        if not (
+            isinstance(fraction, int | float)
+            and not isinstance(fraction, bool)
+            and 0 < fraction <= 1
+        ):
+            raise ValueError(f"memory_fraction={fraction!r}; expected a number in (0, 1]")
+        if self.memory_bytes is not None and (
+            not isinstance(self.memory_bytes, int)
+            or isinstance(self.memory_bytes, bool)
+            or self.memory_bytes < 1
+        ):
+            raise ValueError(f"memory_bytes={self.memory_bytes!r}; expected a positive int or None")
         if g.cache not in SERVED_CACHES:
             raise ValueError(f"cache={g.cache!r}; the server supports {SERVED_CACHES}")
         if g.smoothing:
@@ -205,6 +224,13 @@ class ServingEngine:
         data = 1 if model.mesh is None else model.mesh.shape["data"]
         self.batch_buckets = layout.batch_buckets(config.max_batch, data)
         self.seq_buckets = layout.seq_buckets(self._max_sequence, self.block_length)
+        limit, self._weight_bytes = memory.budget_bytes(
+            model, config.memory_fraction, config.memory_bytes
+        )
+        self.memory = memory.MemoryBudget(limit, (False, True) if config.sampling else (False,))
+        self._measured = False  # continuous: every served call's bytes are known
+        self._estimated = False  # some call's bytes are estimated (no memory analysis)
+        metrics.memory_budget.set(limit or 0)
         self._lock = threading.Condition()
         self._waiting: collections.deque[_Row] = collections.deque()
         self._by_id: dict[str, _Row] = {}
@@ -320,7 +346,42 @@ class ServingEngine:
             if not 0 < request.threshold <= 1:
                 raise ValueError(f"threshold={request.threshold}; expected a value in (0, 1]")
             threshold = request.threshold
-        return _Row(request, on_event, answer, row_keys(request.seed, 1)[0], threshold)
+        row = _Row(request, on_event, answer, row_keys(request.seed, 1)[0], threshold)
+        if self._measured and not self._fits([row]):
+            raise self._over_budget(row)
+        return row
+
+    def _fits(self, rows: list[_Row]) -> bool:
+        """Whether one block call of these rows fits the memory budget."""
+        batch = layout.bucket(len(rows), self.batch_buckets)
+        seq = layout.bucket(max(r.sequence for r in rows), self.seq_buckets)
+        return self.memory.fits(batch, seq)
+
+    def _round_fits(self, rows: list[_Row]) -> bool:
+        """Whether these rows can run as a round within the memory budget: as one call, or
+        as two (the shorter sequences, then the longer; the device runs them one after the
+        other), each of which fits."""
+        if self._fits(rows):
+            return True
+        rows = sorted(rows, key=lambda r: r.sequence)
+        return any(self._fits(rows[:k]) and self._fits(rows[k:]) for k in range(1, len(rows)))
+
+    def _over_budget(self, row: _Row) -> OverBudget:
+        """The refusal of a request whose block call does not fit even alone, naming the
+        sizes."""
+        batch, seq = self.batch_buckets[0], layout.bucket(row.sequence, self.seq_buckets)
+        nbytes = self.memory.call_bytes(batch, seq)
+        takes = "" if nbytes is None else f" takes {_mib(nbytes)}, which"
+        served = [s for s in self.seq_buckets if self.memory.fits(batch, s)]
+        longest = f"the longest that fits is {served[-1]} tokens" if served else "none fits at all"
+        request = row.request
+        return OverBudget(
+            f"prompt ({len(request.prompt_ids)} tokens) + max_tokens {request.max_tokens} "
+            f"(in blocks of {self.block_length}: {row.answer_length}) = {row.sequence} "
+            f"tokens: its block call (batch {batch}, sequence {seq}){takes} exceeds this "
+            f"server's memory budget of {_mib(self.memory.limit or 0)} beside the weights "
+            f"({_mib(self._weight_bytes)}); {longest}"
+        )
 
     def _retry_after(self) -> float:
         """A guess, in whole seconds, at when a queue slot frees: a device call's mean time
@@ -386,10 +447,15 @@ class ServingEngine:
                 self._waiting.clear()
                 self._running.clear()
 
-    def _take_waiting(self, free: int) -> list[_Row]:
-        """Up to `free` waiting rows, first come first served (lock held)."""
-        rows = []
+    def _take_waiting(
+        self, free: int, fits: Callable[[list[_Row]], bool] | None = None
+    ) -> list[_Row]:
+        """Up to `free` waiting rows, first come first served, while `fits` the rows taken
+        with the next one (lock held)."""
+        rows: list[_Row] = []
         while self._waiting and len(rows) < free:
+            if fits is not None and not fits([*rows, self._waiting[0]]):
+                break
             rows.append(self._waiting.popleft())
         self.metrics.queue_depth.set(len(self._waiting))
         return rows
@@ -473,6 +539,11 @@ class ServingEngine:
         plan = self._block_plan(batch, seq, sampling)
         args = self._block_args(rows, batch, seq)
         program, seconds = djax_engine.executable(self.model, plan, args, run_block_call)
+        nbytes = self.memory.calls.get((batch, seq, sampling))
+        if nbytes is None:
+            nbytes = self._call_bytes(program, batch, seq)
+            self.memory.record(batch, seq, sampling, nbytes)
+        self.metrics.call_bytes.set(nbytes)
         if seconds:
             log.warning(
                 "compiled a block program while serving (batch %d, seq %d): %.1f s",
@@ -483,38 +554,92 @@ class ServingEngine:
             self.metrics.compiles.inc()
         return program, args
 
+    def call_bytes(self, batch: int, seq: int, sampling: bool = False) -> int:
+        """A block call's bytes beside the weights (`djax.serving.memory`), its program
+        compiled (or taken from those compiled before) and its bytes recorded."""
+        if self._carried is None:
+            self._carried = self._empty_table()
+        plan = self._block_plan(batch, seq, sampling)
+        args = self._block_args([], batch, seq)
+        program, _ = djax_engine.executable(self.model, plan, args, run_block_call)
+        nbytes = self._call_bytes(program, batch, seq)
+        self.memory.record(batch, seq, sampling, nbytes)
+        return nbytes
+
+    def _call_bytes(self, program: Any, batch: int, seq: int) -> int:
+        """The program's analysed bytes, or the estimate where the backend gives none."""
+        nbytes = memory.analysed_call_bytes(program, self._weight_bytes)
+        if nbytes is None:
+            if not self._estimated:
+                log.warning(
+                    "the backend gives no memory analysis of a program: block calls' bytes "
+                    "are estimated (K/V buffers and logits, no other activation)"
+                )
+                self._estimated = True
+            chunk = self.config.generation.logits_chunk or None
+            nbytes = memory.estimate_call_bytes(self.model, batch, seq, self.block_length, chunk)
+        return nbytes
+
     def _warm_up(self) -> None:
-        """Compile every block program (continuous) before reporting ready, several at a
-        time: tracing holds the GIL, XLA's compiler does not."""
+        """Compile every block program (continuous) that fits the memory budget, and record
+        each one's bytes, before reporting ready. Each (sequence, sampling) compiles its
+        batch buckets from the smallest up and stops at the first over the budget; a bucket
+        that a smaller one over the budget rules out is not compiled. Several compile at a
+        time (the shorter sequences first): tracing holds the GIL, XLA's compiler does
+        not."""
         if self.config.scheduler != "continuous":
             return
         self._carried = self._empty_table()
-        samplings = (False, True) if self.config.sampling else (False,)
-        shapes = [
-            (b, s, sampling)
-            for b in self.batch_buckets
-            for s in self.seq_buckets
-            for sampling in samplings
-        ]
+        chains = [(s, x) for s in self.seq_buckets for x in self.memory.variants]
+        table = threading.Lock()
+        compiled = []
         start = time.perf_counter()
 
-        def compile_one(shape: tuple[int, int, bool]) -> None:
-            batch, seq, sampling = shape
-            plan = self._block_plan(batch, seq, sampling)
-            args = self._block_args([], batch, seq)
-            djax_engine.executable(self.model, plan, args, run_block_call)
-            self.metrics.compiles.inc()
+        def compile_chain(chain: tuple[int, bool]) -> None:
+            seq, sampling = chain
+            for batch in self.batch_buckets:
+                with table:
+                    if self.memory.never_fits(batch, seq):
+                        return
+                plan = self._block_plan(batch, seq, sampling)
+                args = self._block_args([], batch, seq)
+                program, _ = djax_engine.executable(self.model, plan, args, run_block_call)
+                nbytes = self._call_bytes(program, batch, seq)
+                self.metrics.compiles.inc()
+                with table:
+                    compiled.append(chain)
+                    self.memory.record(batch, seq, sampling, nbytes)
 
-        workers = max(1, min(len(shapes), (os.cpu_count() or 2) // 2, 8))
+        workers = max(1, min(len(chains), (os.cpu_count() or 2) // 2, 8))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(compile_one, shapes))
+            list(pool.map(compile_chain, chains))
+        self._measured = True
+        smallest = (self.batch_buckets[0], self.seq_buckets[0])
+        if not self.memory.fits(*smallest):
+            raise ValueError(
+                f"the memory budget of {_mib(self.memory.limit or 0)} beside the weights "
+                f"({_mib(self._weight_bytes)}) holds no block call: the smallest (batch "
+                f"{smallest[0]}, sequence {smallest[1]}) takes "
+                f"{_mib(self.memory.call_bytes(*smallest) or 0)}; raise --memory-fraction"
+            )
         log.info(
             "compiled %d block programs (batches %s, sequences %s) in %.1f s",
-            len(shapes),
+            len(compiled),
             self.batch_buckets,
             self.seq_buckets,
             time.perf_counter() - start,
         )
+        if self.memory.limit is not None:
+            largest = {
+                s: max((b for b in self.batch_buckets if self.memory.fits(b, s)), default=0)
+                for s in self.seq_buckets
+            }
+            log.info(
+                "memory budget %s beside the weights (%s): the largest batch of each sequence %s",
+                _mib(self.memory.limit),
+                _mib(self._weight_bytes),
+                largest,
+            )
 
     def _serve_continuous(self) -> None:
         """Rounds of block calls: queue a round (every row with a block left, in one or two
@@ -536,14 +661,20 @@ class ServingEngine:
 
     def _next_rows(self) -> list[_Row]:
         """Drop the finished and cancelled rows (their slots free), admit waiting ones into
-        free slots; the rows with a block left to queue (lock held)."""
+        free slots while the running rows' round fits the memory budget (`_round_fits`;
+        first come first served: a request that does not fit waits for rows to finish); the
+        rows with a block left to queue (lock held)."""
         running = []
         for row in self._running:
             if row.cancelled or row.done:
                 self._free_slots.append(row.slot)
             else:
                 running.append(row)
-        for row in self._take_waiting(self.config.max_batch - len(running)):
+        while self._waiting and not self._fits([self._waiting[0]]):  # queued before warm-up
+            row = self._waiting.popleft()
+            self._finish(row, Failed(str(self._over_budget(row))))
+        free = self.config.max_batch - len(running)
+        for row in self._take_waiting(free, lambda rows: self._round_fits([*running, *rows])):
             row.slot = self._free_slots.pop()
             running.append(row)
         self._running = running
@@ -627,18 +758,19 @@ class ServingEngine:
 
     def _groups(self, rows: list[_Row]) -> list[list[_Row]]:
         """The running rows as one call, or as two calls (shorter and longer sequences)
-        when that costs less: a call costs its padded tokens (batch × sequence bucket, the
-        refresh's work) plus the weight reads of its forwards (`call_cost`)."""
+        when that costs less or when only two fit the memory budget: a call costs its
+        padded tokens (batch × sequence bucket, the refresh's work) plus the weight reads of
+        its forwards (`call_cost`)."""
         rows = sorted(rows, key=lambda r: r.sequence)
 
         def cost(group: list[_Row]) -> int:
             batch = layout.bucket(len(group), self.batch_buckets)
             return batch * layout.bucket(group[-1].sequence, self.seq_buckets) + self.call_cost
 
-        best, split = cost(rows), None
+        best, split = cost(rows) if self._fits(rows) else math.inf, None
         for k in range(1, len(rows)):
             two = cost(rows[:k]) + cost(rows[k:])
-            if two < best:
+            if two < best and self._fits(rows[:k]) and self._fits(rows[k:]):
                 best, split = two, k
         return [rows] if split is None else [rows[:split], rows[split:]]
 
@@ -786,6 +918,10 @@ def weight_read_tokens(model: Model) -> int:
         is_experts = cfg.is_moe and leaf.ndim >= 3 and leaf.shape[0] == cfg.n_experts
         active += leaf.size * cfg.experts_per_token // cfg.n_experts if is_experts else leaf.size
     return RIDGE_FLOP_PER_BYTE * total // max(active, 1)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def make_engine(model: Model, config: ServeConfig, metrics: ServerMetrics) -> ServingEngine:

@@ -1,7 +1,7 @@
 """The server's Prometheus metrics, one `ServerMetrics` per server (its own registry, so
 two servers in one process, as in the tests, never share counters).
 
-The engine thread sets the queue, rows, call and host-time figures; the HTTP layer sets
+The engine thread sets the queue, rows, call, host-time and memory figures; the HTTP layer sets
 time to first chunk, end-to-end latency, finished and aborted requests.
 """
 
@@ -45,6 +45,16 @@ class ServerMetrics:
             "host time the device waits before a block call (an upper bound; 0 when the "
             "call was queued before the last one ended)",
             buckets=_HOST_BUCKETS,
+            registry=r,
+        )
+        self.memory_budget = Gauge(
+            "djax_memory_budget_bytes",
+            "device bytes block calls may use beside the weights (0: no budget)",
+            registry=r,
+        )
+        self.call_bytes = Gauge(
+            "djax_memory_call_bytes",
+            "device bytes of the last block call's (batch, sequence) program beside the weights",
             registry=r,
         )
         self.compiles = Counter("djax_compiles", "programs compiled (warm-up included)", registry=r)

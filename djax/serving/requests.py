@@ -63,6 +63,12 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+class OverBudget(ValueError):
+    """A request whose block call would not fit the server's memory budget even alone."""
+
+    code = "memory_budget_exceeded"
+
+
 class Engine(Protocol):
     """What the HTTP layer needs of an engine (continuous or static scheduler)."""
 
@@ -79,7 +85,8 @@ class Engine(Protocol):
 
     def submit(self, request: EngineRequest, on_event: Callable[[Event], None]) -> None:
         """Queue a request (thread-safe). Raises `QueueFull`, or ValueError for a request
-        it cannot serve (the message names the field)."""
+        it cannot serve (the message names the field; `OverBudget` for one over the memory
+        budget)."""
 
     def cancel(self, request_id: str) -> None:
         """Drop a request, queued or running (thread-safe); its slot is free within two
