@@ -3,10 +3,11 @@ through the `openai` client, per scheduler (continuous, static) and request rate
 
 Three roles in one script:
 
-    python -m bench.serve --model dense|moe [--tiny] [--schedulers continuous static]
-        [--rates 2 4 8 inf] [--requests 500] [--seed 0] [--max-batch 32] [--equal N]
-    python -m bench.serve server --model dense|moe [--tiny] --scheduler continuous|static
-        --port P [--max-batch N] [--routing spread|model]
+    python -m bench.serve --model dense|moe|llada2_mini [--tiny]
+        [--schedulers continuous static] [--rates 2 4 8 inf] [--requests 500] [--seed 0]
+        [--max-batch 32] [--equal N]
+    python -m bench.serve server --model dense|moe|llada2_mini [--tiny]
+        --scheduler continuous|static --port P [--max-batch N] [--routing spread|model]
     python -m bench.serve plot RESULT.json [RESULT.json ...]
 
 The client (the default role) starts one server per scheduler (`server` role, this Python, as
@@ -14,15 +15,15 @@ a child process logging to `serve_<model>_<scheduler>.log` under $OUT or a tempo
 waits for `GET /health` to answer 200 (programs compiled), runs the same trace at each rate,
 then stops the server with SIGTERM and records its exit status (0: drained and exited).
 
-The server: random bf16 weights built on the device (`bench.common`), LLaDA-MoE with
-`spread_routing` unless `--routing model`, answers decoded to one word per token id
-(`IdTokenizer`: the random model has no text); the dual cache, blocks of 32 and the fixed-steps
-`low_confidence` decoder with 8 steps a block, 4 tokens per forward as in `SETTING`. The engine
-splits `GenerationConfig.steps` evenly over the blocks of `gen_length`, so the served config
-has gen_length = the longest answer of the trace (512) and steps = gen_length / 4: every block
-of every request takes 8 steps, whatever the request's own length. (The threshold decoder
-would commit about one token per forward on random weights.) The server's longest sequence
-(max_seq_len) is the trace's longest prompt + answer.
+The server: random bf16 weights built on the device (`bench.common`), LLaDA-MoE and
+LLaDA2.0-mini (block diffusion) with spread routing unless `--routing model`, answers decoded to
+one word per token id (`IdTokenizer`: the random model has no text); the dual cache, blocks of
+32 and the fixed-steps `low_confidence` decoder with 8 steps a block, 4 tokens per forward as in
+`SETTING`. The engine splits `GenerationConfig.steps` evenly over the blocks of `gen_length`, so
+the served config has gen_length = the longest answer of the trace (512) and steps = gen_length
+/ 4: every block of every request takes 8 steps, whatever the request's own length. (The
+threshold decoder would commit about one token per forward on random weights.) The server's
+longest sequence (max_seq_len) is the trace's longest prompt + answer.
 
 The trace (`LENGTHS`): prompt and answer lengths lognormal with median 128 and σ 0.5 of the
 log, clipped to 16–512 prompt and 32–512 answer tokens; prompts of random token ids (never a
@@ -658,7 +659,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     if role == "plot":
         parser.add_argument("results", nargs="+", help="result JSON files of bench.serve")
         return parser.parse_args(argv[1:], argparse.Namespace(role=role))
-    parser.add_argument("--model", choices=("dense", "moe"), required=True)
+    parser.add_argument("--model", choices=("dense", "moe", "llada2_mini"), required=True)
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     parser.add_argument("--max-batch", type=int, default=32, help="rows decoded together")
     parser.add_argument("--routing", choices=ROUTINGS, default="spread", help="MoE routing")

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from djax import decoders, engine
-from djax.diffusion import Rows, row_keys
+from djax.diffusion import Plan, Rows, block_call, row_keys
 from djax.generation import GenerationConfig
 from djax.kv_cache import init_buffers
 from djax.model import Model
@@ -60,7 +60,9 @@ class BlockPlan:
     the cache at least one block, which the first step feeds beside the first generated
     one); prefill: whether a prompt has a whole block (S is then prefilled); n_blocks:
     generated block slots after S; steps: the total steps of each row (None: block_len per
-    block); cached: the append-only block cache (else whole-sequence forwards).
+    block); cached: the append-only block cache (else whole-sequence forwards);
+    block_steps: the steps of every block of every row instead (the server's static
+    batches, whose rows generate different numbers of blocks).
     """
 
     batch: int
@@ -77,6 +79,7 @@ class BlockPlan:
     stop_ids: tuple[int, ...]
     early_stop: bool = True
     sampling: bool = False
+    block_steps: int | None = None
 
     @property
     def seq_len(self) -> int:
@@ -128,6 +131,56 @@ def commit_at_least(confidence: Array, masked: Array, threshold: Array, k: Array
     return jnp.where(enough[:, None], high, decoders.commit_top_k(confidence, masked, k))
 
 
+def predict(
+    apply: Any,
+    hidden: Array,
+    vocab_local: int,
+    chunk: int | None,
+    temperature: Array | None,
+    keys: Array,
+    axis_name: str | None,
+) -> tuple[Array, Array]:
+    """Token and confidence [b, B] from a block's final hidden states, the logits made whole
+    or a vocabulary chunk at a time (`DecoderSpec.chunk_for`). Mask id -1: no vocabulary
+    entry is excluded, so the mask token may be predicted. `apply` runs a module method."""
+    if chunk is None:
+        logits = apply(hidden, method="logits")
+        return decoders.predict(logits, temperature, keys, -1, axis_name)
+    return decoders.predict_chunked(
+        lambda start: apply(hidden, start, chunk, method="logits"),
+        vocab_local,
+        chunk,
+        temperature,
+        keys,
+        -1,
+        axis_name,
+    )
+
+
+def choose(
+    decoder: decoders.DecoderSpec,
+    confidence: Array,
+    masked: Array,
+    threshold: Array,
+    k: Array,
+    keys: Array,
+) -> Array:
+    """[b, B]: the masked positions a step commits: `threshold` by LLaDA2's rule (at least k),
+    `factor`/`hierarchy` by their own, the others k of them (k: [b], from the schedule;
+    keys: [b] for `random`)."""
+    if decoder.name == "threshold":
+        return commit_at_least(confidence, masked, threshold, k)
+    if decoder.name in ("factor", "hierarchy"):
+        return decoders.decide(decoder, confidence, masked, threshold=threshold)
+    return decoders.decide(decoder, confidence, masked, threshold=threshold, k=k, keys=keys)
+
+
+def _select_keys(which: Array, new: Array, old: Array) -> Array:
+    """[b] PRNG keys: `new` where `which`, else `old`."""
+    data = jnp.where(which[:, None], jax.random.key_data(new), jax.random.key_data(old))
+    return jax.random.wrap_key_data(data)
+
+
 class _Blocks:
     """Closes over the module, params, plan and per-row values; builds the loop bodies."""
 
@@ -141,7 +194,9 @@ class _Blocks:
         self.answer_start = answer_start
         blocks = generated_blocks(answer_start - plan.prefix_len, plan.gen_length, plan.block_len)
         self.row_blocks = blocks
-        if plan.steps is None:
+        if plan.block_steps is not None:
+            steps = jnp.full_like(blocks, plan.block_steps)
+        elif plan.steps is None:
             steps = jnp.full_like(blocks, plan.block_len)
         else:
             steps = plan.steps // blocks
@@ -189,19 +244,13 @@ class _Blocks:
         return ~state.done & (state.step < self.step_bound)
 
     def predict(self, hidden: Array, keys: Array) -> tuple[Array, Array]:
-        """Token and confidence [b, B] from the block's final hidden states, the logits made
-        whole or a vocabulary chunk at a time (`DecoderSpec.chunk_for`). Mask id -1: no
-        vocabulary entry is excluded, so the mask token may be predicted."""
-        if self.chunk is None:
-            logits = self._apply(hidden, method="logits")
-            return decoders.predict(logits, self.temperature, keys, -1, self.axis_name)
-        return decoders.predict_chunked(
-            lambda start: self._apply(hidden, start, self.chunk, method="logits"),
+        return predict(
+            self._apply,
+            hidden,
             self.vocab_local,
             self.chunk,
             self.temperature,
             keys,
-            -1,
             self.axis_name,
         )
 
@@ -210,19 +259,14 @@ class _Blocks:
         start = plan.prefix_len + state.block * b
         hidden, kv = self.forward(state, start, with_previous)
         block = jax.lax.dynamic_slice_in_dim(state.tokens, start, b, axis=1)
-        masked = (block == plan.mask_id) & self.live(state)[:, None]
+        # a row decodes (and its keys advance) while it is live with masks left, so its
+        # tokens are those it gets alone whatever its batch-mates do
+        active = self.live(state) & jnp.any(block == plan.mask_id, axis=1)
+        masked = (block == plan.mask_id) & active[:, None]
         keys = jax.vmap(lambda key: jax.random.split(key, 3))(state.keys)
         token, confidence = self.predict(hidden, keys[:, 1])
         k = decoders.fixed_schedule(jnp.full_like(self.row_steps, b), self.row_steps, state.step)
-        name = plan.decoder.name
-        if name == "threshold":
-            commit = commit_at_least(confidence, masked, self.threshold, k)
-        elif name in ("factor", "hierarchy"):
-            commit = decoders.decide(plan.decoder, confidence, masked, threshold=self.threshold)
-        else:
-            commit = decoders.decide(
-                plan.decoder, confidence, masked, threshold=self.threshold, k=k, keys=keys[:, 2]
-            )
+        commit = choose(plan.decoder, confidence, masked, self.threshold, k, keys[:, 2])
         tokens = jax.lax.dynamic_update_slice_in_dim(
             state.tokens, jnp.where(commit, token, block), start, axis=1
         )
@@ -230,7 +274,7 @@ class _Blocks:
             state,
             tokens=tokens,
             kv=kv if plan.cached else state.kv,
-            keys=keys[:, 0],
+            keys=_select_keys(active, keys[:, 0], state.keys),
             step=state.step + 1,
             forwards=state.forwards + 1,
         )
@@ -317,6 +361,91 @@ def run_block_diffusion(
         "refreshes": state.forwards + prefills if not plan.cached else zero + prefills,
         "blocks": state.block,
     }
+
+
+@block_call
+def run_causal_block_call(
+    module: TransformerLM,
+    params: dict,
+    plan: Plan,
+    tokens: Array,
+    key_valid: Array,
+    positions: Array,
+    rows: Rows,
+    axis_name: str | None = None,
+) -> dict[str, Array]:
+    """The serving engine's block call for block diffusion: denoise one block of every row.
+
+    Layout (`djax.serving.layout`, block-causal rows): a row's current block at `[0, B)` (the
+    prompt's tail where the block holds one, then mask ids), then every whole block before
+    it (prompt and committed answer), then padding; positions are explicit, blocks aligned
+    at position 0. Attention is block-causal by position: a query sees the valid keys of its
+    own block and the earlier ones. The call's first forward feeds the whole row and writes
+    every K/V; under the cache the block's other steps feed the block alone against them
+    (exact: the earlier blocks' K/V do not depend on it), under `none` every step is a
+    whole-row forward. Steps follow `run_block_diffusion`'s rules with
+    `plan.steps_per_block` steps a block (fixed-steps decoders; the others at most
+    `block_len`); a row whose block holds no mask (an empty slot) commits nothing, and a
+    row's keys advance only on the steps it decodes. `plan.prompt_len` is 0 and
+    `plan.gen_length` the sequence. Returns the block [batch, B], the keys after it
+    [batch, 2] and the call's forwards.
+    """
+    b, seq = plan.block_len, plan.seq_len
+    batch = tokens.shape[0]
+
+    def apply(*args, **kwargs):
+        return module.apply({"params": params}, *args, **kwargs)
+
+    causal = key_valid[:, None, :] & (positions[:, None, :] // b <= positions[:, :, None] // b)
+    vocab_local = params["lm_head"].shape[1]
+    chunk = plan.decoder.chunk_for(vocab_local)
+    temperature = rows.temperature if plan.sampling else None
+    threshold = rows.threshold[:, None]
+    fixed = plan.decoder.name in FIXED_STEP_DECODERS
+    bound = plan.steps_per_block if fixed else b
+    steps = jnp.full((batch,), plan.steps_per_block, jnp.int32)
+
+    def whole_row(tokens: Array, kv: Any) -> tuple[Array, Any]:
+        x = apply(tokens, method="embed")
+        return apply(x, positions, causal, kv, Window(0) if kv is not None else Window(), 0, b)
+
+    def decode(tokens: Array, hidden: Array, keys: Array, step: Array) -> tuple[Array, Array]:
+        block = tokens[:, :b]
+        active = (step < bound) & jnp.any(block == plan.mask_id, axis=1)
+        masked = (block == plan.mask_id) & active[:, None]
+        split = jax.vmap(lambda key: jax.random.split(jax.random.wrap_key_data(key), 3))(keys)
+        token, confidence = predict(
+            apply, hidden, vocab_local, chunk, temperature, split[:, 1], axis_name
+        )
+        k = decoders.fixed_schedule(jnp.full_like(steps, b), steps, step)
+        commit = choose(plan.decoder, confidence, masked, threshold, k, split[:, 2])
+        tokens = tokens.at[:, :b].set(jnp.where(commit, token, block))
+        keys = jnp.where(active[:, None], jax.random.key_data(split[:, 0]), keys)
+        return tokens, keys
+
+    def go_on(carry: tuple) -> Array:
+        tokens, _, _, step, _ = carry
+        return (step < bound) & jnp.any(tokens[:, :b] == plan.mask_id)
+
+    def cached_step(carry: tuple) -> tuple:
+        tokens, kv, keys, step, forwards = carry
+        if plan.cache.cached:
+            x = apply(tokens[:, :b], method="embed")
+            hidden, kv = apply(x, positions[:, :b], key_valid, kv, Window(0))
+        else:
+            hidden, _ = whole_row(tokens, None)
+        tokens, keys = decode(tokens, hidden, keys, step)
+        return tokens, kv, keys, step + 1, forwards + 1
+
+    kv = None
+    if plan.cache.cached:
+        kv = init_buffers(params, module.config.n_layers, batch, seq, module.dtype)
+    hidden, kv = whole_row(tokens, kv)
+    zero = jnp.zeros((), jnp.int32)
+    tokens, keys = decode(tokens, hidden, rows.keys, zero)
+    carry = (tokens, kv if plan.cache.cached else None, keys, zero + 1, zero + 1)
+    tokens, _, keys, _, forwards = jax.lax.while_loop(go_on, cached_step, carry)
+    return {"block": tokens[:, :b], "keys": keys, "forwards": forwards}
 
 
 def make_plan(

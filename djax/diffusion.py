@@ -144,6 +144,12 @@ def carry_out(carried: Carried, slots: Slots, block: Array, keys: Array) -> Carr
     )
 
 
+def block_call(run: Any) -> Any:
+    """Mark a row program as a block call: `programs.row_program` runs it `chained`."""
+    run.is_block_call = True
+    return run
+
+
 def chained(block_call: Any) -> Any:
     """A block-call program `(params, tokens, key_valid, positions, rows) -> outputs` as
     one that also takes the rows' `Slots` and the `Carried` table, carries the continuing
@@ -447,6 +453,7 @@ def run_generation(
     }
 
 
+@block_call
 def run_block_call(
     module: TransformerLM,
     params: dict,

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from djax import sharding
 from djax.config import ModelConfig
-from djax.diffusion import Plan, chained, run_block_call
+from djax.diffusion import Plan, chained
 from djax.kernel_options import KernelOptions
 from djax.models import build_module
 from djax.models.kernel_choice import Device, KernelChoice, Shapes, describe, resolve
@@ -124,12 +124,13 @@ def forward_program(
 
 
 def row_program(model: Any, plan: Plan, run: Any, kernels: KernelChoice) -> Any:
-    """A row program of `djax.diffusion` (`run_generation` or `run_block_call`) for `model`
+    """A row program (`run_generation`, a block call, block diffusion's) for `model`
     (config, dtype, mesh) and `plan`, following `kernels`, jitted, the tokens donated. On a
     mesh it is one `shard_map` that takes host-shaped arrays like the single-device program
     and returns its row outputs replicated on every device and its counters as one value
-    per data shard. Block calls are `diffusion.chained`: they also take the rows' `Slots`
-    and the `Carried` table, and return the table updated."""
+    per data shard. Block calls (marked `diffusion.block_call`) are `diffusion.chained`:
+    they also take the rows' `Slots` and the `Carried` table, and return the table
+    updated."""
     module = local_module(model.config, model.dtype, kernels, model.mesh)
     jit_options: dict[str, Any] = {"donate_argnums": (1,)}
     if model.mesh is None:
@@ -151,6 +152,6 @@ def row_program(model: Any, plan: Plan, run: Any, kernels: KernelChoice) -> Any:
             local, mesh=mesh, in_specs=(specs, row, row, row, row), out_specs=row, check_vma=False
         )
         jit_options["out_shardings"] = NamedSharding(mesh, P())
-    if run is run_block_call:
+    if getattr(run, "is_block_call", False):
         program = chained(program)
     return jax.jit(program, **jit_options)

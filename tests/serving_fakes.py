@@ -57,7 +57,7 @@ class FakeEngine:
         for thread in self._threads:
             thread.join(timeout)
 
-    def answer_length(self, max_tokens: int) -> int:
+    def answer_length(self, max_tokens: int, prompt_length: int) -> int:
         block = self.config.generation.block_length
         return block * math.ceil(max_tokens / block)
 

@@ -5,6 +5,8 @@ greedy generate under both cache modes."""
 
 import dataclasses
 import json
+import threading
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -387,11 +389,76 @@ def test_token_ids_from_the_tokenizer_or_pad(tmp_path):
         resolve_token_ids(hf, None, "x")
 
 
-def test_the_server_refuses_block_diffusion(llada2_model):
-    """`djax serve` decodes LLaDA's way; a LLaDA2 model is refused by name, not served
-    bidirectionally."""
+SERVED = [  # (prompt, max_tokens, temperature, seed): tails of 5, 4 and 0 prompt tokens
+    (PROMPTS[0], 20, 0.0, 0),
+    (PROMPTS[1], 7, 0.0, 0),
+    (PROMPTS[2], 12, 0.0, 0),
+    (PROMPTS[0], 11, 1.5, 3),
+]
+
+
+def _served(model, config, scheduler):
+    """Serve `SERVED` on 2 rows, arriving one after another; each request's events."""
+    from djax.serving.engine import ServeConfig, make_engine
+    from djax.serving.metrics import ServerMetrics
+    from djax.serving.requests import EngineRequest
+
+    serve = ServeConfig(generation=config, scheduler=scheduler, max_batch=2, max_seq_len=48)
+    engine = make_engine(model, serve, ServerMetrics())
+    engine.start()
+    assert engine.wait_ready(300)
+    events, ended = {}, threading.Semaphore(0)
+
+    def sink(name):
+        def on_event(event):
+            events.setdefault(name, []).append(event)
+            if type(event).__name__ in ("Finished", "Failed"):
+                ended.release()
+
+        return on_event
+
+    for i, (prompt, max_tokens, temperature, seed) in enumerate(SERVED):
+        request = EngineRequest(f"r{i}", tuple(prompt), max_tokens, temperature, seed)
+        engine.submit(request, sink(f"r{i}"))
+        time.sleep(0.02)
+    for _ in SERVED:
+        assert ended.acquire(timeout=120)
+    engine.stop()
+    return events
+
+
+@pytest.mark.parametrize("scheduler, cache", [("continuous", "dual"), ("static", "none")])
+def test_the_server_gives_each_request_its_tokens_alone(llada2_model, scheduler, cache):
+    """`djax serve` decodes a block-diffusion family by block diffusion: requests whose
+    prompts end inside a block, at a boundary or short of one, with mixed max_tokens and
+    one sampled, arriving while others run, get the tokens `djax.generate` gives each alone
+    (4 steps a block; the first block holds the prompt's tail)."""
+    config = _config(decoder="low_confidence", steps=12, stop_ids=(EOS_ID,), cache=cache)
+    events = _served(llada2_model, config, scheduler)
+    for i, (prompt, max_tokens, temperature, seed) in enumerate(SERVED):
+        blocks = -(-(len(prompt) % 8 + max_tokens) // 8)
+        alone = djax.generate(
+            llada2_model,
+            [prompt],
+            dataclasses.replace(
+                config, gen_length=max_tokens, steps=4 * blocks, temperature=temperature, seed=seed
+            ),
+        ).token_ids[0]
+        got = [t for e in events[f"r{i}"][:-1] for t in e.token_ids]
+        assert got == alone, (i, got, alone)
+        assert events[f"r{i}"][-1].reason == ("length" if len(alone) == max_tokens else "stop")
+        if scheduler == "continuous" and len(prompt) % 8:  # the first block: max_tokens cut
+            assert len(events[f"r{i}"][0].token_ids) == min(8 - len(prompt) % 8, len(alone))
+
+
+def test_the_server_refuses_what_block_diffusion_does_not_run(llada2_model):
     from djax.serving.engine import ServeConfig, make_engine
     from djax.serving.metrics import ServerMetrics
 
-    with pytest.raises(ValueError, match="block diffusion, which the server does not serve"):
-        make_engine(llada2_model, ServeConfig(), ServerMetrics())
+    for change, message in [
+        ({"decoder": "credit"}, "decoder='credit' is not available for block diffusion"),
+        ({"attention_sparsity": 0.5}, "attention_sparsity=0.5 is not available"),
+    ]:
+        config = ServeConfig(generation=_config(**change), max_batch=2, max_seq_len=48)
+        with pytest.raises(ValueError, match=message):
+            make_engine(llada2_model, config, ServerMetrics())

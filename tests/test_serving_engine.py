@@ -218,7 +218,7 @@ def test_queue_bound_and_answer_length(demo_model, generation):
     assert full.value.retry_after >= 1
     engine.cancel("a")
     engine.submit(EngineRequest("c", ids, 8), lambda e: None)
-    assert engine.answer_length(9) == 16 and engine.answer_length(8) == 8
+    assert engine.answer_length(9, 5) == 16 and engine.answer_length(8, 5) == 8
 
 
 def test_a_failing_call_fails_its_rows_only(demo_model, generation, monkeypatch):

@@ -269,7 +269,7 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
 
     def check_length(ids: list[int], max_tokens: int, param: str) -> None:
         limit = engine.max_sequence
-        answer = engine.answer_length(max_tokens) if max_tokens <= limit else max_tokens
+        answer = engine.answer_length(max_tokens, len(ids)) if max_tokens <= limit else max_tokens
         if len(ids) + answer > limit:
             raise p.ProtocolError(
                 f"the prompt ({len(ids)} tokens) + the answer ({answer} positions for "

@@ -2,7 +2,8 @@
 
 Two schedulers share the queue, the events and the metrics:
 
-- `continuous`: one device call per block (`diffusion.run_block_call`). Every running row
+- `continuous`: one device call per block (`diffusion.run_block_call`, or
+  `block_diffusion.run_causal_block_call` for a block-diffusion family). Every running row
   gets its block's refresh and denoising steps; rows may belong to different requests at
   different blocks (`layout`). Requests join at the next call and leave when their last
   block is done, so nobody waits for a whole batch. When the running rows' sequences differ
@@ -39,8 +40,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from djax import block_diffusion
 from djax import engine as djax_engine
-from djax.diffusion import Carried, Plan, Rows, Slots, row_keys, run_block_call
+from djax.diffusion import Carried, Plan, Rows, Slots, row_keys, run_block_call, run_generation
 from djax.generation import GenerationConfig
 from djax.model import Model
 from djax.models.sparse_attention import plan_sparse
@@ -197,11 +199,18 @@ class ServingEngine:
 
     def __init__(self, model: Model, config: ServeConfig, metrics: ServerMetrics):
         cfg = model.config
+        g = config.generation
         if cfg.block_diffusion:
-            raise ValueError(
-                f"the {cfg.family} family decodes by block diffusion, which the server does "
-                "not serve yet (djax generate runs it)"
-            )
+            if g.decoder not in block_diffusion.DECODERS:
+                raise ValueError(
+                    f"decoder={g.decoder!r} is not available for block diffusion "
+                    f"({cfg.family}); expected one of {block_diffusion.DECODERS}"
+                )
+            if g.attention_sparsity < 1:
+                raise ValueError(
+                    f"attention_sparsity={g.attention_sparsity} is not available for block "
+                    "diffusion; expected 1.0"
+                )
         self.model, self.config, self.metrics = model, config, metrics
         self.block_length = config.generation.block_length
         if config.max_seq_len is not None and config.max_seq_len > cfg.max_seq_len:
@@ -220,7 +229,13 @@ class ServingEngine:
             if config.generation.stop_ids is not None
             else cfg.stop_token_ids
         )
-        self.layout = layout.RowLayout(self.block_length, cfg.mask_token_id, cfg.pad_token_id)
+        self.layout = layout.RowLayout(
+            self.block_length, cfg.mask_token_id, cfg.pad_token_id, causal=cfg.block_diffusion
+        )
+        # The block call, chosen once by the family: block-causal rows or bidirectional.
+        self.run_block = (
+            block_diffusion.run_causal_block_call if cfg.block_diffusion else run_block_call
+        )
         data = 1 if model.mesh is None else model.mesh.shape["data"]
         self.batch_buckets = layout.batch_buckets(config.max_batch, data)
         self.seq_buckets = layout.seq_buckets(self._max_sequence, self.block_length)
@@ -255,8 +270,11 @@ class ServingEngine:
     def max_sequence(self) -> int:
         return self._max_sequence
 
-    def answer_length(self, max_tokens: int) -> int:
-        return self.block_length * math.ceil(max_tokens / self.block_length)
+    def answer_length(self, max_tokens: int, prompt_length: int) -> int:
+        """Whole blocks of `max_tokens` after the prompt; under block diffusion the first
+        block also holds the prompt's tail, so those blocks less the tail."""
+        tail = self.layout.tail(prompt_length)
+        return self.block_length * math.ceil((tail + max_tokens) / self.block_length) - tail
 
     def submit(self, request: EngineRequest, on_event: Callable[[Event], None]) -> None:
         row = self._row(request, on_event)
@@ -330,7 +348,7 @@ class ServingEngine:
             raise ValueError(f"prompt contains the mask id {cfg.mask_token_id}")
         if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
             raise ValueError(f"max_tokens={request.max_tokens!r}; expected a positive int")
-        answer = self.answer_length(request.max_tokens)
+        answer = self.answer_length(request.max_tokens, len(request.prompt_ids))
         if len(request.prompt_ids) + answer > self._max_sequence:
             raise ValueError(
                 f"prompt ({len(request.prompt_ids)} tokens) + max_tokens {request.max_tokens} "
@@ -510,11 +528,12 @@ class ServingEngine:
         carry_at = np.full(batch, -1, np.int32)
         for i, row in enumerate(rows):
             context = row.context
-            if row.in_flight:
+            if row.in_flight:  # its block starts at the context's last block boundary
+                context = context[: len(context) - self.layout.tail(len(context))]
                 carry_at[i] = block + len(context)
                 context = np.concatenate([context, np.full(block, self.layout.mask_id, np.int32)])
             later = row.answer_length - len(row.committed) - (row.in_flight + 1) * block
-            self.layout.fill(arrays, i, context, later)
+            self.layout.fill(arrays, i, context, 0 if self.layout.causal else later)
             keys[i], threshold[i], temperature[i] = row.keys, row.threshold, row.request.temperature
             index[i] = row.slot
         inputs = [arrays["tokens"], arrays["key_valid"], arrays["positions"]]
@@ -538,7 +557,7 @@ class ServingEngine:
         sampling = any(r.request.temperature > 0 for r in rows)
         plan = self._block_plan(batch, seq, sampling)
         args = self._block_args(rows, batch, seq)
-        program, seconds = djax_engine.executable(self.model, plan, args, run_block_call)
+        program, seconds = djax_engine.executable(self.model, plan, args, self.run_block)
         nbytes = self.memory.calls.get((batch, seq, sampling))
         if nbytes is None:
             nbytes = self._call_bytes(program, batch, seq)
@@ -561,7 +580,7 @@ class ServingEngine:
             self._carried = self._empty_table()
         plan = self._block_plan(batch, seq, sampling)
         args = self._block_args([], batch, seq)
-        program, _ = djax_engine.executable(self.model, plan, args, run_block_call)
+        program, _ = djax_engine.executable(self.model, plan, args, self.run_block)
         nbytes = self._call_bytes(program, batch, seq)
         self.memory.record(batch, seq, sampling, nbytes)
         return nbytes
@@ -603,7 +622,7 @@ class ServingEngine:
                         return
                 plan = self._block_plan(batch, seq, sampling)
                 args = self._block_args([], batch, seq)
-                program, _ = djax_engine.executable(self.model, plan, args, run_block_call)
+                program, _ = djax_engine.executable(self.model, plan, args, self.run_block)
                 nbytes = self._call_bytes(program, batch, seq)
                 self.metrics.compiles.inc()
                 with table:
@@ -782,14 +801,18 @@ class ServingEngine:
             if row.cancelled or row.done:
                 continue
             row.keys = keys[i]
-            events += self._block_events(row, block[i].tolist())
+            tail = self.layout.tail(len(row.context))  # the prompt's, in its first block
+            events += self._block_events(row, block[i, tail:].tolist())
         return events
 
     def _block_events(self, row: _Row, tokens: list[int]) -> list[tuple[_Row, Event]]:
         """Commit a row's next block; its events: the tokens up to the first stop token and
         max_tokens, then `Finished` when the request is done (lock held)."""
         cfg = self.model.config
-        if cfg.mask_token_id in tokens or not all(0 <= t < cfg.vocab_size for t in tokens):
+        # Block diffusion keeps a mask id its model predicted (as `djax.generate` does); a
+        # LLaDA block holds none once decoded.
+        stalled = not self.layout.causal and cfg.mask_token_id in tokens
+        if stalled or not all(0 <= t < cfg.vocab_size for t in tokens):
             row.done = True
             return [
                 (
@@ -845,12 +868,17 @@ class ServingEngine:
                 continue
             events = []
             with self._lock:
-                answers = out["tokens"][:, plan.prompt_len :]
+                if self.layout.causal:  # from each row's prompt end
+                    answers = out["answers"]
+                else:
+                    answers = out["tokens"][:, plan.prompt_len :]
                 for i, row in enumerate(rows):
-                    for start in range(0, row.answer_length, self.block_length):
+                    # its blocks' answer tokens (the first block's less the prompt's tail)
+                    tail = self.layout.tail(len(row.request.prompt_ids))
+                    for start in range(-tail, row.answer_length, self.block_length):
                         if row.cancelled or row.done:
                             break
-                        block = answers[i, start : start + self.block_length].tolist()
+                        block = answers[i, max(start, 0) : start + self.block_length].tolist()
                         events += self._block_events(row, block)
                 self._running = []
             self._send(events)
@@ -867,7 +895,8 @@ class ServingEngine:
         padded = rows + [rows[0]] * (batch - n)
         prompt = max(len(r.request.prompt_ids) for r in rows)
         answer = max(r.answer_length for r in rows)
-        rounded = self.block_length * 2 ** math.ceil(math.log2(answer // self.block_length))
+        blocks = math.ceil(answer / self.block_length)
+        rounded = self.block_length * 2 ** math.ceil(math.log2(blocks))
         if prompt + rounded <= self._max_sequence:
             answer = rounded
         bucketed = next((s for s in layout.SEQ_BUCKETS if s >= prompt), prompt)
@@ -877,15 +906,26 @@ class ServingEngine:
         config = dataclasses.replace(
             g,
             gen_length=answer,
-            steps=self.config.steps_per_block * (answer // self.block_length),
+            steps=self.config.steps_per_block * math.ceil(answer / self.block_length),
             stop_ids=tuple(sorted(self.stop_ids)),
             early_stop=not any(r.request.ignore_eos for r in rows),
         )
-        plan, _ = djax_engine.make_plan(self.model, config, batch, prompt)
-        plan = dataclasses.replace(plan, sampling=any(r.request.temperature > 0 for r in rows))
-        inputs = djax_engine.build_inputs(
-            [list(r.request.prompt_ids) for r in padded], plan, self.model.config.pad_token_id
-        )
+        prompts = [list(r.request.prompt_ids) for r in padded]
+        sampling = any(r.request.temperature > 0 for r in rows)
+        pad_id = self.model.config.pad_token_id
+        if self.layout.causal:  # every row's blocks take the server's steps a block
+            config = dataclasses.replace(config, steps=None)
+            plan, _ = block_diffusion.make_plan(self.model, config, prompts)
+            plan = dataclasses.replace(
+                plan, block_steps=self.config.steps_per_block, sampling=sampling
+            )
+            inputs = block_diffusion.layout(prompts, plan, pad_id)
+            run = block_diffusion.run_block_diffusion
+        else:
+            plan, _ = djax_engine.make_plan(self.model, config, batch, prompt)
+            plan = dataclasses.replace(plan, sampling=sampling)
+            inputs = djax_engine.build_inputs(prompts, plan, pad_id)
+            run = run_generation
         per_row = Rows(
             np.stack([r.keys for r in padded]),
             np.array([r.threshold for r in padded], np.float32),
@@ -895,7 +935,7 @@ class ServingEngine:
             self.model, [inputs["tokens"], inputs["key_valid"], inputs["positions"]]
         )
         args = (self.model.params, *placed, djax_engine.place(self.model, per_row))
-        program, seconds = djax_engine.executable(self.model, plan, args)
+        program, seconds = djax_engine.executable(self.model, plan, args, run)
         if seconds:
             self.metrics.compiles.inc()
         return program, args, plan

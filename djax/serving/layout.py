@@ -7,6 +7,12 @@ its later answer positions (mask ids), then padding. Attention is bidirectional 
 position carries its own RoPE position, so this order computes exactly what the request's
 natural layout `prompt | answer` would, while every row's block sits at the same place:
 rows of different requests at different blocks share one compiled program.
+
+Block diffusion (LLaDA2, `RowLayout.causal`) aligns blocks at position 0 and attends
+block-causally, so a row holds no later positions, and its current block starts at the last
+block boundary of its context: the block holds the context's tail (the prompt's last
+tokens, for its first generated block) before its mask ids, and the whole blocks before it
+follow.
 """
 
 from __future__ import annotations
@@ -44,11 +50,18 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RowLayout:
-    """Token ids of the layout: `mask` fills the answer, `pad` the rest."""
+    """Token ids of the layout: `mask` fills the answer, `pad` the rest; `causal`: the
+    block-diffusion layout."""
 
     block_length: int
     mask_id: int
     pad_id: int
+    causal: bool = False
+
+    def tail(self, context_length: int) -> int:
+        """How many context tokens a row's next block holds before its masks: the tokens past
+        the last block boundary (block-causal rows), else none."""
+        return context_length % self.block_length if self.causal else 0
 
     def arrays(self, batch: int, seq: int) -> dict[str, np.ndarray]:
         """Empty call inputs: every row an empty slot (pad tokens, no masks, its first
@@ -71,13 +84,20 @@ class RowLayout:
         """Lay out one request at its next block in row `row` of `arrays`.
 
         context: [c] int32, the prompt then the committed answer tokens; later: answer
-        positions after the current block. Needs block_length + c + later ≤ seq.
+        positions after the current block (0 for block-causal rows, whose block starts at
+        the last block boundary of the context and holds its `tail` first). Needs
+        block_length + c + later ≤ seq.
         """
-        block, c = self.block_length, len(context)
+        block = self.block_length
+        tail = self.tail(len(context))
+        if self.causal and later:
+            raise ValueError(f"later={later}; block-causal rows hold no later positions")
+        head, c = context[: len(context) - tail], len(context) - tail
         end = block + c + later
         tokens, valid, positions = arrays["tokens"], arrays["key_valid"], arrays["positions"]
         tokens[row, :block] = self.mask_id
-        tokens[row, block : block + c] = context
+        tokens[row, :tail] = context[c:]
+        tokens[row, block : block + c] = head
         tokens[row, block + c : end] = self.mask_id
         tokens[row, end:] = self.pad_id
         valid[row, :end] = True

@@ -80,8 +80,10 @@ class Engine(Protocol):
     def max_sequence(self) -> int:
         """The longest prompt + answer (answer rounded up to whole blocks) it serves."""
 
-    def answer_length(self, max_tokens: int) -> int:
-        """The answer positions a request of `max_tokens` occupies (whole blocks)."""
+    def answer_length(self, max_tokens: int, prompt_length: int) -> int:
+        """The answer positions a request of `max_tokens` after a prompt of
+        `prompt_length` tokens occupies (whole blocks, less the prompt's tail in the first
+        under block diffusion)."""
 
     def submit(self, request: EngineRequest, on_event: Callable[[Event], None]) -> None:
         """Queue a request (thread-safe). Raises `QueueFull`, or ValueError for a request
