@@ -31,7 +31,9 @@ from djax.kernels import (
     residual_product,
     rope_write,
     split_k,
+    split_k_mosaic,
     swiglu,
+    swiglu_mosaic,
 )
 from djax.kernels.handoff import Partials, ScaledRows, finish
 from djax.models import fp8
@@ -44,8 +46,8 @@ LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, hea
 
 def project(x: Array, w: fp8.Weight, impl: str, fp8_impl: str = "no") -> Array | Partials:
     """`x [..., k] @ w [k, ...]` -> [..., *w.shape[1:]]: XLA's einsum (`impl="xla"`), or
-    the split-K kernel's `Partials` (`"pallas"`). An `Fp8Weight` takes XLA's product
-    `fp8_impl` (`Kernels.fp8`)."""
+    the split-K kernel's `Partials` (`"pallas"`, Triton; `"mosaic"`, Mosaic GPU). An
+    `Fp8Weight` takes XLA's product `fp8_impl` (`Kernels.fp8`)."""
     k, out_shape = w.shape[0], w.shape[1:]
     flat = fp8.matrix(w, k, math.prod(out_shape))
     if isinstance(w, Fp8Weight):
@@ -53,7 +55,8 @@ def project(x: Array, w: fp8.Weight, impl: str, fp8_impl: str = "no") -> Array |
         return y.reshape(x.shape[:-1] + out_shape)
     if impl == "xla":
         return jnp.einsum("...k,kn->...n", x, flat).reshape(x.shape[:-1] + out_shape)
-    y = split_k.matmul_partials(x, flat)  # Pallas's interpreter off GPUs (for tests)
+    kernel = split_k_mosaic if impl == "mosaic" else split_k
+    y = kernel.matmul_partials(x, flat)  # Pallas's interpreter off GPUs (for tests)
     return Partials(y.parts.reshape(y.parts.shape[:-1] + out_shape), y.dtype)
 
 
@@ -279,7 +282,7 @@ class Attention(nn.Module):
         the layer's K/V with the window's written. `query_rows=(start, n)`: attend and
         project only window rows `[start, start + n)` (every row's K/V is still written);
         the output is then [b, n, model]. `kernels` chooses the q/k/v, RoPE and attention
-        paths, `out_impl` the output product's (`xla` or `pallas`)."""
+        paths, `out_impl` the output product's (`xla`, `pallas` or `mosaic`)."""
         cfg = self.config
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
@@ -387,6 +390,9 @@ class GatedMLP(nn.Module):
             act = swiglu.swiglu_matmul(x.reshape(b * t, d_model), gate_up).reshape(b, t, hidden)
         elif isinstance(x, ScaledRows):
             raise ValueError("GatedMLP: ScaledRows need the gate/up product in djax's kernel")
+        elif kernels.mlp == "mosaic":
+            rows = x.reshape(b * t, d_model)
+            act = swiglu_mosaic.swiglu_matmul(rows, gate_up).reshape(b, t, hidden)
         else:
             act = swiglu_xla(x, gate_up, kernels.fp8)
         if defer_down:

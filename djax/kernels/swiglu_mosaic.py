@@ -1,0 +1,117 @@
+"""The SwiGLU gate/up product for few rows with its activation fused, as a Pallas Mosaic GPU
+kernel (Hopper: TMA copies, WGMMA): `swiglu.swiglu_matmul`'s contract for plain rows, off
+the Triton backend (`mlp_impl="mosaic"`).
+
+Each CTA owns one row tile of 64 and `block_n` columns of the output. Its ring
+(`tma_ring`) holds per slot the step's x tile and the gate and up weight tiles of its
+columns side by side, multiplied by WGMMA into two fp32 accumulators; the CTA writes
+`silu(gate) * up` in x's dtype. Rows whose RMSNorm is still to be applied
+(`handoff.ScaledRows`) are not taken: the norm before a Mosaic GPU gate/up product runs in
+its own kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from djax.kernels import tma_ring
+from djax.kernels.tma_ring import ROW_TILE, Tiles
+
+Array = jax.Array
+
+
+def tiles_for(m: int, k: int, n: int) -> Tiles:
+    """128 columns of each side (64 where 128 do not divide n) in 64-wide steps, 4 stages:
+    the Triton kernel's program shape, 96 CTAs at LLaDA-8B's MLP (4096 -> 2 x 12288)."""
+    block_n = 128 if n % 128 == 0 else tma_ring.TILE
+    return Tiles(block_n=block_n, block_k=tma_ring.TILE, splits=1, stages=4)
+
+
+def _silu_times(gate: Array, up: Array) -> Array:
+    """`silu(gate) * up` in fp32, written with the ops Mosaic GPU lowers."""
+    return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+def _kernel(x_gmem, w_gmem, out_gmem, *ring_and_out, tiles, steps, m, n, column_tiles):
+    """One CTA: one (row tile, column tile) of x [m8, k] and w [k, 2n] (gate columns, then
+    up columns) into out [m, n]."""
+    *ring, out_smem = ring_and_out
+    cta = jax.lax.axis_index("cta")
+    row_tile, column_tile = cta // column_tiles, cta % column_tiles
+    start = column_tile * tiles.block_n
+    cols = pl.ds(start, tiles.block_n)
+
+    def finish(gate, up):
+        out_smem[...] = _silu_times(gate, up).astype(out_smem.dtype)
+
+    tma_ring.stream(
+        x_gmem,
+        [
+            lambda ks: w_gmem.at[ks, pl.ds(start, tiles.block_n)],
+            lambda ks: w_gmem.at[ks, pl.ds(n + start, tiles.block_n)],
+        ],
+        ring,
+        tiles,
+        0,
+        steps,
+        pl.ds(row_tile * ROW_TILE, ROW_TILE),
+        finish,
+    )
+    tma_ring.store_rows(out_smem, lambda rows: out_gmem.at[rows, cols], row_tile, m)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def swiglu_matmul(
+    x: Array, w: Array, tiles: Tiles | None = None, interpret: bool | None = None
+) -> Array:
+    """`silu(x @ w[:, 0]) * (x @ w[:, 1])` in one Mosaic GPU kernel.
+
+    x: [m, k]; w: [k, 2, n] (gate and up), both bf16 or both fp16, k and n multiples of 64.
+    Returns [m, n] in x's dtype, accumulated in fp32. Row counts that are not multiples of
+    8 are padded with zero rows for the kernel (an extra copy of x). `tiles`: the program
+    shape (default `tiles_for`; `splits` must be 1); `interpret`: run in Mosaic GPU's
+    interpreter (default: exactly off GPUs, as the CPU tests do).
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if x.ndim != 2 or w.ndim != 3:
+        raise ValueError(
+            f"swiglu_mosaic.swiglu_matmul: x {x.shape}, w {w.shape}; expected x [m, k] and "
+            "w [k, 2, n]"
+        )
+    m, k = x.shape
+    n = w.shape[-1]
+    if w.shape[:2] != (k, 2) or not tma_ring.fits(k, n):
+        raise ValueError(
+            f"swiglu_mosaic.swiglu_matmul: x {x.shape}, w {w.shape}; expected w [{k}, 2, n] "
+            f"with {k} and n multiples of 64"
+        )
+    tma_ring.check_operands("swiglu_mosaic.swiglu_matmul", x, w)
+    tiles = tiles or tiles_for(m, k, n)
+    if tiles.splits != 1:
+        raise ValueError(f"{tiles}: the SwiGLU product takes splits=1")
+    tiles.check(k, n, weights=2, out_bytes=x.dtype.itemsize)
+    column_tiles = n // tiles.block_n
+    kernel = plgpu.kernel(
+        functools.partial(
+            _kernel,
+            tiles=tiles,
+            steps=k // tiles.block_k,
+            m=m,
+            n=n,
+            column_tiles=column_tiles,
+        ),
+        out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+        grid=(pl.cdiv(m, ROW_TILE) * column_tiles,),
+        grid_names=("cta",),
+        scratch_types=[
+            *tma_ring.ring_scratch(tiles, x.dtype, weights=2),
+            plgpu.SMEM((ROW_TILE, tiles.block_n), x.dtype),
+        ],
+        interpret=tma_ring.interpret_params(interpret),
+    )
+    return kernel(tma_ring.aligned_rows(x), w.reshape(k, 2 * n))

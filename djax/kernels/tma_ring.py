@@ -1,0 +1,202 @@
+"""What djax's Pallas Mosaic GPU product kernels (`split_k_mosaic`, `swiglu_mosaic`) share:
+their tile rules, the ring of shared-memory slots each CTA streams its operands through,
+and how they run off GPUs (Mosaic GPU's interpreter, which is how the CPU tests check them).
+
+Each CTA owns one tile of `block_n` output columns (of one contraction slice, for the
+split-K product) and steps through the contraction `block_k` at a time: TMA copies bring
+the step's x tile [64, block_k] and weight tiles [block_k, block_n] into a ring of `stages`
+slots, one barrier per slot and operand; WGMMA multiplies them into fp32 accumulators of 64
+rows, the row tile of one warpgroup. Rules:
+
+- x's rows are read 64 at a time from the x array itself: the rows past its end are read
+  by TMA as zeros (their products are never stored), so a block's 32 rows need no padded
+  copy. TMA takes row counts that are multiples of 8; the wrappers pad other counts.
+- Slots and tiles are swizzled for WGMMA at 128 bytes (64 16-bit values), so `block_n` and
+  `block_k` are multiples of 64, and the operands 16-bit (bf16 or fp16).
+- Each step's products are waited for before its slot is refilled with the step `stages`
+  ahead, so `stages - 1` steps of copies are in flight while one multiplies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+Array = jax.Array
+
+ROW_TILE = 64  # WGMMA's row tile: the rows of one warpgroup's accumulator
+ROW_ALIGN = 8  # TMA reads x's rows in runs of 8
+SWIZZLE = 128  # bytes of a swizzled row: 64 16-bit values
+TILE = SWIZZLE // 2  # block_n and block_k are multiples of this
+# Shared memory a CTA's slots and output tile may take (of the 227 KiB a Hopper block has).
+SHARED_MEMORY = 224 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Program shape of a Mosaic GPU product: a CTA per `block_n` output columns (and per
+    contraction slice, of `splits`), stepping `block_k` at a time through a ring of
+    `stages` slots. `block_n` and `block_k` are multiples of 64."""
+
+    block_n: int = 128
+    block_k: int = 64
+    splits: int = 1
+    stages: int = 4
+
+    def check(self, k: int, n: int, weights: int, out_bytes: int) -> None:
+        """Raise a ValueError naming these tiles unless they divide a `k -> n` product and
+        the ring of x and `weights` weight tiles per slot, with an output tile of
+        `out_bytes` per value, fits in `SHARED_MEMORY`."""
+        bn, bk, splits = self.block_n, self.block_k, self.splits
+        whole = bn % TILE == 0 and bk % TILE == 0 and splits >= 1 and self.stages >= 1
+        if not whole or n % bn or k % (splits * bk):
+            raise ValueError(
+                f"{self}: block_n and block_k must be multiples of {TILE}, block_n dividing "
+                f"n = {n} and splits x block_k dividing k = {k}"
+            )
+        if self.shared_bytes(weights, out_bytes) > SHARED_MEMORY:
+            raise ValueError(
+                f"{self}: {self.shared_bytes(weights, out_bytes)} bytes of shared memory; "
+                f"at most {SHARED_MEMORY}"
+            )
+
+    def shared_bytes(self, weights: int, out_bytes: int) -> int:
+        """Shared memory of the slots (x and `weights` weight tiles, 16-bit) and the output
+        tile (`out_bytes` per value)."""
+        slot = ROW_TILE * self.block_k + weights * self.block_k * self.block_n
+        return self.stages * slot * 2 + ROW_TILE * self.block_n * out_bytes
+
+
+def fits(k: int, n: int) -> bool:
+    """Whether the Mosaic GPU products take a contraction of `k` into `n` columns: both
+    multiples of 64, so every swizzled tile is whole."""
+    return k % TILE == 0 and n % TILE == 0
+
+
+def takes_dtype(dtype: Any) -> bool:
+    """Whether the Mosaic GPU products take operands of `dtype` (WGMMA's 16-bit inputs)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def check_operands(name: str, x: Array, w: Array) -> None:
+    """Raise a ValueError naming `name` unless x and w are 16-bit of one dtype."""
+    if not takes_dtype(x.dtype) or w.dtype != x.dtype:
+        raise ValueError(
+            f"{name}: x {x.dtype}, w {w.dtype}; expected both bfloat16 or both float16"
+        )
+
+
+def aligned_rows(rows: Array) -> Array:
+    """rows [m, k] with zero rows up to a multiple of `ROW_ALIGN` (itself when aligned)."""
+    return jnp.pad(rows, ((0, -rows.shape[0] % ROW_ALIGN), (0, 0)))
+
+
+def interpret_params(interpret: bool | None) -> Any:
+    """A kernel's `interpret` argument as `plgpu.kernel` takes it: None (compile for the
+    GPU) or Mosaic GPU's interpreter parameters, reading rows past x's end as zeros as TMA
+    does. `interpret` None means the interpreter exactly off GPUs."""
+    if not (jax.default_backend() != "gpu" if interpret is None else interpret):
+        return None
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
+
+
+def swizzled() -> tuple:
+    """The transforms of a slot's tiles, as WGMMA reads them."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def ring_scratch(tiles: Tiles, dtype: Any, weights: int) -> list:
+    """Scratch of a ring: the x slots [stages, 64, block_k], `weights` weight slots
+    [stages, block_k, block_n] each, then one barrier array per operand."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    x_slots = (tiles.stages, ROW_TILE, tiles.block_k)
+    w_slots = (tiles.stages, tiles.block_k, tiles.block_n)
+    return [
+        plgpu.SMEM(x_slots, dtype, transforms=swizzled()),
+        *(plgpu.SMEM(w_slots, dtype, transforms=swizzled()) for _ in range(weights)),
+        *(plgpu.Barrier(num_barriers=tiles.stages) for _ in range(weights + 1)),
+    ]
+
+
+def stream(
+    x_gmem,
+    w_tiles: Sequence[Callable[[Any], Any]],
+    ring: Sequence,
+    tiles: Tiles,
+    first_step,
+    steps: int,
+    rows,
+    finish: Callable[..., None],
+) -> None:
+    """Inside a kernel: multiply x's rows by each weight over `steps` contraction steps from
+    `first_step` through the ring, then call `finish` with the fp32 products [64, block_n]
+    (one per weight, as arrays) while their accumulators are live. `w_tiles[i](ks)` is
+    weight i's GMEM tile at contraction indexer `ks`; `ring` the scratch refs of
+    `ring_scratch`; `rows` the indexer of x's 64 rows."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    count = len(w_tiles)
+    x_slots, w_slots = ring[0], ring[1 : 1 + count]
+    x_bars, w_bars = ring[1 + count], ring[2 + count : 2 + 2 * count]
+
+    def fetch(step, slot):
+        ks = pl.ds((first_step + step) * tiles.block_k, tiles.block_k)
+        plgpu.copy_gmem_to_smem(x_gmem.at[rows, ks], x_slots.at[slot], x_bars.at[slot])
+        for w_tile, slots, bars in zip(w_tiles, w_slots, w_bars, strict=True):
+            plgpu.copy_gmem_to_smem(w_tile(ks), slots.at[slot], bars.at[slot])
+
+    for step in range(min(tiles.stages, steps)):
+        fetch(step, step)
+
+    def scope(*accs):
+        @pl.loop(0, steps)
+        def _step(i):
+            slot = jax.lax.rem(i, tiles.stages)
+            plgpu.barrier_wait(x_bars.at[slot])
+            for acc, slots, bars in zip(accs, w_slots, w_bars, strict=True):
+                plgpu.barrier_wait(bars.at[slot])
+                plgpu.wgmma(acc, x_slots.at[slot], slots.at[slot])
+            plgpu.wgmma_wait(0)  # this step's products are done: its slot may be refilled
+
+            @pl.when(i + tiles.stages < steps)
+            def _refill():
+                fetch(i + tiles.stages, slot)
+
+        finish(*(acc[...] for acc in accs))
+
+    acc = plgpu.ACC((ROW_TILE, tiles.block_n), jnp.float32)
+    pl.run_scoped(scope, *([acc] * count))
+
+
+def store_rows(out_smem, dst, row_tile, m: int) -> None:
+    """Inside a kernel: the first rows of an output tile `out_smem` [64, block_n] to `dst`,
+    the GMEM rows of this CTA's row tile `row_tile` (of an output of `m` rows) at its
+    columns, a callable taking the rows' indexer: 64 rows, or what is left of `m` in the
+    last row tile."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.commit_smem()
+    last, left = (m - 1) // ROW_TILE, m - (m - 1) // ROW_TILE * ROW_TILE
+    if left == ROW_TILE:
+        plgpu.copy_smem_to_gmem(out_smem, dst(pl.ds(row_tile * ROW_TILE, ROW_TILE)))
+    else:
+
+        @pl.when(row_tile < last)
+        def _whole():
+            plgpu.copy_smem_to_gmem(out_smem, dst(pl.ds(row_tile * ROW_TILE, ROW_TILE)))
+
+        @pl.when(row_tile == last)
+        def _rest():
+            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, left)], dst(pl.ds(last * ROW_TILE, left)))
+
+    plgpu.wait_smem_to_gmem(0)
