@@ -166,15 +166,21 @@ def test_explicit_options():
 
 def test_mosaic_products_only_when_asked():
     """`mosaic` takes the Mosaic GPU products wherever asked (16-bit weights, widths that are
-    multiples of 64), never under `auto`; the fused forms stay with the Triton kernels."""
+    multiples of 64), never under `auto`; the norm moves into them where the product before
+    it can run that form (`tiled` after either split-K product, `fused` only in Triton's)."""
     mosaic = KernelOptions(mlp_impl="mosaic", matmul_impl="mosaic")
     for device in (HOPPER, CPU):
         for forward in (_choice(mosaic, device).block, _choice(mosaic, device).refresh):
             kernels = forward.layers
             assert (kernels.qkv, kernels.out, kernels.mlp, kernels.down) == ("mosaic",) * 4
     block = _choice(mosaic).block.layers
-    assert block.norm_into_mlp == block.norm_into_attention == "no" and block.norm == "pallas"
+    assert block.norm_into_mlp == "tiled"  # the split-K product, the tiled add, the gate/up
+    assert block.norm_into_attention == "no"  # the q/k/v product is not in the RoPE kernel
     assert block.rope == "pallas"  # the RoPE kernel sums the Mosaic GPU product's partials
+    fused = _choice(mosaic.replace(norm_impl="fused")).block.layers
+    assert fused.norm_into_mlp == "no" and fused.norm == "pallas"  # `fused` is Triton's
+    triton_out = _choice(mosaic.replace(matmul_impl="pallas", norm_impl="fused")).block.layers
+    assert (triton_out.mlp, triton_out.norm_into_mlp) == ("mosaic", "fused")
     auto = _choice().block.layers
     assert (auto.qkv, auto.out, auto.mlp, auto.down) == ("rope", "pallas", "pallas", "pallas")
     with pytest.raises(ValueError, match="matmul_impl='mosaic' takes bfloat16 or float16 "):

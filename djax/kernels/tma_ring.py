@@ -93,7 +93,8 @@ def check_operands(name: str, x: Array, w: Array) -> None:
 
 def aligned_rows(rows: Array) -> Array:
     """rows [m, k] with zero rows up to a multiple of `ROW_ALIGN` (itself when aligned)."""
-    return jnp.pad(rows, ((0, -rows.shape[0] % ROW_ALIGN), (0, 0)))
+    missing = -rows.shape[0] % ROW_ALIGN
+    return jnp.pad(rows, ((0, missing), (0, 0))) if missing else rows
 
 
 def interpret_params(interpret: bool | None) -> Any:
@@ -105,6 +106,16 @@ def interpret_params(interpret: bool | None) -> Any:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
+
+
+def accumulator_rows(value: Array, interpreting: bool) -> Array:
+    """Inside a kernel: a vector `value` [64] read from shared memory, laid out as the rows of
+    an accumulator (so it broadcasts along an accumulator's columns). The layout cast is
+    the identity on values; Mosaic GPU's interpreter has no rule for it and takes the value
+    as it is."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return value if interpreting else plgpu.layout_cast(value, plgpu.Layout.WGMMA.reduce(1))
 
 
 def swizzled() -> tuple:

@@ -26,9 +26,12 @@ An option other than `auto` is taken as given wherever its kernel fits (a ValueE
 the misfit otherwise), except the fused forms, which need their rows and products as above.
 `mosaic` (`matmul_impl`, `mlp_impl`: the Pallas Mosaic GPU ports of the split-K and SwiGLU
 kernels, `djax.kernels.split_k_mosaic` / `swiglu_mosaic`, for Hopper GPUs) is taken only when
-asked for, with 16-bit weights and widths that are multiples of 64; the fused forms (the q/k/v
-product inside the RoPE kernel, the norms moved into the products) stay with the Triton
-kernels, so a `mosaic` product keeps its norm and RoPE kernels apart.
+asked for, with 16-bit weights and widths that are multiples of 64. The Mosaic GPU SwiGLU
+product takes the norm before it (`fused` or `tiled`) as the Triton one does, and the
+Mosaic GPU split-K product runs the `tiled` form; the `fused` products (`residual_product`)
+and the q/k/v product inside the RoPE kernel stay Triton kernels, so under `mosaic` a
+q/k/v product keeps its RoPE kernel apart, and the output product's norm runs `fused`
+only with `matmul_impl="pallas"`.
 """
 
 from __future__ import annotations
@@ -358,8 +361,8 @@ class _Rule:
         into_mlp = (
             fusing
             if fusing != "no"
-            and out == "pallas"
-            and mlp == "pallas"
+            and (out == "pallas" or (out == "mosaic" and fusing == "tiled"))
+            and mlp in ("pallas", "mosaic")
             and _fits(w.out)
             and not cfg.attn_out_bias  # the output product's epilogue adds no bias
             else "no"

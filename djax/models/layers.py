@@ -64,10 +64,12 @@ def project(x: Array, w: fp8.Weight, impl: str, fp8_impl: str = "no") -> Array |
 class Product:
     """A block layer's attention-output or down product `x [..., k] @ w [k, n]`, left for the
     residual norm after it to run with the residual add, in its epilogue (`fused`) or right
-    after it (`tiled`; `Kernels.norm_into_mlp`, `Kernels.norm_into_attention`)."""
+    after it (`tiled`; `Kernels.norm_into_mlp`, `Kernels.norm_into_attention`). `impl`: the
+    product's kernel (`Kernels.out` / `Kernels.down`: `pallas`, or `mosaic` for `tiled`)."""
 
     x: Array
     w: Array
+    impl: str = "pallas"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -221,11 +223,15 @@ class RMSNorm(nn.Module):
     ) -> Array | tuple[Array, Array | ScaledRows]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if isinstance(x, Product):
-            if impl == "fused":
+            if impl == "fused" and x.impl == "pallas":
                 return residual_product.residual_product(x.x, x.w, residual, scale, self.eps)
             if impl != "tiled":
-                raise ValueError(f"RMSNorm: a Product needs impl 'fused' or 'tiled'; got {impl!r}")
-            y = split_k.matmul_partials(x.x, x.w)
+                raise ValueError(
+                    f"RMSNorm: a Product of {x.impl!r} takes impl 'tiled' (or 'fused' for a "
+                    f"'pallas' product); got {impl!r}"
+                )
+            kernel = split_k_mosaic if x.impl == "mosaic" else split_k
+            y = kernel.matmul_partials(x.x, x.w)
             return residual_norm.add_scaled(residual, y, scale, self.eps)
         if residual is None:
             return rms_norm(finish(x), scale, self.eps)
@@ -340,7 +346,7 @@ class Attention(nn.Module):
         out = out.reshape(b, t, -1)
         out_kernel = fp8.matrix(out_kernel, out.shape[-1], cfg.d_model)
         if defer_output:
-            return Product(out, out_kernel), (keys, values)
+            return Product(out, out_kernel, out_impl), (keys, values)
         y = _sum_over(project(out, out_kernel, out_impl, kernels.fp8), self.axis_name)
         if out_bias is not None:  # added once, after the sum over shards
             y = finish(y) + out_bias
@@ -386,17 +392,15 @@ class GatedMLP(nn.Module):
             self, "gate_up", init_normal(), (d_model, 2, hidden), self.dtype, self.weights
         )
         down = fp8.param(self, "down", init_normal(), (hidden, d_model), self.dtype, self.weights)
-        if kernels.mlp == "pallas":  # Pallas's interpreter off GPUs (for tests)
-            act = swiglu.swiglu_matmul(x.reshape(b * t, d_model), gate_up).reshape(b, t, hidden)
+        if kernels.mlp in ("pallas", "mosaic"):  # interpreted off GPUs (for tests)
+            kernel = swiglu_mosaic if kernels.mlp == "mosaic" else swiglu
+            act = kernel.swiglu_matmul(x.reshape(b * t, d_model), gate_up).reshape(b, t, hidden)
         elif isinstance(x, ScaledRows):
             raise ValueError("GatedMLP: ScaledRows need the gate/up product in djax's kernel")
-        elif kernels.mlp == "mosaic":
-            rows = x.reshape(b * t, d_model)
-            act = swiglu_mosaic.swiglu_matmul(rows, gate_up).reshape(b, t, hidden)
         else:
             act = swiglu_xla(x, gate_up, kernels.fp8)
         if defer_down:
-            return Product(act, down)
+            return Product(act, down, kernels.down)
         return _sum_over(project(act, down, kernels.down, kernels.fp8), self.axis_name)
 
 

@@ -9,13 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from djax.kernels import split_k, split_k_mosaic, swiglu_mosaic, tma_ring
-from djax.kernels.handoff import Partials
+from djax.kernels import residual_product, split_k, split_k_mosaic, swiglu, swiglu_mosaic, tma_ring
+from djax.kernels.handoff import Partials, ScaledRows
 from djax.kernels.tma_ring import Tiles
 from djax.models import layers
 from djax.models.kernel_choice import Kernels
 
 BF16 = jnp.bfloat16
+EPS = 1e-5
 needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
 
@@ -128,6 +129,10 @@ def test_lowers_for_hopper():
         assert "mosaic_gpu" in lowered(partials, (32, k), (k, n))
     gate_up = lambda x, w: swiglu_mosaic.swiglu_matmul(x, w, interpret=False)  # noqa: E731
     assert "mosaic_gpu" in lowered(gate_up, (20, 4096), (4096, 2, 12288))
+    args = [jax.ShapeDtypeStruct(s, t) for s, t in (((20, 4096), BF16), ((128, 20), jnp.float32))]
+    normed_gate_up = lambda x, squares, w: gate_up(ScaledRows(x, squares, EPS), w)  # noqa: E731
+    text = jax.jit(normed_gate_up).trace(*args, jax.ShapeDtypeStruct((4096, 2, 12288), BF16))
+    assert "mosaic_gpu" in text.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_mlp_layer_takes_the_mosaic_kernels():
@@ -142,10 +147,51 @@ def test_mlp_layer_takes_the_mosaic_kernels():
     assert _rel_error(ours.total(), ref) < 1e-2
 
 
+def _scaled_rows(m, d, seed=5):
+    """bf16 rows h as the Triton output product leaves them (`ScaledRows`), and XLA's norm
+    of h."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(keys[0], (m, d), BF16)
+    w = (jax.random.normal(keys[1], (d, d)) * d**-0.5).astype(BF16)
+    residual = jax.random.normal(keys[2], (m, d), BF16)
+    scale = (1 + 0.1 * jax.random.normal(keys[3], (d,))).astype(BF16)
+    h, rows = residual_product.residual_product(x, w, residual, scale, EPS)
+    return rows, layers.rms_norm(h, scale, EPS)
+
+
+def test_swiglu_applies_the_norm_of_scaled_rows():
+    """Given `ScaledRows` the kernel scales its rows by 1 / rms after the product: as on
+    XLA's normed rows, and as the Triton kernel does."""
+    rows, normed = _scaled_rows(20, 128)
+    _, w = _swiglu_problem(20, 128, 64, seed=6)
+    ours = swiglu_mosaic.swiglu_matmul(rows, w)
+    assert _rel_error(ours, swiglu_mosaic.swiglu_matmul(normed, w)) < 2e-2
+    assert _rel_error(ours, swiglu.swiglu_matmul(rows, w)) < 1e-2
+    with pytest.raises(ValueError, match=r"squares \(4, 19\), rows \(20, 128\)"):
+        bad = ScaledRows(rows.scaled, rows.squares[:, :19], EPS)
+        swiglu_mosaic.swiglu_matmul(bad, w)
+
+
+def test_tiled_norm_takes_the_mosaic_product():
+    """A norm moved after the output product (`tiled`) runs the Mosaic GPU split-K product,
+    then the tiled add, as XLA's add and norm do."""
+    norm = layers.RMSNorm(EPS, BF16)
+    x, w = _matmul_problem((1, 20), 128, 128, seed=7)
+    residual = jax.random.normal(jax.random.key(8), (1, 20, 128), BF16)
+    params = norm.init(jax.random.key(0), residual)
+    h, rows = norm.apply(params, layers.Product(x, w, "mosaic"), residual, impl="tiled")
+    want_h, want = norm.apply(params, x @ w, residual, impl="xla")
+    assert _rel_error(h, want_h) < 1e-2
+    assert _rel_error(rows.scaled.astype(jnp.float32) * rows.inv_rms(), want) < 1e-2
+    with pytest.raises(ValueError, match="a Product of 'mosaic' takes impl 'tiled'"):
+        norm.apply(params, layers.Product(x, w, "mosaic"), residual, impl="fused")
+
+
 @needs_gpu
 def test_compiled_kernels_on_gpu():
     """On a Hopper GPU: the compiled Mosaic GPU kernels at LLaDA-8B's block products and MLP
-    (bf16, 32 rows and a ragged 20) against fp32, and against the Triton kernels' results."""
+    (bf16, 32 rows and a ragged 20) against fp32 and against the Triton kernels' results; the
+    SwiGLU kernel also on `ScaledRows` of LLaDA-8B's width."""
     for m in (32, 20):
         for k, n in ((4096, 12288), (4096, 4096), (12288, 4096)):
             x, w = _matmul_problem((m,), k, n, seed=3)
@@ -155,6 +201,10 @@ def test_compiled_kernels_on_gpu():
             assert _rel_error(ours, split_k.matmul_partials(x, w).total()) <= 1e-2, (m, k, n)
         x, w = _swiglu_problem(m, 4096, 12288, seed=4)
         assert _rel_error(swiglu_mosaic.swiglu_matmul(x, w), _swiglu_reference(x, w)) <= 1e-2, m
+        rows, normed = _scaled_rows(m, 4096)  # 128 tiles of sums of squares
+        ours = swiglu_mosaic.swiglu_matmul(rows, w)
+        assert _rel_error(ours, swiglu_mosaic.swiglu_matmul(normed, w)) <= 2e-2, m
+        assert _rel_error(ours, swiglu.swiglu_matmul(rows, w)) <= 1e-2, m
 
 
 def test_takes_16_bit_operands_only():
