@@ -103,7 +103,8 @@ def swiglu_matmul(
     """`silu(x @ w[:, 0]) * (x @ w[:, 1])` in one Mosaic GPU kernel.
 
     x: [m, k], or `ScaledRows` [m, k] whose RMSNorm the kernel applies to the product's rows
-    (at most 256 tiles of sums of squares); w: [k, 2, n] (gate and up), both bf16 or both
+    (at most 256 tiles of sums of squares, [tiles, 64] fp32 of shared memory beside the
+    ring); w: [k, 2, n] (gate and up), both bf16 or both
     fp16, k and n multiples of 64. Returns [m, n] in x's dtype, accumulated in fp32. Row
     counts that are not multiples of 8 are padded with zero rows for the kernel (an extra
     copy of x and of the squares). `tiles`: the program shape (default `tiles_for`; `splits`
@@ -137,7 +138,8 @@ def swiglu_matmul(
     tiles = tiles or tiles_for(m, k, n)
     if tiles.splits != 1:
         raise ValueError(f"{tiles}: the SwiGLU product takes splits=1")
-    tiles.check(k, n, weights=2, out_bytes=x.dtype.itemsize)
+    squares_bytes = 0 if squares is None else squares.shape[0] * ROW_TILE * 4
+    tiles.check(k, n, weights=2, out_bytes=x.dtype.itemsize, extra=squares_bytes)
     column_tiles = n // tiles.block_n
     inputs = [tma_ring.aligned_rows(x), w.reshape(k, 2 * n)]
     scratch = [
