@@ -166,8 +166,9 @@ def test_explicit_options():
 
 def test_mosaic_products_only_when_asked():
     """`mosaic` takes the Mosaic GPU products wherever asked (16-bit weights, widths that are
-    multiples of 64), never under `auto`; the norm moves into them where the product before
-    it can run that form (`tiled` after either split-K product, `fused` only in Triton's)."""
+    multiples of 64), never under `auto`; the norm before the feed-forward moves into them
+    as into the Triton kernels, the norm before attention does not (no Mosaic GPU q/k/v
+    product inside the RoPE kernel)."""
     mosaic = KernelOptions(mlp_impl="mosaic", matmul_impl="mosaic")
     for device in (HOPPER, CPU):
         for forward in (_choice(mosaic, device).block, _choice(mosaic, device).refresh):
@@ -178,7 +179,7 @@ def test_mosaic_products_only_when_asked():
     assert block.norm_into_attention == "no"  # the q/k/v product is not in the RoPE kernel
     assert block.rope == "pallas"  # the RoPE kernel sums the Mosaic GPU product's partials
     fused = _choice(mosaic.replace(norm_impl="fused")).block.layers
-    assert fused.norm_into_mlp == "no" and fused.norm == "pallas"  # `fused` is Triton's
+    assert (fused.norm_into_mlp, fused.norm_into_attention) == ("fused", "no")
     triton_out = _choice(mosaic.replace(matmul_impl="pallas", norm_impl="fused")).block.layers
     assert (triton_out.mlp, triton_out.norm_into_mlp) == ("mosaic", "fused")
     auto = _choice().block.layers

@@ -1,4 +1,5 @@
-"""What djax's Pallas Mosaic GPU product kernels (`split_k_mosaic`, `swiglu_mosaic`) share:
+"""What djax's Pallas Mosaic GPU product kernels (`split_k_mosaic`, `swiglu_mosaic`,
+`residual_product_mosaic`) share:
 their tile rules, the ring of shared-memory slots each CTA streams its operands through,
 and how they run off GPUs (Mosaic GPU's interpreter, which is how the CPU tests check them).
 
@@ -11,8 +12,9 @@ rows, the row tile of one warpgroup. Rules:
 - x's rows are read 64 at a time from the x array itself: the rows past its end are read
   by TMA as zeros (their products are never stored), so a block's 32 rows need no padded
   copy. TMA takes row counts that are multiples of 8; the wrappers pad other counts.
-- Slots and tiles are swizzled for WGMMA at 128 bytes (64 16-bit values), so `block_n` and
-  `block_k` are multiples of 64, and the operands 16-bit (bf16 or fp16).
+- Slots and tiles are swizzled for WGMMA at 128 bytes (64 16-bit values), or 64 bytes for
+  32-column tiles (both operands of a WGMMA share their swizzle): `block_n` is 32 or a
+  multiple of 64, `block_k` a multiple of 64, and the operands 16-bit (bf16 or fp16).
 - Each step's products are waited for before its slot is refilled with the step `stages`
   ahead, so `stages - 1` steps of copies are in flight while one multiplies.
 """
@@ -32,7 +34,8 @@ Array = jax.Array
 ROW_TILE = 64  # WGMMA's row tile: the rows of one warpgroup's accumulator
 ROW_ALIGN = 8  # TMA reads x's rows in runs of 8
 SWIZZLE = 128  # bytes of a swizzled row: 64 16-bit values
-TILE = SWIZZLE // 2  # block_n and block_k are multiples of this
+TILE = SWIZZLE // 2  # block_n (but for NARROW) and block_k are multiples of this
+NARROW = 32  # the one narrower block_n, swizzled at 64 bytes
 # Shared memory a CTA's slots and output tile may take (of the 227 KiB a Hopper block has).
 SHARED_MEMORY = 224 * 1024
 
@@ -48,16 +51,22 @@ class Tiles:
     splits: int = 1
     stages: int = 4
 
+    @property
+    def swizzle(self) -> int:
+        """Bytes of a swizzled row of this program's slots: 64 for 32-column tiles, else
+        128."""
+        return 2 * NARROW if self.block_n == NARROW else SWIZZLE
+
     def check(self, k: int, n: int, weights: int, out_bytes: int, extra: int = 0) -> None:
         """Raise a ValueError naming these tiles unless they divide a `k -> n` product and
         the ring of x and `weights` weight tiles per slot, with an output tile of
         `out_bytes` per value and `extra` bytes of other scratch, fits in `SHARED_MEMORY`."""
         bn, bk, splits = self.block_n, self.block_k, self.splits
-        whole = bn % TILE == 0 and bk % TILE == 0 and splits >= 1 and self.stages >= 1
-        if not whole or n % bn or k % (splits * bk):
+        whole = (bn % TILE == 0 or bn == NARROW) and bk % TILE == 0
+        if not whole or splits < 1 or self.stages < 1 or n % bn or k % (splits * bk):
             raise ValueError(
-                f"{self}: block_n and block_k must be multiples of {TILE}, block_n dividing "
-                f"n = {n} and splits x block_k dividing k = {k}"
+                f"{self}: block_n must be {NARROW} or a multiple of {TILE} dividing n = {n}, "
+                f"block_k a multiple of {TILE} and splits x block_k dividing k = {k}"
             )
         used = self.shared_bytes(weights, out_bytes) + extra
         if used > SHARED_MEMORY:
@@ -112,16 +121,30 @@ def accumulator_rows(value: Array, interpreting: bool) -> Array:
     an accumulator (so it broadcasts along an accumulator's columns). The layout cast is
     the identity on values; Mosaic GPU's interpreter has no rule for it and takes the value
     as it is."""
+    return _laid_out(value, 1, interpreting)
+
+
+def accumulator_columns(value: Array, interpreting: bool) -> Array:
+    """Inside a kernel: a vector `value` [block_n] read from shared memory, laid out as the
+    columns of an accumulator (so it broadcasts along an accumulator's rows); as
+    `accumulator_rows`."""
+    return _laid_out(value, 0, interpreting)
+
+
+def _laid_out(value: Array, reduced: int, interpreting: bool) -> Array:
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return value if interpreting else plgpu.layout_cast(value, plgpu.Layout.WGMMA.reduce(1))
+    if interpreting:
+        return value
+    return plgpu.layout_cast(value, plgpu.Layout.WGMMA.reduce(reduced))
 
 
-def swizzled() -> tuple:
-    """The transforms of a slot's tiles, as WGMMA reads them."""
+def swizzled(swizzle: int = SWIZZLE) -> tuple:
+    """The transforms of a tile of 16-bit values swizzled at `swizzle` bytes, as WGMMA
+    reads them."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(SWIZZLE))
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
 def ring_scratch(tiles: Tiles, dtype: Any, weights: int) -> list:
@@ -131,9 +154,10 @@ def ring_scratch(tiles: Tiles, dtype: Any, weights: int) -> list:
 
     x_slots = (tiles.stages, ROW_TILE, tiles.block_k)
     w_slots = (tiles.stages, tiles.block_k, tiles.block_n)
+    transforms = swizzled(tiles.swizzle)
     return [
-        plgpu.SMEM(x_slots, dtype, transforms=swizzled()),
-        *(plgpu.SMEM(w_slots, dtype, transforms=swizzled()) for _ in range(weights)),
+        plgpu.SMEM(x_slots, dtype, transforms=transforms),
+        *(plgpu.SMEM(w_slots, dtype, transforms=transforms) for _ in range(weights)),
         *(plgpu.Barrier(num_barriers=tiles.stages) for _ in range(weights + 1)),
     ]
 
@@ -188,25 +212,26 @@ def stream(
     pl.run_scoped(scope, *([acc] * count))
 
 
-def store_rows(out_smem, dst, row_tile, m: int) -> None:
-    """Inside a kernel: the first rows of an output tile `out_smem` [64, block_n] to `dst`,
-    the GMEM rows of this CTA's row tile `row_tile` (of an output of `m` rows) at its
-    columns, a callable taking the rows' indexer: 64 rows, or what is left of `m` in the
-    last row tile."""
+def store_rows(out_smem, dst, row_tile, m: int, *more) -> None:
+    """Inside a kernel: the first rows of an output tile `out_smem` [64, ...] to `dst`, the
+    GMEM rows of this CTA's row tile `row_tile` (of an output of `m` rows) at its columns,
+    a callable taking the rows' indexer: 64 rows, or what is left of `m` in the last row
+    tile. `more`: further (out_smem, dst, m) triples stored the same way."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     plgpu.commit_smem()
-    last, left = (m - 1) // ROW_TILE, m - (m - 1) // ROW_TILE * ROW_TILE
-    if left == ROW_TILE:
-        plgpu.copy_smem_to_gmem(out_smem, dst(pl.ds(row_tile * ROW_TILE, ROW_TILE)))
-    else:
+    for smem, to, rows in ((out_smem, dst, m), *more):
+        last, left = (rows - 1) // ROW_TILE, rows - (rows - 1) // ROW_TILE * ROW_TILE
+        if left == ROW_TILE:
+            plgpu.copy_smem_to_gmem(smem, to(pl.ds(row_tile * ROW_TILE, ROW_TILE)))
+            continue
 
         @pl.when(row_tile < last)
-        def _whole():
-            plgpu.copy_smem_to_gmem(out_smem, dst(pl.ds(row_tile * ROW_TILE, ROW_TILE)))
+        def _whole(smem=smem, to=to):
+            plgpu.copy_smem_to_gmem(smem, to(pl.ds(row_tile * ROW_TILE, ROW_TILE)))
 
         @pl.when(row_tile == last)
-        def _rest():
-            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, left)], dst(pl.ds(last * ROW_TILE, left)))
+        def _rest(smem=smem, to=to, last=last, left=left):
+            plgpu.copy_smem_to_gmem(smem.at[pl.ds(0, left)], to(pl.ds(last * ROW_TILE, left)))
 
     plgpu.wait_smem_to_gmem(0)

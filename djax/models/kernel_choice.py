@@ -26,12 +26,11 @@ An option other than `auto` is taken as given wherever its kernel fits (a ValueE
 the misfit otherwise), except the fused forms, which need their rows and products as above.
 `mosaic` (`matmul_impl`, `mlp_impl`: the Pallas Mosaic GPU ports of the split-K and SwiGLU
 kernels, `djax.kernels.split_k_mosaic` / `swiglu_mosaic`, for Hopper GPUs) is taken only when
-asked for, with 16-bit weights and widths that are multiples of 64. The Mosaic GPU SwiGLU
-product takes the norm before it (`fused` or `tiled`) as the Triton one does, and the
-Mosaic GPU split-K product runs the `tiled` form; the `fused` products (`residual_product`)
-and the q/k/v product inside the RoPE kernel stay Triton kernels, so under `mosaic` a
-q/k/v product keeps its RoPE kernel apart, and the output product's norm runs `fused`
-only with `matmul_impl="pallas"`.
+asked for, with 16-bit weights and widths that are multiples of 64. The Mosaic GPU
+kernels take the norm moved into the products before the feed-forward as the Triton ones
+do (`fused`: `residual_product_mosaic`; `tiled`: the split-K product, then the tiled add);
+the q/k/v product inside the RoPE kernel stays a Triton kernel, so under `mosaic` the
+q/k/v product keeps its RoPE kernel apart and the norm before attention is not moved.
 """
 
 from __future__ import annotations
@@ -43,7 +42,14 @@ import jax.numpy as jnp
 
 from djax.config import ModelConfig
 from djax.kernel_options import KernelOptions
-from djax.kernels import flash_attention, residual_product, rope_write, tiles, tma_ring
+from djax.kernels import (
+    flash_attention,
+    residual_product,
+    residual_product_mosaic,
+    rope_write,
+    tiles,
+    tma_ring,
+)
 from djax.models import fp8
 
 # The most token rows djax's product kernels take under `auto` (a block of one sequence).
@@ -361,9 +367,9 @@ class _Rule:
         into_mlp = (
             fusing
             if fusing != "no"
-            and (out == "pallas" or (out == "mosaic" and fusing == "tiled"))
+            and out in ("pallas", "mosaic")
             and mlp in ("pallas", "mosaic")
-            and _fits(w.out)
+            and _fits(w.out, out)
             and not cfg.attn_out_bias  # the output product's epilogue adds no bias
             else "no"
         )
@@ -469,5 +475,6 @@ class _Rule:
         return "pallas" if pays and fits else "xla"
 
 
-def _fits(widths: tuple[int, int]) -> bool:
-    return residual_product.fits(*widths)
+def _fits(widths: tuple[int, int], impl: str) -> bool:
+    """Whether the residual product of `impl` (`pallas` or `mosaic`) takes these widths."""
+    return (residual_product_mosaic if impl == "mosaic" else residual_product).fits(*widths)

@@ -29,6 +29,7 @@ from djax.kernels import (
     flash_attention,
     residual_norm,
     residual_product,
+    residual_product_mosaic,
     rope_write,
     split_k,
     split_k_mosaic,
@@ -65,7 +66,7 @@ class Product:
     """A block layer's attention-output or down product `x [..., k] @ w [k, n]`, left for the
     residual norm after it to run with the residual add, in its epilogue (`fused`) or right
     after it (`tiled`; `Kernels.norm_into_mlp`, `Kernels.norm_into_attention`). `impl`: the
-    product's kernel (`Kernels.out` / `Kernels.down`: `pallas`, or `mosaic` for `tiled`)."""
+    product's kernels (`Kernels.out` / `Kernels.down`: `pallas` or `mosaic`)."""
 
     x: Array
     w: Array
@@ -223,15 +224,13 @@ class RMSNorm(nn.Module):
     ) -> Array | tuple[Array, Array | ScaledRows]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if isinstance(x, Product):
-            if impl == "fused" and x.impl == "pallas":
-                return residual_product.residual_product(x.x, x.w, residual, scale, self.eps)
+            mosaic = x.impl == "mosaic"
+            if impl == "fused":
+                fused = residual_product_mosaic if mosaic else residual_product
+                return fused.residual_product(x.x, x.w, residual, scale, self.eps)
             if impl != "tiled":
-                raise ValueError(
-                    f"RMSNorm: a Product of {x.impl!r} takes impl 'tiled' (or 'fused' for a "
-                    f"'pallas' product); got {impl!r}"
-                )
-            kernel = split_k_mosaic if x.impl == "mosaic" else split_k
-            y = kernel.matmul_partials(x.x, x.w)
+                raise ValueError(f"RMSNorm: a Product needs impl 'fused' or 'tiled'; got {impl!r}")
+            y = (split_k_mosaic if mosaic else split_k).matmul_partials(x.x, x.w)
             return residual_norm.add_scaled(residual, y, scale, self.eps)
         if residual is None:
             return rms_norm(finish(x), scale, self.eps)

@@ -9,7 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from djax.kernels import residual_product, split_k, split_k_mosaic, swiglu, swiglu_mosaic, tma_ring
+from djax.kernels import (
+    residual_product,
+    residual_product_mosaic,
+    split_k,
+    split_k_mosaic,
+    swiglu,
+    swiglu_mosaic,
+    tma_ring,
+)
 from djax.kernels.handoff import Partials, ScaledRows
 from djax.kernels.tma_ring import Tiles
 from djax.models import layers
@@ -115,7 +123,7 @@ def test_shape_dtype_and_tile_errors():
         swiglu_mosaic.swiglu_matmul(x, w.reshape(128, 1, 128))
     with pytest.raises(ValueError, match="takes splits=1"):
         swiglu_mosaic.swiglu_matmul(x, w, tiles=Tiles(block_n=64, splits=2))
-    with pytest.raises(ValueError, match="block_n dividing n = 64"):
+    with pytest.raises(ValueError, match="a multiple of 64 dividing n = 64"):
         swiglu_mosaic.swiglu_matmul(x, w, tiles=Tiles(block_n=128))
 
 
@@ -137,6 +145,10 @@ def test_lowers_for_hopper():
     normed_gate_up = lambda x, squares, w: gate_up(ScaledRows(x, squares, EPS), w)  # noqa: E731
     text = jax.jit(normed_gate_up).trace(*args, jax.ShapeDtypeStruct((4096, 2, 12288), BF16))
     assert "mosaic_gpu" in text.lower(lowering_platforms=("cuda",)).as_text()
+    residual = lambda x, w, r, s: residual_product_mosaic.residual_product(  # noqa: E731
+        x, w, r, s, EPS, interpret=False
+    )
+    assert "mosaic_gpu" in lowered(residual, (1, 20, 4096), (4096, 4096), (1, 20, 4096), (4096,))
 
 
 def test_mlp_layer_takes_the_mosaic_kernels():
@@ -176,26 +188,76 @@ def test_swiglu_applies_the_norm_of_scaled_rows():
         swiglu_mosaic.swiglu_matmul(bad, w)
 
 
-def test_tiled_norm_takes_the_mosaic_product():
-    """A norm moved after the output product (`tiled`) runs the Mosaic GPU split-K product,
-    then the tiled add, as XLA's add and norm do."""
+def _residual_problem(lead, k, n, seed=7):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(keys[0], (*lead, k), BF16)
+    w = (jax.random.normal(keys[1], (k, n)) * k**-0.5).astype(BF16)
+    residual = jax.random.normal(keys[2], (*lead, n), BF16)
+    scale = (1 + 0.1 * jax.random.normal(keys[3], (n,))).astype(BF16)
+    return x, w, residual, scale
+
+
+@pytest.mark.parametrize(
+    "lead, n, tiles",
+    [
+        ((1, 32), 128, None),  # a block's rows, `tiles_for`: 32-column tiles
+        ((2, 10), 128, Tiles(block_n=64, block_k=64, splits=1, stages=2)),  # 20 rows, padded
+    ],
+)
+def test_residual_product_matches_the_triton_kernel(lead, n, tiles):
+    """h, `h * scale` and the per-tile sums of squares as the Triton kernel leaves them (at
+    the same column tiles), and h as residual + the product."""
+    x, w, residual, scale = _residual_problem(lead, 128, n)
+    h, rows = residual_product_mosaic.residual_product(x, w, residual, scale, EPS, tiles=tiles)
+    block_n = (tiles or residual_product_mosaic.tiles_for(20, 128, n)).block_n
+    triton_tiles = residual_product.Tiles(block_m=32, block_n=block_n, block_k=64)
+    want_h, want = residual_product.residual_product(x, w, residual, scale, EPS, triton_tiles)
+    assert h.shape == residual.shape and h.dtype == BF16
+    assert rows.squares.shape == (n // block_n, *lead)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    np.testing.assert_allclose(f32(h), f32(want_h), atol=1e-2)
+    np.testing.assert_allclose(f32(rows.scaled), f32(want.scaled), atol=1e-2)
+    np.testing.assert_allclose(rows.squares, want.squares, rtol=1e-4)
+    y = jnp.einsum("...k,kn->...n", x.astype(jnp.float32), w.astype(jnp.float32))
+    assert _rel_error(h, residual.astype(jnp.float32) + y) < 1e-2
+
+
+def test_residual_product_errors():
+    x, w, residual, scale = _residual_problem((8,), 128, 64)
+    run = residual_product_mosaic.residual_product
+    with pytest.raises(ValueError, match=r"expected x \[\.\.\., 128\], residual \[\.\.\., 64\]"):
+        run(x, w, residual[:, :32], scale, EPS)
+    with pytest.raises(ValueError, match="k and n multiples of 64, n at most 8192"):
+        run(x, w[:, :32], residual[:, :32], scale[:32], EPS)
+    with pytest.raises(ValueError, match="residual float32, scale bfloat16; expected x's"):
+        run(x, w, residual.astype(jnp.float32), scale, EPS)
+    with pytest.raises(ValueError, match="takes splits=1"):
+        run(x, w, residual, scale, EPS, tiles=Tiles(block_n=32, splits=2))
+
+
+@pytest.mark.parametrize("form", ["tiled", "fused"])
+def test_norm_moved_into_the_mosaic_products(form):
+    """A norm moved into the output product runs it in Mosaic GPU (`tiled`: the split-K
+    product, then the tiled add; `fused`: the residual product) as XLA's add and norm do,
+    and the Mosaic GPU gate/up kernel applies it."""
     norm = layers.RMSNorm(EPS, BF16)
-    x, w = _matmul_problem((1, 20), 128, 128, seed=7)
-    residual = jax.random.normal(jax.random.key(8), (1, 20, 128), BF16)
+    x, w, residual, _ = _residual_problem((1, 20), 128, 128)
     params = norm.init(jax.random.key(0), residual)
-    h, rows = norm.apply(params, layers.Product(x, w, "mosaic"), residual, impl="tiled")
+    h, rows = norm.apply(params, layers.Product(x, w, "mosaic"), residual, impl=form)
     want_h, want = norm.apply(params, x @ w, residual, impl="xla")
     assert _rel_error(h, want_h) < 1e-2
     assert _rel_error(rows.scaled.astype(jnp.float32) * rows.inv_rms(), want) < 1e-2
-    with pytest.raises(ValueError, match="a Product of 'mosaic' takes impl 'tiled'"):
-        norm.apply(params, layers.Product(x, w, "mosaic"), residual, impl="fused")
+    _, gate_up = _swiglu_problem(20, 128, 64, seed=9)
+    ours = swiglu_mosaic.swiglu_matmul(rows.reshape(20, 128), gate_up)
+    assert _rel_error(ours, _swiglu_reference(want.reshape(20, 128), gate_up)) < 2e-2
 
 
 @needs_gpu
 def test_compiled_kernels_on_gpu():
     """On a Hopper GPU: the compiled Mosaic GPU kernels at LLaDA-8B's block products and MLP
     (bf16, 32 rows and a ragged 20) against fp32 and against the Triton kernels' results; the
-    SwiGLU kernel also on `ScaledRows` of LLaDA-8B's width."""
+    SwiGLU kernel also on `ScaledRows` of LLaDA-8B's width, and the residual product at the
+    output and down products' shapes against the Triton one."""
     for m in (32, 20):
         for k, n in ((4096, 12288), (4096, 4096), (12288, 4096)):
             x, w = _matmul_problem((m,), k, n, seed=3)
@@ -209,6 +271,13 @@ def test_compiled_kernels_on_gpu():
         ours = swiglu_mosaic.swiglu_matmul(rows, w)
         assert _rel_error(ours, swiglu_mosaic.swiglu_matmul(normed, w)) <= 2e-2, m
         assert _rel_error(ours, swiglu.swiglu_matmul(rows, w)) <= 1e-2, m
+        for k in (4096, 12288):
+            x, w, residual, scale = _residual_problem((1, m), k, 4096, seed=10)
+            h, rows = residual_product_mosaic.residual_product(x, w, residual, scale, EPS)
+            want_h, want = residual_product.residual_product(x, w, residual, scale, EPS)
+            assert _rel_error(h, want_h) <= 1e-2, (m, k)
+            assert _rel_error(rows.scaled, want.scaled) <= 1e-2, (m, k)
+            assert _rel_error(rows.squares, want.squares) <= 1e-2, (m, k)
 
 
 def test_takes_16_bit_operands_only():
