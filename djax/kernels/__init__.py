@@ -6,8 +6,9 @@ kernels), which is how the CPU tests check them.
 - `flash_attention`: split-K/V attention of a window against the K/V buffers.
 - `swiglu`: the SwiGLU gate/up product with the activation fused, for few rows.
 - `split_k`: a split-K product for few rows, its partial sums left to the consumer.
-- `split_k_mosaic`, `swiglu_mosaic`: the split-K and SwiGLU products in Pallas Mosaic GPU
-  (Hopper), with the same contracts; `tma_ring`: their shared TMA/WGMMA ring.
+- `split_k_mosaic`, `swiglu_mosaic`, `residual_product_mosaic`: the split-K, SwiGLU and
+  residual products in Pallas Mosaic GPU (Hopper), with the same contracts; `tma_ring`:
+  their shared TMA/WGMMA ring.
 - `residual_norm`: the residual add and RMSNorm between a layer's blocks.
 - `residual_product`: a product with the residual add and the next norm's inputs fused.
 - `rope_write`: q/k norm, RoPE and the K/V buffer writes (with the q/k/v product fused).
