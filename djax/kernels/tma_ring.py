@@ -44,7 +44,7 @@ SHARED_MEMORY = 224 * 1024
 class Tiles:
     """Program shape of a Mosaic GPU product: a CTA per `block_n` output columns (and per
     contraction slice, of `splits`), stepping `block_k` at a time through a ring of
-    `stages` slots. `block_n` and `block_k` are multiples of 64."""
+    `stages` slots. `block_n` is 32 or a multiple of 64, `block_k` a multiple of 64."""
 
     block_n: int = 128
     block_k: int = 64
