@@ -1,7 +1,7 @@
-"""A block layer's attention-output product with the residual add in its epilogue, leaving
-the RMSNorm after it to the next product, as a Pallas Mosaic GPU kernel (Hopper: TMA
+"""A block layer's attention-output or down product with the residual add in its epilogue,
+leaving the RMSNorm after it to the next product, as a Pallas Mosaic GPU kernel (Hopper: TMA
 copies, WGMMA): `residual_product.residual_product`'s contract, off the Triton backend
-(`norm_impl="fused"` with `matmul_impl="mosaic"`).
+(the attention output's under `norm_impl="fused"` with `matmul_impl="mosaic"`).
 
 Each CTA owns one row tile of 64 and `block_n` columns over the whole contraction, streams
 its x and weight tiles through a ring (`tma_ring`), and finishes its tile as the Triton
