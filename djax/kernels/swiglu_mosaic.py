@@ -1,6 +1,6 @@
 """The SwiGLU gate/up product for few rows with its activation fused, as a Pallas Mosaic GPU
-kernel (Hopper: TMA copies, WGMMA): `swiglu.swiglu_matmul`'s contract for plain rows, off
-the Triton backend (`mlp_impl="mosaic"`).
+kernel (Hopper: TMA copies, WGMMA): `swiglu.swiglu_matmul`'s contract, off the Triton
+backend (`mlp_impl="mosaic"`).
 
 Each CTA owns one row tile of 64 and `block_n` columns of the output. Its ring
 (`tma_ring`) holds per slot the step's x tile and the gate and up weight tiles of its
@@ -104,12 +104,11 @@ def swiglu_matmul(
 
     x: [m, k], or `ScaledRows` [m, k] whose RMSNorm the kernel applies to the product's rows
     (at most 256 tiles of sums of squares, [tiles, 64] fp32 of shared memory beside the
-    ring); w: [k, 2, n] (gate and up), both bf16 or both
-    fp16, k and n multiples of 64. Returns [m, n] in x's dtype, accumulated in fp32. Row
-    counts that are not multiples of 8 are padded with zero rows for the kernel (an extra
-    copy of x and of the squares). `tiles`: the program shape (default `tiles_for`; `splits`
-    must be 1); `interpret`: run in Mosaic GPU's interpreter (default: exactly off GPUs, as
-    the CPU tests do).
+    ring); w: [k, 2, n] (gate and up), both bf16 or both fp16, k and n multiples of 64.
+    Returns [m, n] in x's dtype, accumulated in fp32. Row counts that are not multiples of 8
+    are padded with zero rows for the kernel (an extra copy of x and of the squares).
+    `tiles`: the program shape (default `tiles_for`; `splits` must be 1); `interpret`: run
+    in Mosaic GPU's interpreter (default: exactly off GPUs, as the CPU tests do).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
