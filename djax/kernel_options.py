@@ -36,13 +36,15 @@ class KernelOptions:
         "split_kv on kernel GPUs with 16-bit weights where its tiles fit the heads; else "
         "cudnn for refreshes on GPUs (16-bit) and xla",
     )
+    # `pallas`: djax's Pallas Triton kernel; `mosaic`: its Pallas Mosaic GPU (Hopper) port,
+    # taken only when asked for.
     mlp_impl: str = _option(
-        ("auto", "xla", "pallas"),
+        ("auto", "xla", "pallas", "mosaic"),
         "the SwiGLU gate/up product: pallas on kernel GPUs for <= 32 token rows with 16-bit "
         "weights, else xla",
     )
     matmul_impl: str = _option(
-        ("auto", "xla", "pallas"),
+        ("auto", "xla", "pallas", "mosaic"),
         "the q/k/v, output and down products: split-K pallas on kernel GPUs for <= 32 token "
         "rows with 16-bit weights, else xla",
     )

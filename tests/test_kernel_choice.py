@@ -164,6 +164,41 @@ def test_explicit_options():
         _choice(KernelOptions(rope_impl="pallas"), config=LLADA_8B.replace(head_dim=96))
 
 
+def test_mosaic_products_only_when_asked():
+    """`mosaic` takes the Mosaic GPU products wherever asked (16-bit weights, widths that are
+    multiples of 64), never under `auto`; the norm before the feed-forward moves into them
+    as into the Triton kernels, the norm before attention does not (no Mosaic GPU q/k/v
+    product inside the RoPE kernel)."""
+    mosaic = KernelOptions(mlp_impl="mosaic", matmul_impl="mosaic")
+    for device in (HOPPER, CPU):
+        for forward in (_choice(mosaic, device).block, _choice(mosaic, device).refresh):
+            kernels = forward.layers
+            assert (kernels.qkv, kernels.out, kernels.mlp, kernels.down) == ("mosaic",) * 4
+    block = _choice(mosaic).block.layers
+    assert block.norm_into_mlp == "tiled"  # the split-K product, the tiled add, the gate/up
+    assert block.norm_into_attention == "no"  # the q/k/v product is not in the RoPE kernel
+    assert block.rope == "pallas"  # the RoPE kernel sums the Mosaic GPU product's partials
+    fused = _choice(mosaic.replace(norm_impl="fused")).block.layers
+    assert (fused.norm_into_mlp, fused.norm_into_attention) == ("fused", "no")
+    triton_out = _choice(mosaic.replace(matmul_impl="pallas", norm_impl="fused")).block.layers
+    assert (triton_out.mlp, triton_out.norm_into_mlp) == ("mosaic", "fused")
+    auto = _choice().block.layers
+    assert (auto.qkv, auto.out, auto.mlp, auto.down) == ("rope", "pallas", "pallas", "pallas")
+    with pytest.raises(ValueError, match="matmul_impl='mosaic' takes bfloat16 or float16 "):
+        _choice(KernelOptions(matmul_impl="mosaic"), CPU, dtype=jnp.float32)
+    with pytest.raises(
+        ValueError,
+        match="mlp_impl='mosaic' takes .* 64; got model and hidden widths 4096 -> \\[1008",
+    ):
+        _choice(KernelOptions(mlp_impl="mosaic"), config=LLADA_8B.replace(mlp_hidden=1008))
+    with pytest.raises(
+        ValueError, match="matmul_impl='mosaic' takes .* 64; got a product 1008 -> 4096"
+    ):
+        _choice(KernelOptions(matmul_impl="mosaic"), config=LLADA_8B.replace(mlp_hidden=1008))
+    with pytest.raises(ValueError, match="mlp_impl='mosaic' takes 16-bit weights; with weights"):
+        _choice(KernelOptions(mlp_impl="mosaic"), weights="fp8")
+
+
 def test_explain_lists_each_forward():
     text = _choice().explain()
     assert text.splitlines()[0].startswith("block forward: attention=split_kv, qkv=rope,")

@@ -1,11 +1,14 @@
 """djax's hand-written kernels: each module takes and returns JAX arrays (or the hand-offs
 of `handoff`) and imports only jax, numpy and its sibling modules, never a model or its
-config. Off GPUs every kernel runs in Pallas's interpreter, which is how the CPU tests
-check them.
+config. Off GPUs every kernel runs in Pallas's interpreter (Mosaic GPU's for the Mosaic GPU
+kernels), which is how the CPU tests check them.
 
 - `flash_attention`: split-K/V attention of a window against the K/V buffers.
 - `swiglu`: the SwiGLU gate/up product with the activation fused, for few rows.
 - `split_k`: a split-K product for few rows, its partial sums left to the consumer.
+- `split_k_mosaic`, `swiglu_mosaic`, `residual_product_mosaic`: the split-K, SwiGLU and
+  residual products in Pallas Mosaic GPU (Hopper), with the same contracts; `tma_ring`:
+  their shared TMA/WGMMA ring.
 - `residual_norm`: the residual add and RMSNorm between a layer's blocks.
 - `residual_product`: a product with the residual add and the next norm's inputs fused.
 - `rope_write`: q/k norm, RoPE and the K/V buffer writes (with the q/k/v product fused).

@@ -24,6 +24,13 @@ Rules of `auto`:
 
 An option other than `auto` is taken as given wherever its kernel fits (a ValueError naming
 the misfit otherwise), except the fused forms, which need their rows and products as above.
+`mosaic` (`matmul_impl`, `mlp_impl`: the Pallas Mosaic GPU ports of the split-K and SwiGLU
+kernels, `djax.kernels.split_k_mosaic` / `swiglu_mosaic`, for Hopper GPUs) is taken only when
+asked for, with 16-bit weights and widths that are multiples of 64. The Mosaic GPU
+kernels take the norm moved into the products before the feed-forward as the Triton ones
+do (`fused`: `residual_product_mosaic`; `tiled`: the split-K product, then the tiled add);
+the q/k/v product inside the RoPE kernel stays a Triton kernel, so under `mosaic` the
+q/k/v product keeps its RoPE kernel apart and the norm before attention is not moved.
 """
 
 from __future__ import annotations
@@ -35,7 +42,14 @@ import jax.numpy as jnp
 
 from djax.config import ModelConfig
 from djax.kernel_options import KernelOptions
-from djax.kernels import flash_attention, residual_product, rope_write, tiles
+from djax.kernels import (
+    flash_attention,
+    residual_product,
+    residual_product_mosaic,
+    rope_write,
+    tiles,
+    tma_ring,
+)
 from djax.models import fp8
 
 # The most token rows djax's product kernels take under `auto` (a block of one sequence).
@@ -98,15 +112,16 @@ class Kernels:
     """The path of each part of a decoder layer at one number of token rows.
 
     attention: `xla`, `split_kv` or `cudnn`. qkv: the q/k/v product, `xla`, `pallas`
-    (split-K) or `rope` (inside the RoPE kernel). rope: the q/k norm, RoPE and K/V writes,
-    `xla` or `pallas`. out, mlp, down: the attention-output product, the SwiGLU gate/up
-    path and the down product, `xla` or `pallas`. norm: a residual add and RMSNorm on their
-    own, `xla` or `pallas`. norm_into_mlp / norm_into_attention: where the norm before the
-    feed-forward (a dense MLP) / before the next layer's attention runs inside the products
-    around it, `fused` (the add in the product's epilogue), `tiled` (in a kernel after it)
-    or `no`. moe: the routed experts, `dense`, `grouped` or `pallas` (`resolve` says `none`
-    for a model without experts). fp8: how XLA's products take fp8 weights, `dequant` or
-    `scaled` (`djax.models.fp8`), `no` for weights in the model's dtype."""
+    (split-K), `mosaic` (split-K in Mosaic GPU) or `rope` (inside the RoPE kernel). rope: the
+    q/k norm, RoPE and K/V writes, `xla` or `pallas`. out, mlp, down: the attention-output
+    product, the SwiGLU gate/up path and the down product, `xla`, `pallas` or `mosaic`.
+    norm: a residual add and RMSNorm on their own, `xla` or `pallas`. norm_into_mlp /
+    norm_into_attention: where the norm before the feed-forward (a dense MLP) / before the
+    next layer's attention runs inside the products around it, `fused` (the add in the
+    product's epilogue), `tiled` (in a kernel after it) or `no`. moe: the routed experts,
+    `dense`, `grouped` or `pallas` (`resolve` says `none` for a model without experts).
+    fp8: how XLA's products take fp8 weights, `dequant` or `scaled` (`djax.models.fp8`),
+    `no` for weights in the model's dtype."""
 
     attention: str = "xla"
     qkv: str = "xla"
@@ -288,11 +303,16 @@ class _Rule:
             )
         if self.fp8:
             for name in ("matmul_impl", "mlp_impl", "moe_impl"):
-                if getattr(options, name) == "pallas":
+                if getattr(options, name) in ("pallas", "mosaic"):
                     raise ValueError(
-                        f"{name}='pallas' takes 16-bit weights; with weights='fp8' the "
-                        "products run in XLA: give 'auto' or 'xla'"
+                        f"{name}={getattr(options, name)!r} takes 16-bit weights; with "
+                        "weights='fp8' the products run in XLA: give 'auto' or 'xla'"
                     )
+        for name in ("matmul_impl", "mlp_impl"):
+            if getattr(options, name) == "mosaic" and not tma_ring.takes_dtype(dtype):
+                raise ValueError(
+                    f"{name}='mosaic' takes bfloat16 or float16 weights; got {self.dtype_name}"
+                )
 
     def forward(self, batch: int, positions: int, kept: int, refresh: bool) -> ForwardKernels:
         """The choice for a forward of `batch` windows of `positions` positions keeping
@@ -318,16 +338,23 @@ class _Rule:
         )
         qkv = self._product(w.qkv, few)
         out = self._product(w.out, few)
-        mlp = self._pallas_or_xla(
-            "mlp_impl",
-            o.mlp_impl,
-            all(tiles.matmul_fits(cfg.d_model, h) for h in w.mlp_hidden),
-            f"model and hidden widths that are multiples of 16; got {cfg.d_model} -> "
-            f"{w.mlp_hidden}",
-            self.products_pay and few,
-        )
+        if o.mlp_impl == "mosaic":
+            mlp = self._mosaic(
+                "mlp_impl",
+                all(tma_ring.fits(cfg.d_model, h) for h in w.mlp_hidden),
+                f"model and hidden widths {cfg.d_model} -> {w.mlp_hidden}",
+            )
+        else:
+            mlp = self._pallas_or_xla(
+                "mlp_impl",
+                o.mlp_impl,
+                all(tiles.matmul_fits(cfg.d_model, h) for h in w.mlp_hidden),
+                f"model and hidden widths that are multiples of 16; got {cfg.d_model} -> "
+                f"{w.mlp_hidden}",
+                self.products_pay and few,
+            )
         downs = [self._product((h, cfg.d_model), few) for h in w.mlp_hidden]
-        down = "pallas" if downs and all(d == "pallas" for d in downs) else "xla"
+        down = downs[0] if downs and all(d == downs[0] for d in downs) else "xla"
         if (
             rope == "pallas"
             and qkv == "pallas"
@@ -340,9 +367,9 @@ class _Rule:
         into_mlp = (
             fusing
             if fusing != "no"
-            and out == "pallas"
-            and mlp == "pallas"
-            and _fits(w.out)
+            and out in ("pallas", "mosaic")
+            and mlp in ("pallas", "mosaic")
+            and _fits(w.out, out)
             and not cfg.attn_out_bias  # the output product's epilogue adds no bias
             else "no"
         )
@@ -384,6 +411,8 @@ class _Rule:
 
     def _product(self, widths: tuple[int, int], few: bool) -> str:
         k, n = widths
+        if self.options.matmul_impl == "mosaic":
+            return self._mosaic("matmul_impl", tma_ring.fits(k, n), f"a product {k} -> {n}")
         return self._pallas_or_xla(
             "matmul_impl",
             self.options.matmul_impl,
@@ -425,6 +454,16 @@ class _Rule:
         return "grouped" if tokens <= GROUPED_EXPERTS_MAX_TOKENS else "dense"
 
     @staticmethod
+    def _mosaic(option: str, fits: bool, unfit: str) -> str:
+        """`mosaic`, asked for: a ValueError naming `option` and `unfit` (what it got) where
+        the widths are not multiples of 64 (`tma_ring.fits`)."""
+        if not fits:
+            raise ValueError(
+                f"{option}='mosaic' takes widths that are multiples of 64; got {unfit}"
+            )
+        return "mosaic"
+
+    @staticmethod
     def _pallas_or_xla(option: str, impl: str, fits: bool, unfit: str, pays: bool) -> str:
         """The rule every Pallas-kernel option shares: `pallas` where the kernel does not
         fit raises a ValueError naming `option` and `unfit` (what the kernel takes and what
@@ -436,5 +475,6 @@ class _Rule:
         return "pallas" if pays and fits else "xla"
 
 
-def _fits(widths: tuple[int, int]) -> bool:
-    return residual_product.fits(*widths)
+def _fits(widths: tuple[int, int], impl: str) -> bool:
+    """Whether the residual product of `impl` (`pallas` or `mosaic`) takes these widths."""
+    return (residual_product_mosaic if impl == "mosaic" else residual_product).fits(*widths)

@@ -31,9 +31,12 @@ from djax.kernels import (
     flash_attention,
     residual_norm,
     residual_product,
+    residual_product_mosaic,
     rope_write,
     split_k,
+    split_k_mosaic,
     swiglu,
+    swiglu_mosaic,
 )
 from djax.kernels.handoff import Partials, ScaledRows, finish
 from djax.models import fp8, sparse_attention
@@ -47,8 +50,8 @@ LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, hea
 
 def project(x: Array, w: fp8.Weight, impl: str, fp8_impl: str = "no") -> Array | Partials:
     """`x [..., k] @ w [k, ...]` -> [..., *w.shape[1:]]: XLA's einsum (`impl="xla"`), or
-    the split-K kernel's `Partials` (`"pallas"`). An `Fp8Weight` takes XLA's product
-    `fp8_impl` (`Kernels.fp8`)."""
+    the split-K kernel's `Partials` (`"pallas"`, Triton; `"mosaic"`, Mosaic GPU). An
+    `Fp8Weight` takes XLA's product `fp8_impl` (`Kernels.fp8`)."""
     k, out_shape = w.shape[0], w.shape[1:]
     flat = fp8.matrix(w, k, math.prod(out_shape))
     if isinstance(w, Fp8Weight):
@@ -56,7 +59,8 @@ def project(x: Array, w: fp8.Weight, impl: str, fp8_impl: str = "no") -> Array |
         return y.reshape(x.shape[:-1] + out_shape)
     if impl == "xla":
         return jnp.einsum("...k,kn->...n", x, flat).reshape(x.shape[:-1] + out_shape)
-    y = split_k.matmul_partials(x, flat)  # Pallas's interpreter off GPUs (for tests)
+    kernel = split_k_mosaic if impl == "mosaic" else split_k
+    y = kernel.matmul_partials(x, flat)  # Pallas's interpreter off GPUs (for tests)
     return Partials(y.parts.reshape(y.parts.shape[:-1] + out_shape), y.dtype)
 
 
@@ -64,10 +68,12 @@ def project(x: Array, w: fp8.Weight, impl: str, fp8_impl: str = "no") -> Array |
 class Product:
     """A block layer's attention-output or down product `x [..., k] @ w [k, n]`, left for the
     residual norm after it to run with the residual add, in its epilogue (`fused`) or right
-    after it (`tiled`; `Kernels.norm_into_mlp`, `Kernels.norm_into_attention`)."""
+    after it (`tiled`; `Kernels.norm_into_mlp`, `Kernels.norm_into_attention`). `impl`: the
+    product's kernels (`Kernels.out` / `Kernels.down`: `pallas` or `mosaic`)."""
 
     x: Array
     w: Array
+    impl: str = "pallas"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -221,11 +227,13 @@ class RMSNorm(nn.Module):
     ) -> Array | tuple[Array, Array | ScaledRows]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if isinstance(x, Product):
+            mosaic = x.impl == "mosaic"
             if impl == "fused":
-                return residual_product.residual_product(x.x, x.w, residual, scale, self.eps)
+                fused = residual_product_mosaic if mosaic else residual_product
+                return fused.residual_product(x.x, x.w, residual, scale, self.eps)
             if impl != "tiled":
                 raise ValueError(f"RMSNorm: a Product needs impl 'fused' or 'tiled'; got {impl!r}")
-            y = split_k.matmul_partials(x.x, x.w)
+            y = (split_k_mosaic if mosaic else split_k).matmul_partials(x.x, x.w)
             return residual_norm.add_scaled(residual, y, scale, self.eps)
         if residual is None:
             return rms_norm(finish(x), scale, self.eps)
@@ -284,11 +292,11 @@ class Attention(nn.Module):
         the layer's K/V with the window's written. `query_rows=(start, n)`: attend and
         project only window rows `[start, start + n)` (every row's K/V is still written);
         the output is then [b, n, model]. `kernels` chooses the q/k/v, RoPE and attention
-        paths, `out_impl` the output product's (`xla` or `pallas`). `sparse=(rule, row, B)`
-        (a refresh): also choose each kv head's keys by `rule` from the block's queries,
-        window rows `[row, row + B)` (`sparse_attention.choose`), returned third (else
-        None). `chosen` [b, kv_heads, n] (a block forward): attend to those
-        keys only (`sparse_attention.attend_chosen`, on the gathered rows)."""
+        paths, `out_impl` the output product's (`xla`, `pallas` or `mosaic`).
+        `sparse=(rule, row, B)` (a refresh): also choose each kv head's keys by `rule` from
+        the block's queries, window rows `[row, row + B)` (`sparse_attention.choose`),
+        returned third (else None). `chosen` [b, kv_heads, n] (a block forward): attend to
+        those keys only (`sparse_attention.attend_chosen`, on the gathered rows)."""
         cfg = self.config
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
@@ -356,7 +364,7 @@ class Attention(nn.Module):
         out = out.reshape(b, t, -1)
         out_kernel = fp8.matrix(out_kernel, out.shape[-1], cfg.d_model)
         if defer_output:
-            return Product(out, out_kernel), (keys, values), new_chosen
+            return Product(out, out_kernel, out_impl), (keys, values), new_chosen
         y = _sum_over(project(out, out_kernel, out_impl, kernels.fp8), self.axis_name)
         if out_bias is not None:  # added once, after the sum over shards
             y = finish(y) + out_bias
@@ -402,14 +410,15 @@ class GatedMLP(nn.Module):
             self, "gate_up", init_normal(), (d_model, 2, hidden), self.dtype, self.weights
         )
         down = fp8.param(self, "down", init_normal(), (hidden, d_model), self.dtype, self.weights)
-        if kernels.mlp == "pallas":  # Pallas's interpreter off GPUs (for tests)
-            act = swiglu.swiglu_matmul(x.reshape(b * t, d_model), gate_up).reshape(b, t, hidden)
+        if kernels.mlp in ("pallas", "mosaic"):  # interpreted off GPUs (for tests)
+            kernel = swiglu_mosaic if kernels.mlp == "mosaic" else swiglu
+            act = kernel.swiglu_matmul(x.reshape(b * t, d_model), gate_up).reshape(b, t, hidden)
         elif isinstance(x, ScaledRows):
             raise ValueError("GatedMLP: ScaledRows need the gate/up product in djax's kernel")
         else:
             act = swiglu_xla(x, gate_up, kernels.fp8)
         if defer_down:
-            return Product(act, down)
+            return Product(act, down, kernels.down)
         return _sum_over(project(act, down, kernels.down, kernels.fp8), self.axis_name)
 
 

@@ -1,0 +1,187 @@
+"""A block layer's attention-output or down product with the residual add in its epilogue,
+leaving the RMSNorm after it to the next product, as a Pallas Mosaic GPU kernel (Hopper: TMA
+copies, WGMMA): `residual_product.residual_product`'s contract, off the Triton backend
+(the attention output's under `norm_impl="fused"` with `matmul_impl="mosaic"`).
+
+Each CTA owns one row tile of 64 and `block_n` columns over the whole contraction, streams
+its x and weight tiles through a ring (`tma_ring`), and finishes its tile as the Triton
+kernel does: `h = residual + x @ w` (the product rounded to h's dtype first), `h * scale`
+and the tile's share of each row's sum of squares (`handoff.ScaledRows`). The residual tile
+and the whole scale vector come in by TMA while the weights stream.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from djax.kernels import tiles as tiling
+from djax.kernels import tma_ring
+from djax.kernels.handoff import ScaledRows
+from djax.kernels.tma_ring import NARROW, ROW_TILE, Tiles
+
+Array = jax.Array
+
+
+def tiles_for(m: int, k: int, n: int) -> Tiles:
+    """32-column tiles (128 CTAs at a 4096-wide model, as the Triton kernel's programs) in
+    up to 128-wide steps, 6 stages."""
+    return Tiles(block_n=NARROW, block_k=tiling.largest_block(k, 128), splits=1, stages=6)
+
+
+# The most column tiles (rows of the scale's one TMA copy).
+MAX_COLUMN_TILES = 256
+
+
+def fits(k: int, n: int) -> bool:
+    """Whether the kernel takes a contraction of `k` into `n` columns at `tiles_for`'s
+    tiles: both multiples of 64, at most `MAX_COLUMN_TILES` of 32 columns."""
+    return tma_ring.fits(k, n) and n // NARROW <= MAX_COLUMN_TILES
+
+
+def _kernel(
+    x_gmem,
+    w_gmem,
+    res_gmem,
+    scale_gmem,
+    h_gmem,
+    scaled_gmem,
+    squares_gmem,
+    *scratch,
+    tiles,
+    steps,
+    m,
+    column_tiles,
+    interpreting,
+):
+    """One CTA: one (row tile, column tile) of x [m8, k] @ w [k, n] with residual [m8, n]
+    and scale [n // block_n, block_n], into h, scaled [m, n] and squares
+    [n // block_n, m8]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    *ring, res_smem, scale_smem, inputs_bar, h_smem, scaled_smem, squares_smem = scratch
+    cta = jax.lax.axis_index("cta")
+    row_tile, column_tile = cta // column_tiles, cta % column_tiles
+    start = column_tile * tiles.block_n
+    cols = pl.ds(start, tiles.block_n)
+    rows = pl.ds(row_tile * ROW_TILE, ROW_TILE)
+    plgpu.copy_gmem_to_smem(res_gmem.at[rows, cols], res_smem, inputs_bar.at[0])
+    plgpu.copy_gmem_to_smem(scale_gmem, scale_smem, inputs_bar.at[1])
+
+    def finish(product):
+        dtype = h_smem.dtype
+        y = product.astype(dtype).astype(jnp.float32)
+        plgpu.barrier_wait(inputs_bar.at[0])
+        plgpu.barrier_wait(inputs_bar.at[1])
+        h = (res_smem[...].astype(jnp.float32) + y).astype(dtype)
+        hf = h.astype(jnp.float32)
+        scale = tma_ring.accumulator_columns(scale_smem[column_tile], interpreting)
+        scale = jax.lax.broadcast_in_dim(scale.astype(jnp.float32), hf.shape, [1])
+        h_smem[...] = h
+        scaled_smem[...] = (hf * scale).astype(dtype)
+        squares_smem[...] = jnp.sum(hf * hf, axis=1)
+
+    tma_ring.stream(x_gmem, [lambda ks: w_gmem.at[ks, cols]], ring, tiles, 0, steps, rows, finish)
+    tma_ring.store_rows(
+        h_smem,
+        lambda rows: h_gmem.at[rows, cols],
+        row_tile,
+        m,
+        (scaled_smem, lambda rows: scaled_gmem.at[rows, cols], m),
+        (squares_smem, lambda rows: squares_gmem.at[column_tile, rows], squares_gmem.shape[1]),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret"))
+def residual_product(
+    x: Array,
+    w: Array,
+    residual: Array,
+    scale: Array,
+    eps: float,
+    tiles: Tiles | None = None,
+    interpret: bool | None = None,
+) -> tuple[Array, ScaledRows]:
+    """`h = residual + x @ w` and the inputs of the RMSNorm after it, in one Mosaic GPU
+    kernel.
+
+    x: [..., k]; w: [k, n]; residual: [..., n]; scale: [n], the norm's learned scale, and
+    `eps` its epsilon; all bf16 or all fp16, k and n multiples of 64 (`fits`). Returns (h,
+    `ScaledRows`), h shaped and typed like residual (as `residual_product.residual_product`).
+    Row counts that are not multiples of 8 are padded with zero rows for the kernel (extra
+    copies of x and the residual, and a slice of the sums of squares). `tiles`: the program
+    shape (default `tiles_for`; `splits` must be 1); `interpret`: run in Mosaic GPU's
+    interpreter (default: exactly off GPUs, as the CPU tests do).
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    k, n = w.shape
+    if (
+        x.shape[-1] != k
+        or residual.shape != (*x.shape[:-1], n)
+        or scale.shape != (n,)
+        or not fits(k, n)
+    ):
+        raise ValueError(
+            f"residual_product_mosaic.residual_product: x {x.shape}, w {w.shape}, residual "
+            f"{residual.shape}, scale {scale.shape}; expected x [..., {k}], residual "
+            f"[..., {n}] and scale [{n}], with k and n multiples of 64, n at most "
+            f"{MAX_COLUMN_TILES * NARROW}"
+        )
+    name = "residual_product_mosaic.residual_product"
+    tma_ring.check_operands(name, x, w)
+    if residual.dtype != x.dtype or scale.dtype != x.dtype:
+        raise ValueError(
+            f"{name}: residual {residual.dtype}, scale {scale.dtype}; expected x's {x.dtype}"
+        )
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    m8 = m + -m % tma_ring.ROW_ALIGN
+    tiles = tiles or tiles_for(m, k, n)
+    if tiles.splits != 1 or n // tiles.block_n > MAX_COLUMN_TILES:
+        raise ValueError(
+            f"{tiles}: the residual product takes splits=1 and at most {MAX_COLUMN_TILES} "
+            f"column tiles"
+        )
+    item = x.dtype.itemsize
+    epilogue = ROW_TILE * tiles.block_n * item * 3 + n * item + ROW_TILE * 4
+    tiles.check(k, n, weights=1, out_bytes=0, extra=epilogue)
+    column_tiles = n // tiles.block_n
+    params = tma_ring.interpret_params(interpret)
+    out = jax.ShapeDtypeStruct((m, n), residual.dtype)
+    tile = (ROW_TILE, tiles.block_n)
+    swizzled = tma_ring.swizzled(tiles.swizzle)
+    kernel = plgpu.kernel(
+        functools.partial(
+            _kernel,
+            tiles=tiles,
+            steps=k // tiles.block_k,
+            m=m,
+            column_tiles=column_tiles,
+            interpreting=params is not None,
+        ),
+        out_type=(out, out, jax.ShapeDtypeStruct((column_tiles, m8), jnp.float32)),
+        grid=(pl.cdiv(m, ROW_TILE) * column_tiles,),
+        grid_names=("cta",),
+        scratch_types=[
+            *tma_ring.ring_scratch(tiles, x.dtype, weights=1),
+            plgpu.SMEM(tile, x.dtype, transforms=swizzled),  # the residual tile
+            plgpu.SMEM((column_tiles, tiles.block_n), x.dtype),  # the scale, by column tile
+            plgpu.Barrier(num_barriers=2),
+            plgpu.SMEM(tile, x.dtype),  # h
+            plgpu.SMEM(tile, x.dtype),  # h * scale
+            plgpu.SMEM((ROW_TILE,), jnp.float32),  # the sums of squares
+        ],
+        interpret=params,
+    )
+    res = residual.reshape(m, n)
+    inputs = (tma_ring.aligned_rows(rows), w, tma_ring.aligned_rows(res))
+    h, scaled, squares = kernel(*inputs, scale.reshape(column_tiles, tiles.block_n))
+    lead = residual.shape[:-1]
+    squares = squares[:, :m] if m8 != m else squares
+    return h.reshape(residual.shape), ScaledRows(
+        scaled.reshape(residual.shape), squares.reshape(-1, *lead), eps
+    )

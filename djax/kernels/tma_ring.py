@@ -1,0 +1,237 @@
+"""What djax's Pallas Mosaic GPU product kernels (`split_k_mosaic`, `swiglu_mosaic`,
+`residual_product_mosaic`) share:
+their tile rules, the ring of shared-memory slots each CTA streams its operands through,
+and how they run off GPUs (Mosaic GPU's interpreter, which is how the CPU tests check them).
+
+Each CTA owns one tile of `block_n` output columns (of one contraction slice, for the
+split-K product) and steps through the contraction `block_k` at a time: TMA copies bring
+the step's x tile [64, block_k] and weight tiles [block_k, block_n] into a ring of `stages`
+slots, one barrier per slot and operand; WGMMA multiplies them into fp32 accumulators of 64
+rows, the row tile of one warpgroup. Rules:
+
+- x's rows are read 64 at a time from the x array itself: the rows past its end are read
+  by TMA as zeros (their products are never stored), so a block's 32 rows need no padded
+  copy. TMA takes row counts that are multiples of 8; the wrappers pad other counts.
+- Slots and tiles are swizzled for WGMMA at 128 bytes (64 16-bit values), or 64 bytes for
+  32-column tiles (both operands of a WGMMA share their swizzle): `block_n` is 32 or a
+  multiple of 64, `block_k` a multiple of 64, and the operands 16-bit (bf16 or fp16).
+- Each step's products are waited for before its slot is refilled with the step `stages`
+  ahead, so `stages - 1` steps of copies are in flight while one multiplies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+Array = jax.Array
+
+ROW_TILE = 64  # WGMMA's row tile: the rows of one warpgroup's accumulator
+ROW_ALIGN = 8  # TMA reads x's rows in runs of 8
+SWIZZLE = 128  # bytes of a swizzled row: 64 16-bit values
+TILE = SWIZZLE // 2  # block_n (but for NARROW) and block_k are multiples of this
+NARROW = 32  # the one narrower block_n, swizzled at 64 bytes
+# Shared memory a CTA's slots and output tile may take (of the 227 KiB a Hopper block has).
+SHARED_MEMORY = 224 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Program shape of a Mosaic GPU product: a CTA per `block_n` output columns (and per
+    contraction slice, of `splits`), stepping `block_k` at a time through a ring of
+    `stages` slots. `block_n` is 32 or a multiple of 64, `block_k` a multiple of 64."""
+
+    block_n: int = 128
+    block_k: int = 64
+    splits: int = 1
+    stages: int = 4
+
+    @property
+    def swizzle(self) -> int:
+        """Bytes of a swizzled row of this program's slots: 64 for 32-column tiles, else
+        128."""
+        return 2 * NARROW if self.block_n == NARROW else SWIZZLE
+
+    def check(self, k: int, n: int, weights: int, out_bytes: int, extra: int = 0) -> None:
+        """Raise a ValueError naming these tiles unless they divide a `k -> n` product and
+        the ring of x and `weights` weight tiles per slot, with an output tile of
+        `out_bytes` per value and `extra` bytes of other scratch, fits in `SHARED_MEMORY`."""
+        bn, bk, splits = self.block_n, self.block_k, self.splits
+        whole = (bn % TILE == 0 or bn == NARROW) and bk % TILE == 0
+        if not whole or splits < 1 or self.stages < 1 or n % bn or k % (splits * bk):
+            raise ValueError(
+                f"{self}: block_n must be {NARROW} or a multiple of {TILE} dividing n = {n}, "
+                f"block_k a multiple of {TILE} and splits x block_k dividing k = {k}"
+            )
+        used = self.shared_bytes(weights, out_bytes) + extra
+        if used > SHARED_MEMORY:
+            raise ValueError(f"{self}: {used} bytes of shared memory; at most {SHARED_MEMORY}")
+
+    def shared_bytes(self, weights: int, out_bytes: int) -> int:
+        """Shared memory of the slots (x and `weights` weight tiles, 16-bit) and the output
+        tile (`out_bytes` per value)."""
+        slot = ROW_TILE * self.block_k + weights * self.block_k * self.block_n
+        return self.stages * slot * 2 + ROW_TILE * self.block_n * out_bytes
+
+
+def fits(k: int, n: int) -> bool:
+    """Whether the Mosaic GPU products take a contraction of `k` into `n` columns: both
+    multiples of 64, so every swizzled tile is whole."""
+    return k % TILE == 0 and n % TILE == 0
+
+
+def takes_dtype(dtype: Any) -> bool:
+    """Whether the Mosaic GPU products take operands of `dtype` (WGMMA's 16-bit inputs)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def check_operands(name: str, x: Array, w: Array) -> None:
+    """Raise a ValueError naming `name` unless x and w are 16-bit of one dtype."""
+    if not takes_dtype(x.dtype) or w.dtype != x.dtype:
+        raise ValueError(
+            f"{name}: x {x.dtype}, w {w.dtype}; expected both bfloat16 or both float16"
+        )
+
+
+def aligned_rows(rows: Array) -> Array:
+    """rows [m, k] with zero rows up to a multiple of `ROW_ALIGN` (itself when aligned)."""
+    missing = -rows.shape[0] % ROW_ALIGN
+    return jnp.pad(rows, ((0, missing), (0, 0))) if missing else rows
+
+
+def interpret_params(interpret: bool | None) -> Any:
+    """A kernel's `interpret` argument as `plgpu.kernel` takes it: None (compile for the
+    GPU) or Mosaic GPU's interpreter parameters, reading rows past x's end as zeros as TMA
+    does. `interpret` None means the interpreter exactly off GPUs."""
+    if not (jax.default_backend() != "gpu" if interpret is None else interpret):
+        return None
+    # No public name in jax 0.10; only the CPU tests take this path.
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
+
+
+def accumulator_rows(value: Array, interpreting: bool) -> Array:
+    """Inside a kernel: a vector `value` [64] read from shared memory, laid out as the rows of
+    an accumulator (so it broadcasts along an accumulator's columns). The layout cast is
+    the identity on values; Mosaic GPU's interpreter has no rule for it and takes the value
+    as it is."""
+    return _laid_out(value, 1, interpreting)
+
+
+def accumulator_columns(value: Array, interpreting: bool) -> Array:
+    """Inside a kernel: a vector `value` [block_n] read from shared memory, laid out as the
+    columns of an accumulator (so it broadcasts along an accumulator's rows); as
+    `accumulator_rows`."""
+    return _laid_out(value, 0, interpreting)
+
+
+def _laid_out(value: Array, reduced: int, interpreting: bool) -> Array:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if interpreting:
+        return value
+    return plgpu.layout_cast(value, plgpu.Layout.WGMMA.reduce(reduced))
+
+
+def swizzled(swizzle: int = SWIZZLE) -> tuple:
+    """The transforms of a tile of 16-bit values swizzled at `swizzle` bytes, as WGMMA
+    reads them."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def ring_scratch(tiles: Tiles, dtype: Any, weights: int) -> list:
+    """Scratch of a ring: the x slots [stages, 64, block_k], `weights` weight slots
+    [stages, block_k, block_n] each, then one barrier array per operand."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    x_slots = (tiles.stages, ROW_TILE, tiles.block_k)
+    w_slots = (tiles.stages, tiles.block_k, tiles.block_n)
+    transforms = swizzled(tiles.swizzle)
+    return [
+        plgpu.SMEM(x_slots, dtype, transforms=transforms),
+        *(plgpu.SMEM(w_slots, dtype, transforms=transforms) for _ in range(weights)),
+        *(plgpu.Barrier(num_barriers=tiles.stages) for _ in range(weights + 1)),
+    ]
+
+
+def stream(
+    x_gmem,
+    w_tiles: Sequence[Callable[[Any], Any]],
+    ring: Sequence,
+    tiles: Tiles,
+    first_step,
+    steps: int,
+    rows,
+    finish: Callable[..., None],
+) -> None:
+    """Inside a kernel: multiply x's rows by each weight over `steps` contraction steps from
+    `first_step` through the ring, then call `finish` with the fp32 products [64, block_n]
+    (one per weight, as arrays) while their accumulators are live. `w_tiles[i](ks)` is
+    weight i's GMEM tile at contraction indexer `ks`; `ring` the scratch refs of
+    `ring_scratch`; `rows` the indexer of x's 64 rows."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    count = len(w_tiles)
+    x_slots, w_slots = ring[0], ring[1 : 1 + count]
+    x_bars, w_bars = ring[1 + count], ring[2 + count : 2 + 2 * count]
+
+    def fetch(step, slot):
+        ks = pl.ds((first_step + step) * tiles.block_k, tiles.block_k)
+        plgpu.copy_gmem_to_smem(x_gmem.at[rows, ks], x_slots.at[slot], x_bars.at[slot])
+        for w_tile, slots, bars in zip(w_tiles, w_slots, w_bars, strict=True):
+            plgpu.copy_gmem_to_smem(w_tile(ks), slots.at[slot], bars.at[slot])
+
+    for step in range(min(tiles.stages, steps)):
+        fetch(step, step)
+
+    def scope(*accs):
+        @pl.loop(0, steps)
+        def _step(i):
+            slot = jax.lax.rem(i, tiles.stages)
+            plgpu.barrier_wait(x_bars.at[slot])
+            for acc, slots, bars in zip(accs, w_slots, w_bars, strict=True):
+                plgpu.barrier_wait(bars.at[slot])
+                plgpu.wgmma(acc, x_slots.at[slot], slots.at[slot])
+            plgpu.wgmma_wait(0)  # this step's products are done: its slot may be refilled
+
+            @pl.when(i + tiles.stages < steps)
+            def _refill():
+                fetch(i + tiles.stages, slot)
+
+        finish(*(acc[...] for acc in accs))
+
+    acc = plgpu.ACC((ROW_TILE, tiles.block_n), jnp.float32)
+    pl.run_scoped(scope, *([acc] * count))
+
+
+def store_rows(out_smem, dst, row_tile, m: int, *more) -> None:
+    """Inside a kernel: the first rows of an output tile `out_smem` [64, ...] to `dst`, the
+    GMEM rows of this CTA's row tile `row_tile` (of an output of `m` rows) at its columns,
+    a callable taking the rows' indexer: 64 rows, or what is left of `m` in the last row
+    tile. `more`: further (out_smem, dst, m) triples stored the same way."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.commit_smem()
+    for smem, to, rows in ((out_smem, dst, m), *more):
+        last, left = (rows - 1) // ROW_TILE, rows - (rows - 1) // ROW_TILE * ROW_TILE
+        if left == ROW_TILE:
+            plgpu.copy_smem_to_gmem(smem, to(pl.ds(row_tile * ROW_TILE, ROW_TILE)))
+            continue
+
+        @pl.when(row_tile < last)
+        def _whole(smem=smem, to=to):
+            plgpu.copy_smem_to_gmem(smem, to(pl.ds(row_tile * ROW_TILE, ROW_TILE)))
+
+        @pl.when(row_tile == last)
+        def _rest(smem=smem, to=to, last=last, left=left):
+            plgpu.copy_smem_to_gmem(smem.at[pl.ds(0, left)], to(pl.ds(last * ROW_TILE, left)))
+
+    plgpu.wait_smem_to_gmem(0)
