@@ -111,10 +111,9 @@ def _vocab_pass(choosable: Array, logits: Array) -> VocabStats:
     """One pass over some vocabulary ids (the last axis of both); `arg` counts from the
     first of them.
 
-    One variadic reduction in place of three over fp32 logits of [batch, block, vocab] (a
-    LLaDA-8B block's are 16 MB): XLA ran the arg-max, the max and the sum of exps as three
-    reductions of two kernels each, 18 µs per forward on an H200
-    (`profile_…_20261123_182352`).
+    One variadic reduction in place of three over fp32 logits of [batch, block, vocab]: the
+    arg-max, the max and the sum of exps read the logits once (`bench/NOTES.md`, "The
+    decoder").
     """
     index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     operands = (choosable, index, logits, logits, jnp.ones_like(logits))

@@ -95,7 +95,7 @@ def test_chunked_logits_under_tensor_parallel(dense4, temperature):
         np.testing.assert_array_equal(chunked.answer_ids, whole.answer_ids, err_msg=decoder)
 
 
-@pytest.mark.parametrize("tp, ep", [(1, 2), (1, 4), (1, 8), (2, 1)])
+@pytest.mark.parametrize("tp, ep", [(1, 2), (1, 8), (2, 1)])
 def test_expert_and_tensor_parallel_moe(moe_folder, moe_model, tp, ep):
     mesh = make_mesh(tensor_parallel=tp, expert_parallel=ep)
     sharded = djax.load(moe_folder[0], dtype=jnp.float32, mesh=mesh)
