@@ -68,53 +68,69 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, default=None, help="model folder (default: the demo)")
-    p.add_argument("--problems", type=int, default=256, help="held-out problems")
-    p.add_argument("--seed", type=int, default=7, help="which held-out problems")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--dtype", default=None, help="compute dtype (default: djax.load's)")
-    args = p.parse_args(argv)
+COUNTING = (
+    "forwards/answer: forwards of the answer's batch (lockstep), averaged over answers; "
+    "tokens/forward: answer tokens before the first stop token per such forward"
+)
 
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a run on the demo task: model folder, problems, seed, batch, dtype."""
+    parser.add_argument("--model", type=Path, default=None, help="model folder (the demo)")
+    parser.add_argument("--problems", type=int, default=256, help="held-out problems")
+    parser.add_argument("--seed", type=int, default=7, help="which held-out problems")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--dtype", default=None, help="compute dtype (default: djax.load's)")
+
+
+def demo_problems(args: argparse.Namespace) -> tuple[Path, list]:
+    """The model folder and the held-out problems of `args` (`add_demo_arguments`), said
+    on stdout with the device."""
     folder = args.model or default_model_path()
-    model = djax.load(folder, args.dtype)
     problems = task.make_problems(args.problems, "test", args.seed)
     device = jax.devices()[0].device_kind
     print(f"{describe(folder) or folder}\n{args.problems} problems, batch {args.batch}, {device}")
+    return folder, problems
+
+
+def demo_payload(folder: Path, dtype: str, args: argparse.Namespace) -> dict:
+    """What a demo run's results file says of its model and problems."""
+    return {
+        "model": str(folder),
+        "model_info": describe(folder),
+        "dtype": dtype,
+        "problems": args.problems,
+        "seed": args.seed,
+        "batch": args.batch,
+    }
+
+
+def evaluate(model: djax.Model, problems: list, config, batch: int, label: str) -> tuple:
+    """Score `config` on the problems: (the totals with per-task exact match, the result),
+    said on stdout under `label`."""
+    result, texts = score(model, problems, config, batch)
+    print(
+        f"  {label}: {result.accuracy:.4f} exact, {result.tokens_per_forward:.2f} tok/fwd, "
+        f"{result.forwards_per_answer:.2f} fwd/answer",
+        flush=True,
+    )
+    return {**result.summary(), "by_task": accuracy_by_task(problems, texts)}, result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_demo_arguments(p)
+    args = p.parse_args(argv)
+    folder, problems = demo_problems(args)
+    model = djax.load(folder, args.dtype)
     rows = []
     for label, fields in runs():
         config = demo_config(**fields)
-        result, texts = score(model, problems, config, args.batch)
-        rows.append(
-            {
-                "label": label,
-                "config": dataclasses.asdict(config),
-                **result.summary(),
-                "by_task": accuracy_by_task(problems, texts),
-            }
-        )
-        print(
-            f"  {label}: {result.accuracy:.4f} exact, {result.tokens_per_forward:.2f} tok/fwd, "
-            f"{result.forwards_per_answer:.2f} fwd/answer",
-            flush=True,
-        )
+        totals, _ = evaluate(model, problems, config, args.batch, label)
+        rows.append({"label": label, "config": dataclasses.asdict(config), **totals})
     print(f"\n{markdown(rows)}\n")
-    save(
-        "decoders",
-        {
-            "model": str(folder),
-            "model_info": describe(folder),
-            "dtype": str(model.dtype),
-            "problems": args.problems,
-            "seed": args.seed,
-            "batch": args.batch,
-            "counting": "forwards/answer: forwards of the answer's batch (lockstep), averaged "
-            "over answers; tokens/forward: answer tokens before the first stop token per such "
-            "forward",
-            "results": rows,
-        },
-    )
+    payload = demo_payload(folder, str(model.dtype), args)
+    save("decoders", {**payload, "counting": COUNTING, "results": rows})
 
 
 if __name__ == "__main__":

@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
-
-import jax
 
 import djax
 from bench.common import save
-from bench.decoders import runs
-from djax.demo import default_model_path, describe, task
-from djax.demo.evaluate import accuracy_by_task, demo_config, score
+from bench.decoders import COUNTING, add_demo_arguments, demo_payload, demo_problems, evaluate, runs
+from djax.demo.evaluate import demo_config
 
 WEIGHTS = ("dtype", "fp8")
 
@@ -49,49 +45,23 @@ def markdown(rows: list[dict], dtype: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, default=None, help="model folder (default: the demo)")
-    p.add_argument("--problems", type=int, default=256, help="held-out problems")
-    p.add_argument("--seed", type=int, default=7, help="which held-out problems")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--dtype", default=None, help="compute dtype (default: djax.load's)")
+    add_demo_arguments(p)
     args = p.parse_args(argv)
-
-    folder = args.model or default_model_path()
+    folder, problems = demo_problems(args)
     models = {weights: djax.load(folder, args.dtype, weights=weights) for weights in WEIGHTS}
     dtype = str(models["dtype"].dtype)
-    problems = task.make_problems(args.problems, "test", args.seed)
-    device = jax.devices()[0].device_kind
-    print(f"{describe(folder) or folder}\n{args.problems} problems, batch {args.batch}, {device}")
     rows = []
     for label, fields in runs():
         config = demo_config(**fields)
         row: dict = {"label": label, "config": dataclasses.asdict(config)}
         for weights, model in models.items():
-            result, texts = score(model, problems, config, args.batch)
-            row[weights] = {**result.summary(), "by_task": accuracy_by_task(problems, texts)}
-            print(
-                f"  {label} / {weights}: {result.accuracy:.4f} exact, "
-                f"{result.tokens_per_forward:.2f} tok/fwd, "
-                f"{result.forwards_per_answer:.2f} fwd/answer",
-                flush=True,
-            )
+            row[weights], _ = evaluate(model, problems, config, args.batch, f"{label} / {weights}")
         rows.append(row)
     print(f"\n{markdown(rows, dtype)}\n")
+    payload = demo_payload(folder, dtype, args)
+    counting = f"as bench.decoders: {COUNTING}"
     save(
-        "decoders_fp8",
-        {
-            "model": str(folder),
-            "model_info": describe(folder),
-            "dtype": dtype,
-            "weights": list(WEIGHTS),
-            "problems": args.problems,
-            "seed": args.seed,
-            "batch": args.batch,
-            "counting": "as bench.decoders: forwards/answer: forwards of the answer's batch "
-            "(lockstep), averaged over answers; tokens/forward: answer tokens before the first "
-            "stop token per such forward",
-            "results": rows,
-        },
+        "decoders_fp8", {**payload, "weights": list(WEIGHTS), "counting": counting, "results": rows}
     )
 
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from bench.common import model_config, save, time_in_program
+from bench.decoders import add_demo_arguments, demo_payload, demo_problems, evaluate
 from djax import programs
 from djax.kernel_options import KernelOptions
 from djax.models import init_params
@@ -147,12 +147,11 @@ def speed(args) -> None:
 
 def accuracy(args) -> None:
     import djax
-    from djax.demo import default_model_path, describe, task
-    from djax.demo.evaluate import accuracy_by_task, demo_config, score
+    from djax.demo import task
+    from djax.demo.evaluate import demo_config
 
-    folder = args.model or default_model_path()
+    folder, problems = demo_problems(args)
     model = djax.load(folder, args.dtype)
-    problems = task.make_problems(args.problems, "test", args.seed)
     decoders = {
         "low_confidence": {"decoder": "low_confidence", "steps": task.GEN_LENGTH},
         "threshold": {"decoder": "threshold", "threshold": 0.9},
@@ -164,40 +163,23 @@ def accuracy(args) -> None:
             config = demo_config(
                 **fields, cache="dual", attention_sparsity=keep, attention_window=args.window
             )
-            result, texts = score(model, problems, config, args.batch)
+            totals, result = evaluate(model, problems, config, args.batch, f"{name} keep {keep}")
             if keep == 1.0:
                 dense_accuracy = result.accuracy
-            row = {
-                "decoder": name,
-                "cache": "dual",
-                "keep": keep,
-                "window": args.window,
-                "config": dataclasses.asdict(config),
-                **result.summary(),
-                "accuracy_delta": None
-                if dense_accuracy is None
-                else result.accuracy - dense_accuracy,
-                "by_task": accuracy_by_task(problems, texts),
-            }
-            print(
-                f"  {name} keep {keep}: {result.accuracy:.4f} exact "
-                f"(delta {row['accuracy_delta']}), {result.forwards_per_answer:.2f} fwd/answer",
-                flush=True,
+            delta = None if dense_accuracy is None else result.accuracy - dense_accuracy
+            rows.append(
+                {
+                    "decoder": name,
+                    "cache": "dual",
+                    "keep": keep,
+                    "window": args.window,
+                    "config": dataclasses.asdict(config),
+                    **totals,
+                    "accuracy_delta": delta,
+                }
             )
-            rows.append(row)
-    save(
-        "sparse",
-        {
-            "model": str(folder),
-            "model_info": describe(folder),
-            "dtype": str(model.dtype),
-            "problems": args.problems,
-            "seed": args.seed,
-            "batch": args.batch,
-            "results": rows,
-        },
-        setting="accuracy",
-    )
+    payload = demo_payload(folder, str(model.dtype), args)
+    save("sparse", {**payload, "results": rows}, setting="accuracy")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -214,11 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tiny", action="store_true", help="speed: tiny shapes (CPU check)")
     p.add_argument("--keeps", nargs="+", type=float, default=[1.0, 0.5, 0.25, 0.1])
     p.add_argument("--window", type=int, default=8, help="accuracy: the recent window")
-    p.add_argument("--model", type=Path, default=None, help="accuracy: model folder (the demo)")
-    p.add_argument("--problems", type=int, default=256)
-    p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--dtype", default=None, help="accuracy: compute dtype (djax.load's)")
+    add_demo_arguments(p)  # accuracy: the demo task's options
     args = p.parse_args(argv)
     if args.keeps[0] != 1.0:
         raise SystemExit("bench.sparse: --keeps must start with 1.0 (the dense reference)")
