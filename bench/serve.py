@@ -249,8 +249,8 @@ def server_figures(before: dict, after: dict, makespan: float) -> dict:
     """What the server's metrics say of one run: programs compiled during it, the median
     host time between two block calls and its share of the makespan (idle_fraction: the
     device waiting on the host while it has work), how many of those waits exceeded 10 ms,
-    the block calls, their median and their
-    share of the makespan (busy_fraction)."""
+    the block calls, their median and their share of the makespan (busy_fraction), the
+    device memory in use after the run and its peak since the server started."""
 
     def delta(name):
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -264,6 +264,10 @@ def server_figures(before: dict, after: dict, makespan: float) -> dict:
         "block_calls": int(delta("djax_block_call_seconds_count")),
         "block_call_median_s": histogram_median(before, after, "djax_block_call_seconds"),
         "busy_fraction": delta("djax_block_call_seconds_sum") / makespan,
+        # device memory after the run and the most since the server started (None: the
+        # backend reports none)
+        "device_bytes_in_use": after.get("djax_device_bytes_in_use") or None,
+        "device_peak_bytes": after.get("djax_device_peak_bytes_in_use") or None,
     }
 
 

@@ -438,7 +438,8 @@ def test_serve_summary_of_hand_made_records():
 
 def test_serve_server_figures_from_two_scrapes():
     """Compiles, host gaps and block calls between two scrapes of the server's metrics: the
-    median interpolated inside its bucket, the idle fraction the gaps' sum over the wall."""
+    median interpolated inside its bucket, the idle fraction the gaps' sum over the wall;
+    the device memory gauges as they stand (None where the backend reported none)."""
     from bench.serve import parse_metrics, server_figures
     from djax.serving.metrics import ServerMetrics
 
@@ -451,6 +452,8 @@ def test_serve_server_figures_from_two_scrapes():
     for call in (0.02, 0.02):
         metrics.block_call.observe(call)
     metrics.compiles.inc()
+    metrics.device_bytes.set(3e9)
+    metrics.device_peak_bytes.set(5e9)
     figures = server_figures(before, parse_metrics(metrics.exposition().decode()), 2.0)
     assert figures == pytest.approx(
         {
@@ -462,9 +465,12 @@ def test_serve_server_figures_from_two_scrapes():
             "block_calls": 2,
             "block_call_median_s": 0.01 + (0.025 - 0.01) * 1 / 2,
             "busy_fraction": 0.04 / 2.0,
+            "device_bytes_in_use": 3e9,
+            "device_peak_bytes": 5e9,
         }
     )
-    assert server_figures(before, before, 1.0)["host_gap_median_s"] is None
+    idle = server_figures(before, before, 1.0)
+    assert idle["host_gap_median_s"] is None and idle["device_bytes_in_use"] is None
 
 
 def _serve_rows():

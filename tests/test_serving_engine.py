@@ -176,6 +176,20 @@ def test_sampled_tokens_follow_the_seed_alone(demo_model, generation, continuous
         assert got.tokens("s") == expected
 
 
+def test_device_memory_gauges_follow_the_calls(demo_model, continuous, monkeypatch):
+    """After a block call is read the engine sets the device memory gauges from the
+    device's figures (the CPU reports none, so they are faked here)."""
+    from djax.serving import memory
+
+    monkeypatch.setattr(memory, "memory_in_use", lambda model: (123, 456))
+    got = Collector()
+    continuous.submit(EngineRequest("m", _ids(demo_model, "12+34="), 8), got.sink("m"))
+    got.wait(1)
+    exposed = continuous.metrics.exposition().decode()
+    assert "djax_device_bytes_in_use 123.0" in exposed
+    assert "djax_device_peak_bytes_in_use 456.0" in exposed
+
+
 def test_cancel_frees_the_row(demo_model, continuous):
     """A cancelled request gets no more events; a queued one is dropped from the queue."""
     got = Collector()

@@ -431,6 +431,7 @@ class ServingEngine:
         started = time.perf_counter()
         out = jax.device_get(program(*args))
         self._last_ready = time.perf_counter()
+        self._note_memory()
         seconds = self._last_ready - started
         self.metrics.block_call.observe(seconds)
         self._calls += 1
@@ -771,9 +772,17 @@ class ServingEngine:
         with self._lock:
             events = self._commit(call.rows, block, keys)
         self._send(events)
+        self._note_memory()
         if self._queued:
             self._note_running(self._queued[-1])
         return True
+
+    def _note_memory(self) -> None:
+        """The device memory gauges, where the backend reports memory."""
+        in_use = memory.memory_in_use(self.model)
+        if in_use is not None:
+            self.metrics.device_bytes.set(in_use[0])
+            self.metrics.device_peak_bytes.set(in_use[1])
 
     def _groups(self, rows: list[_Row]) -> list[list[_Row]]:
         """The running rows as one call, or as two calls (shorter and longer sequences)

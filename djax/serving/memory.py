@@ -39,6 +39,20 @@ def device_memory(model: Model) -> int | None:
     return min(limits)
 
 
+def memory_in_use(model: Model) -> tuple[int, int] | None:
+    """(bytes in use now, the most in use since the process started) on the fullest of the
+    model's devices, or None where the backend reports no memory figure (the CPU)."""
+    devices = model.mesh.devices.flat if model.mesh is not None else jax.local_devices()[:1]
+    now = peak = 0
+    for device in devices:
+        stats = device.memory_stats()
+        if not stats or "bytes_in_use" not in stats:
+            return None
+        now = max(now, int(stats["bytes_in_use"]))
+        peak = max(peak, int(stats.get("peak_bytes_in_use", stats["bytes_in_use"])))
+    return now, peak
+
+
 def weight_bytes(params: Any) -> int:
     """The weights' bytes on one device: a split weight counts its shard, a replicated one
     its whole."""

@@ -57,6 +57,16 @@ class ServerMetrics:
             "device bytes of the last block call's (batch, sequence) program beside the weights",
             registry=r,
         )
+        self.device_bytes = Gauge(
+            "djax_device_bytes_in_use",
+            "device memory in use after the last block call read (the fullest device)",
+            registry=r,
+        )
+        self.device_peak_bytes = Gauge(
+            "djax_device_peak_bytes_in_use",
+            "the most device memory in use since the server started (the fullest device)",
+            registry=r,
+        )
         self.compiles = Counter("djax_compiles", "programs compiled (warm-up included)", registry=r)
         self.requests = Counter(
             "djax_requests", "requests finished, by reason", ["reason"], registry=r
