@@ -60,9 +60,8 @@ class BlockPlan:
     the cache at least one block, which the first step feeds beside the first generated
     one); prefill: whether a prompt has a whole block (S is then prefilled); n_blocks:
     generated block slots after S; steps: the total steps of each row (None: block_len per
-    block); cached: the append-only block cache (else whole-sequence forwards);
-    block_steps: the steps of every block of every row instead (the server's static
-    batches, whose rows generate different numbers of blocks).
+    block); cached: the append-only block cache (else whole-sequence forwards). A row's
+    `Rows.block_steps`, where given, replace its share of `steps` (the server's batches).
     """
 
     batch: int
@@ -79,7 +78,6 @@ class BlockPlan:
     stop_ids: tuple[int, ...]
     early_stop: bool = True
     sampling: bool = False
-    block_steps: int | None = None
 
     @property
     def seq_len(self) -> int:
@@ -194,8 +192,8 @@ class _Blocks:
         self.answer_start = answer_start
         blocks = generated_blocks(answer_start - plan.prefix_len, plan.gen_length, plan.block_len)
         self.row_blocks = blocks
-        if plan.block_steps is not None:
-            steps = jnp.full_like(blocks, plan.block_steps)
+        if rows.block_steps is not None:  # the server's, each row's own
+            steps = rows.block_steps
         elif plan.steps is None:
             steps = jnp.full_like(blocks, plan.block_len)
         else:
@@ -383,8 +381,8 @@ def run_causal_block_call(
     own block and the earlier ones. The call's first forward feeds the whole row and writes
     every K/V; under the cache the block's other steps feed the block alone against them
     (exact: the earlier blocks' K/V do not depend on it), under `none` every step is a
-    whole-row forward. Steps follow `run_block_diffusion`'s rules with
-    `plan.steps_per_block` steps a block (fixed-steps decoders; the others at most
+    whole-row forward. Steps follow `run_block_diffusion`'s rules with each row's
+    `rows.block_steps` steps a block (fixed-steps decoders; the others at most
     `block_len`); a row whose block holds no mask (an empty slot) commits nothing, and a
     row's keys advance only on the steps it decodes. `plan.prompt_len` is 0 and
     `plan.gen_length` the sequence. Returns the block [batch, B], the keys after it
@@ -401,9 +399,8 @@ def run_causal_block_call(
     chunk = plan.decoder.chunk_for(vocab_local)
     temperature = rows.temperature if plan.sampling else None
     threshold = rows.threshold[:, None]
-    fixed = plan.decoder.name in FIXED_STEP_DECODERS
-    bound = plan.steps_per_block if fixed else b
-    steps = jnp.full((batch,), plan.steps_per_block, jnp.int32)
+    steps = rows.block_steps
+    bound = steps if plan.decoder.name in FIXED_STEP_DECODERS else jnp.full_like(steps, b)
 
     def whole_row(tokens: Array, kv: Any) -> tuple[Array, Any]:
         x = apply(tokens, method="embed")
@@ -425,7 +422,7 @@ def run_causal_block_call(
 
     def go_on(carry: tuple) -> Array:
         tokens, _, _, step, _ = carry
-        return (step < bound) & jnp.any(tokens[:, :b] == plan.mask_id)
+        return jnp.any((step < bound) & jnp.any(tokens[:, :b] == plan.mask_id, axis=1))
 
     def cached_step(carry: tuple) -> tuple:
         tokens, kv, keys, step, forwards = carry

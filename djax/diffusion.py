@@ -86,11 +86,13 @@ class Plan:
 class Rows(NamedTuple):
     """Per-row values of a program. keys: [batch, 2] uint32 PRNG key data, one stream per
     row; threshold: [batch] fp32 τ (τ_high of `hierarchy`); temperature: [batch] fp32, 0 for
-    the argmax."""
+    the argmax; block_steps: [batch] int32, each row's steps a block where the server sets
+    them (block diffusion's fixed-steps decoders), else None."""
 
     keys: Array
     threshold: Array
     temperature: Array
+    block_steps: Any = None
 
 
 class Slots(NamedTuple):

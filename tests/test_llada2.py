@@ -394,6 +394,8 @@ SERVED = [  # (prompt, max_tokens, temperature, seed): tails of 5, 4 and 0 promp
     (PROMPTS[1], 7, 0.0, 0),
     (PROMPTS[2], 12, 0.0, 0),
     (PROMPTS[0], 11, 1.5, 3),
+    (PROMPTS[2], 3, 0.0, 0),  # fewer tokens than steps a block: as many steps as tokens
+    (PROMPTS[1], 1, 0.0, 0),
 ]
 
 
@@ -436,7 +438,7 @@ def test_the_server_gives_each_request_its_tokens_alone(llada2_model, scheduler,
     config = _config(decoder="low_confidence", steps=12, stop_ids=(EOS_ID,), cache=cache)
     events = _served(llada2_model, config, scheduler)
     for i, (prompt, max_tokens, temperature, seed) in enumerate(SERVED):
-        blocks = -(-(len(prompt) % 8 + max_tokens) // 8)
+        blocks = -(-(len(prompt) % 8 + max_tokens) // 8)  # generate caps steps at gen_length
         alone = djax.generate(
             llada2_model,
             [prompt],
@@ -458,6 +460,7 @@ def test_the_server_refuses_what_block_diffusion_does_not_run(llada2_model):
     for change, message in [
         ({"decoder": "credit"}, "decoder='credit' is not available for block diffusion"),
         ({"attention_sparsity": 0.5}, "attention_sparsity=0.5 is not available"),
+        ({"refresh_every": 2}, "refresh_every=2 is not available for block diffusion"),
     ]:
         config = ServeConfig(generation=_config(**change), max_batch=2, max_seq_len=48)
         with pytest.raises(ValueError, match=message):

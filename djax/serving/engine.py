@@ -211,6 +211,11 @@ class ServingEngine:
                     f"attention_sparsity={g.attention_sparsity} is not available for block "
                     "diffusion; expected 1.0"
                 )
+            if g.refresh_every:
+                raise ValueError(
+                    f"refresh_every={g.refresh_every} is not available for block diffusion "
+                    "(its block cache is exact); expected 0"
+                )
         self.model, self.config, self.metrics = model, config, metrics
         self.block_length = config.generation.block_length
         if config.max_seq_len is not None and config.max_seq_len > cfg.max_seq_len:
@@ -538,13 +543,23 @@ class ServingEngine:
             keys[i], threshold[i], temperature[i] = row.keys, row.threshold, row.request.temperature
             index[i] = row.slot
         inputs = [arrays["tokens"], arrays["key_valid"], arrays["positions"]]
+        steps = self._block_steps(rows, batch) if self.layout.causal else None
         return (
             self.model.params,
             *djax_engine.place(self.model, inputs),
-            djax_engine.place(self.model, Rows(keys, threshold, temperature)),
+            djax_engine.place(self.model, Rows(keys, threshold, temperature, steps)),
             djax_engine.place(self.model, Slots(index, carry_at)),
             self._carried,
         )
+
+    def _block_steps(self, rows: list[_Row], batch: int) -> np.ndarray:
+        """[batch] int32: each row's steps a block under block diffusion, the server's
+        capped at the row's max_tokens as `djax.generate` caps them at gen_length (empty
+        rows: the server's)."""
+        steps = np.full(batch, self.config.steps_per_block, np.int32)
+        for i, row in enumerate(rows):
+            steps[i] = min(steps[i], row.request.max_tokens)
+        return steps
 
     def _empty_table(self) -> Carried:
         """A carried table of `max_batch` slots, on every device of the model."""
@@ -922,14 +937,14 @@ class ServingEngine:
         prompts = [list(r.request.prompt_ids) for r in padded]
         sampling = any(r.request.temperature > 0 for r in rows)
         pad_id = self.model.config.pad_token_id
-        if self.layout.causal:  # every row's blocks take the server's steps a block
+        steps = None
+        if self.layout.causal:  # every row's blocks take its own steps (`_block_steps`)
             config = dataclasses.replace(config, steps=None)
             plan, _ = block_diffusion.make_plan(self.model, config, prompts)
-            plan = dataclasses.replace(
-                plan, block_steps=self.config.steps_per_block, sampling=sampling
-            )
+            plan = dataclasses.replace(plan, sampling=sampling)
             inputs = block_diffusion.layout(prompts, plan, pad_id)
             run = block_diffusion.run_block_diffusion
+            steps = self._block_steps(padded, batch)
         else:
             plan, _ = djax_engine.make_plan(self.model, config, batch, prompt)
             plan = dataclasses.replace(plan, sampling=sampling)
@@ -939,6 +954,7 @@ class ServingEngine:
             np.stack([r.keys for r in padded]),
             np.array([r.threshold for r in padded], np.float32),
             np.array([r.request.temperature for r in padded], np.float32),
+            steps,
         )
         placed = djax_engine.place(
             self.model, [inputs["tokens"], inputs["key_valid"], inputs["positions"]]
