@@ -2,6 +2,7 @@
 compile-failure fallback to XLA, and `djax generate --explain`."""
 
 import dataclasses
+import os
 import re
 import subprocess
 import sys
@@ -249,6 +250,7 @@ def test_explicit_kernels_that_fail_are_not_replaced(dense_model, monkeypatch):
 
 def test_cli_explain(tmp_path):
     env = {"PYTHONPATH": str(ROOT), "DJAX_COMPILE_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = os.environ["XLA_FLAGS"]  # conftest.py's quick CPU compile
     out = subprocess.run(
         [sys.executable, "-m", "djax.cli", "generate", "--explain", "--prompt", "1+2=",
          "--gen-length", "16", "--block-length", "8", "--mlp-impl", "xla"],

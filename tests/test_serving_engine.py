@@ -134,8 +134,9 @@ def test_length_cut_and_ignore_eos(demo_model, generation, continuous):
 def test_chunked_logits_serve_generates_tokens(demo_model, generation):
     """A server whose block calls make their logits 48 ids at a time (3 chunks of the
     demo's 128) gives the tokens generate gives from the whole vocabulary at once, greedy
-    and sampled."""
-    engine = _engine(demo_model, dataclasses.replace(generation, logits_chunk=48))
+    and sampled. One row a call (2 programs to compile, not 4): rows beside each other are
+    `test_sampled_tokens_follow_the_seed_alone`'s case."""
+    engine = _engine(demo_model, dataclasses.replace(generation, logits_chunk=48), max_batch=1)
     try:
         got = Collector()
         requests = [("347+2958=", 0.0, 0), ("sort 5,3,9", 1.5, 7)]
@@ -288,15 +289,16 @@ def test_a_call_failing_on_the_device_fails_its_rows_only(demo_model, generation
 def test_the_next_call_is_queued_before_the_last_ends(demo_model, generation):
     """The device never waits for the host between block calls: each call is queued while
     the one before runs (its rows' last blocks carried on the device), so the host time
-    the device waits is 0 for most calls."""
-    engine = _engine(demo_model, generation, max_batch=4, max_seq_len=128, sampling=False)
+    the device waits is 0 for most calls. Eight requests of 4 blocks on 2 rows: 16 calls,
+    on the programs the `continuous` engine compiled (batch 1 and 2, sequence 64)."""
+    engine = _engine(demo_model, generation, sampling=False)
     ids = _ids(demo_model, "347+2958=")
     got = Collector()
-    for i in range(6):
-        engine.submit(EngineRequest(f"r{i}", ids, 64, ignore_eos=True), got.sink(f"r{i}"))
-    got.wait(6)
+    for i in range(8):
+        engine.submit(EngineRequest(f"r{i}", ids, 32, ignore_eos=True), got.sink(f"r{i}"))
+    got.wait(8)
     engine.stop()
-    assert {len(got.tokens(f"r{i}")) for i in range(6)} == {64}
+    assert {len(got.tokens(f"r{i}")) for i in range(8)} == {32}
     samples = {
         (s.name, s.labels.get("le")): s.value for s in engine.metrics.host_gap.collect()[0].samples
     }
@@ -558,8 +560,9 @@ def test_short_and_long_rows_split_when_padding_costs_more(demo_model, generatio
 
 def test_rounds_of_two_calls_give_generate_s_tokens(demo_model, generation, monkeypatch):
     """Short and long rows split into two calls a round, each round queued before the last
-    is read: every request still gets the tokens generate gives it alone."""
-    engine = _engine(demo_model, generation, max_batch=4, max_seq_len=128, sampling=False)
+    is read: every request still gets the tokens generate gives it alone. Two rows (a long
+    and a short one already split a round) keep the compiles to the sequence-128 ones."""
+    engine = _engine(demo_model, generation, max_seq_len=128, sampling=False)
     engine.call_cost = 0  # weights free: a round splits whenever padding costs
     rounds = []
     real = engine._groups

@@ -24,16 +24,22 @@ def _einsum_attention(q, k, v, key_valid):
     return layers.attend(q.reshape(b, t, kv, n // kv, d), k, v, key_valid, "xla").reshape(q.shape)
 
 
+TILES = [
+    Tiles(block_q=16, block_k=16, splits=1),  # one program per head and query tile
+    Tiles(block_q=32, block_k=32, splits=3),  # key slices merged by log-sum-exp
+    None,  # the engine's tiles_for(t, s)
+]
+SHAPES = [(40, 200), (8, 37), (32, 384), (32, 700), (100, 200)]
+# More splits asked than key blocks: every shape has fewer than 50 blocks of 16 keys, so the
+# two short ones cover the clamp (the interpreter runs one program per split and tile).
+MANY_SPLITS = Tiles(block_q=16, block_k=16, splits=50)
+
+
 @pytest.mark.parametrize(
-    "tiles",
-    [
-        Tiles(block_q=16, block_k=16, splits=1),  # one program per head and query tile
-        Tiles(block_q=32, block_k=32, splits=3),  # key slices merged by log-sum-exp
-        Tiles(block_q=16, block_k=16, splits=50),  # more splits asked than key blocks
-        None,  # the engine's tiles_for(t, s)
-    ],
+    "tiles, t, s",
+    [(tiles, t, s) for tiles in TILES for t, s in SHAPES]
+    + [(MANY_SPLITS, t, s) for t, s in SHAPES[:2]],
 )
-@pytest.mark.parametrize("t, s", [(40, 200), (8, 37), (32, 384), (32, 700), (100, 200)])
 def test_matches_einsum_attention(tiles, t, s):
     """GQA (group 2), a batch whose second row is left-padded past a whole key slice, and
     query and key counts that are not multiples of the tiles."""
