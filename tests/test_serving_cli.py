@@ -105,8 +105,8 @@ def test_user_errors_exit_2(served, capsys, tmp_path):
 SERVE = "serve --max-batch 1 --no-sampling --max-seq-len 64 --log-level warning --port"
 
 
-# SIGTERM (what a supervisor sends): `_Server.handle_exit` takes a first SIGINT the same way.
-@pytest.mark.parametrize("sig", [signal.SIGTERM])
+# SIGINT (Ctrl-C, as the README stops it) and SIGTERM (what a supervisor sends).
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_drains_the_requests_in_flight_and_exits_0(sig):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
