@@ -116,19 +116,24 @@ def time_refresh(module, params, config, seq: int, iters: int) -> float:
     return time_in_program(step, x, iters, params)
 
 
+def random_kv(config, seq: int, dtype) -> tuple:
+    """Random K/V buffers of one row, [1, seq, kv_heads, head_dim] per layer."""
+    shape = (1, seq, config.n_kv_heads, config.head_dim)
+    return tuple(
+        (
+            jax.random.normal(jax.random.key(i), shape, dtype),
+            jax.random.normal(jax.random.key(i + 1), shape, dtype),
+        )
+        for i in range(config.n_layers)
+    )
+
+
 def time_block(module, params, config, kv_len: int, iters: int) -> float:
     x, _ = _inputs(config, BLOCK, module.dtype)
     start = kv_len - 2 * BLOCK
     positions = (start + jnp.arange(BLOCK, dtype=jnp.int32))[None]
     valid = jnp.ones((1, kv_len), bool)
-    shape = (1, kv_len, config.n_kv_heads, config.head_dim)
-    kv = tuple(
-        (
-            jax.random.normal(jax.random.key(i), shape, module.dtype),
-            jax.random.normal(jax.random.key(i + 1), shape, module.dtype),
-        )
-        for i in range(config.n_layers)
-    )
+    kv = random_kv(config, kv_len, module.dtype)
 
     def step(carry, params):
         x, kv = carry

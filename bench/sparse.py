@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from bench.common import model_config, save, time_in_program
 from bench.decoders import add_demo_arguments, demo_payload, demo_problems, evaluate
+from bench.forward import random_kv
 from djax import programs
 from djax.kernel_options import KernelOptions
 from djax.models import init_params
@@ -57,14 +58,7 @@ def time_block(module, params, config, seq: int, block_row: int, chosen, iters: 
     x = jax.random.normal(jax.random.key(1), (1, BLOCK, config.d_model), module.dtype)
     positions = (block_row + jnp.arange(BLOCK, dtype=jnp.int32))[None]
     valid = jnp.ones((1, seq), bool)
-    shape = (1, seq, config.n_kv_heads, config.head_dim)
-    kv = tuple(
-        (
-            jax.random.normal(jax.random.key(i), shape, module.dtype),
-            jax.random.normal(jax.random.key(i + 1), shape, module.dtype),
-        )
-        for i in range(config.n_layers)
-    )
+    kv = random_kv(config, seq, module.dtype)
 
     def step(carry, params, chosen):
         x, kv = carry

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_swiglu import _problem as swiglu_problem
+from test_swiglu import _reference as swiglu_reference
 
 from djax.kernels import (
     residual_product,
@@ -36,15 +38,7 @@ def _matmul_problem(shape, k, n, seed=0):
 
 
 def _swiglu_problem(m, k, n, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 2)
-    x = jax.random.normal(keys[0], (m, k), BF16)
-    w = (jax.random.normal(keys[1], (k, 2, n)) * k**-0.5).astype(BF16)
-    return x, w
-
-
-def _swiglu_reference(x, w):
-    h = jnp.einsum("tm,mcf->tcf", x.astype(jnp.float32), w.astype(jnp.float32))
-    return jax.nn.silu(h[:, 0]) * h[:, 1]
+    return swiglu_problem(m, k, n, BF16, seed)
 
 
 def _rel_error(ours, ref):
@@ -81,10 +75,10 @@ def test_swiglu_matches_einsum_and_activation(m, tiles):
     x, w = _swiglu_problem(m, 128, 128, seed=1)
     ours = swiglu_mosaic.swiglu_matmul(x, w, tiles=tiles)
     assert ours.shape == (m, 128) and ours.dtype == BF16
-    assert _rel_error(ours, _swiglu_reference(x, w)) < 1e-2  # bf16 output
+    assert _rel_error(ours, swiglu_reference(x, w)) < 1e-2  # bf16 output
     # against the fp32 result rounded as the kernel rounds it
     np.testing.assert_allclose(
-        ours.astype(jnp.float32), _swiglu_reference(x, w).astype(BF16).astype(jnp.float32),
+        ours.astype(jnp.float32), swiglu_reference(x, w).astype(BF16).astype(jnp.float32),
         rtol=1e-2, atol=1e-2,
     )  # fmt: skip
 
@@ -249,7 +243,7 @@ def test_norm_moved_into_the_mosaic_products(form):
     assert _rel_error(rows.scaled.astype(jnp.float32) * rows.inv_rms(), want) < 1e-2
     _, gate_up = _swiglu_problem(20, 128, 64, seed=9)
     ours = swiglu_mosaic.swiglu_matmul(rows.reshape(20, 128), gate_up)
-    assert _rel_error(ours, _swiglu_reference(want.reshape(20, 128), gate_up)) < 2e-2
+    assert _rel_error(ours, swiglu_reference(want.reshape(20, 128), gate_up)) < 2e-2
 
 
 @needs_gpu
@@ -266,7 +260,7 @@ def test_compiled_kernels_on_gpu():
             assert _rel_error(ours, ref) <= 1e-2, (m, k, n)
             assert _rel_error(ours, split_k.matmul_partials(x, w).total()) <= 1e-2, (m, k, n)
         x, w = _swiglu_problem(m, 4096, 12288, seed=4)
-        assert _rel_error(swiglu_mosaic.swiglu_matmul(x, w), _swiglu_reference(x, w)) <= 1e-2, m
+        assert _rel_error(swiglu_mosaic.swiglu_matmul(x, w), swiglu_reference(x, w)) <= 1e-2, m
         rows, normed = _scaled_rows(m, 4096)  # 128 tiles of sums of squares
         ours = swiglu_mosaic.swiglu_matmul(rows, w)
         assert _rel_error(ours, swiglu_mosaic.swiglu_matmul(normed, w)) <= 2e-2, m
