@@ -1,7 +1,7 @@
 """Sparse attention (`attention_sparsity`): the block forward's speed at the LLaDA-8B shape, and
 the demo model's accuracy, against dense attention.
 
-    python -m bench.sparse [--parts speed accuracy] [--prompt-lens 1024 4096 8192]
+    python -m bench.sparse [--parts speed accuracy] [--prompt-lens 1024 4096 8192] [--batches 1]
                            [--keep 0.25] [--keeps 1.0 0.5 0.25 0.1] [--window 8] [--tiny]
 
 speed: random bf16 LLaDA-8B weights built on the device; for each prompt length P, a
@@ -9,8 +9,9 @@ speed: random bf16 LLaDA-8B weights built on the device; for each prompt length 
 dense attention and with each head attending to its `keys = ceil(keep·S) + 32 + 64` chosen
 positions (block, the 64 before it, the rest drawn at random: the speed does not depend on
 which). Medians of forwards run back to back in one compiled loop (`time_in_program`);
-`speedup` = dense ms / sparse ms. Also the refresh (a whole-sequence forward over S keeping
-the block) with and without choosing the keys, for the choice's cost. Saved as
+`speedup` = dense ms / sparse ms. `--batches`: rows a block forward (the K/V of every row
+is held twice by the timing loop). Also the refresh of one row (a whole-sequence forward over
+S keeping the block) with and without choosing the keys, for the choice's cost. Saved as
 `sparse_speed_<device>.json`.
 
 accuracy: the demo model on held-out demo problems (`djax.demo.task`, as `bench.decoders`),
@@ -43,22 +44,29 @@ BLOCK = 32
 GEN = 256
 
 
-def random_choice(rule: SparseAttention, layers: int, kv_heads: int, seq: int, block_row: int):
-    """Chosen keys [layers, 1, kv_heads, rule.keys] as the rule keeps them (the block and
+def random_choice(
+    rule: SparseAttention, layers: int, batch: int, kv_heads: int, seq: int, block_row: int
+):
+    """Chosen keys [layers, batch, kv_heads, rule.keys] as the rule keeps them (the block and
     the `recent` positions before it) with the others drawn at random, ascending."""
-    score = jax.random.uniform(jax.random.key(3), (layers, 1, kv_heads, seq))
+    score = jax.random.uniform(jax.random.key(3), (layers, batch, kv_heads, seq))
     index = jnp.arange(seq)
     forced = (index >= block_row - rule.recent) & (index < block_row + BLOCK)
     score = jnp.where(forced, 2.0, score)
     return jnp.sort(jax.lax.top_k(score, rule.keys)[1], axis=-1).astype(jnp.int32)
 
 
-def time_block(module, params, config, seq: int, block_row: int, chosen, iters: int) -> float:
-    """A dual-cache block forward at `block_row` over `seq` keys; `chosen` None is dense."""
-    x = jax.random.normal(jax.random.key(1), (1, BLOCK, config.d_model), module.dtype)
-    positions = (block_row + jnp.arange(BLOCK, dtype=jnp.int32))[None]
-    valid = jnp.ones((1, seq), bool)
-    kv = random_kv(config, seq, module.dtype)
+def time_block(
+    module, params, config, batch: int, seq: int, block_row: int, chosen, iters: int
+) -> float:
+    """A dual-cache block forward of `batch` rows at `block_row` over `seq` keys; `chosen`
+    None is dense."""
+    x = jax.random.normal(jax.random.key(1), (batch, BLOCK, config.d_model), module.dtype)
+    positions = jnp.broadcast_to(block_row + jnp.arange(BLOCK, dtype=jnp.int32), (batch, BLOCK))
+    valid = jnp.ones((batch, seq), bool)
+    kv = jax.tree.map(
+        lambda a: jnp.broadcast_to(a, (batch, *a.shape[1:])), random_kv(config, seq, module.dtype)
+    )
 
     def step(carry, params, chosen):
         x, kv = carry
@@ -98,40 +106,45 @@ def time_refresh(module, params, config, seq: int, block_row: int, rule, iters: 
     return time_in_program(step, x, iters, params)
 
 
+def speed_row(args, config, params, dtype, batch: int, prompt_len: int) -> dict:
+    """One row of the speed part: dense against sparse at `batch` rows and `prompt_len`."""
+    seq = prompt_len + GEN
+    shapes = Shapes(batch, BLOCK, seq, BLOCK)
+    kernels = programs.kernel_choice(KernelOptions(), config, dtype, shapes)
+    module = programs.local_module(config, dtype, kernels, None)
+    rule = SparseAttention(args.keep, RECENT, kept_keys(args.keep, RECENT, seq, BLOCK))
+    chosen = random_choice(rule, config.n_layers, batch, config.n_kv_heads, seq, prompt_len)
+    dense_ms = 1e3 * time_block(module, params, config, batch, seq, prompt_len, None, args.iters)
+    sparse_ms = 1e3 * time_block(module, params, config, batch, seq, prompt_len, chosen, args.iters)
+    refresh = {}
+    if args.refresh_iters and batch == 1:  # the refresh is timed for one row
+        for name, r in (("dense", None), ("sparse", rule)):
+            seconds = time_refresh(module, params, config, seq, prompt_len, r, args.refresh_iters)
+            refresh[f"refresh_{name}_ms"] = 1e3 * seconds
+    row = {
+        "case": f"batch {batch}, block {BLOCK} at {prompt_len}, {seq} keys",
+        "batch": batch,
+        "sparse": dataclasses.asdict(rule),
+        "prompt_len": prompt_len,
+        "keys": seq,
+        "attention": kernels.block.layers.attention,
+        "dense_ms": dense_ms,
+        "sparse_ms": sparse_ms,
+        "speedup": dense_ms / sparse_ms,
+        **refresh,
+    }
+    print(row, flush=True)
+    return row
+
+
 def speed(args) -> None:
     dtype = jnp.bfloat16
     config = model_config("dense", args.tiny)
     params = init_params(config, dtype, seed=0)
     rows = []
-    for prompt_len in args.prompt_lens:
-        seq = prompt_len + GEN
-        shapes = Shapes(1, BLOCK, seq, BLOCK)
-        kernels = programs.kernel_choice(KernelOptions(), config, dtype, shapes)
-        module = programs.local_module(config, dtype, kernels, None)
-        rule = SparseAttention(args.keep, RECENT, kept_keys(args.keep, RECENT, seq, BLOCK))
-        chosen = random_choice(rule, config.n_layers, config.n_kv_heads, seq, prompt_len)
-        dense_ms = 1e3 * time_block(module, params, config, seq, prompt_len, None, args.iters)
-        sparse_ms = 1e3 * time_block(module, params, config, seq, prompt_len, chosen, args.iters)
-        refresh = {}
-        if args.refresh_iters:
-            for name, r in (("dense", None), ("sparse", rule)):
-                seconds = time_refresh(
-                    module, params, config, seq, prompt_len, r, args.refresh_iters
-                )
-                refresh[f"refresh_{name}_ms"] = 1e3 * seconds
-        row = {
-            "case": f"block {BLOCK} at {prompt_len}, {seq} keys",
-            "sparse": dataclasses.asdict(rule),
-            "prompt_len": prompt_len,
-            "keys": seq,
-            "attention": kernels.block.layers.attention,
-            "dense_ms": dense_ms,
-            "sparse_ms": sparse_ms,
-            "speedup": dense_ms / sparse_ms,
-            **refresh,
-        }
-        print(row, flush=True)
-        rows.append(row)
+    for batch in args.batches:
+        for prompt_len in args.prompt_lens:
+            rows.append(speed_row(args, config, params, dtype, batch, prompt_len))
     save(
         "sparse",
         {"model": "dense", "tiny": args.tiny, "block": BLOCK, "gen": GEN, "results": rows},
@@ -182,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         "--parts", nargs="+", default=["speed", "accuracy"], choices=["speed", "accuracy"]
     )
     p.add_argument("--prompt-lens", nargs="+", type=int, default=[1024, 4096, 8192])
+    p.add_argument("--batches", nargs="+", type=int, default=[1], help="speed: rows a forward")
     p.add_argument("--keep", type=float, default=0.25, help="speed: the keep fraction")
     p.add_argument("--iters", type=int, default=20, help="speed: block forwards per timing")
     p.add_argument(
