@@ -51,7 +51,7 @@ class KernelOptions:
     fp8_impl: str = _option(
         ("auto", "dequant", "scaled"),
         "products of fp8 weights (weights='fp8'): scaled (fp8 x fp8, rows quantised per row) "
-        "for refreshes on GPUs of compute capability >= 8.9, else dequant (weights converted "
+        "on GPUs of compute capability >= 8.9, else dequant (weights converted "
         "inside XLA's dot)",
         fallback="dequant",
     )

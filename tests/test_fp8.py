@@ -101,7 +101,7 @@ def test_kernel_choice_takes_xla_products_under_fp8():
         assert (forward.qkv, forward.out, forward.mlp, forward.down) == ("xla",) * 4
         assert forward.norm_into_mlp == forward.norm_into_attention == "no"
     assert choice.block.layers.attention == "split_kv"  # reads no weights: still djax's
-    assert (choice.block.layers.fp8, choice.refresh.layers.fp8) == ("dequant", "scaled")
+    assert (choice.block.layers.fp8, choice.refresh.layers.fp8) == ("scaled", "scaled")
     moe = resolve(KernelOptions(), HOPPER, LLADA_MOE, jnp.bfloat16, GENERATION, weights="fp8")
     assert moe.block.layers.moe == "grouped"
     cpu = resolve(KernelOptions(), Device("cpu"), LLADA_8B, jnp.float32, GENERATION, weights="fp8")

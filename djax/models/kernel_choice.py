@@ -11,8 +11,10 @@ Rules of `auto`:
 - With fp8 weights (`weights="fp8"`, `djax.models.fp8`) every product of weights runs in
   XLA (djax's product kernels take 16-bit weights; the attention, RoPE and norm kernels,
   which read no weights, are chosen as above). Their fp8 path (`Kernels.fp8`): `scaled`
-  (fp8 x fp8) for refreshes on GPUs with fp8 tensor cores (`FP8_MIN_CAPABILITY`),
-  `dequant` for block forwards and everywhere else.
+  (fp8 x fp8) for every forward on GPUs with fp8 tensor cores (`FP8_MIN_CAPABILITY`),
+  `dequant` elsewhere. One path for the whole program: a program whose refreshes run
+  `scaled` and block forwards `dequant` was measured slower than either alone
+  (`bench/NOTES.md`).
 - The products, the SwiGLU kernel and the norm fused into the next product take at most
   `KERNEL_MAX_ROWS` token rows (a denoising block of one sequence), the rows their tiles
   were built for; more rows take XLA's GEMMs.
@@ -396,7 +398,7 @@ class _Rule:
             norm_into_mlp=into_mlp,
             norm_into_attention=into_attention,
             moe=self._moe(rows) if cfg.is_moe else "none",
-            fp8=self._fp8(refresh),
+            fp8=self._fp8(),
         )
 
     def _attention(self, refresh: bool) -> str:
@@ -421,13 +423,13 @@ class _Rule:
             self.products_pay and few,
         )
 
-    def _fp8(self, refresh: bool) -> str:
+    def _fp8(self) -> str:
         if not self.fp8:
             return "no"
         impl = self.options.fp8_impl
         if impl != "auto":
             return impl
-        return "scaled" if refresh and self.fp8_tensor_cores else "dequant"
+        return "scaled" if self.fp8_tensor_cores else "dequant"
 
     def _norm_fusion(self, few: bool) -> str:
         """Where a residual norm moved into the next product runs its add, before the
