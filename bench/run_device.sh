@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Run benchmark stages on the GPU machine, each logged; results and logs land in $OUT.
 #   bash bench/run_device.sh STAGE [ARGS...]; STAGE: env | forward | generate | profile | parallel |
-#   decoders | flags | compile | memory | sparse | serve | train | gputests, or kernels.NAME | probes.NAME
+#   decoders | flags | compile | memory | sparse | serve | train | gputests | detach | collect,
+#   or kernels.NAME | probes.NAME
 #   (bench/kernels, bench/probes). gputests: the kernel tests on the GPU (the tests marked
 #   "needs a GPU" run there), their log kept as gputests.log with the results.
 # serve installs the wheels of .whl/ first (bench/wheels.sh; carry .whl).
+# Longer than one device command (10 minutes): `detach STAGE [ARGS...]` starts the stage in its
+# own process session (it outlives the command while the machine stays held) with its results
+# and logs in .cache/detached (or $DJAX_DETACHED), and returns; `collect SECONDS` waits up to
+# SECONDS for it, then copies what it wrote so far into $OUT (detached.rc: its exit status,
+# once it ended). The machine goes back when idle: detach and collect in one command, then
+# collect again at once.
 # DJAX_COMMIT names the commit being measured (the device copy has no .git).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -26,6 +33,20 @@ case "$stage" in
       export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     fi
     python3 -m bench.serve "$@" 2>&1 | tee "$log" ;;
+  detach)
+    detached="${DJAX_DETACHED:-$PWD/.cache/detached}"
+    rm -rf "$detached" && mkdir -p "$detached"
+    OUT="$detached" setsid nohup bash -c 'bash bench/run_device.sh "$@"; echo $? > "$OUT/detached.rc"' \
+      run_device "$@" > "$detached/detached.log" 2>&1 < /dev/null &
+    echo "detached $* (pid $!): bash bench/run_device.sh collect SECONDS" | tee "$log" ;;
+  collect)
+    detached="${DJAX_DETACHED:-$PWD/.cache/detached}"
+    [ -d "$detached" ] || { echo "nothing detached" >&2; exit 2; }
+    end=$((SECONDS + ${1:-0}))
+    while [ ! -f "$detached/detached.rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+    cp -r "$detached"/. "$OUT"/
+    if [ -f "$detached/detached.rc" ]; then echo "ended: rc $(cat "$detached/detached.rc")"
+    else echo "still running after ${1:-0} s: collect again"; fi | tee "$log" ;;
   gputests)
     python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/test_kernel_choice.py \
       tests/test_llada.py tests/test_llada_moe.py "$@" 2>&1 | tee "$log" ;;

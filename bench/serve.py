@@ -48,7 +48,12 @@ first chunk, failures; from `GET /metrics` scraped before and after the rate: pr
 compiled during the run (0 when the warm-up compiled every shape the run needs), the median
 host time between two block calls and the idle fraction (host time between calls /
 makespan; the engine records no gap while it has nothing to run), the busy fraction (block
-calls' time / makespan), from the histograms' buckets, sums and counts. Results go to
+calls' time / makespan), from the histograms' buckets, sums and counts; and from samples of
+the server's gauges every `--sample-every` seconds during the run (`samples`: device memory
+in use, queue depth, running rows), the range of the memory in use and the deepest queue:
+flat memory under overload shows there. The `openai` client holds at most 1,000 connections
+(its default pool, below the server's queue bound of 1,024), so a trace of more requests
+than that keeps the rest waiting in the client, counted in their latency. Results go to
 `serve_<model>_<device>.json` (`bench.common.save`) and a plot of answer tokens/s and p99
 latency against the rate beside it (same stem, `.png`; skipped without matplotlib).
 
@@ -56,7 +61,9 @@ On the GPU machine, which lacks the server's and the client's packages: run `bas
 bench/wheels.sh` here (wheels into `.whl/`), carry `.whl`, and run `bash bench/run_device.sh
 serve --model dense ...` there, which installs them first. One device command runs at most 10
 minutes, warm-up compiles included: run one scheduler per command (`--schedulers static`) with
-fewer requests at the slow rates, and draw the files together with `plot A.json B.json`.
+fewer requests at the slow rates, and draw the files together with `plot A.json B.json`. A run
+longer than one command (an overload test of 10 minutes) goes through `run_device.sh detach`
+and `collect` (`bench/README.md`).
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -86,7 +94,6 @@ from djax import GenerationConfig, engine
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEDULERS = ("continuous", "static")
-MAX_QUEUE = 1024  # ServeConfig's default queue bound: more requests at once are refused
 TOKENS_PER_FORWARD = SETTING.gen_length // SETTING.steps
 
 
@@ -314,6 +321,64 @@ async def run_trace(base_url: str, model: str, trace: Sequence[TraceRequest]):
     return records, max(r.end for r in records)
 
 
+class Sampler:
+    """Scrapes the server's gauges every `every` seconds on a thread while a trace runs: one
+    sample when started, one when stopped and those between, each `{t (seconds since
+    start), device_bytes_in_use, queue_depth, running_rows}` (None where the server reported
+    none). With `wait_ready`'s scrape these show whether memory stays flat under load."""
+
+    GAUGES = {
+        "device_bytes_in_use": "djax_device_bytes_in_use",
+        "queue_depth": "djax_queue_depth",
+        "running_rows": "djax_running_rows",
+    }
+
+    def __init__(self, base_url: str, every: float):
+        self.base_url, self.every = base_url, every
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = 0.0
+
+    def _sample(self) -> None:
+        try:
+            metrics = scrape(self.base_url)
+        except OSError:  # a scrape that fails is a missing sample, not a failed run
+            return
+        sample = {"t": round(time.perf_counter() - self._t0, 3)}
+        for name, metric in self.GAUGES.items():
+            sample[name] = metrics.get(metric)
+        self.samples.append(sample)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def __enter__(self) -> Sampler:
+        self._t0 = time.perf_counter()
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def sample_figures(samples: Sequence[dict]) -> dict:
+    """The range of the device memory in use over a run's samples (None where none was
+    reported) and the deepest queue seen, beside the samples themselves."""
+    used = [s["device_bytes_in_use"] for s in samples if s["device_bytes_in_use"]]
+    queues = [s["queue_depth"] for s in samples if s["queue_depth"] is not None]
+    return {
+        "device_bytes_min": min(used) if used else None,
+        "device_bytes_max": max(used) if used else None,
+        "queue_depth_max": int(max(queues)) if queues else None,
+        "samples": list(samples),
+    }
+
+
 def served_model_name(model: str) -> str:
     return f"bench-{model}"
 
@@ -404,8 +469,6 @@ def check_rates(rates: Sequence[float | OfCapacity]) -> None:
 
 
 def run_client(args) -> None:
-    if args.requests > MAX_QUEUE or (args.equal or 0) > MAX_QUEUE:
-        raise SystemExit(f"bench.serve: at most {MAX_QUEUE} requests (the server's queue bound)")
     config = model_config(args.model, args.tiny)
     vocabulary = prompt_vocabulary(config.vocab_size, special_ids(config))
     lengths = trace_lengths(args.tiny)
@@ -456,9 +519,10 @@ def run_client(args) -> None:
                     warm = trace[: args.warm_requests]
                     asyncio.run(run_trace(base_url, served_model_name(args.model), warm))
                 before = scrape(base_url)
-                records, makespan = asyncio.run(
-                    run_trace(base_url, served_model_name(args.model), trace)
-                )
+                with Sampler(base_url, args.sample_every) as sampler:
+                    records, makespan = asyncio.run(
+                        run_trace(base_url, served_model_name(args.model), trace)
+                    )
                 after = scrape(base_url)
                 errors = sorted({r.error for r in records if r.error})
                 rows.append(
@@ -470,6 +534,7 @@ def run_client(args) -> None:
                         **summarize(records, makespan),
                         **server_figures(before, after, makespan),
                         "errors": errors[:5],
+                        **sample_figures(sampler.samples),
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
@@ -697,6 +762,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--ready-timeout", type=float, default=900.0, help="seconds to wait for the warm-up"
+    )
+    parser.add_argument(
+        "--sample-every",
+        type=float,
+        default=10.0,
+        help="seconds between two samples of the server's memory and queue during a run",
     )
     return parser.parse_args(argv, argparse.Namespace(role=role))
 

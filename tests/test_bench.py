@@ -577,7 +577,7 @@ def test_serve_end_to_end(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(repo)}
     command = [sys.executable, "-m", "bench.serve", "--model", "dense", "--tiny"]
     command += ["--schedulers", "continuous", "--rates", "inf", "0.5x", "--requests", "3"]
-    command += ["--max-batch", "2", "--ready-timeout", "120"]
+    command += ["--max-batch", "2", "--ready-timeout", "120", "--sample-every", "0.2"]
     subprocess.run(command, cwd=repo, env=env, check=True, timeout=300)
     (result,) = tmp_path.glob("serve_*.json")
     record = json.loads(result.read_text())
@@ -587,6 +587,10 @@ def test_serve_end_to_end(tmp_path):
     for r in (row, half):
         assert r["failed"] == 0 and r["compiles_during_run"] == 0, r
         assert r["output_tokens_per_s"] > 0 and r["p99_ttft_s"] <= r["p99_latency_s"]
+        times = [sample["t"] for sample in r["samples"]]  # one at the start, one at the end
+        assert len(times) >= 2 and times == sorted(times) and times[0] < 0.2, r["samples"]
+        assert r["samples"][-1]["queue_depth"] == 0 and r["samples"][-1]["running_rows"] == 0
+        assert r["queue_depth_max"] == max(sample["queue_depth"] for sample in r["samples"])
     assert record["servers"]["continuous"]["clean_exit"], record["servers"]
     assert (tmp_path / "serve_dense_continuous.log").exists()
 
@@ -650,3 +654,26 @@ def test_memory_bench_writes_both_batches(tmp_path, monkeypatch):
             "whole_less_chunked": 200 * rows_per_64 * whole,
         }
         assert row["logits_chunk"] == 128 and row["device_bytes"] is None
+
+
+def test_run_device_detach_then_collect(tmp_path):
+    """A stage detached by run_device.sh outlives the command that started it; collect
+    waits for it and copies its log and exit status into $OUT."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "DJAX_DETACHED": str(tmp_path / "detached"), "PYTHONPATH": str(repo)}
+    script = ["bash", "bench/run_device.sh"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    for out in (first, second):
+        out.mkdir()
+    detach = [*script, "detach", "kernels.no_such_suite"]
+    subprocess.run(detach, cwd=repo, env={**env, "OUT": str(first)}, check=True, timeout=60)
+    assert (first / "detach.log").read_text().startswith("detached kernels.no_such_suite")
+    collect = [*script, "collect", "60"]
+    subprocess.run(collect, cwd=repo, env={**env, "OUT": str(second)}, check=True, timeout=90)
+    assert (second / "detached.rc").read_text().strip() == "1"  # python: no such module
+    assert "No module named" in (second / "kernels.no_such_suite.log").read_text()
+    assert (second / "collect.log").read_text().startswith("ended: rc 1")
