@@ -8,11 +8,13 @@ speed: random bf16 LLaDA-8B weights built on the device; for each prompt length 
 32-token dual-cache block forward (the block at position P, gen 256: P + 256 keys) with
 dense attention and with each head attending to its `keys = ceil(keep·S) + 32 + 64` chosen
 positions (block, the 64 before it, the rest drawn at random: the speed does not depend on
-which). Medians of forwards run back to back in one compiled loop (`time_in_program`);
-`speedup` = dense ms / sparse ms. `--batches`: rows a block forward (the K/V of every row
-is held twice by the timing loop). Also the refresh of one row (a whole-sequence forward over
-S keeping the block) with and without choosing the keys, for the choice's cost. Saved as
-`sparse_speed_<device>.json`.
+which), their rows outside the block gathered once before the timed loop, as the engine
+gathers them once a block (`sparse_attention.compact`). Medians of forwards run back to
+back in one compiled loop (`time_in_program`); `speedup` = dense ms / sparse ms.
+`--batches`: rows a block forward (the K/V of every row is held twice by the timing loop).
+`attention`: the dense forward's attention path (the sparse one's is XLA's). Also the
+refresh of one row (a whole-sequence forward over S keeping the block) with and without
+choosing the keys, for the choice's cost. Saved as `sparse_speed_<device>.json`.
 
 accuracy: the demo model on held-out demo problems (`djax.demo.task`, as `bench.decoders`),
 `low_confidence` (one token per step: most of a block's steps reuse the cache) and
@@ -38,7 +40,7 @@ from djax.kernel_options import KernelOptions
 from djax.models import init_params
 from djax.models.kernel_choice import Shapes
 from djax.models.layers import Window
-from djax.models.sparse_attention import RECENT, SparseAttention, kept_keys
+from djax.models.sparse_attention import RECENT, SparseAttention, compact, kept_keys
 
 BLOCK = 32
 GEN = 256
@@ -60,15 +62,24 @@ def time_block(
     module, params, config, batch: int, seq: int, block_row: int, chosen, iters: int
 ) -> float:
     """A dual-cache block forward of `batch` rows at `block_row` over `seq` keys; `chosen`
-    None is dense."""
+    None is dense, else each layer's kept rows are gathered once (outside the timed loop)
+    for the block's window."""
     x = jax.random.normal(jax.random.key(1), (batch, BLOCK, config.d_model), module.dtype)
     positions = jnp.broadcast_to(block_row + jnp.arange(BLOCK, dtype=jnp.int32), (batch, BLOCK))
     valid = jnp.ones((batch, seq), bool)
     kv = jax.tree.map(
         lambda a: jnp.broadcast_to(a, (batch, *a.shape[1:])), random_kv(config, seq, module.dtype)
     )
+    kept = None
+    if chosen is not None:
+        gather = jax.jit(
+            lambda chosen, kv: tuple(
+                compact(chosen[i], k, v, valid, block_row, BLOCK) for i, (k, v) in enumerate(kv)
+            )
+        )
+        kept = gather(chosen, kv)
 
-    def step(carry, params, chosen):
+    def step(carry, params, kept):
         x, kv = carry
         hidden, kv = module.apply(
             {"params": params},
@@ -80,12 +91,12 @@ def time_block(
             0,
             BLOCK,
             True,
-            chosen=chosen,
+            kept_kv=kept,
         )
         logits = module.apply({"params": params}, hidden, method="logits")
         return x + (1e-6 * jnp.mean(logits)).astype(x.dtype), kv
 
-    return time_in_program(step, (x, kv), iters, params, chosen)
+    return time_in_program(step, (x, kv), iters, params, kept)
 
 
 def time_refresh(module, params, config, seq: int, block_row: int, rule, iters: int) -> float:

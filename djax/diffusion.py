@@ -32,8 +32,9 @@ import numpy as np
 from djax import decoders
 from djax.decoders import DecoderSpec
 from djax.kv_cache import CachePolicy, init_buffers
+from djax.models import sparse_attention
 from djax.models.layers import TransformerLM, Window
-from djax.models.sparse_attention import SparseAttention
+from djax.models.sparse_attention import KeptKV, SparseAttention
 
 Array = jax.Array
 
@@ -47,8 +48,9 @@ class Plan:
     fixed-steps decoders. stop_ids: ids that end a row (early stop); fill_id: what the rest
     of a stopped row becomes (EOS). sampling: some row may have a temperature above 0 (the
     Gumbel noise is drawn only then). sparse: the reuse steps' sparse attention
-    (`djax.models.sparse_attention`: each refresh chooses every head's keys, the block's
-    cached steps attend to those only), None for dense attention.
+    (`djax.models.sparse_attention`: each refresh chooses every head's keys and gathers
+    those outside the cached window once; the block's cached steps attend to those only),
+    None for dense attention.
     """
 
     batch: int
@@ -180,9 +182,9 @@ class State:
     """The loop carry. keys: [batch] PRNG keys; kv: per-layer (keys, values) or None
     (`none` policy); credit:
     [batch, block, vocab_local] or None; soft: expected embeddings of the block's masked
-    positions from the previous step [batch, block, model] or None; chosen: the keys each
-    layer's kv heads attend to in the block's cached steps [n_layers, batch, kv_heads,
-    plan.sparse.keys] int32 (the last refresh's choice), or None (dense attention)."""
+    positions from the previous step [batch, block, model] or None; kept: per layer, the
+    keys its kv heads attend to in the block's cached steps (`KeptKV`: the last refresh's
+    choice, its rows outside the cached window gathered), or None (dense attention)."""
 
     tokens: Array
     kv: Any
@@ -196,7 +198,7 @@ class State:
     block_masks: Array
     credit: Any
     soft: Any
-    chosen: Any = None
+    kept: tuple[KeptKV, ...] | None = None
 
 
 class _Generation:
@@ -261,7 +263,7 @@ class _Generation:
             hidden, kv = out[:2]
             kv = kv if plan.cache.cached else None
             if plan.sparse is not None:
-                state = dataclasses.replace(state, chosen=out[2])
+                state = dataclasses.replace(state, kept=self.gather_kept(out[2], kv, bs))
         else:
             window = plan.cache.window(bs, plan.prompt_len, plan.block_len, plan.seq_len)
             width = plan.cache.window_length(plan.prompt_len, plan.block_len, plan.seq_len)
@@ -277,12 +279,24 @@ class _Generation:
                     bs - window.start,
                     plan.block_len,
                     block_forward=True,
-                    chosen=state.chosen,
+                    kept_kv=state.kept,
                 )
         with jax.named_scope("decoder"):
             state = self.decode(state, hidden, bs)
         return dataclasses.replace(
             state, kv=kv, forwards=state.forwards + 1, refreshes=state.refreshes + int(refresh)
+        )
+
+    def gather_kept(self, chosen: Array, kv: Any, bs: Array) -> tuple[KeptKV, ...]:
+        """Every layer's kept rows for the block's cached steps: `chosen` [n_layers, batch,
+        kv_heads, keys] from the refresh, gathered from its K/V `kv` outside the window the
+        cached steps of the block starting at `bs` feed."""
+        plan = self.plan
+        start = plan.cache.window(bs, plan.prompt_len, plan.block_len, plan.seq_len).start
+        width = plan.forward_window
+        return tuple(
+            sparse_attention.compact(chosen[i], keys, values, self.key_valid, start, width)
+            for i, (keys, values) in enumerate(kv)
         )
 
     def predict(self, hidden: Array, keys: Array) -> tuple[Array, Array]:
@@ -405,11 +419,10 @@ def initial_state(
         credit = jnp.zeros((batch, plan.block_len, vocab_local), jnp.float32)
     if plan.smoothing:
         soft = jnp.zeros((batch, plan.block_len, module.config.d_model), dtype)
-    chosen = None
-    if plan.sparse is not None:
-        kv_heads = params["attn_0"]["qkv"].shape[1]
-        shape = (module.config.n_layers, batch, kv_heads, plan.sparse.keys)
-        chosen = jnp.zeros(shape, jnp.int32)
+    kept = None
+    if plan.sparse is not None:  # a cached policy: `kv` holds every layer's buffers
+        n, width = plan.sparse.keys, plan.forward_window
+        kept = tuple(sparse_attention.no_kept(buffer, n, width) for buffer, _ in kv)
     return State(
         tokens=tokens,
         kv=kv,
@@ -423,7 +436,7 @@ def initial_state(
         block_masks=jnp.zeros((batch,), jnp.int32),
         credit=credit,
         soft=soft,
-        chosen=chosen,
+        kept=kept,
     )
 
 

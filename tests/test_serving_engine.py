@@ -625,3 +625,26 @@ def test_a_mesh_serves_the_same_tokens(dense_folder, dense_model):
         assert all(len(a) == 16 for a in answers[-1])
     assert answers[0] == answers[1]
     assert layout.batch_buckets(2, multiple=2) == (2,)
+
+
+def test_sparse_attention_serves_the_dense_tokens_where_every_real_key_is_kept(dense_model):
+    """keep 0.5 with no recent window keeps half the call's positions and the block, more
+    than these rows' real keys: the block calls run the sparse path (each refresh gathers
+    the kept rows once) and must give the dense tokens."""
+    prompts = [(0, 10, 20, 30, 40, 50), (0, 11, 12), (0, 7, 9, 11, 13)]
+    answers = []
+    for keep in (1.0, 0.5):
+        generation = djax.GenerationConfig(
+            gen_length=16, block_length=8, attention_sparsity=keep, attention_window=0
+        )
+        engine = _engine(dense_model, generation, max_batch=2, max_seq_len=32, sampling=False)
+        plan = engine._block_plan(2, 32, False)
+        assert (plan.sparse is None) == (keep == 1.0)
+        got = Collector()
+        for i, ids in enumerate(prompts):
+            engine.submit(EngineRequest(f"r{i}", ids, 16, ignore_eos=True), got.sink(f"r{i}"))
+        got.wait(len(prompts))
+        engine.stop()
+        answers.append([got.tokens(f"r{i}") for i in range(len(prompts))])
+        assert all(len(a) == 16 for a in answers[-1])
+    assert answers[0] == answers[1]

@@ -1,6 +1,8 @@
 """Sparse attention (`djax.models.sparse_attention`): the choice of each head's keys against a
-float64 restatement of the rule, a block forward over the chosen keys against the numpy
-reference with each head's attention masked to the same keys, and the plan's dense path."""
+float64 restatement of the rule, the attention to the compact rows and the window's against
+attention over the gathered chosen rows, a block forward over the chosen keys against the
+numpy reference with each head's attention masked to the same keys, and the plan's dense
+path."""
 
 import math
 
@@ -14,7 +16,14 @@ import djax
 from djax import engine, programs
 from djax.models.kernel_choice import KernelChoice
 from djax.models.layers import Window
-from djax.models.sparse_attention import SparseAttention, choose, kept_keys, plan_sparse
+from djax.models.sparse_attention import (
+    SparseAttention,
+    attend_kept,
+    choose,
+    compact,
+    kept_keys,
+    plan_sparse,
+)
 
 from numpy_reference import RefLLaDA, softmax
 
@@ -77,10 +86,16 @@ def forwards(dense_model):
         return apply(x, positions, valid, None, Window(), block_row, BLOCK, sparse=RULE)
 
     @jax.jit
-    def block_forward(block, positions, valid, kv, chosen, block_row):
-        x = apply(block, method="embed")
-        pos = jax.lax.dynamic_slice_in_dim(positions, block_row, BLOCK, axis=1)
-        hidden, _ = apply(x, pos, valid, kv, Window(block_row), 0, BLOCK, True, chosen=chosen)
+    def block_forward(inputs, positions, valid, kv, chosen, block_row):
+        """A cached step feeding `inputs` [b, width] from `block_row` (the block first),
+        its kept rows gathered outside that window."""
+        width = inputs.shape[1]
+        kept = tuple(
+            compact(chosen[i], k, v, valid, block_row, width) for i, (k, v) in enumerate(kv)
+        )
+        x = apply(inputs, method="embed")
+        pos = jax.lax.dynamic_slice_in_dim(positions, block_row, width, axis=1)
+        hidden, _ = apply(x, pos, valid, kv, Window(block_row), 0, BLOCK, True, kept_kv=kept)
         return apply(hidden, method="logits")
 
     return refresh, block_forward
@@ -90,7 +105,10 @@ SEQ, BLOCK, BLOCK_ROW = 32, 8, 16
 RULE = SparseAttention(0.25, 4, kept_keys(0.25, 4, SEQ, BLOCK))
 
 
-def test_block_forward_attends_to_the_chosen_keys(forwards, dense_folder, dense_model):
+@pytest.mark.parametrize("width", [BLOCK, SEQ - BLOCK_ROW])
+def test_block_forward_attends_to_the_chosen_keys(forwards, dense_folder, dense_model, width):
+    """width BLOCK: the dual cache's window; SEQ - BLOCK_ROW: the block and the positions
+    after it, as the prefix cache feeds them, which each head keeps or not."""
     refresh, block_forward = forwards
     rng = np.random.default_rng(1)
     mask_id = dense_model.config.mask_token_id
@@ -104,9 +122,14 @@ def test_block_forward_attends_to_the_chosen_keys(forwards, dense_folder, dense_
     window = set(range(BLOCK_ROW - RULE.recent, BLOCK_ROW + BLOCK))
     assert all(window <= set(head.tolist()) for head in chosen.reshape(-1, RULE.keys))
 
-    block = tokens[:, BLOCK_ROW : BLOCK_ROW + BLOCK].copy()
-    block[0, [1, 4, 6]] = [17, 42, 9]  # some positions committed since the refresh
-    ours = np.asarray(block_forward(block, positions, valid, kv, chosen, BLOCK_ROW))[0]
+    after = set(range(BLOCK_ROW + BLOCK, BLOCK_ROW + width))
+    assert any(
+        0 < len(after & set(head.tolist())) < len(after) for head in chosen.reshape(-1, RULE.keys)
+    ) == (width > BLOCK)
+
+    inputs = tokens[:, BLOCK_ROW : BLOCK_ROW + width].copy()
+    inputs[0, [1, 4, 6]] = [17, 42, 9]  # some positions committed since the refresh
+    ours = np.asarray(block_forward(inputs, positions, valid, kv, chosen, BLOCK_ROW))[0]
 
     ref = RefLLaDA(dense_folder[0])
     _, cache = ref.forward(ref.emb[tokens[0]], 0, SEQ, None)
@@ -114,8 +137,9 @@ def test_block_forward_attends_to_the_chosen_keys(forwards, dense_folder, dense_
     for layer in range(chosen.shape[0]):
         for head in range(2):
             allowed[layer, head, chosen[layer, 0, head]] = True
-    expected, _ = ref.forward(ref.emb[block[0]], BLOCK_ROW, SEQ, cache, allowed=allowed)
-    dense, _ = ref.forward(ref.emb[block[0]], BLOCK_ROW, SEQ, cache)
+    expected, _ = ref.forward(ref.emb[inputs[0]], BLOCK_ROW, SEQ, cache, allowed=allowed)
+    dense, _ = ref.forward(ref.emb[inputs[0]], BLOCK_ROW, SEQ, cache)
+    expected, dense = expected[:BLOCK], dense[:BLOCK]
     error = np.linalg.norm(ours - expected) / np.linalg.norm(expected)
     assert error < 1e-5
     assert np.linalg.norm(dense - expected) / np.linalg.norm(expected) > 100 * error
@@ -137,13 +161,21 @@ def test_keep_one_is_the_dense_plan(dense_model):
     assert plan_sparse(0.1, 64, 1024, 32) == SparseAttention(0.1, 64, 103 + 32 + 64)
 
 
-def test_generation_gathers_and_matches_dense_where_every_real_key_is_kept(dense_model):
+@pytest.mark.parametrize(
+    "cache",
+    [
+        {"cache": "dual"},
+        {"cache": "prefix", "refresh_every": 3},  # a refresh mid-block gathers again
+        {"cache": "vicinity", "vicinity_before": 4, "vicinity_after": 4, "vicinity_warmup": 2},
+    ],
+)
+def test_generation_gathers_and_matches_dense_where_every_real_key_is_kept(dense_model, cache):
     """Prompts padded to 16 and 16 answer positions: 32 positions, of which each row has
     at most 22 real keys; keep 0.5 with no window keeps 16 + 8 = 24 per head, so the
-    gathered path runs and must give the dense tokens."""
-    dense = djax.GenerationConfig(gen_length=16, block_length=8)
+    sparse path runs (under each cache policy) and must give the dense tokens."""
+    dense = djax.GenerationConfig(gen_length=16, block_length=8, **cache)
     sparse = djax.GenerationConfig(
-        gen_length=16, block_length=8, attention_sparsity=0.5, attention_window=0
+        gen_length=16, block_length=8, attention_sparsity=0.5, attention_window=0, **cache
     )
     plan, _ = engine.make_plan(dense_model, sparse, 2, 6)
     assert plan.sparse == SparseAttention(0.5, 0, 24)
@@ -173,29 +205,72 @@ def test_bad_values_are_refused(options):
         djax.GenerationConfig(**options)
 
 
-def test_split_kv_kernel_on_the_gathered_rows_equals_xla():
-    from djax.models.sparse_attention import attend_chosen
+def attend_gathered(q, keys, values, key_valid, chosen):
+    """The per-step formulation the compact rows replace: each head gathers its chosen rows
+    from the buffers and attends to the valid ones."""
+    b, kv_heads, _ = chosen.shape
+    rows, heads = np.arange(b)[:, None, None], np.arange(kv_heads)[None, :, None]
+    k_rows, v_rows = keys[rows, chosen, heads], values[rows, chosen, heads]  # [b, kv, n, d]
+    valid = key_valid[rows, chosen]
+    scores = np.einsum("btkgd,bknd->bkgtn", q, k_rows) / math.sqrt(q.shape[-1])
+    scores = np.where(valid[:, :, None, None, :], scores, -np.inf)
+    return np.einsum("bkgtn,bknd->btkgd", softmax(scores), v_rows)
 
+
+@pytest.mark.parametrize("window", ["prefix", "dual"])
+def test_compact_rows_and_window_equal_the_gathered_rows(window):
+    """`prefix`: a wide window holding rows some heads chose and others did not; `dual`: the
+    window is the block, which every head keeps. The window's rows are rewritten after the
+    gather, as a cached step rewrites them."""
     rng = np.random.default_rng(2)
-    b, seq, kv_heads, group, d, t, n = 1, 40, 2, 2, 16, 4, 12
-    q = jnp.asarray(rng.normal(size=(b, t, kv_heads, group, d)), jnp.float32)
-    keys, values = (jnp.asarray(rng.normal(size=(b, seq, kv_heads, d)), jnp.float32) for _ in "kv")
-    valid = np.ones((b, seq), bool)
-    valid[0, :3] = False
-    chosen = jnp.asarray(
-        np.sort([rng.choice(seq, n, replace=False) for _ in range(kv_heads)])[None], jnp.int32
+    b, seq, kv_heads, group, d, t = 2, 40, 2, 2, 16, 4
+    start, width = (14, 26) if window == "prefix" else (20, 8)
+    n = 16
+    key_valid = np.ones((b, seq), bool)
+    key_valid[1, :3] = False  # a left-padded row
+    keys, values = (rng.normal(size=(b, seq, kv_heads, d)).astype(np.float32) for _ in "kv")
+    block = np.arange(20, 28)
+    chosen = np.empty((b, kv_heads, n), np.int32)
+    for r in range(b):
+        for h in range(kv_heads):
+            others = np.setdiff1d(np.arange(seq), block)
+            chosen[r, h] = np.sort([*block, *rng.choice(others, n - len(block), replace=False)])
+    window_rows = np.arange(start, start + width)
+    inside = [set(np.intersect1d(c, window_rows).tolist()) for c in chosen.reshape(-1, n)]
+    assert any(len(s - set(block.tolist())) for s in inside) == (window == "prefix")
+    kept = compact(
+        jnp.asarray(chosen), jnp.asarray(keys), jnp.asarray(values), key_valid, start, width
     )
-    xla = attend_chosen(q, keys, values, valid, chosen, "xla")
-    kernel = attend_chosen(q, keys, values, valid, chosen, "split_kv")
-    np.testing.assert_allclose(np.asarray(kernel), np.asarray(xla), rtol=1e-4, atol=1e-5)
-    # against attention over each head's chosen valid keys, written out
-    for h in range(kv_heads):
-        rows = [i for i in np.asarray(chosen[0, h]) if valid[0, i]]
-        scores = np.einsum("tgd,sd->gts", np.asarray(q[0, :, h]), np.asarray(keys[0, rows, h]))
-        out = np.einsum(
-            "gts,sd->tgd", softmax(scores / math.sqrt(d)), np.asarray(values[0, rows, h])
-        )
-        np.testing.assert_allclose(np.asarray(xla[0, :, h]), out, rtol=1e-4, atol=1e-5)
+    assert kept.keys.shape == (b, kv_heads, n, d) and kept.in_window.shape == (b, kv_heads, width)
+    fresh_keys, fresh_values = keys.copy(), values.copy()  # the step's window rows
+    fresh_keys[:, start : start + width] = rng.normal(size=(b, width, kv_heads, d))
+    fresh_values[:, start : start + width] = rng.normal(size=(b, width, kv_heads, d))
+    q = rng.normal(size=(b, t, kv_heads, group, d)).astype(np.float32)
+    ours = attend_kept(
+        jnp.asarray(q), jnp.asarray(fresh_keys), jnp.asarray(fresh_values), key_valid, kept, start
+    )
+    expected = attend_gathered(q, fresh_keys, fresh_values, key_valid, chosen)
+    np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5)
+    # the rows the window holds come from this step, not from the refresh's buffers
+    stale = attend_gathered(q, keys, values, key_valid, chosen)
+    assert np.abs(np.asarray(ours) - stale).max() > 1e-2
+    # and each head sees only the window rows it chose
+    every_row = kept._replace(in_window=jnp.ones_like(kept.in_window))
+    unmasked = attend_kept(
+        jnp.asarray(q),
+        jnp.asarray(fresh_keys),
+        jnp.asarray(fresh_values),
+        key_valid,
+        every_row,
+        start,
+    )
+    assert (np.abs(np.asarray(unmasked) - expected).max() > 1e-2) == (window == "prefix")
+    # and no compact slot holds a window row (it would count twice)
+    twice = kept._replace(valid=jnp.asarray(key_valid[np.arange(b)[:, None, None], chosen]))
+    doubled = attend_kept(
+        jnp.asarray(q), jnp.asarray(fresh_keys), jnp.asarray(fresh_values), key_valid, twice, start
+    )
+    assert np.abs(np.asarray(doubled) - expected).max() > 1e-2
 
 
 @needs_devices

@@ -20,6 +20,9 @@ Rules of `auto`:
   were built for; more rows take XLA's GEMMs.
 - cuDNN's attention only runs refreshes: at block shapes its dense mask makes it slower
   than XLA's einsums.
+- Block forwards under sparse attention (`Shapes.sparse`) attend in XLA's einsums whatever
+  `attention_impl` says (`sparse_attention.attend_kept`: the split-K/V kernel takes one
+  contiguous key range, not the compact rows beside the window's).
 - The MoE experts' XLA path sorts token-expert pairs into groups (`ragged_dot`) up to
   `GROUPED_EXPERTS_MAX_TOKENS` tokens per forward and runs every expert on every token
   above it (XLA lowers `ragged_dot` to a dense product over every group).
@@ -194,12 +197,14 @@ def _listed(kernels: Kernels, base: Kernels | None = None) -> str:
 class Shapes:
     """The forwards a program runs: `batch` sequences (on one device), block forwards over
     windows of `window` positions, refreshes over `seq` positions, each keeping `kept`
-    positions (the block) at its last layer."""
+    positions (the block) at its last layer; `sparse`: the block forwards attend to each
+    head's kept keys (`djax.models.sparse_attention`)."""
 
     batch: int
     window: int
     seq: int
     kept: int
+    sparse: bool = False
 
     @classmethod
     def whole_sequence(cls, batch: int, seq: int) -> Shapes:
@@ -268,7 +273,9 @@ def resolve(
     widths = _Widths(config, shards, split_experts)
     rule = _Rule(options, device, widths, dtype, sharded, fp8.check_weights(weights))
     return KernelChoice(
-        block=rule.forward(shapes.batch, shapes.window, shapes.kept, refresh=False),
+        block=rule.forward(
+            shapes.batch, shapes.window, shapes.kept, refresh=False, sparse=shapes.sparse
+        ),
         refresh=rule.forward(shapes.batch, shapes.seq, shapes.kept, refresh=True),
         weights=weights,
     )
@@ -316,16 +323,19 @@ class _Rule:
                     f"{name}='mosaic' takes bfloat16 or float16 weights; got {self.dtype_name}"
                 )
 
-    def forward(self, batch: int, positions: int, kept: int, refresh: bool) -> ForwardKernels:
+    def forward(
+        self, batch: int, positions: int, kept: int, refresh: bool, sparse: bool = False
+    ) -> ForwardKernels:
         """The choice for a forward of `batch` windows of `positions` positions keeping
-        `kept` of them at its last layer (whose attention runs every window row)."""
-        layers = self.kernels(batch * positions, positions, refresh)
-        last = self.kernels(batch * kept, positions, refresh)
+        `kept` of them at its last layer (whose attention runs every window row), its
+        attention `sparse` or dense."""
+        layers = self.kernels(batch * positions, positions, refresh, sparse)
+        last = self.kernels(batch * kept, positions, refresh, sparse)
         window_parts = ("attention", "qkv", "rope", "norm_into_attention")
         last = dataclasses.replace(last, **{name: getattr(layers, name) for name in window_parts})
         return ForwardKernels(layers, last)
 
-    def kernels(self, rows: int, positions: int, refresh: bool) -> Kernels:
+    def kernels(self, rows: int, positions: int, refresh: bool, sparse: bool = False) -> Kernels:
         """The choice for `rows` token rows of windows of `positions` positions."""
         o, w, cfg = self.options, self.widths, self.widths.config
         few = rows <= KERNEL_MAX_ROWS
@@ -388,7 +398,7 @@ class _Rule:
         else:  # `fused` and `tiled` run the norms they cannot move into a product as `pallas`
             norm = "xla" if o.norm_impl == "xla" else "pallas"
         return Kernels(
-            attention=self._attention(refresh),
+            attention="xla" if sparse else self._attention(refresh),
             qkv=qkv,
             rope=rope,
             out=out,

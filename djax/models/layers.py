@@ -13,7 +13,8 @@ their fresh K/V into the `[batch, seq, kv_heads, head_dim]` buffers (only inside
 valid key of the whole buffer, and returns final hidden states for `hidden_len` positions
 starting `hidden_start` positions into the window. With sparse attention
 (`djax.models.sparse_attention`) a refresh also returns each layer's chosen keys per kv
-head, and a block forward given them attends to those keys only.
+head, and a block forward given their compact rows (`sparse_attention.KeptKV`, gathered
+once after that refresh) attends to those keys only.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from djax.kernels.handoff import Partials, ScaledRows, finish
 from djax.models import fp8, sparse_attention
 from djax.models.fp8 import Fp8Weight
 from djax.models.kernel_choice import XLA_KERNELS, KernelChoice, Kernels
-from djax.models.sparse_attention import SparseAttention
+from djax.models.sparse_attention import KeptKV, SparseAttention
 
 Array = jax.Array
 LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, head_dim]
@@ -284,7 +285,7 @@ class Attention(nn.Module):
         out_impl: str = "xla",
         defer_output: bool = False,
         sparse: tuple[SparseAttention, Any, int] | None = None,
-        chosen: Array | None = None,
+        kept_kv: KeptKV | None = None,
     ) -> tuple[Array | Partials | Product, LayerKV, Array | None]:
         """x: [b, W, model] normed window rows (`ScaledRows` only where the q/k/v product
         runs in the RoPE kernel, `kernels.qkv == "rope"`) -> the attention output [b, W,
@@ -295,8 +296,9 @@ class Attention(nn.Module):
         paths, `out_impl` the output product's (`xla`, `pallas` or `mosaic`).
         `sparse=(rule, row, B)` (a refresh): also choose each kv head's keys by `rule` from
         the block's queries, window rows `[row, row + B)` (`sparse_attention.choose`),
-        returned third (else None). `chosen` [b, kv_heads, n] (a block forward): attend to
-        those keys only (`sparse_attention.attend_chosen`, on the gathered rows)."""
+        returned third (else None). `kept_kv` (a block forward): attend to each kv head's kept
+        keys only, its compact rows and its kept rows of this window
+        (`sparse_attention.attend_kept`)."""
         cfg = self.config
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
@@ -354,10 +356,8 @@ class Attention(nn.Module):
                 key_valid = jax.lax.dynamic_slice_in_dim(
                     key_valid, query_rows[0], query_rows[1], axis=1
                 )
-        if chosen is not None:
-            out = sparse_attention.attend_chosen(
-                q, keys, values, key_valid, chosen, kernels.attention
-            )
+        if kept_kv is not None:
+            out = sparse_attention.attend_kept(q, keys, values, key_valid, kept_kv, window.start)
         else:
             out = attend(q, keys, values, key_valid, kernels.attention)
         b, t = out.shape[:2]
@@ -497,7 +497,7 @@ class TransformerLM(nn.Module):
         hidden_len: int | None = None,
         block_forward: bool = False,
         sparse: SparseAttention | None = None,
-        chosen: Array | None = None,
+        kept_kv: tuple[KeptKV, ...] | None = None,
     ) -> tuple[Array, tuple[LayerKV, ...]] | tuple[Array, tuple[LayerKV, ...], Array]:
         """Run the decoder stack on a window.
 
@@ -514,8 +514,9 @@ class TransformerLM(nn.Module):
         Sparse attention (`djax.models.sparse_attention`): a refresh given `sparse` (the
         whole sequence fed, the block at rows `[hidden_start, hidden_start + hidden_len)`)
         also returns, third, every layer's chosen keys [n_layers, batch, kv_heads,
-        sparse.keys] int32; a block forward given them as `chosen` attends to those keys
-        only.
+        sparse.keys] int32; a block forward given every layer's compact kept rows `kept_kv`
+        (`sparse_attention.compact` of that choice, for this forward's window) attends to
+        those keys only.
         """
         forward = self.kernels.block if block_forward else self.kernels.refresh
         choosing = None if sparse is None else (sparse, hidden_start, hidden_len)
@@ -543,7 +544,7 @@ class TransformerLM(nn.Module):
                         out_impl=kept.out,
                         defer_output=into_mlp != "no",
                         sparse=choosing,
-                        chosen=None if chosen is None else chosen[i],
+                        kept_kv=None if kept_kv is None else kept_kv[i],
                     )
                 new_chosen.append(layer_chosen)
                 if last_trimmed:

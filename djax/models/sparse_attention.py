@@ -10,19 +10,34 @@ The rule, per layer and per kv head (query heads that share a kv head share its 
 - it keeps `keys` positions: always the block's own positions and the `recent` positions
   before it (by RoPE position), then the best-scoring others; padding keys are never kept
   (where `keys` exceeds a row's real keys, the extra slots hold masked keys);
-- the block's reuse steps (cached window forwards) attend only to those positions: each
-  head gathers its K/V rows from the dense buffers, which keep their layout.
+- the block's reuse steps (cached window forwards) attend only to those positions.
+
+What is read when. A cached step recomputes only its window's K/V (`CachePolicy.window`:
+the block under `dual`, the block and everything after it under `prefix`, the block's
+vicinity under `vicinity`); every row outside the window keeps what the refresh wrote. So
+right after the refresh that chose them (`compact`), each head's kept rows outside the
+window are gathered once into compact buffers [b, kv_heads, keys, d] (`KeptKV`, with their
+validity and the head's kept rows inside the window), and every cached step of the block
+(`attend_kept`) attends to those compact rows, read in place, and to the window's rows of
+its own step in the dense buffers, each head masked to the window rows it kept: nothing is
+gathered per step. A refresh later in the block chooses and gathers again.
+
+Memory: the compact buffers hold, per layer, keys and values [b, kv_heads, keys, d] in the
+K/V dtype (`keys / seq` of the dense K/V buffers' size besides them), plus masks
+[b, kv_heads, keys] and [b, kv_heads, window] bool.
 
 `keys = min(seq, ceil(keep · seq) + block + recent)` is static, so a program compiles once
 for its lengths. A plan whose `keys` would cover every position takes the dense path
-(`plan_sparse` returns None), as does keep = 1.
+(`plan_sparse` returns None), as does keep = 1. The sparse steps' attention runs in XLA's
+einsums (`kernel_choice` resolves them so): the split-K/V kernel takes one contiguous key
+range per row, not the two parts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -97,40 +112,95 @@ def choose(
     return jnp.sort(index, axis=-1).astype(jnp.int32)
 
 
-def gather_rows(buffer: Array, index: Array) -> Array:
-    """buffer [b, s, kv_heads, d], index [b, kv_heads, n] -> each head's rows
-    [b, kv_heads, n, d]."""
-    b, kv_heads = index.shape[:2]
+class KeptKV(NamedTuple):
+    """One layer's kept keys for a block's cached steps (`compact`). keys, values
+    [b, kv_heads, n, d]: each head's kept rows outside the window, in ascending position
+    (a slot whose row lies inside the window, or is padding, is invalid); valid
+    [b, kv_heads, n] bool; in_window [b, kv_heads, width] bool: window row r is kept by the
+    head."""
+
+    keys: Array
+    values: Array
+    valid: Array
+    in_window: Array
+
+
+def no_kept(buffer: Array, n: int, width: int) -> KeptKV:
+    """A zeroed `KeptKV` of `n` slots and a `width`-row window for a layer whose K/V buffers
+    are like `buffer` [b, s, kv_heads, d] (a program's carry before its first refresh)."""
+    b, _, kv_heads, d = buffer.shape
+    return KeptKV(
+        keys=jnp.zeros((b, kv_heads, n, d), buffer.dtype),
+        values=jnp.zeros((b, kv_heads, n, d), buffer.dtype),
+        valid=jnp.zeros((b, kv_heads, n), bool),
+        in_window=jnp.zeros((b, kv_heads, width), bool),
+    )
+
+
+def compact(
+    chosen: Array, keys: Array, values: Array, key_valid: Array, start: Any, width: int
+) -> KeptKV:
+    """The kept rows of one layer, gathered once for a block's cached steps whose window is
+    `[start, start + width)` (`start` may be traced). chosen [b, kv_heads, n] (`choose`),
+    keys and values [b, s, kv_heads, d] (the buffers as the refresh wrote them), key_valid
+    [b, s] bool."""
+    b, kv_heads, _ = chosen.shape
     rows = jnp.arange(b)[:, None, None]
     heads = jnp.arange(kv_heads)[None, :, None]
-    return buffer[rows, index, heads]
-
-
-def attend_chosen(
-    q: Array, keys: Array, values: Array, key_valid: Array, chosen: Array, impl: str = "xla"
-) -> Array:
-    """Attention of q [b, t, kv_heads, group, d] to each kv head's chosen keys only:
-    keys, values [b, s, kv_heads, d] (the dense buffers), key_valid [b, s], chosen
-    [b, kv_heads, n] (`choose`). Returns [b, t, kv_heads, group, d]. `impl="split_kv"` runs
-    the split-K/V kernel on the gathered rows (one sequence per row and head); any other
-    value, XLA's einsums."""
-    b, t, kv_heads, group, d = q.shape
-    k_rows, v_rows = gather_rows(keys, chosen), gather_rows(values, chosen)  # [b, kv, n, d]
-    valid = jnp.take_along_axis(
-        jnp.broadcast_to(key_valid[:, None, :], (b, kv_heads, key_valid.shape[1])), chosen, axis=2
+    inside = (chosen >= start) & (chosen < start + width)
+    window_row = jnp.where(inside, chosen - start, width)  # `width`: dropped below
+    in_window = jnp.zeros((b, kv_heads, width), bool)
+    in_window = in_window.at[rows, heads, window_row].set(True, mode="drop")
+    return KeptKV(
+        keys=keys[rows, chosen, heads],
+        values=values[rows, chosen, heads],
+        valid=key_valid[rows, chosen] & ~inside,
+        in_window=in_window,
     )
-    n = chosen.shape[2]
-    if impl == "split_kv":  # Pallas's interpreter off GPUs (for tests)
-        heads_q = q.transpose(0, 2, 1, 3, 4).reshape(b * kv_heads, t, group, d)
-        out = flash_attention.split_kv_attention(
-            heads_q,
-            k_rows.reshape(b * kv_heads, n, 1, d),
-            v_rows.reshape(b * kv_heads, n, 1, d),
-            valid.reshape(b * kv_heads, n),
-        )
-        return out.reshape(b, kv_heads, t, group, d).transpose(0, 2, 1, 3, 4)
+
+
+def attend_kept(
+    q: Array, keys: Array, values: Array, key_valid: Array, kept: KeptKV, start: Any
+) -> Array:
+    """Attention of a cached step's q [b, t, kv_heads, group, d] to each kv head's kept
+    keys: the compact rows of `kept` and the rows of the window `[start, start + width)`
+    (width = `kept.in_window`'s last axis) of keys, values [b, s, kv_heads, d] (the buffers
+    with this step's window written) that the head kept; key_valid [b, s]. Returns
+    [b, t, kv_heads, group, d].
+
+    One softmax over both parts: the scores of each part stay apart (no concatenated copy of
+    either the keys or the scores), share one maximum, and the output is the sum of the two
+    parts' unnormalized products divided once by their summed weights."""
+    d = q.shape[-1]
+    width = kept.in_window.shape[-1]
+    window_keys = jax.lax.dynamic_slice_in_dim(keys, start, width, axis=1)  # [b, w, kv, d]
+    window_values = jax.lax.dynamic_slice_in_dim(values, start, width, axis=1)
+    window_valid = jax.lax.dynamic_slice_in_dim(key_valid, start, width, axis=1)
+    window_valid = window_valid[:, None, :] & kept.in_window  # [b, kv, w]
     scale = d**-0.5
-    scores = jnp.einsum("btkgd,bknd->bkgtn", q, k_rows, preferred_element_type=jnp.float32)
-    scores = jnp.where(valid[:, :, None, None, :], scores * scale, flash_attention.MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    return jnp.einsum("bkgtn,bknd->btkgd", probs, v_rows)
+    kept_scores = jnp.einsum("btkgd,bknd->bkgtn", q, kept.keys, preferred_element_type=jnp.float32)
+    kept_scores = jnp.where(
+        kept.valid[:, :, None, None, :], kept_scores * scale, flash_attention.MASKED
+    )
+    window_scores = jnp.einsum(
+        "btkgd,bwkd->bkgtw", q, window_keys, preferred_element_type=jnp.float32
+    )
+    window_scores = jnp.where(
+        window_valid[:, :, None, None, :], window_scores * scale, flash_attention.MASKED
+    )
+    top = jnp.maximum(jnp.max(kept_scores, axis=-1), jnp.max(window_scores, axis=-1))[..., None]
+    kept_weights = jnp.exp(kept_scores - top)
+    window_weights = jnp.exp(window_scores - top)
+    total = jnp.sum(kept_weights, axis=-1) + jnp.sum(window_weights, axis=-1)  # [b, kv, g, t]
+    out = jnp.einsum(
+        "bkgtn,bknd->btkgd",
+        kept_weights.astype(values.dtype),
+        kept.values,
+        preferred_element_type=jnp.float32,
+    ) + jnp.einsum(
+        "bkgtw,bwkd->btkgd",
+        window_weights.astype(values.dtype),
+        window_values,
+        preferred_element_type=jnp.float32,
+    )
+    return (out / total.transpose(0, 3, 1, 2)[..., None]).astype(values.dtype)
