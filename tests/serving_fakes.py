@@ -10,7 +10,14 @@ import time
 from collections.abc import Callable
 
 from djax.serving.engine import ServeConfig
-from djax.serving.requests import BlockCommitted, EngineRequest, Event, Finished, QueueFull
+from djax.serving.requests import (
+    BlockCommitted,
+    EngineRequest,
+    EngineStopped,
+    Event,
+    Finished,
+    QueueFull,
+)
 
 
 def scripted(tokenizer, text: str, reason: str = "stop") -> Callable[[EngineRequest], list]:
@@ -31,7 +38,8 @@ class FakeEngine:
     """The `ServingEngine` interface without a model. Each request gets the events
     `script(request, block_length)` returns, one per `interval` seconds, from a thread of
     its own, until cancelled; while `release` is clear requests wait (queued). `full`:
-    submit raises QueueFull. `submitted` and `cancelled` record what the server asked."""
+    submit raises QueueFull; once stopped, EngineStopped. `submitted` and `cancelled`
+    record what the server asked."""
 
     def __init__(self, config: ServeConfig, script, *, max_sequence: int = 128):
         self.config = config
@@ -62,7 +70,9 @@ class FakeEngine:
         return block * math.ceil(max_tokens / block)
 
     def submit(self, request: EngineRequest, on_event: Callable[[Event], None]) -> None:
-        if self.full or self.stopped:
+        if self.stopped:
+            raise EngineStopped("the engine is stopping or has stopped")
+        if self.full:
             raise QueueFull(depth=self.config.max_queue, retry_after=1.5)
         if request.max_tokens > 1000:
             raise ValueError(f"max_tokens={request.max_tokens}; the fake serves ≤ 1000")

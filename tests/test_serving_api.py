@@ -103,8 +103,13 @@ def test_models_lists_the_one_model(client):
 def test_health_follows_readiness_and_draining(url, engine, server):
     app = server[2]
     engine.ready = False
-    assert httpx.get(url + "/health").status_code == 503
-    engine.ready = True
+    try:
+        assert httpx.get(url + "/health").status_code == 503
+        warming = post(url, "/v1/completions", {"model": NAME, "prompt": "1+1="})
+        assert_error(warming, 503)
+        assert "warming up" in warming.json()["error"]["message"]
+    finally:
+        engine.ready = True
     assert httpx.get(url + "/health").status_code == 200
     app.state.draining = True
     try:

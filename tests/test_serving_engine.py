@@ -21,6 +21,7 @@ from djax.serving.metrics import ServerMetrics
 from djax.serving.requests import (
     BlockCommitted,
     EngineRequest,
+    EngineStopped,
     Failed,
     Finished,
     OverBudget,
@@ -445,6 +446,7 @@ def test_static_scheduler_runs_whole_batches(demo_model, generation):
             )
         got.wait(len(prompts))
     engine.stop()
+    assert engine.metrics.running_rows._value.get() == 0  # idle again after its batches
     lengths = {len(_ids(demo_model, p)) for p in PROMPTS}
     assert (
         max(lengths) <= 64
@@ -455,6 +457,24 @@ def test_static_scheduler_runs_whole_batches(demo_model, generation):
         for i, prompt in enumerate(prompts):
             ids = _ids(demo_model, prompt)
             assert got.tokens(f"r{b}{i}") == _alone(demo_model, generation, ids, 16)
+
+
+def test_static_batches_only_rows_whose_longest_prompt_and_answer_fit(demo_model, generation):
+    """A long prompt with a short answer and a short prompt with a long answer each fit the
+    longest sequence alone but not together: they run as two batches, each answered as
+    `generate` alone, instead of one batch that fails both."""
+    engine = _engine(demo_model, generation, scheduler="static", max_batch=2, max_seq_len=128)
+    got = Collector()
+    long_prompt = tuple(range(10, 110))  # 100 tokens: + 32 would pass 128
+    short = _ids(demo_model, "12+34=")
+    engine.submit(EngineRequest("long", long_prompt, 8), got.sink("long"))
+    engine.submit(EngineRequest("short", short, 32), got.sink("short"))
+    assert got.wait(2) == {"long", "short"}
+    engine.stop()
+    for name in ("long", "short"):
+        assert isinstance(got.events[name][-1], Finished), got.events[name][-1]
+    assert got.tokens("short") == _alone(demo_model, generation, short, 32)
+    assert engine.metrics.compiles._value.get() == 2  # two batches of one row
 
 
 def test_a_budget_the_weights_fill_is_refused(demo_model, generation):
@@ -493,7 +513,7 @@ def test_stop_without_drain_fails_waiting_requests(demo_model, generation):
     engine.submit(EngineRequest("a", _ids(demo_model, "12+34="), 8), got.sink("a"))
     engine.stop(drain=False)
     assert isinstance(got.events["a"][-1], Failed)
-    with pytest.raises(QueueFull):
+    with pytest.raises(EngineStopped):
         engine.submit(EngineRequest("b", _ids(demo_model, "12+34="), 8), got.sink("b"))
 
 

@@ -33,6 +33,7 @@ from djax.serving.requests import (
     BlockCommitted,
     Engine,
     EngineRequest,
+    EngineStopped,
     Event,
     Failed,
     Finished,
@@ -289,6 +290,12 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
     ) -> Response:
         if app.state.draining:
             raise p.ProtocolError("the server is shutting down", status=503, kind="server_error")
+        if not engine.ready:
+            raise p.ProtocolError(
+                "the server is warming up (GET /health answers 200 once it is ready)",
+                status=503,
+                kind="server_error",
+            )
         check_prompt(prompt_ids, param)
         max_tokens = body.answer_tokens or defaults.gen_length
         check_length(prompt_ids, max_tokens, param)
@@ -315,6 +322,8 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
                 code="queue_full",
                 headers={"Retry-After": str(max(1, math.ceil(err.retry_after)))},
             ) from None
+        except EngineStopped as err:
+            raise p.ProtocolError(str(err), status=503, kind="server_error") from None
         except ValueError as err:
             raise p.ProtocolError(str(err), code=getattr(err, "code", None)) from None
         out = format_(request.request_id, int(time.time()), model_name)

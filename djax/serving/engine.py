@@ -51,6 +51,7 @@ from djax.serving.metrics import ServerMetrics
 from djax.serving.requests import (
     BlockCommitted,
     EngineRequest,
+    EngineStopped,
     Event,
     Failed,
     Finished,
@@ -285,7 +286,7 @@ class ServingEngine:
         row = self._row(request, on_event)
         with self._lock:
             if self._stopping:
-                raise QueueFull(len(self._waiting), retry_after=30.0)
+                raise EngineStopped("the engine is stopping or has stopped")
             if request.request_id in self._by_id:
                 raise ValueError(f"request_id={request.request_id!r} is already queued")
             if len(self._waiting) >= self.config.max_queue:
@@ -470,6 +471,8 @@ class ServingEngine:
                         self._finish(row, Failed(f"the engine stopped: {err}"))
                 self._waiting.clear()
                 self._running.clear()
+                self.metrics.queue_depth.set(0)
+                self.metrics.running_rows.set(0)
 
     def _take_waiting(
         self, free: int, fits: Callable[[list[_Row]], bool] | None = None
@@ -880,7 +883,7 @@ class ServingEngine:
                     self._last_ready = None
                 if not self._wait_for_work():
                     return
-                rows = self._take_waiting(self.config.max_batch)
+                rows = self._take_waiting(self.config.max_batch, self._static_fits)
                 self._running = rows
                 self.metrics.running_rows.set(len(rows))
             try:
@@ -905,7 +908,14 @@ class ServingEngine:
                         block = answers[i, max(start, 0) : start + self.block_length].tolist()
                         events += self._block_events(row, block)
                 self._running = []
+                self.metrics.running_rows.set(0)
             self._send(events)
+
+    def _static_fits(self, rows: list[_Row]) -> bool:
+        """Whether rows can share one whole-generation program: their longest prompt and
+        longest answer together within the longest sequence (each fits alone: `submit`)."""
+        prompt = max(len(r.request.prompt_ids) for r in rows)
+        return prompt + max(r.answer_length for r in rows) <= self._max_sequence
 
     def _generation_program(self, rows: list[_Row]) -> tuple[Any, tuple, Plan]:
         """The whole-generation program for a static batch, its arguments and plan. The

@@ -63,6 +63,10 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+class EngineStopped(Exception):
+    """The engine takes no more requests: it is stopping, or its thread ended."""
+
+
 class OverBudget(ValueError):
     """A request whose block call would not fit the server's memory budget even alone."""
 
@@ -86,7 +90,8 @@ class Engine(Protocol):
         under block diffusion)."""
 
     def submit(self, request: EngineRequest, on_event: Callable[[Event], None]) -> None:
-        """Queue a request (thread-safe). Raises `QueueFull`, or ValueError for a request
+        """Queue a request (thread-safe). Raises `QueueFull`, `EngineStopped` once the
+        engine is stopping or has stopped, or ValueError for a request
         it cannot serve (the message names the field; `OverBudget` for one over the memory
         budget)."""
 
