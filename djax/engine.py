@@ -356,7 +356,7 @@ def explain(model: Model, plan: Plan) -> str:
             f"batch {plan.batch}, prompt {plan.prompt_len}, gen {plan.gen_length}, "
             f"block {plan.block_len}, cache {plan.cache.name}"
             + (
-                f", sparse attention: {plan.sparse.keys} of {plan.seq_len} keys per head"
+                f", sparse attention: at most {plan.sparse.keys} of {plan.seq_len} keys per head"
                 if plan.sparse
                 else ""
             ),

@@ -35,9 +35,10 @@ class GenerationConfig:
     positions). logits_chunk: a step computes its logits this many vocabulary ids at a time,
     keeping only running statistics (`djax.decoders.predict_chunked`); 0 computes them
     whole. `credit` and smoothing always take the whole vocabulary. attention_sparsity: the
-    fraction in (0, 1] of the key positions each attention head keeps, by the attention
-    mass the block put on them at its refresh, for the block's cached steps (1: dense
-    attention; below 1 it needs a cache policy other than `none`); attention_window: the
+    fraction in (0, 1] of a row's own key positions (its prompt and answer, whatever its
+    batch-mates) each attention head keeps, by the attention mass the block put on them at
+    its refresh, for the block's cached steps (1: dense attention; below 1 it needs a cache
+    policy other than `none`); attention_window: the
     positions before the block every head keeps besides (`djax.models.sparse_attention`).
     """
 

@@ -648,14 +648,14 @@ def test_a_mesh_serves_the_same_tokens(dense_folder, dense_model):
 
 
 def test_sparse_attention_serves_the_dense_tokens_where_every_real_key_is_kept(dense_model):
-    """keep 0.5 with no recent window keeps half the call's positions and the block, more
-    than these rows' real keys: the block calls run the sparse path (each refresh gathers
-    the kept rows once) and must give the dense tokens."""
+    """keep 0.5 with a recent window of 4 gives the 32-position calls 28 slots per head,
+    and each row (at most 22 real keys) keeps all its own keys: the block calls run the
+    sparse path (each refresh gathers the kept rows once) and must give the dense tokens."""
     prompts = [(0, 10, 20, 30, 40, 50), (0, 11, 12), (0, 7, 9, 11, 13)]
     answers = []
     for keep in (1.0, 0.5):
         generation = djax.GenerationConfig(
-            gen_length=16, block_length=8, attention_sparsity=keep, attention_window=0
+            gen_length=16, block_length=8, attention_sparsity=keep, attention_window=4
         )
         engine = _engine(dense_model, generation, max_batch=2, max_seq_len=32, sampling=False)
         plan = engine._block_plan(2, 32, False)
@@ -668,3 +668,28 @@ def test_sparse_attention_serves_the_dense_tokens_where_every_real_key_is_kept(d
         answers.append([got.tokens(f"r{i}") for i in range(len(prompts))])
         assert all(len(a) == 16 for a in answers[-1])
     assert answers[0] == answers[1]
+
+
+def test_sparse_attention_keeps_a_row_s_tokens_beside_a_long_batch_mate(dense_model):
+    """keep 0.1 with no window: a 3-token request alone runs in 64-position calls (15 slots
+    per head), beside a 100-token request in 128-position ones (21 slots); each row keeps
+    its own count of keys (the short one 10 of its 19), so its tokens are the same."""
+    generation = djax.GenerationConfig(
+        gen_length=16,
+        block_length=8,
+        decoder="low_confidence",
+        attention_sparsity=0.1,
+        attention_window=0,
+    )
+    engine = _engine(dense_model, generation, max_batch=2, max_seq_len=128, sampling=False)
+    assert [engine._block_plan(2, n, False).sparse.keys for n in (64, 128)] == [15, 21]
+    short, long = (0, 11, 12), (0, *(20 + i % 50 for i in range(99)))
+    answers = []
+    for requests in ([("s", short)], [("s", short), ("l", long)]):
+        got = Collector()
+        for name, ids in requests:
+            engine.submit(EngineRequest(name, ids, 16, ignore_eos=True), got.sink(name))
+        got.wait(len(requests))
+        answers.append(got.tokens("s"))
+    engine.stop()
+    assert len(answers[0]) == 16 and answers[0] == answers[1]

@@ -5,6 +5,7 @@ numpy reference with each head's attention masked to the same keys, and the plan
 path."""
 
 import math
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -28,13 +29,21 @@ from djax.models.sparse_attention import (
 from numpy_reference import RefLLaDA, softmax
 
 
+def reference_row_keys(keep, recent, count, block_len):
+    """A row's kept keys, `min(count, ceil(keep · count) + block + recent)`, with `keep` the
+    fraction p/q (q ≤ 1000) nearest to it, in exact rational arithmetic."""
+    by_score = math.ceil(Fraction(keep).limit_denominator(1000) * count)
+    return min(count, by_score + block_len + recent)
+
+
 def reference_choice(rule, q_block, keys, key_valid, positions, block_row):
     """The rule as it reads, in float64, one row and kv head at a time: a set of kept
-    valid positions per (row, head)."""
+    valid positions per (row, head), `reference_row_keys` of the row's valid keys."""
     b, block_len, kv_heads, group, d = q_block.shape
     chosen = {}
     for r in range(b):
         valid = np.flatnonzero(key_valid[r])
+        n_row = reference_row_keys(rule.keep, rule.recent, len(valid), block_len)
         p0 = positions[r, block_row]
         forced = {int(i) for i in valid if p0 - rule.recent <= positions[r, i] < p0 + block_len}
         for h in range(kv_heads):
@@ -43,7 +52,7 @@ def reference_choice(rule, q_block, keys, key_valid, positions, block_row):
             others = sorted(
                 (i for i in range(len(valid)) if valid[i] not in forced), key=lambda i: -mass[i]
             )
-            best = [int(valid[i]) for i in others[: rule.keys - len(forced)]]
+            best = [int(valid[i]) for i in others[: n_row - len(forced)]]
             chosen[r, h] = forced | set(best)
     return chosen
 
@@ -64,10 +73,50 @@ def test_choice_follows_the_rule():
     assert ours.shape == (b, kv_heads, rule.keys)
     expected = reference_choice(rule, q_block.astype(np.float64), keys, key_valid, positions, 14)
     for (r, h), kept in expected.items():
-        got = {int(i) for i in ours[r, h] if key_valid[r, i]}
-        assert got == kept, (r, h)
-        assert set(range(block_row - 3, block_row + block_len)) <= got  # block and window
+        got = [int(i) for i in ours[r, h] if i >= 0]
+        assert all(key_valid[r, got]) and len(got) == len(set(got)), (r, h)
+        assert set(got) == kept, (r, h)
+        assert set(range(block_row - 3, block_row + block_len)) <= set(got)  # block, window
     assert len({frozenset(v) for v in expected.values()}) > 1  # heads choose differently
+    # row 1's 19 valid keys keep ceil(19 / 4) + 4 + 3 = 12 of the program's 13 slots
+    assert [len(expected[r, 0]) for r in range(b)] == [13, 12]
+
+
+@pytest.mark.parametrize(
+    "keep, counts, expected",
+    [(0.1, [80, 70, 33, 5], [12, 11, 8, 5]), (0.15, [120, 100, 70, 5], [22, 19, 15, 5])],
+)
+def test_each_row_keeps_its_own_count(keep, counts, expected):
+    """Rows of different valid counts in one program (as long as the first) keep
+    `min(count, ceil(keep · count) + block)` keys each, the product exact: 0.1 · 70 is 7,
+    0.15 · 100 is 15 (a float32 product gives 16); the other slots are dropped (-1), and
+    a dropped slot gathers nothing (`compact` marks it invalid and outside the window)."""
+    rng = np.random.default_rng(3)
+    seq, b, kv_heads, group, d, block_len = counts[0], len(counts), 2, 1, 8, 4
+    key_valid = np.arange(seq)[None, :] >= seq - np.array(counts)[:, None]  # left-padded
+    positions = np.maximum(np.cumsum(key_valid, axis=1) - 1, 0).astype(np.int32)
+    keys = rng.normal(size=(b, seq, kv_heads, d)).astype(np.float32)
+    values = rng.normal(size=(b, seq, kv_heads, d)).astype(np.float32)
+    q_block = rng.normal(size=(b, block_len, kv_heads, group, d)).astype(np.float32)
+    rule = plan_sparse(keep, 0, seq, block_len)
+    assert rule == SparseAttention(keep, 0, expected[0])
+    assert math.ceil(np.float32(0.15) * np.float32(100)) == 16
+    block_row = seq - 4
+    ours = np.asarray(
+        choose(rule, jnp.asarray(q_block), jnp.asarray(keys), key_valid, positions, block_row)
+    )
+    assert [reference_row_keys(keep, 0, c, block_len) for c in counts] == expected
+    for r, n_row in enumerate(expected):
+        for h in range(kv_heads):
+            kept = ours[r, h][ours[r, h] >= 0]
+            assert len(kept) == n_row and all(key_valid[r, kept]), (r, h)
+            assert set(range(block_row, seq)) <= set(kept.tolist())  # the block
+    kept = compact(
+        jnp.asarray(ours), jnp.asarray(keys), jnp.asarray(values), key_valid, block_row, 4
+    )
+    outside = np.asarray(kept.valid).sum(axis=-1)  # kept rows outside the block's window
+    np.testing.assert_array_equal(outside, np.array(expected)[:, None] - 4 + np.zeros(kv_heads))
+    np.testing.assert_array_equal(np.asarray(kept.in_window), np.ones((b, kv_heads, 4), bool))
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +170,7 @@ def test_block_forward_attends_to_the_chosen_keys(forwards, dense_folder, dense_
     assert chosen.shape == (dense_model.config.n_layers, 1, 2, RULE.keys) == (2, 1, 2, 20)
     window = set(range(BLOCK_ROW - RULE.recent, BLOCK_ROW + BLOCK))
     assert all(window <= set(head.tolist()) for head in chosen.reshape(-1, RULE.keys))
+    assert (chosen >= 0).all()  # every row holds all SEQ keys: no slot dropped
 
     after = set(range(BLOCK_ROW + BLOCK, BLOCK_ROW + width))
     assert any(
@@ -170,15 +220,16 @@ def test_keep_one_is_the_dense_plan(dense_model):
     ],
 )
 def test_generation_gathers_and_matches_dense_where_every_real_key_is_kept(dense_model, cache):
-    """Prompts padded to 16 and 16 answer positions: 32 positions, of which each row has
-    at most 22 real keys; keep 0.5 with no window keeps 16 + 8 = 24 per head, so the
-    sparse path runs (under each cache policy) and must give the dense tokens."""
+    """Prompts padded to 16 and 16 answer positions: 32 positions, the rows 22 and 19 real
+    keys; keep 0.5 with a window of 4 gives the program 16 + 8 + 4 = 28 slots per head, so
+    the sparse path runs (under each cache policy), and each row keeps all its keys (11 + 12
+    and 10 + 12): it must give the dense tokens."""
     dense = djax.GenerationConfig(gen_length=16, block_length=8, **cache)
     sparse = djax.GenerationConfig(
-        gen_length=16, block_length=8, attention_sparsity=0.5, attention_window=0, **cache
+        gen_length=16, block_length=8, attention_sparsity=0.5, attention_window=4, **cache
     )
     plan, _ = engine.make_plan(dense_model, sparse, 2, 6)
-    assert plan.sparse == SparseAttention(0.5, 0, 24)
+    assert plan.sparse == SparseAttention(0.5, 4, 28)
     ours = djax.generate(dense_model, PROMPTS, sparse)
     ref = djax.generate(dense_model, PROMPTS, dense)
     np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
@@ -287,3 +338,24 @@ def test_tensor_parallel_heads_choose_as_on_one_device(dense_folder, dense_model
     ours = djax.generate(split, prompts, config)
     one = djax.generate(dense_model, prompts, config)
     np.testing.assert_array_equal(ours.answer_ids, one.answer_ids)
+
+
+def test_a_row_keeps_its_tokens_beside_a_longer_prompt(dense_model):
+    """Prompts of 3 and 100 tokens pad to 16 alone and 128 together (programs of 32 and 144
+    positions, 12 and 23 slots per head at keep 0.1 with no window): each row keeps its own
+    count of keys either way (the short row 10 of its 19), so the batch gives each row its
+    tokens alone."""
+    config = djax.GenerationConfig(
+        gen_length=16,
+        block_length=8,
+        decoder="low_confidence",
+        attention_sparsity=0.1,
+        attention_window=0,
+    )
+    short, long = [0, 11, 12], [0, *(20 + i % 50 for i in range(99))]
+    plans = [engine.make_plan(dense_model, config, 1, n)[0] for n in (3, 100)]
+    assert [(p.seq_len, p.sparse.keys) for p in plans] == [(32, 12), (144, 23)]
+    together = djax.generate(dense_model, [short, long], config).answer_ids
+    for i, prompt in enumerate((short, long)):
+        alone = djax.generate(dense_model, [prompt], config).answer_ids
+        np.testing.assert_array_equal(together[i], alone[0])

@@ -514,9 +514,9 @@ class TransformerLM(nn.Module):
         Sparse attention (`djax.models.sparse_attention`): a refresh given `sparse` (the
         whole sequence fed, the block at rows `[hidden_start, hidden_start + hidden_len)`)
         also returns, third, every layer's chosen keys [n_layers, batch, kv_heads,
-        sparse.keys] int32; a block forward given every layer's compact kept rows `kept_kv`
-        (`sparse_attention.compact` of that choice, for this forward's window) attends to
-        those keys only.
+        sparse.keys] int32 (-1: a slot the row drops); a block forward given every layer's
+        compact kept rows `kept_kv` (`sparse_attention.compact` of that choice, for this
+        forward's window) attends to those keys only.
         """
         forward = self.kernels.block if block_forward else self.kernels.refresh
         choosing = None if sparse is None else (sparse, hidden_start, hidden_len)

@@ -7,10 +7,17 @@ The rule, per layer and per kv head (query heads that share a kv head share its 
   scores every key position by the attention mass the current block's queries put on it:
   the sum, over the block's queries and the head's query heads, of their softmax
   probabilities, computed from the refresh's own q and k;
-- it keeps `keys` positions: always the block's own positions and the `recent` positions
-  before it (by RoPE position), then the best-scoring others; padding keys are never kept
-  (where `keys` exceeds a row's real keys, the extra slots hold masked keys);
+- it keeps, in a row with `count` valid keys, `n_row = min(count, ceil(keep · count) +
+  block + recent)` positions: always the block's own positions and the `recent` positions
+  before it (by RoPE position), then the best-scoring others; padding keys are never kept;
 - the block's reuse steps (cached window forwards) attend only to those positions.
+
+`n_row` depends only on the row's own valid keys (its prompt and answer), never on the
+program's padded length or on the other rows of the batch, so a row keeps the same keys
+whatever bucket its batch-mates put it in. `keep` is taken as the exact fraction `p/q`
+nearest to it with `q ≤ 1000` (`keep_fraction`: 0.1 is 1/10, 0.25 is 1/4), and
+`ceil(keep · count)` is the integer `(p · count + q − 1) // q`: no float product rounds it
+(ceil(0.1 · 70) is 7).
 
 What is read when. A cached step recomputes only its window's K/V (`CachePolicy.window`:
 the block under `dual`, the block and everything after it under `prefix`, the block's
@@ -26,9 +33,13 @@ Memory: the compact buffers hold, per layer, keys and values [b, kv_heads, keys,
 K/V dtype (`keys / seq` of the dense K/V buffers' size besides them), plus masks
 [b, kv_heads, keys] and [b, kv_heads, window] bool.
 
-`keys = min(seq, ceil(keep · seq) + block + recent)` is static, so a program compiles once
-for its lengths. A plan whose `keys` would cover every position takes the dense path
-(`plan_sparse` returns None), as does keep = 1. The sparse steps' attention runs in XLA's
+The program's slot count `keys = min(seq, ceil(keep · seq) + block + recent)` (`kept_keys`, the
+rule at the largest count a row of `seq` positions can have) is static, so a program
+compiles once for its lengths; it bounds every row's `n_row`, and a row's slots past its
+`n_row` are invalid (`choose` marks them -1, `compact` masks them). A plan whose `keys`
+would cover every position takes the dense path (`plan_sparse` returns None), as does
+keep = 1: then every row keeps all its keys under the per-row rule as well (`plan_sparse`
+says why). The sparse steps' attention runs in XLA's
 einsums (`kernel_choice` resolves them so): the split-K/V kernel takes one contiguous key
 range per row, not the two parts.
 """
@@ -36,7 +47,7 @@ range per row, not the two parts.
 from __future__ import annotations
 
 import dataclasses
-import math
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 import jax
@@ -47,6 +58,8 @@ from djax.kernels import flash_attention
 Array = jax.Array
 
 RECENT = 64  # default `recent`: positions before the block every head keeps
+MAX_DENOMINATOR = 1000  # of `keep_fraction`: p · count stays in int32 below ~2M keys
+INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +73,41 @@ class SparseAttention:
     keys: int
 
 
+def keep_fraction(keep: float) -> Fraction:
+    """`keep` as the exact fraction `p/q` nearest to it with `q ≤ 1000` (0.1 -> 1/10): the
+    rule's products are taken in integers, exactly."""
+    return Fraction(keep).limit_denominator(MAX_DENOMINATOR)
+
+
+def row_keys(keep: float, recent: int, count: int, block_len: int) -> int:
+    """The keys a row with `count` valid keys keeps: `min(count, ceil(keep · count) + block
+    + recent)`, `keep` taken as `keep_fraction` (ceil(0.1 · 70) is 7)."""
+    f = keep_fraction(keep)
+    return min(count, -(-f.numerator * count // f.denominator) + block_len + recent)
+
+
 def kept_keys(keep: float, recent: int, seq_len: int, block_len: int) -> int:
-    """`min(seq, ceil(keep · seq) + block + recent)` (the product rounded to 1e-9 first, so
-    0.1 · 70 is 7, not 8)."""
-    return min(seq_len, math.ceil(round(keep * seq_len, 9)) + block_len + recent)
+    """A program's slots per head: `row_keys` at `seq_len`, the largest count a row of the
+    program can have. Every row's own count is at most `seq_len`, and `row_keys` never
+    decreases with the count, so this bounds every row's."""
+    return row_keys(keep, recent, seq_len, block_len)
 
 
 def plan_sparse(keep: float, recent: int, seq_len: int, block_len: int) -> SparseAttention | None:
     """The sparse attention of a program over `seq_len` positions in blocks of
-    `block_len`, or None for the dense path: keep = 1, or every position would be kept."""
+    `block_len`, or None for the dense path: keep = 1, or every position would be kept.
+
+    The dense path is exact for every row, not only the longest: with `keep ≤ 1`, the
+    positions a row drops, `count − ceil(keep · count) − block − recent`, never decrease as
+    `count` grows (one more key adds 0 or 1 to `ceil(keep · count)`), so if a row of
+    `seq_len` keys drops none, no shorter row drops any."""
     if keep >= 1:
         return None
+    if keep_fraction(keep).numerator * seq_len > INT32_MAX:
+        raise ValueError(
+            f"attention_sparsity={keep} over {seq_len} positions: its kept-key count "
+            f"overflows int32; expected a sequence below {INT32_MAX // MAX_DENOMINATOR}"
+        )
     keys = kept_keys(keep, recent, seq_len, block_len)
     if keys >= seq_len:
         return None
@@ -96,26 +133,35 @@ def choose(
     positions: Array,
     block_row: Any,
 ) -> Array:
-    """Each kv head's kept key positions [b, kv_heads, rule.keys] int32, ascending.
+    """Each kv head's kept key positions [b, kv_heads, rule.keys] int32: a row's `n_row`
+    kept positions ascending after its `rule.keys − n_row` dropped slots, which hold -1.
 
     q_block: the block's queries [b, B, kv_heads, group, d]; keys [b, s, kv_heads, d] and
     key_valid [b, s] of the whole sequence; positions [b, s] their RoPE positions; block_row:
     the sequence row of the block's first query (may be traced). Always kept: valid keys
-    whose position is in `[p0 − recent, p0 + B)`, p0 the block's first position."""
+    whose position is in `[p0 − recent, p0 + B)`, p0 the block's first position; then the
+    best-scoring other valid keys up to the row's `n_row = min(count, ceil(keep · count) +
+    B + recent)`, count its valid keys (`row_keys`, computed here in int32)."""
     block_len = q_block.shape[1]
     mass = key_mass(q_block, keys, key_valid)
     p0 = jax.lax.dynamic_slice_in_dim(positions, block_row, 1, axis=1)  # [b, 1]
     forced = key_valid & (positions >= p0 - rule.recent) & (positions < p0 + block_len)
     score = jnp.where(key_valid[:, None, :], mass, -jnp.inf)
     score = jnp.where(forced[:, None, :], jnp.inf, score)
-    _, index = jax.lax.top_k(score, rule.keys)
-    return jnp.sort(index, axis=-1).astype(jnp.int32)
+    _, index = jax.lax.top_k(score, rule.keys)  # by score: the forced ones first
+    fraction = keep_fraction(rule.keep)
+    count = jnp.sum(key_valid, axis=1, dtype=jnp.int32)  # [b]
+    by_score = (fraction.numerator * count + fraction.denominator - 1) // fraction.denominator
+    n_row = jnp.minimum(count, by_score + block_len + rule.recent)
+    rank = jnp.arange(rule.keys, dtype=jnp.int32)
+    index = jnp.where(rank < n_row[:, None, None], index.astype(jnp.int32), -1)
+    return jnp.sort(index, axis=-1)
 
 
 class KeptKV(NamedTuple):
     """One layer's kept keys for a block's cached steps (`compact`). keys, values
     [b, kv_heads, n, d]: each head's kept rows outside the window, in ascending position
-    (a slot whose row lies inside the window, or is padding, is invalid); valid
+    (a slot whose row lies inside the window, is padding or was dropped is invalid); valid
     [b, kv_heads, n] bool; in_window [b, kv_heads, width] bool: window row r is kept by the
     head."""
 
@@ -141,20 +187,22 @@ def compact(
     chosen: Array, keys: Array, values: Array, key_valid: Array, start: Any, width: int
 ) -> KeptKV:
     """The kept rows of one layer, gathered once for a block's cached steps whose window is
-    `[start, start + width)` (`start` may be traced). chosen [b, kv_heads, n] (`choose`),
-    keys and values [b, s, kv_heads, d] (the buffers as the refresh wrote them), key_valid
-    [b, s] bool."""
+    `[start, start + width)` (`start` ≥ 0, may be traced). chosen [b, kv_heads, n]
+    (`choose`; a -1 slot is dropped: invalid, outside the window), keys and values
+    [b, s, kv_heads, d] (the buffers as the refresh wrote them), key_valid [b, s] bool."""
     b, kv_heads, _ = chosen.shape
     rows = jnp.arange(b)[:, None, None]
     heads = jnp.arange(kv_heads)[None, :, None]
-    inside = (chosen >= start) & (chosen < start + width)
+    kept = chosen >= 0
+    row = jnp.maximum(chosen, 0)  # a dropped slot reads row 0, masked below
+    inside = kept & (chosen >= start) & (chosen < start + width)
     window_row = jnp.where(inside, chosen - start, width)  # `width`: dropped below
     in_window = jnp.zeros((b, kv_heads, width), bool)
     in_window = in_window.at[rows, heads, window_row].set(True, mode="drop")
     return KeptKV(
-        keys=keys[rows, chosen, heads],
-        values=values[rows, chosen, heads],
-        valid=key_valid[rows, chosen] & ~inside,
+        keys=keys[rows, row, heads],
+        values=values[rows, row, heads],
+        valid=kept & key_valid[rows, row] & ~inside,
         in_window=in_window,
     )
 
