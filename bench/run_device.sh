@@ -43,7 +43,7 @@ case "$stage" in
     detached="${DJAX_DETACHED:-$PWD/.cache/detached}"
     [ -d "$detached" ] || { echo "nothing detached" >&2; exit 2; }
     end=$((SECONDS + ${1:-0}))
-    while [ ! -f "$detached/detached.rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+    while [ ! -f "$detached/detached.rc" ] && [ $SECONDS -lt $end ]; do sleep 1; done
     cp -r "$detached"/. "$OUT"/
     if [ -f "$detached/detached.rc" ]; then echo "ended: rc $(cat "$detached/detached.rc")"
     else echo "still running after ${1:-0} s: collect again"; fi | tee "$log" ;;
