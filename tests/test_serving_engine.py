@@ -85,6 +85,15 @@ def _ids(model, prompt):
     return tuple(djax.engine.tokenize(model, [prompt], chat=True)[0])
 
 
+def _serve_all(engine, prompts, max_tokens):
+    """Submit every prompt at once (`ignore_eos`) and wait: each one's answer tokens."""
+    got = Collector()
+    for i, ids in enumerate(prompts):
+        engine.submit(EngineRequest(f"r{i}", ids, max_tokens, ignore_eos=True), got.sink(f"r{i}"))
+    got.wait(len(prompts))
+    return [got.tokens(f"r{i}") for i in range(len(prompts))]
+
+
 def _alone(model, generation, ids, max_tokens, **changes):
     config = dataclasses.replace(generation, gen_length=max_tokens, **changes)
     return djax.generate(model, [list(ids)], config).token_ids[0][:max_tokens]
@@ -636,12 +645,8 @@ def test_a_mesh_serves_the_same_tokens(dense_folder, dense_model):
     answers = []
     for model in (dense_model, sharded):
         engine = _engine(model, generation, max_batch=2, sampling=False)
-        got = Collector()
-        for i, ids in enumerate(prompts):
-            engine.submit(EngineRequest(f"r{i}", ids, 16, ignore_eos=True), got.sink(f"r{i}"))
-        got.wait(len(prompts))
+        answers.append(_serve_all(engine, prompts, 16))
         engine.stop()
-        answers.append([got.tokens(f"r{i}") for i in range(len(prompts))])
         assert all(len(a) == 16 for a in answers[-1])
     assert answers[0] == answers[1]
     assert layout.batch_buckets(2, multiple=2) == (2,)
@@ -660,12 +665,8 @@ def test_sparse_attention_serves_the_dense_tokens_where_every_real_key_is_kept(d
         engine = _engine(dense_model, generation, max_batch=2, max_seq_len=32, sampling=False)
         plan = engine._block_plan(2, 32, False)
         assert (plan.sparse is None) == (keep == 1.0)
-        got = Collector()
-        for i, ids in enumerate(prompts):
-            engine.submit(EngineRequest(f"r{i}", ids, 16, ignore_eos=True), got.sink(f"r{i}"))
-        got.wait(len(prompts))
+        answers.append(_serve_all(engine, prompts, 16))
         engine.stop()
-        answers.append([got.tokens(f"r{i}") for i in range(len(prompts))])
         assert all(len(a) == 16 for a in answers[-1])
     assert answers[0] == answers[1]
 
