@@ -35,7 +35,17 @@ case "$stage" in
     python3 -m bench.serve "$@" 2>&1 | tee "$log" ;;
   detach)
     detached="${DJAX_DETACHED:-$PWD/.cache/detached}"
-    rm -rf "$detached" && mkdir -p "$detached"
+    # Only a folder an earlier detach made (its marker inside) is emptied, and not while
+    # that run goes on: a mistyped DJAX_DETACHED never loses anyone's files.
+    if [ -e "$detached" ] && [ ! -f "$detached/.djax-detached" ]; then
+      echo "$detached exists and is not a detach folder: give DJAX_DETACHED a new path" >&2
+      exit 2
+    fi
+    if [ -f "$detached/.djax-detached" ] && [ ! -f "$detached/detached.rc" ]; then
+      echo "a detached run is still going in $detached: collect it first" >&2
+      exit 2
+    fi
+    rm -rf "$detached" && mkdir -p "$detached" && touch "$detached/.djax-detached"
     OUT="$detached" setsid nohup bash -c 'bash bench/run_device.sh "$@"; echo $? > "$OUT/detached.rc"' \
       run_device "$@" > "$detached/detached.log" 2>&1 < /dev/null &
     echo "detached $* (pid $!): bash bench/run_device.sh collect SECONDS" | tee "$log" ;;

@@ -677,3 +677,13 @@ def test_run_device_detach_then_collect(tmp_path):
     assert (second / "detached.rc").read_text().strip() == "1"  # python: no such module
     assert "No module named" in (second / "kernels.no_such_suite.log").read_text()
     assert (second / "collect.log").read_text().startswith("ended: rc 1")
+    # a folder that is not a detach folder is left as it was
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("a user's file")
+    refused = subprocess.run(
+        detach, cwd=repo, env={**env, "OUT": str(first), "DJAX_DETACHED": str(mine)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "not a detach folder" in refused.stderr
+    assert [p.name for p in mine.iterdir()] == ["keep.txt"]
