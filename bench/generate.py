@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import tempfile
 
 import numpy as np
@@ -164,7 +165,16 @@ def forward_splits(rows: list[dict]) -> list[dict]:
     found = []
     for a in rows:
         for b in rows:
-            same = ("model", "options", "prompt_len", "batch", "cache", "decoder", "refreshes")
+            same = (
+                "model",
+                "weights",
+                "options",
+                "prompt_len",
+                "batch",
+                "cache",
+                "decoder",
+                "refreshes",
+            )
             if a["steps"] <= b["steps"] or any(a[k] != b[k] for k in same):
                 continue
             blocks = a["forwards"] - a["refreshes"], b["forwards"] - b["refreshes"]
@@ -208,7 +218,11 @@ def main() -> None:
     parser.add_argument("--routing", choices=ROUTINGS, default="model", help="see use_routing")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     parser.add_argument(
-        "--weights", choices=WEIGHTS, default="dtype", help="fp8: projections and experts in fp8"
+        "--weights",
+        nargs="+",
+        choices=WEIGHTS,
+        default=["dtype"],
+        help="weight forms to run, each model under each (fp8: projections and experts in fp8)",
     )
     args = parser.parse_args()
     engine.enable_compile_cache(tempfile.mkdtemp(prefix="djax_xla_cache_"))
@@ -223,22 +237,23 @@ def main() -> None:
         name += "_spread"
     base = SETTING
     rows = []
-    for model_name, config in configs.items():
-        model, _ = bench_model(config, 1, (("moe_impl", args.moe_impl),), args.weights)
+    suffix = "fp8" if "fp8" in args.weights else None
+    for (model_name, config), weights in itertools.product(configs.items(), args.weights):
+        model, _ = bench_model(config, 1, (("moe_impl", args.moe_impl),), weights)
         for options in variants:
             variant = model.with_options(**options)
             for prompt_len in args.prompts:
                 for batch in args.batch:
                     for case in cases(config, base, args.caches, args.steps):
                         row = run_case(variant, prompt_len, batch, case, ceilings, args.repeats)
-                        labels = {"model": model_name, "weights": args.weights, "options": options}
+                        labels = {"model": model_name, "weights": weights, "options": options}
                         rows.append(labels | row)
                         print(rows[-1])
                         # saved after every row: a run cut short keeps the rows it measured
                         splits = forward_splits([r for r in rows if r["decoder"] == base.decoder])
                         payload = {"ceilings": ceilings, "setting": dataclasses.asdict(base)}
                         payload |= {"options": vars(args), "results": rows, "splits": splits}
-                        save(name, payload, "fp8" if args.weights == "fp8" else None)
+                        save(name, payload, suffix)
         del model, variant
     for split in forward_splits([r for r in rows if r["decoder"] == base.decoder]):
         print(split)
