@@ -144,9 +144,10 @@ def _kernel(
     interpreting,
 ):
     """One CTA: one (batch x head, query tile, key slice) of q [b, t, n, d] against keys and
-    values [b, s, kv, d] with the bias [b, splits x steps x block_k] (base 2, `MASKED` on
-    padding keys), into out [b, t, n, d] (one slice) or the fp32 partial outputs
-    [b, splits, t, n, d] and log-sum-exps [b, splits, n, 64 x q_tiles] (`split_out`)."""
+    values [b, s, kv, d] with the bias [b, splits x steps x block_k] (0, or `MASKED` on
+    padding keys, added to the scores in base 2), into out [b, t, n, d] (one slice) or the
+    fp32 partial outputs [b, splits, t, n, d] and log-sum-exps [b, splits, n, 64 x q_tiles]
+    (`split_out`)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if split_out:
@@ -179,7 +180,6 @@ def _kernel(
         acc, row_max, row_sum = carry
         slot = jax.lax.rem(i, tiles.stages)
         plgpu.barrier_wait(k_bars.at[slot])
-
         scores = _scores(q_smem, k_slots.at[slot], interpreting)
         plgpu.barrier_wait(bias_bars.at[slot])
         bias = tma_ring.accumulator_columns(bias_slots[slot], interpreting)
