@@ -57,11 +57,12 @@ TILINGS = (
 )
 
 # The Mosaic GPU port: (block_k, splits, stages), beside `tiles_for`'s; splits past the key
-# blocks are clamped.
+# blocks are clamped. Two stages leave room for two CTAs per SM (batch 8: 256 CTAs).
 MOSAIC_TILINGS = tuple(
     flash_attention_mosaic.Tiles(block_k=bk, splits=splits, stages=stages)
     for bk, splits, stages in (
         (64, 1, 4),
+        (64, 1, 2),
         (64, 2, 4),
         (64, 3, 2),
         (64, 6, 2),
