@@ -31,8 +31,10 @@ class KernelOptions:
     `resolve`, which takes djax's kernels only on GPUs they were built for (see
     `djax.models.kernel_choice`). Every value is checked on construction."""
 
+    # `split_kv_mosaic`: the split-K/V kernel's Pallas Mosaic GPU (Hopper) port, taken only
+    # when asked for.
     attention_impl: str = _option(
-        ("auto", "xla", "cudnn", "split_kv"),
+        ("auto", "xla", "cudnn", "split_kv", "split_kv_mosaic"),
         "split_kv on kernel GPUs with 16-bit weights where its tiles fit the heads; else "
         "cudnn for refreshes on GPUs (16-bit) and xla",
     )

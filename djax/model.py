@@ -131,7 +131,7 @@ def load(
     as loaded); default: what a converted folder holds, else `"dtype"`. A converted folder
     holding another format than `weights` raises a CheckpointError. options: the
     fields of `djax.kernel_options.KernelOptions` (`attention_impl="auto"|"xla"|"cudnn"|
-    "split_kv"`, `mlp_impl`, `matmul_impl`, `rope_impl` and `moe_impl`, each
+    "split_kv"|"split_kv_mosaic"`, `mlp_impl`, `matmul_impl`, `rope_impl` and `moe_impl`, each
     `"auto"|"xla"|"pallas"`, `mlp_impl` and `matmul_impl` also `"mosaic"`, `norm_impl` also
     `"fused"` and `"tiled"`). An unknown option name raises a TypeError naming the closest
     valid one, and a value outside its choices a ValueError naming them, before anything is

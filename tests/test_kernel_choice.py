@@ -170,6 +170,18 @@ def test_explicit_options():
     assert (cudnn.block.layers.attention, cudnn.refresh.layers.attention) == ("xla", "cudnn")
     with pytest.raises(ValueError, match="'cudnn' takes bf16 or fp16 inputs; got float32"):
         _choice(KernelOptions(attention_impl="cudnn"), dtype=jnp.float32)
+    mosaic = _choice(KernelOptions(attention_impl="split_kv_mosaic"), CPU)
+    assert (mosaic.block.layers.attention, mosaic.refresh.layers.attention) == (
+        "split_kv_mosaic",
+        "split_kv_mosaic",
+    )
+    assert _choice().block.layers.attention == "split_kv"  # auto never takes it
+    with pytest.raises(ValueError, match="'split_kv_mosaic' takes bf16 or fp16 inputs; got"):
+        _choice(KernelOptions(attention_impl="split_kv_mosaic"), dtype=jnp.float32)
+    with pytest.raises(ValueError, match="'split_kv_mosaic' takes a head dim .* 64; got 96"):
+        _choice(
+            KernelOptions(attention_impl="split_kv_mosaic"), config=LLADA_8B.replace(head_dim=96)
+        )
     with pytest.raises(ValueError, match="matmul_impl='pallas'.*multiples of 16; got 40 -> "):
         _choice(KernelOptions(matmul_impl="pallas"), config=LLADA_8B.replace(d_model=40))
     with pytest.raises(ValueError, match="mlp_impl='pallas'.*multiples of 16; got 4096 -> \\[1000"):

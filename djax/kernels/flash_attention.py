@@ -194,9 +194,15 @@ def split_kv_attention(
     )(q, keys, values, bias)
     if splits == 1:
         return outs[0]
-    partial, lse = outs
+    return merge_slices(*outs, q.dtype)
+
+
+def merge_slices(partial: Array, lse: Array, dtype) -> Array:
+    """The attention output from its key slices' normalised fp32 outputs partial
+    [b, splits, t, n, d] and log-sum-exps lse [b, splits, t, n], each weighted by its share
+    of the softmax's total, in `dtype`."""
     weights = jax.nn.softmax(lse, axis=1)  # [b, splits, t, n]
-    return jnp.einsum("bjtn,bjtnd->btnd", weights, partial).astype(q.dtype)
+    return jnp.einsum("bjtn,bjtnd->btnd", weights, partial).astype(dtype)
 
 
 def _no_lse(kernel, q_ref, k_ref, v_ref, bias_ref, out_ref):

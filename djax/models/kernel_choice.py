@@ -36,6 +36,9 @@ kernels take the norm moved into the products before the feed-forward as the Tri
 do (`fused`: `residual_product_mosaic`; `tiled`: the split-K product, then the tiled add);
 the q/k/v product inside the RoPE kernel stays a Triton kernel, so under `mosaic` the
 q/k/v product keeps its RoPE kernel apart and the norm before attention is not moved.
+`attention_impl="split_kv_mosaic"` (the split-K/V kernel's Mosaic GPU port,
+`djax.kernels.flash_attention_mosaic`) is likewise taken only when asked for, for block
+forwards and refreshes, with 16-bit inputs and head dims that are multiples of 64.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from djax.config import ModelConfig
 from djax.kernel_options import KernelOptions
 from djax.kernels import (
     flash_attention,
+    flash_attention_mosaic,
     residual_product,
     residual_product_mosaic,
     rope_write,
@@ -116,10 +120,11 @@ def describe(device: Any) -> Device:
 class Kernels:
     """The path of each part of a decoder layer at one number of token rows.
 
-    attention: `xla`, `split_kv` or `cudnn`. qkv: the q/k/v product, `xla`, `pallas`
-    (split-K), `mosaic` (split-K in Mosaic GPU) or `rope` (inside the RoPE kernel). rope: the
-    q/k norm, RoPE and K/V writes, `xla` or `pallas`. out, mlp, down: the attention-output
-    product, the SwiGLU gate/up path and the down product, `xla`, `pallas` or `mosaic`.
+    attention: `xla`, `split_kv`, `split_kv_mosaic` (its Mosaic GPU port) or `cudnn`. qkv:
+    the q/k/v product, `xla`, `pallas` (split-K), `mosaic` (split-K in Mosaic GPU) or `rope`
+    (inside the RoPE kernel). rope: the q/k norm, RoPE and K/V writes, `xla` or `pallas`.
+    out, mlp, down: the attention-output product, the SwiGLU gate/up path and the down
+    product, `xla`, `pallas` or `mosaic`.
     norm: a residual add and RMSNorm on their own, `xla` or `pallas`. norm_into_mlp /
     norm_into_attention: where the norm before the feed-forward (a dense MLP) / before the
     next layer's attention runs inside the products around it, `fused` (the add in the
@@ -306,9 +311,10 @@ class _Rule:
             and device.compute_capability is not None
             and device.compute_capability >= FP8_MIN_CAPABILITY
         )
-        if options.attention_impl == "cudnn" and not self.half:
+        if options.attention_impl in ("cudnn", "split_kv_mosaic") and not self.half:
             raise ValueError(
-                f"attention_impl='cudnn' takes bf16 or fp16 inputs; got {self.dtype_name}"
+                f"attention_impl={options.attention_impl!r} takes bf16 or fp16 inputs; got "
+                f"{self.dtype_name}"
             )
         if self.fp8:
             for name in ("matmul_impl", "mlp_impl", "moe_impl"):
@@ -412,12 +418,17 @@ class _Rule:
         )
 
     def _attention(self, refresh: bool) -> str:
-        impl = self.options.attention_impl
+        impl, cfg = self.options.attention_impl, self.widths.config
         if impl == "cudnn":
             return "cudnn" if refresh else "xla"
+        if impl == "split_kv_mosaic" and not flash_attention_mosaic.fits(cfg.head_dim):
+            raise ValueError(
+                f"attention_impl='split_kv_mosaic' takes a head dim that is a multiple of 64; "
+                f"got {cfg.head_dim}"
+            )
         if impl != "auto":
             return impl
-        if self.kernels_pay and flash_attention.fits(self.widths.config.head_dim):
+        if self.kernels_pay and flash_attention.fits(cfg.head_dim):
             return "split_kv"
         return "cudnn" if refresh and self.gpu and self.half else "xla"
 

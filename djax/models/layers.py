@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from djax.config import ModelConfig
 from djax.kernels import (
     flash_attention,
+    flash_attention_mosaic,
     residual_norm,
     residual_product,
     residual_product_mosaic,
@@ -178,6 +179,10 @@ def rope_and_write_xla(
     return q, keys, values
 
 
+# The split-K/V kernels by `Kernels.attention` value: Pallas Triton, Pallas Mosaic GPU.
+SPLIT_KV = {"split_kv": flash_attention, "split_kv_mosaic": flash_attention_mosaic}
+
+
 def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "xla") -> Array:
     """Grouped-query attention with a key mask: bidirectional over the valid keys.
 
@@ -188,10 +193,10 @@ def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "
     """
     if impl == "cudnn":
         return _attend_cudnn(q, keys, values, key_valid)
-    if impl == "split_kv" and key_valid.ndim == 2:  # Pallas's interpreter off GPUs (for tests)
+    if impl in SPLIT_KV and key_valid.ndim == 2:  # run by an interpreter off GPUs (for tests)
         b, t, k, g, d = q.shape
-        out = flash_attention.split_kv_attention(q.reshape(b, t, k * g, d), keys, values, key_valid)
-        return out.reshape(q.shape)
+        run = SPLIT_KV[impl].split_kv_attention
+        return run(q.reshape(b, t, k * g, d), keys, values, key_valid).reshape(q.shape)
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
     mask = key_valid[:, None, None, None, :] if key_valid.ndim == 2 else key_valid[:, None, None]

@@ -1,0 +1,132 @@
+"""The split-K/V attention kernel's Mosaic GPU port (`flash_attention_mosaic`), run by Mosaic
+GPU's interpreter on the CPU, against fp32 einsum attention: key padding, several key
+slices merged, GQA, windows and buffers that are not multiples of the tiles, and the layer
+taking it; its errors and tiles; its lowering for a Hopper GPU at LLaDA-8B's and
+LLaDA-MoE's shapes on any host; on a GPU the compiled kernel at those shapes."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from test_flash_attention import _einsum_attention, _problem
+
+from djax.kernels import flash_attention, flash_attention_mosaic
+from djax.kernels.flash_attention_mosaic import Tiles, split_kv_attention, tiles_for
+from djax.models import layers
+
+BF16 = jnp.bfloat16
+
+
+def _rel_error(ours, ref):
+    ours = ours.astype(jnp.float32)
+    return float(jnp.linalg.norm(ours - ref) / jnp.linalg.norm(ref))
+
+
+def _padded_rows(s, pad):
+    """key_valid [2, s]: the first row whole, the second left-padded by `pad` keys."""
+    return jnp.arange(s)[None, :] >= jnp.array([[0], [pad]])
+
+
+@pytest.mark.parametrize(
+    "b, t, n, kv, s, pad, tiles",
+    [
+        # one slice (bf16 out, no merge), 3 steps through a ring of 2 slots
+        (1, 32, 2, 2, 160, 0, Tiles(splits=1, stages=2)),
+        # GQA (group 2); 70 queries (2 query tiles, q padded to 72 rows, 6 rows stored from
+        # the last); 180 keys (K/V padded to 184) in 2 slices of 128, the second slice's last
+        # step wholly past the buffer's end, the second row's first slice all padding
+        (2, 70, 2, 1, 180, 140, Tiles(splits=2, stages=2)),
+    ],
+)
+def test_matches_einsum_attention(b, t, n, kv, s, pad, tiles):
+    q, k, v = _problem(b, t, n, kv, 64, s, BF16, seed=3)
+    key_valid = _padded_rows(s, pad)[:b]
+    ours = split_kv_attention(q, k, v, key_valid, tiles=tiles, interpret=True)
+    assert ours.shape == q.shape and ours.dtype == BF16
+    ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k, v)), key_valid)
+    assert _rel_error(ours, ref) < 5e-3
+    if b == 2:  # the padded row alone: its keys are in the second slice only
+        assert _rel_error(ours[1], ref[1]) < 5e-3
+
+
+def test_layer_attends_with_the_kernel():
+    """`layers.attend(..., "split_kv_mosaic")` takes the kernel (at `tiles_for`: two slices
+    of 128 keys) and gives XLA's attention on the same bf16 inputs."""
+    q, k, v = _problem(1, 16, 2, 2, 64, 256, BF16, seed=4)
+    key_valid = jnp.arange(256)[None, :] >= 20
+    grouped = q.reshape(1, 16, 2, 1, 64)
+    ours = layers.attend(grouped, k, v, key_valid, "split_kv_mosaic")
+    assert tiles_for(16, 256, 2).splits == 2
+    ref = layers.attend(grouped, k, v, key_valid, "xla")
+    assert ours.shape == grouped.shape and _rel_error(ours, ref.astype(jnp.float32)) < 1e-2
+
+
+def test_tiles_for_blocks_and_refreshes():
+    """Slices of at least 128 keys, as few as reach 96 CTAs: LLaDA-8B's block (32 heads)
+    against 384 keys in 3, LLaDA-MoE's (16 heads) in 3, at batch 8 or at a 384-query refresh
+    one."""
+    assert tiles_for(32, 384, 32) == Tiles(block_k=64, splits=3, stages=4)
+    assert tiles_for(32, 384, 16).splits == 3
+    assert tiles_for(32, 1280, 16).splits == 6
+    assert tiles_for(32, 1280, 8 * 32).splits == 1
+    assert tiles_for(384, 384, 32).splits == 1
+    assert tiles_for(32, 100, 32).splits == 1
+
+
+def test_shape_dtype_and_tile_errors():
+    q, k, v = _problem(1, 8, 4, 2, 64, 32, BF16)
+    valid = jnp.ones((1, 32), bool)
+    with pytest.raises(ValueError, match=r"q \(1, 8, 4, 96\).*head dim that is a multiple of 64"):
+        split_kv_attention(jnp.zeros((1, 8, 4, 96), BF16), k, v, valid)
+    with pytest.raises(ValueError, match="heads a multiple of kv heads"):
+        split_kv_attention(q[:, :, :3], k, v, valid)
+    with pytest.raises(ValueError, match=r"key_valid \(1, 31\)"):
+        split_kv_attention(q, k, v, valid[:, :31])
+    with pytest.raises(ValueError, match="q float32, keys bfloat16.*all bfloat16 or all float16"):
+        split_kv_attention(q.astype(jnp.float32), k, v, valid)
+    with pytest.raises(ValueError, match="block_k must be a multiple of 64"):
+        split_kv_attention(q, k, v, valid, tiles=Tiles(block_k=32))
+    long_k, long_v = (jnp.zeros((1, 4096, 2, 64), BF16) for _ in range(2))
+    with pytest.raises(ValueError, match="bytes of shared memory; at most 229376"):
+        split_kv_attention(q, long_k, long_v, jnp.ones((1, 4096), bool), tiles=Tiles(stages=16))
+    assert flash_attention_mosaic.fits(128) and not flash_attention_mosaic.fits(96)
+
+
+@pytest.mark.parametrize(
+    "b, t, heads, s",
+    [
+        (1, 32, 32, 384),  # LLaDA-8B block, 3 slices merged
+        (8, 32, 32, 640),  # LLaDA-8B block at batch 8, one slice
+        (1, 384, 32, 384),  # LLaDA-8B refresh
+        (1, 32, 16, 384),  # LLaDA-MoE block
+        (1, 200, 16, 1020),  # LLaDA-MoE window: q and K/V padded to rows of 8, 2 slices
+    ],
+)
+def test_lowers_for_hopper(b, t, heads, s):
+    """The kernel lowers to Mosaic GPU's custom call for CUDA (WGMMA shapes and operands,
+    layouts, swizzles and TMA slices are checked here, on any host; only the compile to PTX
+    needs the GPU)."""
+    args = [
+        jax.ShapeDtypeStruct((b, t, heads, 128), BF16),
+        *(jax.ShapeDtypeStruct((b, s, heads, 128), BF16) for _ in range(2)),
+        jax.ShapeDtypeStruct((b, s), jnp.bool_),
+    ]
+    tiles = Tiles(splits=2) if s == 1020 else None
+    run = lambda q, k, v, m: split_kv_attention(q, k, v, m, tiles=tiles, interpret=False)  # noqa: E731
+    assert "mosaic_gpu" in jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("t, s", [(32, 384), (32, 1000), (384, 384), (70, 1020)])
+def test_compiled_kernel_on_gpu(t, s):
+    """On a Hopper GPU: the compiled kernel at the model's shapes (bf16, head dim 128, GQA
+    group 2, a left-padded row) at `tiles_for`, one slice and 3 slices of 128-key steps (at
+    1000 keys the last step wholly past the buffer's end), against fp32 einsums and against
+    the Triton kernel."""
+    q, k, v = _problem(2, t, 16, 8, 128, s, BF16, seed=2)
+    key_valid = _padded_rows(s, 100)
+    ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k, v)), key_valid)
+    triton = flash_attention.split_kv_attention(q, k, v, key_valid)
+    for tiles in (None, Tiles(splits=1), Tiles(block_k=128, splits=3, stages=2)):
+        ours = split_kv_attention(q, k, v, key_valid, tiles=tiles)
+        assert _rel_error(ours, ref) <= 1e-2, (tiles, _rel_error(ours, ref))
+        assert _rel_error(ours, triton.astype(jnp.float32)) <= 1e-2, tiles
