@@ -33,7 +33,8 @@ the misfit otherwise), except the fused forms, which need their rows and product
 kernels, `djax.kernels.split_k_mosaic` / `swiglu_mosaic`, for Hopper GPUs) is taken only when
 asked for, with 16-bit weights and widths that are multiples of 64. The Mosaic GPU
 kernels take the norm moved into the products before the feed-forward as the Triton ones
-do (`fused`: `residual_product_mosaic`; `tiled`: the split-K product, then the tiled add);
+do (`fused`: `residual_product_mosaic`; `tiled`: the split-K product, then the tiled add,
+`residual_norm_mosaic`);
 the q/k/v product inside the RoPE kernel stays a Triton kernel, so under `mosaic` the
 q/k/v product keeps its RoPE kernel apart and the norm before attention is not moved.
 """

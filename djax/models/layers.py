@@ -31,6 +31,7 @@ from djax.config import ModelConfig
 from djax.kernels import (
     flash_attention,
     residual_norm,
+    residual_norm_mosaic,
     residual_product,
     residual_product_mosaic,
     rope_write,
@@ -216,7 +217,8 @@ class RMSNorm(nn.Module):
     between a decoder layer's blocks, in XLA (`impl="xla"`) or in one kernel (`"pallas"`).
     `y` may be a split-K product's `Partials`, or a `Product` still to run: then the add
     runs in the product's kernel (`impl="fused"`, `residual_product`) or in a tiled kernel
-    after the split-K product (`"tiled"`, `residual_norm.add_scaled`), and the norm is
+    after the split-K product (`"tiled"`, `residual_norm.add_scaled`; its Mosaic GPU port
+    after a Mosaic GPU product), and the norm is
     returned as `ScaledRows` for the next product's kernel to apply."""
 
     eps: float
@@ -235,7 +237,8 @@ class RMSNorm(nn.Module):
             if impl != "tiled":
                 raise ValueError(f"RMSNorm: a Product needs impl 'fused' or 'tiled'; got {impl!r}")
             y = (split_k_mosaic if mosaic else split_k).matmul_partials(x.x, x.w)
-            return residual_norm.add_scaled(residual, y, scale, self.eps)
+            tiled = residual_norm_mosaic if mosaic else residual_norm
+            return tiled.add_scaled(residual, y, scale, self.eps)
         if residual is None:
             return rms_norm(finish(x), scale, self.eps)
         if impl == "pallas":

@@ -1,0 +1,107 @@
+"""The Mosaic GPU ports of the residual norms' kernels (`residual_norm_mosaic`) and the
+residual product's sweepable tilings (`residual_product_mosaic`), run by Mosaic GPU's
+interpreter on the CPU against numpy references, their lowering for a Hopper GPU at
+LLaDA-8B's widths on any host, and on a GPU the compiled kernels."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from djax.kernels import residual_norm, residual_norm_mosaic
+from djax.kernels.handoff import Partials
+
+BF16 = jnp.bfloat16
+EPS = 1e-5
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+def _f32(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """numpy fp32 values rounded to bf16 and back."""
+    return _f32(jnp.asarray(a, jnp.float32).astype(BF16))
+
+
+def _add_scaled_reference(x, parts, scale, columns):
+    """numpy: h (the slices summed in fp32 and rounded, then the add rounded), h * scale
+    rounded, and the sums of squares of h per tile of `columns` [tiles, m]."""
+    y = _bf16(_f32(parts).sum(0))
+    h = _bf16(_f32(x) + y)
+    scaled = _bf16(h * _f32(scale))
+    m, d = h.shape
+    squares = (h * h).reshape(m, d // columns, columns).sum(-1).T
+    return h, scaled, squares
+
+
+def _norm_problem(m, d, splits, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (m, d), BF16)
+    parts = jax.random.normal(keys[1], (splits, m, d), jnp.float32)
+    scale = (1 + 0.1 * jax.random.normal(keys[2], (d,))).astype(BF16)
+    return x, parts, scale
+
+
+@pytest.mark.parametrize("m, splits", [(32, 2), (20, 1)])  # 20 rows: padded to 24 for TMA
+def test_add_scaled_matches_numpy(m, splits):
+    """h, `h * scale` and the 32-column tiles' sums of squares from split-K partials (fp32)
+    or from a plain y in x's dtype, as numpy computes them, and bit for bit as the Triton
+    kernel at the same column tiles."""
+    x, parts, scale = _norm_problem(m, 96, splits)
+    y = Partials(parts, BF16) if splits > 1 else parts[0].astype(BF16)
+    h, rows = residual_norm_mosaic.add_scaled(x, y, scale, EPS)
+    want_h, want_scaled, want_squares = _add_scaled_reference(
+        x, parts if splits > 1 else _bf16(_f32(parts)), scale, residual_norm_mosaic.COLUMNS
+    )
+    assert h.shape == rows.shape == (m, 96) and h.dtype == rows.dtype == BF16
+    assert rows.squares.shape == (3, m) and rows.eps == EPS
+    np.testing.assert_array_equal(_f32(h), want_h)
+    np.testing.assert_array_equal(_f32(rows.scaled), want_scaled)
+    np.testing.assert_allclose(rows.squares, want_squares, rtol=1e-5)
+    triton_h, triton = residual_norm.add_scaled(x, y, scale, EPS, block_n=32, interpret=True)
+    np.testing.assert_array_equal(_f32(h), _f32(triton_h))
+    np.testing.assert_array_equal(rows.squares, triton.squares)
+
+
+def test_add_scaled_errors():
+    x, parts, scale = _norm_problem(8, 64, 2)
+    run = residual_norm_mosaic.add_scaled
+    with pytest.raises(ValueError, match=r"y \(8, 32\).*expected y shaped and typed like x"):
+        run(x, x[:, :32], scale, EPS)
+    with pytest.raises(ValueError, match="multiple of 32, at most 8192"):
+        run(x[:, :48], x[:, :48], scale[:48], EPS)
+    with pytest.raises(ValueError, match="x float32, scale float32; expected both bfloat16"):
+        run(x.astype(jnp.float32), Partials(parts, jnp.float32), scale.astype(jnp.float32), EPS)
+
+
+def _lowers(fn, *shapes) -> bool:
+    args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes]
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_add_scaled_lowers_for_hopper(splits):
+    """At LLaDA-8B's width, a block's 32 rows and a ragged 20, after split-K products of
+    1, 2 and 4 slices: Mosaic GPU's lowering for CUDA (TMA sizes, swizzles, layouts)."""
+    for m in (32, 20):
+        fn = lambda x, p, s: residual_norm_mosaic.add_scaled(  # noqa: E731
+            x, Partials(p, BF16), s, EPS, interpret=False
+        )
+        shapes = (((1, m, 4096), BF16), ((splits, 1, m, 4096), jnp.float32), ((4096,), BF16))
+        assert _lowers(fn, *shapes), (m, splits)
+
+
+@needs_gpu
+def test_compiled_add_scaled_on_gpu():
+    """On a Hopper GPU: the compiled kernel at LLaDA-8B's width against the Triton one."""
+    for m, splits in ((32, 2), (20, 4), (32, 1)):
+        x, parts, scale = _norm_problem(m, 4096, splits, seed=3)
+        y = Partials(parts, BF16)
+        h, rows = residual_norm_mosaic.add_scaled(x, y, scale, EPS)
+        want_h, want = residual_norm.add_scaled(x, y, scale, EPS, block_n=32)
+        np.testing.assert_array_equal(_f32(h), _f32(want_h))
+        np.testing.assert_array_equal(_f32(rows.scaled), _f32(want.scaled))
+        np.testing.assert_allclose(rows.squares, want.squares, rtol=1e-5)
