@@ -42,6 +42,20 @@ def fits(k: int, n: int) -> bool:
     return tma_ring.fits(k, n) and n // NARROW <= MAX_COLUMN_TILES
 
 
+def check_tiles(tiles: Tiles, k: int, n: int) -> None:
+    """Raise a ValueError naming `tiles` unless the kernel takes them for a `k -> n` product
+    of 16-bit values: `splits` 1, at most `MAX_COLUMN_TILES` column tiles, and the ring with
+    the epilogue's tiles (the residual, h, `h * scale`), the scale and the sums of squares
+    within shared memory (`Tiles.check`)."""
+    if tiles.splits != 1 or n // tiles.block_n > MAX_COLUMN_TILES:
+        raise ValueError(
+            f"{tiles}: the residual product takes splits=1 and at most {MAX_COLUMN_TILES} "
+            f"column tiles"
+        )
+    epilogue = ROW_TILE * tiles.block_n * 2 * 3 + n * 2 + ROW_TILE * 4
+    tiles.check(k, n, weights=1, out_bytes=0, extra=epilogue)
+
+
 def _kernel(
     x_gmem,
     w_gmem,
@@ -141,14 +155,7 @@ def residual_product(
     m = rows.shape[0]
     m8 = m + -m % tma_ring.ROW_ALIGN
     tiles = tiles or tiles_for(m, k, n)
-    if tiles.splits != 1 or n // tiles.block_n > MAX_COLUMN_TILES:
-        raise ValueError(
-            f"{tiles}: the residual product takes splits=1 and at most {MAX_COLUMN_TILES} "
-            f"column tiles"
-        )
-    item = x.dtype.itemsize
-    epilogue = ROW_TILE * tiles.block_n * item * 3 + n * item + ROW_TILE * 4
-    tiles.check(k, n, weights=1, out_bytes=0, extra=epilogue)
+    check_tiles(tiles, k, n)
     column_tiles = n // tiles.block_n
     params = tma_ring.interpret_params(interpret)
     out = jax.ShapeDtypeStruct((m, n), residual.dtype)

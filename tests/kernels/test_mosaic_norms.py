@@ -8,8 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from djax.kernels import residual_norm, residual_norm_mosaic
+from bench.kernels.mosaic import sweep_tiles
+from djax.kernels import (
+    residual_norm,
+    residual_norm_mosaic,
+    residual_product_mosaic,
+    split_k_mosaic,
+)
 from djax.kernels.handoff import Partials
+from djax.kernels.tma_ring import Tiles
 
 BF16 = jnp.bfloat16
 EPS = 1e-5
@@ -105,3 +112,59 @@ def test_compiled_add_scaled_on_gpu():
         np.testing.assert_array_equal(_f32(h), _f32(want_h))
         np.testing.assert_array_equal(_f32(rows.scaled), _f32(want.scaled))
         np.testing.assert_allclose(rows.squares, want.squares, rtol=1e-5)
+
+
+def _residual_problem(m, k, n, seed=7):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(keys[0], (m, k), BF16)
+    w = (jax.random.normal(keys[1], (k, n)) * k**-0.5).astype(BF16)
+    residual = jax.random.normal(keys[2], (m, n), BF16)
+    scale = (1 + 0.1 * jax.random.normal(keys[3], (n,))).astype(BF16)
+    return x, w, residual, scale
+
+
+def test_residual_product_at_128_columns_matches_numpy():
+    """The widest tiling the sweep may pick (128 columns per CTA, 20 rows padded to 24): h
+    (the product rounded first, then the add), `h * scale` and the 128-column tiles' sums
+    of squares as numpy computes them from the fp32 product."""
+    x, w, residual, scale = _residual_problem(20, 128, 256)
+    tiles = Tiles(block_n=128, block_k=64, splits=1, stages=2)
+    h, rows = residual_product_mosaic.residual_product(x, w, residual, scale, EPS, tiles=tiles)
+    product = _bf16(_f32(x) @ _f32(w))
+    want_h, want_scaled, want_squares = _add_scaled_reference(
+        residual, product[None], scale, tiles.block_n
+    )
+    assert rows.squares.shape == (2, 20)
+    np.testing.assert_allclose(_f32(h), want_h, atol=2e-2)  # fp32 sums in another order
+    np.testing.assert_allclose(_f32(rows.scaled), want_scaled, atol=2e-2)
+    np.testing.assert_allclose(rows.squares, want_squares, rtol=1e-3)
+
+
+def _sweep_tilings(name, k, n):
+    """The tilings `bench.kernels.mosaic --sweep` runs for product `name`, one per distinct
+    (block_n, block_k, splits) at its deepest ring: the stages change only the ring's
+    depth, which `Tiles.check` bounds."""
+    deepest = {}
+    for tiles in sorted(sweep_tiles(name, k, n), key=lambda tiles: tiles.stages):
+        deepest[tiles.block_n, tiles.block_k, tiles.splits] = tiles
+    return list(deepest.values())
+
+
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_swept_tilings_lower_for_hopper(k):
+    """Every tiling the sweep may pick for the residual product and the split-K product at
+    LLaDA-8B's output (4096 -> 4096) and down (12288 -> 4096) products, 32 rows: Mosaic GPU's
+    lowering for CUDA."""
+    residual = (((32, k), BF16), ((k, 4096), BF16), ((32, 4096), BF16), ((4096,), BF16))
+    for tiles in _sweep_tilings("out_residual", k, 4096):
+        fn = lambda x, w, r, s, tiles=tiles: residual_product_mosaic.residual_product(  # noqa: E731
+            x, w, r, s, EPS, tiles=tiles, interpret=False
+        )
+        assert _lowers(fn, *residual), tiles
+    for tiles in _sweep_tilings("out", k, 4096):
+        fn = lambda x, w, tiles=tiles: (
+            split_k_mosaic.matmul_partials(  # noqa: E731
+                x, w, tiles=tiles, interpret=False
+            ).parts
+        )
+        assert _lowers(fn, *residual[:2]), tiles
