@@ -81,12 +81,16 @@ PRODUCTS = (
     "down_norm",
 )
 
-# --sweep: the grid of each kernel's tilings (block_n, block_k, splits, stages), kept where
-# they divide the product and fit in shared memory (`sweep_tiles`)
+# --sweep: each kernel's tilings (block_n, block_k, splits, stages), the union of products
+# of these values, kept where they divide the product and fit in shared memory
+# (`sweep_tiles`); the residual product's splits are a cluster's CTAs
 SWEEP_GRIDS = {
-    "split_k": ((64, 128), (64, 128), (1, 2, 4), (4, 6)),
-    "gate_up": ((64, 128), (64, 128), (1,), (3, 4, 6)),
-    "residual": ((32, 64, 128), (64, 128, 256), (1,), (3, 4, 6)),
+    "split_k": (((64, 128), (64, 128), (1, 2, 4), (4, 6)),),
+    "gate_up": (((64, 128), (64, 128), (1,), (3, 4, 6)),),
+    "residual": (
+        ((32, 64, 128), (64, 128, 256), (1,), (3, 4, 6)),
+        ((64, 128), (64, 128), (2, 4), (4, 6)),
+    ),
 }
 SQUARES_TILES = 32  # columns per tile of sums of squares (`residual_norm.add_scaled`'s)
 
@@ -210,7 +214,8 @@ def sweep_tiles(name: str, k: int, n: int) -> list[Tiles]:
             tiles.check(k, n, weights=1, out_bytes=4)
 
     kept = []
-    for tiles in itertools.starmap(Tiles, itertools.product(*grid)):
+    tilings = itertools.chain.from_iterable(itertools.product(*values) for values in grid)
+    for tiles in itertools.starmap(Tiles, tilings):
         try:
             check(tiles)
         except ValueError:

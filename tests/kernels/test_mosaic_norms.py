@@ -102,6 +102,31 @@ def test_add_scaled_lowers_for_hopper(splits):
 
 
 @needs_gpu
+def test_compiled_residual_product_tilings_on_gpu():
+    """On a Hopper GPU: the residual product at every (block_n, block_k, splits) the sweep
+    may pick, the cluster splits included, at LLaDA-8B's output and down products (32 rows
+    and a ragged 20) against the Triton kernel: h and `h * scale` within bf16 rounding of
+    a differently ordered fp32 sum, the sums of squares per tile summing to the same."""
+    from djax.kernels import residual_product
+
+    for m in (32, 20):
+        for k in (4096, 12288):
+            x, w, residual, scale = _residual_problem(m, k, 4096, seed=10)
+            want_h, want = residual_product.residual_product(x, w, residual, scale, EPS)
+            for tiles in _sweep_tilings("out_residual", k, 4096):
+                h, rows = residual_product_mosaic.residual_product(
+                    x, w, residual, scale, EPS, tiles=tiles
+                )
+                np.testing.assert_allclose(_f32(h), _f32(want_h), atol=0.07, err_msg=str(tiles))
+                np.testing.assert_allclose(
+                    _f32(rows.scaled), _f32(want.scaled), atol=0.07, err_msg=str(tiles)
+                )
+                np.testing.assert_allclose(
+                    rows.squares.sum(0), want.squares.sum(0), rtol=1e-2, err_msg=str(tiles)
+                )
+
+
+@needs_gpu
 def test_compiled_add_scaled_on_gpu():
     """On a Hopper GPU: the compiled kernel at LLaDA-8B's width against the Triton one."""
     for m, splits in ((32, 2), (20, 4), (32, 1)):
@@ -140,6 +165,15 @@ def test_residual_product_at_128_columns_matches_numpy():
     np.testing.assert_allclose(rows.squares, want_squares, rtol=1e-3)
 
 
+def test_cluster_split_has_no_interpreter():
+    """A residual product split over a cluster's CTAs (which read each other's shared
+    memory) is refused by the interpreter with a clear error, not run wrongly."""
+    x, w, residual, scale = _residual_problem(8, 256, 128)
+    with pytest.raises(ValueError, match="splits > 1 .* has no Mosaic GPU interpreter"):
+        tiles = Tiles(block_n=64, block_k=64, splits=2, stages=2)
+        residual_product_mosaic.residual_product(x, w, residual, scale, EPS, tiles=tiles)
+
+
 def _sweep_tilings(name, k, n):
     """The tilings `bench.kernels.mosaic --sweep` runs for product `name`, one per distinct
     (block_n, block_k, splits) at its deepest ring: the stages change only the ring's
@@ -152,9 +186,10 @@ def _sweep_tilings(name, k, n):
 
 @pytest.mark.parametrize("k", [4096, 12288])
 def test_swept_tilings_lower_for_hopper(k):
-    """Every tiling the sweep may pick for the residual product and the split-K product at
-    LLaDA-8B's output (4096 -> 4096) and down (12288 -> 4096) products, 32 rows: Mosaic GPU's
-    lowering for CUDA."""
+    """Every tiling the sweep may pick for the residual product (unsplit, and split over a
+    cluster's CTAs: its cluster barriers and reads of a peer's shared memory) and the
+    split-K product at LLaDA-8B's output (4096 -> 4096) and down (12288 -> 4096) products,
+    32 rows: Mosaic GPU's lowering for CUDA."""
     residual = (((32, k), BF16), ((k, 4096), BF16), ((32, 4096), BF16), ((4096,), BF16))
     for tiles in _sweep_tilings("out_residual", k, 4096):
         fn = lambda x, w, r, s, tiles=tiles: residual_product_mosaic.residual_product(  # noqa: E731
