@@ -18,8 +18,9 @@ GPU ports (`matmul_impl` / `mlp_impl` = `xla`, `pallas`, `mosaic`), the products
   `residual_norm_mosaic.add_scaled`) and the Mosaic GPU product with the Triton add.
 - `out_norm`, `down_norm`: the split-K product, then the per-row residual norm
   (`norm_impl="pallas"`): Triton's (`split_k`, `residual_norm.add_rms_norm`), and after the
-  Mosaic GPU product the Triton norm kernel or XLA's add and norm (XLA fuses the slices'
-  sum into them): which of the two takes the norm off Triton.
+  Mosaic GPU product the norm kernel's Mosaic GPU port (`residual_norm_mosaic.add_rms_norm`,
+  `mosaic`), the Triton norm kernel, or XLA's add and norm (XLA fuses the slices' sum into
+  them): which takes the norm off Triton.
 
 Each kernel runs at its default tiles (`tiles_for`); `--sweep` adds the Mosaic GPU kernels
 (split-K, SwiGLU, residual product) at every tiling of SWEEP_GRIDS that fits, and ends
@@ -133,12 +134,13 @@ def _tiled(matmul, add, x, w, tiles=None):
 
 def _normed(matmul, norm: str, x, w):
     """The split-K product `matmul`, then the per-row residual norm on its partials: the
-    Triton kernel (`add_rms_norm`, `norm="triton"`) or XLA's add and norm (`"xla"`, the
-    slices' sum fused into them)."""
+    Triton kernel (`add_rms_norm`, `norm="triton"`), its Mosaic GPU port (`"mosaic"`) or
+    XLA's add and norm (`"xla"`, the slices' sum fused into them)."""
     rows, residual, scale = x
     y = matmul.matmul_partials(rows, w)
-    if norm == "triton":
-        return residual_norm.add_rms_norm(residual, y, scale, EPS)
+    if norm in ("triton", "mosaic"):
+        kernel = residual_norm_mosaic if norm == "mosaic" else residual_norm
+        return kernel.add_rms_norm(residual, y, scale, EPS)
     h = residual + y.total()
     return h, rms_norm(h, scale, EPS)
 
@@ -174,6 +176,7 @@ def product_forms(name: str) -> tuple[dict, object]:
         forms = {
             "xla": xla_residual,
             "pallas": functools.partial(_normed, split_k, "triton"),
+            "mosaic": functools.partial(_normed, split_k_mosaic, "mosaic"),
             "mosaic + triton norm": functools.partial(_normed, split_k_mosaic, "triton"),
             "mosaic + xla norm": functools.partial(_normed, split_k_mosaic, "xla"),
         }

@@ -1,7 +1,9 @@
-"""The column-tiled residual add that leaves its RMSNorm to the next product, as a Pallas
-Mosaic GPU kernel (Hopper: TMA copies): `residual_norm.add_scaled`'s contract, off the
-Triton backend (`norm_impl="tiled"` with `matmul_impl="mosaic"`, after
-`split_k_mosaic.matmul_partials`).
+"""The residual add and the RMSNorm after it as Pallas Mosaic GPU kernels (Hopper: TMA
+copies), `residual_norm`'s contracts off the Triton backend: `add_scaled`, the column-tiled
+add that leaves the norm to the next product (`norm_impl="tiled"` with
+`matmul_impl="mosaic"`, after `split_k_mosaic.matmul_partials`), and `add_rms_norm`, the
+add and the norm of whole rows (the norms not moved into products, under
+`matmul_impl="mosaic"`).
 
 Each CTA owns one row tile of 64 and `COLUMNS` columns. TMA brings in its tiles of x and
 of every slice of y (fp32 partial products, or one slice in x's dtype), and the norm's
@@ -12,6 +14,11 @@ tile's columns. The CTA writes
 `Partials.total()` does), `h * scale` and the tile's sums of squares
 (`handoff.ScaledRows`), as the Triton kernel does. Rows past x's end are read by TMA as
 zeros and never stored.
+
+`add_rms_norm` is `residual_norm.add_rms_norm` in Mosaic GPU: one CTA per row, as the
+Triton kernel's programs. The row comes in by TMA as a [d / 256, 256] block (a TMA box
+spans at most 256 values per dim) and is held by the warpgroup in a strided layout, in
+which the sum of squares is one reduction over the whole block.
 """
 
 from __future__ import annotations
@@ -169,3 +176,111 @@ def add_scaled(
     squares = squares[:, :m] if m8 != m else squares
     lead = x.shape[:-1]
     return h.reshape(x.shape), ScaledRows(scaled.reshape(x.shape), squares.reshape(-1, *lead), eps)
+
+
+# Values per TMA row of `add_rms_norm`'s row block (the widest box dim).
+ROW_BLOCK = 256
+# Values a warpgroup's threads load at once, in the strided layout (8 bytes of 16-bit
+# values: every dtype of the kernel in one layout).
+VECTOR = 4
+
+
+def row_fits(d: int) -> bool:
+    """Whether `add_rms_norm` takes rows of width `d`: whole `ROW_BLOCK`-wide blocks, at
+    most 256 of them, spread evenly over a warpgroup's 128 threads in `VECTOR`s."""
+    return d % ROW_BLOCK == 0 and d // ROW_BLOCK <= 256 and d % (128 * VECTOR) == 0
+
+
+def _row_kernel(
+    x_gmem, y_gmem, scale_gmem, h_gmem, normed_gmem, x_smem, y_smem, scale_smem, bars,
+    h_smem, normed_smem, *, eps, width, interpreting,
+):  # fmt: skip
+    """One CTA per row. x, h, normed [m, d / 256, 256]; y [splits, m, d / 256, 256] (fp32
+    partial products, or x's dtype with one split); scale [d / 256, 256]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    splits = y_gmem.shape[0]
+    row = jax.lax.axis_index("row")
+    plgpu.copy_gmem_to_smem(x_gmem.at[row], x_smem, bars.at[0])
+    plgpu.copy_gmem_to_smem(scale_gmem, scale_smem, bars.at[1])
+    for split in range(splits):
+        plgpu.copy_gmem_to_smem(y_gmem.at[split, row], y_smem.at[split], bars.at[2 + split])
+    for barrier in range(2 + splits):
+        plgpu.barrier_wait(bars.at[barrier])
+    layout = plgpu.Layout.WG_STRIDED(x_smem.shape, vec_size=VECTOR)
+
+    def load(ref):
+        """The block at `ref` in fp32, every operand in one strided layout (the cast is
+        the identity on values; Mosaic GPU's interpreter has no rule for it)."""
+        value = ref[...]
+        return (value if interpreting else plgpu.layout_cast(value, layout)).astype(jnp.float32)
+
+    dtype = h_smem.dtype
+    y = add_slices([load(y_smem.at[split]) for split in range(splits)], dtype)
+    h = (load(x_smem) + y).astype(dtype)
+    hf = h.astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.sum(hf * hf) / width + eps)
+    normed = (hf * inv_rms).astype(dtype).astype(jnp.float32) * load(scale_smem)
+    h_smem[...] = h
+    normed_smem[...] = normed.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(h_smem, h_gmem.at[row])
+    plgpu.copy_smem_to_gmem(normed_smem, normed_gmem.at[row])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+def add_rms_norm(
+    x: Array,
+    y: Array | Partials,
+    scale: Array,
+    eps: float,
+    interpret: bool | None = None,
+) -> tuple[Array, Array]:
+    """`h = x + y` and `rms_norm(h, scale, eps)` in one Mosaic GPU kernel, as
+    `residual_norm.add_rms_norm`.
+
+    x: [..., d], bf16 or fp16, d a multiple of 512 up to 65536 (`row_fits`); y: [..., d] in
+    x's dtype, or `Partials` of that shape and dtype (summed and rounded first); scale: [d]
+    in x's dtype. Returns (h, normed), both shaped and typed like x. `interpret`: run in
+    Mosaic GPU's interpreter (default: exactly off GPUs, as the CPU tests do).
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    name = "residual_norm_mosaic.add_rms_norm"
+    d = x.shape[-1]
+    parts = y.parts if isinstance(y, Partials) else y[None]
+    if parts.shape[1:] != x.shape or y.dtype != x.dtype or scale.shape != (d,):
+        raise ValueError(
+            f"{name}: x {x.shape} {x.dtype}, y {parts.shape[1:]} {y.dtype}, scale "
+            f"{scale.shape}; expected y shaped and typed like x and scale [{d}]"
+        )
+    if not row_fits(d):
+        raise ValueError(f"{name}: rows of {d}; expected a multiple of 512 up to 65536")
+    if not tma_ring.takes_dtype(x.dtype) or scale.dtype != x.dtype:
+        raise ValueError(
+            f"{name}: x {x.dtype}, scale {scale.dtype}; expected both bfloat16 or both float16"
+        )
+    splits = parts.shape[0]
+    block = (d // ROW_BLOCK, ROW_BLOCK)
+    rows = x.reshape(-1, *block)
+    m = rows.shape[0]
+    out = jax.ShapeDtypeStruct(rows.shape, x.dtype)
+    params = tma_ring.interpret_params(interpret)
+    kernel = plgpu.kernel(
+        functools.partial(_row_kernel, eps=eps, width=d, interpreting=params is not None),
+        out_type=(out, out),
+        grid=(m,),
+        grid_names=("row",),
+        scratch_types=[
+            plgpu.SMEM(block, x.dtype),  # x's row
+            plgpu.SMEM((splits, *block), parts.dtype),  # y's slices of the row
+            plgpu.SMEM(block, x.dtype),  # the scale
+            plgpu.Barrier(num_barriers=2 + splits),  # x, scale, each slice of y
+            plgpu.SMEM(block, x.dtype),  # h
+            plgpu.SMEM(block, x.dtype),  # normed
+        ],
+        interpret=params,
+    )
+    h, normed = kernel(rows, parts.reshape(splits, m, *block), scale.reshape(block))
+    return h.reshape(x.shape), normed.reshape(x.shape)

@@ -203,3 +203,74 @@ def test_swept_tilings_lower_for_hopper(k):
             ).parts
         )
         assert _lowers(fn, *residual[:2]), tiles
+
+
+def _add_rms_norm_reference(x, parts, scale, eps):
+    """numpy: h as `_add_scaled_reference` has it, and its RMSNorm (normed in fp32, rounded,
+    then times the scale, rounded)."""
+    y = _bf16(_f32(parts).sum(0))
+    h = _bf16(_f32(x) + y)
+    inv_rms = 1 / np.sqrt((h * h).mean(-1, keepdims=True) + eps)
+    return h, _bf16(_bf16(h * inv_rms) * _f32(scale))
+
+
+@pytest.mark.parametrize("splits", [2, 1])
+def test_add_rms_norm_matches_numpy(splits):
+    """The per-row add and norm in Mosaic GPU (3 rows of 512) from fp32 partials or a plain
+    y, as numpy computes them, and bit for bit as the Triton kernel."""
+    x, parts, scale = _norm_problem(3, 512, splits, seed=4)
+    y = Partials(parts, BF16) if splits > 1 else parts[0].astype(BF16)
+    h, normed = residual_norm_mosaic.add_rms_norm(x, y, scale, EPS)
+    want_h, want = _add_rms_norm_reference(
+        x, parts if splits > 1 else _bf16(_f32(parts)), scale, EPS
+    )
+    assert h.shape == normed.shape == (3, 512) and h.dtype == normed.dtype == BF16
+    np.testing.assert_array_equal(_f32(h), want_h)
+    np.testing.assert_allclose(_f32(normed), want, atol=2e-2)  # a rounding step apart
+    triton_h, triton = residual_norm.add_rms_norm(x, y, scale, EPS, interpret=True)
+    np.testing.assert_array_equal(_f32(h), _f32(triton_h))
+    np.testing.assert_array_equal(_f32(normed), _f32(triton))
+
+
+def test_add_rms_norm_errors():
+    x, parts, scale = _norm_problem(2, 512, 2)
+    run = residual_norm_mosaic.add_rms_norm
+    with pytest.raises(ValueError, match=r"scale \(256,\); expected y shaped"):
+        run(x, Partials(parts, BF16), scale[:256], EPS)
+    with pytest.raises(ValueError, match="rows of 256; expected a multiple of 512"):
+        run(x[:, :256], x[:, :256], scale[:256], EPS)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_add_rms_norm_lowers_for_hopper(splits):
+    fn = lambda x, p, s: residual_norm_mosaic.add_rms_norm(  # noqa: E731
+        x, Partials(p, BF16), s, EPS, interpret=False
+    )
+    shapes = (((1, 32, 4096), BF16), ((splits, 1, 32, 4096), jnp.float32), ((4096,), BF16))
+    assert _lowers(fn, *shapes)
+
+
+@needs_gpu
+def test_compiled_add_rms_norm_on_gpu():
+    """On a Hopper GPU: the compiled per-row kernel at LLaDA-8B's width (a block's 32 rows
+    and a refresh's 384) against the Triton one."""
+    for m, splits in ((32, 2), (384, 1), (32, 4)):
+        x, parts, scale = _norm_problem(m, 4096, splits, seed=5)
+        h, normed = residual_norm_mosaic.add_rms_norm(x, Partials(parts, BF16), scale, EPS)
+        want_h, want = residual_norm.add_rms_norm(x, Partials(parts, BF16), scale, EPS)
+        np.testing.assert_array_equal(_f32(h), _f32(want_h))
+        np.testing.assert_allclose(_f32(normed), _f32(want), atol=2e-2)
+
+
+def test_rms_norm_layer_takes_the_mosaic_kernel():
+    """`layers.RMSNorm` with `impl="mosaic"` (`Kernels.norm` under Mosaic GPU products) on a
+    split-K product's partials, as its XLA path."""
+    from djax.models import layers
+
+    norm = layers.RMSNorm(EPS, BF16)
+    x, parts, _ = _norm_problem(4, 512, 2, seed=6)
+    params = norm.init(jax.random.key(0), x)
+    h, normed = norm.apply(params, Partials(parts, BF16), x, impl="mosaic")
+    want_h, want = norm.apply(params, Partials(parts, BF16), x, impl="xla")
+    np.testing.assert_array_equal(_f32(h), _f32(want_h))
+    np.testing.assert_allclose(_f32(normed), _f32(want), atol=2e-2)
