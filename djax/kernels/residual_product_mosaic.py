@@ -91,16 +91,10 @@ def _cluster_sync() -> None:
 
     @plgpu.inline_mgpu()
     def sync(_launch_ctx):
-        from jax._src.lib.mlir import ir
-        from jax._src.lib.mlir.dialects import llvm
+        from jax._src.lib.mlir.dialects import nvvm
 
-        llvm.inline_asm(
-            ir.Type.parse("!llvm.void"),
-            [],
-            "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
-            "",
-            has_side_effects=True,
-        )
+        nvvm.cluster_arrive(aligned=True)  # release: this thread's writes before it
+        nvvm.cluster_wait(aligned=True)  # acquire: the cluster's writes before its arrivals
 
     sync()
 
