@@ -119,9 +119,11 @@ def test_compiled_residual_product_tilings_on_gpu():
                 h, rows = residual_product_mosaic.residual_product(
                     x, w, residual, scale, EPS, tiles=tiles
                 )
-                np.testing.assert_allclose(_f32(h), _f32(want_h), atol=0.07, err_msg=str(tiles))
                 np.testing.assert_allclose(
-                    _f32(rows.scaled), _f32(want.scaled), atol=0.07, err_msg=str(tiles)
+                    _f32(h), _f32(want_h), rtol=2e-2, atol=2e-2, err_msg=str(tiles)
+                )
+                np.testing.assert_allclose(
+                    _f32(rows.scaled), _f32(want.scaled), rtol=2e-2, atol=2e-2, err_msg=str(tiles)
                 )
                 np.testing.assert_allclose(
                     rows.squares.sum(0), want.squares.sum(0), rtol=1e-2, err_msg=str(tiles)
@@ -162,8 +164,9 @@ def test_residual_product_at_128_columns_matches_numpy():
         residual, product[None], scale, tiles.block_n
     )
     assert rows.squares.shape == (2, 20)
-    np.testing.assert_allclose(_f32(h), want_h, atol=2e-2)  # fp32 sums in another order
-    np.testing.assert_allclose(_f32(rows.scaled), want_scaled, atol=2e-2)
+    # a bf16 step apart at most: the fp32 sums run in another order
+    np.testing.assert_allclose(_f32(h), want_h, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(_f32(rows.scaled), want_scaled, rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(rows.squares, want_squares, rtol=1e-3)
 
 
@@ -173,7 +176,9 @@ def test_cluster_split_has_no_interpreter():
     x, w, residual, scale = _residual_problem(8, 256, 128)
     with pytest.raises(ValueError, match="splits > 1 .* has no Mosaic GPU interpreter"):
         tiles = Tiles(block_n=64, block_k=64, splits=2, stages=2)
-        residual_product_mosaic.residual_product(x, w, residual, scale, EPS, tiles=tiles)
+        residual_product_mosaic.residual_product(
+            x, w, residual, scale, EPS, tiles=tiles, interpret=True
+        )
 
 
 def _sweep_tilings(name, k, n, fields=("block_n", "block_k", "splits")):
@@ -221,7 +226,8 @@ def _add_rms_norm_reference(x, parts, scale, eps):
 @pytest.mark.parametrize("splits", [2, 1])
 def test_add_rms_norm_matches_numpy(splits):
     """The per-row add and norm in Mosaic GPU (3 rows of 512) from fp32 partials or a plain
-    y, as numpy computes them, and bit for bit as the Triton kernel."""
+    y, as numpy computes them and as the Triton kernel (h bit for bit, the normed rows
+    within a bf16 step)."""
     x, parts, scale = _norm_problem(3, 512, splits, seed=4)
     y = Partials(parts, BF16) if splits > 1 else parts[0].astype(BF16)
     h, normed = residual_norm_mosaic.add_rms_norm(x, y, scale, EPS)
@@ -230,10 +236,11 @@ def test_add_rms_norm_matches_numpy(splits):
     )
     assert h.shape == normed.shape == (3, 512) and h.dtype == normed.dtype == BF16
     np.testing.assert_array_equal(_f32(h), want_h)
-    np.testing.assert_allclose(_f32(normed), want, atol=2e-2)  # a rounding step apart
+    # a bf16 step apart at most: rsqrt in fp32 on each side
+    np.testing.assert_allclose(_f32(normed), want, rtol=1e-2, atol=1e-2)
     triton_h, triton = residual_norm.add_rms_norm(x, y, scale, EPS, interpret=True)
     np.testing.assert_array_equal(_f32(h), _f32(triton_h))
-    np.testing.assert_array_equal(_f32(normed), _f32(triton))
+    np.testing.assert_allclose(_f32(normed), _f32(triton), rtol=1e-2, atol=1e-2)
 
 
 def test_add_rms_norm_errors():
@@ -263,7 +270,7 @@ def test_compiled_add_rms_norm_on_gpu():
         h, normed = residual_norm_mosaic.add_rms_norm(x, Partials(parts, BF16), scale, EPS)
         want_h, want = residual_norm.add_rms_norm(x, Partials(parts, BF16), scale, EPS)
         np.testing.assert_array_equal(_f32(h), _f32(want_h))
-        np.testing.assert_allclose(_f32(normed), _f32(want), atol=2e-2)
+        np.testing.assert_allclose(_f32(normed), _f32(want), rtol=1e-2, atol=1e-2)
 
 
 def test_rms_norm_layer_takes_the_mosaic_kernel():
@@ -277,4 +284,4 @@ def test_rms_norm_layer_takes_the_mosaic_kernel():
     h, normed = norm.apply(params, Partials(parts, BF16), x, impl="mosaic")
     want_h, want = norm.apply(params, Partials(parts, BF16), x, impl="xla")
     np.testing.assert_array_equal(_f32(h), _f32(want_h))
-    np.testing.assert_allclose(_f32(normed), _f32(want), atol=2e-2)
+    np.testing.assert_allclose(_f32(normed), _f32(want), rtol=1e-2, atol=1e-2)
