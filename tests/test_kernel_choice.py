@@ -286,3 +286,17 @@ def test_cli_explain(tmp_path):
     assert re.search(r"batch 1, prompt \d+, gen 16, block 8, cache dual", out)
     assert "block forward: attention=xla, qkv=xla, rope=xla," in out
     assert out.index("block forward:") < out.index("> 1+2=")  # before the answers
+
+
+def test_mosaic_products_take_the_mosaic_norm_kernel():
+    """Under `matmul_impl="mosaic"` the norms left on their own run the norm kernel's Mosaic
+    GPU port wherever `norm_impl` would take the Triton one (rows of LLaDA-8B's 4096 fit;
+    4160-wide rows keep Triton's); `xla` stays XLA's and `auto` alone is unchanged."""
+    mosaic = KernelOptions(matmul_impl="mosaic", mlp_impl="mosaic")
+    for norm_impl in ("auto", "pallas", "fused", "tiled"):
+        choice = _choice(mosaic.replace(norm_impl=norm_impl))
+        assert choice.block.layers.norm == choice.refresh.layers.norm == "mosaic", norm_impl
+    assert _choice(mosaic.replace(norm_impl="xla")).block.layers.norm == "xla"
+    assert _choice().block.layers.norm == "pallas"
+    odd = LLADA_8B.replace(d_model=4096 + 64)  # Mosaic GPU products, not whole 512-blocks
+    assert _choice(mosaic.replace(norm_impl="pallas"), config=odd).block.layers.norm == "pallas"

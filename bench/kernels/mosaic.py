@@ -12,17 +12,29 @@ GPU ports (`matmul_impl` / `mlp_impl` = `xla`, `pallas`, `mosaic`), the products
 - `out_residual`, `down_residual`: the product with the residual add in its epilogue and the
   norm left to the next product (`norm_impl="fused"`): `residual_product.residual_product`
   and `residual_product_mosaic.residual_product`; `xla`: XLA's product, add and norm.
+- `out_tiled`, `down_tiled`: the split-K product, then the tiled residual add leaving the
+  norm to the next product (`norm_impl="tiled"`): Triton's (`split_k`,
+  `residual_norm.add_scaled`), Mosaic GPU's (`split_k_mosaic`,
+  `residual_norm_mosaic.add_scaled`) and the Mosaic GPU product with the Triton add.
+- `out_norm`, `down_norm`: the split-K product, then the per-row residual norm
+  (`norm_impl="pallas"`): Triton's (`split_k`, `residual_norm.add_rms_norm`), and after the
+  Mosaic GPU product the norm kernel's Mosaic GPU port (`residual_norm_mosaic.add_rms_norm`,
+  `mosaic`), the Triton norm kernel, or XLA's add and norm (XLA fuses the slices' sum into
+  them): which takes the norm off Triton.
 
 Each kernel runs at its default tiles (`tiles_for`); `--sweep` adds the Mosaic GPU kernels
-at the tilings of MOSAIC_TILES. Each call cycles through enough copies of the weight
-(>= 256 MB) that none is still in the L2 cache when it is read again, as inside a forward.
+(split-K, SwiGLU, residual product) at every tiling of SWEEP_GRIDS that fits, and ends
+with the fastest per product (also under `fastest` in the results): what each kernel's
+`tiles_for` should take. Each call cycles through enough copies of the weight (>= 256 MB)
+that none is still in the L2 cache when it is read again, as inside a forward.
 Device time per product from profiler traces (µs, summed over its kernels, the Mosaic GPU
 kernels' row padding included where the rows need it); `rel_error` of the product (the
 normed rows for the residual forms) against fp32; `weight_TB_per_s` the weight bytes over
 that time.
 
     python -m bench.kernels.mosaic [--products qkv out down gate_up gate_up_scaled
-        out_residual down_residual] [--rows 32] [--sweep] [--tiny]
+        out_residual down_residual out_tiled down_tiled out_norm down_norm] [--rows 32]
+        [--sweep] [--tiny]
 
 The Mosaic GPU kernels need a Hopper GPU; off GPUs (`--tiny`) they run in Mosaic GPU's
 interpreter and the times are wall times.
@@ -32,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +53,8 @@ from bench.common import model_config, save
 from bench.kernels.split_k import products
 from bench.kernels.timing import rel_error, time_row
 from djax.kernels import (
+    residual_norm,
+    residual_norm_mosaic,
     residual_product,
     residual_product_mosaic,
     split_k,
@@ -53,20 +68,30 @@ from djax.models.layers import rms_norm, swiglu_xla
 
 COLD_BYTES = 256 << 20
 EPS = 1e-5
-PRODUCTS = ("qkv", "out", "down", "gate_up", "gate_up_scaled", "out_residual", "down_residual")
+PRODUCTS = (
+    "qkv",
+    "out",
+    "down",
+    "gate_up",
+    "gate_up_scaled",
+    "out_residual",
+    "down_residual",
+    "out_tiled",
+    "down_tiled",
+    "out_norm",
+    "down_norm",
+)
 
-# --sweep: (block_n, block_k, splits, stages) of the Mosaic GPU kernels, kept where they fit
-SPLIT_K_TILES = ((64, 128, 2, 4), (64, 64, 2, 6), (128, 64, 4, 6), (64, 128, 4, 4))
-GATE_UP_TILES = ((128, 64, 1, 4), (128, 64, 1, 3), (64, 128, 1, 4), (64, 64, 1, 6))
-RESIDUAL_TILES = ((32, 128, 6), (32, 256, 4), (32, 64, 8), (64, 128, 4))
-MOSAIC_TILES = {
-    "qkv": ((128, 64, 1, 6), (128, 64, 1, 4), (64, 128, 1, 4), (128, 128, 2, 3)),
-    "out": SPLIT_K_TILES,
-    "down": SPLIT_K_TILES,
-    "gate_up": GATE_UP_TILES,
-    "gate_up_scaled": GATE_UP_TILES,
-    "out_residual": tuple((bn, bk, 1, st) for bn, bk, st in RESIDUAL_TILES),
-    "down_residual": tuple((bn, bk, 1, st) for bn, bk, st in RESIDUAL_TILES),
+# --sweep: each kernel's tilings (block_n, block_k, splits, stages), the union of products
+# of these values, kept where they divide the product and fit in shared memory
+# (`sweep_tiles`); the residual product's splits are a cluster's CTAs
+SWEEP_GRIDS = {
+    "split_k": (((64, 128), (64, 128), (1, 2, 4), (4, 6)),),
+    "gate_up": (((64, 128), (64, 128), (1,), (3, 4, 6)),),
+    "residual": (
+        ((32, 64, 128), (64, 128, 256), (1,), (3, 4, 6)),
+        ((64, 128), (64, 128), (2, 4), (4, 6)),
+    ),
 }
 SQUARES_TILES = 32  # columns per tile of sums of squares (`residual_norm.add_scaled`'s)
 
@@ -91,6 +116,35 @@ def xla_residual(x, w):
     return h, rms_norm(h, scale, EPS)
 
 
+def base_product(name: str) -> str:
+    """The product of `products(cfg)` a benchmark row `name` runs."""
+    return "gate_up" if name.startswith("gate_up") else name.split("_")[0]
+
+
+def _run_residual(kernel, x, w, tiles=None):
+    return kernel.residual_product(*x[:1], w, *x[1:], EPS, tiles=tiles)
+
+
+def _tiled(matmul, add, x, w, tiles=None):
+    """The split-K product `matmul` with tiles `tiles`, then the tiled residual add `add`
+    on its partials: (h, ScaledRows)."""
+    rows, residual, scale = x
+    return add(residual, matmul.matmul_partials(rows, w, tiles=tiles), scale, EPS)
+
+
+def _normed(matmul, norm: str, x, w):
+    """The split-K product `matmul`, then the per-row residual norm on its partials: the
+    Triton kernel (`add_rms_norm`, `norm="triton"`), its Mosaic GPU port (`"mosaic"`) or
+    XLA's add and norm (`"xla"`, the slices' sum fused into them)."""
+    rows, residual, scale = x
+    y = matmul.matmul_partials(rows, w)
+    if norm in ("triton", "mosaic"):
+        kernel = residual_norm_mosaic if norm == "mosaic" else residual_norm
+        return kernel.add_rms_norm(residual, y, scale, EPS)
+    h = residual + y.total()
+    return h, rms_norm(h, scale, EPS)
+
+
 def product_forms(name: str) -> tuple[dict, object]:
     """The forms of product `name`, each (x, w) -> its outputs before any consumer (the
     split-K forms' partials [splits, m, n]; the residual forms' (h, rows)), and the Mosaic
@@ -102,16 +156,31 @@ def product_forms(name: str) -> tuple[dict, object]:
         forms = {"xla": xla, "pallas": swiglu.swiglu_matmul, "mosaic": swiglu_mosaic.swiglu_matmul}
         return forms, swiglu_mosaic.swiglu_matmul
     if name.endswith("_residual"):
-
-        def run(kernel, x, w, tiles=None):
-            return kernel.residual_product(*x[:1], w, *x[1:], EPS, tiles=tiles)
-
         forms = {
             "xla": xla_residual,
-            "pallas": functools.partial(run, residual_product),
-            "mosaic": functools.partial(run, residual_product_mosaic),
+            "pallas": functools.partial(_run_residual, residual_product),
+            "mosaic": functools.partial(_run_residual, residual_product_mosaic),
         }
-        return forms, functools.partial(run, residual_product_mosaic)
+        return forms, functools.partial(_run_residual, residual_product_mosaic)
+    if name.endswith("_tiled"):
+        mosaic = functools.partial(_tiled, split_k_mosaic, residual_norm_mosaic.add_scaled)
+        triton_add = functools.partial(residual_norm.add_scaled, block_n=32)
+        forms = {
+            "xla": xla_residual,
+            "pallas": functools.partial(_tiled, split_k, triton_add),
+            "mosaic": mosaic,
+            "mosaic + triton add": functools.partial(_tiled, split_k_mosaic, triton_add),
+        }
+        return forms, mosaic
+    if name.endswith("_norm"):
+        forms = {
+            "xla": xla_residual,
+            "pallas": functools.partial(_normed, split_k, "triton"),
+            "mosaic": functools.partial(_normed, split_k_mosaic, "mosaic"),
+            "mosaic + triton norm": functools.partial(_normed, split_k_mosaic, "triton"),
+            "mosaic + xla norm": functools.partial(_normed, split_k_mosaic, "xla"),
+        }
+        return forms, None
 
     def partials(kernel, x, w, tiles=None):
         return kernel.matmul_partials(x, w, tiles=tiles).parts
@@ -124,20 +193,61 @@ def product_forms(name: str) -> tuple[dict, object]:
     return forms, functools.partial(partials, split_k_mosaic)
 
 
-def sweep_forms(name: str, k: int, n: int) -> dict:
-    """The Mosaic GPU form of `name` (`k -> n`) at each MOSAIC_TILES tiling that fits."""
-    _, tiled = product_forms(name)
-    gate_up, residual = name.startswith("gate_up"), name.endswith("_residual")
-    weights, out_bytes = (2, 2) if gate_up else (1, 6 if residual else 4)
-    forms = {}
-    for bn, bk, splits, stages in MOSAIC_TILES[name]:
-        tiles = Tiles(bn, bk, splits, stages)
+def sweep_tiles(name: str, k: int, n: int) -> list[Tiles]:
+    """The tilings of SWEEP_GRIDS the Mosaic GPU kernel of product `name` (`k -> n`; n the
+    output columns, per side for the gate/up forms) takes, at 64 rows; none for the tiled
+    and per-row norm forms (their products are the split-K ones, swept alone)."""
+    if name.endswith(("_tiled", "_norm")):
+        return []
+    if name.startswith("gate_up"):
+        grid = SWEEP_GRIDS["gate_up"]
+        squares = 0 if name == "gate_up" else (k // SQUARES_TILES) * 64 * 4
+
+        def check(tiles):
+            tiles.check(k, n, weights=2, out_bytes=2, extra=squares)
+    elif name.endswith("_residual"):
+        grid = SWEEP_GRIDS["residual"]
+
+        def check(tiles):
+            residual_product_mosaic.check_tiles(tiles, k, n)
+    else:
+        grid = SWEEP_GRIDS["split_k"]
+
+        def check(tiles):
+            tiles.check(k, n, weights=1, out_bytes=4)
+
+    kept = []
+    tilings = itertools.chain.from_iterable(itertools.product(*values) for values in grid)
+    for tiles in itertools.starmap(Tiles, tilings):
         try:
-            tiles.check(k, n // 2 if gate_up else n, weights, out_bytes)
+            check(tiles)
         except ValueError:
             continue
-        forms[f"mosaic {bn}x{bk} s{splits} st{stages}"] = functools.partial(tiled, tiles=tiles)
-    return forms
+        kept.append(tiles)
+    return kept
+
+
+def sweep_forms(name: str, k: int, n: int) -> dict:
+    """The Mosaic GPU form of `name` (`k -> n`) at each tiling of `sweep_tiles`."""
+    _, tiled = product_forms(name)
+    n = n // 2 if name.startswith("gate_up") else n
+    return {
+        f"mosaic {t.block_n}x{t.block_k} s{t.splits} st{t.stages}": functools.partial(
+            tiled, tiles=t
+        )
+        for t in sweep_tiles(name, k, n)
+    }
+
+
+def fastest(rows: list[dict]) -> dict[str, str]:
+    """Per product, the fastest Mosaic GPU form of `rows` (those that ran) and its time."""
+    best: dict[str, dict] = {}
+    for row in rows:
+        if "us" not in row or not row["impl"].startswith("mosaic"):
+            continue
+        if row["product"] not in best or row["us"] < best[row["product"]]["us"]:
+            best[row["product"]] = row
+    return {name: f"{row['impl']}: {row['us']:.1f} us" for name, row in best.items()}
 
 
 def inputs(name: str, rows: int, k: int, n: int, key) -> tuple:
@@ -150,7 +260,7 @@ def inputs(name: str, rows: int, k: int, n: int, key) -> tuple:
     x = jax.random.normal(keys[1], (rows, k), jnp.bfloat16)
     if name == "gate_up_scaled":
         x = scaled_rows(x, keys[2])
-    if name.endswith("_residual"):
+    if name.endswith(("_residual", "_tiled", "_norm")):
         residual = jax.random.normal(keys[2], (rows, n), jnp.bfloat16)
         scale = (1 + 0.1 * jax.random.normal(keys[3], (n,))).astype(jnp.bfloat16)
         x = (x, residual, scale)
@@ -170,14 +280,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--products", nargs="+", choices=PRODUCTS, default=list(PRODUCTS))
     parser.add_argument("--rows", type=int, default=32)
-    parser.add_argument("--sweep", action="store_true", help="also the tilings of MOSAIC_TILES")
+    parser.add_argument("--sweep", action="store_true", help="also the tilings of SWEEP_GRIDS")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     cfg = model_config("dense", args.tiny)
     rows = []
     for name in args.products:
-        k, n = products(cfg)[name.removesuffix("_scaled").removesuffix("_residual")]
+        k, n = products(cfg)[base_product(name)]
         x, w = inputs(name, args.rows, k, n, jax.random.key(0))
         copies = max(1, -(-COLD_BYTES // w.nbytes)) if not args.tiny else 1
         ws = [w * (1 + i / 64) for i in range(copies)]
@@ -200,7 +310,10 @@ def main() -> None:
                 row["error"] = f"{type(err).__name__}: {err}"[:1500]
             print({key: v for key, v in row.items() if key != "kernels_us"}, flush=True)
             rows.append(row)
-    save("mosaic", {"model": "dense", "copies_bytes": COLD_BYTES, "results": rows})
+    best = fastest(rows)
+    for name, line in best.items():
+        print(f"fastest mosaic {name}: {line}", flush=True)
+    save("mosaic", {"model": "dense", "copies_bytes": COLD_BYTES, "results": rows, "fastest": best})
 
 
 if __name__ == "__main__":

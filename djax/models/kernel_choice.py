@@ -33,7 +33,9 @@ the misfit otherwise), except the fused forms, which need their rows and product
 kernels, `djax.kernels.split_k_mosaic` / `swiglu_mosaic`, for Hopper GPUs) is taken only when
 asked for, with 16-bit weights and widths that are multiples of 64. The Mosaic GPU
 kernels take the norm moved into the products before the feed-forward as the Triton ones
-do (`fused`: `residual_product_mosaic`; `tiled`: the split-K product, then the tiled add);
+do (`fused`: `residual_product_mosaic`; `tiled`: the split-K product, then the tiled add,
+`residual_norm_mosaic`), and the norms left on their own run the norm kernel's Mosaic GPU
+port (`norm="mosaic"`) where `norm_impl` would take the Triton one;
 the q/k/v product inside the RoPE kernel stays a Triton kernel, so under `mosaic` the
 q/k/v product keeps its RoPE kernel apart and the norm before attention is not moved.
 `attention_impl="split_kv_mosaic"` (the split-K/V kernel's Mosaic GPU port,
@@ -53,6 +55,7 @@ from djax.kernel_options import KernelOptions
 from djax.kernels import (
     flash_attention,
     flash_attention_mosaic,
+    residual_norm_mosaic,
     residual_product,
     residual_product_mosaic,
     rope_write,
@@ -125,7 +128,8 @@ class Kernels:
     (inside the RoPE kernel). rope: the q/k norm, RoPE and K/V writes, `xla` or `pallas`.
     out, mlp, down: the attention-output product, the SwiGLU gate/up path and the down
     product, `xla`, `pallas` or `mosaic`.
-    norm: a residual add and RMSNorm on their own, `xla` or `pallas`. norm_into_mlp /
+    norm: a residual add and RMSNorm on their own, `xla`, `pallas` or `mosaic` (its Mosaic
+    GPU port, where `matmul_impl="mosaic"` asked for Mosaic GPU products). norm_into_mlp /
     norm_into_attention: where the norm before the feed-forward (a dense MLP) / before the
     next layer's attention runs inside the products around it, `fused` (the add in the
     product's epilogue), `tiled` (in a kernel after it) or `no`. moe: the routed experts,
@@ -403,6 +407,12 @@ class _Rule:
             norm = "pallas" if self.kernels_pay else "xla"
         else:  # `fused` and `tiled` run the norms they cannot move into a product as `pallas`
             norm = "xla" if o.norm_impl == "xla" else "pallas"
+        if (
+            norm == "pallas"
+            and o.matmul_impl == "mosaic"
+            and residual_norm_mosaic.row_fits(cfg.d_model)
+        ):  # after Mosaic GPU products, the norm kernel's Mosaic GPU port
+            norm = "mosaic"
         return Kernels(
             attention="xla" if sparse else self._attention(refresh),
             qkv=qkv,

@@ -32,6 +32,7 @@ from djax.kernels import (
     flash_attention,
     flash_attention_mosaic,
     residual_norm,
+    residual_norm_mosaic,
     residual_product,
     residual_product_mosaic,
     rope_write,
@@ -218,10 +219,12 @@ def _attend_cudnn(q: Array, keys: Array, values: Array, key_valid: Array) -> Arr
 class RMSNorm(nn.Module):
     """RMSNorm with a learned scale (param `scale` [width]). `norm(x)` normalises x;
     `norm(y, residual=x, impl=...)` adds first and returns `(x + y, norm(x + y))`, the pair
-    between a decoder layer's blocks, in XLA (`impl="xla"`) or in one kernel (`"pallas"`).
+    between a decoder layer's blocks, in XLA (`impl="xla"`) or in one kernel (`"pallas"`;
+    `"mosaic"`: its Mosaic GPU port).
     `y` may be a split-K product's `Partials`, or a `Product` still to run: then the add
     runs in the product's kernel (`impl="fused"`, `residual_product`) or in a tiled kernel
-    after the split-K product (`"tiled"`, `residual_norm.add_scaled`), and the norm is
+    after the split-K product (`"tiled"`, `residual_norm.add_scaled`; its Mosaic GPU port
+    after a Mosaic GPU product), and the norm is
     returned as `ScaledRows` for the next product's kernel to apply."""
 
     eps: float
@@ -240,11 +243,13 @@ class RMSNorm(nn.Module):
             if impl != "tiled":
                 raise ValueError(f"RMSNorm: a Product needs impl 'fused' or 'tiled'; got {impl!r}")
             y = (split_k_mosaic if mosaic else split_k).matmul_partials(x.x, x.w)
-            return residual_norm.add_scaled(residual, y, scale, self.eps)
+            tiled = residual_norm_mosaic if mosaic else residual_norm
+            return tiled.add_scaled(residual, y, scale, self.eps)
         if residual is None:
             return rms_norm(finish(x), scale, self.eps)
-        if impl == "pallas":
-            return residual_norm.add_rms_norm(residual, x, scale, self.eps)
+        if impl in ("pallas", "mosaic"):
+            kernel = residual_norm_mosaic if impl == "mosaic" else residual_norm
+            return kernel.add_rms_norm(residual, x, scale, self.eps)
         h = residual + finish(x)
         return h, rms_norm(h, scale, self.eps)
 

@@ -1,0 +1,287 @@
+"""The Mosaic GPU ports of the residual norms' kernels (`residual_norm_mosaic`) and the
+residual product's sweepable tilings (`residual_product_mosaic`), run by Mosaic GPU's
+interpreter on the CPU against numpy references, their lowering for a Hopper GPU at
+LLaDA-8B's widths on any host, and on a GPU the compiled kernels."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench.kernels.mosaic import sweep_tiles
+from djax.kernels import (
+    residual_norm,
+    residual_norm_mosaic,
+    residual_product_mosaic,
+    split_k_mosaic,
+)
+from djax.kernels.handoff import Partials
+from djax.kernels.tma_ring import Tiles
+
+BF16 = jnp.bfloat16
+EPS = 1e-5
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+def _f32(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """numpy fp32 values rounded to bf16 and back."""
+    return _f32(jnp.asarray(a, jnp.float32).astype(BF16))
+
+
+def _add_scaled_reference(x, parts, scale, columns):
+    """numpy: h (the slices summed in fp32 and rounded, then the add rounded), h * scale
+    rounded, and the sums of squares of h per tile of `columns` [tiles, m]."""
+    y = _bf16(_f32(parts).sum(0))
+    h = _bf16(_f32(x) + y)
+    scaled = _bf16(h * _f32(scale))
+    m, d = h.shape
+    squares = (h * h).reshape(m, d // columns, columns).sum(-1).T
+    return h, scaled, squares
+
+
+def _norm_problem(m, d, splits, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (m, d), BF16)
+    parts = jax.random.normal(keys[1], (splits, m, d), jnp.float32)
+    scale = (1 + 0.1 * jax.random.normal(keys[2], (d,))).astype(BF16)
+    return x, parts, scale
+
+
+@pytest.mark.parametrize("m, splits", [(32, 2), (20, 1)])  # 20 rows: padded to 24 for TMA
+def test_add_scaled_matches_numpy(m, splits):
+    """h, `h * scale` and the 32-column tiles' sums of squares from split-K partials (fp32)
+    or from a plain y in x's dtype, as numpy computes them, and bit for bit as the Triton
+    kernel at the same column tiles."""
+    x, parts, scale = _norm_problem(m, 96, splits)
+    y = Partials(parts, BF16) if splits > 1 else parts[0].astype(BF16)
+    h, rows = residual_norm_mosaic.add_scaled(x, y, scale, EPS)
+    want_h, want_scaled, want_squares = _add_scaled_reference(
+        x, parts if splits > 1 else _bf16(_f32(parts)), scale, residual_norm_mosaic.COLUMNS
+    )
+    assert h.shape == rows.shape == (m, 96) and h.dtype == rows.dtype == BF16
+    assert rows.squares.shape == (3, m) and rows.eps == EPS
+    np.testing.assert_array_equal(_f32(h), want_h)
+    np.testing.assert_array_equal(_f32(rows.scaled), want_scaled)
+    np.testing.assert_allclose(rows.squares, want_squares, rtol=1e-5)
+    triton_h, triton = residual_norm.add_scaled(x, y, scale, EPS, block_n=32, interpret=True)
+    np.testing.assert_array_equal(_f32(h), _f32(triton_h))
+    np.testing.assert_array_equal(rows.squares, triton.squares)
+
+
+def test_add_scaled_errors():
+    x, parts, scale = _norm_problem(8, 64, 2)
+    run = residual_norm_mosaic.add_scaled
+    with pytest.raises(ValueError, match=r"y \(8, 32\).*expected y shaped and typed like x"):
+        run(x, x[:, :32], scale, EPS)
+    with pytest.raises(ValueError, match="multiple of 32, at most 8192"):
+        run(x[:, :48], x[:, :48], scale[:48], EPS)
+    with pytest.raises(ValueError, match="x float32, scale float32; expected both bfloat16"):
+        run(x.astype(jnp.float32), Partials(parts, jnp.float32), scale.astype(jnp.float32), EPS)
+
+
+def _lowers(fn, *shapes) -> bool:
+    args = [jax.ShapeDtypeStruct(s, t) for s, t in shapes]
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_add_scaled_lowers_for_hopper(splits):
+    """At LLaDA-8B's width, a block's 32 rows and a ragged 20, after split-K products of
+    1, 2 and 4 slices: Mosaic GPU's lowering for CUDA (TMA sizes, swizzles, layouts)."""
+    for m in (32, 20):
+        fn = lambda x, p, s: residual_norm_mosaic.add_scaled(  # noqa: E731
+            x, Partials(p, BF16), s, EPS, interpret=False
+        )
+        shapes = (((1, m, 4096), BF16), ((splits, 1, m, 4096), jnp.float32), ((4096,), BF16))
+        assert _lowers(fn, *shapes), (m, splits)
+
+
+@needs_gpu
+def test_compiled_residual_product_tilings_on_gpu():
+    """On a Hopper GPU: the residual product at every (block_n, block_k, splits) the sweep
+    may pick, the cluster splits included, at LLaDA-8B's output and down products (32 rows;
+    the splits also at a ragged 20) against the Triton kernel: h and `h * scale` within
+    bf16 rounding of a differently ordered fp32 sum, the tiles' sums of squares adding up
+    to the same."""
+    from djax.kernels import residual_product
+
+    for m in (32, 20):
+        for k in (4096, 12288):
+            x, w, residual, scale = _residual_problem(m, k, 4096, seed=10)
+            want_h, want = residual_product.residual_product(x, w, residual, scale, EPS)
+            tilings = _sweep_tilings("out_residual", k, 4096)
+            for tiles in tilings if m == 32 else [t for t in tilings if t.splits > 1]:
+                h, rows = residual_product_mosaic.residual_product(
+                    x, w, residual, scale, EPS, tiles=tiles
+                )
+                np.testing.assert_allclose(
+                    _f32(h), _f32(want_h), rtol=2e-2, atol=2e-2, err_msg=str(tiles)
+                )
+                np.testing.assert_allclose(
+                    _f32(rows.scaled), _f32(want.scaled), rtol=2e-2, atol=2e-2, err_msg=str(tiles)
+                )
+                np.testing.assert_allclose(
+                    rows.squares.sum(0), want.squares.sum(0), rtol=1e-2, err_msg=str(tiles)
+                )
+
+
+@needs_gpu
+def test_compiled_add_scaled_on_gpu():
+    """On a Hopper GPU: the compiled kernel at LLaDA-8B's width against the Triton one."""
+    for m, splits in ((32, 2), (20, 4), (32, 1)):
+        x, parts, scale = _norm_problem(m, 4096, splits, seed=3)
+        y = Partials(parts, BF16)
+        h, rows = residual_norm_mosaic.add_scaled(x, y, scale, EPS)
+        want_h, want = residual_norm.add_scaled(x, y, scale, EPS, block_n=32)
+        np.testing.assert_array_equal(_f32(h), _f32(want_h))
+        np.testing.assert_array_equal(_f32(rows.scaled), _f32(want.scaled))
+        np.testing.assert_allclose(rows.squares, want.squares, rtol=1e-5)
+
+
+def _residual_problem(m, k, n, seed=7):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(keys[0], (m, k), BF16)
+    w = (jax.random.normal(keys[1], (k, n)) * k**-0.5).astype(BF16)
+    residual = jax.random.normal(keys[2], (m, n), BF16)
+    scale = (1 + 0.1 * jax.random.normal(keys[3], (n,))).astype(BF16)
+    return x, w, residual, scale
+
+
+def test_residual_product_at_128_columns_matches_numpy():
+    """The widest tiling the sweep may pick (128 columns per CTA, 20 rows padded to 24): h
+    (the product rounded first, then the add), `h * scale` and the 128-column tiles' sums
+    of squares as numpy computes them from the fp32 product."""
+    x, w, residual, scale = _residual_problem(20, 128, 256)
+    tiles = Tiles(block_n=128, block_k=64, splits=1, stages=2)
+    h, rows = residual_product_mosaic.residual_product(x, w, residual, scale, EPS, tiles=tiles)
+    product = _bf16(_f32(x) @ _f32(w))
+    want_h, want_scaled, want_squares = _add_scaled_reference(
+        residual, product[None], scale, tiles.block_n
+    )
+    assert rows.squares.shape == (2, 20)
+    # a bf16 step apart at most: the fp32 sums run in another order
+    np.testing.assert_allclose(_f32(h), want_h, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(_f32(rows.scaled), want_scaled, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(rows.squares, want_squares, rtol=1e-3)
+
+
+def test_cluster_split_has_no_interpreter():
+    """A residual product split over a cluster's CTAs (which read each other's shared
+    memory) is refused by the interpreter with a clear error, not run wrongly."""
+    x, w, residual, scale = _residual_problem(8, 256, 128)
+    with pytest.raises(ValueError, match="splits > 1 .* has no Mosaic GPU interpreter"):
+        tiles = Tiles(block_n=64, block_k=64, splits=2, stages=2)
+        residual_product_mosaic.residual_product(
+            x, w, residual, scale, EPS, tiles=tiles, interpret=True
+        )
+
+
+def _sweep_tilings(name, k, n, fields=("block_n", "block_k", "splits")):
+    """The tilings `bench.kernels.mosaic --sweep` runs for product `name`, one per distinct
+    value of `fields` at its deepest ring (and widest step): the stages change only the
+    ring's depth, which `Tiles.check` bounds."""
+    deepest = {}
+    for tiles in sorted(sweep_tiles(name, k, n), key=lambda t: (t.stages, t.block_k)):
+        deepest[tuple(getattr(tiles, field) for field in fields)] = tiles
+    return list(deepest.values())
+
+
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_swept_tilings_lower_for_hopper(k):
+    """Every tiling the sweep may pick for the residual product (unsplit, and split over a
+    cluster's CTAs: its cluster barriers and reads of a peer's shared memory) and the
+    split-K product at LLaDA-8B's output (4096 -> 4096) product, and at the down product
+    (12288 -> 4096, where only the steps' count differs) one per column tile and split;
+    32 rows: Mosaic GPU's lowering for CUDA."""
+    residual = (((32, k), BF16), ((k, 4096), BF16), ((32, 4096), BF16), ((4096,), BF16))
+    fields = ("block_n", "block_k", "splits") if k == 4096 else ("block_n", "splits")
+    for tiles in _sweep_tilings("out_residual", k, 4096, fields):
+        fn = lambda x, w, r, s, tiles=tiles: residual_product_mosaic.residual_product(  # noqa: E731
+            x, w, r, s, EPS, tiles=tiles, interpret=False
+        )
+        assert _lowers(fn, *residual), tiles
+    for tiles in _sweep_tilings("out", k, 4096, fields):
+        fn = lambda x, w, tiles=tiles: (
+            split_k_mosaic.matmul_partials(  # noqa: E731
+                x, w, tiles=tiles, interpret=False
+            ).parts
+        )
+        assert _lowers(fn, *residual[:2]), tiles
+
+
+def _add_rms_norm_reference(x, parts, scale, eps):
+    """numpy: h as `_add_scaled_reference` has it, and its RMSNorm (normed in fp32, rounded,
+    then times the scale, rounded)."""
+    y = _bf16(_f32(parts).sum(0))
+    h = _bf16(_f32(x) + y)
+    inv_rms = 1 / np.sqrt((h * h).mean(-1, keepdims=True) + eps)
+    return h, _bf16(_bf16(h * inv_rms) * _f32(scale))
+
+
+@pytest.mark.parametrize("splits", [2, 1])
+def test_add_rms_norm_matches_numpy(splits):
+    """The per-row add and norm in Mosaic GPU (3 rows of 512) from fp32 partials or a plain
+    y, as numpy computes them and as the Triton kernel (h bit for bit, the normed rows
+    within a bf16 step)."""
+    x, parts, scale = _norm_problem(3, 512, splits, seed=4)
+    y = Partials(parts, BF16) if splits > 1 else parts[0].astype(BF16)
+    h, normed = residual_norm_mosaic.add_rms_norm(x, y, scale, EPS)
+    want_h, want = _add_rms_norm_reference(
+        x, parts if splits > 1 else _bf16(_f32(parts)), scale, EPS
+    )
+    assert h.shape == normed.shape == (3, 512) and h.dtype == normed.dtype == BF16
+    np.testing.assert_array_equal(_f32(h), want_h)
+    # a bf16 step apart at most: rsqrt in fp32 on each side
+    np.testing.assert_allclose(_f32(normed), want, rtol=1e-2, atol=1e-2)
+    triton_h, triton = residual_norm.add_rms_norm(x, y, scale, EPS, interpret=True)
+    np.testing.assert_array_equal(_f32(h), _f32(triton_h))
+    np.testing.assert_allclose(_f32(normed), _f32(triton), rtol=1e-2, atol=1e-2)
+
+
+def test_add_rms_norm_errors():
+    x, parts, scale = _norm_problem(2, 512, 2)
+    run = residual_norm_mosaic.add_rms_norm
+    with pytest.raises(ValueError, match=r"scale \(256,\); expected y shaped"):
+        run(x, Partials(parts, BF16), scale[:256], EPS)
+    with pytest.raises(ValueError, match="rows of 256; expected a multiple of 512"):
+        run(x[:, :256], x[:, :256], scale[:256], EPS)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_add_rms_norm_lowers_for_hopper(splits):
+    fn = lambda x, p, s: residual_norm_mosaic.add_rms_norm(  # noqa: E731
+        x, Partials(p, BF16), s, EPS, interpret=False
+    )
+    shapes = (((1, 32, 4096), BF16), ((splits, 1, 32, 4096), jnp.float32), ((4096,), BF16))
+    assert _lowers(fn, *shapes)
+
+
+@needs_gpu
+def test_compiled_add_rms_norm_on_gpu():
+    """On a Hopper GPU: the compiled per-row kernel at LLaDA-8B's width (a block's 32 rows
+    and a refresh's 384) against the Triton one."""
+    for m, splits in ((32, 2), (384, 1), (32, 4)):
+        x, parts, scale = _norm_problem(m, 4096, splits, seed=5)
+        h, normed = residual_norm_mosaic.add_rms_norm(x, Partials(parts, BF16), scale, EPS)
+        want_h, want = residual_norm.add_rms_norm(x, Partials(parts, BF16), scale, EPS)
+        np.testing.assert_array_equal(_f32(h), _f32(want_h))
+        np.testing.assert_allclose(_f32(normed), _f32(want), rtol=1e-2, atol=1e-2)
+
+
+def test_rms_norm_layer_takes_the_mosaic_kernel():
+    """`layers.RMSNorm` with `impl="mosaic"` (`Kernels.norm` under Mosaic GPU products) on a
+    split-K product's partials, as its XLA path."""
+    from djax.models import layers
+
+    norm = layers.RMSNorm(EPS, BF16)
+    x, parts, _ = _norm_problem(4, 512, 2, seed=6)
+    params = norm.init(jax.random.key(0), x)
+    h, normed = norm.apply(params, Partials(parts, BF16), x, impl="mosaic")
+    want_h, want = norm.apply(params, Partials(parts, BF16), x, impl="xla")
+    np.testing.assert_array_equal(_f32(h), _f32(want_h))
+    np.testing.assert_allclose(_f32(normed), _f32(want), rtol=1e-2, atol=1e-2)
