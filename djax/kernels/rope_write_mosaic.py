@@ -129,10 +129,13 @@ def _kernel(
         return [(i, row_tile * per_tile + i) for i in range(per_tile)]
 
     rows = pl.ds(first, ROW_TILE)
-    plgpu.copy_gmem_to_smem(cos_gmem.at[rows], cos_smem, bars.at[0])
-    plgpu.copy_gmem_to_smem(sin_gmem.at[rows], sin_smem, bars.at[1])
-    if scales_gmem is not None:
-        plgpu.copy_gmem_to_smem(scales_gmem, scales_smem, bars.at[2])
+
+    @pl.when(slot <= group)  # queries and keys: every copy a CTA starts, it waits for
+    def _tables():
+        plgpu.copy_gmem_to_smem(cos_gmem.at[rows], cos_smem, bars.at[0])
+        plgpu.copy_gmem_to_smem(sin_gmem.at[rows], sin_smem, bars.at[1])
+        if scales_gmem is not None:
+            plgpu.copy_gmem_to_smem(scales_gmem, scales_smem, bars.at[2])
 
     if buffered:  # the buffer's rows under each sequence's window, kept outside the range
         for index, buf in ((group, keys_gmem), (group + 1, values_gmem)):

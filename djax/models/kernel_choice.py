@@ -34,8 +34,8 @@ kernels, `djax.kernels.split_k_mosaic` / `swiglu_mosaic`, for Hopper GPUs) is ta
 asked for, with 16-bit weights and widths that are multiples of 64. The Mosaic GPU
 kernels take the norm moved into the products before the feed-forward as the Triton ones
 do (`fused`: `residual_product_mosaic`; `tiled`: the split-K product, then the tiled add);
-the q/k/v product inside the RoPE kernel stays a Triton kernel, so under `mosaic` the
-q/k/v product keeps its RoPE kernel apart and the norm before attention is not moved.
+the Triton q/k/v product inside the RoPE kernel is not taken with them, so under `mosaic`
+the q/k/v product keeps its RoPE kernel apart and the norm before attention is not moved.
 `rope_impl="mosaic"` (`djax.kernels.rope_write_mosaic`, Hopper GPUs) is also taken only when
 asked for, with 16-bit weights, heads of 64 or 128 features and a model width that is a
 multiple of 64: it runs the q/k/v product with the RoPE kernel in its epilogue (`qkv="rope"`)
