@@ -20,7 +20,8 @@ window's K/V written into a 384-position buffer at 128): `xla` (XLA's product an
 inside that kernel, `rope_write.project_rope_and_write`), and their Pallas Mosaic GPU forms
 (Hopper GPUs): `mosaic` (`split_k_mosaic.matmul_partials`, then the Triton
 `rope_and_write`: `matmul_impl="mosaic"`; `mosaic_xla`: its partials summed, then XLA's
-head ops and writes, whether XLA can take that epilogue) and `mosaic_fused` (the product
+head ops and writes, whether XLA can take that epilogue; `mosaic_epilogue`: then the
+Mosaic GPU epilogue, `rope_write_mosaic.rope_and_write`) and `mosaic_fused` (the product
 with RoPE and the writes in its epilogue, `rope_write_mosaic.project_rope_and_write`:
 `rope_impl="mosaic"`), for LLaDA-8B or, with `--model moe`, LLaDA-MoE's heads.
 
@@ -201,6 +202,11 @@ def qkv_rope_forms(cfg, fused_sweep: bool = False) -> dict:
             cfg.rope_dim,
         )
 
+    def mosaic_epilogue(x, w, buffers, positions, cos, sin, bounds, scales):
+        qkv = split_k_mosaic.matmul_partials(x, w.reshape(w.shape[0], -1))
+        qkv = type(qkv)(qkv.parts.reshape(qkv.parts.shape[:-1] + w.shape[1:]), qkv.dtype)
+        return rope_write_mosaic.rope_and_write(qkv, cos, sin, buffers, bounds, scales, ops)
+
     def mosaic_fused(x, w, buffers, positions, cos, sin, bounds, scales):
         return rope_write_mosaic.project_rope_and_write(
             x, w, cos, sin, buffers, bounds, scales, ops
@@ -212,6 +218,7 @@ def qkv_rope_forms(cfg, fused_sweep: bool = False) -> dict:
         "fused": fused,
         "mosaic": mosaic,
         "mosaic_xla": mosaic_xla,
+        "mosaic_epilogue": mosaic_epilogue,
         "mosaic_fused": mosaic_fused,
     }
     for warps, stages in FUSED_SWEEP if fused_sweep else ():

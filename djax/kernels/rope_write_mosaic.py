@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from djax.kernels import tma_ring
+from djax.kernels.handoff import Partials
 from djax.kernels.rope_write import HeadOps, _buffer_and_scale_problems, _parts
 from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, Tiles
 
@@ -40,20 +41,26 @@ Array = jax.Array
 HEAD_DIMS = (64, 128)  # WGMMA column tiles a head fills: one CTA's accumulator
 PART_ALIGN = 8  # an accumulator's column tile: head parts are register slices of whole ones
 PLAIN_HEADS = HeadOps()  # no q/k norm, no clip
+MAX_SPLITS = 4  # the most partial products `rope_and_write` sums (their tiles share memory)
 
 
-def fits(t: int, model: int, head_dim: int, rotary_dim: int) -> bool:
-    """Whether `project_rope_and_write` takes windows of `t` rows and these widths: `t` a
-    multiple of 8 up to 64, `model` a multiple of 64, `head_dim` in `HEAD_DIMS`, and head
-    parts (the rotary halves and the rest) multiples of 8."""
+def window_fits(t: int, head_dim: int, rotary_dim: int) -> bool:
+    """Whether the kernels take windows of `t` rows and these heads: `t` a multiple of 8 up to
+    64, `head_dim` in `HEAD_DIMS`, and head parts (the rotary halves and the rest) multiples
+    of 8."""
     return (
         0 < t <= ROW_TILE
         and t % ROW_ALIGN == 0
-        and model % tma_ring.TILE == 0
         and head_dim in HEAD_DIMS
         and 0 < rotary_dim <= head_dim
         and all(size % PART_ALIGN == 0 for _, size in _parts(head_dim, rotary_dim))
     )
+
+
+def fits(t: int, model: int, head_dim: int, rotary_dim: int) -> bool:
+    """Whether `project_rope_and_write` takes windows of `t` rows and these widths
+    (`window_fits`, and `model` a multiple of 64)."""
+    return model % tma_ring.TILE == 0 and window_fits(t, head_dim, rotary_dim)
 
 
 def tiles_for(head_dim: int) -> Tiles:
@@ -84,10 +91,6 @@ def _row_iota(shape: tuple[int, int], interpreting: bool) -> Array:
 
 def _kernel(
     bounds_gmem,
-    x_gmem,
-    w_gmem,
-    cos_gmem,
-    sin_gmem,
     *refs,
     ops: HeadOps,
     parts,
@@ -98,23 +101,32 @@ def _kernel(
     s: int,
     tiles: Tiles,
     steps: int,
+    splits: int | None,
     buffered: bool,
     interpreting: bool,
 ):
-    """One CTA (row tile, kv head, slot). Refs: bounds [3] int32, x [m, model] (m = b * t),
-    w [model, kv * (group + 2) * d], cos/sin [m, rotary / 2] fp32, the q and k scales [2, d] (with
-    `qk_norm`); with `buffered` the key and value buffers [b * s, kv * d] (updated in place),
-    then the output q [b * t, kv * group * d]; else the outputs q, keys and values [b * t,
-    kv * d]; then scratch: the ring, the output tile, the buffer's rows, cos, sin, the
-    scales, and barriers."""
+    """One CTA (row tile, kv head, slot). Refs: bounds [3] int32; the product's source: with
+    `splits` None x [m, model] (m = b * t) and w [model, kv * (group + 2) * d], multiplied
+    through the ring, else its partial products [splits, m, kv * (group + 2) * d] (fp32, or
+    the activation dtype with one split), summed; cos/sin [m, rotary / 2] fp32, the q and k
+    scales [2, d] (with `qk_norm`); with `buffered` the key and value buffers [b * s, kv * d]
+    (updated in place), then the output q [b * t, kv * group * d]; else the outputs q, keys
+    and values [b * t, kv * d]; then scratch: the source's (the ring, or the partials' tiles
+    and their barriers), the output tile, the buffer's rows, cos, sin, the scales, and
+    barriers."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    if splits is None:
+        (x_gmem, w_gmem), refs = refs[:2], refs[2:]
+    else:
+        (partials_gmem,), refs = refs[:1], refs[1:]
+    cos_gmem, sin_gmem, *refs = refs
     scales_gmem, refs = (refs[0], refs[1:]) if ops.qk_norm else (None, refs)
     if buffered:  # the buffers are refs the kernel updates in place, then q
         keys_gmem, values_gmem, q_gmem, *scratch = refs
     else:
         q_gmem, keys_gmem, values_gmem, *scratch = refs
-    *ring, out_smem, cached_smem, cos_smem, sin_smem, scales_smem, bars, cached_bars = scratch
+    *source, out_smem, cached_smem, cos_smem, sin_smem, scales_smem, bars, cached_bars = scratch
     d, slots = out_smem.shape[1], group + 2
     cta = jax.lax.axis_index("cta")
     row_tile, kv_head, slot = cta // (kv_heads * slots), cta // slots % kv_heads, cta % slots
@@ -123,12 +135,19 @@ def _kernel(
     start, write_lo, write_hi = bounds_gmem[0], bounds_gmem[1], bounds_gmem[2]
     base = jnp.minimum(jnp.maximum(start, 0), s - t)  # as `layers.write_window` places it
     head_cols = pl.ds(kv_head * d, d)
+    slot_cols = pl.ds((kv_head * slots + slot) * d, d)
 
     def sequences():
         """(i, seq): the row tile's sequences (seq < b only in the last tile)."""
         return [(i, row_tile * per_tile + i) for i in range(per_tile)]
 
     rows = pl.ds(first, ROW_TILE)
+    if splits is not None:  # the partials' tiles, read past the rows' end as zeros
+        partials_smem, partials_bars = source
+        for i in range(splits):
+            plgpu.copy_gmem_to_smem(
+                partials_gmem.at[i, rows, slot_cols], partials_smem.at[i], partials_bars.at[i]
+            )
 
     @pl.when(slot <= group)  # queries and keys: every copy a CTA starts, it waits for
     def _tables():
@@ -214,16 +233,15 @@ def _kernel(
             head = head_ops(y, None)
             store(kept(head) if buffered else head)
 
-    tma_ring.stream(
-        x_gmem,
-        [lambda ks: w_gmem.at[ks, pl.ds((kv_head * slots + slot) * d, d)]],
-        ring,
-        tiles,
-        0,
-        steps,
-        rows,
-        finish,
-    )
+    if splits is None:
+        w_tile = lambda ks: w_gmem.at[ks, slot_cols]  # noqa: E731
+        tma_ring.stream(x_gmem, [w_tile], source, tiles, 0, steps, rows, finish)
+    else:  # summed in order, as `handoff.add_slices` sums them
+        slices = []
+        for i in range(splits):
+            plgpu.barrier_wait(partials_bars.at[i])
+            slices.append(_read(partials_smem.at[i], interpreting).astype(jnp.float32))
+        finish(sum(slices[1:], slices[0]))
     plgpu.commit_smem()
     for i, seq in sequences():
         tile_rows = out_smem.at[pl.ds(i * t, t)]
@@ -242,6 +260,102 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
+def _check(name, lead, kv_heads, d, cos, sin, buffers, scales, ops, dtype, more) -> None:
+    """Raise a ValueError naming `name` and what is wrong with the window's heads, tables,
+    buffers and scales (and `more`, the caller's problems), where anything is."""
+    b, t = lead
+    rotary = 2 * cos.shape[-1]
+    problems = list(more)
+    if cos.shape != (b, t, rotary // 2) or sin.shape != cos.shape:
+        problems.append(f"rows {lead} with cos {cos.shape}, sin {sin.shape}")
+    elif not window_fits(t, d, rotary):
+        problems.append(f"{t} window rows, rotary dim {rotary} of {d}")
+    problems += _buffer_and_scale_problems(b, kv_heads, d, buffers, scales, ops)
+    if buffers is not None and buffers[0].shape[1] < t:
+        problems.append(f"buffers of {buffers[0].shape[1]} rows for a {t}-row window")
+    if buffers is not None and any(buf.dtype != dtype for buf in buffers):
+        problems.append(f"buffers {[buf.dtype.name for buf in buffers]} for {dtype.name} rows")
+    if problems:
+        raise ValueError(
+            f"{name}: {'; '.join(problems)}; expected window rows t a multiple of 8 up to "
+            f"{ROW_TILE}, heads of d in {HEAD_DIMS} features, cos/sin [b, t, r / 2] for an "
+            "even r in (0, d] with r / 2 and d - r multiples of 8, buffers [b, s >= t, "
+            "kv_heads, d] of the rows' dtype, and q/k scales [d] exactly when qk_norm"
+        )
+
+
+def _run(source, source_scratch, shape, dtype, cos, sin, buffers, bounds, scales, ops, **static):
+    """The kernel over a window of `shape` (b, t, kv_heads, group, d) with `dtype` rows:
+    `source` its product's input arrays, `source_scratch` their scratch; `static` the rest
+    of `_kernel`'s keywords (tiles, steps, splits, interpret). Returns (q, keys, values)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    b, t, kv_heads, group, d = shape
+    rotary = 2 * cos.shape[-1]
+    s = t if buffers is None else buffers[0].shape[1]
+    m = b * t
+    per_tile = ROW_TILE // t
+    rows = lambda a: a.reshape(m, a.shape[-1])  # noqa: E731  (m: a multiple of 8, as TMA reads)
+    inputs = [bounds.astype(jnp.int32), *source, rows(cos), rows(sin)]
+    if ops.qk_norm:
+        inputs.append(jnp.stack(scales).astype(dtype))
+    out_type = [jax.ShapeDtypeStruct((m, kv_heads * group * d), dtype)]
+    if buffers is None:
+        out_type += [jax.ShapeDtypeStruct((m, kv_heads * d), dtype)] * 2
+    else:  # updated in place: the kernel's refs alias them
+        buffers = [
+            jax.new_ref(buf.reshape(b * s, kv_heads * d), memory_space=plgpu.GMEM)
+            for buf in buffers
+        ]
+        inputs += buffers
+    params = tma_ring.interpret_params(static.pop("interpret"))
+    kernel = functools.partial(
+        _kernel,
+        ops=ops,
+        parts=_parts(d, rotary),
+        group=group,
+        seqs=b,
+        kv_heads=kv_heads,
+        t=t,
+        s=s,
+        buffered=buffers is not None,
+        interpreting=params is not None,
+        **static,
+    )
+    scratch = [
+        *source_scratch,
+        plgpu.SMEM((ROW_TILE, d), dtype),  # the output tile
+        plgpu.SMEM((ROW_TILE, d), dtype),  # the buffer's rows under the window
+        plgpu.SMEM((ROW_TILE, rotary // 2), jnp.float32),  # cos
+        plgpu.SMEM((ROW_TILE, rotary // 2), jnp.float32),  # sin
+        plgpu.SMEM((2, d), dtype),  # the q and k scales
+        plgpu.Barrier(num_barriers=3),  # cos, sin, scales
+        plgpu.Barrier(num_barriers=per_tile),  # the buffer's rows, by sequence
+    ]
+
+    def body(*refs):  # the scratch in a scope, as `plgpu.kernel` allocates it
+        pl.run_scoped(functools.partial(kernel, *refs), *scratch)
+
+    outs = pl.kernel(
+        body,
+        out_type=out_type,
+        mesh=plgpu.Mesh(grid=(pl.cdiv(b, per_tile) * kv_heads * (group + 2),), grid_names=("cta",)),
+        interpret=params or False,
+        name="qkv_rope_mosaic" if static["splits"] is None else "rope_mosaic",
+    )(*inputs)
+    q, keys, values = (outs[0], *buffers) if buffers is not None else outs
+    if buffers is not None:
+        keys, values = keys[...], values[...]
+    kv_shape = (b, s, kv_heads, d)
+    return q.reshape(b, t, kv_heads, group, d), keys.reshape(kv_shape), values.reshape(kv_shape)
+
+
+def _epilogue_bytes(d: int, rotary: int, dtype) -> int:
+    """Shared memory of the epilogue's tiles beside the source's."""
+    item = jnp.dtype(dtype).itemsize
+    return 2 * ROW_TILE * d * item + ROW_TILE * rotary * 4 + 2 * d * item
+
+
 @functools.partial(jax.jit, static_argnames=("ops", "tiles", "interpret"))
 def project_rope_and_write(
     x: Array,
@@ -255,23 +369,15 @@ def project_rope_and_write(
     tiles: Tiles | None = None,
     interpret: bool | None = None,
 ) -> tuple[Array, Array, Array]:
-    """`rope_write.rope_and_write(x @ w, ...)` with the q/k/v product inside the kernel, in
-    Mosaic GPU (`rope_write.project_rope_and_write`'s contract, but for `ScaledRows`).
+    """`rope_and_write(x @ w, ...)` with the q/k/v product inside the kernel, in Mosaic GPU
+    (`rope_write.project_rope_and_write`'s contract, but for `ScaledRows`).
 
-    x: [b, t, model] normed window rows; w: [model, kv_heads, group + 2, head_dim], both bf16 or
-    both fp16 (`fits`); cos, sin: [b, t, rotary_dim / 2] fp32 (`layers.rope_tables`); buffers:
-    (keys, values) [b, s, kv_heads, head_dim] with s >= t, updated in place, or None for a
-    whole-sequence window (fresh [b, t, kv_heads, head_dim] arrays come back); bounds: int32
-    [3] = (window start, write_lo, write_hi): window row `i` sits at position `start + i` and is
-    written when that lies in `[write_lo, write_hi)` (a window past the buffer's end sits at its
-    last `t` rows, as in `layers.write_window`); scales: the q and k norm scales [head_dim]
-    (with `ops.qk_norm`). Returns (q [b, t, kv_heads, group, head_dim], keys, values). The
-    product is rounded to x's dtype before the head ops. `tiles`: the ring (default
-    `tiles_for`; `block_n` must be head_dim); `interpret`: run in Mosaic GPU's interpreter
-    (default: exactly off GPUs, as the CPU tests do).
+    x: [b, t, model] normed window rows; w: [model, kv_heads, group + 2, head_dim], both bf16
+    or both fp16 (`fits`); the rest as `rope_and_write`. Returns (q [b, t, kv_heads, group,
+    head_dim], keys, values). The product is rounded to x's dtype before the head ops.
+    `tiles`: the ring (default `tiles_for`; `block_n` must be head_dim); `interpret`: run in
+    Mosaic GPU's interpreter (default: exactly off GPUs, as the CPU tests do).
     """
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     name = "rope_write_mosaic.project_rope_and_write"
     if x.ndim != 3 or w.ndim != 4 or w.shape[0] != x.shape[-1] or w.shape[2] < 3:
         raise ValueError(
@@ -280,85 +386,92 @@ def project_rope_and_write(
         )
     tma_ring.check_operands(name, x, w)
     (b, t, model), (kv_heads, slots, d) = x.shape, w.shape[1:]
-    rotary, group = 2 * cos.shape[-1], slots - 2
-    problems = []
-    if cos.shape != (b, t, rotary // 2) or sin.shape != cos.shape:
-        problems.append(f"x {x.shape} with cos {cos.shape}, sin {sin.shape}")
-    elif not fits(t, model, d, rotary):
-        problems.append(f"{t} window rows, model width {model}, rotary dim {rotary} of {d}")
-    problems += _buffer_and_scale_problems(b, kv_heads, d, buffers, scales, ops)
-    if buffers is not None and buffers[0].shape[1] < t:
-        problems.append(f"buffers of {buffers[0].shape[1]} rows for a {t}-row window")
-    if buffers is not None and any(buf.dtype != x.dtype for buf in buffers):
-        problems.append(f"buffers {[buf.dtype.name for buf in buffers]} for x {x.dtype.name}")
-    if problems:
-        raise ValueError(
-            f"{name}: {'; '.join(problems)}; expected x [b, t, model] with t a multiple of 8 "
-            f"up to {ROW_TILE} and model a multiple of 64, w [model, kv_heads, group + 2, d] "
-            f"with group >= 1 and d in {HEAD_DIMS}, cos/sin [b, t, r / 2] for an even r in "
-            "(0, d] with r / 2 and d - r multiples of 8, buffers [b, s >= t, kv_heads, d] of "
-            "x's dtype, and q/k scales [d] exactly when qk_norm"
-        )
+    more = [] if model % tma_ring.TILE == 0 else [f"model width {model}, not a multiple of 64"]
+    _check(name, (b, t), kv_heads, d, cos, sin, buffers, scales, ops, x.dtype, more)
     tiles = tiles or tiles_for(d)
     if tiles.block_n != d or tiles.splits != 1:
         raise ValueError(f"{tiles}: the q/k/v product takes block_n = head_dim = {d}, splits=1")
-    item = x.dtype.itemsize
-    epilogue = 2 * ROW_TILE * d * item + ROW_TILE * rotary * 4 + 2 * d * item
-    tiles.check(model, d, weights=1, out_bytes=0, extra=epilogue)
-    s = t if buffers is None else buffers[0].shape[1]
-    m = b * t
-    per_tile = ROW_TILE // t
-    rows = lambda a: a.reshape(m, a.shape[-1])  # noqa: E731  (m: a multiple of 8, as TMA reads)
-    inputs = [bounds.astype(jnp.int32), rows(x), w.reshape(model, -1), rows(cos), rows(sin)]
-    if ops.qk_norm:
-        inputs.append(jnp.stack(scales).astype(x.dtype))
-    out_type = [jax.ShapeDtypeStruct((m, kv_heads * group * d), x.dtype)]
-    if buffers is None:
-        out_type += [jax.ShapeDtypeStruct((m, kv_heads * d), x.dtype)] * 2
-    else:  # updated in place: the kernel's refs alias them
-        buffers = [
-            jax.new_ref(buf.reshape(b * s, kv_heads * d), memory_space=plgpu.GMEM)
-            for buf in buffers
-        ]
-        inputs += buffers
-    params = tma_ring.interpret_params(interpret)
-    kernel = functools.partial(
-        _kernel,
-        ops=ops,
-        parts=_parts(d, rotary),
-        group=group,
-        seqs=b,
-        kv_heads=kv_heads,
-        t=t,
-        s=s,
+    rotary = 2 * cos.shape[-1]
+    tiles.check(model, d, weights=1, out_bytes=0, extra=_epilogue_bytes(d, rotary, x.dtype))
+    return _run(
+        [x.reshape(b * t, model), w.reshape(model, -1)],
+        tma_ring.ring_scratch(tiles, x.dtype, weights=1),
+        (b, t, kv_heads, slots - 2, d),
+        x.dtype,
+        cos,
+        sin,
+        buffers,
+        bounds,
+        scales,
+        ops,
         tiles=tiles,
         steps=model // tiles.block_k,
-        buffered=buffers is not None,
-        interpreting=params is not None,
+        splits=None,
+        interpret=interpret,
     )
-    scratch = [
-        *tma_ring.ring_scratch(tiles, x.dtype, weights=1),
-        plgpu.SMEM((ROW_TILE, d), x.dtype),  # the output tile
-        plgpu.SMEM((ROW_TILE, d), x.dtype),  # the buffer's rows under the window
-        plgpu.SMEM((ROW_TILE, rotary // 2), jnp.float32),  # cos
-        plgpu.SMEM((ROW_TILE, rotary // 2), jnp.float32),  # sin
-        plgpu.SMEM((2, d), x.dtype),  # the q and k scales
-        plgpu.Barrier(num_barriers=3),  # cos, sin, scales
-        plgpu.Barrier(num_barriers=per_tile),  # the buffer's rows, by sequence
+
+
+@functools.partial(jax.jit, static_argnames=("ops", "interpret"))
+def rope_and_write(
+    qkv: Array | Partials,
+    cos: Array,
+    sin: Array,
+    buffers: tuple[Array, Array] | None,
+    bounds: Array,
+    scales: tuple[Array, Array] | None = None,
+    ops: HeadOps = PLAIN_HEADS,
+    interpret: bool | None = None,
+) -> tuple[Array, Array, Array]:
+    """Queries ready for attention and the K/V buffers with the window's rows written, from a
+    q/k/v product made elsewhere, in Mosaic GPU (`rope_write.rope_and_write`'s contract): one
+    CTA per (row tile, kv head, slot) reads its head's tile of each partial product by TMA,
+    sums them in `handoff.add_slices`' order and finishes them as `project_rope_and_write`
+    does.
+
+    qkv: [b, t, kv_heads, group + 2, head_dim] in bf16 or fp16, or `Partials` of that shape
+    (at most `MAX_SPLITS` slices); cos, sin: [b, t, rotary_dim / 2] fp32
+    (`layers.rope_tables`); buffers: (keys, values) [b, s, kv_heads, head_dim] with s >= t,
+    updated in place, or None for a whole-sequence window (fresh [b, t, kv_heads, head_dim]
+    arrays come back); bounds: int32 [3] = (window start, write_lo, write_hi): window row `i`
+    sits at position `start + i` and is written when that lies in `[write_lo, write_hi)` (a
+    window past the buffer's end sits at its last `t` rows, as in `layers.write_window`);
+    scales: the q and k norm scales [head_dim] (with `ops.qk_norm`). `t` a multiple of 8 up
+    to 64 and the heads as `fits` says. Returns (q [b, t, kv_heads, group, head_dim], keys,
+    values). `interpret`: as `project_rope_and_write`'s.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    name = "rope_write_mosaic.rope_and_write"
+    products = qkv.parts if isinstance(qkv, Partials) else qkv[None]
+    if products.ndim != 6 or products.shape[4] < 3:
+        raise ValueError(
+            f"{name}: qkv {products.shape[1:]}; expected [b, t, kv_heads, group + 2, d] with "
+            "group >= 1"
+        )
+    splits, b, t, kv_heads, slots, d = products.shape
+    dtype = jnp.dtype(qkv.dtype)
+    more = []
+    if not tma_ring.takes_dtype(dtype) or splits > MAX_SPLITS:
+        more.append(f"{splits} slices of {products.dtype.name} for {dtype.name} rows")
+    _check(name, (b, t), kv_heads, d, cos, sin, buffers, scales, ops, dtype, more)
+    partials = products.reshape(splits, b * t, kv_heads * slots * d)
+    source_scratch = [
+        plgpu.SMEM((splits, ROW_TILE, d), products.dtype),
+        plgpu.Barrier(num_barriers=splits),
     ]
-
-    def body(*refs):  # the scratch in a scope, as `plgpu.kernel` allocates it
-        pl.run_scoped(functools.partial(kernel, *refs), *scratch)
-
-    outs = pl.kernel(
-        body,
-        out_type=out_type,
-        mesh=plgpu.Mesh(grid=(pl.cdiv(b, per_tile) * kv_heads * slots,), grid_names=("cta",)),
-        interpret=params or False,
-        name="qkv_matmul_rope_mosaic",
-    )(*inputs)
-    q, keys, values = (outs[0], *buffers) if buffers is not None else outs
-    if buffers is not None:
-        keys, values = keys[...], values[...]
-    kv_shape = (b, s, kv_heads, d)
-    return q.reshape(b, t, kv_heads, group, d), keys.reshape(kv_shape), values.reshape(kv_shape)
+    return _run(
+        [partials],
+        source_scratch,
+        (b, t, kv_heads, slots - 2, d),
+        dtype,
+        cos,
+        sin,
+        buffers,
+        bounds,
+        scales,
+        ops,
+        tiles=None,
+        steps=0,
+        splits=splits,
+        interpret=interpret,
+    )

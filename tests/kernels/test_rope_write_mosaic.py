@@ -11,6 +11,7 @@ import pytest
 
 from djax.config import DENSE, ModelConfig
 from djax.kernels import rope_write, rope_write_mosaic
+from djax.kernels.handoff import Partials
 from djax.kernels.rope_write import HeadOps
 from djax.models import layers
 from djax.models.kernel_choice import Kernels
@@ -87,6 +88,38 @@ def test_matches_xla(name):
         np.testing.assert_array_equal(ours[2][:, untouched], buffers[1][:, untouched])
 
 
+@pytest.mark.parametrize(
+    "name, splits",
+    [
+        ("q/k norm and clip, write range in the cache's middle", 3),
+        ("GQA, two sequences in one row tile, window at the cache's start", None),
+    ],
+)
+def test_rope_and_write_matches_xla(name, splits):
+    """The epilogue alone, from 3 split-K partial products or a plain product, against XLA's
+    head ops on the summed product; rows outside the write range keep the buffer's."""
+    b, t, model, kv, group, d, rotary, s, window, ops = CASES[name]
+    x, w, positions, buffers, scales, bounds, cos, sin = _problem(CASES[name])
+    qkv = _normal(9, (b, t, kv, group + 2, d), scale=3.0)
+    product = qkv
+    if splits:
+        product = Partials(_normal(10, (splits, *qkv.shape), jnp.float32, 2.0), BF16)
+        qkv = product.total()
+    ours = rope_write_mosaic.rope_and_write(product, cos, sin, buffers, bounds, scales, ops)
+    want = layers.rope_and_write_xla(qkv, positions, buffers, window, scales, ops, 1e4, rotary)
+    for label, o, ref in zip(("q", "keys", "values"), ours, want, strict=True):
+        assert o.shape == ref.shape and o.dtype == ref.dtype, label
+        np.testing.assert_allclose(
+            o.astype(jnp.float32), ref.astype(jnp.float32), atol=2e-2, rtol=2e-2, err_msg=label
+        )
+    lo, hi = int(bounds[1]), int(bounds[2])
+    written = [
+        min(max(window.start, 0), s - t) + i for i in range(t) if lo <= window.start + i < hi
+    ]
+    untouched = ~np.isin(np.arange(s), written)
+    np.testing.assert_array_equal(ours[1][:, untouched], buffers[0][:, untouched])
+
+
 def test_errors():
     x, w = jnp.zeros((1, 8, 64), BF16), jnp.zeros((64, 2, 3, 64), BF16)
     cos = sin = jnp.zeros((1, 8, 32))
@@ -96,7 +129,7 @@ def test_errors():
         run(x, w[:48], cos, sin, None, bounds)
     with pytest.raises(ValueError, match="x float32, w bfloat16; expected both bfloat16"):
         run(x.astype(jnp.float32), w, cos, sin, None, bounds)
-    with pytest.raises(ValueError, match="12 window rows, model width 64, rotary dim 64 of 64"):
+    with pytest.raises(ValueError, match="12 window rows, rotary dim 64 of 64; expected"):
         table = jnp.zeros((1, 12, 32))
         run(jnp.zeros((1, 12, 64), BF16), w, table, table, None, bounds)
     with pytest.raises(ValueError, match="rotary dim 12 of 64"):  # halves of 6
@@ -106,14 +139,23 @@ def test_errors():
         run(x, w, cos, sin, (short, short), bounds)
     with pytest.raises(ValueError, match="qk_norm=True with scales None"):
         run(x, w, cos, sin, None, bounds, ops=HeadOps(qk_norm=True))
+    with pytest.raises(ValueError, match="model width 96, not a multiple of 64"):
+        run(jnp.zeros((1, 8, 96), BF16), w[:1].repeat(96, 0), cos, sin, None, bounds)
+    qkv = jnp.zeros((1, 8, 2, 3, 64), BF16)
+    with pytest.raises(ValueError, match="5 slices of float32 for bfloat16 rows"):
+        parts = Partials(jnp.zeros((5, *qkv.shape)), BF16)
+        rope_write_mosaic.rope_and_write(parts, cos, sin, None, bounds)
+    with pytest.raises(ValueError, match="1 slices of float32 for float32 rows"):
+        rope_write_mosaic.rope_and_write(qkv.astype(jnp.float32), cos, sin, None, bounds)
 
 
 def test_lowers_for_hopper():
     """At LLaDA-8B's block (32 kv heads of 128 features, 4096 wide, 32 rows into a
     384-position cache), LLaDA-MoE's (q/k norms and the clip, 2048 wide, two sequences),
-    and a whole-sequence window with partial rotary, the kernel lowers to Mosaic GPU's
-    custom call for CUDA with the buffers aliased (layouts, TMA slices and the epilogue's
-    register slices are checked here, on any host)."""
+    and a whole-sequence window with partial rotary, both kernels (with the product, and
+    the epilogue alone on 2 split-K partials) lower to Mosaic GPU's custom call for CUDA,
+    the buffers aliased (layouts, TMA slices and the epilogue's register slices are checked
+    here, on any host)."""
     shape = jax.ShapeDtypeStruct
     for b, model, kv, rotary, s, ops in (
         (1, 4096, 32, 128, 384, HeadOps()),
@@ -136,6 +178,14 @@ def test_lowers_for_hopper():
         text = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
         assert ("output_operand_alias" in text) == (s is not None)
+
+        def epilogue(parts, *args, ops=ops):  # the epilogue alone, on split-K partials
+            qkv = Partials(parts, BF16)
+            return rope_write_mosaic.rope_and_write(qkv, *args, ops=ops, interpret=False)
+
+        parts = shape((2, b, 32, kv, 3, 128), jnp.float32)
+        traced = jax.jit(epilogue).trace(parts, *args[2:])
+        assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_attention_layer_takes_the_kernel():
