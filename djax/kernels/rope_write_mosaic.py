@@ -1,11 +1,15 @@
 """The q/k/v product of a denoising block with the q/k norm, clip, RoPE and K/V buffer writes in
 its epilogue, as a Pallas Mosaic GPU kernel (Hopper: TMA copies, WGMMA):
-`rope_write.project_rope_and_write`'s contract, off the Triton backend (`rope_impl="mosaic"`).
+`rope_write.project_rope_and_write`'s contract, off the Triton backend (`rope_impl="mosaic"`);
+and that epilogue alone on a product made elsewhere (`rope_and_write`, `rope_write`'s
+contract: split-K partial products, `handoff.Partials`, are summed as `Partials.total()`
+sums them).
 
 Each CTA owns one row tile of 64 (whole sequences of the window) and one head slot of one kv
 head: the kv head's query heads, then its key, then its value. It streams the x rows and that
 slot's weight columns [model, head_dim] through a ring (`tma_ring`), so the product never goes
-through memory, then finishes the fp32 accumulator in registers:
+through memory (`rope_and_write`: reads its tile of each partial product by TMA and adds
+them), then finishes the fp32 accumulator in registers:
 
 - the product rounded to the activation dtype, as `Partials.total()` rounds it;
 - queries and keys: the q/k RMSNorm over the head (with `HeadOps.qk_norm`, its scale read by

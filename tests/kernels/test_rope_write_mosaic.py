@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from djax.config import DENSE, ModelConfig
-from djax.kernels import rope_write, rope_write_mosaic
+from djax.kernels import rope_write, rope_write_mosaic, split_k_mosaic
 from djax.kernels.handoff import Partials
 from djax.kernels.rope_write import HeadOps
+from djax.kernels.tma_ring import Tiles
 from djax.models import layers
 from djax.models.kernel_choice import Kernels
 
@@ -210,8 +211,10 @@ def test_attention_layer_takes_the_kernel():
 
 @needs_gpu
 def test_compiled_kernel_on_gpu():
-    """On a Hopper GPU: the compiled kernel at LLaDA-8B's block, LLaDA-MoE's (q/k norms) and
-    two 32-row sequences, against XLA's product and head ops and the Triton kernel."""
+    """On a Hopper GPU: the compiled kernels at LLaDA-8B's block, LLaDA-MoE's (q/k norms) and
+    two 32-row sequences, against XLA's product and head ops and the Triton kernel; the
+    epilogue alone on the Mosaic GPU split-K product's partials (and on 2 slices of it)
+    against the Triton epilogue on the same partials."""
     cases = [
         (1, 32, 4096, 32, 1, 128, 128, 384, layers.Window(128), HeadOps()),
         (1, 32, 2048, 16, 1, 128, 128, 384, layers.Window(128), HeadOps(True, 1e-6)),
@@ -229,3 +232,12 @@ def test_compiled_kernel_on_gpu():
             o, ref, tri = (a.astype(jnp.float32) for a in (o, ref, tri))
             np.testing.assert_allclose(o, ref, atol=0.1, rtol=0.02)
             np.testing.assert_allclose(o, tri, atol=0.1, rtol=0.02)
+        model = w.shape[0]
+        for tiles in (None, Tiles(block_n=64, block_k=64, splits=2, stages=4)):
+            qkv = split_k_mosaic.matmul_partials(x, w.reshape(model, -1), tiles=tiles)
+            qkv = Partials(qkv.parts.reshape(qkv.parts.shape[:-1] + w.shape[1:]), qkv.dtype)
+            args = (cos, sin, buffers, bounds, scales, ops)
+            ours = rope_write_mosaic.rope_and_write(qkv, *args)
+            for o, tri in zip(ours, rope_write.rope_and_write(qkv, *args), strict=True):
+                o, tri = o.astype(jnp.float32), tri.astype(jnp.float32)
+                np.testing.assert_allclose(o, tri, atol=0.05, rtol=0.01)
