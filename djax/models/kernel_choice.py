@@ -453,9 +453,8 @@ class _Rule:
         """`rope_impl="mosaic"`: `mosaic` for windows of `positions` rows the kernel takes,
         `xla` for longer ones; a ValueError where the model's heads or width do not fit."""
         cfg = self.widths.config
-        if not rope_write_mosaic.fits(
-            rope_write_mosaic.PART_ALIGN, cfg.d_model, cfg.head_dim, cfg.rope_dim
-        ):
+        shortest = tma_ring.ROW_ALIGN  # a window it takes: the heads and the width decide
+        if not rope_write_mosaic.fits(shortest, cfg.d_model, cfg.head_dim, cfg.rope_dim):
             raise ValueError(
                 f"rope_impl='mosaic' takes head_dim in {rope_write_mosaic.HEAD_DIMS} with "
                 "rotary halves and rest multiples of 8, and a model width that is a multiple "
