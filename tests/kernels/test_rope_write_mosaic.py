@@ -64,7 +64,9 @@ def _xla(case, x, w, positions, buffers, scales):
     )
 
 
-@pytest.mark.parametrize("name", CASES)
+# The q/k norm and clip in the cache's middle run through the same epilogue in
+# `test_rope_and_write_matches_xla`.
+@pytest.mark.parametrize("name", [name for name in CASES if "middle" not in name])
 def test_matches_xla(name):
     """q, keys and values against XLA's; the buffer rows outside the write range are the old
     buffer's, bit for bit."""
