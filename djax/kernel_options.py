@@ -62,8 +62,10 @@ class KernelOptions:
         "residual add + RMSNorm: tiled into the next product on kernel GPUs (16-bit weights, "
         "<= 32 rows), else one pallas kernel there, else xla",
     )
+    # `mosaic`: the q/k/v product with the RoPE kernel in its epilogue, in Pallas Mosaic GPU,
+    # taken only when asked for.
     rope_impl: str = _option(
-        ("auto", "xla", "pallas"),
+        ("auto", "xla", "pallas", "mosaic"),
         "q/k norm, RoPE and K/V writes: pallas on kernel GPUs with 16-bit weights, else xla",
     )
     moe_impl: str = _option(

@@ -225,6 +225,26 @@ def test_mosaic_products_only_when_asked():
         _choice(KernelOptions(mlp_impl="mosaic"), weights="fp8")
 
 
+def test_mosaic_rope_only_when_asked():
+    """`rope_impl="mosaic"` runs the q/k/v product with RoPE in its epilogue in block forwards
+    (LLaDA-8B's and LLaDA-MoE's), XLA's product and RoPE in refreshes (384-row windows),
+    keeps the norm before attention apart, and is never `auto`'s."""
+    for config in (LLADA_8B, LLADA_MOE):
+        choice = _choice(KernelOptions(rope_impl="mosaic", matmul_impl="mosaic"), config=config)
+        assert (choice.block.layers.rope, choice.block.layers.qkv) == ("mosaic", "rope")
+        assert (choice.block.last.rope, choice.block.last.qkv) == ("mosaic", "rope")
+        assert (choice.refresh.layers.rope, choice.refresh.layers.qkv) == ("xla", "mosaic")
+    fused = KernelOptions(rope_impl="mosaic", matmul_impl="pallas", norm_impl="fused")
+    assert _choice(fused).block.layers.norm_into_attention == "no"
+    assert _choice().block.layers.rope == "pallas"
+    with pytest.raises(ValueError, match="rope_impl='mosaic' takes bfloat16 or float16"):
+        _choice(KernelOptions(rope_impl="mosaic"), CPU, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="rope_impl='mosaic' takes head_dim in .*got head_dim=96"):
+        _choice(KernelOptions(rope_impl="mosaic"), config=LLADA_8B.replace(head_dim=96))
+    with pytest.raises(ValueError, match="rope_impl='mosaic' runs the q/k/v product of 16-bit"):
+        _choice(KernelOptions(rope_impl="mosaic"), weights="fp8")
+
+
 def test_explain_lists_each_forward():
     text = _choice().explain()
     assert text.splitlines()[0].startswith("block forward: attention=split_kv, qkv=rope,")

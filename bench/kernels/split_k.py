@@ -17,8 +17,13 @@ when it is read again, as inside a forward. Device time per product from profile
 `qkv_rope` is the q/k/v product with what follows it up to attention (q/k norm, RoPE, the
 window's K/V written into a 384-position buffer at 128): `xla` (XLA's product and head ops),
 `pallas` (the split-K kernel, then `rope_write.rope_and_write`) and `fused` (the product
-inside that kernel, `rope_write.project_rope_and_write`), for LLaDA-8B or, with `--model
-moe`, LLaDA-MoE's heads.
+inside that kernel, `rope_write.project_rope_and_write`), and their Pallas Mosaic GPU forms
+(Hopper GPUs): `mosaic` (`split_k_mosaic.matmul_partials`, then the Triton
+`rope_and_write`: `matmul_impl="mosaic"`; `mosaic_xla`: its partials summed, then XLA's
+head ops and writes, whether XLA can take that epilogue; `mosaic_epilogue`: then the
+Mosaic GPU epilogue, `rope_write_mosaic.rope_and_write`) and `mosaic_fused` (the product
+with RoPE and the writes in its epilogue, `rope_write_mosaic.project_rope_and_write`:
+`rope_impl="mosaic"`), for LLaDA-8B or, with `--model moe`, LLaDA-MoE's heads.
 
     python -m bench.kernels.split_k [--model dense] [--rows 32] [--products qkv out down qkv_rope]
         [--sweep] [--norm-warps 4 8] [--mosaic] [--fused-sweep] [--tiny]
@@ -35,7 +40,7 @@ import jax.numpy as jnp
 
 from bench.common import model_config, save
 from bench.kernels.timing import rel_error, time_row
-from djax.kernels import residual_product, rope_write
+from djax.kernels import residual_product, rope_write, rope_write_mosaic, split_k_mosaic
 from djax.kernels.residual_norm import add_rms_norm, add_scaled
 from djax.kernels.split_k import Tiles, matmul_partials, tiles_for
 from djax.models import layers
@@ -157,7 +162,7 @@ FUSED_SWEEP = ((4, 3), (4, 5), (8, 3), (8, 4), (8, 5))
 
 
 def qkv_rope_forms(cfg, fused_sweep: bool = False) -> dict:
-    """The three paths from normed rows to attention's inputs, each (x, w, buffers,
+    """The paths from normed rows to attention's inputs, each (x, w, buffers,
     positions, cos, sin, bounds, scales) -> (q, keys, values); with `fused_sweep` also the
     fused kernel at each FUSED_SWEEP setting."""
     ops = rope_write.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
@@ -179,7 +184,43 @@ def qkv_rope_forms(cfg, fused_sweep: bool = False) -> dict:
             x, w, cos, sin, buffers, bounds, scales, ops, num_warps=warps, num_stages=stages
         )
 
-    forms = {"xla": xla, "pallas": pallas, "fused": fused}
+    def mosaic(x, w, buffers, positions, cos, sin, bounds, scales):
+        qkv = split_k_mosaic.matmul_partials(x, w.reshape(w.shape[0], -1))
+        qkv = type(qkv)(qkv.parts.reshape(qkv.parts.shape[:-1] + w.shape[1:]), qkv.dtype)
+        return rope_write.rope_and_write(qkv, cos, sin, buffers, bounds, scales, ops)
+
+    def mosaic_xla(x, w, buffers, positions, cos, sin, bounds, scales):
+        qkv = split_k_mosaic.matmul_partials(x, w.reshape(w.shape[0], -1)).total()
+        return layers.rope_and_write_xla(
+            qkv.reshape(qkv.shape[:-1] + w.shape[1:]),
+            positions,
+            buffers,
+            window,
+            scales,
+            ops,
+            cfg.rope_theta,
+            cfg.rope_dim,
+        )
+
+    def mosaic_epilogue(x, w, buffers, positions, cos, sin, bounds, scales):
+        qkv = split_k_mosaic.matmul_partials(x, w.reshape(w.shape[0], -1))
+        qkv = type(qkv)(qkv.parts.reshape(qkv.parts.shape[:-1] + w.shape[1:]), qkv.dtype)
+        return rope_write_mosaic.rope_and_write(qkv, cos, sin, buffers, bounds, scales, ops)
+
+    def mosaic_fused(x, w, buffers, positions, cos, sin, bounds, scales):
+        return rope_write_mosaic.project_rope_and_write(
+            x, w, cos, sin, buffers, bounds, scales, ops
+        )
+
+    forms = {
+        "xla": xla,
+        "pallas": pallas,
+        "fused": fused,
+        "mosaic": mosaic,
+        "mosaic_xla": mosaic_xla,
+        "mosaic_epilogue": mosaic_epilogue,
+        "mosaic_fused": mosaic_fused,
+    }
     for warps, stages in FUSED_SWEEP if fused_sweep else ():
         forms[f"fused w{warps} st{stages}"] = functools.partial(fused, warps=warps, stages=stages)
     return forms

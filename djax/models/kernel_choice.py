@@ -36,8 +36,13 @@ kernels take the norm moved into the products before the feed-forward as the Tri
 do (`fused`: `residual_product_mosaic`; `tiled`: the split-K product, then the tiled add,
 `residual_norm_mosaic`), and the norms left on their own run the norm kernel's Mosaic GPU
 port (`norm="mosaic"`) where `norm_impl` would take the Triton one;
-the q/k/v product inside the RoPE kernel stays a Triton kernel, so under `mosaic` the
-q/k/v product keeps its RoPE kernel apart and the norm before attention is not moved.
+the Triton q/k/v product inside the RoPE kernel is not taken with them, so under `mosaic`
+the q/k/v product keeps its RoPE kernel apart and the norm before attention is not moved.
+`rope_impl="mosaic"` (`djax.kernels.rope_write_mosaic`, Hopper GPUs) is also taken only when
+asked for, with 16-bit weights, heads of 64 or 128 features and a model width that is a
+multiple of 64: it runs the q/k/v product with the RoPE kernel in its epilogue (`qkv="rope"`)
+in forwards whose windows it takes (`rope_write_mosaic.fits`: block windows), and XLA's
+product and RoPE in the others (refreshes); the norm before attention stays apart.
 `attention_impl="split_kv_mosaic"` (the split-K/V kernel's Mosaic GPU port,
 `djax.kernels.flash_attention_mosaic`) is likewise taken only when asked for, for block
 forwards and refreshes, with 16-bit inputs and head dims that are multiples of 64.
@@ -59,6 +64,7 @@ from djax.kernels import (
     residual_product,
     residual_product_mosaic,
     rope_write,
+    rope_write_mosaic,
     tiles,
     tma_ring,
 )
@@ -125,7 +131,8 @@ class Kernels:
 
     attention: `xla`, `split_kv`, `split_kv_mosaic` (its Mosaic GPU port) or `cudnn`. qkv:
     the q/k/v product, `xla`, `pallas` (split-K), `mosaic` (split-K in Mosaic GPU) or `rope`
-    (inside the RoPE kernel). rope: the q/k norm, RoPE and K/V writes, `xla` or `pallas`.
+    (inside the RoPE kernel). rope: the q/k norm, RoPE and K/V writes, `xla`, `pallas` or
+    `mosaic` (in the Mosaic GPU q/k/v product's epilogue; qkv is then `rope`).
     out, mlp, down: the attention-output product, the SwiGLU gate/up path and the down
     product, `xla`, `pallas` or `mosaic`.
     norm: a residual add and RMSNorm on their own, `xla`, `pallas` or `mosaic` (its Mosaic
@@ -327,7 +334,12 @@ class _Rule:
                         f"{name}={getattr(options, name)!r} takes 16-bit weights; with "
                         "weights='fp8' the products run in XLA: give 'auto' or 'xla'"
                     )
-        for name in ("matmul_impl", "mlp_impl"):
+        if self.fp8 and options.rope_impl == "mosaic":
+            raise ValueError(
+                "rope_impl='mosaic' runs the q/k/v product of 16-bit weights; with "
+                "weights='fp8' give 'auto', 'xla' or 'pallas'"
+            )
+        for name in ("matmul_impl", "mlp_impl", "rope_impl"):
             if getattr(options, name) == "mosaic" and not tma_ring.takes_dtype(dtype):
                 raise ValueError(
                     f"{name}='mosaic' takes bfloat16 or float16 weights; got {self.dtype_name}"
@@ -349,16 +361,19 @@ class _Rule:
         """The choice for `rows` token rows of windows of `positions` positions."""
         o, w, cfg = self.options, self.widths, self.widths.config
         few = rows <= KERNEL_MAX_ROWS
-        rope = self._pallas_or_xla(
-            "rope_impl",
-            o.rope_impl,
-            rope_write.fits(cfg.head_dim, cfg.rope_dim),
-            f"heads whose rotary halves ({cfg.rope_dim // 2}) and unrotated rest "
-            f"({cfg.head_dim - cfg.rope_dim}) are powers of two or zero; got "
-            f"head_dim={cfg.head_dim}, rotary_dim={cfg.rope_dim}",
-            self.kernels_pay,
-        )
-        qkv = self._product(w.qkv, few)
+        if o.rope_impl == "mosaic":
+            rope = self._mosaic_rope(positions)
+        else:
+            rope = self._pallas_or_xla(
+                "rope_impl",
+                o.rope_impl,
+                rope_write.fits(cfg.head_dim, cfg.rope_dim),
+                f"heads whose rotary halves ({cfg.rope_dim // 2}) and unrotated rest "
+                f"({cfg.head_dim - cfg.rope_dim}) are powers of two or zero; got "
+                f"head_dim={cfg.head_dim}, rotary_dim={cfg.rope_dim}",
+                self.kernels_pay,
+            )
+        qkv = "rope" if rope == "mosaic" else self._product(w.qkv, few)
         out = self._product(w.out, few)
         if o.mlp_impl == "mosaic":
             mlp = self._mosaic(
@@ -400,6 +415,7 @@ class _Rule:
             if fusing != "no"
             and down == "pallas"
             and qkv == "rope"
+            and rope == "pallas"
             and all(residual_product.fits(h, cfg.d_model) for h in w.mlp_hidden)
             else "no"
         )
@@ -453,6 +469,21 @@ class _Rule:
             f"products whose contraction and output widths are multiples of 16; got {k} -> {n}",
             self.products_pay and few,
         )
+
+    def _mosaic_rope(self, positions: int) -> str:
+        """`rope_impl="mosaic"`: `mosaic` for windows of `positions` rows the kernel takes,
+        `xla` for longer ones; a ValueError where the model's heads or width do not fit."""
+        cfg = self.widths.config
+        shortest = tma_ring.ROW_ALIGN  # a window it takes: the heads and the width decide
+        if not rope_write_mosaic.fits(shortest, cfg.d_model, cfg.head_dim, cfg.rope_dim):
+            raise ValueError(
+                f"rope_impl='mosaic' takes head_dim in {rope_write_mosaic.HEAD_DIMS} with "
+                "rotary halves and rest multiples of 8, and a model width that is a multiple "
+                f"of 64; got head_dim={cfg.head_dim}, rotary_dim={cfg.rope_dim}, "
+                f"d_model={cfg.d_model}"
+            )
+        fits = rope_write_mosaic.fits(positions, cfg.d_model, cfg.head_dim, cfg.rope_dim)
+        return "mosaic" if fits else "xla"
 
     def _fp8(self) -> str:
         if not self.fp8:

@@ -36,6 +36,7 @@ from djax.kernels import (
     residual_product,
     residual_product_mosaic,
     rope_write,
+    rope_write_mosaic,
     split_k,
     split_k_mosaic,
     swiglu,
@@ -339,14 +340,20 @@ class Attention(nn.Module):
                 NormScale(self.dtype, name=name)(cfg.head_dim) for name in ("q_norm", "k_norm")
             )
         ops = rope_write.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
-        if kernels.rope == "pallas":  # Pallas's interpreter off GPUs (for tests)
+        if kernels.rope in ("pallas", "mosaic"):  # Pallas's interpreters off GPUs (for tests)
             cos, sin, bounds = self._rope_inputs(positions, window, x.shape[1])
-        if kernels.qkv == "rope":
+        if kernels.rope == "mosaic" and not isinstance(x, ScaledRows):
+            q, keys, values = rope_write_mosaic.project_rope_and_write(
+                x, qkv_kernel, cos, sin, kv, bounds, scales, ops
+            )
+        elif kernels.qkv == "rope" and kernels.rope == "pallas":
             q, keys, values = rope_write.project_rope_and_write(
                 x, qkv_kernel, cos, sin, kv, bounds, scales, ops
             )
         elif isinstance(x, ScaledRows):
-            raise ValueError("Attention: ScaledRows need the q/k/v product in the RoPE kernel")
+            raise ValueError(
+                "Attention: ScaledRows need the q/k/v product in the Triton RoPE kernel"
+            )
         elif kernels.rope == "pallas":
             qkv = project(x, qkv_kernel, kernels.qkv, kernels.fp8)  # [b, t, kv, group + 2, d]
             q, keys, values = rope_write.rope_and_write(qkv, cos, sin, kv, bounds, scales, ops)

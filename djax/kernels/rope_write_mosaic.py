@@ -1,0 +1,481 @@
+"""The q/k/v product of a denoising block with the q/k norm, clip, RoPE and K/V buffer writes in
+its epilogue, as a Pallas Mosaic GPU kernel (Hopper: TMA copies, WGMMA):
+`rope_write.project_rope_and_write`'s contract, off the Triton backend (`rope_impl="mosaic"`);
+and that epilogue alone on a product made elsewhere (`rope_and_write`, `rope_write`'s
+contract: split-K partial products, `handoff.Partials`, are summed as `Partials.total()`
+sums them).
+
+Each CTA owns one row tile of 64 (whole sequences of the window) and one head slot of one kv
+head: the kv head's query heads, then its key, then its value. It streams the x rows and that
+slot's weight columns [model, head_dim] through a ring (`tma_ring`), so the product never goes
+through memory (`rope_and_write`: reads its tile of each partial product by TMA and adds
+them), then finishes the fp32 accumulator in registers:
+
+- the product rounded to the activation dtype, as `Partials.total()` rounds it;
+- queries and keys: the q/k RMSNorm over the head (with `HeadOps.qk_norm`, its scale read by
+  TMA at the CTA's start), the clip, then rotate-half RoPE: in WGMMA's accumulator layout
+  feature j and j + rotary / 2 of a row sit in the same thread, so the halves are register
+  slices, turned with cos/sin tiles brought in by TMA;
+- values: the clip.
+
+Queries go out by TMA. Keys and values go to the K/V buffers [b, s, kv_heads, d], updated in
+place (aliased), at each sequence's window rows: TMA stores take a dynamic row offset but a
+static row count, so the CTA reads the buffer's rows under the window at its start and keeps
+those outside the write range `[write_lo, write_hi)`, then writes the window's whole run of
+rows. Rules: the window's rows `t` a multiple of 8 and at most 64 (a row tile holds
+`64 // t` sequences), the model width a multiple of 64, head_dim 64 or 128 with a rotary
+half (and any unrotated rest) a multiple of 8, and 16-bit activations and weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from djax.kernels import tma_ring
+from djax.kernels.handoff import Partials
+from djax.kernels.rope_write import HeadOps, _buffer_and_scale_problems, _parts
+from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, Tiles
+
+Array = jax.Array
+
+HEAD_DIMS = (64, 128)  # WGMMA column tiles a head fills: one CTA's accumulator
+PART_ALIGN = 8  # an accumulator's column tile: head parts are register slices of whole ones
+PLAIN_HEADS = HeadOps()  # no q/k norm, no clip
+MAX_SPLITS = 4  # the most partial products `rope_and_write` sums (their tiles share memory)
+
+
+def window_fits(t: int, head_dim: int, rotary_dim: int) -> bool:
+    """Whether the kernels take windows of `t` rows and these heads: `t` a multiple of 8 up to
+    64, `head_dim` in `HEAD_DIMS`, and head parts (the rotary halves and the rest) multiples
+    of 8."""
+    return (
+        0 < t <= ROW_TILE
+        and t % ROW_ALIGN == 0
+        and head_dim in HEAD_DIMS
+        and 0 < rotary_dim <= head_dim
+        and all(size % PART_ALIGN == 0 for _, size in _parts(head_dim, rotary_dim))
+    )
+
+
+def fits(t: int, model: int, head_dim: int, rotary_dim: int) -> bool:
+    """Whether `project_rope_and_write` takes windows of `t` rows and these widths
+    (`window_fits`, and `model` a multiple of 64)."""
+    return model % tma_ring.TILE == 0 and window_fits(t, head_dim, rotary_dim)
+
+
+def tiles_for(head_dim: int) -> Tiles:
+    """A head's columns in 64-wide steps through 6 slots: the split-K kernel's q/k/v
+    tiling."""
+    return Tiles(block_n=head_dim, block_k=tma_ring.TILE, splits=1, stages=6)
+
+
+def _read(ref, interpreting: bool) -> Array:
+    """A tile [64, n] of shared memory in WGMMA's accumulator layout, read thread by thread
+    (its rows are not swizzled, so no bank-conflict-free plan exists; the tiles are small).
+    Mosaic GPU's interpreter reads it as it is."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if interpreting:
+        return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA, optimized=False)
+
+
+def _row_iota(shape: tuple[int, int], interpreting: bool) -> Array:
+    """The row index of each element of an accumulator-shaped int32 array."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if interpreting:
+        return jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+
+
+def _kernel(
+    bounds_gmem,
+    *refs,
+    ops: HeadOps,
+    parts,
+    group: int,
+    seqs: int,
+    kv_heads: int,
+    t: int,
+    s: int,
+    tiles: Tiles,
+    steps: int,
+    splits: int | None,
+    buffered: bool,
+    interpreting: bool,
+):
+    """One CTA (row tile, kv head, slot). Refs: bounds [3] int32; the product's source: with
+    `splits` None x [m, model] (m = b * t) and w [model, kv * (group + 2) * d], multiplied
+    through the ring, else its partial products [splits, m, kv * (group + 2) * d] (fp32, or
+    the activation dtype with one split), summed; cos/sin [m, rotary / 2] fp32, the q and k
+    scales [2, d] (with `qk_norm`); with `buffered` the key and value buffers [b * s, kv * d]
+    (updated in place), then the output q [b * t, kv * group * d]; else the outputs q, keys
+    and values [b * t, kv * d]; then scratch: the source's (the ring, or the partials' tiles
+    and their barriers), the output tile, the buffer's rows, cos, sin, the scales, and
+    barriers."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if splits is None:
+        (x_gmem, w_gmem), refs = refs[:2], refs[2:]
+    else:
+        (partials_gmem,), refs = refs[:1], refs[1:]
+    cos_gmem, sin_gmem, *refs = refs
+    scales_gmem, refs = (refs[0], refs[1:]) if ops.qk_norm else (None, refs)
+    if buffered:  # the buffers are refs the kernel updates in place, then q
+        keys_gmem, values_gmem, q_gmem, *scratch = refs
+    else:
+        q_gmem, keys_gmem, values_gmem, *scratch = refs
+    *source, out_smem, cached_smem, cos_smem, sin_smem, scales_smem, bars, cached_bars = scratch
+    d, slots = out_smem.shape[1], group + 2
+    cta = jax.lax.axis_index("cta")
+    row_tile, kv_head, slot = cta // (kv_heads * slots), cta // slots % kv_heads, cta % slots
+    per_tile = ROW_TILE // t
+    first = row_tile * per_tile * t
+    start, write_lo, write_hi = bounds_gmem[0], bounds_gmem[1], bounds_gmem[2]
+    base = jnp.minimum(jnp.maximum(start, 0), s - t)  # as `layers.write_window` places it
+    head_cols = pl.ds(kv_head * d, d)
+    slot_cols = pl.ds((kv_head * slots + slot) * d, d)
+
+    def sequences():
+        """(i, seq): the row tile's sequences (seq < b only in the last tile)."""
+        return [(i, row_tile * per_tile + i) for i in range(per_tile)]
+
+    rows = pl.ds(first, ROW_TILE)
+    if splits is not None:  # the partials' tiles, read past the rows' end as zeros
+        partials_smem, partials_bars = source
+        for i in range(splits):
+            plgpu.copy_gmem_to_smem(
+                partials_gmem.at[i, rows, slot_cols], partials_smem.at[i], partials_bars.at[i]
+            )
+
+    @pl.when(slot <= group)  # queries and keys: every copy a CTA starts, it waits for
+    def _tables():
+        plgpu.copy_gmem_to_smem(cos_gmem.at[rows], cos_smem, bars.at[0])
+        plgpu.copy_gmem_to_smem(sin_gmem.at[rows], sin_smem, bars.at[1])
+        if scales_gmem is not None:
+            plgpu.copy_gmem_to_smem(scales_gmem, scales_smem, bars.at[2])
+
+    if buffered:  # the buffer's rows under each sequence's window, kept outside the range
+        for index, buf in ((group, keys_gmem), (group + 1, values_gmem)):
+
+            @pl.when(slot == index)
+            def _fetch(buf=buf):
+                for i, seq in sequences():
+
+                    @pl.when(seq < seqs)
+                    def _seq(i=i, seq=seq):
+                        plgpu.copy_gmem_to_smem(
+                            buf.at[pl.ds(seq * s + base, t), head_cols],
+                            cached_smem.at[pl.ds(i * t, t)],
+                            cached_bars.at[i],
+                        )
+
+    def finish(product):
+        dtype = out_smem.dtype
+        y = product.astype(dtype).astype(jnp.float32)
+
+        def head_ops(y, scale_row):
+            if scale_row is not None:
+                plgpu.barrier_wait(bars.at[2])
+                inv_rms = jax.lax.rsqrt(jnp.sum(y * y, axis=1) / d + ops.eps)
+                y = y * jax.lax.broadcast_in_dim(inv_rms, y.shape, [0])
+                y = y.astype(dtype).astype(jnp.float32)
+                scale = tma_ring.accumulator_columns(scales_smem[scale_row], interpreting)
+                scale = jax.lax.broadcast_in_dim(scale.astype(jnp.float32), y.shape, [1])
+                y = (y * scale).astype(dtype).astype(jnp.float32)
+            if ops.clip is not None:
+                y = jnp.minimum(jnp.maximum(y, -ops.clip), ops.clip)
+            return [y[:, lo : lo + size] for lo, size in parts]
+
+        def rope(head):
+            plgpu.barrier_wait(bars.at[0])
+            plgpu.barrier_wait(bars.at[1])
+            cos = _read(cos_smem, interpreting)
+            sin = _read(sin_smem, interpreting)
+            x1, x2, *rest = head
+            return [x1 * cos + -x2 * sin, x2 * cos + x1 * sin, *rest]
+
+        def kept(head):
+            """The head's parts where the rows lie in the write range, else the buffer's."""
+            for i, seq in sequences():
+
+                @pl.when(seq < seqs)
+                def _wait(i=i):
+                    plgpu.barrier_wait(cached_bars.at[i])
+
+            out = []
+            for p, (lo, size) in zip(head, parts, strict=True):
+                row = _row_iota(p.shape, interpreting)
+                position = start + jax.lax.rem(row, t)
+                ok = (position >= write_lo) & (position < write_hi)
+                cached = _read(cached_smem.at[:, pl.ds(lo, size)], interpreting)
+                out.append(jnp.where(ok, p, cached.astype(jnp.float32)))
+            return out
+
+        def store(head):
+            for p, (lo, size) in zip(head, parts, strict=True):
+                out_smem[:, pl.ds(lo, size)] = p.astype(dtype)
+
+        q_row, k_row = (0, 1) if ops.qk_norm else (None, None)
+
+        @pl.when(slot < group)
+        def _query():
+            store(rope(head_ops(y, q_row)))
+
+        @pl.when(slot == group)
+        def _key():
+            head = rope(head_ops(y, k_row))
+            store(kept(head) if buffered else head)
+
+        @pl.when(slot == group + 1)
+        def _value():
+            head = head_ops(y, None)
+            store(kept(head) if buffered else head)
+
+    if splits is None:
+        w_tile = lambda ks: w_gmem.at[ks, slot_cols]  # noqa: E731
+        tma_ring.stream(x_gmem, [w_tile], source, tiles, 0, steps, rows, finish)
+    else:  # summed in order, as `handoff.add_slices` sums them
+        slices = []
+        for i in range(splits):
+            plgpu.barrier_wait(partials_bars.at[i])
+            slices.append(_read(partials_smem.at[i], interpreting).astype(jnp.float32))
+        finish(sum(slices[1:], slices[0]))
+    plgpu.commit_smem()
+    for i, seq in sequences():
+        tile_rows = out_smem.at[pl.ds(i * t, t)]
+
+        @pl.when((seq < seqs) & (slot < group))
+        def _query(tile_rows=tile_rows, seq=seq):
+            cols = pl.ds((kv_head * group + slot) * d, d)
+            plgpu.copy_smem_to_gmem(tile_rows, q_gmem.at[pl.ds(seq * t, t), cols])
+
+        for index, buf in ((group, keys_gmem), (group + 1, values_gmem)):
+
+            @pl.when((seq < seqs) & (slot == index))
+            def _kv(tile_rows=tile_rows, seq=seq, buf=buf):
+                plgpu.copy_smem_to_gmem(tile_rows, buf.at[pl.ds(seq * s + base, t), head_cols])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _check(name, lead, kv_heads, d, cos, sin, buffers, scales, ops, dtype, more) -> None:
+    """Raise a ValueError naming `name` and what is wrong with the window's heads, tables,
+    buffers and scales (and `more`, the caller's problems), where anything is."""
+    b, t = lead
+    rotary = 2 * cos.shape[-1]
+    problems = list(more)
+    if cos.shape != (b, t, rotary // 2) or sin.shape != cos.shape:
+        problems.append(f"rows {lead} with cos {cos.shape}, sin {sin.shape}")
+    elif not window_fits(t, d, rotary):
+        problems.append(f"{t} window rows, rotary dim {rotary} of {d}")
+    problems += _buffer_and_scale_problems(b, kv_heads, d, buffers, scales, ops)
+    if buffers is not None and buffers[0].shape[1] < t:
+        problems.append(f"buffers of {buffers[0].shape[1]} rows for a {t}-row window")
+    if buffers is not None and any(buf.dtype != dtype for buf in buffers):
+        problems.append(f"buffers {[buf.dtype.name for buf in buffers]} for {dtype.name} rows")
+    if problems:
+        raise ValueError(
+            f"{name}: {'; '.join(problems)}; expected window rows t a multiple of 8 up to "
+            f"{ROW_TILE}, heads of d in {HEAD_DIMS} features, cos/sin [b, t, r / 2] for an "
+            "even r in (0, d] with r / 2 and d - r multiples of 8, buffers [b, s >= t, "
+            "kv_heads, d] of the rows' dtype, and q/k scales [d] exactly when qk_norm"
+        )
+
+
+def _run(source, source_scratch, shape, dtype, cos, sin, buffers, bounds, scales, ops, **static):
+    """The kernel over a window of `shape` (b, t, kv_heads, group, d) with `dtype` rows:
+    `source` its product's input arrays, `source_scratch` their scratch; `static` the rest
+    of `_kernel`'s keywords (tiles, steps, splits, interpret). Returns (q, keys, values)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    b, t, kv_heads, group, d = shape
+    rotary = 2 * cos.shape[-1]
+    s = t if buffers is None else buffers[0].shape[1]
+    m = b * t
+    per_tile = ROW_TILE // t
+    rows = lambda a: a.reshape(m, a.shape[-1])  # noqa: E731  (m: a multiple of 8, as TMA reads)
+    inputs = [bounds.astype(jnp.int32), *source, rows(cos), rows(sin)]
+    if ops.qk_norm:
+        inputs.append(jnp.stack(scales).astype(dtype))
+    out_type = [jax.ShapeDtypeStruct((m, kv_heads * group * d), dtype)]
+    if buffers is None:
+        out_type += [jax.ShapeDtypeStruct((m, kv_heads * d), dtype)] * 2
+    else:  # updated in place: the kernel's refs alias them
+        buffers = [
+            jax.new_ref(buf.reshape(b * s, kv_heads * d), memory_space=plgpu.GMEM)
+            for buf in buffers
+        ]
+        inputs += buffers
+    params = tma_ring.interpret_params(static.pop("interpret"))
+    kernel = functools.partial(
+        _kernel,
+        ops=ops,
+        parts=_parts(d, rotary),
+        group=group,
+        seqs=b,
+        kv_heads=kv_heads,
+        t=t,
+        s=s,
+        buffered=buffers is not None,
+        interpreting=params is not None,
+        **static,
+    )
+    scratch = [
+        *source_scratch,
+        plgpu.SMEM((ROW_TILE, d), dtype),  # the output tile
+        plgpu.SMEM((ROW_TILE, d), dtype),  # the buffer's rows under the window
+        plgpu.SMEM((ROW_TILE, rotary // 2), jnp.float32),  # cos
+        plgpu.SMEM((ROW_TILE, rotary // 2), jnp.float32),  # sin
+        plgpu.SMEM((2, d), dtype),  # the q and k scales
+        plgpu.Barrier(num_barriers=3),  # cos, sin, scales
+        plgpu.Barrier(num_barriers=per_tile),  # the buffer's rows, by sequence
+    ]
+
+    def body(*refs):  # the scratch in a scope, as `plgpu.kernel` allocates it
+        pl.run_scoped(functools.partial(kernel, *refs), *scratch)
+
+    outs = pl.kernel(
+        body,
+        out_type=out_type,
+        mesh=plgpu.Mesh(grid=(pl.cdiv(b, per_tile) * kv_heads * (group + 2),), grid_names=("cta",)),
+        interpret=params or False,
+        name="qkv_rope_mosaic" if static["splits"] is None else "rope_mosaic",
+    )(*inputs)
+    q, keys, values = (outs[0], *buffers) if buffers is not None else outs
+    if buffers is not None:
+        keys, values = keys[...], values[...]
+    kv_shape = (b, s, kv_heads, d)
+    return q.reshape(b, t, kv_heads, group, d), keys.reshape(kv_shape), values.reshape(kv_shape)
+
+
+def _epilogue_bytes(d: int, rotary: int, dtype) -> int:
+    """Shared memory of the epilogue's tiles beside the source's."""
+    item = jnp.dtype(dtype).itemsize
+    return 2 * ROW_TILE * d * item + ROW_TILE * rotary * 4 + 2 * d * item
+
+
+@functools.partial(jax.jit, static_argnames=("ops", "tiles", "interpret"))
+def project_rope_and_write(
+    x: Array,
+    w: Array,
+    cos: Array,
+    sin: Array,
+    buffers: tuple[Array, Array] | None,
+    bounds: Array,
+    scales: tuple[Array, Array] | None = None,
+    ops: HeadOps = PLAIN_HEADS,
+    tiles: Tiles | None = None,
+    interpret: bool | None = None,
+) -> tuple[Array, Array, Array]:
+    """`rope_and_write(x @ w, ...)` with the q/k/v product inside the kernel, in Mosaic GPU
+    (`rope_write.project_rope_and_write`'s contract, but for `ScaledRows`).
+
+    x: [b, t, model] normed window rows; w: [model, kv_heads, group + 2, head_dim], both bf16
+    or both fp16 (`fits`); the rest as `rope_and_write`. Returns (q [b, t, kv_heads, group,
+    head_dim], keys, values). The product is rounded to x's dtype before the head ops.
+    `tiles`: the ring (default `tiles_for`; `block_n` must be head_dim); `interpret`: run in
+    Mosaic GPU's interpreter (default: exactly off GPUs, as the CPU tests do).
+    """
+    name = "rope_write_mosaic.project_rope_and_write"
+    if x.ndim != 3 or w.ndim != 4 or w.shape[0] != x.shape[-1] or w.shape[2] < 3:
+        raise ValueError(
+            f"{name}: x {x.shape} with w {w.shape}; expected x [b, t, model] and w [model, "
+            "kv_heads, group + 2, d] with group >= 1"
+        )
+    tma_ring.check_operands(name, x, w)
+    (b, t, model), (kv_heads, slots, d) = x.shape, w.shape[1:]
+    more = [] if model % tma_ring.TILE == 0 else [f"model width {model}, not a multiple of 64"]
+    _check(name, (b, t), kv_heads, d, cos, sin, buffers, scales, ops, x.dtype, more)
+    tiles = tiles or tiles_for(d)
+    if tiles.block_n != d or tiles.splits != 1:
+        raise ValueError(f"{tiles}: the q/k/v product takes block_n = head_dim = {d}, splits=1")
+    rotary = 2 * cos.shape[-1]
+    tiles.check(model, d, weights=1, out_bytes=0, extra=_epilogue_bytes(d, rotary, x.dtype))
+    return _run(
+        [x.reshape(b * t, model), w.reshape(model, -1)],
+        tma_ring.ring_scratch(tiles, x.dtype, weights=1),
+        (b, t, kv_heads, slots - 2, d),
+        x.dtype,
+        cos,
+        sin,
+        buffers,
+        bounds,
+        scales,
+        ops,
+        tiles=tiles,
+        steps=model // tiles.block_k,
+        splits=None,
+        interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("ops", "interpret"))
+def rope_and_write(
+    qkv: Array | Partials,
+    cos: Array,
+    sin: Array,
+    buffers: tuple[Array, Array] | None,
+    bounds: Array,
+    scales: tuple[Array, Array] | None = None,
+    ops: HeadOps = PLAIN_HEADS,
+    interpret: bool | None = None,
+) -> tuple[Array, Array, Array]:
+    """Queries ready for attention and the K/V buffers with the window's rows written, from a
+    q/k/v product made elsewhere, in Mosaic GPU (`rope_write.rope_and_write`'s contract): one
+    CTA per (row tile, kv head, slot) reads its head's tile of each partial product by TMA,
+    sums them in `handoff.add_slices`' order and finishes them as `project_rope_and_write`
+    does.
+
+    qkv: [b, t, kv_heads, group + 2, head_dim] in bf16 or fp16, or `Partials` of that shape
+    (at most `MAX_SPLITS` slices); cos, sin: [b, t, rotary_dim / 2] fp32
+    (`layers.rope_tables`); buffers: (keys, values) [b, s, kv_heads, head_dim] with s >= t,
+    updated in place, or None for a whole-sequence window (fresh [b, t, kv_heads, head_dim]
+    arrays come back); bounds: int32 [3] = (window start, write_lo, write_hi): window row `i`
+    sits at position `start + i` and is written when that lies in `[write_lo, write_hi)` (a
+    window past the buffer's end sits at its last `t` rows, as in `layers.write_window`);
+    scales: the q and k norm scales [head_dim] (with `ops.qk_norm`). `t` a multiple of 8 up
+    to 64 and the heads as `fits` says. Returns (q [b, t, kv_heads, group, head_dim], keys,
+    values). `interpret`: as `project_rope_and_write`'s.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    name = "rope_write_mosaic.rope_and_write"
+    products = qkv.parts if isinstance(qkv, Partials) else qkv[None]
+    if products.ndim != 6 or products.shape[4] < 3:
+        raise ValueError(
+            f"{name}: qkv {products.shape[1:]}; expected [b, t, kv_heads, group + 2, d] with "
+            "group >= 1"
+        )
+    splits, b, t, kv_heads, slots, d = products.shape
+    dtype = jnp.dtype(qkv.dtype)
+    more = []
+    if not tma_ring.takes_dtype(dtype) or splits > MAX_SPLITS:
+        more.append(f"{splits} slices of {products.dtype.name} for {dtype.name} rows")
+    _check(name, (b, t), kv_heads, d, cos, sin, buffers, scales, ops, dtype, more)
+    partials = products.reshape(splits, b * t, kv_heads * slots * d)
+    source_scratch = [
+        plgpu.SMEM((splits, ROW_TILE, d), products.dtype),
+        plgpu.Barrier(num_barriers=splits),
+    ]
+    return _run(
+        [partials],
+        source_scratch,
+        (b, t, kv_heads, slots - 2, d),
+        dtype,
+        cos,
+        sin,
+        buffers,
+        bounds,
+        scales,
+        ops,
+        tiles=None,
+        steps=0,
+        splits=splits,
+        interpret=interpret,
+    )

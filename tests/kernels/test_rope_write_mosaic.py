@@ -1,0 +1,245 @@
+"""The Mosaic GPU q/k/v product with the q/k norm, clip, RoPE and K/V buffer writes in its
+epilogue (`rope_write_mosaic`), run by Mosaic GPU's interpreter on the CPU, against XLA's
+product and `layers.rope_and_write_xla`; its errors, its lowering for a Hopper GPU at
+LLaDA-8B's and LLaDA-MoE's shapes, an attention layer taking it, and on a GPU the compiled
+kernel against XLA and the Triton kernel."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from djax.config import DENSE, ModelConfig
+from djax.kernels import rope_write, rope_write_mosaic, split_k_mosaic
+from djax.kernels.handoff import Partials
+from djax.kernels.rope_write import HeadOps
+from djax.kernels.tma_ring import Tiles
+from djax.models import layers
+from djax.models.kernel_choice import Kernels
+
+BF16 = jnp.bfloat16
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+CASES = {
+    # b, t, model, kv heads, group, head dim, rotary dim, buffer len, window, ops
+    "GQA, two sequences in one row tile, window at the cache's start": (
+        2, 16, 64, 1, 2, 64, 64, 48, layers.Window(0), HeadOps(),
+    ),
+    "q/k norm and clip, write range in the cache's middle": (
+        1, 16, 64, 1, 1, 64, 64, 64, layers.Window(20, 22, 30), HeadOps(True, 1e-5, 2.0),
+    ),
+    "three sequences over two row tiles, window past the cache's end": (
+        3, 32, 64, 1, 1, 64, 64, 48, layers.Window(40), HeadOps(),
+    ),
+    "whole sequence, 128-wide heads, partial rotary, q/k norm": (
+        1, 8, 64, 1, 1, 128, 64, None, layers.Window(3), HeadOps(True, 1e-5),
+    ),
+}  # fmt: skip
+
+
+def _normal(seed, shape, dtype=BF16, scale=1.0):
+    return (jax.random.normal(jax.random.key(seed), shape) * scale).astype(dtype)
+
+
+def _problem(case):
+    b, t, model, kv, group, d, rotary, s, window, ops = case
+    x = _normal(0, (b, t, model))
+    w = _normal(1, (model, kv, group + 2, d), scale=3.0 * model**-0.5)
+    positions = window.start + jnp.broadcast_to(jnp.arange(t), (b, t))
+    buffers = None if s is None else (_normal(2, (b, s, kv, d)), _normal(3, (b, s, kv, d)))
+    scales = (_normal(4, (d,), scale=0.1) + 1, _normal(5, (d,), scale=0.1) + 1)
+    lo = window.start if window.write_lo is None else window.write_lo
+    hi = window.start + t if window.write_hi is None else window.write_hi
+    cos, sin = layers.rope_tables(positions, 10000.0, rotary)
+    bounds = jnp.array([window.start, lo, hi])
+    return x, w, positions, buffers, scales if ops.qk_norm else None, bounds, cos, sin
+
+
+def _xla(case, x, w, positions, buffers, scales):
+    """XLA's product (fp32, rounded to bf16) and XLA's head ops and buffer writes."""
+    *_, rotary, _, window, ops = case
+    qkv = jnp.einsum("btm,mkgd->btkgd", x, w, preferred_element_type=jnp.float32)
+    return layers.rope_and_write_xla(
+        qkv.astype(x.dtype), positions, buffers, window, scales, ops, 10000.0, rotary
+    )
+
+
+# The q/k norm and clip in the cache's middle run through the same epilogue in
+# `test_rope_and_write_matches_xla`.
+@pytest.mark.parametrize("name", [name for name in CASES if "middle" not in name])
+def test_matches_xla(name):
+    """q, keys and values against XLA's; the buffer rows outside the write range are the old
+    buffer's, bit for bit."""
+    case = CASES[name]
+    x, w, positions, buffers, scales, bounds, cos, sin = _problem(case)
+    ops = case[-1]
+    ours = rope_write_mosaic.project_rope_and_write(x, w, cos, sin, buffers, bounds, scales, ops)
+    want = _xla(case, x, w, positions, buffers, scales)
+    for label, o, ref in zip(("q", "keys", "values"), ours, want, strict=True):
+        assert o.shape == ref.shape and o.dtype == ref.dtype, label
+        np.testing.assert_allclose(
+            o.astype(jnp.float32), ref.astype(jnp.float32), atol=2e-2, rtol=2e-2, err_msg=label
+        )
+    if buffers is not None:
+        t, s, window = x.shape[1], buffers[0].shape[1], case[-2]
+        lo, hi = int(bounds[1]), int(bounds[2])
+        base = min(max(window.start, 0), s - t)
+        written = [base + i for i in range(t) if lo <= window.start + i < hi]
+        untouched = ~np.isin(np.arange(s), written)
+        assert untouched.sum() > 0 and len(written) > 0
+        np.testing.assert_array_equal(ours[1][:, untouched], buffers[0][:, untouched])
+        np.testing.assert_array_equal(ours[2][:, untouched], buffers[1][:, untouched])
+
+
+@pytest.mark.parametrize(
+    "name, splits",
+    [
+        ("q/k norm and clip, write range in the cache's middle", 3),
+        ("GQA, two sequences in one row tile, window at the cache's start", None),
+    ],
+)
+def test_rope_and_write_matches_xla(name, splits):
+    """The epilogue alone, from 3 split-K partial products or a plain product, against XLA's
+    head ops on the summed product; rows outside the write range keep the buffer's."""
+    b, t, model, kv, group, d, rotary, s, window, ops = CASES[name]
+    x, w, positions, buffers, scales, bounds, cos, sin = _problem(CASES[name])
+    qkv = _normal(9, (b, t, kv, group + 2, d), scale=3.0)
+    product = qkv
+    if splits:
+        product = Partials(_normal(10, (splits, *qkv.shape), jnp.float32, 2.0), BF16)
+        qkv = product.total()
+    ours = rope_write_mosaic.rope_and_write(product, cos, sin, buffers, bounds, scales, ops)
+    want = layers.rope_and_write_xla(qkv, positions, buffers, window, scales, ops, 1e4, rotary)
+    for label, o, ref in zip(("q", "keys", "values"), ours, want, strict=True):
+        assert o.shape == ref.shape and o.dtype == ref.dtype, label
+        np.testing.assert_allclose(
+            o.astype(jnp.float32), ref.astype(jnp.float32), atol=2e-2, rtol=2e-2, err_msg=label
+        )
+    lo, hi = int(bounds[1]), int(bounds[2])
+    written = [
+        min(max(window.start, 0), s - t) + i for i in range(t) if lo <= window.start + i < hi
+    ]
+    untouched = ~np.isin(np.arange(s), written)
+    np.testing.assert_array_equal(ours[1][:, untouched], buffers[0][:, untouched])
+
+
+def test_errors():
+    x, w = jnp.zeros((1, 8, 64), BF16), jnp.zeros((64, 2, 3, 64), BF16)
+    cos = sin = jnp.zeros((1, 8, 32))
+    bounds = jnp.array([0, 0, 8])
+    run = rope_write_mosaic.project_rope_and_write
+    with pytest.raises(ValueError, match=r"x \(1, 8, 64\) with w \(48, 2, 3, 64\)"):
+        run(x, w[:48], cos, sin, None, bounds)
+    with pytest.raises(ValueError, match="x float32, w bfloat16; expected both bfloat16"):
+        run(x.astype(jnp.float32), w, cos, sin, None, bounds)
+    with pytest.raises(ValueError, match="12 window rows, rotary dim 64 of 64; expected"):
+        table = jnp.zeros((1, 12, 32))
+        run(jnp.zeros((1, 12, 64), BF16), w, table, table, None, bounds)
+    with pytest.raises(ValueError, match="rotary dim 12 of 64"):  # halves of 6
+        run(x, w, cos[..., :6], sin[..., :6], None, bounds)
+    with pytest.raises(ValueError, match="buffers of 4 rows for a 8-row window"):
+        short = jnp.zeros((1, 4, 2, 64), BF16)
+        run(x, w, cos, sin, (short, short), bounds)
+    with pytest.raises(ValueError, match="qk_norm=True with scales None"):
+        run(x, w, cos, sin, None, bounds, ops=HeadOps(qk_norm=True))
+    with pytest.raises(ValueError, match="model width 96, not a multiple of 64"):
+        run(jnp.zeros((1, 8, 96), BF16), w[:1].repeat(96, 0), cos, sin, None, bounds)
+    qkv = jnp.zeros((1, 8, 2, 3, 64), BF16)
+    with pytest.raises(ValueError, match="5 slices of float32 for bfloat16 rows"):
+        parts = Partials(jnp.zeros((5, *qkv.shape)), BF16)
+        rope_write_mosaic.rope_and_write(parts, cos, sin, None, bounds)
+    with pytest.raises(ValueError, match="1 slices of float32 for float32 rows"):
+        rope_write_mosaic.rope_and_write(qkv.astype(jnp.float32), cos, sin, None, bounds)
+
+
+def test_lowers_for_hopper():
+    """At LLaDA-8B's block (32 kv heads of 128 features, 4096 wide, 32 rows into a
+    384-position cache), LLaDA-MoE's (q/k norms and the clip, 2048 wide, two sequences),
+    and a whole-sequence window with partial rotary, both kernels (with the product, and
+    the epilogue alone on 2 split-K partials) lower to Mosaic GPU's custom call for CUDA,
+    the buffers aliased (layouts, TMA slices and the epilogue's register slices are checked
+    here, on any host)."""
+    shape = jax.ShapeDtypeStruct
+    for b, model, kv, rotary, s, ops in (
+        (1, 4096, 32, 128, 384, HeadOps()),
+        (2, 2048, 16, 128, 384, HeadOps(True, 1e-6, 8.0)),
+        (1, 2048, 16, 64, None, HeadOps(True, 1e-6)),
+    ):
+        args = [
+            shape((b, 32, model), BF16),
+            shape((model, kv, 3, 128), BF16),
+            shape((b, 32, rotary // 2), jnp.float32),
+            shape((b, 32, rotary // 2), jnp.float32),
+            None if s is None else (shape((b, s, kv, 128), BF16),) * 2,
+            shape((3,), jnp.int32),
+            (shape((128,), BF16),) * 2 if ops.qk_norm else None,
+        ]
+
+        def run(*args, ops=ops):
+            return rope_write_mosaic.project_rope_and_write(*args, ops=ops, interpret=False)
+
+        text = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+        assert ("output_operand_alias" in text) == (s is not None)
+
+        def epilogue(parts, *args, ops=ops):  # the epilogue alone, on split-K partials
+            qkv = Partials(parts, BF16)
+            return rope_write_mosaic.rope_and_write(qkv, *args, ops=ops, interpret=False)
+
+        parts = shape((2, b, 32, kv, 3, 128), jnp.float32)
+        traced = jax.jit(epilogue).trace(parts, *args[2:])
+        assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_attention_layer_takes_the_kernel():
+    """An attention layer with `rope="mosaic"` (its q/k/v product inside the kernel) writes
+    the window's K/V and attends as its XLA path does, in bf16."""
+    config = ModelConfig(DENSE, 64, 64, 1, 2, 1, 64, 128, 1e4, 1e-5, 64, 1, 2, 3)
+    attention = layers.Attention(config, BF16)
+    x = _normal(6, (1, 16, 64))
+    positions = 8 + jnp.arange(16)[None]
+    kv = (_normal(7, (1, 32, 1, 64)), _normal(8, (1, 32, 1, 64)))
+    key_valid = jnp.ones((1, 32), bool)
+    window = layers.Window(8)
+    params = attention.init(jax.random.key(9), x, positions, key_valid, kv, window)
+    mosaic = Kernels(qkv="rope", rope="mosaic")
+    ours, ours_kv, _ = attention.apply(params, x, positions, key_valid, kv, window, None, mosaic)
+    ref, ref_kv, _ = attention.apply(params, x, positions, key_valid, kv, window)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    np.testing.assert_allclose(f32(ours), f32(ref), atol=5e-2, rtol=5e-2)
+    for o, r in zip(ours_kv, ref_kv, strict=True):
+        np.testing.assert_allclose(f32(o), f32(r), atol=2e-2, rtol=2e-2)
+
+
+@needs_gpu
+def test_compiled_kernel_on_gpu():
+    """On a Hopper GPU: the compiled kernels at LLaDA-8B's block, LLaDA-MoE's (q/k norms) and
+    two 32-row sequences, against XLA's product and head ops and the Triton kernel; the
+    epilogue alone on the Mosaic GPU split-K product's partials (and on 2 slices of it)
+    against the Triton epilogue on the same partials."""
+    cases = [
+        (1, 32, 4096, 32, 1, 128, 128, 384, layers.Window(128), HeadOps()),
+        (1, 32, 2048, 16, 1, 128, 128, 384, layers.Window(128), HeadOps(True, 1e-6)),
+        (2, 32, 4096, 8, 1, 128, 128, 384, layers.Window(352, 360, 384), HeadOps()),
+    ]
+    for case in cases:
+        x, w, positions, buffers, scales, bounds, cos, sin = _problem(case)
+        ops = case[-1]
+        ours = rope_write_mosaic.project_rope_and_write(
+            x, w, cos, sin, buffers, bounds, scales, ops
+        )
+        want = _xla(case, x, w, positions, buffers, scales)
+        triton = rope_write.project_rope_and_write(x, w, cos, sin, buffers, bounds, scales, ops)
+        for o, ref, tri in zip(ours, want, triton, strict=True):
+            o, ref, tri = (a.astype(jnp.float32) for a in (o, ref, tri))
+            np.testing.assert_allclose(o, ref, atol=0.1, rtol=0.02)
+            np.testing.assert_allclose(o, tri, atol=0.1, rtol=0.02)
+        model = w.shape[0]
+        for tiles in (None, Tiles(block_n=64, block_k=64, splits=2, stages=4)):
+            qkv = split_k_mosaic.matmul_partials(x, w.reshape(model, -1), tiles=tiles)
+            qkv = Partials(qkv.parts.reshape(qkv.parts.shape[:-1] + w.shape[1:]), qkv.dtype)
+            args = (cos, sin, buffers, bounds, scales, ops)
+            ours = rope_write_mosaic.rope_and_write(qkv, *args)
+            for o, tri in zip(ours, rope_write.rope_and_write(qkv, *args), strict=True):
+                o, tri = o.astype(jnp.float32), tri.astype(jnp.float32)
+                np.testing.assert_allclose(o, tri, atol=0.05, rtol=0.01)
