@@ -36,6 +36,8 @@ kernels take the norm moved into the products before the feed-forward as the Tri
 do (`fused`: `residual_product_mosaic`; `tiled`: the split-K product, then the tiled add);
 the q/k/v product inside the RoPE kernel stays a Triton kernel, so under `mosaic` the
 q/k/v product keeps its RoPE kernel apart and the norm before attention is not moved.
+`moe_impl="mosaic"` (`djax.kernels.expert_tiles_mosaic`) is likewise taken only when asked
+for, and is the one expert kernel that takes fp8 weights as well as 16-bit ones.
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ class Kernels:
     norm_into_attention: where the norm before the feed-forward (a dense MLP) / before the
     next layer's attention runs inside the products around it, `fused` (the add in the
     product's epilogue), `tiled` (in a kernel after it) or `no`. moe: the routed experts,
-    `dense`, `grouped` or `pallas` (`resolve` says `none` for a model without experts).
+    `dense`, `grouped`, `pallas` or `mosaic` (`resolve` says `none` for a model without
+    experts).
     fp8: how XLA's products take fp8 weights, `dequant` or `scaled` (`djax.models.fp8`),
     `no` for weights in the model's dtype."""
 
@@ -312,12 +315,14 @@ class _Rule:
             )
         if self.fp8:
             for name in ("matmul_impl", "mlp_impl", "moe_impl"):
-                if getattr(options, name) in ("pallas", "mosaic"):
+                if getattr(options, name) in ("pallas", "mosaic") and not (
+                    name == "moe_impl" and options.moe_impl == "mosaic"
+                ):
                     raise ValueError(
                         f"{name}={getattr(options, name)!r} takes 16-bit weights; with "
                         "weights='fp8' the products run in XLA: give 'auto' or 'xla'"
                     )
-        for name in ("matmul_impl", "mlp_impl"):
+        for name in ("matmul_impl", "mlp_impl", "moe_impl"):
             if getattr(options, name) == "mosaic" and not tma_ring.takes_dtype(dtype):
                 raise ValueError(
                     f"{name}='mosaic' takes bfloat16 or float16 weights; got {self.dtype_name}"
@@ -456,6 +461,12 @@ class _Rule:
         cfg, w = self.widths.config, self.widths
         fits = tiles.matmul_fits(cfg.d_model, w.expert_hidden)
         impl = self.options.moe_impl
+        if impl == "mosaic":
+            return self._mosaic(
+                "moe_impl",
+                tma_ring.fits(cfg.d_model, w.expert_hidden),
+                f"model {cfg.d_model}, local expert ffn {w.expert_hidden}",
+            )
         if impl == "pallas" and not fits:
             raise ValueError(
                 f"moe_impl='pallas' takes model and local expert widths that are multiples "
