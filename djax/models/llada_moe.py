@@ -156,15 +156,28 @@ def ragged_mlp(
 
 
 def mosaic_mlp(
-    x: Array, source_rows: Array, gate_up: fp8.Weight, down: fp8.Weight, group_sizes: Array
+    x: Array,
+    source_rows: Array,
+    gate_up: fp8.Weight,
+    down: fp8.Weight,
+    group_sizes: Array,
+    tiles: Any = None,
 ) -> Array:
     """`ragged_mlp`'s contract through the Mosaic GPU expert-tile kernels
-    (`expert_tiles_mosaic.expert_mlp`), `Fp8Weight`s given to them as values and scales."""
+    (`expert_tiles_mosaic.expert_mlp`, at its (gate/up, down) `tiles`, default `tiles_for`),
+    `Fp8Weight`s given to them as values and scales."""
     if isinstance(gate_up, fp8.Fp8Weight) and isinstance(down, fp8.Fp8Weight):
         return expert_tiles_mosaic.expert_mlp(
-            x, source_rows, gate_up.values, down.values, group_sizes, gate_up.scale, down.scale
+            x,
+            source_rows,
+            gate_up.values,
+            down.values,
+            group_sizes,
+            gate_up.scale,
+            down.scale,
+            tiles=tiles,
         )
-    return expert_tiles_mosaic.expert_mlp(x, source_rows, gate_up, down, group_sizes)
+    return expert_tiles_mosaic.expert_mlp(x, source_rows, gate_up, down, group_sizes, tiles=tiles)
 
 
 def experts_grouped(
