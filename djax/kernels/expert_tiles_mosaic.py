@@ -21,7 +21,9 @@ and the CTAs of the tiles past the table's used ones return at once. Each CTA ow
   that WGMMA reads (`tma_ring.stream`'s `converted`); the accumulator is multiplied by its
   columns' scales in fp32 before the activation and the store. This is the `dequant`
   product of `djax.models.fp8` (values converted exactly, product in fp32, scaled per
-  channel), with the product kept in fp32 until the scale.
+  channel), with the product kept in fp32 until the scale. (An fp8 x fp8 WGMMA would need
+  the weight tiles K-major: Mosaic GPU's WGMMA transposes 16-bit operands only, and the
+  weights are stored [experts, k, n], n fastest.)
 
 `expert_mlp` runs both products: the gate/up product with `silu(gate) * up` fused (gate and
 up weight tiles side by side in two accumulators), then the down product.
