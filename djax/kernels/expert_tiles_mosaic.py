@@ -198,8 +198,11 @@ def grouped_matmul(
     if tiles.splits != 1:
         raise ValueError(f"{tiles}: the expert products take splits=1")
     weights = 2 if gated else 1
-    converted_bytes = weights * tiles.block_k * tiles.block_n * x.dtype.itemsize
-    extra = converted_bytes + weights * tiles.block_n * SCALE_BYTES if scaled else 0
+    extra = 0
+    if scaled:  # the converted slots and scales; the ring's e4m3 slots take 1 byte a value
+        tile = tiles.block_k * tiles.block_n
+        converted, fp8_slots = weights * tile * x.dtype.itemsize, tiles.stages * weights * tile
+        extra = converted + weights * tiles.block_n * SCALE_BYTES - fp8_slots
     tiles.check(k, n, weights=weights, out_bytes=x.dtype.itemsize, extra=extra)
     n_tiles = expert_tiles.max_tiles(pairs, groups, ROW_TILE)
     table = expert_tiles.row_tiles(group_sizes, ROW_TILE, n_tiles)
