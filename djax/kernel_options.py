@@ -69,7 +69,7 @@ class KernelOptions:
         "q/k norm, RoPE and K/V writes: pallas on kernel GPUs with 16-bit weights, else xla",
     )
     moe_impl: str = _option(
-        ("auto", "xla", "pallas"),
+        ("auto", "xla", "pallas", "mosaic"),
         "MoE experts: pallas on kernel GPUs with 16-bit weights, else xla (grouped up to 64 "
         "tokens per forward, dense above)",
     )

@@ -157,6 +157,20 @@ def test_moe_choice():
         _choice(KernelOptions(moe_impl="pallas"), CPU, LLADA_MOE.replace(expert_hidden=40))
 
 
+def test_moe_mosaic_only_when_asked():
+    """`moe_impl="mosaic"` runs every forward's experts where asked, with 16-bit or fp8
+    weights; `auto` never takes it; 16-bit activations and widths of 64s only."""
+    mosaic = KernelOptions(moe_impl="mosaic")
+    for weights in ("dtype", "fp8"):
+        choice = _choice(mosaic, CPU, LLADA_MOE, weights=weights)
+        assert choice.block.layers.moe == choice.refresh.layers.moe == "mosaic"
+    assert _choice(config=LLADA_MOE).block.layers.moe == "pallas"
+    with pytest.raises(ValueError, match="moe_impl='mosaic' takes bfloat16 or float16"):
+        _choice(mosaic, CPU, LLADA_MOE, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="moe_impl='mosaic' takes .* 64; got model 2048, local"):
+        _choice(mosaic, CPU, LLADA_MOE.replace(expert_hidden=48))
+
+
 def test_explicit_options():
     """An explicit kernel runs wherever it fits, off GPUs and in fp32 included; the fused
     forms keep their row limits; cuDNN runs only refreshes."""

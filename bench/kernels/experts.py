@@ -10,11 +10,19 @@ hit, read once, at the measured read bandwidth, or the routed FLOPs at the matmu
 
 `--sweep` replaces the first three paths by the Hopper kernel at a wider set of tiles
 (`SWEEP`).
+`--mosaic` compares the expert-tile kernels' Pallas Mosaic GPU port (`expert_tiles_mosaic`,
+at `MOSAIC_TILES`) with bf16 and with fp8 weights (`djax.models.fp8`, quantised from the
+bf16 ones) against the Triton kernels (bf16) and XLA's paths in both weight forms (the
+engine's: `grouped` and `dense`, fp8 as `scaled` and `dequant`); the floor of an fp8 path
+counts the e4m3 values' bytes.
+`--routing spread` routes as `bench.generate --routing spread` does (`spread_routing`: a
+block's tokens reach every expert, as a trained router spreads them).
 `--permutation` times only the sort of the token-expert pairs by expert (device µs of each
 kernel from a profiler trace): XLA's sort (`argsort`, and again to invert it), the engine's
 counting sort (`sort_by_group`), and a pairwise compare-and-sum.
 
-    python -m bench.kernels.experts [--tokens 32 384 1280] [--sweep | --permutation] [--tiny]
+    python -m bench.kernels.experts [--tokens 32 384 1280] [--sweep | --permutation | --mosaic]
+        [--routing model|spread] [--tiny]
 """
 
 from __future__ import annotations
@@ -26,10 +34,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import measure_ceilings, model_config, save, time_in_program
+from bench.common import (
+    ROUTINGS,
+    measure_ceilings,
+    model_config,
+    save,
+    spread_routing,
+    time_in_program,
+)
 from bench.kernels.timing import kernel_us
 from djax.kernels import expert_tiles
-from djax.models.llada_moe import experts_dense, experts_grouped, route, sort_by_group
+from djax.kernels.tma_ring import Tiles
+from djax.models import fp8
+from djax.models.llada_moe import (
+    experts_dense,
+    experts_grouped,
+    mosaic_mlp,
+    ragged_mlp,
+    route,
+    sort_by_group,
+)
 
 HOPPER_TILES = (
     {"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
@@ -68,6 +92,15 @@ EXPERT_TILES = (
     ),
     (expert_tiles.Tiles(block_m=16, block_n=128), expert_tiles.Tiles(block_m=16, block_n=128)),
 )
+# The Mosaic GPU port (`expert_tiles_mosaic`): (gate/up, down) tiles; None is `tiles_for`
+# (128 columns, 64-wide steps, 4 stages: one CTA per SM). Two stages leave room for two
+# CTAs per SM; 64-column gate/up tiles make twice the CTAs.
+MOSAIC_TILES = (
+    None,
+    (Tiles(block_n=128, stages=2), Tiles(block_n=128, stages=2)),
+    (Tiles(block_n=64, stages=4), Tiles(block_n=128, stages=4)),
+    (Tiles(block_n=128, block_k=128, stages=2), Tiles(block_n=128, block_k=128, stages=2)),
+)
 XLA_RAGGED_OPTIONS = {
     "default": {},
     "ragged_dot_fusion": {"xla_gpu_experimental_use_ragged_dot_fusion": True},
@@ -103,6 +136,35 @@ def paths(sweep: bool = False) -> list[tuple[str, object, dict]]:
         mlp = functools.partial(expert_tiles.expert_mlp, tiles=tiles)
         out.append((label, functools.partial(experts_grouped, mlp=mlp), {}))
     return out
+
+
+def mosaic_paths() -> list[tuple[str, object, dict, str]]:
+    """`--mosaic`'s paths as (label, run, compile options, weights: `bf16` or `fp8`)."""
+    out = [
+        ("grouped (xla) bf16", experts_grouped, {}, "bf16"),
+        ("dense (xla) bf16", experts_dense, {}, "bf16"),
+    ]
+    for impl in ("scaled", "dequant"):
+        grouped = functools.partial(
+            experts_grouped, mlp=functools.partial(ragged_mlp, fp8_impl=impl)
+        )
+        out.append((f"grouped (xla) fp8 {impl}", grouped, {}, "fp8"))
+        out.append(
+            (f"dense (xla) fp8 {impl}", functools.partial(experts_dense, fp8_impl=impl), {}, "fp8")
+        )
+    triton = functools.partial(experts_grouped, mlp=expert_tiles.expert_mlp)
+    out.append(("pallas (triton) bf16 tiles_for", triton, {}, "bf16"))
+    for weights in ("bf16", "fp8"):
+        for tiles in MOSAIC_TILES:
+            label = "tiles_for" if tiles is None else _mosaic_label(tiles)
+            mlp = functools.partial(mosaic_mlp, tiles=tiles)
+            run = functools.partial(experts_grouped, mlp=mlp)
+            out.append((f"mosaic {weights} {label}", run, {}, weights))
+    return out
+
+
+def _mosaic_label(tiles) -> str:
+    return " / ".join(f"n{t.block_n} k{t.block_k} s{t.stages}" for t in tiles)
 
 
 def _tiles_label(tiles) -> str:
@@ -160,6 +222,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="the Hopper kernel at SWEEP tiles")
     parser.add_argument("--permutation", action="store_true", help="only the sort by expert")
+    parser.add_argument(
+        "--mosaic", action="store_true", help="Mosaic GPU vs Triton vs XLA, bf16 and fp8"
+    )
+    parser.add_argument("--routing", choices=ROUTINGS, default="model")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     cfg = model_config("moe", args.tiny)
@@ -168,22 +234,30 @@ def main() -> None:
         rows = permutation_rows(args.tokens, e, k, args.iters)
         save("experts", {"permutation": True, "shape": [e, m, f, k], "results": rows})
         return
+    route_fn = spread_routing(route) if args.routing == "spread" else route
     ceilings = measure_ceilings(args.tiny)
     keys = jax.random.split(jax.random.key(0), 4)
     gate_up = (jax.random.normal(keys[0], (e, m, 2, f)) / np.sqrt(m)).astype(jnp.bfloat16)
     down = (jax.random.normal(keys[1], (e, f, m)) / np.sqrt(f)).astype(jnp.bfloat16)
+    experts_by_form = {"bf16": (gate_up, down)}
+    if args.mosaic:
+        experts_by_form["fp8"] = tuple(
+            fp8.Fp8Weight(*fp8.quantize(w, (1,))) for w in (gate_up, down)
+        )
     router = jax.random.normal(keys[2], (m, e), jnp.bfloat16)
     rows = []
     for n in args.tokens:
         x = jax.random.normal(keys[3], (n, m), jnp.bfloat16)
-        weights, experts = jax.jit(route, static_argnums=(3, 4))(x, router, None, k, False)
+        weights, experts = jax.jit(route_fn, static_argnums=(3, 4))(x, router, None, k, False)
         hit = int(jnp.unique(experts).size)
-        floor_bytes = hit * (gate_up[0].nbytes + down[0].nbytes)
         flops = 2 * n * k * 3 * m * f
-        floor_s = max(
-            floor_bytes / ceilings["hbm_read_bytes_per_s"],
-            flops / ceilings["matmul_flops_per_s"],
-        )
+        floors = {}
+        for form, item in (("bf16", 2), ("fp8", 1)):
+            floor_bytes = hit * item * (gate_up[0].size + down[0].size)
+            floors[form] = max(
+                floor_bytes / ceilings["hbm_read_bytes_per_s"],
+                flops / ceilings["matmul_flops_per_s"],
+            )
         reference = experts_dense(
             x.astype(jnp.float32),
             weights,
@@ -192,11 +266,14 @@ def main() -> None:
             down.astype(jnp.float32),
             0,
         )
-        for label, run, options in paths(args.sweep):
+        runs = mosaic_paths() if args.mosaic else [(*path, "bf16") for path in paths(args.sweep)]
+        for label, run, options, form in runs:
+            floor_s = floors[form]
+            gate_up_w, down_w = experts_by_form[form]
             row = {"tokens": n, "path": label, "experts_hit": hit, "floor_ms": 1e3 * floor_s}
             try:
-                compiled = jax.jit(run).lower(x, weights, experts, gate_up, down, 0)
-                y = compiled.compile(options)(x, weights, experts, gate_up, down, 0)
+                compiled = jax.jit(run).lower(x, weights, experts, gate_up_w, down_w, 0)
+                y = compiled.compile(options)(x, weights, experts, gate_up_w, down_w, 0)
                 err = jnp.linalg.norm(y.astype(jnp.float32) - reference)
                 row["rel_error"] = float(err / jnp.linalg.norm(reference))
 
@@ -205,7 +282,7 @@ def main() -> None:
                     return x + (1e-3 * y).astype(x.dtype)
 
                 seconds = time_in_program(
-                    step, x, args.iters, weights, experts, gate_up, down, options=options
+                    step, x, args.iters, weights, experts, gate_up_w, down_w, options=options
                 )
                 row["ms"] = 1e3 * seconds
                 row["x_floor"] = seconds / floor_s
@@ -213,7 +290,9 @@ def main() -> None:
                 row["error"] = f"{type(err).__name__}: {err}"[:1500]
             print(row, flush=True)
             rows.append(row)
-    save("experts", {"ceilings": ceilings, "shape": [e, m, f, k], "results": rows})
+    name = "experts_mosaic" if args.mosaic else "experts"
+    payload = {"ceilings": ceilings, "shape": [e, m, f, k], "routing": args.routing}
+    save(name, payload | {"results": rows}, None if args.routing == "model" else args.routing)
 
 
 if __name__ == "__main__":

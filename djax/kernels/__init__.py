@@ -12,7 +12,8 @@ kernels), which is how the CPU tests check them.
 - `residual_norm`: the residual add and RMSNorm between a layer's blocks.
 - `residual_product`: a product with the residual add and the next norm's inputs fused.
 - `rope_write`: q/k norm, RoPE and the K/V buffer writes (with the q/k/v product fused).
-- `expert_tiles`: the routed experts' products, tiled per expert.
+- `expert_tiles`: the routed experts' products, tiled per expert; `expert_tiles_mosaic`: the
+  same in Pallas Mosaic GPU, also for fp8 weights (values and scales given apart).
 - `handoff`: what the kernels hand each other (`Partials`, `ScaledRows`).
 - `tiles`: tile rules shared by the kernels.
 """

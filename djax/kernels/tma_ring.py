@@ -139,25 +139,30 @@ def _laid_out(value: Array, reduced: int, interpreting: bool) -> Array:
     return plgpu.layout_cast(value, plgpu.Layout.WGMMA.reduce(reduced))
 
 
-def swizzled(swizzle: int = SWIZZLE) -> tuple:
-    """The transforms of a tile of 16-bit values swizzled at `swizzle` bytes, as WGMMA
-    reads them."""
+def swizzled(swizzle: int = SWIZZLE, itemsize: int = 2) -> tuple:
+    """The transforms of a tile of values of `itemsize` bytes (16-bit by default) swizzled
+    at `swizzle` bytes, as WGMMA reads them."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def ring_scratch(tiles: Tiles, dtype: Any, weights: int) -> list:
+def ring_scratch(tiles: Tiles, dtype: Any, weights: int, w_dtype: Any = None) -> list:
     """Scratch of a ring: the x slots [stages, 64, block_k], `weights` weight slots
-    [stages, block_k, block_n] each, then one barrier array per operand."""
+    [stages, block_k, block_n] each (of `w_dtype`, default `dtype`; 8-bit slots are
+    swizzled at their rows' bytes, up to 128), then one barrier array per operand."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     x_slots = (tiles.stages, ROW_TILE, tiles.block_k)
     w_slots = (tiles.stages, tiles.block_k, tiles.block_n)
-    transforms = swizzled(tiles.swizzle)
+    w_dtype = jnp.dtype(dtype if w_dtype is None else w_dtype)
+    w_swizzle = tiles.swizzle
+    if w_dtype.itemsize == 1:
+        w_swizzle = min(SWIZZLE, tiles.block_n)
+    w_transforms = swizzled(w_swizzle, w_dtype.itemsize)
     return [
-        plgpu.SMEM(x_slots, dtype, transforms=transforms),
-        *(plgpu.SMEM(w_slots, dtype, transforms=transforms) for _ in range(weights)),
+        plgpu.SMEM(x_slots, dtype, transforms=swizzled(tiles.swizzle)),
+        *(plgpu.SMEM(w_slots, w_dtype, transforms=w_transforms) for _ in range(weights)),
         *(plgpu.Barrier(num_barriers=tiles.stages) for _ in range(weights + 1)),
     ]
 
@@ -171,12 +176,15 @@ def stream(
     steps: int,
     rows,
     finish: Callable[..., None],
+    converted: Sequence | None = None,
 ) -> None:
     """Inside a kernel: multiply x's rows by each weight over `steps` contraction steps from
     `first_step` through the ring, then call `finish` with the fp32 products [64, block_n]
     (one per weight, as arrays) while their accumulators are live. `w_tiles[i](ks)` is
     weight i's GMEM tile at contraction indexer `ks`; `ring` the scratch refs of
-    `ring_scratch`; `rows` the indexer of x's 64 rows."""
+    `ring_scratch`; `rows` the indexer of x's 64 rows. `converted`: one swizzled slot
+    [block_k, block_n] of x's dtype per weight, into which each step's weight tile (of
+    another dtype, as fp8) is converted before its WGMMA."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     count = len(w_tiles)
@@ -191,15 +199,21 @@ def stream(
 
     for step in range(min(tiles.stages, steps)):
         fetch(step, step)
+    targets = [None] * count if converted is None else list(converted)
 
     def scope(*accs):
         @pl.loop(0, steps)
         def _step(i):
             slot = jax.lax.rem(i, tiles.stages)
             plgpu.barrier_wait(x_bars.at[slot])
-            for acc, slots, bars in zip(accs, w_slots, w_bars, strict=True):
+            for acc, slots, bars, into in zip(accs, w_slots, w_bars, targets, strict=True):
                 plgpu.barrier_wait(bars.at[slot])
-                plgpu.wgmma(acc, x_slots.at[slot], slots.at[slot])
+                operand = slots.at[slot]
+                if into is not None:  # its WGMMA of the last step is done (waited below)
+                    into[...] = converted_values(operand[...], into.dtype)
+                    plgpu.commit_smem()
+                    operand = into
+                plgpu.wgmma(acc, x_slots.at[slot], operand)
             plgpu.wgmma_wait(0)  # this step's products are done: its slot may be refilled
 
             @pl.when(i + tiles.stages < steps)
@@ -210,6 +224,15 @@ def stream(
 
     acc = plgpu.ACC((ROW_TILE, tiles.block_n), jnp.float32)
     pl.run_scoped(scope, *([acc] * count))
+
+
+def converted_values(values: Array, dtype: Any) -> Array:
+    """Inside a kernel: 8-bit float `values` in `dtype` (bf16 or fp16), exactly. Hopper
+    converts e4m3 only to fp16 (whose 10-bit mantissa and range hold every e4m3 value), so
+    bf16 is reached through fp16 and fp32."""
+    if values.dtype.itemsize != 1 or jnp.dtype(dtype) == jnp.dtype(jnp.float16):
+        return values.astype(dtype)
+    return values.astype(jnp.float16).astype(jnp.float32).astype(dtype)
 
 
 def store_rows(out_smem, dst, row_tile, m: int, *more) -> None:

@@ -46,6 +46,8 @@ product and RoPE in the others (refreshes); the norm before attention stays apar
 `attention_impl="split_kv_mosaic"` (the split-K/V kernel's Mosaic GPU port,
 `djax.kernels.flash_attention_mosaic`) is likewise taken only when asked for, for block
 forwards and refreshes, with 16-bit inputs and head dims that are multiples of 64.
+`moe_impl="mosaic"` (`djax.kernels.expert_tiles_mosaic`) is likewise taken only when asked
+for, and is the one expert kernel that takes fp8 weights as well as 16-bit ones.
 """
 
 from __future__ import annotations
@@ -140,7 +142,8 @@ class Kernels:
     norm_into_attention: where the norm before the feed-forward (a dense MLP) / before the
     next layer's attention runs inside the products around it, `fused` (the add in the
     product's epilogue), `tiled` (in a kernel after it) or `no`. moe: the routed experts,
-    `dense`, `grouped` or `pallas` (`resolve` says `none` for a model without experts).
+    `dense`, `grouped`, `pallas` or `mosaic` (`resolve` says `none` for a model without
+    experts).
     fp8: how XLA's products take fp8 weights, `dequant` or `scaled` (`djax.models.fp8`),
     `no` for weights in the model's dtype."""
 
@@ -329,7 +332,9 @@ class _Rule:
             )
         if self.fp8:
             for name in ("matmul_impl", "mlp_impl", "moe_impl"):
-                if getattr(options, name) in ("pallas", "mosaic"):
+                if getattr(options, name) in ("pallas", "mosaic") and not (
+                    name == "moe_impl" and options.moe_impl == "mosaic"
+                ):
                     raise ValueError(
                         f"{name}={getattr(options, name)!r} takes 16-bit weights; with "
                         "weights='fp8' the products run in XLA: give 'auto' or 'xla'"
@@ -339,7 +344,7 @@ class _Rule:
                 "rope_impl='mosaic' runs the q/k/v product of 16-bit weights; with "
                 "weights='fp8' give 'auto', 'xla' or 'pallas'"
             )
-        for name in ("matmul_impl", "mlp_impl", "rope_impl"):
+        for name in ("matmul_impl", "mlp_impl", "rope_impl", "moe_impl"):
             if getattr(options, name) == "mosaic" and not tma_ring.takes_dtype(dtype):
                 raise ValueError(
                     f"{name}='mosaic' takes bfloat16 or float16 weights; got {self.dtype_name}"
@@ -508,6 +513,12 @@ class _Rule:
         cfg, w = self.widths.config, self.widths
         fits = tiles.matmul_fits(cfg.d_model, w.expert_hidden)
         impl = self.options.moe_impl
+        if impl == "mosaic":
+            return self._mosaic(
+                "moe_impl",
+                tma_ring.fits(cfg.d_model, w.expert_hidden),
+                f"model {cfg.d_model}, local expert ffn {w.expert_hidden}",
+            )
         if impl == "pallas" and not fits:
             raise ValueError(
                 f"moe_impl='pallas' takes model and local expert widths that are multiples "

@@ -5,11 +5,12 @@ Routing follows the LLaDA-MoE reference: router logits in fp32, softmax over all
 optional per-expert bias added to the probabilities, top-k of the (biased) probabilities
 as the weights, renormalised only when `norm_topk_prob`, cast to the activation dtype.
 Experts are stored stacked: `gate_up` [experts, model, 2, ffn], `down` [experts, ffn, model]
-(`Fp8Weight`s under `weights="fp8"`: `djax.models.fp8`). Three expert paths compute the same
+(`Fp8Weight`s under `weights="fp8"`: `djax.models.fp8`). Four expert paths compute the same
 function (`Kernels.moe`): `grouped` sorts the token-expert pairs by expert and runs
 `jax.lax.ragged_dot`; `pallas` runs the same sorted pairs through djax's expert-tile kernels
-(`djax.kernels.expert_tiles`); `dense` runs every local expert on every token and weights the
-outputs (zero weight where not routed).
+(`djax.kernels.expert_tiles`), `mosaic` through their Mosaic GPU port, which also takes fp8
+weights (`djax.kernels.expert_tiles_mosaic`); `dense` runs every local expert on every
+token and weights the outputs (zero weight where not routed).
 
 HF layout: `model.embed_tokens`, `model.layers.{i}.self_attn.{q,k,v,o}_proj`,
 `...self_attn.{q,k}_norm`, `...{input,post_attention}_layernorm`, `...mlp.gate`,
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import ModelConfig
-from djax.kernels import expert_tiles
+from djax.kernels import expert_tiles, expert_tiles_mosaic
 from djax.kernels.handoff import finish
 from djax.models import fp8
 from djax.models.kernel_choice import XLA_KERNELS, Kernels
@@ -154,6 +155,31 @@ def ragged_mlp(
     return fp8.ragged_dot(act, down, group_sizes, fp8_impl)
 
 
+def mosaic_mlp(
+    x: Array,
+    source_rows: Array,
+    gate_up: fp8.Weight,
+    down: fp8.Weight,
+    group_sizes: Array,
+    tiles: Any = None,
+) -> Array:
+    """`ragged_mlp`'s contract through the Mosaic GPU expert-tile kernels
+    (`expert_tiles_mosaic.expert_mlp`, at its (gate/up, down) `tiles`, default `tiles_for`),
+    `Fp8Weight`s given to them as values and scales."""
+    if isinstance(gate_up, fp8.Fp8Weight) and isinstance(down, fp8.Fp8Weight):
+        return expert_tiles_mosaic.expert_mlp(
+            x,
+            source_rows,
+            gate_up.values,
+            down.values,
+            group_sizes,
+            gate_up.scale,
+            down.scale,
+            tiles=tiles,
+        )
+    return expert_tiles_mosaic.expert_mlp(x, source_rows, gate_up, down, group_sizes, tiles=tiles)
+
+
 def experts_grouped(
     x: Array,
     weights: Array,
@@ -231,6 +257,7 @@ class MoEBlock(nn.Module):
             "dense": functools.partial(experts_dense, fp8_impl=kernels.fp8),
             "grouped": functools.partial(experts_grouped, mlp=ragged),
             "pallas": functools.partial(experts_grouped, mlp=expert_tiles.expert_mlp),
+            "mosaic": functools.partial(experts_grouped, mlp=mosaic_mlp),
         }[kernels.moe]
         with jax.named_scope(f"experts_{kernels.moe}"):
             y = run(flat, weights, experts, gate_up, down, first).reshape(b, t, m)

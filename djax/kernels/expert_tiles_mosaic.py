@@ -1,0 +1,275 @@
+"""The routed experts' two products over token-expert pairs sorted by expert, as Pallas
+Mosaic GPU kernels (Hopper: TMA copies, WGMMA): `expert_tiles`' contract off the Triton
+backend (`moe_impl="mosaic"`), taking weights of the rows' dtype or fp8 weights.
+
+The tiles follow the experts as in `expert_tiles`: expert `e`'s `n_e` sorted rows make
+`ceil(n_e / 64)` row tiles of their own (`expert_tiles.row_tiles`; 64 is WGMMA's row tile),
+and the CTAs of the tiles past the table's used ones return at once. Each CTA owns one
+(row tile, `block_n` columns) and streams its expert's weight tiles through the ring of
+`tma_ring`; rules beyond the ring's:
+
+- The rows: a tile's 64 rows are read from its first row by TMA (rows of the next expert
+  or past the array's end come along, read as zeros past the end; their products are
+  never stored). The gate/up product's rows are the pairs' token rows, gathered into a
+  sorted [pairs, model] copy by XLA before the kernel (TMA copies whole boxes, not rows by
+  index).
+- The stores: a tile writes exactly its rows, by TMA copies of 64, 32, ..., 1 rows chosen
+  by the bits of its row count, so no tile writes into another expert's rows.
+- fp8 weights (e4m3 values with an fp32 scale per output channel, as
+  `djax.models.fp8.Fp8Weight`): each step's e4m3 weight tile comes into the ring by TMA,
+  is converted to the rows' dtype in registers and stored to a swizzled slot of that dtype
+  that WGMMA reads (`tma_ring.stream`'s `converted`); the accumulator is multiplied by its
+  columns' scales in fp32 before the activation and the store. This is the `dequant`
+  product of `djax.models.fp8` (values converted exactly, product in fp32, scaled per
+  channel), with the product kept in fp32 until the scale. (An fp8 x fp8 WGMMA would need
+  the weight tiles K-major: Mosaic GPU's WGMMA transposes 16-bit operands only, and the
+  weights are stored [experts, k, n], n fastest.)
+
+`expert_mlp` runs both products: the gate/up product with `silu(gate) * up` fused (gate and
+up weight tiles side by side in two accumulators), then the down product.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from djax.kernels import expert_tiles, tma_ring
+from djax.kernels.tma_ring import ROW_TILE, Tiles
+
+Array = jax.Array
+
+FP8 = jnp.float8_e4m3fn
+SCALE_BYTES = 4  # a column's fp32 scale
+
+
+def tiles_for(pairs: int, groups: int, k: int, n: int) -> Tiles:
+    """128 columns (64 where 128 do not divide n) in 64-wide steps, 4 stages."""
+    block_n = 128 if n % 128 == 0 else tma_ring.TILE
+    return Tiles(block_n=block_n, block_k=tma_ring.TILE, splits=1, stages=4)
+
+
+def _silu_times(gate: Array, up: Array) -> Array:
+    """`silu(gate) * up` in fp32, written with the ops Mosaic GPU lowers."""
+    return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+def _store_tile(out_smem, out_gmem, first, n_rows, cols) -> None:
+    """Inside a kernel: the first `n_rows` (1 to 64) rows of `out_smem` [64, block_n] to
+    `out_gmem`'s rows from `first` at columns `cols`, by one TMA copy per set bit of
+    `n_rows` (copies of 64, 32, ..., 1 rows)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.commit_smem()
+    done = 0
+    size = ROW_TILE
+    while size:
+
+        @pl.when(n_rows & size != 0)
+        def _copy(size=size, done=done):
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[pl.ds(done, size)], out_gmem.at[pl.ds(first + done, size), cols]
+            )
+
+        done = done + (n_rows & size)
+        size //= 2
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _kernel(*refs, tiles, steps, n, column_tiles, gated, scaled, interpreting):
+    """One CTA: one (row tile, column tile). Refs in order: the tile table (group, first
+    row, rows) [n_tiles] int32; x [pairs8, k] (sorted rows); w [groups, k, 2n] (`gated`:
+    gate columns, then up columns) or [groups, k, n]; with `scaled` the scales
+    [groups, 2n or n] fp32; out [pairs8, n]; the ring's scratch, the output tile, and with
+    `scaled` the converted weight slots, the scale tiles and their barriers."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    group_gmem, first_gmem, rows_gmem, x_gmem, w_gmem, *refs = refs
+    scale_gmem = refs.pop(0) if scaled else None
+    out_gmem, *scratch = refs
+    weights = 2 if gated else 1
+    ring, (out_smem, *rest) = scratch[: 2 * weights + 2], scratch[2 * weights + 2 :]
+    cta = jax.lax.axis_index("cta")
+    tile, column_tile = cta // column_tiles, cta % column_tiles
+    group, first, n_rows = group_gmem[tile], first_gmem[tile], rows_gmem[tile]
+    start = column_tile * tiles.block_n
+    cols = pl.ds(start, tiles.block_n)
+    offsets = [start, n + start] if gated else [start]
+
+    @pl.when(n_rows > 0)
+    def _tile():
+        converted = None
+        if scaled:
+            converted, scale_smem, scale_bar = rest[:weights], rest[weights], rest[weights + 1]
+            for side, offset in enumerate(offsets):
+                plgpu.copy_gmem_to_smem(
+                    scale_gmem.at[pl.ds(group, 1), pl.ds(offset, tiles.block_n)],
+                    scale_smem.at[pl.ds(side, 1)],
+                    scale_bar.at[side],
+                )
+
+        def finish(*products):
+            if scaled:
+                for side in range(weights):
+                    plgpu.barrier_wait(scale_bar.at[side])
+                products = [
+                    product
+                    * jax.lax.broadcast_in_dim(
+                        tma_ring.accumulator_columns(scale_smem[side], interpreting),
+                        product.shape,
+                        [1],
+                    )
+                    for side, product in enumerate(products)
+                ]
+            out = _silu_times(*products) if gated else products[0]
+            out_smem[...] = out.astype(out_smem.dtype)
+
+        tma_ring.stream(
+            x_gmem,
+            [
+                lambda ks, offset=offset: w_gmem.at[group, ks, pl.ds(offset, tiles.block_n)]
+                for offset in offsets
+            ],
+            ring,
+            tiles,
+            0,
+            steps,
+            pl.ds(first, ROW_TILE),
+            finish,
+            converted,
+        )
+        _store_tile(out_smem, out_gmem, first, n_rows, cols)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def grouped_matmul(
+    x: Array,
+    w: Array,
+    group_sizes: Array,
+    scale: Array | None = None,
+    tiles: Tiles | None = None,
+    interpret: bool | None = None,
+) -> Array:
+    """Each group's rows times its own weights: `silu(x_g @ w[g, :, 0]) * (x_g @ w[g, :, 1])`
+    for a gated `w`, else `x_g @ w[g]`, accumulated in fp32.
+
+    x: [pairs, k], rows sorted by group, bf16 or fp16; w: [groups, k, 2, n] (gate and up)
+    or [groups, k, n], of x's dtype, or e4m3 (`float8_e4m3fn`) with `scale` [groups, 2, n]
+    or [groups, n] fp32, each output column's scale (the product is `(x_g @ w[g]) * scale`,
+    before the activation); k and n multiples of 64; group_sizes: [groups] int32, summing
+    to at most `pairs`. Returns [pairs, n] in x's dtype; rows past sum(group_sizes) are
+    left unwritten (the caller masks them). Row counts that are not multiples of 8 are
+    padded with zero rows for the kernel (an extra copy of x and a slice of the result).
+    `tiles`: the program shape (default `tiles_for`; `splits` must be 1); `interpret`: run
+    in Mosaic GPU's interpreter (default: exactly off GPUs, as the CPU tests do).
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    name = "expert_tiles_mosaic.grouped_matmul"
+    if x.ndim != 2:
+        raise ValueError(f"{name}: x {x.shape}; expected [pairs, k]")
+    pairs, k = x.shape
+    groups, n, gated = w.shape[0], w.shape[-1], w.ndim == 4
+    expected = (groups, k, 2, n) if gated else (groups, k, n)
+    if w.shape != expected or group_sizes.shape != (groups,) or not tma_ring.fits(k, n):
+        raise ValueError(
+            f"{name}: x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}; expected w "
+            f"[groups, {k}, 2, n] or [groups, {k}, n], group_sizes [groups] and {k} and n "
+            "multiples of 64"
+        )
+    scaled = scale is not None
+    if scaled:
+        if w.dtype != FP8 or not tma_ring.takes_dtype(x.dtype):
+            raise ValueError(
+                f"{name}: x {x.dtype}, w {w.dtype} with a scale; expected x bfloat16 or "
+                "float16 and w float8_e4m3fn"
+            )
+        if scale.shape != w.shape[:1] + w.shape[2:] or scale.dtype != jnp.float32:
+            raise ValueError(
+                f"{name}: scale {scale.shape} {scale.dtype}; expected "
+                f"{w.shape[:1] + w.shape[2:]} float32"
+            )
+    else:
+        tma_ring.check_operands(name, x, w)
+    tiles = tiles or tiles_for(pairs, groups, k, n)
+    if tiles.splits != 1:
+        raise ValueError(f"{tiles}: the expert products take splits=1")
+    weights = 2 if gated else 1
+    extra = 0
+    if scaled:  # the converted slots and scales; the ring's e4m3 slots take 1 byte a value
+        tile = tiles.block_k * tiles.block_n
+        converted, fp8_slots = weights * tile * x.dtype.itemsize, tiles.stages * weights * tile
+        extra = converted + weights * tiles.block_n * SCALE_BYTES - fp8_slots
+    tiles.check(k, n, weights=weights, out_bytes=x.dtype.itemsize, extra=extra)
+    n_tiles = expert_tiles.max_tiles(pairs, groups, ROW_TILE)
+    table = expert_tiles.row_tiles(group_sizes, ROW_TILE, n_tiles)
+    column_tiles = n // tiles.block_n
+    width = weights * n
+    inputs = [*table, tma_ring.aligned_rows(x), w.reshape(groups, k, width)]
+    scratch = [
+        *tma_ring.ring_scratch(tiles, x.dtype, weights, w.dtype),
+        plgpu.SMEM((ROW_TILE, tiles.block_n), x.dtype),
+    ]
+    if scaled:
+        inputs.append(scale.reshape(groups, width))
+        converted = (tiles.block_k, tiles.block_n)
+        transforms = tma_ring.swizzled(tiles.swizzle)
+        scratch += [
+            *(plgpu.SMEM(converted, x.dtype, transforms=transforms) for _ in range(weights)),
+            plgpu.SMEM((weights, tiles.block_n), jnp.float32),
+            plgpu.Barrier(num_barriers=weights),
+        ]
+    params = tma_ring.interpret_params(interpret)
+    rows = inputs[3].shape[0]
+    kernel = plgpu.kernel(
+        functools.partial(
+            _kernel,
+            tiles=tiles,
+            steps=k // tiles.block_k,
+            n=n,
+            column_tiles=column_tiles,
+            gated=gated,
+            scaled=scaled,
+            interpreting=params is not None,
+        ),
+        out_type=jax.ShapeDtypeStruct((rows, n), x.dtype),
+        grid=(n_tiles * column_tiles,),
+        grid_names=("cta",),
+        scratch_types=scratch,
+        interpret=params,
+    )
+    out = kernel(*inputs)
+    return out[:pairs] if rows != pairs else out
+
+
+def expert_mlp(
+    x: Array,
+    source_rows: Array,
+    gate_up: Array,
+    down: Array,
+    group_sizes: Array,
+    gate_up_scale: Array | None = None,
+    down_scale: Array | None = None,
+    tiles: tuple[Tiles, Tiles] | None = None,
+    interpret: bool | None = None,
+) -> Array:
+    """The experts' SwiGLU MLP on the rows `x[source_rows]` (sorted by expert): the rows
+    gathered by XLA, `grouped_matmul` with the activation fused, then the down product.
+
+    x: [tokens, model]; source_rows: [pairs] int32; gate_up: [experts, model, 2, ffn];
+    down: [experts, ffn, model]; group_sizes: [experts] int32; with fp8 weights their scales
+    gate_up_scale [experts, 2, ffn] and down_scale [experts, model] (`grouped_matmul`).
+    Returns [pairs, model]; rows past sum(group_sizes) may hold anything. `tiles`:
+    (gate/up, down) program shapes, default `tiles_for` each.
+    """
+    up_tiles, down_tiles = tiles or (None, None)
+    if source_rows.ndim != 1:
+        raise ValueError(
+            f"expert_tiles_mosaic.expert_mlp: source_rows {source_rows.shape}; expected [pairs]"
+        )
+    rows = x[source_rows]
+    act = grouped_matmul(rows, gate_up, group_sizes, gate_up_scale, up_tiles, interpret)
+    return grouped_matmul(act, down, group_sizes, down_scale, down_tiles, interpret)

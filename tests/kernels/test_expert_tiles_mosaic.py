@@ -1,0 +1,179 @@
+"""The Mosaic GPU port of the expert-tile kernels (`expert_tiles_mosaic`), run by Mosaic GPU's
+interpreter on the CPU: both products with bf16 and fp8 weights against a numpy per-group
+reference, the MoE layer taking them (`moe_impl="mosaic"`), their errors, and their
+lowering for a Hopper GPU at LLaDA-MoE's shapes; on a GPU also the compiled kernels."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_llada_moe import _routed_experts
+
+from djax.config import MOE, ModelConfig
+from djax.kernels import expert_tiles_mosaic
+from djax.kernels.expert_tiles_mosaic import FP8, grouped_matmul
+from djax.kernels.tma_ring import Tiles
+from djax.models import fp8
+from djax.models.kernel_choice import Kernels
+from djax.models.llada_moe import MoEBlock, experts_grouped, mosaic_mlp, ragged_mlp
+
+BF16 = jnp.bfloat16
+needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+def _reference(x, w, sizes, scale=None):
+    """Each group's rows times its weights (times the columns' scales) in float64; gated
+    weights [g, k, 2, n] give silu(gate) * up. Returns (out, rows used)."""
+    x = np.asarray(x.astype(jnp.float32), np.float64)
+    w = np.asarray(w.astype(jnp.float32), np.float64)
+    if scale is not None:
+        w = w * np.asarray(scale, np.float64)[:, None]
+    out, first = np.zeros((x.shape[0], w.shape[-1])), 0
+    for group, size in enumerate(sizes):
+        rows = x[first : first + size]
+        if w.ndim == 4:
+            gate, up = rows @ w[group, :, 0], rows @ w[group, :, 1]
+            out[first : first + size] = gate / (1 + np.exp(-gate)) * up
+        else:
+            out[first : first + size] = rows @ w[group]
+        first += size
+    return out, first
+
+
+@pytest.mark.parametrize(
+    "gated, weights, tiles",
+    [
+        (True, "bf16", None),
+        (False, "bf16", Tiles(block_n=64, block_k=64, stages=2)),  # 2 column tiles
+        (True, "fp8", Tiles(block_n=64, block_k=64, stages=2)),  # down's fp8: the layer test
+    ],
+)
+def test_grouped_matmul_matches_numpy(gated, weights, tiles):
+    """Every row inside the groups is written with its own group's product: an empty group,
+    one of more rows than a tile (70: two tiles), a last group of one row, and rows past
+    the groups (79 in all, padded to 80 for TMA); fp8 weights with their column scales."""
+    sizes = [3, 0, 70, 1]
+    k, n = 128, 128
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(keys[0], (sum(sizes) + 5, k), BF16)
+    shape = (len(sizes), k, 2, n) if gated else (len(sizes), k, n)
+    w = jax.random.normal(keys[1], shape) * k**-0.5
+    scale = None
+    if weights == "fp8":
+        w, scale = fp8.quantize(w, (1,))
+    else:
+        w = w.astype(BF16)
+    ours = grouped_matmul(x, w, jnp.array(sizes, jnp.int32), scale, tiles=tiles)
+    assert ours.shape == (x.shape[0], n) and ours.dtype == BF16
+    ref, used = _reference(x, w, sizes, scale)
+    ours = np.asarray(ours[:used].astype(jnp.float32), np.float64)
+    # the fp32 product rounded once to bf16
+    np.testing.assert_allclose(ours, ref[:used], rtol=1e-2, atol=1e-2)
+    assert np.linalg.norm(ours - ref[:used]) / np.linalg.norm(ref[:used]) < 5e-3
+
+
+def _moe_config():
+    return ModelConfig(
+        MOE, 16, 64, 1, 2, 2, 32, 64, 1e4, 1e-6, 64, 1, 2, 3,
+        n_experts=4, experts_per_token=2, expert_hidden=64, moe_layers=(True,),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("weights", ["dtype", "fp8"])
+def test_moe_layer_takes_the_kernels(weights):
+    """A bf16 MoE layer (4 experts, top-2) under `moe=mosaic` against XLA's grouped path
+    (fp8 weights: `dequant`), the kernels spied on to be sure they ran."""
+    cfg = _moe_config()
+    x = jax.random.normal(jax.random.key(0), (1, 12, 64), BF16)
+    params = MoEBlock(cfg, BF16).init(jax.random.key(1), x)["params"]
+    if weights == "fp8":
+        params = fp8.quantize_params(params)
+    block = MoEBlock(cfg, BF16, weights=weights)
+    fp8_impl = "dequant" if weights == "fp8" else "no"
+    calls, kernels = [], expert_tiles_mosaic.expert_mlp
+
+    def spy(*args, **kwargs):
+        calls.append(args[2].dtype)
+        return kernels(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(expert_tiles_mosaic, "expert_mlp", spy)
+        ours = block.apply({"params": params}, x, Kernels(moe="mosaic", fp8=fp8_impl))
+    ref = block.apply({"params": params}, x, Kernels(moe="grouped", fp8=fp8_impl))
+    assert calls == [FP8 if weights == "fp8" else BF16]
+    ours, ref = np.asarray(ours, np.float32), np.asarray(ref, np.float32)
+    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 2e-2
+
+
+def test_shape_dtype_and_tile_errors():
+    x = jnp.zeros((8, 64), BF16)
+    w = jnp.zeros((2, 64, 2, 64), BF16)
+    sizes = jnp.array([4, 4], jnp.int32)
+    with pytest.raises(ValueError, match=r"expected w \[groups, 64, 2, n\] or \[groups, 64, n\]"):
+        grouped_matmul(x, w[:, :32], sizes)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        grouped_matmul(x, jnp.zeros((2, 64, 2, 48), BF16), sizes)
+    with pytest.raises(ValueError, match="expected both bfloat16 or both float16"):
+        grouped_matmul(x, w.astype(jnp.float32), sizes)
+    with pytest.raises(ValueError, match="expected x bfloat16 or float16 and w float8_e4m3fn"):
+        grouped_matmul(x, w, sizes, jnp.ones((2, 2, 64)))
+    with pytest.raises(ValueError, match=r"scale \(2, 64\) float32; expected \(2, 2, 64\)"):
+        grouped_matmul(x, w.astype(FP8), sizes, jnp.ones((2, 64)))
+    with pytest.raises(ValueError, match="splits=1"):
+        grouped_matmul(x, w, sizes, tiles=Tiles(block_n=64, splits=2))
+    with pytest.raises(ValueError, match=r"source_rows \(8, 1\); expected \[pairs\]"):
+        expert_tiles_mosaic.expert_mlp(
+            x, jnp.zeros((8, 1), jnp.int32), w, jnp.zeros((2, 64, 64), BF16), sizes
+        )
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_lowers_for_hopper(weights):
+    """Both products at LLaDA-MoE's expert shapes (64 experts, model 2048, ffn 1024, top-8)
+    lower to Mosaic GPU's custom call for CUDA, at a block's (32) and a refresh's (384)
+    tokens."""
+    w_dtype = FP8 if weights == "fp8" else BF16
+    experts, model, ffn = 64, 2048, 1024
+
+    def mlp(x, source_rows, gate_up, down, sizes, *scales):
+        return expert_tiles_mosaic.expert_mlp(
+            x, source_rows, gate_up, down, sizes, *scales, interpret=False
+        )
+
+    for tokens in (32, 384):
+        shapes = [
+            ((tokens, model), BF16),
+            ((tokens * 8,), jnp.int32),
+            ((experts, model, 2, ffn), w_dtype),
+            ((experts, ffn, model), w_dtype),
+            ((experts,), jnp.int32),
+        ]
+        if weights == "fp8":
+            shapes += [((experts, 2, ffn), jnp.float32), ((experts, model), jnp.float32)]
+        args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+        lowered = jax.jit(mlp).trace(*args).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count("mosaic_gpu") >= 2
+
+
+@needs_gpu
+@pytest.mark.parametrize("tokens", [32, 384])
+def test_compiled_kernels_on_gpu(tokens):
+    """On a GPU: the compiled kernels at LLaDA-MoE's expert shapes against XLA's ragged_dot
+    path under jit, bf16 weights and fp8 weights (`dequant`)."""
+    x, weights, experts, gate_up, down = _routed_experts(5, tokens, 2048, 64, 1024, 8, BF16)
+    args = (x, weights, experts)
+    for fp8_weights in (False, True):
+        w = (gate_up, down)
+        ragged = ragged_mlp
+        if fp8_weights:
+            w = tuple(fp8.Fp8Weight(*fp8.quantize(a, (1,))) for a in w)
+            ragged = functools.partial(ragged_mlp, fp8_impl="dequant")
+        expected = jax.jit(functools.partial(experts_grouped, mlp=ragged))(*args, *w, 0)
+        run = jax.jit(functools.partial(experts_grouped, mlp=mosaic_mlp))
+        out = np.asarray(run(*args, *w, 0), np.float32)
+        assert np.isfinite(out).all()
+        ref = np.asarray(expected, np.float32)
+        err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+        assert err < 1e-2, (tokens, fp8_weights, err)
