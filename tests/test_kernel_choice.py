@@ -205,15 +205,17 @@ def test_explicit_options():
 
 
 def test_mosaic_products_only_when_asked():
-    """`mosaic` takes the Mosaic GPU products wherever asked (16-bit weights, widths that are
-    multiples of 64), never under `auto`; the norm before the feed-forward moves into them
-    as into the Triton kernels, the norm before attention does not (no Mosaic GPU q/k/v
-    product inside the RoPE kernel)."""
+    """`mosaic` takes the Mosaic GPU products where asked (16-bit weights, widths that are
+    multiples of 64) in block forwards (at most 32 token rows; XLA's in refreshes), never
+    under `auto`; the norm before the feed-forward moves into them as into the Triton
+    kernels, the norm before attention does not (no Mosaic GPU q/k/v product inside the
+    RoPE kernel)."""
     mosaic = KernelOptions(mlp_impl="mosaic", matmul_impl="mosaic")
     for device in (HOPPER, CPU):
-        for forward in (_choice(mosaic, device).block, _choice(mosaic, device).refresh):
-            kernels = forward.layers
-            assert (kernels.qkv, kernels.out, kernels.mlp, kernels.down) == ("mosaic",) * 4
+        block = _choice(mosaic, device).block.layers
+        refresh = _choice(mosaic, device).refresh.layers
+        assert (block.qkv, block.out, block.mlp, block.down) == ("mosaic",) * 4
+        assert (refresh.qkv, refresh.out, refresh.mlp, refresh.down) == ("xla",) * 4
     block = _choice(mosaic).block.layers
     assert block.norm_into_mlp == "tiled"  # the split-K product, the tiled add, the gate/up
     assert block.norm_into_attention == "no"  # the q/k/v product is not in the RoPE kernel
@@ -247,7 +249,7 @@ def test_mosaic_rope_only_when_asked():
         choice = _choice(KernelOptions(rope_impl="mosaic", matmul_impl="mosaic"), config=config)
         assert (choice.block.layers.rope, choice.block.layers.qkv) == ("mosaic", "rope")
         assert (choice.block.last.rope, choice.block.last.qkv) == ("mosaic", "rope")
-        assert (choice.refresh.layers.rope, choice.refresh.layers.qkv) == ("xla", "mosaic")
+        assert (choice.refresh.layers.rope, choice.refresh.layers.qkv) == ("xla", "xla")
     fused = KernelOptions(rope_impl="mosaic", matmul_impl="pallas", norm_impl="fused")
     assert _choice(fused).block.layers.norm_into_attention == "no"
     assert _choice().block.layers.rope == "pallas"

@@ -31,7 +31,10 @@ An option other than `auto` is taken as given wherever its kernel fits (a ValueE
 the misfit otherwise), except the fused forms, which need their rows and products as above.
 `mosaic` (`matmul_impl`, `mlp_impl`: the Pallas Mosaic GPU ports of the split-K and SwiGLU
 kernels, `djax.kernels.split_k_mosaic` / `swiglu_mosaic`, for Hopper GPUs) is taken only when
-asked for, with 16-bit weights and widths that are multiples of 64. The Mosaic GPU
+asked for, with 16-bit weights and widths that are multiples of 64, in forwards of at most
+`KERNEL_MAX_ROWS` token rows (block forwards, as `auto` takes the Triton kernels): each CTA
+holds one 64-row tile, so more rows would read every weight once per row tile; longer
+forwards run XLA's products. The Mosaic GPU
 kernels take the norm moved into the products before the feed-forward as the Triton ones
 do (`fused`: `residual_product_mosaic`; `tiled`: the split-K product, then the tiled add,
 `residual_norm_mosaic`), and the norms left on their own run the norm kernel's Mosaic GPU
@@ -385,6 +388,7 @@ class _Rule:
                 "mlp_impl",
                 all(tma_ring.fits(cfg.d_model, h) for h in w.mlp_hidden),
                 f"model and hidden widths {cfg.d_model} -> {w.mlp_hidden}",
+                few,
             )
         else:
             mlp = self._pallas_or_xla(
@@ -466,7 +470,9 @@ class _Rule:
     def _product(self, widths: tuple[int, int], few: bool) -> str:
         k, n = widths
         if self.options.matmul_impl == "mosaic":
-            return self._mosaic("matmul_impl", tma_ring.fits(k, n), f"a product {k} -> {n}")
+            return self._mosaic(
+                "matmul_impl", tma_ring.fits(k, n), f"a product {k} -> {n}", few
+            )
         return self._pallas_or_xla(
             "matmul_impl",
             self.options.matmul_impl,
@@ -518,6 +524,7 @@ class _Rule:
                 "moe_impl",
                 tma_ring.fits(cfg.d_model, w.expert_hidden),
                 f"model {cfg.d_model}, local expert ffn {w.expert_hidden}",
+                True,
             )
         if impl == "pallas" and not fits:
             raise ValueError(
@@ -529,14 +536,15 @@ class _Rule:
         return "grouped" if tokens <= GROUPED_EXPERTS_MAX_TOKENS else "dense"
 
     @staticmethod
-    def _mosaic(option: str, fits: bool, unfit: str) -> str:
+    def _mosaic(option: str, fits: bool, unfit: str, rows_fit: bool) -> str:
         """`mosaic`, asked for: a ValueError naming `option` and `unfit` (what it got) where
-        the widths are not multiples of 64 (`tma_ring.fits`)."""
+        the widths are not multiples of 64 (`tma_ring.fits`); `mosaic` where the forward's
+        rows suit the kernel (`rows_fit`), else `xla`."""
         if not fits:
             raise ValueError(
                 f"{option}='mosaic' takes widths that are multiples of 64; got {unfit}"
             )
-        return "mosaic"
+        return "mosaic" if rows_fit else "xla"
 
     @staticmethod
     def _pallas_or_xla(option: str, impl: str, fits: bool, unfit: str, pays: bool) -> str:
