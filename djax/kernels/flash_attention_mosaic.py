@@ -16,7 +16,8 @@ TMA as zeros and never stored, so a 32-query block needs no padded copy.
 A CTA's warpgroups merge their slices in shared memory: they exchange their row maxima and
 sums, then each adds its output, weighted by its share of the softmax's total, into one fp32
 tile in turn, and the last one stores the sum. CTAs of several `splits` write fp32 partial
-outputs and their log-sum-exps, merged afterwards as the Triton kernel's are
+outputs, each row followed by its log-sum-exp (so both are read in place, in the Triton
+kernel's layout), merged afterwards as the Triton kernel's are
 (`flash_attention.merge_slices`).
 
 Rules: q, keys and values of one 16-bit dtype (bf16 or fp16), head dim a multiple of 64
@@ -47,6 +48,9 @@ MIN_CTAS = 96
 MAX_WARPGROUPS = 3
 # The fewest keys of a slice `tiles_for` cuts (two steps of 64).
 MIN_SLICE = 128
+# Columns of a split's log-sum-exp beside its output rows (TMA copies rows of 16 bytes or
+# more, WGMMA's layout columns of 8).
+LSE_COLUMNS = 8
 # The most keys of a warpgroup's slice in a block before `tiles_for` cuts them across CTAs.
 KEYS_PER_WARPGROUP = 256
 
@@ -66,11 +70,11 @@ class Tiles:
     def shared_bytes(self, head_dim: int, itemsize: int, split_out: bool) -> int:
         """Shared memory of a CTA: the query tile, each warpgroup's ring of key, value and
         bias slots, the output tile (fp32 where `split_out`, else of `itemsize`) with its
-        log-sum-exps, and where warpgroups merge, their row maxima and sums and an fp32
-        tile to add their outputs into."""
+        log-sum-exps (`LSE_COLUMNS` each), and where warpgroups merge, their row maxima and
+        sums and an fp32 tile to add their outputs into."""
         slot = 2 * self.block_k * head_dim * itemsize + self.block_k * 4
         tile = ROW_TILE * head_dim
-        out = tile * (4 if split_out else itemsize) + ROW_TILE * 4
+        out = tile * (4 if split_out else itemsize) + ROW_TILE * LSE_COLUMNS * 4
         merge = 2 * self.warpgroups * ROW_TILE * 4 + tile * 4 if self.warpgroups > 1 else 0
         return tile * itemsize + self.warpgroups * self.stages * slot + out + merge
 
@@ -176,15 +180,12 @@ def _kernel(
     """One CTA: one (batch x head, query tile, split) of q [b, t, n, d] against keys and
     values [b, s, kv, d] with the bias [b, slices x steps x block_k] (0, or `MASKED` on
     padding keys, added to the scores in base 2), its warpgroups each streaming the slice
-    `split x warpgroups + warpgroup`, into out [b, t, n, d] (one split) or the fp32 partial
-    outputs [b, splits, t, n, d] and log-sum-exps [b, splits, n, 64 x q_tiles]
-    (`split_out`)."""
+    `split x warpgroups + warpgroup`, into out [b, t, n, d] (one split) or, `split_out`,
+    [b, splits, t, n, d + LSE_COLUMNS] fp32: each split's normalised output, then its
+    log-sum-exp in each of `LSE_COLUMNS` columns."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if split_out:
-        out_gmem, lse_gmem, *scratch = refs
-    else:
-        (out_gmem, *scratch), lse_gmem = refs, None
+    out_gmem, *scratch = refs
     q_smem, k_slots, v_slots, bias_slots, o_smem, lse_smem = scratch[:6]
     q_bar, k_bars, v_bars, bias_bars = scratch[6:10]
     merging = tiles.warpgroups > 1
@@ -257,16 +258,21 @@ def _kernel(
         if merging:  # the other warpgroups' shares
             out = _laid_out(scratch[12][...], interpreting) + acc
         o_smem[...] = out.astype(o_smem.dtype)
-        if lse_gmem is None:
+        if not split_out:
             tma_ring.store_rows(o_smem, lambda rows: out_gmem.at[batch, rows, head], q_tile, t)
             return
-        lse_smem[...] = (row_max + jnp.log2(row_sum)) / LOG2E
+        lse = (row_max + jnp.log2(row_sum)) / LOG2E
+        lse_smem[...] = jax.lax.broadcast_in_dim(lse, lse_smem.shape, [0])
         tma_ring.store_rows(
             o_smem,
-            lambda rows: out_gmem.at[batch, split, rows, head],
+            lambda rows: out_gmem.at[batch, split, rows, head, pl.ds(0, d)],
             q_tile,
             t,
-            (lse_smem, lambda rows: lse_gmem.at[batch, split, head, rows], q_tiles * ROW_TILE),
+            (
+                lse_smem,
+                lambda rows: out_gmem.at[batch, split, rows, head, pl.ds(d, LSE_COLUMNS)],
+                t,
+            ),
         )
 
 
@@ -372,11 +378,8 @@ def split_kv_attention(
     bias = jnp.where(key_valid, 0.0, flash_attention.MASKED).astype(jnp.float32)
     bias = jnp.pad(bias, ((0, 0), (0, padded - s)), constant_values=flash_attention.MASKED)
     out_dtype = jnp.float32 if split_out else q.dtype
-    if split_out:
-        out_type = (
-            jax.ShapeDtypeStruct((b, splits, t, n, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, splits, n, q_tiles * ROW_TILE), jnp.float32),
-        )
+    if split_out:  # each row's output, then its log-sum-exp: the merge reads them in place
+        out_type = jax.ShapeDtypeStruct((b, splits, t, n, d + LSE_COLUMNS), jnp.float32)
     else:
         out_type = jax.ShapeDtypeStruct((b, t, n, d), q.dtype)
     params = tma_ring.interpret_params(interpret)
@@ -388,7 +391,7 @@ def split_kv_attention(
         plgpu.SMEM(slots, q.dtype, transforms=swizzled),
         plgpu.SMEM((wgs * tiles.stages, tiles.block_k), jnp.float32),
         plgpu.SMEM((ROW_TILE, d), out_dtype),
-        plgpu.SMEM((ROW_TILE,), jnp.float32),
+        plgpu.SMEM((ROW_TILE, LSE_COLUMNS), jnp.float32),
         plgpu.Barrier(num_barriers=1),
         *(plgpu.Barrier(num_barriers=wgs * tiles.stages) for _ in range(3)),
     ]
@@ -424,5 +427,5 @@ def split_kv_attention(
     inputs = (_aligned(q, 1), _aligned(keys, 1), _aligned(values, 1), bias)
     if not split_out:
         return kernel(*inputs)
-    partial, lse = kernel(*inputs)
-    return flash_attention.merge_slices(partial, lse[..., :t].transpose(0, 1, 3, 2), q.dtype)
+    out = kernel(*inputs)
+    return flash_attention.merge_slices(out[..., :d], out[..., d], q.dtype)
