@@ -58,8 +58,8 @@ TILINGS = (
 
 # The Mosaic GPU port: (block_k, splits, stages, warpgroups), beside `tiles_for`'s; splits
 # past the key blocks are clamped. Two stages leave room for two CTAs per SM (batch 8: 256
-# CTAs). Warpgroups: key slices of one CTA merged in the kernel (2 or 3 at head dim 128,
-# each with its own ring), alone or with splits across CTAs merged in XLA.
+# CTAs). Warpgroups: key slices of one CTA merged in the kernel (each with its own ring),
+# alone or with splits across CTAs merged in XLA.
 MOSAIC_TILINGS = tuple(
     flash_attention_mosaic.Tiles(block_k=bk, splits=splits, stages=stages, warpgroups=wgs)
     for bk, splits, stages, wgs in (
@@ -71,12 +71,13 @@ MOSAIC_TILINGS = tuple(
         (128, 1, 2, 1),
         (128, 3, 2, 1),
         (64, 1, 2, 2),
+        (64, 1, 2, 3),
         (64, 1, 1, 3),
         (128, 1, 1, 2),
+        (128, 1, 1, 3),
         (64, 2, 2, 2),
+        (64, 2, 2, 3),
         (64, 3, 2, 2),
-        (64, 2, 1, 3),
-        (128, 2, 1, 2),
     )
 )
 

@@ -68,15 +68,26 @@ class Tiles:
     warpgroups: int = 1
 
     def shared_bytes(self, head_dim: int, itemsize: int, split_out: bool) -> int:
-        """Shared memory of a CTA: the query tile, each warpgroup's ring of key, value and
-        bias slots, the output tile (fp32 where `split_out`, else of `itemsize`) with its
-        log-sum-exps (`LSE_COLUMNS` each), and where warpgroups merge, their row maxima and
-        sums and an fp32 tile to add their outputs into."""
-        slot = 2 * self.block_k * head_dim * itemsize + self.block_k * 4
+        """Shared memory of a CTA, each buffer from a 1024-byte boundary: the query tile,
+        each warpgroup's ring of key, value and bias slots, the output tile (fp32 where
+        `split_out`, else of `itemsize`) with its log-sum-exps (`LSE_COLUMNS` each); where
+        warpgroups merge, their row maxima and sums, and an fp32 tile to add their outputs
+        into, which with the output tiles reuses the rings' memory."""
         tile = ROW_TILE * head_dim
-        out = tile * (4 if split_out else itemsize) + ROW_TILE * LSE_COLUMNS * 4
-        merge = 2 * self.warpgroups * ROW_TILE * 4 + tile * 4 if self.warpgroups > 1 else 0
-        return tile * itemsize + self.warpgroups * self.stages * slot + out + merge
+        ring = [2 * self.warpgroups * self.stages * self.block_k * head_dim * itemsize]
+        ring.append(self.warpgroups * self.stages * self.block_k * 4)
+        out = [tile * (4 if split_out else itemsize), ROW_TILE * LSE_COLUMNS * 4]
+        query = _aligned_bytes(tile * itemsize)
+        if self.warpgroups == 1:
+            return query + _aligned_bytes(*ring, *out)
+        stats = _aligned_bytes(*[self.warpgroups * ROW_TILE * 4] * 2)
+        return query + max(_aligned_bytes(*ring), _aligned_bytes(*out, tile * 4)) + stats
+
+
+def _aligned_bytes(*sizes: int) -> int:
+    """Bytes of buffers of `sizes` bytes, each from a 1024-byte boundary (Mosaic GPU's
+    alignment of shared memory buffers)."""
+    return sum(-(-size // 1024) * 1024 for size in sizes)
 
 
 def tiles_for(t: int, s: int, batch_heads: int, head_dim: int = 128, itemsize: int = 2) -> Tiles:
@@ -185,9 +196,9 @@ def _kernel(
     log-sum-exp in each of `LSE_COLUMNS` columns."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    out_gmem, *scratch = refs
-    q_smem, k_slots, v_slots, bias_slots, o_smem, lse_smem = scratch[:6]
-    q_bar, k_bars, v_bars, bias_bars = scratch[6:10]
+    out_gmem, q_smem, (rings, tiles_out), q_bar, k_bars, v_bars, bias_bars, *merge = refs
+    k_slots, v_slots, bias_slots = rings
+    o_smem, lse_smem, *sum_tile = tiles_out
     merging = tiles.warpgroups > 1
     cta = jax.lax.axis_index("cta")
     wg = jax.lax.axis_index("wg") if merging else 0
@@ -248,7 +259,9 @@ def _kernel(
     )
     acc, row_max, row_sum = jax.lax.fori_loop(0, steps, step, carry)
     if merging:
-        acc, row_max, row_sum = _merged(acc, row_max, row_sum, wg, tiles, scratch, interpreting)
+        acc, row_max, row_sum = _merged(
+            acc, row_max, row_sum, wg, tiles, (*merge, *sum_tile), interpreting
+        )
     else:
         acc = acc / jax.lax.broadcast_in_dim(row_sum, acc.shape, [0])
 
@@ -256,7 +269,7 @@ def _kernel(
     def _store():
         out = acc
         if merging:  # the other warpgroups' shares
-            out = _laid_out(scratch[12][...], interpreting) + acc
+            out = _laid_out(sum_tile[0][...], interpreting) + acc
         o_smem[...] = out.astype(o_smem.dtype)
         if not split_out:
             tma_ring.store_rows(o_smem, lambda rows: out_gmem.at[batch, rows, head], q_tile, t)
@@ -276,16 +289,17 @@ def _kernel(
         )
 
 
-def _merged(acc, row_max, row_sum, wg, tiles, scratch, interpreting):
+def _merged(acc, row_max, row_sum, wg, tiles, refs, interpreting):
     """Inside a kernel, in each warpgroup: from this warpgroup's unnormalised output acc
     [64, d] and its rows' base-2 maximum and sum, (its share of the CTA's normalised output,
     the base-2 maximum and sum over all the CTA's slices). The warpgroups write their maxima
     and sums to shared memory; then all but the last add their shares in turn into the fp32
     sum tile (swizzled, as WGMMA's accumulator layout reads it without bank conflicts), for
-    the last to add its own to."""
+    the last to add its own to. refs: the maxima and sums [warpgroups, 64], the warpgroups'
+    barrier and the sum tile [64, d]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    max_smem, sum_smem, sum_tile, done = scratch[10:]
+    max_smem, sum_smem, done, sum_tile = refs
     max_smem[wg] = row_max
     sum_smem[wg] = row_sum
 
@@ -385,26 +399,35 @@ def split_kv_attention(
     params = tma_ring.interpret_params(interpret)
     swizzled = tma_ring.swizzled()
     slots = (wgs * tiles.stages, tiles.block_k, d)
-    scratch = [
-        plgpu.SMEM((ROW_TILE, d), q.dtype, transforms=swizzled),
+    rings = (
         plgpu.SMEM(slots, q.dtype, transforms=swizzled),
         plgpu.SMEM(slots, q.dtype, transforms=swizzled),
         plgpu.SMEM((wgs * tiles.stages, tiles.block_k), jnp.float32),
+    )
+    tiles_out = [
         plgpu.SMEM((ROW_TILE, d), out_dtype),
         plgpu.SMEM((ROW_TILE, LSE_COLUMNS), jnp.float32),
-        plgpu.Barrier(num_barriers=1),
-        *(plgpu.Barrier(num_barriers=wgs * tiles.stages) for _ in range(3)),
     ]
-    threads = {}
-    if wgs > 1:  # row maxima and sums, the sum tile, the warpgroups' barrier
-        fp32_swizzled = (plgpu.TilingTransform((8, SWIZZLE // 4)), plgpu.SwizzleTransform(SWIZZLE))
-        scratch += [
+    merge, threads = [], {}
+    if wgs > 1:  # row maxima and sums, the warpgroups' barrier, the sum tile
+        merge = [
             plgpu.SMEM((wgs, ROW_TILE), jnp.float32),
             plgpu.SMEM((wgs, ROW_TILE), jnp.float32),
-            plgpu.SMEM((ROW_TILE, d), jnp.float32, transforms=fp32_swizzled),
             plgpu.Barrier(num_arrivals=wgs),
         ]
+        fp32_swizzled = (plgpu.TilingTransform((8, SWIZZLE // 4)), plgpu.SwizzleTransform(SWIZZLE))
+        tiles_out.append(plgpu.SMEM((ROW_TILE, d), jnp.float32, transforms=fp32_swizzled))
         threads = {"num_threads": wgs, "thread_name": "wg"}
+    memory = (rings, tuple(tiles_out))
+    if wgs > 1 and params is None:  # the output tiles reuse the rings, done when they are used
+        memory = plgpu.RefUnion(*memory)
+    scratch = [
+        plgpu.SMEM((ROW_TILE, d), q.dtype, transforms=swizzled),
+        memory,
+        plgpu.Barrier(num_barriers=1),
+        *(plgpu.Barrier(num_barriers=wgs * tiles.stages) for _ in range(3)),
+        *merge,
+    ]
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,

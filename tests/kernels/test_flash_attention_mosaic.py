@@ -70,19 +70,22 @@ def test_layer_attends_with_the_kernel():
 
 def test_tiles_for_blocks_and_refreshes():
     """Refreshes and large batches (96 CTAs or more): one slice, 2 stages. Blocks: the keys
-    in warpgroups of one CTA, as many as fit 2 stages (head dim 128: 2, 64: 3), at most 256
-    keys each before they are cut across CTAs; as many stages as fit."""
+    in as many as 3 warpgroups of one CTA as fit 2 stages each, at most 256 keys each before
+    they are cut across CTAs; as many stages as fit; all within shared memory (the rings'
+    memory taken again by the merge's tiles)."""
     refresh = Tiles(block_k=64, splits=1, stages=2)
     assert tiles_for(384, 384, 32) == refresh
     assert tiles_for(32, 1280, 8 * 32) == refresh
-    assert tiles_for(32, 384, 32) == Tiles(block_k=64, splits=1, stages=2, warpgroups=2)
+    assert tiles_for(32, 384, 32) == Tiles(block_k=64, splits=1, stages=2, warpgroups=3)
     assert tiles_for(32, 384, 16) == tiles_for(32, 384, 32)
-    assert tiles_for(32, 1280, 32) == Tiles(block_k=64, splits=3, stages=2, warpgroups=2)
-    assert tiles_for(32, 384, 32, head_dim=64) == Tiles(splits=1, stages=3, warpgroups=3)
+    assert tiles_for(32, 1280, 32) == Tiles(block_k=64, splits=2, stages=2, warpgroups=3)
+    assert tiles_for(32, 384, 32, head_dim=64) == Tiles(splits=1, stages=4, warpgroups=3)
+    assert tiles_for(32, 200, 32).warpgroups == 2
     assert tiles_for(32, 100, 32) == Tiles(block_k=64, splits=1, stages=4, warpgroups=1)
     for t, s, heads in ((32, 384, 32), (32, 1280, 32), (32, 4096, 16)):
         tiles = tiles_for(t, s, heads)
         assert tiles.shared_bytes(128, 2, tiles.splits > 1) <= 224 * 1024
+    assert Tiles(stages=3, warpgroups=3).shared_bytes(128, 2, False) > 224 * 1024
 
 
 def test_shape_dtype_and_tile_errors():
@@ -109,10 +112,10 @@ def test_shape_dtype_and_tile_errors():
 @pytest.mark.parametrize(
     "b, t, heads, s, tiles",
     [
-        (1, 32, 32, 384, None),  # LLaDA-8B block: 2 warpgroups merged in the CTA
-        (1, 32, 32, 384, Tiles(stages=1, warpgroups=3)),  # 3 warpgroups
+        (1, 32, 32, 384, None),  # LLaDA-8B block: 3 warpgroups merged in the CTA
+        (1, 32, 32, 384, Tiles(stages=1, warpgroups=2, block_k=128)),  # 2 warpgroups
         (1, 32, 32, 384, Tiles(splits=3, stages=2)),  # 3 CTAs merged in XLA
-        (1, 32, 32, 1280, None),  # 3 CTAs of 2 warpgroups: both merges
+        (1, 32, 32, 1280, None),  # 2 CTAs of 3 warpgroups: both merges
         (8, 32, 32, 640, None),  # LLaDA-8B block at batch 8, one slice
         (1, 384, 32, 384, None),  # LLaDA-8B refresh
         (1, 32, 16, 384, None),  # LLaDA-MoE block
