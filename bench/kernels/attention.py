@@ -56,18 +56,28 @@ TILINGS = (
     Tiles(block_q=128, block_k=64, splits=1, num_stages=3, num_warps=8),
 )
 
-# The Mosaic GPU port: (block_k, splits, stages), beside `tiles_for`'s; splits past the key
-# blocks are clamped. Two stages leave room for two CTAs per SM (batch 8: 256 CTAs).
+# The Mosaic GPU port: (block_k, splits, stages, warpgroups), beside `tiles_for`'s; splits
+# past the key blocks are clamped. Two stages leave room for two CTAs per SM (batch 8: 256
+# CTAs). Warpgroups: key slices of one CTA merged in the kernel (each with its own ring),
+# alone or with splits across CTAs merged in XLA.
 MOSAIC_TILINGS = tuple(
-    flash_attention_mosaic.Tiles(block_k=bk, splits=splits, stages=stages)
-    for bk, splits, stages in (
-        (64, 1, 4),
-        (64, 1, 2),
-        (64, 2, 4),
-        (64, 3, 2),
-        (64, 6, 2),
-        (128, 1, 2),
-        (128, 3, 2),
+    flash_attention_mosaic.Tiles(block_k=bk, splits=splits, stages=stages, warpgroups=wgs)
+    for bk, splits, stages, wgs in (
+        (64, 1, 4, 1),
+        (64, 1, 2, 1),
+        (64, 2, 4, 1),
+        (64, 3, 2, 1),
+        (64, 6, 2, 1),
+        (128, 1, 2, 1),
+        (128, 3, 2, 1),
+        (64, 1, 2, 2),
+        (64, 1, 2, 3),
+        (64, 1, 1, 3),
+        (128, 1, 1, 2),
+        (128, 1, 1, 3),
+        (64, 2, 2, 2),
+        (64, 2, 2, 3),
+        (64, 3, 2, 2),
     )
 )
 

@@ -183,8 +183,8 @@ def tma_partials_t(
                 if parts in ("full", "x_once"):
                     plgpu.wgmma(
                         acc,
-                        plgpu.transpose_ref(w_ring.at[slot], (1, 0)),
-                        plgpu.transpose_ref(x_ring.at[slot if x_each_step else 0], (1, 0)),
+                        w_ring.at[slot].transpose((1, 0)),
+                        x_ring.at[slot if x_each_step else 0].transpose((1, 0)),
                     )
                     plgpu.wgmma_wait(0)
 

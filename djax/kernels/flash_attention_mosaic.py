@@ -2,16 +2,22 @@
 kernel (Hopper: TMA copies, WGMMA): `flash_attention.split_kv_attention`'s contract, off the
 Triton backend (`attention_impl="split_kv_mosaic"`).
 
-Each CTA owns one (batch row, query head, tile of 64 queries, key slice). It copies its
-query tile into shared memory once, then steps through its slice `block_k` keys at a time:
-TMA brings each step's key and value tiles (read through strides from the engine's
-`[batch, seq, kv_heads, head_dim]` buffers, nothing transposed) and the keys' padding bias
-into a ring of `stages` slots; WGMMA computes the scores `Q K^T` into a 64-row fp32
-accumulator, the bias is added per key, the online softmax runs in registers (base 2), and
-WGMMA adds the probabilities (cast to the value dtype) times the values into the output
-accumulator. A tile's query rows past the window's end are read by TMA as zeros and never
-stored, so a 32-query block needs no padded copy. Slices, where there are several, write
-fp32 partial outputs and their log-sum-exps, merged afterwards as the Triton kernel's are
+Each CTA owns one (batch row, query head, tile of 64 queries) and `splits` CTAs share its
+keys; within a CTA, each of its `warpgroups` warpgroups owns one key slice. A warpgroup's
+query tile is in shared memory (copied once per CTA); it steps through its slice `block_k`
+keys at a time: TMA brings each step's key and value tiles (read through strides from the
+engine's `[batch, seq, kv_heads, head_dim]` buffers, nothing transposed) and the keys'
+padding bias into the warpgroup's own ring of `stages` slots; WGMMA computes the scores
+`Q K^T` into a 64-row fp32 accumulator, the bias is added per key, the online softmax runs
+in registers (base 2), and WGMMA adds the probabilities (cast to the value dtype) times the
+values into the output accumulator. A tile's query rows past the window's end are read by
+TMA as zeros and never stored, so a 32-query block needs no padded copy.
+
+A CTA's warpgroups merge their slices in shared memory: they exchange their row maxima and
+sums, then each adds its output, weighted by its share of the softmax's total, into one fp32
+tile in turn, and the last one stores the sum. CTAs of several `splits` write fp32 partial
+outputs, each row followed by its log-sum-exp (so both are read in place, in the Triton
+kernel's layout), merged afterwards as the Triton kernel's are
 (`flash_attention.merge_slices`).
 
 Rules: q, keys and values of one 16-bit dtype (bf16 or fp16), head dim a multiple of 64
@@ -32,42 +38,81 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from djax.kernels import flash_attention, tma_ring
-from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, SHARED_MEMORY, TILE
+from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, SHARED_MEMORY, SWIZZLE, TILE
 
 Array = jax.Array
 LOG2E = math.log2(math.e)
-# The fewest CTAs `tiles_for` aims at by cutting the keys into slices.
+# The fewest CTAs (query tiles x heads) `tiles_for` takes for a window of one key slice.
 MIN_CTAS = 96
+# The most warpgroups of a CTA, each streaming its own key slice.
+MAX_WARPGROUPS = 3
 # The fewest keys of a slice `tiles_for` cuts (two steps of 64).
 MIN_SLICE = 128
+# Columns of a split's log-sum-exp beside its output rows (TMA copies rows of 16 bytes or
+# more, WGMMA's layout columns of 8).
+LSE_COLUMNS = 8
+# The most keys of a warpgroup's slice in a block before `tiles_for` cuts them across CTAs.
+KEYS_PER_WARPGROUP = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """Program shape: a CTA per 64 queries of one head and per key slice (of `splits`),
-    stepping `block_k` keys at a time through a ring of `stages` slots. `block_k` is a
-    multiple of 64."""
+    """Program shape: `splits` CTAs per 64 queries of one head, each of `warpgroups`
+    warpgroups streaming one key slice (so `splits x warpgroups` slices) `block_k` keys at
+    a time through its own ring of `stages` slots. `block_k` is a multiple of 64, a CTA
+    holds at most `MAX_WARPGROUPS` warpgroups."""
 
     block_k: int = 64
     splits: int = 1
     stages: int = 4
+    warpgroups: int = 1
 
-    def shared_bytes(self, head_dim: int, itemsize: int, out_bytes: int) -> int:
-        """Shared memory of a CTA: the query tile, the ring's key, value and bias slots
-        and the output tile (`out_bytes` per value) with its log-sum-exps."""
-        slot = 2 * self.block_k * head_dim * itemsize + self.block_k * 4
+    def shared_bytes(self, head_dim: int, itemsize: int, split_out: bool) -> int:
+        """Shared memory of a CTA, each buffer from a 1024-byte boundary: the query tile,
+        each warpgroup's ring of key, value and bias slots, the output tile (fp32 where
+        `split_out`, else of `itemsize`) with its log-sum-exps (`LSE_COLUMNS` each); where
+        warpgroups merge, their row maxima and sums, and an fp32 tile to add their outputs
+        into, which with the output tiles reuses the rings' memory."""
         tile = ROW_TILE * head_dim
-        return tile * itemsize + self.stages * slot + tile * out_bytes + ROW_TILE * 4
+        ring = [2 * self.warpgroups * self.stages * self.block_k * head_dim * itemsize]
+        ring.append(self.warpgroups * self.stages * self.block_k * 4)
+        out = [tile * (4 if split_out else itemsize), ROW_TILE * LSE_COLUMNS * 4]
+        query = _aligned_bytes(tile * itemsize)
+        if self.warpgroups == 1:
+            return query + _aligned_bytes(*ring, *out)
+        stats = _aligned_bytes(*[self.warpgroups * ROW_TILE * 4] * 2)
+        return query + max(_aligned_bytes(*ring), _aligned_bytes(*out, tile * 4)) + stats
 
 
-def tiles_for(t: int, s: int, batch_heads: int) -> Tiles:
+def _aligned_bytes(*sizes: int) -> int:
+    """Bytes of buffers of `sizes` bytes, each from a 1024-byte boundary (Mosaic GPU's
+    alignment of shared memory buffers)."""
+    return sum(-(-size // 1024) * 1024 for size in sizes)
+
+
+def tiles_for(t: int, s: int, batch_heads: int, head_dim: int = 128, itemsize: int = 2) -> Tiles:
     """The tiling for `t` queries against `s` keys, with `batch_heads` (batch x query heads
-    on this device) CTAs per query tile: 64-key steps, 4 stages, and the keys cut into the
-    fewest slices of at least `MIN_SLICE` keys that give `MIN_CTAS` CTAs (a block of 32
-    queries against 384 keys at 32 heads: 3 slices)."""
+    on this device) CTAs per query tile, of head dim `head_dim` and `itemsize`-byte values.
+    Windows with at least `MIN_CTAS` query tiles x heads (refreshes, large batches): one
+    slice, 64-key steps, 2 stages (two CTAs fit on an SM). Fewer (blocks): 64-key steps, the
+    keys cut into slices of `MIN_SLICE` to `KEYS_PER_WARPGROUP` keys as warpgroups of one CTA
+    (merged in the kernel, nothing left to merge in XLA): as many warpgroups, up to
+    `MAX_WARPGROUPS`, as have rings of 2 stages fitting in shared memory; only keys past
+    `KEYS_PER_WARPGROUP` per warpgroup are cut across CTAs too; as many stages as fit, at
+    most 4."""
     ctas = batch_heads * pl.cdiv(t, ROW_TILE)
-    splits = max(1, min(pl.cdiv(s, MIN_SLICE), pl.cdiv(MIN_CTAS, ctas)))
-    return Tiles(block_k=TILE, splits=splits, stages=4)
+    if ctas >= MIN_CTAS:
+        return Tiles(block_k=TILE, splits=1, stages=2)
+
+    def fitting(warpgroups: int, stages: int) -> Tiles | None:
+        splits = pl.cdiv(s, warpgroups * KEYS_PER_WARPGROUP)
+        tiles = Tiles(block_k=TILE, splits=splits, stages=stages, warpgroups=warpgroups)
+        fits = tiles.shared_bytes(head_dim, itemsize, splits > 1) <= SHARED_MEMORY
+        return tiles if fits else None
+
+    most = min(MAX_WARPGROUPS, pl.cdiv(s, MIN_SLICE))
+    warpgroups = max((w for w in range(1, most + 1) if fitting(w, 2)), default=1)
+    return next(filter(None, (fitting(warpgroups, st) for st in (4, 3, 2))), fitting(warpgroups, 1))
 
 
 def fits(head_dim: int) -> bool:
@@ -105,7 +150,7 @@ def _scores(q_smem, k_slot, interpreting: bool) -> Array:
         return jnp.dot(q, k.T, preferred_element_type=jnp.float32)
 
     def scores_of(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_slot, (1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, k_slot.transpose((1, 0)))
         return acc_ref[...]  # read back: the products are done
 
     return pl.run_scoped(scores_of, plgpu.ACC((ROW_TILE, k_slot.shape[0]), jnp.float32))
@@ -143,33 +188,38 @@ def _kernel(
     split_out,
     interpreting,
 ):
-    """One CTA: one (batch x head, query tile, key slice) of q [b, t, n, d] against keys and
-    values [b, s, kv, d] with the bias [b, splits x steps x block_k] (0, or `MASKED` on
-    padding keys, added to the scores in base 2), into out [b, t, n, d] (one slice) or the
-    fp32 partial outputs [b, splits, t, n, d] and log-sum-exps [b, splits, n, 64 x q_tiles]
-    (`split_out`)."""
+    """One CTA: one (batch x head, query tile, split) of q [b, t, n, d] against keys and
+    values [b, s, kv, d] with the bias [b, slices x steps x block_k] (0, or `MASKED` on
+    padding keys, added to the scores in base 2), its warpgroups each streaming the slice
+    `split x warpgroups + warpgroup`, into out [b, t, n, d] (one split) or, `split_out`,
+    [b, splits, t, n, d + LSE_COLUMNS] fp32: each split's normalised output, then its
+    log-sum-exp in each of `LSE_COLUMNS` columns."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if split_out:
-        out_gmem, lse_gmem, *scratch = refs
-    else:
-        (out_gmem, *scratch), lse_gmem = refs, None
-    q_smem, k_slots, v_slots, bias_slots, o_smem, lse_smem = scratch[:6]
-    q_bar, k_bars, v_bars, bias_bars = scratch[6:]
+    out_gmem, q_smem, (rings, tiles_out), q_bar, k_bars, v_bars, bias_bars, *merge = refs
+    k_slots, v_slots, bias_slots = rings
+    o_smem, lse_smem, *sum_tile = tiles_out
+    merging = tiles.warpgroups > 1
     cta = jax.lax.axis_index("cta")
+    wg = jax.lax.axis_index("wg") if merging else 0
     split, rest = cta % tiles.splits, cta // tiles.splits
     q_tile, batch_head = rest % q_tiles, rest // q_tiles
     batch, head = batch_head // n_heads, batch_head % n_heads
     kv_head = head // group
     rows = pl.ds(q_tile * ROW_TILE, ROW_TILE)
+    first_key_step = (split * tiles.warpgroups + wg) * steps
     d = q_smem.shape[-1]
-    plgpu.copy_gmem_to_smem(q_gmem.at[batch, rows, head], q_smem, q_bar.at[0])
+
+    @pl.when(wg == 0)
+    def _query():
+        plgpu.copy_gmem_to_smem(q_gmem.at[batch, rows, head], q_smem, q_bar.at[0])
 
     def fetch(step, slot):
-        keys = pl.ds((split * steps + step) * tiles.block_k, tiles.block_k)
-        plgpu.copy_gmem_to_smem(k_gmem.at[batch, keys, kv_head], k_slots.at[slot], k_bars.at[slot])
-        plgpu.copy_gmem_to_smem(v_gmem.at[batch, keys, kv_head], v_slots.at[slot], v_bars.at[slot])
-        plgpu.copy_gmem_to_smem(bias_gmem.at[batch, keys], bias_slots.at[slot], bias_bars.at[slot])
+        keys = pl.ds((first_key_step + step) * tiles.block_k, tiles.block_k)
+        ring = wg * tiles.stages + slot  # this warpgroup's slots
+        plgpu.copy_gmem_to_smem(k_gmem.at[batch, keys, kv_head], k_slots.at[ring], k_bars.at[ring])
+        plgpu.copy_gmem_to_smem(v_gmem.at[batch, keys, kv_head], v_slots.at[ring], v_bars.at[ring])
+        plgpu.copy_gmem_to_smem(bias_gmem.at[batch, keys], bias_slots.at[ring], bias_bars.at[ring])
 
     for step in range(min(tiles.stages, steps)):
         fetch(step, step)
@@ -179,18 +229,19 @@ def _kernel(
     def step(i, carry):
         acc, row_max, row_sum = carry
         slot = jax.lax.rem(i, tiles.stages)
-        plgpu.barrier_wait(k_bars.at[slot])
-        scores = _scores(q_smem, k_slots.at[slot], interpreting)
-        plgpu.barrier_wait(bias_bars.at[slot])
-        bias = tma_ring.accumulator_columns(bias_slots[slot], interpreting)
+        ring = wg * tiles.stages + slot
+        plgpu.barrier_wait(k_bars.at[ring])
+        scores = _scores(q_smem, k_slots.at[ring], interpreting)
+        plgpu.barrier_wait(bias_bars.at[ring])
+        bias = tma_ring.accumulator_columns(bias_slots[ring], interpreting)
         scores = scores * scale + jax.lax.broadcast_in_dim(bias, scores.shape, [1])
         new_max = jnp.maximum(row_max, scores.max(axis=1))
         correction = jnp.exp2(row_max - new_max)
         p = jnp.exp2(scores - jax.lax.broadcast_in_dim(new_max, scores.shape, [0]))
         row_sum = row_sum * correction + p.sum(axis=1)
-        plgpu.barrier_wait(v_bars.at[slot])
+        plgpu.barrier_wait(v_bars.at[ring])
 
-        pv = _weighted_values(p.astype(v_slots.dtype), v_slots.at[slot], interpreting)
+        pv = _weighted_values(p.astype(v_slots.dtype), v_slots.at[ring], interpreting)
         acc = acc * jax.lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
 
         @pl.when(i + tiles.stages < steps)
@@ -207,18 +258,73 @@ def _kernel(
         tma_ring.accumulator_rows(jnp.zeros((ROW_TILE,), jnp.float32), interpreting),
     )
     acc, row_max, row_sum = jax.lax.fori_loop(0, steps, step, carry)
-    o_smem[...] = (acc / jax.lax.broadcast_in_dim(row_sum, acc.shape, [0])).astype(o_smem.dtype)
-    if lse_gmem is None:
-        tma_ring.store_rows(o_smem, lambda rows: out_gmem.at[batch, rows, head], q_tile, t)
-        return
-    lse_smem[...] = (row_max + jnp.log2(row_sum)) / LOG2E
-    tma_ring.store_rows(
-        o_smem,
-        lambda rows: out_gmem.at[batch, split, rows, head],
-        q_tile,
-        t,
-        (lse_smem, lambda rows: lse_gmem.at[batch, split, head, rows], q_tiles * ROW_TILE),
-    )
+    if merging:
+        acc, row_max, row_sum = _merged(
+            acc, row_max, row_sum, wg, tiles, (*merge, *sum_tile), interpreting
+        )
+    else:
+        acc = acc / jax.lax.broadcast_in_dim(row_sum, acc.shape, [0])
+
+    @pl.when(wg == tiles.warpgroups - 1)
+    def _store():
+        out = acc
+        if merging:  # the other warpgroups' shares
+            out = _laid_out(sum_tile[0][...], interpreting) + acc
+        o_smem[...] = out.astype(o_smem.dtype)
+        if not split_out:
+            tma_ring.store_rows(o_smem, lambda rows: out_gmem.at[batch, rows, head], q_tile, t)
+            return
+        lse = (row_max + jnp.log2(row_sum)) / LOG2E
+        lse_smem[...] = jax.lax.broadcast_in_dim(lse, lse_smem.shape, [0])
+        tma_ring.store_rows(
+            o_smem,
+            lambda rows: out_gmem.at[batch, split, rows, head, pl.ds(0, d)],
+            q_tile,
+            t,
+            (
+                lse_smem,
+                lambda rows: out_gmem.at[batch, split, rows, head, pl.ds(d, LSE_COLUMNS)],
+                t,
+            ),
+        )
+
+
+def _merged(acc, row_max, row_sum, wg, tiles, refs, interpreting):
+    """Inside a kernel, in each warpgroup: from this warpgroup's unnormalised output acc
+    [64, d] and its rows' base-2 maximum and sum, (its share of the CTA's normalised output,
+    the base-2 maximum and sum over all the CTA's slices). The warpgroups write their maxima
+    and sums to shared memory; then all but the last add their shares in turn into the fp32
+    sum tile (swizzled, as WGMMA's accumulator layout reads it without bank conflicts), for
+    the last to add its own to. refs: the maxima and sums [warpgroups, 64], the warpgroups'
+    barrier and the sum tile [64, d]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    max_smem, sum_smem, done, sum_tile = refs
+    max_smem[wg] = row_max
+    sum_smem[wg] = row_sum
+
+    def all_arrived():
+        plgpu.barrier_arrive(done.at[0])
+        plgpu.barrier_wait(done.at[0])
+
+    all_arrived()  # every slice's statistics are written, and every ring is done
+    maxima = [tma_ring.accumulator_rows(max_smem[j], interpreting) for j in range(tiles.warpgroups)]
+    sums = [tma_ring.accumulator_rows(sum_smem[j], interpreting) for j in range(tiles.warpgroups)]
+    total_max = functools.reduce(jnp.maximum, maxima)
+    total = sum(s * jnp.exp2(m - total_max) for m, s in zip(maxima, sums, strict=True))
+    weight = jnp.exp2(row_max - total_max) / total
+    share = acc * jax.lax.broadcast_in_dim(weight, acc.shape, [0])
+    for j in range(tiles.warpgroups - 1):
+
+        @pl.when(wg == j)
+        def _add(j=j):
+            if j:
+                sum_tile[...] = _laid_out(sum_tile[...], interpreting) + share
+            else:
+                sum_tile[...] = share
+
+        all_arrived()
+    return share, total_max, total
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
@@ -235,9 +341,10 @@ def split_kv_attention(
     q: [batch, t, heads, head_dim]; keys, values: [batch, s, kv_heads, head_dim], all bf16
     or all fp16, head_dim a multiple of 64; key_valid: [batch, s] bool. Returns
     [batch, t, heads, head_dim] in q's dtype (as `flash_attention.split_kv_attention`).
-    `tiles`: the program shape (default `tiles_for(t, s, batch * heads)`; more slices than
-    `block_k` steps are clamped); `interpret`: run in Mosaic GPU's interpreter (default:
-    exactly off GPUs, as the CPU tests do).
+    `tiles`: the program shape (default `tiles_for(t, s, batch * heads, ...)`; more splits
+    than key slices need are clamped, and a CTA's last warpgroups may get slices wholly
+    past the keys, masked); `interpret`: run in Mosaic GPU's interpreter (default: exactly
+    off GPUs, as the CPU tests do).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -261,33 +368,66 @@ def split_kv_attention(
             f"{name}: q {q.dtype}, keys {keys.dtype}, values {values.dtype}; expected all "
             "bfloat16 or all float16"
         )
-    tiles = tiles or tiles_for(t, s, b * n)
-    if tiles.block_k % TILE or tiles.splits < 1 or tiles.stages < 1:
+    tiles = tiles or tiles_for(t, s, b * n, d, q.dtype.itemsize)
+    if (
+        tiles.block_k % TILE
+        or tiles.splits < 1
+        or tiles.stages < 1
+        or not 1 <= tiles.warpgroups <= MAX_WARPGROUPS
+    ):
         raise ValueError(
-            f"{tiles}: block_k must be a multiple of {TILE}, splits and stages at least 1"
+            f"{tiles}: block_k must be a multiple of {TILE}, splits and stages at least 1, "
+            f"warpgroups 1 to {MAX_WARPGROUPS}"
         )
-    steps = pl.cdiv(pl.cdiv(s, tiles.block_k), tiles.splits)
-    splits = pl.cdiv(pl.cdiv(s, tiles.block_k), steps)  # every slice holds keys
+    wgs = tiles.warpgroups
+    steps = pl.cdiv(pl.cdiv(s, tiles.block_k), tiles.splits * wgs)
+    splits = pl.cdiv(pl.cdiv(s, tiles.block_k), steps * wgs)  # every CTA holds keys
     tiles = dataclasses.replace(tiles, splits=splits, stages=min(tiles.stages, steps))
     split_out = splits > 1
-    out_dtype = jnp.float32 if split_out else q.dtype
-    used = tiles.shared_bytes(d, q.dtype.itemsize, jnp.dtype(out_dtype).itemsize)
+    used = tiles.shared_bytes(d, q.dtype.itemsize, split_out)
     if used > SHARED_MEMORY:
         raise ValueError(f"{tiles}: {used} bytes of shared memory; at most {SHARED_MEMORY}")
     q_tiles = pl.cdiv(t, ROW_TILE)
-    padded = splits * steps * tiles.block_k
+    padded = splits * wgs * steps * tiles.block_k
     bias = jnp.where(key_valid, 0.0, flash_attention.MASKED).astype(jnp.float32)
     bias = jnp.pad(bias, ((0, 0), (0, padded - s)), constant_values=flash_attention.MASKED)
-    if split_out:
-        out_type = (
-            jax.ShapeDtypeStruct((b, splits, t, n, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, splits, n, q_tiles * ROW_TILE), jnp.float32),
-        )
+    out_dtype = jnp.float32 if split_out else q.dtype
+    if split_out:  # each row's output, then its log-sum-exp: the merge reads them in place
+        out_type = jax.ShapeDtypeStruct((b, splits, t, n, d + LSE_COLUMNS), jnp.float32)
     else:
         out_type = jax.ShapeDtypeStruct((b, t, n, d), q.dtype)
     params = tma_ring.interpret_params(interpret)
     swizzled = tma_ring.swizzled()
-    slots = (tiles.stages, tiles.block_k, d)
+    slots = (wgs * tiles.stages, tiles.block_k, d)
+    rings = (
+        plgpu.SMEM(slots, q.dtype, transforms=swizzled),
+        plgpu.SMEM(slots, q.dtype, transforms=swizzled),
+        plgpu.SMEM((wgs * tiles.stages, tiles.block_k), jnp.float32),
+    )
+    tiles_out = [
+        plgpu.SMEM((ROW_TILE, d), out_dtype),
+        plgpu.SMEM((ROW_TILE, LSE_COLUMNS), jnp.float32),
+    ]
+    merge, threads = [], {}
+    if wgs > 1:  # row maxima and sums, the warpgroups' barrier, the sum tile
+        merge = [
+            plgpu.SMEM((wgs, ROW_TILE), jnp.float32),
+            plgpu.SMEM((wgs, ROW_TILE), jnp.float32),
+            plgpu.Barrier(num_arrivals=wgs),
+        ]
+        fp32_swizzled = (plgpu.TilingTransform((8, SWIZZLE // 4)), plgpu.SwizzleTransform(SWIZZLE))
+        tiles_out.append(plgpu.SMEM((ROW_TILE, d), jnp.float32, transforms=fp32_swizzled))
+        threads = {"num_threads": wgs, "thread_name": "wg"}
+    memory = (rings, tuple(tiles_out))
+    if wgs > 1 and params is None:  # the output tiles reuse the rings, done when they are used
+        memory = plgpu.RefUnion(*memory)
+    scratch = [
+        plgpu.SMEM((ROW_TILE, d), q.dtype, transforms=swizzled),
+        memory,
+        plgpu.Barrier(num_barriers=1),
+        *(plgpu.Barrier(num_barriers=wgs * tiles.stages) for _ in range(3)),
+        *merge,
+    ]
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,
@@ -303,20 +443,12 @@ def split_kv_attention(
         out_type=out_type,
         grid=(b * n * q_tiles * splits,),
         grid_names=("cta",),
-        scratch_types=[
-            plgpu.SMEM((ROW_TILE, d), q.dtype, transforms=swizzled),
-            plgpu.SMEM(slots, q.dtype, transforms=swizzled),
-            plgpu.SMEM(slots, q.dtype, transforms=swizzled),
-            plgpu.SMEM((tiles.stages, tiles.block_k), jnp.float32),
-            plgpu.SMEM((ROW_TILE, d), out_dtype),
-            plgpu.SMEM((ROW_TILE,), jnp.float32),
-            plgpu.Barrier(num_barriers=1),
-            *(plgpu.Barrier(num_barriers=tiles.stages) for _ in range(3)),
-        ],
+        scratch_types=scratch,
         interpret=params,
+        **threads,
     )
     inputs = (_aligned(q, 1), _aligned(keys, 1), _aligned(values, 1), bias)
     if not split_out:
         return kernel(*inputs)
-    partial, lse = kernel(*inputs)
-    return flash_attention.merge_slices(partial, lse[..., :t].transpose(0, 1, 3, 2), q.dtype)
+    out = kernel(*inputs)
+    return flash_attention.merge_slices(out[..., :d], out[..., d], q.dtype)

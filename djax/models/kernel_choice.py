@@ -470,9 +470,7 @@ class _Rule:
     def _product(self, widths: tuple[int, int], few: bool) -> str:
         k, n = widths
         if self.options.matmul_impl == "mosaic":
-            return self._mosaic(
-                "matmul_impl", tma_ring.fits(k, n), f"a product {k} -> {n}", few
-            )
+            return self._mosaic("matmul_impl", tma_ring.fits(k, n), f"a product {k} -> {n}", few)
         return self._pallas_or_xla(
             "matmul_impl",
             self.options.matmul_impl,

@@ -1,8 +1,9 @@
 """The split-K/V attention kernel's Mosaic GPU port (`flash_attention_mosaic`), run by Mosaic
 GPU's interpreter on the CPU, against fp32 einsum attention: key padding, several key
-slices merged, GQA, windows and buffers that are not multiples of the tiles, and the layer
-taking it; its errors and tiles; its lowering for a Hopper GPU at LLaDA-8B's and
-LLaDA-MoE's shapes on any host; on a GPU the compiled kernel at those shapes."""
+slices merged (by warpgroups of one CTA in the kernel, across CTAs in XLA), GQA, windows
+and buffers that are not multiples of the tiles, and the layer taking it; its errors and
+tiles; its lowering for a Hopper GPU at LLaDA-8B's and LLaDA-MoE's shapes on any host; on a
+GPU the compiled kernel at those shapes."""
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,13 @@ def _padded_rows(s, pad):
         # the last); 180 keys (K/V padded to 184) in 2 slices of 128, the second slice's last
         # step wholly past the buffer's end, the second row's first slice all padding
         (2, 70, 2, 1, 180, 140, Tiles(splits=2, stages=2)),
+        # 3 warpgroups merged in the CTA, GQA (group 2): 300 keys (K/V padded to 304) in 3
+        # slices of 2 steps through a ring of 1 slot, the second row's first slice all
+        # padding, the last slice's last step wholly past the buffer's end
+        (2, 32, 2, 1, 300, 140, Tiles(stages=1, warpgroups=3)),
+        # both merges: 2 CTAs of 2 warpgroups (4 slices of one 64-key step, the last wholly
+        # past the keys); 70 queries (2 query tiles, 6 rows stored from the last)
+        (1, 70, 1, 1, 180, 0, Tiles(splits=2, stages=2, warpgroups=2)),
     ],
 )
 def test_matches_einsum_attention(b, t, n, kv, s, pad, tiles):
@@ -49,27 +57,35 @@ def test_matches_einsum_attention(b, t, n, kv, s, pad, tiles):
 
 
 def test_layer_attends_with_the_kernel():
-    """`layers.attend(..., "split_kv_mosaic")` takes the kernel (at `tiles_for`: two slices
-    of 128 keys) and gives XLA's attention on the same bf16 inputs."""
+    """`layers.attend(..., "split_kv_mosaic")` takes the kernel (at `tiles_for`: two
+    warpgroups' slices of 128 keys) and gives XLA's attention on the same bf16 inputs."""
     q, k, v = _problem(1, 16, 2, 2, 64, 256, BF16, seed=4)
     key_valid = jnp.arange(256)[None, :] >= 20
     grouped = q.reshape(1, 16, 2, 1, 64)
     ours = layers.attend(grouped, k, v, key_valid, "split_kv_mosaic")
-    assert tiles_for(16, 256, 2).splits == 2
+    assert tiles_for(16, 256, 2, head_dim=64).warpgroups == 2
     ref = layers.attend(grouped, k, v, key_valid, "xla")
     assert ours.shape == grouped.shape and _rel_error(ours, ref.astype(jnp.float32)) < 1e-2
 
 
 def test_tiles_for_blocks_and_refreshes():
-    """Slices of at least 128 keys, as few as reach 96 CTAs: LLaDA-8B's block (32 heads)
-    against 384 keys in 3, LLaDA-MoE's (16 heads) in 3, at batch 8 or at a 384-query refresh
-    one."""
-    assert tiles_for(32, 384, 32) == Tiles(block_k=64, splits=3, stages=4)
-    assert tiles_for(32, 384, 16).splits == 3
-    assert tiles_for(32, 1280, 16).splits == 6
-    assert tiles_for(32, 1280, 8 * 32).splits == 1
-    assert tiles_for(384, 384, 32).splits == 1
-    assert tiles_for(32, 100, 32).splits == 1
+    """Refreshes and large batches (96 CTAs or more): one slice, 2 stages. Blocks: the keys
+    in as many as 3 warpgroups of one CTA as fit 2 stages each, at most 256 keys each before
+    they are cut across CTAs; as many stages as fit; all within shared memory (the rings'
+    memory taken again by the merge's tiles)."""
+    refresh = Tiles(block_k=64, splits=1, stages=2)
+    assert tiles_for(384, 384, 32) == refresh
+    assert tiles_for(32, 1280, 8 * 32) == refresh
+    assert tiles_for(32, 384, 32) == Tiles(block_k=64, splits=1, stages=2, warpgroups=3)
+    assert tiles_for(32, 384, 16) == tiles_for(32, 384, 32)
+    assert tiles_for(32, 1280, 32) == Tiles(block_k=64, splits=2, stages=2, warpgroups=3)
+    assert tiles_for(32, 384, 32, head_dim=64) == Tiles(splits=1, stages=4, warpgroups=3)
+    assert tiles_for(32, 200, 32).warpgroups == 2
+    assert tiles_for(32, 100, 32) == Tiles(block_k=64, splits=1, stages=4, warpgroups=1)
+    for t, s, heads in ((32, 384, 32), (32, 1280, 32), (32, 4096, 16)):
+        tiles = tiles_for(t, s, heads)
+        assert tiles.shared_bytes(128, 2, tiles.splits > 1) <= 224 * 1024
+    assert Tiles(stages=3, warpgroups=3).shared_bytes(128, 2, False) > 224 * 1024
 
 
 def test_shape_dtype_and_tile_errors():
@@ -85,6 +101,8 @@ def test_shape_dtype_and_tile_errors():
         split_kv_attention(q.astype(jnp.float32), k, v, valid)
     with pytest.raises(ValueError, match="block_k must be a multiple of 64"):
         split_kv_attention(q, k, v, valid, tiles=Tiles(block_k=32))
+    with pytest.raises(ValueError, match="warpgroups=4.*warpgroups 1 to 3"):
+        split_kv_attention(q, k, v, valid, tiles=Tiles(warpgroups=4))
     long_k, long_v = (jnp.zeros((1, 4096, 2, 64), BF16) for _ in range(2))
     with pytest.raises(ValueError, match="bytes of shared memory; at most 229376"):
         split_kv_attention(q, long_k, long_v, jnp.ones((1, 4096), bool), tiles=Tiles(stages=16))
@@ -92,16 +110,19 @@ def test_shape_dtype_and_tile_errors():
 
 
 @pytest.mark.parametrize(
-    "b, t, heads, s",
+    "b, t, heads, s, tiles",
     [
-        (1, 32, 32, 384),  # LLaDA-8B block, 3 slices merged
-        (8, 32, 32, 640),  # LLaDA-8B block at batch 8, one slice
-        (1, 384, 32, 384),  # LLaDA-8B refresh
-        (1, 32, 16, 384),  # LLaDA-MoE block
-        (1, 200, 16, 1020),  # LLaDA-MoE window: q and K/V padded to rows of 8, 2 slices
+        (1, 32, 32, 384, None),  # LLaDA-8B block: 3 warpgroups merged in the CTA
+        (1, 32, 32, 384, Tiles(stages=1, warpgroups=2, block_k=128)),  # 2 warpgroups
+        (1, 32, 32, 384, Tiles(splits=3, stages=2)),  # 3 CTAs merged in XLA
+        (1, 32, 32, 1280, None),  # 2 CTAs of 3 warpgroups: both merges
+        (8, 32, 32, 640, None),  # LLaDA-8B block at batch 8, one slice
+        (1, 384, 32, 384, None),  # LLaDA-8B refresh
+        (1, 32, 16, 384, None),  # LLaDA-MoE block
+        (1, 200, 16, 1020, Tiles(splits=2)),  # LLaDA-MoE window: rows padded to 8s, 2 slices
     ],
 )
-def test_lowers_for_hopper(b, t, heads, s):
+def test_lowers_for_hopper(b, t, heads, s, tiles):
     """The kernel lowers to Mosaic GPU's custom call for CUDA (WGMMA shapes and operands,
     layouts, swizzles and TMA slices are checked here, on any host; only the compile to PTX
     needs the GPU)."""
@@ -110,7 +131,6 @@ def test_lowers_for_hopper(b, t, heads, s):
         *(jax.ShapeDtypeStruct((b, s, heads, 128), BF16) for _ in range(2)),
         jax.ShapeDtypeStruct((b, s), jnp.bool_),
     ]
-    tiles = Tiles(splits=2) if s == 1020 else None
     run = lambda q, k, v, m: split_kv_attention(q, k, v, m, tiles=tiles, interpret=False)  # noqa: E731
     assert "mosaic_gpu" in jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -119,14 +139,16 @@ def test_lowers_for_hopper(b, t, heads, s):
 @pytest.mark.parametrize("t, s", [(32, 384), (32, 1000), (384, 384), (70, 1020)])
 def test_compiled_kernel_on_gpu(t, s):
     """On a Hopper GPU: the compiled kernel at the model's shapes (bf16, head dim 128, GQA
-    group 2, a left-padded row) at `tiles_for`, one slice and 3 slices of 128-key steps (at
-    1000 keys the last step wholly past the buffer's end), against fp32 einsums and against
+    group 2, a left-padded row) at `tiles_for`, one slice, 3 slices of 128-key steps (at
+    1000 keys the last step wholly past the buffer's end), 3 warpgroups merged in the CTA and
+    2 CTAs of 2 warpgroups, against fp32 einsums and against
     the Triton kernel."""
     q, k, v = _problem(2, t, 16, 8, 128, s, BF16, seed=2)
     key_valid = _padded_rows(s, 100)
     ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k, v)), key_valid)
     triton = flash_attention.split_kv_attention(q, k, v, key_valid)
-    for tiles in (None, Tiles(splits=1), Tiles(block_k=128, splits=3, stages=2)):
+    merged = (Tiles(stages=1, warpgroups=3), Tiles(splits=2, stages=2, warpgroups=2))
+    for tiles in (None, Tiles(splits=1), Tiles(block_k=128, splits=3, stages=2), *merged):
         ours = split_kv_attention(q, k, v, key_valid, tiles=tiles)
         assert _rel_error(ours, ref) <= 1e-2, (tiles, _rel_error(ours, ref))
         assert _rel_error(ours, triton.astype(jnp.float32)) <= 1e-2, tiles
