@@ -687,3 +687,36 @@ def test_run_device_detach_then_collect(tmp_path):
     )  # fmt: skip
     assert refused.returncode == 2 and "not a detach folder" in refused.stderr
     assert [p.name for p in mine.iterdir()] == ["keep.txt"]
+
+
+def test_mosaic_verdict_lines():
+    """`bench.kernels.mosaic`'s verdict names the fastest right form of a `_norm` or
+    `_tiled` product with how far the others trail, and says which forms failed, were
+    wrong or did not run; products of other kinds get none."""
+    from bench.kernels.mosaic import verdict
+
+    def row(impl, us=None, rel_error=3e-3, product="out_norm"):
+        timed = {} if us is None else {"us": us, "rel_error": rel_error}
+        return {"product": product, "impl": impl, **timed}
+
+    rows = [
+        row("mosaic", 12.0),
+        row("pallas", 14.5),
+        row("mosaic + xla norm", 13.0),
+        row("mosaic", 99.0, product="down_norm"),
+    ]
+    assert verdict("out_norm", rows) == (
+        "verdict out_norm: Mosaic port 12.0 us | Triton 14.5 us | XLA on Mosaic partials "
+        "13.0 us -> Mosaic port fastest (Triton +2.5 us, XLA on Mosaic partials +1.0 us)"
+    )
+    rows = [
+        row("mosaic", 9.0, rel_error=0.5, product="down_tiled"),
+        row("pallas", product="down_tiled"),
+        row("mosaic + xla add", 16.0, product="down_tiled"),
+    ]
+    assert verdict("down_tiled", rows) == (
+        "verdict down_tiled: Mosaic port wrong (rel_error 5.0e-01) | Triton failed | "
+        "XLA on Mosaic partials 16.0 us -> XLA on Mosaic partials fastest"
+    )
+    assert verdict("out_tiled", rows).endswith("XLA on Mosaic partials not run -> none ran")
+    assert verdict("out", rows) is None

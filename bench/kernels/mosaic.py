@@ -15,12 +15,17 @@ GPU ports (`matmul_impl` / `mlp_impl` = `xla`, `pallas`, `mosaic`), the products
 - `out_tiled`, `down_tiled`: the split-K product, then the tiled residual add leaving the
   norm to the next product (`norm_impl="tiled"`): Triton's (`split_k`,
   `residual_norm.add_scaled`), Mosaic GPU's (`split_k_mosaic`,
-  `residual_norm_mosaic.add_scaled`) and the Mosaic GPU product with the Triton add.
+  `residual_norm_mosaic.add_scaled`), and the Mosaic GPU product with the Triton add or
+  with XLA's (`xla_add_scaled`: the slices' sum, add, scale and tiles' sums of squares).
 - `out_norm`, `down_norm`: the split-K product, then the per-row residual norm
   (`norm_impl="pallas"`): Triton's (`split_k`, `residual_norm.add_rms_norm`), and after the
   Mosaic GPU product the norm kernel's Mosaic GPU port (`residual_norm_mosaic.add_rms_norm`,
   `mosaic`), the Triton norm kernel, or XLA's add and norm (XLA fuses the slices' sum into
   them): which takes the norm off Triton.
+
+The `_tiled` and `_norm` products end with a verdict line each (`verdict`, also under
+`verdicts` in the results): the Mosaic GPU port against Triton's kernels and XLA's fusion
+on the Mosaic GPU partials, the fastest named.
 
 Each kernel runs at its default tiles (`tiles_for`); `--sweep` adds the Mosaic GPU kernels
 (split-K, SwiGLU, residual product) at every tiling of SWEEP_GRIDS that fits, and ends
@@ -132,6 +137,16 @@ def _tiled(matmul, add, x, w, tiles=None):
     return add(residual, matmul.matmul_partials(rows, w, tiles=tiles), scale, EPS)
 
 
+def xla_add_scaled(x, y, scale, eps):
+    """XLA's form of `residual_norm.add_scaled` at SQUARES_TILES-column tiles: x [m, d]
+    plus y (`Partials`) and the (h, `ScaledRows`) of the sum."""
+    h = x + y.total()
+    hf = h.astype(jnp.float32)
+    m, d = h.shape
+    squares = (hf * hf).reshape(m, d // SQUARES_TILES, SQUARES_TILES).sum(-1).T
+    return h, ScaledRows((hf * scale.astype(jnp.float32)).astype(h.dtype), squares, eps)
+
+
 def _normed(matmul, norm: str, x, w):
     """The split-K product `matmul`, then the per-row residual norm on its partials: the
     Triton kernel (`add_rms_norm`, `norm="triton"`), its Mosaic GPU port (`"mosaic"`) or
@@ -170,6 +185,7 @@ def product_forms(name: str) -> tuple[dict, object]:
             "pallas": functools.partial(_tiled, split_k, triton_add),
             "mosaic": mosaic,
             "mosaic + triton add": functools.partial(_tiled, split_k_mosaic, triton_add),
+            "mosaic + xla add": functools.partial(_tiled, split_k_mosaic, xla_add_scaled),
         }
         return forms, mosaic
     if name.endswith("_norm"):
@@ -250,6 +266,54 @@ def fastest(rows: list[dict]) -> dict[str, str]:
     return {name: f"{row['impl']}: {row['us']:.1f} us" for name, row in best.items()}
 
 
+# The forms a verdict weighs, per product suffix: (what the verdict calls it, impl); the
+# first is the Mosaic GPU port
+VERDICT_FORMS = {
+    "tiled": (
+        ("Mosaic port", "mosaic"),
+        ("Triton", "pallas"),
+        ("XLA on Mosaic partials", "mosaic + xla add"),
+    ),
+    "norm": (
+        ("Mosaic port", "mosaic"),
+        ("Triton", "pallas"),
+        ("XLA on Mosaic partials", "mosaic + xla norm"),
+    ),
+}
+# Relative error (normed rows against fp32) above which a form counts as wrong: bf16
+# rounding of the rows is ~4e-3
+MAX_REL_ERROR = 2e-2
+
+
+def verdict(name: str, rows: list[dict]) -> str | None:
+    """One line for product `name` of the `_tiled` or `_norm` kind (None for others): the
+    times of VERDICT_FORMS's forms in `rows`, and the fastest of those that ran and are
+    right, with how far each other trails it."""
+    forms = VERDICT_FORMS.get(name.rsplit("_", 1)[-1])
+    if forms is None:
+        return None
+    times, shown = {}, []
+    for label, impl in forms:
+        row = next((r for r in rows if r["product"] == name and r["impl"] == impl), None)
+        if row is None:
+            shown.append(f"{label} not run")
+        elif "us" not in row:
+            shown.append(f"{label} failed")
+        elif row["rel_error"] > MAX_REL_ERROR:
+            shown.append(f"{label} wrong (rel_error {row['rel_error']:.1e})")
+        else:
+            times[label] = row["us"]
+            shown.append(f"{label} {row['us']:.1f} us")
+    line = f"verdict {name}: " + " | ".join(shown)
+    if not times:
+        return line + " -> none ran"
+    best = min(times, key=times.get)
+    behind = ", ".join(
+        f"{label} +{us - times[best]:.1f} us" for label, us in times.items() if label != best
+    )
+    return f"{line} -> {best} fastest" + (f" ({behind})" if behind else "")
+
+
 def inputs(name: str, rows: int, k: int, n: int, key) -> tuple:
     """(x, w) of product `name`: x [rows, k] (as `ScaledRows` for `gate_up_scaled`, with the
     residual and the norm's scale for the residual forms), w [k, n] ([k, 2, n / 2] for
@@ -313,7 +377,11 @@ def main() -> None:
     best = fastest(rows)
     for name, line in best.items():
         print(f"fastest mosaic {name}: {line}", flush=True)
-    save("mosaic", {"model": "dense", "copies_bytes": COLD_BYTES, "results": rows, "fastest": best})
+    verdicts = [line for name in args.products if (line := verdict(name, rows))]
+    for line in verdicts:
+        print(line, flush=True)
+    results = {"results": rows, "fastest": best, "verdicts": verdicts}
+    save("mosaic", {"model": "dense", "copies_bytes": COLD_BYTES, **results})
 
 
 if __name__ == "__main__":

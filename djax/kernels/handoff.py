@@ -50,7 +50,7 @@ def finish(y: Array | Partials) -> Array:
 class ScaledRows:
     """Rows whose RMSNorm (with `eps`) is still to be applied: `scaled` [..., d] is
     `h * scale` in h's dtype, `squares` [tiles, ...] fp32 the per-column-tile sums of `h**2`
-    over d."""
+    over d, h as stored (rounded to its dtype, then squared and summed in fp32)."""
 
     scaled: Array
     squares: Array

@@ -11,9 +11,9 @@ whole scale (a copy moves a multiple of 128 bytes); the tiles are read in the la
 WGMMA accumulator, so a row's share of the sum of squares is one reduction along the
 tile's columns. The CTA writes
 `h = x + y` (the slices added in fp32 and rounded to x's dtype first, as
-`Partials.total()` does), `h * scale` and the tile's sums of squares
-(`handoff.ScaledRows`), as the Triton kernel does. Rows past x's end are read by TMA as
-zeros and never stored.
+`Partials.total()` does; then the add in fp32, rounded), `h * scale` and the tile's sums of
+squares of h as stored (`handoff.ScaledRows`), as the Triton kernel does. Rows past x's
+end are read by TMA as zeros and never stored.
 
 `add_rms_norm` is `residual_norm.add_rms_norm` in Mosaic GPU: one CTA per row, as the
 Triton kernel's programs. The row comes in by TMA as a [d / 256, 256] block (a TMA box
@@ -85,6 +85,8 @@ def _kernel(
     for barrier in range(2 + splits):
         plgpu.barrier_wait(bars.at[barrier])
     dtype = h_smem.dtype
+    # The contract's roundings to h's dtype: y's sum, then x + y; everything after reads
+    # the rounded h.
     y = add_slices([y_smem[split].astype(jnp.float32) for split in range(splits)], dtype)
     h = (x_smem[...].astype(jnp.float32) + y).astype(dtype)
     hf = h.astype(jnp.float32)
@@ -216,6 +218,7 @@ def _row_kernel(
         return (value if interpreting else plgpu.layout_cast(value, layout)).astype(jnp.float32)
 
     dtype = h_smem.dtype
+    # Rounded to h's dtype, as `add_scaled`: y's sum, x + y, `h / rms(h)`, then times scale.
     y = add_slices([load(y_smem.at[split]) for split in range(splits)], dtype)
     h = (load(x_smem) + y).astype(dtype)
     hf = h.astype(jnp.float32)

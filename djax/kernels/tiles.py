@@ -63,5 +63,8 @@ def largest_block(n: int, limit: int) -> int:
 
 
 def interpret_mode(interpret: bool | None) -> bool:
-    """A kernel's `interpret` argument: None means Pallas's interpreter exactly off GPUs."""
+    """A kernel's `interpret` argument: None means Pallas's interpreter exactly off GPUs.
+    On a GPU the interpreter's program is compiled by XLA, which by default may keep fp32
+    values where the kernel rounds to a 16-bit dtype and back (`xla_allow_excess_precision`):
+    there it is no reference for a kernel's rounding."""
     return jax.default_backend() != "gpu" if interpret is None else interpret

@@ -5,6 +5,7 @@ LLaDA-8B's widths on any host, and on a GPU the compiled kernels."""
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -32,15 +33,87 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return _f32(jnp.asarray(a, jnp.float32).astype(BF16))
 
 
-def _add_scaled_reference(x, parts, scale, columns):
-    """numpy: h (the slices summed in fp32 and rounded, then the add rounded), h * scale
-    rounded, and the sums of squares of h per tile of `columns` [tiles, m]."""
-    y = _bf16(_f32(parts).sum(0))
-    h = _bf16(_f32(x) + y)
-    scaled = _bf16(h * _f32(scale))
-    m, d = h.shape
-    squares = (h * h).reshape(m, d // columns, columns).sum(-1).T
-    return h, scaled, squares
+def _round(a) -> np.ndarray:
+    """float64 values rounded to bf16 (by way of fp32, as ml_dtypes casts) and back."""
+    return np.asarray(a, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _f64(a) -> np.ndarray:
+    return _f32(a).astype(np.float64)
+
+
+# The contract (`handoff`, `residual_norm`): y's slices summed in fp32 and rounded to h's
+# dtype, then `h = x + y` in fp32 rounded to h's dtype, `h * scale` rounded, and the sums of
+# squares over h as stored (rounded). The references below follow it in float64, rounding
+# to bf16 at those points. The kernels' fp32 sums of slices run in other orders than
+# float64's, which moves y's rounding by one bf16 step of y where its exact value lies
+# within an fp32 step of a bf16 rounding boundary (about once in 2**15 values), and h by
+# that step and its own rounding's. Hence the tolerances: h within a bf16 step of y plus
+# one of h everywhere, and at most this share of h's values off at all (a rounding the
+# compiler dropped puts about a third off):
+MAX_STEPS_OFF = 1e-3
+# h**2 of a bf16 h is exact in fp32 (8-bit significands), so a tile's sum of 32 squares in
+# fp32 is within 31 * 2**-24 (< 2e-6) relative of the float64 sum over the same h; the
+# sum over h before its rounding is about 1e-3 off.
+SQUARES_RTOL = 4e-6
+
+
+def _step(size) -> np.ndarray:
+    """The bf16 step (unit in the last place) at magnitudes `size`."""
+    tiny = float(ml_dtypes.finfo(ml_dtypes.bfloat16).smallest_normal)
+    return 2.0 ** (np.floor(np.log2(np.maximum(np.abs(size), tiny))) - 7)
+
+
+def _assert_steps(got, want, step, steps=1, what="h"):
+    """bf16 `got` within `steps` of `step` (bf16 steps, [shape of want]) of the float64
+    reference `want` everywhere, and with `steps` 1 at most MAX_STEPS_OFF of its values
+    off at all."""
+    off = np.abs(_f64(got) - np.asarray(want, np.float64))
+    assert (off <= steps * step).all(), (what, float((off / step).max()))
+    if steps == 1:
+        assert (off > 0).mean() <= MAX_STEPS_OFF, (what, float((off > 0).mean()))
+
+
+def _assert_squares(squares, h, columns):
+    """`squares` [tiles, m] the per-`columns` tile sums of the squares of bf16 `h` [m, d]
+    as stored, within SQUARES_RTOL."""
+    hf = _f64(h)
+    m, d = hf.shape
+    want = (hf * hf).reshape(m, d // columns, columns).sum(-1).T
+    np.testing.assert_allclose(_f64(squares), want, rtol=SQUARES_RTOL, atol=0)
+
+
+def _contract_h(x, parts) -> tuple[np.ndarray, np.ndarray]:
+    """float64: y, y's slices [splits, m, d] summed and rounded, and h, x + y rounded."""
+    y = _round(_f64(parts).sum(0))
+    return _round(_f64(x) + y), y
+
+
+def _assert_h(h, x, parts):
+    """h against the contract's, within a bf16 step of y plus one of h."""
+    want, y = _contract_h(x, parts)
+    _assert_steps(h, want, _step(y) + _step(want))
+
+
+def _assert_add_scaled(h, rows, x, parts, scale, columns):
+    """The outputs of an `add_scaled` kernel (h and `ScaledRows` with `columns`-wide tiles)
+    against the float64 contract: h within a bf16 step; `h * scale` the rounding of the
+    kernel's own h times the scale (a product of two bf16 values is exact in fp32, so
+    there is one rounding and no order: exact); the sums of squares over that h."""
+    _assert_h(h, x, parts)
+    np.testing.assert_array_equal(_f64(rows.scaled), _round(_f64(h) * _f64(scale)))
+    _assert_squares(rows.squares, h, columns)
+
+
+def _assert_add_rms_norm(h, normed, x, parts, scale):
+    """The outputs of an `add_rms_norm` kernel against the float64 contract: h within a
+    bf16 step; the normed rows (the kernel's h times its fp32 `1 / rms`, rounded, times
+    the scale, rounded) within two bf16 steps, one per rounding."""
+    _assert_h(h, x, parts)
+    hf = _f64(h)
+    inv_rms = 1 / np.sqrt((hf * hf).mean(-1, keepdims=True) + EPS)
+    want = _round(_round(hf * inv_rms) * _f64(scale))
+    _assert_steps(normed, want, _step(want), steps=2, what="normed")
 
 
 def _norm_problem(m, d, splits, seed=0):
@@ -54,22 +127,23 @@ def _norm_problem(m, d, splits, seed=0):
 @pytest.mark.parametrize("m, splits", [(32, 2), (20, 1)])  # 20 rows: padded to 24 for TMA
 def test_add_scaled_matches_numpy(m, splits):
     """h, `h * scale` and the 32-column tiles' sums of squares from split-K partials (fp32)
-    or from a plain y in x's dtype, as numpy computes them, and bit for bit as the Triton
-    kernel at the same column tiles."""
+    or from a plain y in x's dtype, against the float64 contract, and the Triton kernel at
+    the same column tiles against it too (compiled on a GPU, interpreted off GPUs: Pallas's
+    interpreter on a GPU is compiled by XLA, which may drop f32 -> bf16 -> f32 roundings).
+    h and `h * scale` also bit for bit as the Triton kernel's: both are correctly rounded
+    fp32 additions in one order, with no products to contract, and roundings to bf16; the
+    sums of squares are reductions in other orders."""
     x, parts, scale = _norm_problem(m, 96, splits)
     y = Partials(parts, BF16) if splits > 1 else parts[0].astype(BF16)
     h, rows = residual_norm_mosaic.add_scaled(x, y, scale, EPS)
-    want_h, want_scaled, want_squares = _add_scaled_reference(
-        x, parts if splits > 1 else _bf16(_f32(parts)), scale, residual_norm_mosaic.COLUMNS
-    )
     assert h.shape == rows.shape == (m, 96) and h.dtype == rows.dtype == BF16
     assert rows.squares.shape == (3, m) and rows.eps == EPS
-    np.testing.assert_array_equal(_f32(h), want_h)
-    np.testing.assert_array_equal(_f32(rows.scaled), want_scaled)
-    np.testing.assert_allclose(rows.squares, want_squares, rtol=1e-5)
-    triton_h, triton = residual_norm.add_scaled(x, y, scale, EPS, block_n=32, interpret=True)
+    parts = parts if splits > 1 else _bf16(_f32(parts))
+    _assert_add_scaled(h, rows, x, parts, scale, residual_norm_mosaic.COLUMNS)
+    triton_h, triton = residual_norm.add_scaled(x, y, scale, EPS, block_n=32)
+    _assert_add_scaled(triton_h, triton, x, parts, scale, residual_norm_mosaic.COLUMNS)
     np.testing.assert_array_equal(_f32(h), _f32(triton_h))
-    np.testing.assert_array_equal(rows.squares, triton.squares)
+    np.testing.assert_array_equal(_f32(rows.scaled), _f32(triton.scaled))
 
 
 def test_add_scaled_errors():
@@ -132,15 +206,18 @@ def test_compiled_residual_product_tilings_on_gpu():
 
 @needs_gpu
 def test_compiled_add_scaled_on_gpu():
-    """On a Hopper GPU: the compiled kernel at LLaDA-8B's width against the Triton one."""
+    """On a Hopper GPU: the compiled kernel at LLaDA-8B's width against the float64
+    contract and, h and `h * scale` bit for bit, the Triton one (as
+    `test_add_scaled_matches_numpy`)."""
     for m, splits in ((32, 2), (20, 4), (32, 1)):
         x, parts, scale = _norm_problem(m, 4096, splits, seed=3)
         y = Partials(parts, BF16)
         h, rows = residual_norm_mosaic.add_scaled(x, y, scale, EPS)
+        _assert_add_scaled(h, rows, x, parts, scale, residual_norm_mosaic.COLUMNS)
         want_h, want = residual_norm.add_scaled(x, y, scale, EPS, block_n=32)
+        _assert_add_scaled(want_h, want, x, parts, scale, residual_norm_mosaic.COLUMNS)
         np.testing.assert_array_equal(_f32(h), _f32(want_h))
         np.testing.assert_array_equal(_f32(rows.scaled), _f32(want.scaled))
-        np.testing.assert_allclose(rows.squares, want.squares, rtol=1e-5)
 
 
 def _residual_problem(m, k, n, seed=7):
@@ -159,14 +236,15 @@ def test_residual_product_at_128_columns_matches_numpy():
     x, w, residual, scale = _residual_problem(20, 128, 256)
     tiles = Tiles(block_n=128, block_k=64, splits=1, stages=2)
     h, rows = residual_product_mosaic.residual_product(x, w, residual, scale, EPS, tiles=tiles)
-    product = _bf16(_f32(x) @ _f32(w))
-    want_h, want_scaled, want_squares = _add_scaled_reference(
-        residual, product[None], scale, tiles.block_n
-    )
+    want_h, _ = _contract_h(residual, (_f64(x) @ _f64(w))[None])
+    m, d = want_h.shape
+    want_squares = (want_h * want_h).reshape(m, d // tiles.block_n, tiles.block_n).sum(-1).T
     assert rows.squares.shape == (2, 20)
     # a bf16 step apart at most: the fp32 sums run in another order
     np.testing.assert_allclose(_f32(h), want_h, rtol=1e-2, atol=1e-2)
-    np.testing.assert_allclose(_f32(rows.scaled), want_scaled, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(
+        _f32(rows.scaled), _round(want_h * _f64(scale)), rtol=1e-2, atol=1e-2
+    )
     np.testing.assert_allclose(rows.squares, want_squares, rtol=1e-3)
 
 
@@ -214,33 +292,20 @@ def test_swept_tilings_lower_for_hopper(k):
         assert _lowers(fn, *residual[:2]), tiles
 
 
-def _add_rms_norm_reference(x, parts, scale, eps):
-    """numpy: h as `_add_scaled_reference` has it, and its RMSNorm (normed in fp32, rounded,
-    then times the scale, rounded)."""
-    y = _bf16(_f32(parts).sum(0))
-    h = _bf16(_f32(x) + y)
-    inv_rms = 1 / np.sqrt((h * h).mean(-1, keepdims=True) + eps)
-    return h, _bf16(_bf16(h * inv_rms) * _f32(scale))
-
-
 @pytest.mark.parametrize("splits", [2, 1])
 def test_add_rms_norm_matches_numpy(splits):
     """The per-row add and norm in Mosaic GPU (3 rows of 512) from fp32 partials or a plain
-    y, as numpy computes them and as the Triton kernel (h bit for bit, the normed rows
-    within a bf16 step)."""
+    y against the float64 contract, and the Triton kernel against it too (compiled on a
+    GPU, as `test_add_scaled_matches_numpy`), h bit for bit as the Triton kernel's."""
     x, parts, scale = _norm_problem(3, 512, splits, seed=4)
     y = Partials(parts, BF16) if splits > 1 else parts[0].astype(BF16)
     h, normed = residual_norm_mosaic.add_rms_norm(x, y, scale, EPS)
-    want_h, want = _add_rms_norm_reference(
-        x, parts if splits > 1 else _bf16(_f32(parts)), scale, EPS
-    )
     assert h.shape == normed.shape == (3, 512) and h.dtype == normed.dtype == BF16
-    np.testing.assert_array_equal(_f32(h), want_h)
-    # a bf16 step apart at most: rsqrt in fp32 on each side
-    np.testing.assert_allclose(_f32(normed), want, rtol=1e-2, atol=1e-2)
-    triton_h, triton = residual_norm.add_rms_norm(x, y, scale, EPS, interpret=True)
+    parts = parts if splits > 1 else _bf16(_f32(parts))
+    _assert_add_rms_norm(h, normed, x, parts, scale)
+    triton_h, triton = residual_norm.add_rms_norm(x, y, scale, EPS)
+    _assert_add_rms_norm(triton_h, triton, x, parts, scale)
     np.testing.assert_array_equal(_f32(h), _f32(triton_h))
-    np.testing.assert_allclose(_f32(normed), _f32(triton), rtol=1e-2, atol=1e-2)
 
 
 def test_add_rms_norm_errors():
@@ -264,13 +329,15 @@ def test_add_rms_norm_lowers_for_hopper(splits):
 @needs_gpu
 def test_compiled_add_rms_norm_on_gpu():
     """On a Hopper GPU: the compiled per-row kernel at LLaDA-8B's width (a block's 32 rows
-    and a refresh's 384) against the Triton one."""
+    and a refresh's 384) against the float64 contract and, h bit for bit, the Triton
+    one."""
     for m, splits in ((32, 2), (384, 1), (32, 4)):
         x, parts, scale = _norm_problem(m, 4096, splits, seed=5)
         h, normed = residual_norm_mosaic.add_rms_norm(x, Partials(parts, BF16), scale, EPS)
+        _assert_add_rms_norm(h, normed, x, parts, scale)
         want_h, want = residual_norm.add_rms_norm(x, Partials(parts, BF16), scale, EPS)
+        _assert_add_rms_norm(want_h, want, x, parts, scale)
         np.testing.assert_array_equal(_f32(h), _f32(want_h))
-        np.testing.assert_allclose(_f32(normed), _f32(want), rtol=1e-2, atol=1e-2)
 
 
 def test_rms_norm_layer_takes_the_mosaic_kernel():
