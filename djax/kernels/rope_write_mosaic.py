@@ -9,13 +9,19 @@ Each CTA owns one row tile of 64 (whole sequences of the window) and one head sl
 head: the kv head's query heads, then its key, then its value. It streams the x rows and that
 slot's weight columns [model, head_dim] through a ring (`tma_ring`), so the product never goes
 through memory (`rope_and_write`: reads its tile of each partial product by TMA and adds
-them), then finishes the fp32 accumulator in registers:
+them), then finishes the fp32 accumulator:
 
 - the product rounded to the activation dtype, as `Partials.total()` rounds it;
 - queries and keys: the q/k RMSNorm over the head (with `HeadOps.qk_norm`, its scale read by
-  TMA at the CTA's start), the clip, then rotate-half RoPE: in WGMMA's accumulator layout
-  feature j and j + rotary / 2 of a row sit in the same thread, so the halves are register
-  slices, turned with cos/sin tiles brought in by TMA;
+  TMA at the CTA's start) and the clip, in WGMMA's accumulator layout (row sums and
+  elementwise ops only: no feature is paired with another there); the head, whose values
+  are then of the activation dtype, goes whole to the CTA's output tile in shared memory;
+- rotate-half RoPE there: the two rotary halves are read back as separate column slices of
+  that tile, and the cos/sin tiles (brought in by TMA) as whole tiles, all [64, rotary / 2]
+  in one strided layout (`Layout.WG_STRIDED` of that shape, `VECTOR` values a vector), in
+  which element i of each array is the same (row, feature) by construction: the layout
+  numbers the elements of its shape row-major, whatever tile they are read from. The turned
+  halves are written back in place in that layout;
 - values: the clip.
 
 Queries go out by TMA. Keys and values go to the K/V buffers [b, s, kv_heads, d], updated in
@@ -43,7 +49,8 @@ from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, Tiles
 Array = jax.Array
 
 HEAD_DIMS = (64, 128)  # WGMMA column tiles a head fills: one CTA's accumulator
-PART_ALIGN = 8  # an accumulator's column tile: head parts are register slices of whole ones
+PART_ALIGN = 8  # a rotary half [64, n] is whole `VECTOR`-wide vectors for 128 threads
+VECTOR = 4  # values a thread holds per vector in the epilogue's strided layout
 PLAIN_HEADS = HeadOps()  # no q/k norm, no clip
 MAX_SPLITS = 4  # the most partial products `rope_and_write` sums (their tiles share memory)
 
@@ -74,30 +81,44 @@ def tiles_for(head_dim: int) -> Tiles:
 
 
 def _read(ref, interpreting: bool) -> Array:
-    """A tile [64, n] of shared memory in WGMMA's accumulator layout, read thread by thread
-    (its rows are not swizzled, so no bank-conflict-free plan exists; the tiles are small).
-    Mosaic GPU's interpreter reads it as it is."""
+    """A whole tile [64, n] of shared memory in WGMMA's accumulator layout, read thread by
+    thread (its rows are not swizzled, so no bank-conflict-free plan exists; the tiles are
+    small). Mosaic GPU's interpreter reads it as it is."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if interpreting:
         return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA, optimized=False)
+    return tma_ring.load(ref, plgpu.Layout.WGMMA, optimized=False)
+
+
+def _strided(ref, interpreting: bool) -> Array:
+    """The values at `ref` (a tile or a column slice of one, [64, n]) in the epilogue's
+    strided layout of their shape: element i of any two arrays of one shape read so is the
+    same (row, column) of their tiles. Mosaic GPU's interpreter has no rule for the cast (the
+    identity on values) and reads the values as they are."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    value = ref[...]
+    if interpreting:
+        return value
+    return plgpu.layout_cast(value, plgpu.Layout.WG_STRIDED(value.shape, vec_size=VECTOR))
 
 
 def _row_iota(shape: tuple[int, int], interpreting: bool) -> Array:
-    """The row index of each element of an accumulator-shaped int32 array."""
+    """The row index of each element of an int32 array of `shape` in `_strided`'s layout."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if interpreting:
         return jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-    return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+    layout = plgpu.Layout.WG_STRIDED(shape, vec_size=VECTOR)
+    return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
 
 
 def _kernel(
     bounds_gmem,
     *refs,
     ops: HeadOps,
-    parts,
+    half: int,
     group: int,
     seqs: int,
     kv_heads: int,
@@ -117,7 +138,7 @@ def _kernel(
     (updated in place), then the output q [b * t, kv * group * d]; else the outputs q, keys
     and values [b * t, kv * d]; then scratch: the source's (the ring, or the partials' tiles
     and their barriers), the output tile, the buffer's rows, cos, sin, the scales, and
-    barriers."""
+    barriers. `half`: the features of a rotary half (rotary / 2)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if splits is None:
@@ -179,63 +200,67 @@ def _kernel(
         dtype = out_smem.dtype
         y = product.astype(dtype).astype(jnp.float32)
 
-        def head_ops(y, scale_row):
+        def head_ops(scale_row):
+            """The whole head after the q/k norm (with `scale_row`) and the clip, in the
+            accumulator's layout, its values of `dtype`."""
+            head = y
             if scale_row is not None:
                 plgpu.barrier_wait(bars.at[2])
-                inv_rms = jax.lax.rsqrt(jnp.sum(y * y, axis=1) / d + ops.eps)
-                y = y * jax.lax.broadcast_in_dim(inv_rms, y.shape, [0])
-                y = y.astype(dtype).astype(jnp.float32)
+                inv_rms = jax.lax.rsqrt(jnp.sum(head * head, axis=1) / d + ops.eps)
+                head = head * jax.lax.broadcast_in_dim(inv_rms, head.shape, [0])
+                head = head.astype(dtype).astype(jnp.float32)
                 scale = tma_ring.accumulator_columns(scales_smem[scale_row], interpreting)
-                scale = jax.lax.broadcast_in_dim(scale.astype(jnp.float32), y.shape, [1])
-                y = (y * scale).astype(dtype).astype(jnp.float32)
+                scale = jax.lax.broadcast_in_dim(scale.astype(jnp.float32), head.shape, [1])
+                head = (head * scale).astype(dtype).astype(jnp.float32)
             if ops.clip is not None:
-                y = jnp.minimum(jnp.maximum(y, -ops.clip), ops.clip)
-            return [y[:, lo : lo + size] for lo, size in parts]
+                head = jnp.minimum(jnp.maximum(head, -ops.clip), ops.clip)
+            return head
 
-        def rope(head):
+        def rope():
+            """Turn the rotary halves of the head in the output tile, in place."""
             plgpu.barrier_wait(bars.at[0])
             plgpu.barrier_wait(bars.at[1])
-            cos = _read(cos_smem, interpreting)
-            sin = _read(sin_smem, interpreting)
-            x1, x2, *rest = head
-            return [x1 * cos + -x2 * sin, x2 * cos + x1 * sin, *rest]
+            first, second = out_smem.at[:, pl.ds(0, half)], out_smem.at[:, pl.ds(half, half)]
+            x1 = _strided(first, interpreting).astype(jnp.float32)
+            x2 = _strided(second, interpreting).astype(jnp.float32)
+            cos = _strided(cos_smem, interpreting)
+            sin = _strided(sin_smem, interpreting)
+            first[...] = (x1 * cos + -x2 * sin).astype(dtype)
+            second[...] = (x2 * cos + x1 * sin).astype(dtype)
 
-        def kept(head):
-            """The head's parts where the rows lie in the write range, else the buffer's."""
+        def keep_cached():
+            """The output tile's rows outside the write range replaced by the buffer's."""
             for i, seq in sequences():
 
                 @pl.when(seq < seqs)
                 def _wait(i=i):
                     plgpu.barrier_wait(cached_bars.at[i])
 
-            out = []
-            for p, (lo, size) in zip(head, parts, strict=True):
-                row = _row_iota(p.shape, interpreting)
-                position = start + jax.lax.rem(row, t)
-                ok = (position >= write_lo) & (position < write_hi)
-                cached = _read(cached_smem.at[:, pl.ds(lo, size)], interpreting)
-                out.append(jnp.where(ok, p, cached.astype(jnp.float32)))
-            return out
-
-        def store(head):
-            for p, (lo, size) in zip(head, parts, strict=True):
-                out_smem[:, pl.ds(lo, size)] = p.astype(dtype)
+            head = _strided(out_smem, interpreting)
+            cached = _strided(cached_smem, interpreting)
+            position = start + jax.lax.rem(_row_iota(head.shape, interpreting), t)
+            ok = (position >= write_lo) & (position < write_hi)
+            out_smem[...] = jnp.where(ok, head, cached)
 
         q_row, k_row = (0, 1) if ops.qk_norm else (None, None)
 
         @pl.when(slot < group)
         def _query():
-            store(rope(head_ops(y, q_row)))
+            out_smem[...] = head_ops(q_row).astype(dtype)
+            rope()
 
         @pl.when(slot == group)
         def _key():
-            head = rope(head_ops(y, k_row))
-            store(kept(head) if buffered else head)
+            out_smem[...] = head_ops(k_row).astype(dtype)
+            rope()
+            if buffered:
+                keep_cached()
 
         @pl.when(slot == group + 1)
         def _value():
-            head = head_ops(y, None)
-            store(kept(head) if buffered else head)
+            out_smem[...] = head_ops(None).astype(dtype)
+            if buffered:
+                keep_cached()
 
     if splits is None:
         w_tile = lambda ks: w_gmem.at[ks, slot_cols]  # noqa: E731
@@ -316,7 +341,7 @@ def _run(source, source_scratch, shape, dtype, cos, sin, buffers, bounds, scales
     kernel = functools.partial(
         _kernel,
         ops=ops,
-        parts=_parts(d, rotary),
+        half=rotary // 2,
         group=group,
         seqs=b,
         kv_heads=kv_heads,

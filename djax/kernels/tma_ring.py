@@ -258,3 +258,16 @@ def store_rows(out_smem, dst, row_tile, m: int, *more) -> None:
             plgpu.copy_smem_to_gmem(smem.at[pl.ds(0, left)], to(pl.ds(last * ROW_TILE, left)))
 
     plgpu.wait_smem_to_gmem(0)
+
+
+def load(ref, layout: Any, optimized: bool = True) -> Array:
+    """Inside a kernel: the whole of `ref` read in `layout` by `plgpu.load` (with
+    `optimized`), which jax 0.10 takes with an index argument and later versions on the ref
+    alone (the argument is deprecated there)."""
+    import inspect
+
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout, optimized=optimized)
+    return plgpu.load(ref, layout=layout, optimized=optimized)

@@ -123,6 +123,50 @@ def test_rope_and_write_matches_xla(name, splits):
     np.testing.assert_array_equal(ours[1][:, untouched], buffers[0][:, untouched])
 
 
+def _turns(d, rotary, t=8):
+    """A product whose features say where they are: feature j of row r holds (j + 1) times
+    (-1)^r (exact in bf16), with cos/sin tables that give each (row, pair) either no turn or
+    a quarter turn by the parity of row + pair; and the exact results: a quarter-turned
+    pair (x1, x2) becomes (-x2, x1), features past the rotary ones are kept."""
+    half = rotary // 2
+    row_sign = np.where(np.arange(t) % 2, -1.0, 1.0)[:, None]
+    head = row_sign * (np.arange(d) + 1.0)  # [t, d]
+    turn = (np.arange(t)[:, None] + np.arange(half)) % 2 == 1  # [t, half]
+    x1, x2 = head[:, :half], head[:, half:rotary]
+    want = head.copy()
+    want[:, :half] = np.where(turn, -x2, x1)
+    want[:, half:rotary] = np.where(turn, x1, x2)
+    qkv = jnp.asarray(np.broadcast_to(head[None, :, None, None], (1, t, 1, 3, d)), BF16)
+    cos = jnp.asarray(np.where(turn, 0.0, 1.0)[None], jnp.float32)
+    sin = jnp.asarray(np.where(turn, 1.0, 0.0)[None], jnp.float32)
+    return qkv, cos, sin, head, want
+
+
+def _check_turns(d, rotary, interpret):
+    """From the product and from the kernel's own q/k/v product (x picking rows of w):
+    queries and keys are turned pair by pair exactly (feature j with j + rotary / 2 of
+    the same row, by that row and pair's cos/sin), values kept: a swap of the halves, of
+    features within a half, or of cos/sin columns shows as exact mismatches."""
+    qkv, cos, sin, head, want = _turns(d, rotary)
+    t = qkv.shape[1]
+    bounds = jnp.array([0, 0, t])
+    x = jnp.eye(t, 64, dtype=BF16)[None]  # row r picks weight row r: the product is qkv
+    w = jnp.zeros((64, 1, 3, d), BF16).at[:t].set(qkv[0])
+    args = (cos, sin, None, bounds)
+    for q, keys, values in (
+        rope_write_mosaic.rope_and_write(qkv, *args, interpret=interpret),
+        rope_write_mosaic.project_rope_and_write(x, w, *args, interpret=interpret),
+    ):
+        np.testing.assert_array_equal(np.asarray(q[0, :, 0, 0], np.float32), want)
+        np.testing.assert_array_equal(np.asarray(keys[0, :, 0], np.float32), want)
+        np.testing.assert_array_equal(np.asarray(values[0, :, 0], np.float32), head)
+
+
+@pytest.mark.parametrize("d, rotary", [(128, 128), (128, 64)])
+def test_turns_pair_each_feature_with_its_half(d, rotary):
+    _check_turns(d, rotary, interpret=None)
+
+
 def test_errors():
     x, w = jnp.zeros((1, 8, 64), BF16), jnp.zeros((64, 2, 3, 64), BF16)
     cos = sin = jnp.zeros((1, 8, 32))
@@ -157,8 +201,8 @@ def test_lowers_for_hopper():
     384-position cache), LLaDA-MoE's (q/k norms and the clip, 2048 wide, two sequences),
     and a whole-sequence window with partial rotary, both kernels (with the product, and
     the epilogue alone on 2 split-K partials) lower to Mosaic GPU's custom call for CUDA,
-    the buffers aliased (layouts, TMA slices and the epilogue's register slices are checked
-    here, on any host)."""
+    the buffers aliased (TMA slices, and that the epilogue's strided operands share one
+    layout, are checked here, on any host; not which elements a layout puts where)."""
     shape = jax.ShapeDtypeStruct
     for b, model, kv, rotary, s, ops in (
         (1, 4096, 32, 128, 384, HeadOps()),
@@ -216,7 +260,10 @@ def test_compiled_kernel_on_gpu():
     """On a Hopper GPU: the compiled kernels at LLaDA-8B's block, LLaDA-MoE's (q/k norms) and
     two 32-row sequences, against XLA's product and head ops and the Triton kernel; the
     epilogue alone on the Mosaic GPU split-K product's partials (and on 2 slices of it)
-    against the Triton epilogue on the same partials."""
+    against the Triton epilogue on the same partials; and each feature turned exactly with
+    its partner in the other rotary half (`_check_turns`)."""
+    for d, rotary in ((128, 128), (128, 64), (64, 64)):
+        _check_turns(d, rotary, interpret=False)
     cases = [
         (1, 32, 4096, 32, 1, 128, 128, 384, layers.Window(128), HeadOps()),
         (1, 32, 2048, 16, 1, 128, 128, 384, layers.Window(128), HeadOps(True, 1e-6)),
