@@ -12,7 +12,11 @@ Products (k -> n): `qkv` 4096 -> 12288, `out` 4096 -> 4096, `down` 12288 -> 4096
   it per call as it does the model's [k, n] weight;
 - `xla fp8 dequant`: the `dequant` product on the model's [k, n] fp8 weight;
 - `xla bf16`, `pallas bf16` (`split_k.matmul_partials`, Triton), `mosaic bf16`
-  (`split_k_mosaic.matmul_partials`): the bf16 weight's products.
+  (`split_k_mosaic.matmul_partials`): the bf16 weight's products;
+- `gate_up` also as SwiGLU (`silu(gate) * up` of the two halves written):
+  `swiglu mosaic fp8` (`fp8_matmul_mosaic.swiglu`, the weight stored [2, n / 2, k]),
+  `swiglu xla fp8 dequant` and `swiglu xla bf16` (`layers.swiglu_xla`), `swiglu pallas
+  bf16` and `swiglu mosaic bf16` (`swiglu.swiglu_matmul`, `swiglu_mosaic.swiglu_matmul`).
 
 `--sweep` adds the Mosaic GPU fp8 kernel at every tiling of SWEEP (block_n, block_k, splits,
 stages) that fits (`fp8_matmul_mosaic.check_tiles`) and ends with the fastest per product
@@ -41,9 +45,10 @@ from bench.common import model_config, save
 from bench.kernels.mosaic import fastest
 from bench.kernels.split_k import products
 from bench.kernels.timing import rel_error, time_row
-from djax.kernels import fp8_matmul_mosaic, split_k, split_k_mosaic
+from djax.kernels import fp8_matmul_mosaic, split_k, split_k_mosaic, swiglu, swiglu_mosaic
 from djax.kernels.tma_ring import Tiles
 from djax.models import fp8
+from djax.models.layers import swiglu_xla
 
 COLD_BYTES = 256 << 20
 PRODUCTS = ("qkv", "out", "down", "gate_up")
@@ -75,15 +80,37 @@ FORMS = {
 }
 
 
-def weight_forms(w: jax.Array) -> dict:
-    """A bf16 weight [k, n] in each layout of FORMS: itself, an `Fp8Weight` [k, n] and the
-    kernel's (w_t [n, k] e4m3, w_scale [n])."""
+def swiglu_mosaic_fp8(x, weight):
+    """The fp8 kernel's SwiGLU form (rows quantised by it) on (w_t [2, n, k], w_scale)."""
+    return fp8_matmul_mosaic.swiglu(x, *weight)
+
+
+# gate_up only: the SwiGLU forms, the activation fused where the kernel fuses it
+SWIGLU_FORMS = {
+    "swiglu mosaic fp8": ("fp8 [2,n,k]", swiglu_mosaic_fp8),
+    "swiglu xla fp8 dequant": ("fp8 [k,2,n]", lambda x, w: swiglu_xla(x, w, "dequant")),
+    "swiglu xla bf16": ("bf16 [k,2,n]", swiglu_xla),
+    "swiglu pallas bf16": ("bf16 [k,2,n]", swiglu.swiglu_matmul),
+    "swiglu mosaic bf16": ("bf16 [k,2,n]", swiglu_mosaic.swiglu_matmul),
+}
+
+
+def weight_forms(w: jax.Array, layout: str):
+    """A bf16 weight [k, n] in `layout` (of FORMS, SWIGLU_FORMS): itself, an `Fp8Weight`
+    [k, n], the kernel's (w_t [n, k] e4m3, w_scale [n]); the gate/up forms split n into
+    gate and up halves: [k, 2, n / 2], its `Fp8Weight`, (w_t [2, n / 2, k], w_scale
+    [2, n / 2])."""
+    k, n = w.shape
+    if layout.startswith("bf16"):
+        return w if layout == "bf16" else w.reshape(k, 2, n // 2)
     values, scale = fp8.quantize(w, (0,))
-    return {
-        "bf16": w,
-        "fp8 [k,n]": fp8.Fp8Weight(values, scale),
-        "fp8 [n,k]": (values.T, scale),
-    }
+    if layout == "fp8 [k,n]":
+        return fp8.Fp8Weight(values, scale)
+    if layout == "fp8 [n,k]":
+        return values.T, scale
+    if layout == "fp8 [k,2,n]":
+        return fp8.Fp8Weight(values.reshape(k, 2, n // 2), scale.reshape(2, n // 2))
+    return values.reshape(k, 2, n // 2).transpose(1, 2, 0), scale.reshape(2, n // 2)
 
 
 def sweep_tiles(k: int, n: int) -> list[Tiles]:
@@ -119,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         w = (jax.random.normal(keys[0], (k, n)) * k**-0.5).astype(jnp.bfloat16)
         x = jax.random.normal(keys[1], (args.rows, k), jnp.bfloat16)
         reference = x.astype(jnp.float32) @ w.astype(jnp.float32)
-        forms = dict(FORMS)
+        forms = dict(FORMS, **(SWIGLU_FORMS if name == "gate_up" else {}))
         if args.sweep:
             for t in sweep_tiles(k, n):
                 label = f"mosaic fp8 {t.block_n}x{t.block_k} s{t.splits} st{t.stages}"
@@ -129,12 +156,20 @@ def main(argv: list[str] | None = None) -> None:
             row = {"product": name, "rows": args.rows, "k": k, "n": n, "impl": label}
             try:
                 if layout not in copies:
-                    count = 1 if args.tiny else -(-COLD_BYTES // nbytes(weight_forms(w)[layout]))
-                    copies[layout] = [weight_forms(w * (1 + i / 64))[layout] for i in range(count)]
+                    count = -(-COLD_BYTES // nbytes(weight_forms(w, layout)))
+                    scaled = [w * (1 + i / 64) for i in range(1 if args.tiny else count)]
+                    copies[layout] = [weight_forms(c, layout) for c in scaled]
                 ws = copies[layout]
                 fn = jax.jit(lambda x, ws, form=form: [form(x, w) for w in ws])
                 out = fn(x, ws[:1])[0]
-                row["rel_error"] = rel_error(out.sum(0) if out.ndim == 3 else out, reference)
+                out = out.sum(0) if out.ndim == 3 else out
+                if label.startswith("swiglu"):
+                    half = n // 2
+                    gate, up = reference[:, :half], reference[:, half:]
+                    expected = jax.nn.silu(gate) * up
+                else:
+                    expected = reference
+                row["rel_error"] = rel_error(out, expected)
                 time_row(row, fn, (x, ws), args.calls, nbytes(ws[0]), len(ws))
             except Exception as err:  # keep the other rows of a costly run
                 row["error"] = f"{type(err).__name__}: {err}"[:1500]

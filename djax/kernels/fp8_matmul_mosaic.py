@@ -9,7 +9,10 @@ slots (`tma_ring`, its K-major form: x tiles [64, block_k], weight tiles
 cores as they are, with no conversion in the kernel. Each CTA owns one row tile of 64, one
 column tile and one of `splits` slices of the contraction, and writes its slice's product
 times `x_scale` (per row) and `w_scale` (per column) as an fp32 partial (`handoff.Partials`,
-as `split_k_mosaic` leaves them; the slices' sum is the product).
+as `split_k_mosaic` leaves them; the slices' sum is the product). The SwiGLU form
+(`swiglu_matmul`, unsplit) holds the gate and up weight tiles of its columns side by side in
+each slot, scales both fp32 products and writes `silu(gate) * up`, as `swiglu_mosaic` does
+for 16-bit weights.
 
 Rules: k a multiple of 128 (`block_k` is), n a multiple of 64, `block_n` at most 256
 (WGMMA's widest N). Rows are quantised by `quantize_rows`, the rule of
@@ -27,21 +30,26 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.kernels import split_k_mosaic, tma_ring
+from djax.kernels import split_k_mosaic, swiglu_mosaic, tma_ring
 from djax.kernels.handoff import Partials
 from djax.kernels.tma_ring import ROW_TILE, Tiles
-from djax.models.fp8 import FP8, quantize
 
 Array = jax.Array
 
+FP8 = jnp.float8_e4m3fn
+E4M3_MAX = float(jnp.finfo(FP8).max)  # 448
 K_TILE = tma_ring.SWIZZLE  # e4m3 values in a swizzled row: block_k is a multiple of this
 MAX_BLOCK_N = 256  # WGMMA's widest N
 
 
 def quantize_rows(x: Array) -> tuple[Array, Array]:
-    """x [..., k] -> (e4m3 values [..., k], fp32 scale [...]): each row over its k values
-    as `djax.models.fp8.quantize` (scale = the row's max |x| / 448, 1 for a zero row)."""
-    return quantize(x, (x.ndim - 1,))
+    """x [..., k] -> (e4m3 values [..., k], fp32 scale [...]): each row's scale is its max
+    |x| / 448 (1 for a zero row) and its values `x / scale` rounded to nearest e4m3, the
+    rule of `djax.models.fp8.quantize` over the row (which this package may not import)."""
+    xf = x.astype(jnp.float32)
+    peak = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    scale = jnp.where(peak > 0, peak / E4M3_MAX, 1.0)
+    return jnp.clip(xf / scale, -E4M3_MAX, E4M3_MAX).astype(FP8), scale[..., 0]
 
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:
@@ -55,14 +63,23 @@ def tiles_for(m: int, k: int, n: int) -> Tiles:
     return dataclasses.replace(base, block_k=block_k)
 
 
-def check_tiles(tiles: Tiles, k: int, n: int) -> None:
-    """Raise a ValueError naming `tiles` unless they take a `k -> n` fp8 product: the ring's
-    rules at one byte a value (`Tiles.check`), the fp32 output tile and scales in shared
-    memory, and block_n at most `MAX_BLOCK_N`."""
+def swiglu_tiles_for(m: int, k: int, n: int) -> Tiles:
+    """`swiglu_mosaic.tiles_for`'s tiles (n per side) with block_k doubled (at least 128)."""
+    base = swiglu_mosaic.tiles_for(m, k, n)
+    block_k = 2 * base.block_k
+    return dataclasses.replace(base, block_k=block_k if k % block_k == 0 else K_TILE)
+
+
+def check_tiles(tiles: Tiles, k: int, n: int, gated: bool = False, out_bytes: int = 4) -> None:
+    """Raise a ValueError naming `tiles` unless they take a `k -> n` fp8 product (`gated`: n
+    columns a side, two weight tiles a slot): the ring's rules at one byte a value
+    (`Tiles.check`), the output tile (`out_bytes` a value) and scales in shared memory, and
+    block_n at most `MAX_BLOCK_N`."""
     if tiles.block_n > MAX_BLOCK_N:
         raise ValueError(f"{tiles}: block_n must be at most {MAX_BLOCK_N} (WGMMA's widest N)")
-    scales = (ROW_TILE + tiles.block_n) * 4
-    tiles.check(k, n, weights=1, out_bytes=4, extra=scales, itemsize=1)
+    weights = 2 if gated else 1
+    scales = (ROW_TILE + weights * tiles.block_n) * 4
+    tiles.check(k, n, weights=weights, out_bytes=out_bytes, extra=scales, itemsize=1)
 
 
 def _multiply(untransposed=None):
@@ -92,11 +109,15 @@ def _kernel(
     tiles,
     steps,
     m,
+    n,
     column_tiles,
+    gated,
     interpreting,
 ):
     """One CTA: one (row tile, column tile, slice) of xq [m8, k] @ w_t [n, k]^T, scaled by
-    x_scale [1, m8] per row and w_scale [1, n] per column, into out [splits, m, n] fp32."""
+    x_scale [1, m8] per row and w_scale [1, n] per column, into out [splits, m, n] fp32;
+    `gated`: w_t [2n, k] (gate rows, then up rows), w_scale [1, 2n], into out [m, n] as
+    `silu(gate) * up` (unsplit)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if interpreting:
@@ -106,23 +127,37 @@ def _kernel(
     per_row_tile = column_tiles * tiles.splits
     row_tile, rest = cta // per_row_tile, cta % per_row_tile
     split, column_tile = rest // column_tiles, rest % column_tiles
-    cols = pl.ds(column_tile * tiles.block_n, tiles.block_n)
+    start = column_tile * tiles.block_n
+    cols = pl.ds(start, tiles.block_n)
+    offsets = [start, n + start] if gated else [start]
     rows = pl.ds(row_tile * ROW_TILE, ROW_TILE)
     # in flight while the tiles stream; rows past x's end read as zeros
     plgpu.copy_gmem_to_smem(x_scale_gmem.at[:, rows], x_scale_smem, scale_bars.at[0])
-    plgpu.copy_gmem_to_smem(w_scale_gmem.at[:, cols], w_scale_smem, scale_bars.at[1])
+    for side, offset in enumerate(offsets):
+        plgpu.copy_gmem_to_smem(
+            w_scale_gmem.at[:, pl.ds(offset, tiles.block_n)],
+            w_scale_smem.at[pl.ds(side, 1)],
+            scale_bars.at[1 + side],
+        )
 
-    def finish(product):
-        plgpu.barrier_wait(scale_bars.at[0])
-        plgpu.barrier_wait(scale_bars.at[1])
+    def finish(*products):
+        for bar in range(1 + len(offsets)):
+            plgpu.barrier_wait(scale_bars.at[bar])
         row_scale = tma_ring.accumulator_rows(x_scale_smem[0], interpreting)
-        column_scale = tma_ring.accumulator_columns(w_scale_smem[0], interpreting)
-        product = product * jax.lax.broadcast_in_dim(row_scale, product.shape, [0])
-        out_smem[...] = product * jax.lax.broadcast_in_dim(column_scale, product.shape, [1])
+        scaled = []
+        for side, product in enumerate(products):
+            column_scale = tma_ring.accumulator_columns(w_scale_smem[side], interpreting)
+            product = product * jax.lax.broadcast_in_dim(row_scale, product.shape, [0])
+            scaled.append(product * jax.lax.broadcast_in_dim(column_scale, product.shape, [1]))
+        out = swiglu_mosaic.silu_times(*scaled) if gated else scaled[0]
+        out_smem[...] = out.astype(out_smem.dtype)
 
     tma_ring.stream(
         x_gmem,
-        [lambda ks: w_gmem.at[cols, ks]],
+        [
+            lambda ks, offset=offset: w_gmem.at[pl.ds(offset, tiles.block_n), ks]
+            for offset in offsets
+        ],
         ring,
         tiles,
         split * steps,
@@ -131,7 +166,79 @@ def _kernel(
         finish,
         multiply=_multiply(untransposed if interpreting else None),
     )
-    tma_ring.store_rows(out_smem, lambda rows: out_gmem.at[split, rows, cols], row_tile, m)
+    out_at = (
+        (lambda rows: out_gmem.at[rows, cols])
+        if gated
+        else (lambda rows: out_gmem.at[split, rows, cols])
+    )
+    tma_ring.store_rows(out_smem, out_at, row_tile, m)
+
+
+def _check_operands(name: str, xq: Array, x_scale: Array, w_t: Array, w_scale: Array) -> None:
+    """Raise a ValueError naming `name` unless xq [..., k] and w_t [..., n, k] are e4m3 with
+    k a multiple of 128 and n of 64, and x_scale [...] and w_scale [..., n] fp32."""
+    if xq.dtype != FP8 or w_t.dtype != FP8:
+        raise ValueError(f"{name}: xq {xq.dtype}, w_t {w_t.dtype}; expected both float8_e4m3fn")
+    if x_scale.dtype != jnp.float32 or w_scale.dtype != jnp.float32:
+        raise ValueError(
+            f"{name}: x_scale {x_scale.dtype}, w_scale {w_scale.dtype}; expected both float32"
+        )
+    if w_t.ndim < 2 or xq.ndim < 1 or xq.shape[-1] != w_t.shape[-1]:
+        raise ValueError(
+            f"{name}: xq {xq.shape}, w_t {w_t.shape}; expected xq [..., k] and w_t [..., n, k]"
+        )
+    n, k = w_t.shape[-2:]
+    if k % K_TILE or n % tma_ring.TILE:
+        raise ValueError(
+            f"{name}: w_t {w_t.shape}; expected k a multiple of {K_TILE} and n of {tma_ring.TILE}"
+        )
+    if x_scale.shape != xq.shape[:-1] or w_scale.shape != w_t.shape[:-1]:
+        raise ValueError(
+            f"{name}: x_scale {x_scale.shape}, w_scale {w_scale.shape}; expected "
+            f"{xq.shape[:-1]} and {w_t.shape[:-1]}"
+        )
+
+
+def _call(xq, x_scale, w_t, w_scale, tiles: Tiles, dtype, gated: bool, interpret) -> Array:
+    """The kernel on xq [m, k], x_scale [m], w_t [weights * n, k], w_scale [weights * n]:
+    out [splits, m, n] fp32, or `gated` [m, n] in `dtype`."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = xq.shape
+    weights = 2 if gated else 1
+    n = w_t.shape[0] // weights
+    column_tiles = n // tiles.block_n
+    row_scale = tma_ring.aligned_rows(x_scale.reshape(m, 1)).reshape(1, -1)
+    params = tma_ring.interpret_params(interpret)
+    out_dtype = jnp.dtype(dtype) if gated else jnp.dtype(jnp.float32)
+    scratch = [
+        *tma_ring.ring_scratch(tiles, FP8, weights=weights, k_major=True),
+        plgpu.SMEM((ROW_TILE, tiles.block_n), out_dtype),
+        plgpu.SMEM((1, ROW_TILE), jnp.float32),
+        plgpu.SMEM((weights, tiles.block_n), jnp.float32),
+        plgpu.Barrier(num_barriers=1 + weights),
+    ]
+    if params is not None:  # the interpreter's untransposed weight tile (`_multiply`)
+        scratch.append(plgpu.SMEM((tiles.block_k, tiles.block_n), FP8))
+    kernel = plgpu.kernel(
+        functools.partial(
+            _kernel,
+            tiles=tiles,
+            steps=k // (tiles.splits * tiles.block_k),
+            m=m,
+            n=n,
+            column_tiles=column_tiles,
+            gated=gated,
+            interpreting=params is not None,
+        ),
+        out_type=jax.ShapeDtypeStruct((m, n) if gated else (tiles.splits, m, n), out_dtype),
+        grid=(pl.cdiv(m, ROW_TILE) * tiles.splits * column_tiles,),
+        grid_names=("cta",),
+        scratch_types=scratch,
+        interpret=params,
+    )
+    rows = tma_ring.aligned_rows(xq)
+    return kernel(rows, w_t, row_scale, w_scale.reshape(1, weights * n))
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "dtype", "interpret"))
@@ -155,62 +262,48 @@ def matmul_partials(
     `tiles_for`, checked by `check_tiles`); `interpret`: run in Mosaic GPU's interpreter
     (default: exactly off GPUs, as the CPU tests do).
     """
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     name = "fp8_matmul_mosaic.matmul_partials"
-    if xq.dtype != FP8 or w_t.dtype != FP8:
-        raise ValueError(f"{name}: xq {xq.dtype}, w_t {w_t.dtype}; expected both float8_e4m3fn")
-    if x_scale.dtype != jnp.float32 or w_scale.dtype != jnp.float32:
-        raise ValueError(
-            f"{name}: x_scale {x_scale.dtype}, w_scale {w_scale.dtype}; expected both float32"
-        )
-    if w_t.ndim != 2 or xq.ndim < 1 or xq.shape[-1] != w_t.shape[1]:
-        raise ValueError(
-            f"{name}: xq {xq.shape}, w_t {w_t.shape}; expected xq [..., k] and w_t [n, k]"
-        )
+    _check_operands(name, xq, x_scale, w_t, w_scale)
+    if w_t.ndim != 2:
+        raise ValueError(f"{name}: w_t {w_t.shape}; expected [n, k]")
     n, k = w_t.shape
-    if k % K_TILE or n % tma_ring.TILE:
-        raise ValueError(
-            f"{name}: w_t {w_t.shape}; expected k a multiple of {K_TILE} and n of {tma_ring.TILE}"
-        )
-    if x_scale.shape != xq.shape[:-1] or w_scale.shape != (n,):
-        raise ValueError(
-            f"{name}: x_scale {x_scale.shape}, w_scale {w_scale.shape}; expected "
-            f"{xq.shape[:-1]} and ({n},)"
-        )
     rows = xq.reshape(-1, k)
-    m = rows.shape[0]
-    tiles = tiles or tiles_for(m, k, n)
+    tiles = tiles or tiles_for(rows.shape[0], k, n)
     check_tiles(tiles, k, n)
-    column_tiles = n // tiles.block_n
-    row_scale = tma_ring.aligned_rows(x_scale.reshape(m, 1)).reshape(1, -1)
-    params = tma_ring.interpret_params(interpret)
-    scratch = [
-        *tma_ring.ring_scratch(tiles, FP8, weights=1, k_major=True),
-        plgpu.SMEM((ROW_TILE, tiles.block_n), jnp.float32),
-        plgpu.SMEM((1, ROW_TILE), jnp.float32),
-        plgpu.SMEM((1, tiles.block_n), jnp.float32),
-        plgpu.Barrier(num_barriers=2),
-    ]
-    if params is not None:  # the interpreter's untransposed weight tile (`_multiply`)
-        scratch.append(plgpu.SMEM((tiles.block_k, tiles.block_n), FP8))
-    kernel = plgpu.kernel(
-        functools.partial(
-            _kernel,
-            tiles=tiles,
-            steps=k // (tiles.splits * tiles.block_k),
-            m=m,
-            column_tiles=column_tiles,
-            interpreting=params is not None,
-        ),
-        out_type=jax.ShapeDtypeStruct((tiles.splits, m, n), jnp.float32),
-        grid=(pl.cdiv(m, ROW_TILE) * tiles.splits * column_tiles,),
-        grid_names=("cta",),
-        scratch_types=scratch,
-        interpret=params,
-    )
-    parts = kernel(tma_ring.aligned_rows(rows), w_t, row_scale, w_scale.reshape(1, n))
+    parts = _call(rows, x_scale.reshape(-1), w_t, w_scale, tiles, dtype, False, interpret)
     return Partials(parts.reshape((tiles.splits, *xq.shape[:-1], n)), jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "dtype", "interpret"))
+def swiglu_matmul(
+    xq: Array,
+    x_scale: Array,
+    w_t: Array,
+    w_scale: Array,
+    tiles: Tiles | None = None,
+    dtype=jnp.bfloat16,
+    interpret: bool | None = None,
+) -> Array:
+    """`silu(gate) * up` of gate = `(xq * x_scale) @ (w_t[0] * w_scale[0])^T` and up the
+    same of `w_t[1]`, in one Mosaic GPU kernel (both products by fp8 x fp8 WGMMA into fp32
+    accumulators, scaled, then the activation).
+
+    xq: [m, k] e4m3, x_scale [m] fp32; w_t: [2, n, k] e4m3 (the gate/up `Fp8Weight`'s values
+    [k, 2, n] transposed), w_scale [2, n] fp32; k a multiple of 128, n of 64. Returns
+    [m, n] in `dtype`. `tiles`: the program shape (default `swiglu_tiles_for`; `splits`
+    must be 1); `interpret` as `matmul_partials`.
+    """
+    name = "fp8_matmul_mosaic.swiglu_matmul"
+    _check_operands(name, xq, x_scale, w_t, w_scale)
+    if xq.ndim != 2 or w_t.ndim != 3 or w_t.shape[0] != 2:
+        raise ValueError(f"{name}: xq {xq.shape}, w_t {w_t.shape}; expected [m, k] and [2, n, k]")
+    _, n, k = w_t.shape
+    tiles = tiles or swiglu_tiles_for(xq.shape[0], k, n)
+    if tiles.splits != 1:
+        raise ValueError(f"{tiles}: the SwiGLU product takes splits=1")
+    check_tiles(tiles, k, n, gated=True, out_bytes=jnp.dtype(dtype).itemsize)
+    w_t, w_scale = w_t.reshape(2 * n, k), w_scale.reshape(2 * n)
+    return _call(xq, x_scale, w_t, w_scale, tiles, dtype, True, interpret)
 
 
 def matmul(
@@ -220,3 +313,10 @@ def matmul(
     the rows quantised by `quantize_rows`, then `matmul_partials` in x's dtype."""
     xq, x_scale = quantize_rows(x)
     return matmul_partials(xq, x_scale, w_t, w_scale, tiles, x.dtype, interpret)
+
+
+def swiglu(x: Array, w_t: Array, w_scale: Array, tiles: Tiles | None = None, interpret=None):
+    """x [m, k] (bf16 or fp16) through the gate/up fp8 weight (w_t [2, n, k] e4m3, w_scale
+    [2, n] fp32): the rows quantised by `quantize_rows`, then `swiglu_matmul` in x's dtype."""
+    xq, x_scale = quantize_rows(x)
+    return swiglu_matmul(xq, x_scale, w_t, w_scale, tiles, x.dtype, interpret)

@@ -1,7 +1,10 @@
 """The fp8 x fp8 Mosaic GPU product (`fp8_matmul_mosaic`) against a float64 numpy product of
 the dequantised operands, run by Mosaic GPU's interpreter on the CPU and compiled on a GPU;
 its row quantisation, its errors, its lowering for a Hopper GPU at LLaDA-8B's block
-products on any host, and on a GPU the compiled kernel at those products."""
+products on any host, and on a GPU the compiled kernel at those products; the same for its
+SwiGLU form against float64 `silu(gate) * up`."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +50,9 @@ def test_quantize_rows_scales_each_row_to_e4m3():
     x = jax.random.normal(jax.random.key(3), (2, 5, 256), BF16).at[1, 2].set(0)
     xq, x_scale = fp8_matmul_mosaic.quantize_rows(x)
     assert xq.shape == x.shape and xq.dtype == FP8 and x_scale.shape == (2, 5)
+    values, scale = quantize(x, (2,))  # the `scaled` product's rule, exactly
+    np.testing.assert_array_equal(xq.astype(jnp.float32), values.astype(jnp.float32))
+    np.testing.assert_array_equal(x_scale, scale)
     peak = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
     np.testing.assert_allclose(x_scale[0], peak[0] / E4M3_MAX, rtol=1e-6)
     assert x_scale[1, 2] == 1 and not jnp.any(xq[1, 2].astype(jnp.float32))  # a zero row
@@ -69,7 +75,10 @@ def test_partials_match_float64_product(shape, tiles):
     k, n = 256, 128
     x, w_t, w_scale = _problem(shape, k, n)
     xq, x_scale = fp8_matmul_mosaic.quantize_rows(x)
-    y = fp8_matmul_mosaic.matmul_partials(xq, x_scale, w_t, w_scale, tiles=tiles)
+    if tiles is None:  # `matmul`: the rows quantised by it
+        y = fp8_matmul_mosaic.matmul(x, w_t, w_scale)
+    else:
+        y = fp8_matmul_mosaic.matmul_partials(xq, x_scale, w_t, w_scale, tiles=tiles)
     splits = (tiles or fp8_matmul_mosaic.tiles_for(int(np.prod(shape)), k, n)).splits
     assert y.parts.shape == (splits, *shape, n) and y.parts.dtype == jnp.float32
     assert y.shape == (*shape, n) and y.dtype == BF16
@@ -78,8 +87,27 @@ def test_partials_match_float64_product(shape, tiles):
     if splits == 2:  # each slice is its half of the contraction, scaled
         half = _reference(xq[..., : k // 2], x_scale, w_t[:, : k // 2], w_scale)
         assert _rel_error(y.parts[0], half) < TOLERANCE
-    # `matmul` quantises the rows itself: the same partials
-    np.testing.assert_array_equal(fp8_matmul_mosaic.matmul(x, w_t, w_scale, tiles).parts, y.parts)
+
+
+def _swiglu_reference(xq, x_scale, w_t, w_scale) -> np.ndarray:
+    """silu(gate) * up in float64 of the dequantised operands, w_t [2, n, k]."""
+    gate, up = (_reference(xq, x_scale, w_t[side], w_scale[side]) for side in range(2))
+    return gate / (1 + np.exp(-gate)) * up
+
+
+def test_swiglu_matches_float64_activation():
+    m, k, n = 20, 256, 128  # 20 rows: padded to 24 for TMA
+    x, w_t, w_scale = _problem((m,), k, 2 * n, seed=1)
+    w_t, w_scale = w_t.reshape(2, n, k), w_scale.reshape(2, n)
+    tiles = Tiles(block_n=64, block_k=128, splits=1, stages=2)  # 2 column tiles, 2 steps
+    ours = fp8_matmul_mosaic.swiglu(x, w_t, w_scale, tiles)
+    assert ours.shape == (m, n) and ours.dtype == BF16
+    xq, x_scale = fp8_matmul_mosaic.quantize_rows(x)
+    ref = _swiglu_reference(xq, x_scale, w_t, w_scale)
+    assert _rel_error(ours.astype(jnp.float32), ref) < 1e-2  # bf16 output
+    # against the float64 result rounded to bf16 as the kernel rounds it
+    rounded = np.asarray(jnp.asarray(ref, jnp.float32).astype(BF16).astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(ours.astype(jnp.float32)), rounded, atol=2e-2)
 
 
 def test_tiles_for_llada_8b():
@@ -92,6 +120,9 @@ def test_tiles_for_llada_8b():
     ]
     for (k, n), t in zip(LLADA_8B, tiles, strict=True):
         fp8_matmul_mosaic.check_tiles(t, k, n)
+    gate_up = fp8_matmul_mosaic.swiglu_tiles_for(32, 4096, 12288)
+    assert gate_up == Tiles(block_n=128, block_k=128, splits=1, stages=4)
+    fp8_matmul_mosaic.check_tiles(gate_up, 4096, 12288, gated=True, out_bytes=2)
 
 
 def test_bad_inputs():
@@ -103,7 +134,7 @@ def test_bad_inputs():
         run(x, x_scale, w_t, w_scale)
     with pytest.raises(ValueError, match="expected both float32"):
         run(xq, x_scale, w_t, w_scale.astype(BF16))
-    with pytest.raises(ValueError, match=r"expected xq \[..., k\] and w_t \[n, k\]"):
+    with pytest.raises(ValueError, match=r"expected xq \[..., k\] and w_t \[..., n, k\]"):
         run(xq, x_scale, w_t.T, w_scale)  # the weight as [k, n]
     with pytest.raises(ValueError, match="k a multiple of 128"):
         run(xq[:, :192], x_scale, w_t[:, :192], w_scale)
@@ -111,6 +142,14 @@ def test_bad_inputs():
         run(xq, x_scale[:4], w_t, w_scale)
     with pytest.raises(ValueError, match="block_k a multiple of 128"):
         run(xq, x_scale, w_t, w_scale, tiles=Tiles(block_n=64, block_k=64))
+    swiglu = fp8_matmul_mosaic.swiglu_matmul
+    w2, s2 = w_t.reshape(2, 64, k), w_scale.reshape(2, 64)
+    with pytest.raises(ValueError, match=r"expected \[m, k\] and \[2, n, k\]"):
+        swiglu(xq, x_scale, w_t, w_scale)  # a plain [n, k] weight
+    with pytest.raises(ValueError, match="takes splits=1"):
+        swiglu(xq, x_scale, w2, s2, tiles=Tiles(block_n=64, block_k=128, splits=2))
+    with pytest.raises(ValueError, match=r"expected \(8,\) and \(2, 64\)"):
+        swiglu(xq, x_scale, w2, w_scale)
     with pytest.raises(ValueError, match="at most 256"):
         fp8_matmul_mosaic.check_tiles(Tiles(block_n=512, block_k=128), 4096, 4096)
     with pytest.raises(ValueError, match="bytes of shared memory"):
@@ -137,6 +176,18 @@ def test_lowers_for_hopper():
     for k, n in LLADA_8B:
         assert "mosaic_gpu" in _lowered(k, n)
     assert "mosaic_gpu" in _lowered(4096, 4096, 20, Tiles(32, 128, splits=4, stages=8))
+    args = [
+        jax.ShapeDtypeStruct(shape, dtype)
+        for shape, dtype in (
+            ((32, 4096), FP8),
+            ((32,), jnp.float32),
+            ((2, 12288, 4096), FP8),
+            ((2, 12288), jnp.float32),
+        )
+    ]
+    gate_up = functools.partial(fp8_matmul_mosaic.swiglu_matmul, interpret=False)
+    text = jax.jit(gate_up).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 @needs_gpu
@@ -150,3 +201,9 @@ def test_compiled_kernel_on_gpu():
         assert _rel_error(y.parts.sum(0), _reference(xq, x_scale, w_t, w_scale)) < TOLERANCE
         dequantised = x.astype(jnp.float32) @ (w_t.astype(jnp.float32) * w_scale[:, None]).T
         assert _rel_error(y.total(), np.asarray(dequantised, np.float64)) < 0.05
+    x, w_t, w_scale = _problem((32,), 4096, 2 * 12288, seed=4)
+    w_t, w_scale = w_t.reshape(2, 12288, 4096), w_scale.reshape(2, 12288)
+    xq, x_scale = fp8_matmul_mosaic.quantize_rows(x)
+    ours = fp8_matmul_mosaic.swiglu_matmul(xq, x_scale, w_t, w_scale)
+    ref = _swiglu_reference(xq, x_scale, w_t, w_scale)
+    assert _rel_error(ours.astype(jnp.float32), ref) < 1e-2
