@@ -40,6 +40,7 @@ FP8 = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(FP8).max)  # 448
 K_TILE = tma_ring.SWIZZLE  # e4m3 values in a swizzled row: block_k is a multiple of this
 MAX_BLOCK_N = 256  # WGMMA's widest N
+OUT_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32)))
 
 
 def quantize_rows(x: Array) -> tuple[Array, Array]:
@@ -174,9 +175,10 @@ def _kernel(
     tma_ring.store_rows(out_smem, out_at, row_tile, m)
 
 
-def _check_operands(name: str, xq: Array, x_scale: Array, w_t: Array, w_scale: Array) -> None:
+def _check_operands(name: str, xq, x_scale, w_t, w_scale, dtype) -> None:
     """Raise a ValueError naming `name` unless xq [..., k] and w_t [..., n, k] are e4m3 with
-    k a multiple of 128 and n of 64, and x_scale [...] and w_scale [..., n] fp32."""
+    k a multiple of 128 and n of 64, x_scale [...] and w_scale [..., n] fp32, and the
+    product's `dtype` one of `OUT_DTYPES`."""
     if xq.dtype != FP8 or w_t.dtype != FP8:
         raise ValueError(f"{name}: xq {xq.dtype}, w_t {w_t.dtype}; expected both float8_e4m3fn")
     if x_scale.dtype != jnp.float32 or w_scale.dtype != jnp.float32:
@@ -192,6 +194,8 @@ def _check_operands(name: str, xq: Array, x_scale: Array, w_t: Array, w_scale: A
         raise ValueError(
             f"{name}: w_t {w_t.shape}; expected k a multiple of {K_TILE} and n of {tma_ring.TILE}"
         )
+    if jnp.dtype(dtype) not in OUT_DTYPES:
+        raise ValueError(f"{name}: dtype {jnp.dtype(dtype)}; expected bfloat16, float16 or float32")
     if x_scale.shape != xq.shape[:-1] or w_scale.shape != w_t.shape[:-1]:
         raise ValueError(
             f"{name}: x_scale {x_scale.shape}, w_scale {w_scale.shape}; expected "
@@ -263,7 +267,7 @@ def matmul_partials(
     (default: exactly off GPUs, as the CPU tests do).
     """
     name = "fp8_matmul_mosaic.matmul_partials"
-    _check_operands(name, xq, x_scale, w_t, w_scale)
+    _check_operands(name, xq, x_scale, w_t, w_scale, dtype)
     if w_t.ndim != 2:
         raise ValueError(f"{name}: w_t {w_t.shape}; expected [n, k]")
     n, k = w_t.shape
@@ -294,7 +298,7 @@ def swiglu_matmul(
     must be 1); `interpret` as `matmul_partials`.
     """
     name = "fp8_matmul_mosaic.swiglu_matmul"
-    _check_operands(name, xq, x_scale, w_t, w_scale)
+    _check_operands(name, xq, x_scale, w_t, w_scale, dtype)
     if xq.ndim != 2 or w_t.ndim != 3 or w_t.shape[0] != 2:
         raise ValueError(f"{name}: xq {xq.shape}, w_t {w_t.shape}; expected [m, k] and [2, n, k]")
     _, n, k = w_t.shape
@@ -307,7 +311,11 @@ def swiglu_matmul(
 
 
 def matmul(
-    x: Array, w_t: Array, w_scale: Array, tiles: Tiles | None = None, interpret=None
+    x: Array,
+    w_t: Array,
+    w_scale: Array,
+    tiles: Tiles | None = None,
+    interpret: bool | None = None,
 ) -> Partials:
     """x [..., k] (bf16 or fp16) times the fp8 weight (w_t [n, k] e4m3, w_scale [n] fp32):
     the rows quantised by `quantize_rows`, then `matmul_partials` in x's dtype."""
@@ -315,7 +323,13 @@ def matmul(
     return matmul_partials(xq, x_scale, w_t, w_scale, tiles, x.dtype, interpret)
 
 
-def swiglu(x: Array, w_t: Array, w_scale: Array, tiles: Tiles | None = None, interpret=None):
+def swiglu(
+    x: Array,
+    w_t: Array,
+    w_scale: Array,
+    tiles: Tiles | None = None,
+    interpret: bool | None = None,
+) -> Array:
     """x [m, k] (bf16 or fp16) through the gate/up fp8 weight (w_t [2, n, k] e4m3, w_scale
     [2, n] fp32): the rows quantised by `quantize_rows`, then `swiglu_matmul` in x's dtype."""
     xq, x_scale = quantize_rows(x)

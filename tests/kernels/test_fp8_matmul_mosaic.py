@@ -132,6 +132,8 @@ def test_bad_inputs():
     run = fp8_matmul_mosaic.matmul_partials
     with pytest.raises(ValueError, match="expected both float8_e4m3fn"):
         run(x, x_scale, w_t, w_scale)
+    with pytest.raises(ValueError, match="dtype int8; expected bfloat16, float16 or float32"):
+        run(xq, x_scale, w_t, w_scale, dtype=jnp.int8)
     with pytest.raises(ValueError, match="expected both float32"):
         run(xq, x_scale, w_t, w_scale.astype(BF16))
     with pytest.raises(ValueError, match=r"expected xq \[..., k\] and w_t \[..., n, k\]"):
