@@ -24,7 +24,11 @@ stages) that fits (`fp8_matmul_mosaic.check_tiles`) and ends with the fastest pe
 the form's own dtype) that none is still in the L2 cache when it is read again. Device time
 per product from profiler traces (µs, summed over its kernels); `rel_error` against the
 fp32 product with the bf16 weight (the fp8 forms carry the weight's and, for the scaled
-forms, the rows' quantisation); `weight_TB_per_s` the form's weight bytes over its time.
+forms, the rows' quantisation); `accumulation_error` (the forms on the [n, k] weight)
+against the fp32 product of the same e4m3 rows and weight: what the dot's own accumulation
+adds (Hopper's fp8 WGMMA adds into a narrower accumulator than fp32; XLA's form returns
+bf16, whose rounding alone is ~2e-3, the kernel fp32 partials); `weight_TB_per_s` the
+form's weight bytes over its time.
 
     python -m bench.kernels.fp8_matmul [--products qkv out down gate_up] [--rows 32]
         [--sweep] [--tiny]
@@ -93,6 +97,16 @@ SWIGLU_FORMS = {
     "swiglu pallas bf16": ("bf16 [k,2,n]", swiglu.swiglu_matmul),
     "swiglu mosaic bf16": ("bf16 [k,2,n]", swiglu_mosaic.swiglu_matmul),
 }
+
+
+def quantised_product(x, weight):
+    """The fp32 product of the rows and weight as the fp8 x fp8 forms quantise them:
+    (xq * x_scale) @ (w_t * w_scale)^T, at full fp32 precision."""
+    w_t, w_scale = weight
+    xq, x_scale = fp8_matmul_mosaic.quantize_rows(x)
+    rows = xq.astype(jnp.float32) * x_scale[:, None]
+    columns = w_t.astype(jnp.float32) * w_scale[:, None]
+    return jnp.dot(rows, columns.T, precision=jax.lax.Precision.HIGHEST)
 
 
 def weight_forms(w: jax.Array, layout: str):
@@ -170,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     expected = reference
                 row["rel_error"] = rel_error(out, expected)
+                if layout == "fp8 [n,k]":  # against the fp32 product of its e4m3 operands
+                    row["accumulation_error"] = rel_error(out, quantised_product(x, ws[0]))
                 time_row(row, fn, (x, ws), args.calls, nbytes(ws[0]), len(ws))
             except Exception as err:  # keep the other rows of a costly run
                 row["error"] = f"{type(err).__name__}: {err}"[:1500]

@@ -18,9 +18,10 @@ from djax.models.fp8 import E4M3_MAX, FP8, quantize
 BF16 = jnp.bfloat16
 needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 # Relative (Frobenius) error against the float64 product of the same e4m3 operands: the
-# interpreter multiplies in fp32 (~1e-7); Hopper's fp8 WGMMA accumulates with fewer
-# mantissa bits than fp32, so the compiled kernel is held to 1e-3.
-TOLERANCE = 1e-5 if jax.default_backend() != "gpu" else 1e-3
+# interpreter multiplies in fp32 (~1e-7); Hopper's fp8 WGMMA adds its products into the
+# accumulator with fewer mantissa bits than fp32 (an error growing with k), so the compiled
+# kernel is held to 1e-2.
+TOLERANCE = 1e-5 if jax.default_backend() != "gpu" else 1e-2
 # LLaDA-8B's block products (k, n): q/k/v, attention output, down, gate/up side by side
 LLADA_8B = ((4096, 12288), (4096, 4096), (12288, 4096), (4096, 24576))
 
