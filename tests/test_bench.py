@@ -720,3 +720,32 @@ def test_mosaic_verdict_lines():
     )
     assert verdict("out_tiled", rows).endswith("XLA on Mosaic partials not run -> none ran")
     assert verdict("out", rows) is None
+
+
+def test_fp8_matmul_bench_layouts_and_sweep():
+    """bench.kernels.fp8_matmul: every weight layout holds the same e4m3 values and scales
+    (as its form reads them), and the sweep keeps the tilings that fit."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench.kernels import fp8_matmul
+    from djax.kernels import fp8_matmul_mosaic
+
+    w = jax.random.normal(jax.random.key(0), (256, 128)).astype(jnp.bfloat16)
+    plain = fp8_matmul.weight_forms(w, "fp8 [k,n]")
+    dense = np.asarray(plain.values.astype(jnp.float32) * plain.scale)  # [k, n]
+    w_t, scale = fp8_matmul.weight_forms(w, "fp8 [n,k]")
+    np.testing.assert_array_equal(np.asarray(w_t.astype(jnp.float32) * scale[:, None]).T, dense)
+    gated = fp8_matmul.weight_forms(w, "fp8 [k,2,n]")
+    assert gated.shape == (256, 2, 64) and gated.scale.shape == (2, 64)
+    np.testing.assert_array_equal(gated.values.reshape(256, 128), plain.values)
+    g_t, g_scale = fp8_matmul.weight_forms(w, "fp8 [2,n,k]")
+    halves = np.asarray(g_t.astype(jnp.float32) * g_scale[..., None])  # [2, 64, 256]
+    np.testing.assert_array_equal(np.concatenate(list(halves), axis=0).T, dense)
+    assert fp8_matmul.weight_forms(w, "bf16 [k,2,n]").shape == (256, 2, 64)
+    kept = fp8_matmul.sweep_tiles(4096, 4096)
+    assert len(kept) == 21  # of 36: 128 x 256 never fits, nor 8 stages but of 64 x 128
+    assert {(t.block_n, t.block_k) for t in kept} == {(64, 128), (64, 256), (128, 128)}
+    for t in kept:
+        fp8_matmul_mosaic.check_tiles(t, 4096, 4096)

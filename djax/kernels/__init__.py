@@ -14,6 +14,8 @@ kernels), which is how the CPU tests check them.
 - `rope_write`: q/k norm, RoPE and the K/V buffer writes (with the q/k/v product fused).
 - `expert_tiles`: the routed experts' products, tiled per expert; `expert_tiles_mosaic`: the
   same in Pallas Mosaic GPU, also for fp8 weights (values and scales given apart).
+- `fp8_matmul_mosaic`: the product of few rows quantised to e4m3 and an e4m3 weight stored
+  [n, k], by fp8 x fp8 WGMMA in Pallas Mosaic GPU (Hopper), and its SwiGLU form.
 - `handoff`: what the kernels hand each other (`Partials`, `ScaledRows`).
 - `tiles`: tile rules shared by the kernels.
 """

@@ -36,7 +36,7 @@ def tiles_for(m: int, k: int, n: int) -> Tiles:
     return Tiles(block_n=block_n, block_k=tma_ring.TILE, splits=1, stages=4)
 
 
-def _silu_times(gate: Array, up: Array) -> Array:
+def silu_times(gate: Array, up: Array) -> Array:
     """`silu(gate) * up` in fp32, written with the ops Mosaic GPU lowers."""
     return gate / (1.0 + jnp.exp(-gate)) * up
 
@@ -78,7 +78,7 @@ def _kernel(x_gmem, w_gmem, *refs, tiles, steps, m, n, column_tiles, eps, interp
             inv_rms = _inv_rms(squares_smem, squares_bar.at[0], width, eps, interpreting)
             inv_rms = jax.lax.broadcast_in_dim(inv_rms, gate.shape, [0])
             gate, up = gate * inv_rms, up * inv_rms
-        out_smem[...] = _silu_times(gate, up).astype(out_smem.dtype)
+        out_smem[...] = silu_times(gate, up).astype(out_smem.dtype)
 
     tma_ring.stream(
         x_gmem,

@@ -17,6 +17,10 @@ rows, the row tile of one warpgroup. Rules:
   multiple of 64, `block_k` a multiple of 64, and the operands 16-bit (bf16 or fp16).
 - Each step's products are waited for before its slot is refilled with the step `stages`
   ahead, so `stages - 1` steps of copies are in flight while one multiplies.
+- 8-bit operands multiplied as they are (fp8 x fp8 WGMMA, `fp8_matmul_mosaic`) must both be
+  K-major: the ring's `k_major` form holds weight tiles [block_n, block_k] (the weight
+  stored [n, k]) and swizzles every slot at 128 bytes = 128 values, so `block_k` is a
+  multiple of 128 (`Tiles.check`'s `itemsize=1`).
 """
 
 from __future__ import annotations
@@ -57,26 +61,31 @@ class Tiles:
         128."""
         return 2 * NARROW if self.block_n == NARROW else SWIZZLE
 
-    def check(self, k: int, n: int, weights: int, out_bytes: int, extra: int = 0) -> None:
+    def check(
+        self, k: int, n: int, weights: int, out_bytes: int, extra: int = 0, itemsize: int = 2
+    ) -> None:
         """Raise a ValueError naming these tiles unless they divide a `k -> n` product and
-        the ring of x and `weights` weight tiles per slot, with an output tile of
-        `out_bytes` per value and `extra` bytes of other scratch, fits in `SHARED_MEMORY`."""
+        the ring of x and `weights` weight tiles per slot (of `itemsize` bytes a value), with
+        an output tile of `out_bytes` per value and `extra` bytes of other scratch, fits in
+        `SHARED_MEMORY`. `block_k` must fill whole swizzled rows: a multiple of
+        `SWIZZLE // itemsize` values (64 16-bit, 128 8-bit)."""
         bn, bk, splits = self.block_n, self.block_k, self.splits
-        whole = (bn % TILE == 0 or bn == NARROW) and bk % TILE == 0
+        k_tile = SWIZZLE // itemsize
+        whole = (bn % TILE == 0 or bn == NARROW) and bk % k_tile == 0
         if not whole or splits < 1 or self.stages < 1 or n % bn or k % (splits * bk):
             raise ValueError(
                 f"{self}: block_n must be {NARROW} or a multiple of {TILE} dividing n = {n}, "
-                f"block_k a multiple of {TILE} and splits x block_k dividing k = {k}"
+                f"block_k a multiple of {k_tile} and splits x block_k dividing k = {k}"
             )
-        used = self.shared_bytes(weights, out_bytes) + extra
+        used = self.shared_bytes(weights, out_bytes, itemsize) + extra
         if used > SHARED_MEMORY:
             raise ValueError(f"{self}: {used} bytes of shared memory; at most {SHARED_MEMORY}")
 
-    def shared_bytes(self, weights: int, out_bytes: int) -> int:
-        """Shared memory of the slots (x and `weights` weight tiles, 16-bit) and the output
-        tile (`out_bytes` per value)."""
+    def shared_bytes(self, weights: int, out_bytes: int, itemsize: int = 2) -> int:
+        """Shared memory of the slots (x and `weights` weight tiles, `itemsize` bytes a
+        value) and the output tile (`out_bytes` per value)."""
         slot = ROW_TILE * self.block_k + weights * self.block_k * self.block_n
-        return self.stages * slot * 2 + ROW_TILE * self.block_n * out_bytes
+        return self.stages * slot * itemsize + ROW_TILE * self.block_n * out_bytes
 
 
 def fits(k: int, n: int) -> bool:
@@ -147,21 +156,31 @@ def swizzled(swizzle: int = SWIZZLE, itemsize: int = 2) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def ring_scratch(tiles: Tiles, dtype: Any, weights: int, w_dtype: Any = None) -> list:
+def ring_scratch(
+    tiles: Tiles, dtype: Any, weights: int, w_dtype: Any = None, k_major: bool = False
+) -> list:
     """Scratch of a ring: the x slots [stages, 64, block_k], `weights` weight slots
     [stages, block_k, block_n] each (of `w_dtype`, default `dtype`; 8-bit slots are
-    swizzled at their rows' bytes, up to 128), then one barrier array per operand."""
+    swizzled at their rows' bytes, up to 128), then one barrier array per operand.
+    `k_major`: the weight slots are [stages, block_n, block_k] (the contraction
+    contiguous, as 8-bit WGMMA reads both operands) and every slot is swizzled at 128 bytes
+    of its own values."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     x_slots = (tiles.stages, ROW_TILE, tiles.block_k)
     w_slots = (tiles.stages, tiles.block_k, tiles.block_n)
     w_dtype = jnp.dtype(dtype if w_dtype is None else w_dtype)
+    x_transforms = swizzled(tiles.swizzle)
     w_swizzle = tiles.swizzle
     if w_dtype.itemsize == 1:
         w_swizzle = min(SWIZZLE, tiles.block_n)
     w_transforms = swizzled(w_swizzle, w_dtype.itemsize)
+    if k_major:
+        w_slots = (tiles.stages, tiles.block_n, tiles.block_k)
+        x_transforms = swizzled(SWIZZLE, jnp.dtype(dtype).itemsize)
+        w_transforms = swizzled(SWIZZLE, w_dtype.itemsize)
     return [
-        plgpu.SMEM(x_slots, dtype, transforms=swizzled(tiles.swizzle)),
+        plgpu.SMEM(x_slots, dtype, transforms=x_transforms),
         *(plgpu.SMEM(w_slots, w_dtype, transforms=w_transforms) for _ in range(weights)),
         *(plgpu.Barrier(num_barriers=tiles.stages) for _ in range(weights + 1)),
     ]
@@ -177,6 +196,7 @@ def stream(
     rows,
     finish: Callable[..., None],
     converted: Sequence | None = None,
+    multiply: Callable[[Any, Any, Any], None] | None = None,
 ) -> None:
     """Inside a kernel: multiply x's rows by each weight over `steps` contraction steps from
     `first_step` through the ring, then call `finish` with the fp32 products [64, block_n]
@@ -184,8 +204,12 @@ def stream(
     weight i's GMEM tile at contraction indexer `ks`; `ring` the scratch refs of
     `ring_scratch`; `rows` the indexer of x's 64 rows. `converted`: one swizzled slot
     [block_k, block_n] of x's dtype per weight, into which each step's weight tile (of
-    another dtype, as fp8) is converted before its WGMMA."""
+    another dtype, as fp8) is converted before its WGMMA. `multiply(acc, x_slot, w_slot)`
+    issues a step's product into an accumulator ref (default `plgpu.wgmma`; K-major weight
+    slots need theirs read transposed)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    multiply = multiply or plgpu.wgmma
 
     count = len(w_tiles)
     x_slots, w_slots = ring[0], ring[1 : 1 + count]
@@ -213,7 +237,7 @@ def stream(
                     into[...] = converted_values(operand[...], into.dtype)
                     plgpu.commit_smem()
                     operand = into
-                plgpu.wgmma(acc, x_slots.at[slot], operand)
+                multiply(acc, x_slots.at[slot], operand)
             plgpu.wgmma_wait(0)  # this step's products are done: its slot may be refilled
 
             @pl.when(i + tiles.stages < steps)

@@ -1,0 +1,336 @@
+"""The product of few rows and an fp8 weight as a Pallas Mosaic GPU kernel (Hopper: TMA
+copies, fp8 x fp8 WGMMA): rows quantised to e4m3 with a scale per row, weights e4m3 with a
+scale per output column, both scales applied to the fp32 product.
+
+The weight is read transposed, `w_t` [n, k] (the contraction contiguous): Hopper's WGMMA
+takes 8-bit operands only K-major, so both e4m3 tiles go from the ring of shared-memory
+slots (`tma_ring`, its K-major form: x tiles [64, block_k], weight tiles
+[block_n, block_k], every slot swizzled at 128 bytes = 128 e4m3 values) into the tensor
+cores as they are, with no conversion in the kernel. Each CTA owns one row tile of 64, one
+column tile and one of `splits` slices of the contraction, and writes its slice's product
+times `x_scale` (per row) and `w_scale` (per column) as an fp32 partial (`handoff.Partials`,
+as `split_k_mosaic` leaves them; the slices' sum is the product). The SwiGLU form
+(`swiglu_matmul`, unsplit) holds the gate and up weight tiles of its columns side by side in
+each slot, scales both fp32 products and writes `silu(gate) * up`, as `swiglu_mosaic` does
+for 16-bit weights.
+
+Rules: k a multiple of 128 (`block_k` is), n a multiple of 64, `block_n` at most 256
+(WGMMA's widest N). Rows are quantised by `quantize_rows`, the rule of
+`djax.models.fp8.quantize` over the row (the `scaled` product's). Mosaic GPU's interpreter
+has no transposed WGMMA operand: there each step's weight tile is first copied, transposed,
+into a scratch tile of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from djax.kernels import split_k_mosaic, swiglu_mosaic, tma_ring
+from djax.kernels.handoff import Partials
+from djax.kernels.tma_ring import ROW_TILE, Tiles
+
+Array = jax.Array
+
+FP8 = jnp.float8_e4m3fn
+E4M3_MAX = float(jnp.finfo(FP8).max)  # 448
+K_TILE = tma_ring.SWIZZLE  # e4m3 values in a swizzled row: block_k is a multiple of this
+MAX_BLOCK_N = 256  # WGMMA's widest N
+OUT_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32)))
+
+
+def quantize_rows(x: Array) -> tuple[Array, Array]:
+    """x [..., k] -> (e4m3 values [..., k], fp32 scale [...]): each row's scale is its max
+    |x| / 448 (1 for a zero row) and its values `x / scale` rounded to nearest e4m3, the
+    rule of `djax.models.fp8.quantize` over the row (which this package may not import)."""
+    xf = x.astype(jnp.float32)
+    peak = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    scale = jnp.where(peak > 0, peak / E4M3_MAX, 1.0)
+    return jnp.clip(xf / scale, -E4M3_MAX, E4M3_MAX).astype(FP8), scale[..., 0]
+
+
+def tiles_for(m: int, k: int, n: int) -> Tiles:
+    """`split_k_mosaic.tiles_for`'s tiles (its column tiles, slices and stages) with block_k
+    doubled, the same bytes a step at one byte a value (128 where the doubled step does not
+    divide a slice)."""
+    base = split_k_mosaic.tiles_for(m, k, n)
+    block_k = 2 * base.block_k
+    if block_k % K_TILE or k % (base.splits * block_k):
+        block_k = K_TILE
+    return dataclasses.replace(base, block_k=block_k)
+
+
+def swiglu_tiles_for(m: int, k: int, n: int) -> Tiles:
+    """`swiglu_mosaic.tiles_for`'s tiles (n per side) with block_k doubled (at least 128)."""
+    base = swiglu_mosaic.tiles_for(m, k, n)
+    block_k = 2 * base.block_k
+    return dataclasses.replace(base, block_k=block_k if k % block_k == 0 else K_TILE)
+
+
+def check_tiles(tiles: Tiles, k: int, n: int, gated: bool = False, out_bytes: int = 4) -> None:
+    """Raise a ValueError naming `tiles` unless they take a `k -> n` fp8 product (`gated`: n
+    columns a side, two weight tiles a slot): the ring's rules at one byte a value
+    (`Tiles.check`), the output tile (`out_bytes` a value) and scales in shared memory, and
+    block_n at most `MAX_BLOCK_N`."""
+    if tiles.block_n > MAX_BLOCK_N:
+        raise ValueError(f"{tiles}: block_n must be at most {MAX_BLOCK_N} (WGMMA's widest N)")
+    weights = 2 if gated else 1
+    scales = (ROW_TILE + weights * tiles.block_n) * 4
+    tiles.check(k, n, weights=weights, out_bytes=out_bytes, extra=scales, itemsize=1)
+
+
+def _multiply(untransposed=None):
+    """A step's product into an accumulator ref: fp8 x fp8 WGMMA of an x slot [64, block_k]
+    and a weight slot [block_n, block_k] read transposed. Mosaic GPU's interpreter has no
+    transposed WGMMA operand: given `untransposed`, a [block_k, block_n] scratch ref, the
+    slot's tile is copied into it transposed and multiplied from there."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def multiply(acc, x_slot, w_slot):
+        if untransposed is None:
+            plgpu.wgmma(acc, x_slot, plgpu.transpose_ref(w_slot, (1, 0)))
+            return
+        untransposed[...] = w_slot[...].T
+        plgpu.wgmma(acc, x_slot, untransposed)
+
+    return multiply
+
+
+def _kernel(
+    x_gmem,
+    w_gmem,
+    x_scale_gmem,
+    w_scale_gmem,
+    out_gmem,
+    *refs,
+    tiles,
+    steps,
+    m,
+    n,
+    column_tiles,
+    gated,
+    interpreting,
+):
+    """One CTA: one (row tile, column tile, slice) of xq [m8, k] @ w_t [n, k]^T, scaled by
+    x_scale [1, m8] per row and w_scale [1, n] per column, into out [splits, m, n] fp32;
+    `gated`: w_t [2n, k] (gate rows, then up rows), w_scale [1, 2n], into out [m, n] as
+    `silu(gate) * up` (unsplit)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if interpreting:
+        *refs, untransposed = refs
+    *ring, out_smem, x_scale_smem, w_scale_smem, scale_bars = refs
+    cta = jax.lax.axis_index("cta")
+    per_row_tile = column_tiles * tiles.splits
+    row_tile, rest = cta // per_row_tile, cta % per_row_tile
+    split, column_tile = rest // column_tiles, rest % column_tiles
+    start = column_tile * tiles.block_n
+    cols = pl.ds(start, tiles.block_n)
+    offsets = [start, n + start] if gated else [start]
+    rows = pl.ds(row_tile * ROW_TILE, ROW_TILE)
+    # in flight while the tiles stream; rows past x's end read as zeros
+    plgpu.copy_gmem_to_smem(x_scale_gmem.at[:, rows], x_scale_smem, scale_bars.at[0])
+    for side, offset in enumerate(offsets):
+        plgpu.copy_gmem_to_smem(
+            w_scale_gmem.at[:, pl.ds(offset, tiles.block_n)],
+            w_scale_smem.at[pl.ds(side, 1)],
+            scale_bars.at[1 + side],
+        )
+
+    def finish(*products):
+        for bar in range(1 + len(offsets)):
+            plgpu.barrier_wait(scale_bars.at[bar])
+        row_scale = tma_ring.accumulator_rows(x_scale_smem[0], interpreting)
+        scaled = []
+        for side, product in enumerate(products):
+            column_scale = tma_ring.accumulator_columns(w_scale_smem[side], interpreting)
+            product = product * jax.lax.broadcast_in_dim(row_scale, product.shape, [0])
+            scaled.append(product * jax.lax.broadcast_in_dim(column_scale, product.shape, [1]))
+        out = swiglu_mosaic.silu_times(*scaled) if gated else scaled[0]
+        out_smem[...] = out.astype(out_smem.dtype)
+
+    tma_ring.stream(
+        x_gmem,
+        [
+            lambda ks, offset=offset: w_gmem.at[pl.ds(offset, tiles.block_n), ks]
+            for offset in offsets
+        ],
+        ring,
+        tiles,
+        split * steps,
+        steps,
+        rows,
+        finish,
+        multiply=_multiply(untransposed if interpreting else None),
+    )
+    out_at = (
+        (lambda rows: out_gmem.at[rows, cols])
+        if gated
+        else (lambda rows: out_gmem.at[split, rows, cols])
+    )
+    tma_ring.store_rows(out_smem, out_at, row_tile, m)
+
+
+def _check_operands(name: str, xq, x_scale, w_t, w_scale, dtype) -> None:
+    """Raise a ValueError naming `name` unless xq [..., k] and w_t [..., n, k] are e4m3 with
+    k a multiple of 128 and n of 64, x_scale [...] and w_scale [..., n] fp32, and the
+    product's `dtype` one of `OUT_DTYPES`."""
+    if xq.dtype != FP8 or w_t.dtype != FP8:
+        raise ValueError(f"{name}: xq {xq.dtype}, w_t {w_t.dtype}; expected both float8_e4m3fn")
+    if x_scale.dtype != jnp.float32 or w_scale.dtype != jnp.float32:
+        raise ValueError(
+            f"{name}: x_scale {x_scale.dtype}, w_scale {w_scale.dtype}; expected both float32"
+        )
+    if w_t.ndim < 2 or xq.ndim < 1 or xq.shape[-1] != w_t.shape[-1]:
+        raise ValueError(
+            f"{name}: xq {xq.shape}, w_t {w_t.shape}; expected xq [..., k] and w_t [..., n, k]"
+        )
+    n, k = w_t.shape[-2:]
+    if k % K_TILE or n % tma_ring.TILE:
+        raise ValueError(
+            f"{name}: w_t {w_t.shape}; expected k a multiple of {K_TILE} and n of {tma_ring.TILE}"
+        )
+    if jnp.dtype(dtype) not in OUT_DTYPES:
+        raise ValueError(f"{name}: dtype {jnp.dtype(dtype)}; expected bfloat16, float16 or float32")
+    if x_scale.shape != xq.shape[:-1] or w_scale.shape != w_t.shape[:-1]:
+        raise ValueError(
+            f"{name}: x_scale {x_scale.shape}, w_scale {w_scale.shape}; expected "
+            f"{xq.shape[:-1]} and {w_t.shape[:-1]}"
+        )
+
+
+def _call(xq, x_scale, w_t, w_scale, tiles: Tiles, dtype, gated: bool, interpret) -> Array:
+    """The kernel on xq [m, k], x_scale [m], w_t [weights * n, k], w_scale [weights * n]:
+    out [splits, m, n] fp32, or `gated` [m, n] in `dtype`."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = xq.shape
+    weights = 2 if gated else 1
+    n = w_t.shape[0] // weights
+    column_tiles = n // tiles.block_n
+    row_scale = tma_ring.aligned_rows(x_scale.reshape(m, 1)).reshape(1, -1)
+    params = tma_ring.interpret_params(interpret)
+    out_dtype = jnp.dtype(dtype) if gated else jnp.dtype(jnp.float32)
+    scratch = [
+        *tma_ring.ring_scratch(tiles, FP8, weights=weights, k_major=True),
+        plgpu.SMEM((ROW_TILE, tiles.block_n), out_dtype),
+        plgpu.SMEM((1, ROW_TILE), jnp.float32),
+        plgpu.SMEM((weights, tiles.block_n), jnp.float32),
+        plgpu.Barrier(num_barriers=1 + weights),
+    ]
+    if params is not None:  # the interpreter's untransposed weight tile (`_multiply`)
+        scratch.append(plgpu.SMEM((tiles.block_k, tiles.block_n), FP8))
+    kernel = plgpu.kernel(
+        functools.partial(
+            _kernel,
+            tiles=tiles,
+            steps=k // (tiles.splits * tiles.block_k),
+            m=m,
+            n=n,
+            column_tiles=column_tiles,
+            gated=gated,
+            interpreting=params is not None,
+        ),
+        out_type=jax.ShapeDtypeStruct((m, n) if gated else (tiles.splits, m, n), out_dtype),
+        grid=(pl.cdiv(m, ROW_TILE) * tiles.splits * column_tiles,),
+        grid_names=("cta",),
+        scratch_types=scratch,
+        interpret=params,
+    )
+    rows = tma_ring.aligned_rows(xq)
+    return kernel(rows, w_t, row_scale, w_scale.reshape(1, weights * n))
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "dtype", "interpret"))
+def matmul_partials(
+    xq: Array,
+    x_scale: Array,
+    w_t: Array,
+    w_scale: Array,
+    tiles: Tiles | None = None,
+    dtype=jnp.bfloat16,
+    interpret: bool | None = None,
+) -> Partials:
+    """`(xq * x_scale) @ (w_t * w_scale)^T` as `tiles.splits` fp32 partial products, by
+    fp8 x fp8 WGMMA in Mosaic GPU.
+
+    xq: [..., k] e4m3 rows, x_scale [...] fp32 (`quantize_rows`); w_t: [n, k] e4m3 (an
+    `Fp8Weight`'s values transposed), w_scale [n] fp32; k a multiple of 128, n of 64.
+    Returns `Partials` with parts [splits, ..., n] fp32 and `dtype` (the product's dtype
+    once summed). Row counts that are not multiples of 8 are padded with zero rows for the
+    kernel (an extra copy of xq and x_scale). `tiles`: the program shape (default
+    `tiles_for`, checked by `check_tiles`); `interpret`: run in Mosaic GPU's interpreter
+    (default: exactly off GPUs, as the CPU tests do).
+    """
+    name = "fp8_matmul_mosaic.matmul_partials"
+    _check_operands(name, xq, x_scale, w_t, w_scale, dtype)
+    if w_t.ndim != 2:
+        raise ValueError(f"{name}: w_t {w_t.shape}; expected [n, k]")
+    n, k = w_t.shape
+    rows = xq.reshape(-1, k)
+    tiles = tiles or tiles_for(rows.shape[0], k, n)
+    check_tiles(tiles, k, n)
+    parts = _call(rows, x_scale.reshape(-1), w_t, w_scale, tiles, dtype, False, interpret)
+    return Partials(parts.reshape((tiles.splits, *xq.shape[:-1], n)), jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "dtype", "interpret"))
+def swiglu_matmul(
+    xq: Array,
+    x_scale: Array,
+    w_t: Array,
+    w_scale: Array,
+    tiles: Tiles | None = None,
+    dtype=jnp.bfloat16,
+    interpret: bool | None = None,
+) -> Array:
+    """`silu(gate) * up` of gate = `(xq * x_scale) @ (w_t[0] * w_scale[0])^T` and up the
+    same of `w_t[1]`, in one Mosaic GPU kernel (both products by fp8 x fp8 WGMMA into fp32
+    accumulators, scaled, then the activation).
+
+    xq: [m, k] e4m3, x_scale [m] fp32; w_t: [2, n, k] e4m3 (the gate/up `Fp8Weight`'s values
+    [k, 2, n] transposed), w_scale [2, n] fp32; k a multiple of 128, n of 64. Returns
+    [m, n] in `dtype`. `tiles`: the program shape (default `swiglu_tiles_for`; `splits`
+    must be 1); `interpret` as `matmul_partials`.
+    """
+    name = "fp8_matmul_mosaic.swiglu_matmul"
+    _check_operands(name, xq, x_scale, w_t, w_scale, dtype)
+    if xq.ndim != 2 or w_t.ndim != 3 or w_t.shape[0] != 2:
+        raise ValueError(f"{name}: xq {xq.shape}, w_t {w_t.shape}; expected [m, k] and [2, n, k]")
+    _, n, k = w_t.shape
+    tiles = tiles or swiglu_tiles_for(xq.shape[0], k, n)
+    if tiles.splits != 1:
+        raise ValueError(f"{tiles}: the SwiGLU product takes splits=1")
+    check_tiles(tiles, k, n, gated=True, out_bytes=jnp.dtype(dtype).itemsize)
+    w_t, w_scale = w_t.reshape(2 * n, k), w_scale.reshape(2 * n)
+    return _call(xq, x_scale, w_t, w_scale, tiles, dtype, True, interpret)
+
+
+def matmul(
+    x: Array,
+    w_t: Array,
+    w_scale: Array,
+    tiles: Tiles | None = None,
+    interpret: bool | None = None,
+) -> Partials:
+    """x [..., k] (bf16 or fp16) times the fp8 weight (w_t [n, k] e4m3, w_scale [n] fp32):
+    the rows quantised by `quantize_rows`, then `matmul_partials` in x's dtype."""
+    xq, x_scale = quantize_rows(x)
+    return matmul_partials(xq, x_scale, w_t, w_scale, tiles, x.dtype, interpret)
+
+
+def swiglu(
+    x: Array,
+    w_t: Array,
+    w_scale: Array,
+    tiles: Tiles | None = None,
+    interpret: bool | None = None,
+) -> Array:
+    """x [m, k] (bf16 or fp16) through the gate/up fp8 weight (w_t [2, n, k] e4m3, w_scale
+    [2, n] fp32): the rows quantised by `quantize_rows`, then `swiglu_matmul` in x's dtype."""
+    xq, x_scale = quantize_rows(x)
+    return swiglu_matmul(xq, x_scale, w_t, w_scale, tiles, x.dtype, interpret)
