@@ -5,12 +5,14 @@ backend (`moe_impl="mosaic"`), taking weights of the rows' dtype or fp8 weights.
 The kernels take the rows in an aligned layout: the pairs sorted by expert, each expert's
 rows from a multiple of 8 (`aligned_layout`; the rows between experts are padding), as a
 TMA copy between a swizzled tile (tiled 8 rows at a time) and GMEM must start at a row
-that Mosaic GPU's layout inference can prove a multiple of 8 (`pl.multiple_of` on the tile
-table's first row, true by this layout), and as TMA's swizzle is only kept by copies of
-whole 8-row groups. The tiles follow the experts as in `expert_tiles`: expert `e`'s `a_e`
-aligned rows (`n_e` rounded up to 8) make `ceil(a_e / 64)` = `ceil(n_e / 64)` row tiles of
-their own (`expert_tiles.row_tiles`; 64 is WGMMA's row tile), and the CTAs of the tiles past
-the table's used ones return at once. Each CTA owns one (row tile, `block_n` columns) and
+that Mosaic GPU's layout inference (jax 0.11's default lowering, named by the kernels) can
+prove a multiple of 8: `pl.multiple_of` on the tile table's first row, true by this
+layout. The stores then copy whole 8-row groups of the swizzled output tile.
+
+The tiles follow the experts as in `expert_tiles`: expert `e`'s `a_e` aligned rows (`n_e`
+rounded up to 8) make `ceil(a_e / 64)` = `ceil(n_e / 64)` row tiles of their own
+(`expert_tiles.row_tiles`; 64 is WGMMA's row tile), and the CTAs of the tiles past the
+table's used ones return at once. Each CTA owns one (row tile, `block_n` columns) and
 streams its expert's weight tiles through the ring of `tma_ring`; rules beyond the ring's:
 
 - The rows: a tile's 64 rows are read from its first row by TMA (rows of the next expert
@@ -32,7 +34,8 @@ streams its expert's weight tiles through the ring of `tma_ring`; rules beyond t
   weights are stored [experts, k, n], n fastest.)
 
 `expert_mlp` runs both products: the gate/up product with `silu(gate) * up` fused (gate and
-up weight tiles side by side in two accumulators), then the down product.
+up weight tiles side by side in two accumulators), then the down product, both in the
+aligned layout (one gather into it, one back).
 """
 
 from __future__ import annotations
