@@ -2,19 +2,27 @@
 Mosaic GPU kernels (Hopper: TMA copies, WGMMA): `expert_tiles`' contract off the Triton
 backend (`moe_impl="mosaic"`), taking weights of the rows' dtype or fp8 weights.
 
-The tiles follow the experts as in `expert_tiles`: expert `e`'s `n_e` sorted rows make
-`ceil(n_e / 64)` row tiles of their own (`expert_tiles.row_tiles`; 64 is WGMMA's row tile),
-and the CTAs of the tiles past the table's used ones return at once. Each CTA owns one
-(row tile, `block_n` columns) and streams its expert's weight tiles through the ring of
-`tma_ring`; rules beyond the ring's:
+The kernels take the rows in an aligned layout: the pairs sorted by expert, each expert's
+rows from a multiple of 8 (`aligned_layout`; the rows between experts are padding), as a
+TMA copy between a swizzled tile (tiled 8 rows at a time) and GMEM must start at a row
+that Mosaic GPU's layout inference (jax 0.11's default lowering, named by the kernels) can
+prove a multiple of 8: `pl.multiple_of` on the tile table's first row, true by this
+layout. The stores then copy whole 8-row groups of the swizzled output tile.
+
+The tiles follow the experts as in `expert_tiles`: expert `e`'s `a_e` aligned rows (`n_e`
+rounded up to 8) make `ceil(a_e / 64)` = `ceil(n_e / 64)` row tiles of their own
+(`expert_tiles.row_tiles`; 64 is WGMMA's row tile), and the CTAs of the tiles past the
+table's used ones return at once. Each CTA owns one (row tile, `block_n` columns) and
+streams its expert's weight tiles through the ring of `tma_ring`; rules beyond the ring's:
 
 - The rows: a tile's 64 rows are read from its first row by TMA (rows of the next expert
   or past the array's end come along, read as zeros past the end; their products are
-  never stored). The gate/up product's rows are the pairs' token rows, gathered into a
-  sorted [pairs, model] copy by XLA before the kernel (TMA copies whole boxes, not rows by
-  index).
-- The stores: a tile writes exactly its rows, by TMA copies of 64, 32, ..., 1 rows chosen
-  by the bits of its row count, so no tile writes into another expert's rows.
+  never stored). The gate/up product's rows are the pairs' token rows, gathered into an
+  aligned [rows, model] copy by XLA before the kernel (TMA copies whole boxes, not rows by
+  index); the down product's rows are the gate/up product's output, in the same layout.
+- The stores: a tile writes its aligned rows (its expert's rows and their padding), by
+  TMA copies of 64, 32, 16 and 8 rows chosen by the bits of its row count, so no tile
+  writes into another expert's rows.
 - fp8 weights (e4m3 values with an fp32 scale per output channel, as
   `djax.models.fp8.Fp8Weight`): each step's e4m3 weight tile comes into the ring by TMA,
   is converted to the rows' dtype in registers and stored to a swizzled slot of that dtype
@@ -26,7 +34,8 @@ and the CTAs of the tiles past the table's used ones return at once. Each CTA ow
   weights are stored [experts, k, n], n fastest.)
 
 `expert_mlp` runs both products: the gate/up product with `silu(gate) * up` fused (gate and
-up weight tiles side by side in two accumulators), then the down product.
+up weight tiles side by side in two accumulators), then the down product, both in the
+aligned layout (one gather into it, one back).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from djax.kernels import expert_tiles, tma_ring
-from djax.kernels.tma_ring import ROW_TILE, Tiles
+from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, Tiles
 
 Array = jax.Array
 
@@ -57,16 +66,50 @@ def _silu_times(gate: Array, up: Array) -> Array:
     return gate / (1.0 + jnp.exp(-gate)) * up
 
 
+def aligned_rows(pairs: int, groups: int) -> int:
+    """Rows of the aligned layout of `pairs` sorted rows in `groups` groups: each group
+    padded to a multiple of 8 adds at most 7 rows; a multiple of 8 itself."""
+    rows = pairs + groups * (ROW_ALIGN - 1)
+    return -(-rows // ROW_ALIGN) * ROW_ALIGN
+
+
+def aligned_layout(group_sizes: Array, pairs: int) -> tuple[Array, Array, Array]:
+    """The aligned layout of `pairs` rows sorted by group: group `g`'s `n_g` rows, in order,
+    from row `A_g` = the sum of the earlier groups' sizes rounded up to multiples of 8 (so
+    a multiple of 8); the rows past sum(group_sizes) after the last group, in order.
+
+    group_sizes: [groups] int32, summing to at most `pairs`. Returns (position [pairs]: the
+    aligned row of each sorted row; source [aligned_rows]: the sorted row each aligned row
+    holds, 0 for padding rows; aligned sizes [groups]: `n_g` rounded up to 8), int32.
+    """
+    if group_sizes.ndim != 1:
+        raise ValueError(f"expert_tiles_mosaic: group_sizes {group_sizes.shape}; expected [groups]")
+    sizes = group_sizes.astype(jnp.int32)
+    aligned = (sizes + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+    ends = jnp.cumsum(sizes)
+    # each sorted row's shift: its group's aligned start minus its start (the last for the
+    # rows past every group)
+    shift = jnp.cumsum(aligned) - aligned - (ends - sizes)
+    shift = jnp.append(shift, jnp.sum(aligned) - ends[-1])
+    row = jnp.arange(pairs, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, row, side="right")
+    position = row + shift[group]
+    rows = aligned_rows(pairs, sizes.shape[0])
+    source = jnp.zeros(rows, jnp.int32).at[position].set(row, unique_indices=True)
+    return position, source, aligned
+
+
 def _store_tile(out_smem, out_gmem, first, n_rows, cols) -> None:
-    """Inside a kernel: the first `n_rows` (1 to 64) rows of `out_smem` [64, block_n] to
-    `out_gmem`'s rows from `first` at columns `cols`, by one TMA copy per set bit of
-    `n_rows` (copies of 64, 32, ..., 1 rows)."""
+    """Inside a kernel: the first `n_rows` (8 to 64, a multiple of 8) rows of `out_smem`
+    [64, block_n] to `out_gmem`'s rows from `first` (a multiple of 8) at columns `cols`, by
+    one TMA copy per set bit of `n_rows` (copies of 64, 32, 16 and 8 rows), each from and
+    to a multiple of 8 rows."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     plgpu.commit_smem()
     done = 0
     size = ROW_TILE
-    while size:
+    while size >= ROW_ALIGN:
 
         @pl.when(n_rows & size != 0)
         def _copy(size=size, done=done):
@@ -81,10 +124,11 @@ def _store_tile(out_smem, out_gmem, first, n_rows, cols) -> None:
 
 def _kernel(*refs, tiles, steps, n, column_tiles, gated, scaled, interpreting):
     """One CTA: one (row tile, column tile). Refs in order: the tile table (group, first
-    row, rows) [n_tiles] int32; x [pairs8, k] (sorted rows); w [groups, k, 2n] (`gated`:
-    gate columns, then up columns) or [groups, k, n]; with `scaled` the scales
-    [groups, 2n or n] fp32; out [pairs8, n]; the ring's scratch, the output tile, and with
-    `scaled` the converted weight slots, the scale tiles and their barriers."""
+    row, rows) [n_tiles] int32 of the aligned layout; x [rows, k] (aligned rows); w
+    [groups, k, 2n] (`gated`: gate columns, then up columns) or [groups, k, n]; with
+    `scaled` the scales [groups, 2n or n] fp32; out [rows, n]; the ring's scratch, the
+    output tile, and with `scaled` the converted weight slots, the scale tiles and their
+    barriers."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     group_gmem, first_gmem, rows_gmem, x_gmem, w_gmem, *refs = refs
@@ -94,7 +138,8 @@ def _kernel(*refs, tiles, steps, n, column_tiles, gated, scaled, interpreting):
     ring, (out_smem, *rest) = scratch[: 2 * weights + 2], scratch[2 * weights + 2 :]
     cta = jax.lax.axis_index("cta")
     tile, column_tile = cta // column_tiles, cta % column_tiles
-    group, first, n_rows = group_gmem[tile], first_gmem[tile], rows_gmem[tile]
+    group, n_rows = group_gmem[tile], rows_gmem[tile]
+    first = pl.multiple_of(first_gmem[tile], ROW_ALIGN)  # true in the aligned layout
     start = column_tile * tiles.block_n
     cols = pl.ds(start, tiles.block_n)
     offsets = [start, n + start] if gated else [start]
@@ -160,23 +205,39 @@ def grouped_matmul(
     or [groups, k, n], of x's dtype, or e4m3 (`float8_e4m3fn`) with `scale` [groups, 2, n]
     or [groups, n] fp32, each output column's scale (the product is `(x_g @ w[g]) * scale`,
     before the activation); k and n multiples of 64; group_sizes: [groups] int32, summing
-    to at most `pairs`. Returns [pairs, n] in x's dtype; rows past sum(group_sizes) are
-    left unwritten (the caller masks them). Row counts that are not multiples of 8 are
-    padded with zero rows for the kernel (an extra copy of x and a slice of the result).
-    `tiles`: the program shape (default `tiles_for`; `splits` must be 1); `interpret`: run
-    in Mosaic GPU's interpreter (default: exactly off GPUs, as the CPU tests do).
+    to at most `pairs`. Returns [pairs, n] in x's dtype; rows past sum(group_sizes) may
+    hold anything (the caller masks them). The rows go to the kernel in the aligned layout
+    (`aligned_layout`: a gather of x and one of the result). `tiles`: the program shape
+    (default `tiles_for`; `splits` must be 1); `interpret`: run in Mosaic GPU's interpreter
+    (default: exactly off GPUs, as the CPU tests do).
     """
+    if x.ndim != 2:
+        raise ValueError(f"expert_tiles_mosaic.grouped_matmul: x {x.shape}; expected [pairs, k]")
+    position, source, aligned = aligned_layout(group_sizes, x.shape[0])
+    return _aligned_product(x[source], w, aligned, scale, tiles, interpret)[position]
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def _aligned_product(
+    x: Array,
+    w: Array,
+    aligned_sizes: Array,
+    scale: Array | None,
+    tiles: Tiles | None,
+    interpret: bool | None,
+) -> Array:
+    """`grouped_matmul` on rows x [rows, k] in the aligned layout (`aligned_layout`) of
+    groups of `aligned_sizes` [groups] (multiples of 8); returns [rows, n] in that layout,
+    the padding rows and the rows past the groups holding anything."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     name = "expert_tiles_mosaic.grouped_matmul"
-    if x.ndim != 2:
-        raise ValueError(f"{name}: x {x.shape}; expected [pairs, k]")
-    pairs, k = x.shape
+    rows, k = x.shape
     groups, n, gated = w.shape[0], w.shape[-1], w.ndim == 4
     expected = (groups, k, 2, n) if gated else (groups, k, n)
-    if w.shape != expected or group_sizes.shape != (groups,) or not tma_ring.fits(k, n):
+    if w.shape != expected or aligned_sizes.shape != (groups,) or not tma_ring.fits(k, n):
         raise ValueError(
-            f"{name}: x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}; expected w "
+            f"{name}: x {x.shape}, w {w.shape}, group_sizes {aligned_sizes.shape}; expected w "
             f"[groups, {k}, 2, n] or [groups, {k}, n], group_sizes [groups] and {k} and n "
             "multiples of 64"
         )
@@ -194,7 +255,7 @@ def grouped_matmul(
             )
     else:
         tma_ring.check_operands(name, x, w)
-    tiles = tiles or tiles_for(pairs, groups, k, n)
+    tiles = tiles or tiles_for(rows, groups, k, n)
     if tiles.splits != 1:
         raise ValueError(f"{tiles}: the expert products take splits=1")
     weights = 2 if gated else 1
@@ -204,11 +265,11 @@ def grouped_matmul(
         converted, fp8_slots = weights * tile * x.dtype.itemsize, tiles.stages * weights * tile
         extra = converted + weights * tiles.block_n * SCALE_BYTES - fp8_slots
     tiles.check(k, n, weights=weights, out_bytes=x.dtype.itemsize, extra=extra)
-    n_tiles = expert_tiles.max_tiles(pairs, groups, ROW_TILE)
-    table = expert_tiles.row_tiles(group_sizes, ROW_TILE, n_tiles)
+    n_tiles = expert_tiles.max_tiles(rows, groups, ROW_TILE)
+    table = expert_tiles.row_tiles(aligned_sizes, ROW_TILE, n_tiles)
     column_tiles = n // tiles.block_n
     width = weights * n
-    inputs = [*table, tma_ring.aligned_rows(x), w.reshape(groups, k, width)]
+    inputs = [*table, x, w.reshape(groups, k, width)]
     scratch = [
         *tma_ring.ring_scratch(tiles, x.dtype, weights, w.dtype),
         plgpu.SMEM((ROW_TILE, tiles.block_n), x.dtype),
@@ -223,7 +284,6 @@ def grouped_matmul(
             plgpu.Barrier(num_barriers=weights),
         ]
     params = tma_ring.interpret_params(interpret)
-    rows = inputs[3].shape[0]
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,
@@ -239,10 +299,11 @@ def grouped_matmul(
         grid=(n_tiles * column_tiles,),
         grid_names=("cta",),
         scratch_types=scratch,
+        # jax 0.11's default, named so jax 0.10's CUDA lowering runs the same layout inference
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=params,
     )
-    out = kernel(*inputs)
-    return out[:pairs] if rows != pairs else out
+    return kernel(*inputs)
 
 
 def expert_mlp(
@@ -257,7 +318,9 @@ def expert_mlp(
     interpret: bool | None = None,
 ) -> Array:
     """The experts' SwiGLU MLP on the rows `x[source_rows]` (sorted by expert): the rows
-    gathered by XLA, `grouped_matmul` with the activation fused, then the down product.
+    gathered by XLA into the aligned layout (`aligned_layout`), `grouped_matmul`'s product
+    with the activation fused, then the down product on its output in the same layout, and
+    the result gathered back to the sorted rows.
 
     x: [tokens, model]; source_rows: [pairs] int32; gate_up: [experts, model, 2, ffn];
     down: [experts, ffn, model]; group_sizes: [experts] int32; with fp8 weights their scales
@@ -270,6 +333,8 @@ def expert_mlp(
         raise ValueError(
             f"expert_tiles_mosaic.expert_mlp: source_rows {source_rows.shape}; expected [pairs]"
         )
-    rows = x[source_rows]
-    act = grouped_matmul(rows, gate_up, group_sizes, gate_up_scale, up_tiles, interpret)
-    return grouped_matmul(act, down, group_sizes, down_scale, down_tiles, interpret)
+    position, source, aligned = aligned_layout(group_sizes, source_rows.shape[0])
+    rows = x[source_rows[source]]
+    act = _aligned_product(rows, gate_up, aligned, gate_up_scale, up_tiles, interpret)
+    out = _aligned_product(act, down, aligned, down_scale, down_tiles, interpret)
+    return out[position]

@@ -1,7 +1,8 @@
 """The Mosaic GPU port of the expert-tile kernels (`expert_tiles_mosaic`), run by Mosaic GPU's
-interpreter on the CPU: both products with bf16 and fp8 weights against a numpy per-group
-reference, the MoE layer taking them (`moe_impl="mosaic"`), their errors, and their
-lowering for a Hopper GPU at LLaDA-MoE's shapes; on a GPU also the compiled kernels."""
+interpreter on the CPU: the aligned row layout they take, both products with bf16 and fp8
+weights against a numpy per-group reference, the MoE layer taking them (`moe_impl="mosaic"`),
+their errors, and their lowering for a Hopper GPU at LLaDA-MoE's shapes; on a GPU also the
+compiled kernels."""
 
 import functools
 
@@ -21,6 +22,29 @@ from djax.models.llada_moe import MoEBlock, experts_grouped, mosaic_mlp, ragged_
 
 BF16 = jnp.bfloat16
 needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+
+
+@pytest.mark.parametrize("sizes, pairs", [([3, 0, 70, 1], 79), ([8, 5, 0, 16], 35), ([0, 0], 4)])
+def test_aligned_layout_starts_groups_at_multiples_of_8(sizes, pairs):
+    """Each group's rows keep their order from a multiple of 8, after the earlier groups'
+    rows rounded up to 8; the rows past the groups follow in order; `source` inverts
+    `position` and points padding rows at row 0."""
+    position, source, aligned = map(
+        np.asarray, expert_tiles_mosaic.aligned_layout(jnp.array(sizes, jnp.int32), pairs)
+    )
+    rounded = [-(-size // 8) * 8 for size in sizes]
+    np.testing.assert_array_equal(aligned, rounded)
+    expected, start, row = [], 0, 0
+    for size, padded in zip(sizes, rounded, strict=True):
+        expected += range(start, start + size)
+        start, row = start + padded, row + size
+    expected += range(start, start + pairs - row)
+    np.testing.assert_array_equal(position, expected)
+    assert len(source) == expert_tiles_mosaic.aligned_rows(pairs, len(sizes))
+    assert len(source) % 8 == 0 and position.max() < len(source)
+    np.testing.assert_array_equal(source[position], np.arange(pairs))
+    padding = np.setdiff1d(np.arange(len(source)), position)
+    assert (source[padding] == 0).all()
 
 
 def _reference(x, w, sizes, scale=None):
@@ -52,8 +76,9 @@ def _reference(x, w, sizes, scale=None):
 )
 def test_grouped_matmul_matches_numpy(gated, weights, tiles):
     """Every row inside the groups is written with its own group's product: an empty group,
-    one of more rows than a tile (70: two tiles), a last group of one row, and rows past
-    the groups (79 in all, padded to 80 for TMA); fp8 weights with their column scales."""
+    one of more rows than a tile (70: two tiles, from row 8 of the aligned layout), a last
+    group of one row, and rows past the groups (84 in all); fp8 weights with their column
+    scales."""
     sizes = [3, 0, 70, 1]
     k, n = 128, 128
     keys = jax.random.split(jax.random.key(0), 2)
