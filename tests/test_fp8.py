@@ -103,7 +103,7 @@ def test_kernel_choice_takes_xla_products_under_fp8():
     assert choice.block.layers.attention == "split_kv"  # reads no weights: still djax's
     assert (choice.block.layers.fp8, choice.refresh.layers.fp8) == ("scaled", "scaled")
     moe = resolve(KernelOptions(), HOPPER, LLADA_MOE, jnp.bfloat16, GENERATION, weights="fp8")
-    assert moe.block.layers.moe == "grouped"
+    assert moe.block.layers.moe == "mosaic"  # the one expert kernel that reads fp8
     cpu = resolve(KernelOptions(), Device("cpu"), LLADA_8B, jnp.float32, GENERATION, weights="fp8")
     assert cpu.refresh.layers.fp8 == "dequant"
     options = KernelOptions(fp8_impl="scaled")

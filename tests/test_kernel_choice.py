@@ -159,12 +159,18 @@ def test_moe_choice():
 
 def test_moe_mosaic_only_when_asked():
     """`moe_impl="mosaic"` runs every forward's experts where asked, with 16-bit or fp8
-    weights; `auto` never takes it; 16-bit activations and widths of 64s only."""
+    weights; `auto` takes it only for fp8 weights on kernel GPUs (the one expert kernel that
+    reads them; XLA's path is dense over every expert); 16-bit activations and widths of
+    64s only."""
     mosaic = KernelOptions(moe_impl="mosaic")
     for weights in ("dtype", "fp8"):
         choice = _choice(mosaic, CPU, LLADA_MOE, weights=weights)
         assert choice.block.layers.moe == choice.refresh.layers.moe == "mosaic"
     assert _choice(config=LLADA_MOE).block.layers.moe == "pallas"
+    fp8 = _choice(config=LLADA_MOE, weights="fp8")
+    assert fp8.block.layers.moe == fp8.refresh.layers.moe == "mosaic"
+    for device in (AMPERE, CPU):
+        assert _choice(config=LLADA_MOE, device=device, weights="fp8").block.layers.moe == "grouped"
     with pytest.raises(ValueError, match="moe_impl='mosaic' takes bfloat16 or float16"):
         _choice(mosaic, CPU, LLADA_MOE, dtype=jnp.float32)
     with pytest.raises(ValueError, match="moe_impl='mosaic' takes .* 64; got model 2048, local"):

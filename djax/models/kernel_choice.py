@@ -531,6 +531,13 @@ class _Rule:
             )
         if impl == "pallas" or (impl == "auto" and self.products_pay and fits):
             return "pallas"
+        if (
+            impl == "auto"
+            and self.fp8
+            and self.kernels_pay
+            and tma_ring.fits(cfg.d_model, w.expert_hidden)
+        ):
+            return "mosaic"  # the one expert kernel that reads fp8 weights
         return "grouped" if tokens <= GROUPED_EXPERTS_MAX_TOKENS else "dense"
 
     @staticmethod
