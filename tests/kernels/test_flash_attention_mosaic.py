@@ -141,6 +141,30 @@ def test_lowers_for_hopper(b, t, heads, s, tiles):
     assert "mosaic_gpu" in jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_lowers_with_scalar_default_barriers(monkeypatch):
+    """jax 0.11.2 declares a barrier without `num_barriers` as a scalar ref, which `.at[0]`
+    may not index: with that default imposed on jax 0.10, the kernel (3 warpgroups merged
+    in the CTA, 2 CTAs merged in XLA) still lowers, every barrier's count named."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    barrier, made = plgpu.Barrier, []
+
+    def scalar_by_default(**kwargs):
+        made.append(kwargs)
+        return barrier(**{"num_barriers": (), **kwargs})
+
+    monkeypatch.setattr(plgpu, "Barrier", scalar_by_default)
+    args = [
+        jax.ShapeDtypeStruct((1, 32, 8, 128), BF16),
+        *(jax.ShapeDtypeStruct((1, 896, 8, 128), BF16) for _ in range(2)),
+        jax.ShapeDtypeStruct((1, 896), jnp.bool_),
+    ]
+    tiles = Tiles(splits=2, stages=2, warpgroups=3)
+    run = lambda q, k, v, m: split_kv_attention(q, k, v, m, tiles=tiles, interpret=False)  # noqa: E731
+    assert "mosaic_gpu" in jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert made and all("num_barriers" in kwargs for kwargs in made)
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("t, s", [(32, 384), (32, 1000), (384, 384), (70, 1020)])
 def test_compiled_kernel_on_gpu(t, s):
