@@ -16,9 +16,12 @@ TMA as zeros and never stored, so a 32-query block needs no padded copy.
 A CTA's warpgroups merge their slices in shared memory: they exchange their row maxima and
 sums, then each adds its output, weighted by its share of the softmax's total, into one fp32
 tile in turn, and the last one stores the sum. CTAs of several `splits` write fp32 partial
-outputs, each row followed by its log-sum-exp (so both are read in place, in the Triton
-kernel's layout), merged afterwards as the Triton kernel's are
+outputs [b, splits, t, n, d] and their rows' log-sum-exps [b, splits, n, 64 x query tiles]
+(TMA stores whole rows of both), merged afterwards as the Triton kernel's are
 (`flash_attention.merge_slices`).
+
+The kernel is lowered with Mosaic GPU's warpgroup semantics (its layouts and shared-memory
+transforms inferred), named explicitly so every jax version lowers it the same way.
 
 Rules: q, keys and values of one 16-bit dtype (bf16 or fp16), head dim a multiple of 64
 (tiles swizzled at 128 bytes), `block_k` a multiple of 64. Keys past the buffer's end are
@@ -46,13 +49,8 @@ LOG2E = math.log2(math.e)
 MIN_CTAS = 96
 # The most warpgroups of a CTA, each streaming its own key slice.
 MAX_WARPGROUPS = 3
-# The fewest keys of a slice `tiles_for` cuts (two steps of 64).
-MIN_SLICE = 128
-# Columns of a split's log-sum-exp beside its output rows (TMA copies rows of 16 bytes or
-# more, WGMMA's layout columns of 8).
-LSE_COLUMNS = 8
-# The most keys of a warpgroup's slice in a block before `tiles_for` cuts them across CTAs.
-KEYS_PER_WARPGROUP = 256
+# The most keys of one CTA in a block forward (`tiles_for`): more are cut across CTAs.
+KEYS_PER_CTA = 640
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +68,13 @@ class Tiles:
     def shared_bytes(self, head_dim: int, itemsize: int, split_out: bool) -> int:
         """Shared memory of a CTA, each buffer from a 1024-byte boundary: the query tile,
         each warpgroup's ring of key, value and bias slots, the output tile (fp32 where
-        `split_out`, else of `itemsize`) with its log-sum-exps (`LSE_COLUMNS` each); where
-        warpgroups merge, their row maxima and sums, and an fp32 tile to add their outputs
-        into, which with the output tiles reuses the rings' memory."""
+        `split_out`, else of `itemsize`) and its rows' log-sum-exps; where warpgroups
+        merge, their row maxima and sums, and an fp32 tile to add their outputs into, which
+        with the output tiles reuses the rings' memory."""
         tile = ROW_TILE * head_dim
         ring = [2 * self.warpgroups * self.stages * self.block_k * head_dim * itemsize]
         ring.append(self.warpgroups * self.stages * self.block_k * 4)
-        out = [tile * (4 if split_out else itemsize), ROW_TILE * LSE_COLUMNS * 4]
+        out = [tile * (4 if split_out else itemsize), ROW_TILE * 4]
         query = _aligned_bytes(tile * itemsize)
         if self.warpgroups == 1:
             return query + _aligned_bytes(*ring, *out)
@@ -94,25 +92,20 @@ def tiles_for(t: int, s: int, batch_heads: int, head_dim: int = 128, itemsize: i
     """The tiling for `t` queries against `s` keys, with `batch_heads` (batch x query heads
     on this device) CTAs per query tile, of head dim `head_dim` and `itemsize`-byte values.
     Windows with at least `MIN_CTAS` query tiles x heads (refreshes, large batches): one
-    slice, 64-key steps, 2 stages (two CTAs fit on an SM). Fewer (blocks): 64-key steps, the
-    keys cut into slices of `MIN_SLICE` to `KEYS_PER_WARPGROUP` keys as warpgroups of one CTA
-    (merged in the kernel, nothing left to merge in XLA): as many warpgroups, up to
-    `MAX_WARPGROUPS`, as have rings of 2 stages fitting in shared memory; only keys past
-    `KEYS_PER_WARPGROUP` per warpgroup are cut across CTAs too; as many stages as fit, at
-    most 4."""
+    slice, 64-key steps, 2 stages (two CTAs fit on an SM). Fewer (blocks): one warpgroup
+    per CTA, 128-key steps through 2 stages, the keys cut across CTAs into slices of at most
+    `KEYS_PER_CTA` keys (merged by log-sum-exp after the kernel); 64-key steps, then one
+    stage, where the ring would not fit in shared memory. Several warpgroups per CTA
+    (`Tiles.warpgroups`) are taken only when asked for."""
     ctas = batch_heads * pl.cdiv(t, ROW_TILE)
     if ctas >= MIN_CTAS:
         return Tiles(block_k=TILE, splits=1, stages=2)
-
-    def fitting(warpgroups: int, stages: int) -> Tiles | None:
-        splits = pl.cdiv(s, warpgroups * KEYS_PER_WARPGROUP)
-        tiles = Tiles(block_k=TILE, splits=splits, stages=stages, warpgroups=warpgroups)
-        fits = tiles.shared_bytes(head_dim, itemsize, splits > 1) <= SHARED_MEMORY
-        return tiles if fits else None
-
-    most = min(MAX_WARPGROUPS, pl.cdiv(s, MIN_SLICE))
-    warpgroups = max((w for w in range(1, most + 1) if fitting(w, 2)), default=1)
-    return next(filter(None, (fitting(warpgroups, st) for st in (4, 3, 2))), fitting(warpgroups, 1))
+    splits = pl.cdiv(s, KEYS_PER_CTA)
+    for block_k, stages in ((2 * TILE, 2), (TILE, 2)):
+        tiles = Tiles(block_k=block_k, splits=splits, stages=stages)
+        if tiles.shared_bytes(head_dim, itemsize, splits > 1) <= SHARED_MEMORY:
+            return tiles
+    return Tiles(block_k=TILE, splits=splits, stages=1)
 
 
 def fits(head_dim: int) -> bool:
@@ -192,11 +185,15 @@ def _kernel(
     values [b, s, kv, d] with the bias [b, slices x steps x block_k] (0, or `MASKED` on
     padding keys, added to the scores in base 2), its warpgroups each streaming the slice
     `split x warpgroups + warpgroup`, into out [b, t, n, d] (one split) or, `split_out`,
-    [b, splits, t, n, d + LSE_COLUMNS] fp32: each split's normalised output, then its
-    log-sum-exp in each of `LSE_COLUMNS` columns."""
+    each split's normalised fp32 output [b, splits, t, n, d] and its rows' log-sum-exps
+    [b, splits, n, 64 x q_tiles]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    out_gmem, q_smem, (rings, tiles_out), q_bar, k_bars, v_bars, bias_bars, *merge = refs
+    if split_out:
+        out_gmem, lse_gmem, *refs = refs
+    else:
+        out_gmem, *refs = refs
+    q_smem, (rings, tiles_out), q_bar, k_bars, v_bars, bias_bars, *merge = refs
     k_slots, v_slots, bias_slots = rings
     o_smem, lse_smem, *sum_tile = tiles_out
     merging = tiles.warpgroups > 1
@@ -274,18 +271,13 @@ def _kernel(
         if not split_out:
             tma_ring.store_rows(o_smem, lambda rows: out_gmem.at[batch, rows, head], q_tile, t)
             return
-        lse = (row_max + jnp.log2(row_sum)) / LOG2E
-        lse_smem[...] = jax.lax.broadcast_in_dim(lse, lse_smem.shape, [0])
+        lse_smem[...] = (row_max + jnp.log2(row_sum)) / LOG2E
         tma_ring.store_rows(
             o_smem,
-            lambda rows: out_gmem.at[batch, split, rows, head, pl.ds(0, d)],
+            lambda rows: out_gmem.at[batch, split, rows, head],
             q_tile,
             t,
-            (
-                lse_smem,
-                lambda rows: out_gmem.at[batch, split, rows, head, pl.ds(d, LSE_COLUMNS)],
-                t,
-            ),
+            (lse_smem, lambda rows: lse_gmem.at[batch, split, head, rows], q_tiles * ROW_TILE),
         )
 
 
@@ -392,8 +384,11 @@ def split_kv_attention(
     bias = jnp.where(key_valid, 0.0, flash_attention.MASKED).astype(jnp.float32)
     bias = jnp.pad(bias, ((0, 0), (0, padded - s)), constant_values=flash_attention.MASKED)
     out_dtype = jnp.float32 if split_out else q.dtype
-    if split_out:  # each row's output, then its log-sum-exp: the merge reads them in place
-        out_type = jax.ShapeDtypeStruct((b, splits, t, n, d + LSE_COLUMNS), jnp.float32)
+    if split_out:  # each split's output and its rows' log-sum-exps (TMA stores whole rows)
+        out_type = (
+            jax.ShapeDtypeStruct((b, splits, t, n, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, splits, n, q_tiles * ROW_TILE), jnp.float32),
+        )
     else:
         out_type = jax.ShapeDtypeStruct((b, t, n, d), q.dtype)
     params = tma_ring.interpret_params(interpret)
@@ -406,14 +401,15 @@ def split_kv_attention(
     )
     tiles_out = [
         plgpu.SMEM((ROW_TILE, d), out_dtype),
-        plgpu.SMEM((ROW_TILE, LSE_COLUMNS), jnp.float32),
+        plgpu.SMEM((ROW_TILE,), jnp.float32),
     ]
     merge, threads = [], {}
     if wgs > 1:  # row maxima and sums, the warpgroups' barrier, the sum tile
         merge = [
             plgpu.SMEM((wgs, ROW_TILE), jnp.float32),
             plgpu.SMEM((wgs, ROW_TILE), jnp.float32),
-            plgpu.Barrier(num_arrivals=wgs),
+            # num_barriers named: the ref is [1] (indexed `.at[0]`) in every jax version
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=1),
         ]
         fp32_swizzled = (plgpu.TilingTransform((8, SWIZZLE // 4)), plgpu.SwizzleTransform(SWIZZLE))
         tiles_out.append(plgpu.SMEM((ROW_TILE, d), jnp.float32, transforms=fp32_swizzled))
@@ -444,11 +440,13 @@ def split_kv_attention(
         grid=(b * n * q_tiles * splits,),
         grid_names=("cta",),
         scratch_types=scratch,
+        # jax 0.11's default, named so jax 0.10's CUDA lowering runs the same layout inference
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=params,
         **threads,
     )
     inputs = (_aligned(q, 1), _aligned(keys, 1), _aligned(values, 1), bias)
     if not split_out:
         return kernel(*inputs)
-    out = kernel(*inputs)
-    return flash_attention.merge_slices(out[..., :d], out[..., d], q.dtype)
+    partial, lse = kernel(*inputs)
+    return flash_attention.merge_slices(partial, lse[..., :t].transpose(0, 1, 3, 2), q.dtype)

@@ -57,34 +57,37 @@ def test_matches_einsum_attention(b, t, n, kv, s, pad, tiles):
 
 
 def test_layer_attends_with_the_kernel():
-    """`layers.attend(..., "split_kv_mosaic")` takes the kernel (at `tiles_for`: two
-    warpgroups' slices of 128 keys) and gives XLA's attention on the same bf16 inputs."""
+    """`layers.attend(..., "split_kv_mosaic")` takes the kernel (at `tiles_for`: one CTA
+    stepping through the keys 128 at a time) and gives XLA's attention on the same bf16
+    inputs."""
     q, k, v = _problem(1, 16, 2, 2, 64, 256, BF16, seed=4)
     key_valid = jnp.arange(256)[None, :] >= 20
     grouped = q.reshape(1, 16, 2, 1, 64)
     ours = layers.attend(grouped, k, v, key_valid, "split_kv_mosaic")
-    assert tiles_for(16, 256, 2, head_dim=64).warpgroups == 2
+    assert tiles_for(16, 256, 2, head_dim=64) == Tiles(block_k=128, splits=1, stages=2)
     ref = layers.attend(grouped, k, v, key_valid, "xla")
     assert ours.shape == grouped.shape and _rel_error(ours, ref.astype(jnp.float32)) < 1e-2
 
 
 def test_tiles_for_blocks_and_refreshes():
-    """Refreshes and large batches (96 CTAs or more): one slice, 2 stages. Blocks: the keys
-    in as many as 3 warpgroups of one CTA as fit 2 stages each, at most 256 keys each before
-    they are cut across CTAs; as many stages as fit; all within shared memory (the rings'
-    memory taken again by the merge's tiles)."""
+    """Refreshes and large batches (96 CTAs or more): one slice, 2 stages. Blocks: one
+    warpgroup per CTA, 128-key steps through 2 stages, the keys cut across CTAs past 640
+    each; smaller steps, then one stage, for head dims whose rings do not fit; all within
+    shared memory (where warpgroups merge, the rings' memory taken again by the merge's
+    tiles)."""
     refresh = Tiles(block_k=64, splits=1, stages=2)
     assert tiles_for(384, 384, 32) == refresh
     assert tiles_for(32, 1280, 8 * 32) == refresh
-    assert tiles_for(32, 384, 32) == Tiles(block_k=64, splits=1, stages=2, warpgroups=3)
-    assert tiles_for(32, 384, 16) == tiles_for(32, 384, 32)
-    assert tiles_for(32, 1280, 32) == Tiles(block_k=64, splits=2, stages=2, warpgroups=3)
-    assert tiles_for(32, 384, 32, head_dim=64) == Tiles(splits=1, stages=4, warpgroups=3)
-    assert tiles_for(32, 200, 32).warpgroups == 2
-    assert tiles_for(32, 100, 32) == Tiles(block_k=64, splits=1, stages=4, warpgroups=1)
-    for t, s, heads in ((32, 384, 32), (32, 1280, 32), (32, 4096, 16)):
-        tiles = tiles_for(t, s, heads)
-        assert tiles.shared_bytes(128, 2, tiles.splits > 1) <= 224 * 1024
+    assert tiles_for(32, 384, 32) == Tiles(block_k=128, splits=1, stages=2)
+    assert tiles_for(32, 384, 16) == tiles_for(32, 640, 32) == tiles_for(32, 384, 32)
+    assert tiles_for(32, 641, 32) == Tiles(block_k=128, splits=2, stages=2)
+    assert tiles_for(32, 4096, 16) == Tiles(block_k=128, splits=7, stages=2)
+    assert tiles_for(32, 384, 32, head_dim=256) == Tiles(block_k=64, splits=1, stages=2)
+    assert tiles_for(32, 384, 32, head_dim=384) == Tiles(block_k=64, splits=1, stages=1)
+    for t, s, heads, d in ((32, 384, 32, 128), (32, 1280, 32, 128), (32, 384, 32, 384)):
+        tiles = tiles_for(t, s, heads, head_dim=d)
+        assert tiles.shared_bytes(d, 2, tiles.splits > 1) <= 224 * 1024
+    assert Tiles(stages=2, warpgroups=3).shared_bytes(128, 2, True) <= 224 * 1024
     assert Tiles(stages=3, warpgroups=3).shared_bytes(128, 2, False) > 224 * 1024
 
 
@@ -112,10 +115,12 @@ def test_shape_dtype_and_tile_errors():
 @pytest.mark.parametrize(
     "b, t, heads, s, tiles",
     [
-        (1, 32, 32, 384, None),  # LLaDA-8B block: 3 warpgroups merged in the CTA
+        (1, 32, 32, 384, None),  # LLaDA-8B block: one CTA of 128-key steps
+        (1, 32, 32, 384, Tiles(stages=2, warpgroups=3)),  # 3 warpgroups merged in the CTA
         (1, 32, 32, 384, Tiles(stages=1, warpgroups=2, block_k=128)),  # 2 warpgroups
         (1, 32, 32, 384, Tiles(splits=3, stages=2)),  # 3 CTAs merged in XLA
-        (1, 32, 32, 1280, None),  # 2 CTAs of 3 warpgroups: both merges
+        (1, 32, 32, 1280, None),  # 2 CTAs merged in XLA
+        (1, 32, 32, 1280, Tiles(splits=2, stages=2, warpgroups=3)),  # both merges
         (8, 32, 32, 640, None),  # LLaDA-8B block at batch 8, one slice
         (1, 384, 32, 384, None),  # LLaDA-8B refresh
         (1, 32, 16, 384, None),  # LLaDA-MoE block
@@ -123,9 +128,10 @@ def test_shape_dtype_and_tile_errors():
     ],
 )
 def test_lowers_for_hopper(b, t, heads, s, tiles):
-    """The kernel lowers to Mosaic GPU's custom call for CUDA (WGMMA shapes and operands,
-    layouts, swizzles and TMA slices are checked here, on any host; only the compile to PTX
-    needs the GPU)."""
+    """The kernel lowers to Mosaic GPU's custom call for CUDA under warpgroup semantics, as
+    jax 0.11 lowers it (WGMMA shapes and operands, inferred layouts and shared-memory
+    transforms, TMA slices are checked here, on any host; only the compile to PTX needs the
+    GPU)."""
     args = [
         jax.ShapeDtypeStruct((b, t, heads, 128), BF16),
         *(jax.ShapeDtypeStruct((b, s, heads, 128), BF16) for _ in range(2)),
@@ -135,14 +141,38 @@ def test_lowers_for_hopper(b, t, heads, s, tiles):
     assert "mosaic_gpu" in jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_lowers_with_scalar_default_barriers(monkeypatch):
+    """jax 0.11.2 declares a barrier without `num_barriers` as a scalar ref, which `.at[0]`
+    may not index: with that default imposed on jax 0.10, the kernel (3 warpgroups merged
+    in the CTA, 2 CTAs merged in XLA) still lowers, every barrier's count named."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    barrier, made = plgpu.Barrier, []
+
+    def scalar_by_default(**kwargs):
+        made.append(kwargs)
+        return barrier(**{"num_barriers": (), **kwargs})
+
+    monkeypatch.setattr(plgpu, "Barrier", scalar_by_default)
+    args = [
+        jax.ShapeDtypeStruct((1, 32, 8, 128), BF16),
+        *(jax.ShapeDtypeStruct((1, 896, 8, 128), BF16) for _ in range(2)),
+        jax.ShapeDtypeStruct((1, 896), jnp.bool_),
+    ]
+    tiles = Tiles(splits=2, stages=2, warpgroups=3)
+    run = lambda q, k, v, m: split_kv_attention(q, k, v, m, tiles=tiles, interpret=False)  # noqa: E731
+    assert "mosaic_gpu" in jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert made and all("num_barriers" in kwargs for kwargs in made)
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("t, s", [(32, 384), (32, 1000), (384, 384), (70, 1020)])
 def test_compiled_kernel_on_gpu(t, s):
     """On a Hopper GPU: the compiled kernel at the model's shapes (bf16, head dim 128, GQA
-    group 2, a left-padded row) at `tiles_for`, one slice, 3 slices of 128-key steps (at
-    1000 keys the last step wholly past the buffer's end), 3 warpgroups merged in the CTA and
-    2 CTAs of 2 warpgroups, against fp32 einsums and against
-    the Triton kernel."""
+    group 2, a left-padded row) at `tiles_for` (at 1000 and 1020 keys 2 CTAs merged in
+    XLA), one slice, 3 slices of 128-key steps (at 1000 keys the last step wholly past the
+    buffer's end), 3 warpgroups merged in the CTA and 2 CTAs of 2 warpgroups, against fp32
+    einsums and against the Triton kernel."""
     q, k, v = _problem(2, t, 16, 8, 128, s, BF16, seed=2)
     key_valid = _padded_rows(s, 100)
     ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k, v)), key_valid)
