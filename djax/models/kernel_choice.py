@@ -143,9 +143,10 @@ class Kernels:
     """The path of each part of a decoder layer at one number of token rows.
 
     attention: `xla`, `split_kv`, `split_kv_mosaic` (its Mosaic GPU port) or `cudnn`. qkv:
-    the q/k/v product, `xla`, `pallas` (split-K), `mosaic` (split-K in Mosaic GPU) or `rope`
-    (inside the RoPE kernel). rope: the q/k norm, RoPE and K/V writes, `xla`, `pallas` or
-    `mosaic` (in the Mosaic GPU q/k/v product's epilogue; qkv is then `rope`).
+    the q/k/v product, `xla`, `pallas` (split-K), `mosaic` (split-K in Mosaic GPU),
+    `fp8_mosaic` (fp8 weights: `fp8_matmul_mosaic`) or `rope` (inside the RoPE kernel).
+    rope: the q/k norm, RoPE and K/V writes, `xla`, `pallas` or `mosaic` (in the Mosaic GPU
+    q/k/v product's epilogue; qkv is then `rope`).
     out, mlp, down: the attention-output product, the SwiGLU gate/up path and the down
     product, `xla`, `pallas`, `mosaic` or `fp8_mosaic`.
     norm: a residual add and RMSNorm on their own, `xla`, `pallas` or `mosaic` (its Mosaic
