@@ -11,10 +11,11 @@ from test_kernel_choice import GENERATION, HOPPER, LLADA_8B, LLADA_MOE
 
 import djax
 from djax.kernel_options import KernelOptions
+from djax.kernels import tma_ring
 from djax.kernels.handoff import finish
 from djax.models import fp8
-from djax.models.kernel_choice import Shapes, resolve
-from djax.models.layers import project
+from djax.models.kernel_choice import Kernels, Shapes, resolve
+from djax.models.layers import GatedMLP, project
 from djax.sharding import make_mesh
 
 from torch_reference import make_llada_dense
@@ -146,3 +147,32 @@ def test_a_mesh_is_refused(wide_folder):
     sharded = djax.load(wide_folder, jnp.float32, mesh=mesh, weights="fp8")
     with pytest.raises(ValueError, match="fp8_impl='mosaic' runs on one device"):
         sharded.with_options(fp8_impl="mosaic")
+
+
+def test_block_layer_lowers_for_hopper(monkeypatch):
+    """LLaDA-8B's q/k/v and attention-output projections and SwiGLU MLP of a block forward
+    (32 rows, bf16, K-major fp8 weights) lower to Mosaic GPU's custom calls for CUDA, the
+    kernels compiled rather than interpreted (no GPU needed to lower)."""
+    monkeypatch.setattr(tma_ring, "interpret_params", lambda interpret: None)
+    fp8_type, f32 = jnp.float8_e4m3fn, jnp.float32
+    spec = jax.ShapeDtypeStruct
+    x = spec((1, 32, 4096), jnp.bfloat16)
+    qkv = fp8.Fp8Weight(spec((32, 3, 128, 4096), fp8_type), spec((32, 3, 128), f32), True)
+    out = fp8.Fp8Weight(spec((4096, 32, 1, 128), fp8_type), spec((4096,), f32), True)
+
+    def projected(x, w):  # the layers' form: the weight as a matrix [k, n], then projected
+        return project(x, fp8.matrix(w, 4096, w.values.size // 4096), "fp8_mosaic").parts
+
+    for w in (qkv, out):
+        traced = jax.jit(projected)
+        assert "mosaic_gpu" in traced.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    mlp = GatedMLP(12288, jnp.bfloat16, weights="fp8", k_major=True)
+    params = {
+        "gate_up": spec((2, 12288, 4096), fp8_type),
+        "gate_up_scale": spec((2, 12288), f32),
+        "down": spec((4096, 12288), fp8_type),
+        "down_scale": spec((4096,), f32),
+    }
+    kernels = Kernels(mlp="fp8_mosaic", down="fp8_mosaic", fp8="scaled")
+    ff = jax.jit(lambda p, x: mlp.apply({"params": p}, x, kernels).parts).trace(params, x)
+    assert ff.lower(lowering_platforms=("cuda",)).as_text().count("mosaic_gpu") >= 2
