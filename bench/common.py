@@ -24,7 +24,6 @@ import numpy as np
 
 from djax import GenerationConfig, Model, block_diffusion, engine, generate
 from djax.config import LLADA2, ModelConfig, from_hf_dict
-from djax.kernel_options import KernelOptions
 from djax.models import init_params
 from djax.sharding import make_mesh, param_shardings
 from djax.xla_options import compiler_options
@@ -184,9 +183,9 @@ def bench_model(
     mesh = make_mesh(**split) if devices > 1 else None
     shardings = param_shardings(config, jnp.bfloat16, mesh, weights) if mesh else None
     params = init_params(config, jnp.bfloat16, seed=0, shardings=shardings, weights=weights)
-    kernels = KernelOptions.from_keywords(dict(options or {}))
-    model = Model(config, params, None, jnp.bfloat16, mesh=mesh, options=kernels, weights=weights)
-    return model, split
+    model = Model(config, params, None, jnp.bfloat16, mesh=mesh, weights=weights)
+    # through `with_options`, which moves the params to the layout the options hold
+    return model.with_options(**dict(options or {})), split
 
 
 def parse_options(text: str) -> dict[str, str]:

@@ -50,8 +50,10 @@ class KernelOptions:
         "the q/k/v, output and down products: split-K pallas on kernel GPUs for <= 32 token "
         "rows with 16-bit weights, else xla",
     )
+    # `mosaic`: block forwards' dense products in the fp8 x fp8 Pallas Mosaic GPU (Hopper)
+    # kernel, the rest `scaled`; taken only when asked for.
     fp8_impl: str = _option(
-        ("auto", "dequant", "scaled"),
+        ("auto", "dequant", "scaled", "mosaic"),
         "products of fp8 weights (weights='fp8'): scaled (fp8 x fp8, rows quantised per row) "
         "on GPUs of compute capability >= 8.9, else dequant (weights converted "
         "inside XLA's dot)",

@@ -88,10 +88,13 @@ class CachePolicy:
 def init_buffers(
     params: dict, n_layers: int, batch: int, seq_len: int, dtype
 ) -> tuple[LayerKV, ...]:
-    """Zeroed per-layer K/V buffers sized from the (local) attention weights."""
+    """Zeroed per-layer K/V buffers sized from the (local) attention weights: `qkv`
+    [model, kv_heads, group + 2, head_dim], or its fp8 scale [kv_heads, group + 2, head_dim]
+    where it has one (its values may be held K-major, `djax.models.fp8`)."""
     buffers = []
     for i in range(n_layers):
-        _, kv_heads, _, head_dim = params[f"attn_{i}"]["qkv"].shape
+        attn = params[f"attn_{i}"]
+        kv_heads, _, head_dim = attn["qkv_scale" if "qkv_scale" in attn else "qkv"].shape[-3:]
         shape = (batch, seq_len, kv_heads, head_dim)
         buffers.append((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
     return tuple(buffers)

@@ -43,7 +43,8 @@ class Model:
     are the kernel options (`KernelOptions`), resolved for each program it runs
     (`kernel_choice`); `weights` is the params' weight format (`djax.models.fp8.WEIGHTS`:
     `dtype`, every weight in `dtype`, or `fp8`, the projections and experts as e4m3 values
-    `<name>` beside fp32 scales `<name>_scale`).
+    `<name>` beside fp32 scales `<name>_scale`; under `fp8_impl="mosaic"` the dense
+    products' values K-major, `fp8.k_major`, which `load` and `with_options` keep).
     """
 
     config: ModelConfig
@@ -56,8 +57,17 @@ class Model:
     weights: str = "dtype"
 
     def with_options(self, **options: Any) -> Model:
-        """This model with kernel `options` replaced (checked as `load` checks them)."""
-        return dataclasses.replace(self, options=self.options.replace(**options))
+        """This model with kernel `options` replaced (checked as `load` checks them); where
+        `fp8_impl` changes the fp8 values' layout (`fp8.k_major`), with its params moved to
+        the new one (a copy of the dense products' values)."""
+        new = self.options.replace(**options)
+        held = fp8.k_major(self.weights, self.options.fp8_impl)
+        wanted = fp8.k_major(self.weights, new.fp8_impl)
+        params = self.params
+        if wanted != held:
+            _check_layout_device(new, self.mesh)
+            params = fp8.to_layout(params, wanted)
+        return dataclasses.replace(self, options=new, params=params)
 
     def kernel_choice(self, shapes: Shapes) -> KernelChoice:
         """What the kernel options resolve to on this model's device for forwards of
@@ -133,11 +143,13 @@ def load(
     fields of `djax.kernel_options.KernelOptions` (`attention_impl="auto"|"xla"|"cudnn"|
     "split_kv"|"split_kv_mosaic"`, `mlp_impl`, `matmul_impl`, `rope_impl` and `moe_impl`, each
     `"auto"|"xla"|"pallas"`, `mlp_impl` and `matmul_impl` also `"mosaic"`, `norm_impl` also
-    `"fused"` and `"tiled"`). An unknown option name raises a TypeError naming the closest
-    valid one, and a value outside its choices a ValueError naming them, before anything is
-    read.
+    `"fused"` and `"tiled"`, `fp8_impl` `"auto"|"dequant"|"scaled"|"mosaic"`; `mosaic` holds
+    the dense products' fp8 values K-major, `djax.models.fp8`). An unknown option name
+    raises a TypeError naming the closest valid one, and a value outside its choices a
+    ValueError naming them, before anything is read.
     """
     kernel_options = KernelOptions.from_keywords(options)
+    _check_layout_device(kernel_options, mesh)
     if weights is not None:
         fp8.check_weights(weights)
     folder = Path(path)
@@ -168,7 +180,18 @@ def load(
         params = checkpoint.load_hf_params(folder, config, dtype, shardings, allow_pickle, bar)
         if weights == "fp8":
             params = fp8.quantize_params(params, _shardings(config, dtype, mesh, weights))
+    if fp8.k_major(weights, kernel_options.fp8_impl):
+        params = fp8.to_layout(params, True)
     return Model(config, params, tokenizer, dtype, str(folder), mesh, kernel_options, weights)
+
+
+def _check_layout_device(options: KernelOptions, mesh: Any) -> None:
+    """`fp8_impl="mosaic"` (K-major fp8 values, which have no sharded layout) on one device
+    only: a ValueError under a mesh."""
+    if options.fp8_impl == "mosaic" and mesh is not None:
+        raise ValueError(
+            "fp8_impl='mosaic' runs on one device; under a mesh give 'auto', 'dequant' or 'scaled'"
+        )
 
 
 def _shardings(config: ModelConfig, dtype: Any, mesh: Any, weights: str) -> dict | None:

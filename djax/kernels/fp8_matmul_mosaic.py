@@ -43,6 +43,11 @@ MAX_BLOCK_N = 256  # WGMMA's widest N
 OUT_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32)))
 
 
+def fits(k: int, n: int) -> bool:
+    """Whether the kernel takes a `k -> n` product (k a multiple of 128, n of 64)."""
+    return k % K_TILE == 0 and n % tma_ring.TILE == 0
+
+
 def quantize_rows(x: Array) -> tuple[Array, Array]:
     """x [..., k] -> (e4m3 values [..., k], fp32 scale [...]): each row's scale is its max
     |x| / 448 (1 for a zero row) and its values `x / scale` rounded to nearest e4m3, the

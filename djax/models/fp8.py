@@ -31,7 +31,15 @@ from jax.sharding import PartitionSpec
 
 from djax.config import WEIGHTS, check_weights
 
-__all__ = ["WEIGHTS", "check_weights", "Fp8Weight", "quantize", "dequantize", "quantize_params"]
+__all__ = [
+    "WEIGHTS",
+    "check_weights",
+    "Fp8Weight",
+    "quantize",
+    "dequantize",
+    "quantize_params",
+    "to_layout",
+]
 
 Array = jax.Array
 
@@ -42,22 +50,51 @@ SCALE_SUFFIX = "_scale"
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Weight:
-    """A weight as fp8 `values` (e4m3, the weight's shape) and the fp32 `scale` of each
-    output channel (the shape of `values` without its contraction axes)."""
+    """A weight as fp8 `values` (e4m3) and the fp32 `scale` of each output channel (the
+    weight's shape without its contraction axes). `values` has the weight's shape
+    (contraction axes first), or with `k_major` the scale's axes first and the contraction
+    axes last (the layout `fp8_matmul_mosaic` reads). `shape` is the weight's shape
+    either way."""
 
     values: Array
     scale: Array
+    k_major: bool = False
+
+    @property
+    def contraction(self) -> int:
+        """The number of contraction axes."""
+        return self.values.ndim - self.scale.ndim
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.values.shape
+        shape = self.values.shape
+        if not self.k_major:
+            return shape
+        channels = self.scale.ndim
+        return shape[channels:] + shape[:channels]
 
     def reshape(self, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> Fp8Weight:
-        """The values as `shape`, the scale as `scale_shape` (the same channels)."""
-        return Fp8Weight(self.values.reshape(shape), self.scale.reshape(scale_shape))
+        """The weight as `shape` (its contraction axes first), the scale as `scale_shape`
+        (the same channels); K-major values stay K-major."""
+        values_shape = shape
+        if self.k_major:
+            contraction = len(shape) - len(scale_shape)
+            values_shape = tuple(scale_shape) + tuple(shape[:contraction])
+        return Fp8Weight(
+            self.values.reshape(values_shape), self.scale.reshape(scale_shape), self.k_major
+        )
+
+    def operand(self, subscripts: str) -> str:
+        """The einsum subscripts of `values` for a weight written `subscripts` (its own
+        layout): the same, or K-major the scale's letters first."""
+        if not self.k_major:
+            return subscripts
+        return subscripts[self.contraction :] + subscripts[: self.contraction]
 
 
-jax.tree_util.register_dataclass(Fp8Weight, data_fields=["values", "scale"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    Fp8Weight, data_fields=["values", "scale"], meta_fields=["k_major"]
+)
 
 Weight = Array | Fp8Weight
 
@@ -83,6 +120,52 @@ def contraction_axes(name: str, ndim: int) -> tuple[int, ...] | None:
     if name == "down":
         return (1,) if ndim == 3 else (0,)
     return None
+
+
+def k_major_order(name: str, ndim: int) -> tuple[int, ...] | None:
+    """The axis order that makes the values of the param `name` of `ndim` axes K-major
+    (`Fp8Weight.k_major`: its output axes, then its contraction axes), for the dense
+    products the Mosaic GPU kernel runs; None for the experts and every other param."""
+    axes = contraction_axes(name, ndim)
+    if axes is None or (name == "gate_up" and ndim == 4) or (name == "down" and ndim == 3):
+        return None
+    return tuple(i for i in range(ndim) if i not in axes) + axes
+
+
+def k_major(weights: str, fp8_impl: str) -> bool:
+    """Whether a model of the weight format `weights` loaded with the option `fp8_impl`
+    holds its dense products' fp8 values K-major: under `fp8_impl="mosaic"`."""
+    return weights == "fp8" and fp8_impl == "mosaic"
+
+
+def to_layout(params: dict, k_major: bool) -> dict:
+    """fp8 params (`quantize_params`' layout, or K-major) with the dense products' values
+    (`k_major_order`) K-major (`k_major`) or in their own layout; every other param as it
+    is. Each weight is moved by its own jitted call into a new array (the old ones are
+    freed once `params` is dropped). The dict does not record its layout: the caller
+    (`djax.load`, `Model.with_options`) knows the layout it holds."""
+    out: dict = {}
+    for key, value in params.items():
+        if isinstance(value, dict):
+            out[key] = to_layout(value, k_major)
+            continue
+        order = k_major_order(key, value.ndim) if scale_name(key) in params else None
+        if order is None:
+            out[key] = value
+            continue
+        if not k_major:
+            order = tuple(order.index(i) for i in range(value.ndim))  # the inverse
+        out[key] = _transposer(order)(value)
+    return out
+
+
+_TRANSPOSERS: dict = {}
+
+
+def _transposer(order: tuple[int, ...]) -> Any:
+    if order not in _TRANSPOSERS:
+        _TRANSPOSERS[order] = jax.jit(lambda w: jnp.transpose(w, order))
+    return _TRANSPOSERS[order]
 
 
 def scale_name(name: str) -> str:
@@ -164,6 +247,9 @@ def einsum(subscripts: str, x: Array, w: Weight, impl: str = "no") -> Array:
     """
     if not isinstance(w, Fp8Weight):
         return jnp.einsum(subscripts, x, w)
+    inputs, result = subscripts.split("->")
+    x_subscripts, w_subscripts = inputs.split(",")
+    subscripts = f"{x_subscripts},{w.operand(w_subscripts)}->{result}"
     if impl == "scaled":
         rows, x_scale = quantize(x, (x.ndim - 1,))
         y = jnp.einsum(subscripts, rows, w.values, preferred_element_type=jnp.float32)
@@ -181,6 +267,8 @@ def ragged_dot(x: Array, w: Weight, group_sizes: Array, impl: str = "no") -> Arr
     rows past sum(group_sizes) take the last group's)."""
     if not isinstance(w, Fp8Weight):
         return jax.lax.ragged_dot(x, w, group_sizes)
+    if w.k_major:
+        raise ValueError("ragged_dot: expert weights are not held K-major; got a K-major weight")
     ends = jnp.cumsum(group_sizes)
     row_group = jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right")
     scale = w.scale[jnp.minimum(row_group, w.scale.shape[0] - 1)]  # [p, n]
@@ -194,9 +282,19 @@ def ragged_dot(x: Array, w: Weight, group_sizes: Array, impl: str = "no") -> Arr
     return (y.astype(jnp.float32) * scale).astype(x.dtype)
 
 
-def param(module: Any, name: str, init: Any, shape: tuple[int, ...], dtype: Any, weights: str):
-    """The Flax param `name` of `module`: an array of `dtype` (weights `dtype`), or under
-    `fp8` an `Fp8Weight` of the params `name` (e4m3 values) and `<name>_scale` (fp32).
+def param(
+    module: Any,
+    name: str,
+    init: Any,
+    shape: tuple[int, ...],
+    dtype: Any,
+    weights: str,
+    k_major: bool = False,
+):
+    """The Flax param `name` of `module` (the weight's `shape`): an array of `dtype`
+    (weights `dtype`), or under `fp8` an `Fp8Weight` of the params `name` (e4m3 values;
+    with `k_major`, the dense products' values K-major, `k_major_order`) and `<name>_scale`
+    (fp32).
 
     Under `fp8`, `init` is not used: the values start at 0 and the scales at 1 (random fp8
     params are `quantize_params` of random ones, `djax.models.init_params`)."""
@@ -204,6 +302,8 @@ def param(module: Any, name: str, init: Any, shape: tuple[int, ...], dtype: Any,
         return module.param(name, init, shape, dtype)
     axes = contraction_axes(name, len(shape))
     out_shape = tuple(n for i, n in enumerate(shape) if i not in axes)
-    values = module.param(name, jax.nn.initializers.zeros, shape, FP8)
+    order = k_major_order(name, len(shape)) if k_major else None
+    values_shape = shape if order is None else tuple(shape[i] for i in order)
+    values = module.param(name, jax.nn.initializers.zeros, values_shape, FP8)
     scale = module.param(scale_name(name), jax.nn.initializers.ones, out_shape, jnp.float32)
-    return Fp8Weight(values, scale)
+    return Fp8Weight(values, scale, order is not None)

@@ -51,6 +51,13 @@ product and RoPE in the others (refreshes); the norm before attention stays apar
 forwards and refreshes, with 16-bit inputs and head dims that are multiples of 64.
 `moe_impl="mosaic"` (`djax.kernels.expert_tiles_mosaic`) is likewise taken only when asked
 for, and is the one expert kernel that takes fp8 weights as well as 16-bit ones.
+`fp8_impl="mosaic"` (fp8 weights, `djax.kernels.fp8_matmul_mosaic`, Hopper GPUs) is likewise
+taken only when asked for, on one device, with every dense product's contraction a multiple
+of 128 and its output a multiple of 64: block forwards of at most `KERNEL_MAX_ROWS` token
+rows run the q/k/v, attention-output and down products and the SwiGLU gate/up path in the
+fp8 x fp8 Mosaic GPU kernel (`fp8_mosaic`), their partials handed on as the split-K
+kernels' are; refreshes, longer forwards and the experts run XLA's `scaled` products. The
+model then holds those weights K-major (`KernelChoice.k_major`, `djax.models.fp8`).
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ from djax.kernel_options import KernelOptions
 from djax.kernels import (
     flash_attention,
     flash_attention_mosaic,
+    fp8_matmul_mosaic,
     residual_norm_mosaic,
     residual_product,
     residual_product_mosaic,
@@ -135,11 +143,12 @@ class Kernels:
     """The path of each part of a decoder layer at one number of token rows.
 
     attention: `xla`, `split_kv`, `split_kv_mosaic` (its Mosaic GPU port) or `cudnn`. qkv:
-    the q/k/v product, `xla`, `pallas` (split-K), `mosaic` (split-K in Mosaic GPU) or `rope`
-    (inside the RoPE kernel). rope: the q/k norm, RoPE and K/V writes, `xla`, `pallas` or
-    `mosaic` (in the Mosaic GPU q/k/v product's epilogue; qkv is then `rope`).
+    the q/k/v product, `xla`, `pallas` (split-K), `mosaic` (split-K in Mosaic GPU),
+    `fp8_mosaic` (fp8 weights: `fp8_matmul_mosaic`) or `rope` (inside the RoPE kernel).
+    rope: the q/k norm, RoPE and K/V writes, `xla`, `pallas` or `mosaic` (in the Mosaic GPU
+    q/k/v product's epilogue; qkv is then `rope`).
     out, mlp, down: the attention-output product, the SwiGLU gate/up path and the down
-    product, `xla`, `pallas` or `mosaic`.
+    product, `xla`, `pallas`, `mosaic` or `fp8_mosaic`.
     norm: a residual add and RMSNorm on their own, `xla`, `pallas` or `mosaic` (its Mosaic
     GPU port, where `matmul_impl="mosaic"` asked for Mosaic GPU products). norm_into_mlp /
     norm_into_attention: where the norm before the feed-forward (a dense MLP) / before the
@@ -148,7 +157,8 @@ class Kernels:
     `dense`, `grouped`, `pallas` or `mosaic` (`resolve` says `none` for a model without
     experts).
     fp8: how XLA's products take fp8 weights, `dequant` or `scaled` (`djax.models.fp8`),
-    `no` for weights in the model's dtype."""
+    `no` for weights in the model's dtype; the parts above that say `fp8_mosaic` take
+    them in Mosaic GPU instead."""
 
     attention: str = "xla"
     qkv: str = "xla"
@@ -180,12 +190,14 @@ class ForwardKernels:
 class KernelChoice:
     """The resolved choice of a program: its block forwards' and its refreshes' (a
     whole-sequence forward takes `refresh`), for params of the weight format `weights`
-    (`djax.models.fp8.WEIGHTS`), which the modules built with it hold. The default is XLA's
-    paths everywhere, weights in the model's dtype."""
+    (`djax.models.fp8.WEIGHTS`), which the modules built with it hold; `k_major`: the
+    dense products' fp8 values are held K-major (`fp8.k_major`, under `fp8_impl="mosaic"`).
+    The default is XLA's paths everywhere, weights in the model's dtype."""
 
     block: ForwardKernels = ForwardKernels()
     refresh: ForwardKernels = ForwardKernels()
     weights: str = "dtype"
+    k_major: bool = False
 
     @classmethod
     def xla(cls, weights: str = "dtype") -> KernelChoice:
@@ -300,6 +312,7 @@ def resolve(
         ),
         refresh=rule.forward(shapes.batch, shapes.seq, shapes.kept, refresh=True),
         weights=weights,
+        k_major=fp8.k_major(weights, options.fp8_impl),
     )
 
 
@@ -342,6 +355,8 @@ class _Rule:
                         f"{name}={getattr(options, name)!r} takes 16-bit weights; with "
                         "weights='fp8' the products run in XLA: give 'auto' or 'xla'"
                     )
+        if self.fp8 and options.fp8_impl == "mosaic":
+            self._check_fp8_mosaic()
         if self.fp8 and options.rope_impl == "mosaic":
             raise ValueError(
                 "rope_impl='mosaic' runs the q/k/v product of 16-bit weights; with "
@@ -383,7 +398,10 @@ class _Rule:
             )
         qkv = "rope" if rope == "mosaic" else self._product(w.qkv, few)
         out = self._product(w.out, few)
-        if o.mlp_impl == "mosaic":
+        fp8_mosaic = self.fp8 and o.fp8_impl == "mosaic" and few and not refresh
+        if fp8_mosaic:
+            mlp = "fp8_mosaic"
+        elif o.mlp_impl == "mosaic":
             mlp = self._mosaic(
                 "mlp_impl",
                 all(tma_ring.fits(cfg.d_model, h) for h in w.mlp_hidden),
@@ -401,6 +419,8 @@ class _Rule:
             )
         downs = [self._product((h, cfg.d_model), few) for h in w.mlp_hidden]
         down = downs[0] if downs and all(d == downs[0] for d in downs) else "xla"
+        if fp8_mosaic:
+            qkv = out = down = "fp8_mosaic"
         if (
             rope == "pallas"
             and qkv == "pallas"
@@ -495,12 +515,36 @@ class _Rule:
         return "mosaic" if fits else "xla"
 
     def _fp8(self) -> str:
+        """XLA's fp8 path; under `mosaic`, `scaled` for the products it leaves to XLA."""
         if not self.fp8:
             return "no"
         impl = self.options.fp8_impl
+        if impl == "mosaic":
+            return "scaled"
         if impl != "auto":
             return impl
         return "scaled" if self.fp8_tensor_cores else "dequant"
+
+    def _check_fp8_mosaic(self) -> None:
+        """`fp8_impl="mosaic"`: a ValueError unless it runs on one device and the kernel
+        takes every dense product (`fp8_matmul_mosaic.fits`)."""
+        if self.sharded:
+            raise ValueError(
+                "fp8_impl='mosaic' runs on one device (its K-major weights have no sharded "
+                "layout); under a mesh give 'auto', 'dequant' or 'scaled'"
+            )
+        w, cfg = self.widths, self.widths.config
+        products = {"q/k/v": w.qkv, "attention output": w.out}
+        for h in w.mlp_hidden:
+            products[f"gate/up ({h})"] = (cfg.d_model, h)
+            products[f"down ({h})"] = (h, cfg.d_model)
+        for name, (k, n) in products.items():
+            if not fp8_matmul_mosaic.fits(k, n):
+                raise ValueError(
+                    f"fp8_impl='mosaic' takes products whose contraction is a multiple of "
+                    f"{fp8_matmul_mosaic.K_TILE} and output a multiple of {tma_ring.TILE}; "
+                    f"got the {name} product {k} -> {n}"
+                )
 
     def _norm_fusion(self, few: bool) -> str:
         """Where a residual norm moved into the next product runs its add, before the

@@ -31,6 +31,7 @@ from djax.config import ModelConfig
 from djax.kernels import (
     flash_attention,
     flash_attention_mosaic,
+    fp8_matmul_mosaic,
     residual_norm,
     residual_norm_mosaic,
     residual_product,
@@ -55,9 +56,13 @@ LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, hea
 def project(x: Array, w: fp8.Weight, impl: str, fp8_impl: str = "no") -> Array | Partials:
     """`x [..., k] @ w [k, ...]` -> [..., *w.shape[1:]]: XLA's einsum (`impl="xla"`), or
     the split-K kernel's `Partials` (`"pallas"`, Triton; `"mosaic"`, Mosaic GPU). An
-    `Fp8Weight` takes XLA's product `fp8_impl` (`Kernels.fp8`)."""
+    `Fp8Weight` takes XLA's product `fp8_impl` (`Kernels.fp8`), or with `"fp8_mosaic"` (its
+    values K-major) the fp8 Mosaic GPU kernel's `Partials`."""
     k, out_shape = w.shape[0], w.shape[1:]
     flat = fp8.matrix(w, k, math.prod(out_shape))
+    if impl == "fp8_mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
+        y = fp8_matmul_mosaic.matmul(x, *_k_major(flat))
+        return Partials(y.parts.reshape(y.parts.shape[:-1] + out_shape), y.dtype)
     if isinstance(w, Fp8Weight):
         y = fp8.einsum("...k,kn->...n", x, flat, fp8_impl)
         return y.reshape(x.shape[:-1] + out_shape)
@@ -66,6 +71,18 @@ def project(x: Array, w: fp8.Weight, impl: str, fp8_impl: str = "no") -> Array |
     kernel = split_k_mosaic if impl == "mosaic" else split_k
     y = kernel.matmul_partials(x, flat)  # Pallas's interpreter off GPUs (for tests)
     return Partials(y.parts.reshape(y.parts.shape[:-1] + out_shape), y.dtype)
+
+
+def _k_major(w: fp8.Weight) -> tuple[Array, Array]:
+    """A K-major `Fp8Weight`'s values and scale, as `fp8_matmul_mosaic` takes them; a
+    ValueError for any other weight."""
+    if not isinstance(w, Fp8Weight) or not w.k_major:
+        raise ValueError(
+            "the fp8 Mosaic GPU products take K-major fp8 weights (a model loaded with "
+            f"fp8_impl='mosaic'); got {type(w).__name__} {w.shape}"
+            + ("" if not isinstance(w, Fp8Weight) else " in its own layout")
+        )
+    return w.values, w.scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +299,7 @@ class Attention(nn.Module):
     axis_name: str | None = None
     shards: int = 1
     weights: str = "dtype"
+    k_major: bool = False  # fp8 values K-major (`KernelChoice.k_major`)
 
     @nn.compact
     def __call__(
@@ -320,6 +338,7 @@ class Attention(nn.Module):
             (cfg.d_model, kv_heads, group + 2, cfg.head_dim),
             self.dtype,
             self.weights,
+            self.k_major,
         )
         out_kernel = fp8.param(
             self,
@@ -328,6 +347,7 @@ class Attention(nn.Module):
             (kv_heads, group, cfg.head_dim, cfg.d_model),
             self.dtype,
             self.weights,
+            self.k_major,
         )
         out_bias = None
         if cfg.attn_out_bias:
@@ -414,6 +434,7 @@ class GatedMLP(nn.Module):
     axis_name: str | None = None
     shards: int = 1
     weights: str = "dtype"
+    k_major: bool = False  # fp8 values K-major (`KernelChoice.k_major`)
 
     @nn.compact
     def __call__(
@@ -423,11 +444,17 @@ class GatedMLP(nn.Module):
         djax's kernel) -> [b, t, model] (or `Partials`, or with `defer_down` the down
         `Product` still to run)."""
         (b, t, d_model), hidden = x.shape, self.hidden // self.shards
+        weights, k_major = self.weights, self.k_major
         gate_up = fp8.param(
-            self, "gate_up", init_normal(), (d_model, 2, hidden), self.dtype, self.weights
+            self, "gate_up", init_normal(), (d_model, 2, hidden), self.dtype, weights, k_major
         )
-        down = fp8.param(self, "down", init_normal(), (hidden, d_model), self.dtype, self.weights)
-        if kernels.mlp in ("pallas", "mosaic"):  # interpreted off GPUs (for tests)
+        down = fp8.param(
+            self, "down", init_normal(), (hidden, d_model), self.dtype, weights, k_major
+        )
+        if kernels.mlp == "fp8_mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
+            rows = x.reshape(b * t, d_model)
+            act = fp8_matmul_mosaic.swiglu(rows, *_k_major(gate_up)).reshape(b, t, hidden)
+        elif kernels.mlp in ("pallas", "mosaic"):  # interpreted off GPUs (for tests)
             kernel = swiglu_mosaic if kernels.mlp == "mosaic" else swiglu
             act = kernel.swiglu_matmul(x.reshape(b * t, d_model), gate_up).reshape(b, t, hidden)
         elif isinstance(x, ScaledRows):
@@ -473,6 +500,7 @@ class TransformerLM(nn.Module):
             axis_name=self.axis_name,
             shards=self.shards,
             weights=self.kernels.weights,
+            k_major=self.kernels.k_major,
             name=f"ff_{layer}",
         )
 
@@ -492,6 +520,7 @@ class TransformerLM(nn.Module):
                 axis_name=self.axis_name,
                 shards=self.shards,
                 weights=self.kernels.weights,
+                k_major=self.kernels.k_major,
                 name=f"attn_{i}",
             )
             for i in range(cfg.n_layers)

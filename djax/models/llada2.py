@@ -101,6 +101,7 @@ class LLaDA2(TransformerLM):
             shards=self.shards,
             split_experts=self.split_experts,
             weights=self.kernels.weights,
+            k_major=self.kernels.k_major,
             name=f"ff_{layer}",
         )
 

@@ -226,6 +226,7 @@ class MoEBlock(nn.Module):
     shards: int = 1
     split_experts: bool = False
     weights: str = "dtype"
+    k_major: bool = False  # the shared expert's fp8 values K-major (`KernelChoice.k_major`)
 
     @nn.compact
     def __call__(self, x: Array, kernels: Kernels = XLA_KERNELS) -> Array:
@@ -269,6 +270,7 @@ class MoEBlock(nn.Module):
                 axis_name=self.axis_name,
                 shards=self.shards,
                 weights=self.weights,
+                k_major=self.k_major,
                 name="shared",
             )
             y = y + finish(shared(x, kernels))
@@ -295,6 +297,7 @@ class LLaDAMoE(TransformerLM):
                 shards=self.shards,
                 split_experts=self.split_experts,
                 weights=self.kernels.weights,
+                k_major=self.kernels.k_major,
                 name=name,
             )
         return self.gated_mlp(layer)

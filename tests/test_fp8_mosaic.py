@@ -1,0 +1,178 @@
+"""`fp8_impl="mosaic"`: a fp8 model's block forwards through the fp8 x fp8 Mosaic GPU kernel
+(`djax.kernels.fp8_matmul_mosaic`, Mosaic GPU's interpreter here) on K-major values: the
+kernel choice, the layout moves, the products and a generation against `scaled`, and the
+errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_kernel_choice import GENERATION, HOPPER, LLADA_8B, LLADA_MOE
+
+import djax
+from djax.kernel_options import KernelOptions
+from djax.kernels import tma_ring
+from djax.kernels.handoff import finish
+from djax.models import fp8
+from djax.models.kernel_choice import Kernels, Shapes, resolve
+from djax.models.layers import GatedMLP, project
+from djax.sharding import make_mesh
+
+from torch_reference import make_llada_dense
+
+MOSAIC = KernelOptions(fp8_impl="mosaic")
+
+
+def _choice(config=LLADA_8B, shapes=GENERATION, **kwargs):
+    return resolve(MOSAIC, HOPPER, config, jnp.bfloat16, shapes, weights="fp8", **kwargs)
+
+
+def test_block_forwards_take_the_kernel_refreshes_scaled():
+    choice = _choice()
+    assert choice.k_major
+    for forward in (choice.block.layers, choice.block.last):
+        assert (forward.qkv, forward.out, forward.mlp, forward.down) == ("fp8_mosaic",) * 4
+        assert forward.fp8 == "scaled"  # what XLA's products (none here) would take
+        assert forward.norm_into_mlp == forward.norm_into_attention == "no"
+        assert forward.rope == "pallas" and forward.attention == "split_kv"
+    for forward in (choice.refresh.layers, choice.refresh.last):  # last: 32 kept rows
+        assert (forward.qkv, forward.out, forward.mlp, forward.down) == ("xla",) * 4
+        assert forward.fp8 == "scaled"
+    batched = _choice(shapes=Shapes(batch=2, window=32, seq=384, kept=32)).block.layers
+    assert (batched.qkv, batched.mlp, batched.fp8) == ("xla", "xla", "scaled")  # 64 rows
+    moe = _choice(LLADA_MOE)
+    assert moe.block.layers.qkv == "fp8_mosaic" and moe.block.layers.moe == "grouped"
+    assert moe.block.layers.fp8 == "scaled"  # the experts keep XLA's products
+    # the option is only taken when asked, and says nothing without fp8 weights
+    auto = resolve(KernelOptions(), HOPPER, LLADA_8B, jnp.bfloat16, GENERATION, weights="fp8")
+    assert not auto.k_major and auto.block.layers.qkv == "xla"
+    plain = resolve(MOSAIC, HOPPER, LLADA_8B, jnp.bfloat16, GENERATION)
+    assert not plain.k_major and plain.block.layers.qkv == "rope"
+
+
+def test_kernel_choice_errors():
+    with pytest.raises(
+        ValueError,
+        match="fp8_impl='mosaic' takes .* 128 .* gate/up \\(1000\\) product 4096 -> 1000",
+    ):
+        _choice(LLADA_8B.replace(mlp_hidden=1000))
+    with pytest.raises(ValueError, match="fp8_impl='mosaic' runs on one device"):
+        _choice(sharded=True)
+    with pytest.raises(ValueError, match="fp8_impl='fast'; expected one of .*'mosaic'"):
+        KernelOptions(fp8_impl="fast")
+
+
+def _weight(shape, axes, seed):
+    w = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return fp8.Fp8Weight(*fp8.quantize(jnp.asarray(w), axes))
+
+
+def _k_major(w: fp8.Fp8Weight, name: str) -> fp8.Fp8Weight:
+    order = fp8.k_major_order(name, w.values.ndim)
+    return fp8.Fp8Weight(jnp.transpose(w.values, order), w.scale, True)
+
+
+@pytest.mark.parametrize("subscripts", ["...k,kn->...n", "...m,mcf->...cf"])
+@pytest.mark.parametrize("impl", ["dequant", "scaled"])
+def test_xla_products_read_k_major_values(subscripts, impl):
+    """XLA's products of a K-major weight are its own layout's (to fp32 rounding: the dot
+    may add in another order)."""
+    shape, name = ((64, 48), "down") if subscripts.startswith("...k") else ((64, 2, 40), "gate_up")
+    w = _weight(shape, (0,), seed=1)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 64)), jnp.float32)
+    ours = fp8.einsum(subscripts, x, _k_major(w, name), impl)
+    np.testing.assert_allclose(ours, fp8.einsum(subscripts, x, w, impl), rtol=1e-5, atol=1e-5)
+
+
+def test_projection_of_several_contraction_axes_matches_scaled():
+    """The attention output [kv_heads, group, head_dim, model] (three contraction axes)
+    through the kernel, K-major, against `scaled` on the same e4m3 operands (fp32
+    accumulation both ways: equal to rounding)."""
+    w = _weight((2, 2, 64, 128), (0, 1, 2), seed=3)  # k = 256
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 8, 256)), jnp.float32)
+    flat = fp8.matrix(_k_major(w, "attn_out"), 256, 128)
+    assert flat.values.shape == (128, 256) and flat.shape == (256, 128)
+    ours = finish(project(x, flat, "fp8_mosaic"))
+    ref = project(x, fp8.matrix(w, 256, 128), "xla", "scaled")
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+
+
+def test_the_kernel_refuses_weights_in_their_own_layout():
+    w = _weight((128, 64), (0,), seed=5)
+    with pytest.raises(ValueError, match="take K-major fp8 weights .* in its own layout"):
+        project(jnp.ones((2, 128)), w, "fp8_mosaic")
+    with pytest.raises(ValueError, match="expert weights are not held K-major"):
+        fp8.ragged_dot(jnp.ones((2, 64)), _k_major(w, "down"), jnp.array([2]), "scaled")
+
+
+@pytest.fixture(scope="module")
+def wide_folder(tmp_path_factory):
+    """LLaDA dense of one layer whose products the kernel takes (widths 128 and 256)."""
+    folder = tmp_path_factory.mktemp("llada_wide")
+    make_llada_dense(
+        folder, d_model=128, n_layers=1, n_heads=2, n_kv_heads=1, mlp_hidden=128, seed=4
+    )
+    return folder
+
+
+def test_generation_is_scaled_token_for_token(wide_folder):
+    """Block forwards in the kernel (interpreted) give `scaled`'s tokens; the layout moves
+    there and back bit for bit, and loading with the option holds the values K-major."""
+    scaled = djax.load(wide_folder, jnp.float32, weights="fp8", fp8_impl="scaled")
+    mosaic = scaled.with_options(fp8_impl="mosaic")
+    attn, ff = mosaic.params["attn_0"], mosaic.params["ff_0"]
+    assert attn["qkv"].shape == (1, 4, 64, 128) and attn["attn_out"].shape == (128, 1, 2, 64)
+    assert ff["gate_up"].shape == (2, 128, 128) and ff["down"].shape == (128, 128)
+    np.testing.assert_array_equal(
+        np.asarray(ff["down"], np.float32), np.asarray(scaled.params["ff_0"]["down"], np.float32).T
+    )
+    loaded = djax.load(wide_folder, jnp.float32, weights="fp8", fp8_impl="mosaic")
+    back = loaded.with_options(fp8_impl="scaled")
+    for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(scaled.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    config = djax.GenerationConfig(gen_length=8, block_length=8, steps=4, cache="dual")
+    choice = mosaic.kernel_choice(Shapes(batch=1, window=8, seq=12, kept=8))
+    assert choice.block.layers.qkv == "fp8_mosaic" and choice.refresh.layers.qkv == "xla"
+    prompts = [[0, 10, 20, 30]]
+    np.testing.assert_array_equal(
+        djax.generate(mosaic, prompts, config).answer_ids,
+        djax.generate(scaled, prompts, config).answer_ids,
+    )
+
+
+def test_a_mesh_is_refused(wide_folder):
+    mesh = make_mesh()
+    with pytest.raises(ValueError, match="fp8_impl='mosaic' runs on one device"):
+        djax.load(wide_folder, jnp.float32, mesh=mesh, weights="fp8", fp8_impl="mosaic")
+    sharded = djax.load(wide_folder, jnp.float32, mesh=mesh, weights="fp8")
+    with pytest.raises(ValueError, match="fp8_impl='mosaic' runs on one device"):
+        sharded.with_options(fp8_impl="mosaic")
+
+
+def test_block_layer_lowers_for_hopper(monkeypatch):
+    """LLaDA-8B's q/k/v and attention-output projections and SwiGLU MLP of a block forward
+    (32 rows, bf16, K-major fp8 weights) lower to Mosaic GPU's custom calls for CUDA, the
+    kernels compiled rather than interpreted (no GPU needed to lower)."""
+    monkeypatch.setattr(tma_ring, "interpret_params", lambda interpret: None)
+    fp8_type, f32 = jnp.float8_e4m3fn, jnp.float32
+    spec = jax.ShapeDtypeStruct
+    x = spec((1, 32, 4096), jnp.bfloat16)
+    qkv = fp8.Fp8Weight(spec((32, 3, 128, 4096), fp8_type), spec((32, 3, 128), f32), True)
+    out = fp8.Fp8Weight(spec((4096, 32, 1, 128), fp8_type), spec((4096,), f32), True)
+
+    def projected(x, w):  # the layers' form: the weight as a matrix [k, n], then projected
+        return project(x, fp8.matrix(w, 4096, w.values.size // 4096), "fp8_mosaic").parts
+
+    for w in (qkv, out):
+        traced = jax.jit(projected)
+        assert "mosaic_gpu" in traced.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    mlp = GatedMLP(12288, jnp.bfloat16, weights="fp8", k_major=True)
+    params = {
+        "gate_up": spec((2, 12288, 4096), fp8_type),
+        "gate_up_scale": spec((2, 12288), f32),
+        "down": spec((4096, 12288), fp8_type),
+        "down_scale": spec((4096,), f32),
+    }
+    kernels = Kernels(mlp="fp8_mosaic", down="fp8_mosaic", fp8="scaled")
+    ff = jax.jit(lambda p, x: mlp.apply({"params": p}, x, kernels).parts).trace(params, x)
+    assert ff.lower(lowering_platforms=("cuda",)).as_text().count("mosaic_gpu") >= 2
