@@ -41,7 +41,7 @@ def test_block_forwards_take_the_kernel_refreshes_scaled():
     batched = _choice(shapes=Shapes(batch=2, window=32, seq=384, kept=32)).block.layers
     assert (batched.qkv, batched.mlp, batched.fp8) == ("xla", "xla", "scaled")  # 64 rows
     moe = _choice(LLADA_MOE)
-    assert moe.block.layers.qkv == "fp8_mosaic" and moe.block.layers.moe == "grouped"
+    assert moe.block.layers.qkv == "fp8_mosaic" and moe.block.layers.moe == "mosaic"
     assert moe.block.layers.fp8 == "scaled"  # the experts keep XLA's products
     # the option is only taken when asked, and says nothing without fp8 weights
     auto = resolve(KernelOptions(), HOPPER, LLADA_8B, jnp.bfloat16, GENERATION, weights="fp8")
