@@ -256,6 +256,12 @@ def test_mosaic_rope_only_when_asked():
         assert (choice.block.layers.rope, choice.block.layers.qkv) == ("mosaic", "rope")
         assert (choice.block.last.rope, choice.block.last.qkv) == ("mosaic", "rope")
         assert (choice.refresh.layers.rope, choice.refresh.layers.qkv) == ("xla", "xla")
+        batch8 = _choice(
+            KernelOptions(rope_impl="mosaic", matmul_impl="mosaic"),
+            config=config,
+            shapes=Shapes(batch=8, window=32, seq=384, kept=32),
+        ).block.layers  # 256 rows: one 64-row tile per CTA would read the weights 4 times
+        assert (batch8.rope, batch8.qkv) == ("xla", "xla")
     fused = KernelOptions(rope_impl="mosaic", matmul_impl="pallas", norm_impl="fused")
     assert _choice(fused).block.layers.norm_into_attention == "no"
     assert _choice().block.layers.rope == "pallas"

@@ -385,7 +385,7 @@ class _Rule:
         o, w, cfg = self.options, self.widths, self.widths.config
         few = rows <= KERNEL_MAX_ROWS
         if o.rope_impl == "mosaic":
-            rope = self._mosaic_rope(positions)
+            rope = self._mosaic_rope(positions, few)
         else:
             rope = self._pallas_or_xla(
                 "rope_impl",
@@ -499,9 +499,11 @@ class _Rule:
             self.products_pay and few,
         )
 
-    def _mosaic_rope(self, positions: int) -> str:
-        """`rope_impl="mosaic"`: `mosaic` for windows of `positions` rows the kernel takes,
-        `xla` for longer ones; a ValueError where the model's heads or width do not fit."""
+    def _mosaic_rope(self, positions: int, few: bool) -> str:
+        """`rope_impl="mosaic"`: `mosaic` for windows of `positions` rows the kernel takes in
+        forwards of at most `KERNEL_MAX_ROWS` token rows (`few`: its q/k/v product holds one
+        64-row tile per CTA, as the other Mosaic GPU products), `xla` otherwise; a ValueError
+        where the model's heads or width do not fit."""
         cfg = self.widths.config
         shortest = tma_ring.ROW_ALIGN  # a window it takes: the heads and the width decide
         if not rope_write_mosaic.fits(shortest, cfg.d_model, cfg.head_dim, cfg.rope_dim):
@@ -512,7 +514,7 @@ class _Rule:
                 f"d_model={cfg.d_model}"
             )
         fits = rope_write_mosaic.fits(positions, cfg.d_model, cfg.head_dim, cfg.rope_dim)
-        return "mosaic" if fits else "xla"
+        return "mosaic" if fits and few else "xla"
 
     def _fp8(self) -> str:
         """XLA's fp8 path; under `mosaic`, `scaled` for the products it leaves to XLA."""
