@@ -5,7 +5,7 @@
 #   or kernels.NAME | probes.NAME
 #   (bench/kernels, bench/probes). gputests: the kernel tests on the GPU (the tests marked
 #   "needs a GPU" run there), their log kept as gputests.log with the results.
-# serve installs the wheels of .whl/ first (bench/wheels.sh; carry .whl).
+# serve and gputests install the wheels of .whl/ first (bench/wheels.sh; carry .whl).
 # Longer than one device command (10 minutes): `detach STAGE [ARGS...]` starts the stage in its
 # own process session (it outlives the command while the machine stays held) with its results
 # and logs in .cache/detached (or $DJAX_DETACHED), and returns; `collect SECONDS` waits up to
@@ -18,6 +18,13 @@ export PYTHONUNBUFFERED=1
 export DJAX_COMPILE_CACHE="${DJAX_COMPILE_CACHE:-$PWD/.cache/xla}"
 stage=$1
 shift
+# The wheels of .whl/ (bench/wheels.sh), where there are any, into /tmp/site.
+install_wheels() {
+  [ -d .whl ] || return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || return
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+}
 log="$OUT/${stage}.log"
 case "$stage" in
   env)
@@ -27,11 +34,7 @@ case "$stage" in
   forward | generate | profile | parallel | decoders | flags | compile | memory | sparse | kernels.* | probes.*)
     python3 -m "bench.$stage" "$@" 2>&1 | tee "$log" ;;
   serve)
-    if [ -d .whl ]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit
-      export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    fi
+    install_wheels || exit
     python3 -m bench.serve "$@" 2>&1 | tee "$log" ;;
   detach)
     detached="${DJAX_DETACHED:-$PWD/.cache/detached}"
@@ -58,7 +61,16 @@ case "$stage" in
     if [ -f "$detached/detached.rc" ]; then echo "ended: rc $(cat "$detached/detached.rc")"
     else echo "still running after ${1:-0} s: collect again"; fi | tee "$log" ;;
   gputests)
-    python3 -m pytest -q -rs -p no:cacheprovider tests/kernels tests/test_kernel_choice.py \
+    # With pytest-xdist among the wheels, 8 workers share the GPU (each allocating as it
+    # goes): the Mosaic GPU kernels' compiles dominate, and they run on the CPUs.
+    install_wheels || echo "wheels not installed: the tests run in one process" >&2
+    workers=()
+    if python3 -c "import xdist" 2>/dev/null; then
+      workers=(-n 8)
+      export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    fi
+    python3 -m pytest -q -rs -p no:cacheprovider "${workers[@]}" tests/kernels \
+      tests/test_kernel_choice.py tests/test_fp8.py tests/test_fp8_mosaic.py \
       tests/test_llada.py tests/test_llada_moe.py "$@" 2>&1 | tee "$log" ;;
   train)
     python3 -m djax.demo.train "$@" 2>&1 | tee "$log" ;;
