@@ -72,9 +72,9 @@ class KernelOptions:
     )
     moe_impl: str = _option(
         ("auto", "xla", "pallas", "mosaic"),
-        "MoE experts: pallas on kernel GPUs with 16-bit weights, mosaic there with fp8 "
-        "weights (widths multiples of 64), else xla (grouped up to 64 tokens per forward, "
-        "dense above)",
+        "MoE experts: pallas on kernel GPUs with 16-bit weights, mosaic on Hopper kernel "
+        "GPUs with fp8 weights (widths multiples of 64), else xla (grouped up to 64 tokens "
+        "per forward, dense above)",
     )
 
     def __post_init__(self) -> None:

@@ -118,6 +118,12 @@ class Device:
             and self.shared_memory >= KERNEL_MIN_SHARED_MEMORY
         )
 
+    @property
+    def runs_wgmma(self) -> bool:
+        """Whether `auto` takes djax's Pallas Mosaic GPU kernels here: kernel GPUs of the Hopper
+        generation (compute capability 9.x), whose WGMMA instructions they are written with."""
+        return self.runs_kernels and self.compute_capability[0] == KERNEL_MIN_CAPABILITY[0]
+
     def __str__(self) -> str:
         if self.compute_capability is None:
             return self.platform
@@ -333,6 +339,7 @@ class _Rule:
         self.dtype_name = jnp.dtype(dtype).name
         self.gpu = device.platform == "gpu"
         self.kernels_pay = device.runs_kernels and self.half
+        self.wgmma_pays = device.runs_wgmma and self.half
         self.fp8 = weights == "fp8"
         # djax's product kernels take 16-bit weights: not fp8 ones.
         self.products_pay = self.kernels_pay and not self.fp8
@@ -580,7 +587,7 @@ class _Rule:
         if (
             impl == "auto"
             and self.fp8
-            and self.kernels_pay
+            and self.wgmma_pays
             and tma_ring.fits(cfg.d_model, w.expert_hidden)
         ):
             return "mosaic"  # the one expert kernel that reads fp8 weights
