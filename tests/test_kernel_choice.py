@@ -365,8 +365,14 @@ def test_auto_mosaic_experts_and_rope_windows():
 
 def test_readme_documents_every_option_value_and_kernel_module():
     """The README's options table has one row per option naming each of its values, and its
-    code layout names every kernel module, as does `djax.kernels`' docstring."""
+    code layout names every kernel module, as does `djax.kernels`' docstring; `load`'s
+    docstring names every value."""
     import djax.kernels
+
+    for name, option in KERNEL_OPTIONS.items():
+        assert name in djax.load.__doc__, name
+        for value in option.choices:
+            assert f'"{value}"' in djax.load.__doc__, (name, value)
 
     readme = (ROOT / "README.md").read_text()
     for name, option in KERNEL_OPTIONS.items():
