@@ -212,12 +212,16 @@ class KernelChoice:
 
     def explain(self) -> str:
         """The choice as one line per forward (`part=path, ...`), and a line for the last
-        layer's kept rows where they differ."""
+        layer's kept rows where they differ; with fp8 weights a last line names them and
+        their layout (K-major under `fp8_impl="mosaic"`)."""
         lines = []
         for name, forward in (("block forward", self.block), ("refresh", self.refresh)):
             lines.append(f"{name}: {_listed(forward.layers)}")
             if forward.last != forward.layers:
                 lines.append(f"  last layer, kept rows: {_listed(forward.last, forward.layers)}")
+        if self.weights != "dtype":
+            layout = "dense products' values K-major" if self.k_major else "as stored"
+            lines.append(f"weights: {self.weights}, {layout}")
         return "\n".join(lines)
 
 
