@@ -373,7 +373,8 @@ class _Rule:
         for name in ("matmul_impl", "mlp_impl", "rope_impl", "moe_impl"):
             if getattr(options, name) == "mosaic" and not tma_ring.takes_dtype(dtype):
                 raise ValueError(
-                    f"{name}='mosaic' takes bfloat16 or float16 weights; got {self.dtype_name}"
+                    f"{name}='mosaic' takes bfloat16 or float16 as the model dtype; got "
+                    f"{self.dtype_name}"
                 )
 
     def forward(
