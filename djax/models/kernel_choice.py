@@ -55,13 +55,14 @@ forwards and refreshes, with 16-bit inputs and head dims that are multiples of 6
 `moe_impl="mosaic"` (`djax.kernels.expert_tiles_mosaic`), the one expert kernel that takes
 fp8 weights as well as 16-bit ones, runs every forward's experts where asked (no row limit:
 its row tiles follow the experts); `auto` takes it only for fp8 weights (above).
-`fp8_impl="mosaic"` (fp8 weights, `djax.kernels.fp8_matmul_mosaic`, Hopper GPUs) is likewise
-taken only when asked for, on one device, with every dense product's contraction a multiple
+`fp8_impl="mosaic"` (fp8 weights, `djax.kernels.fp8_matmul_mosaic`, Hopper GPUs) is taken
+only when asked for, on one device, with every dense product's contraction a multiple
 of 128 and its output a multiple of 64: block forwards of at most `KERNEL_MAX_ROWS` token
 rows run the q/k/v, attention-output and down products and the SwiGLU gate/up path in the
 fp8 x fp8 Mosaic GPU kernel (`fp8_mosaic`), their partials handed on as the split-K
-kernels' are; refreshes, longer forwards and the experts run XLA's `scaled` products. The
-model then holds those weights K-major (`KernelChoice.k_major`, `djax.models.fp8`).
+kernels' are; refreshes and longer forwards run XLA's `scaled` products, and the experts
+keep their own choice (`moe_impl`). The model then holds those weights K-major
+(`KernelChoice.k_major`, `djax.models.fp8`).
 """
 
 from __future__ import annotations
