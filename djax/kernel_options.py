@@ -51,7 +51,7 @@ class KernelOptions:
         "rows with 16-bit weights, else xla",
     )
     # `mosaic`: block forwards' dense products in the fp8 x fp8 Pallas Mosaic GPU (Hopper)
-    # kernel, the rest `scaled`; taken only when asked for.
+    # kernel, XLA's products elsewhere `scaled`; taken only when asked for.
     fp8_impl: str = _option(
         ("auto", "dequant", "scaled", "mosaic"),
         "products of fp8 weights (weights='fp8'): scaled (fp8 x fp8, rows quantised per row) "
