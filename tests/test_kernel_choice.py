@@ -375,7 +375,10 @@ def test_readme_documents_every_option_value_and_kernel_module():
             assert f'"{value}"' in djax.load.__doc__, (name, value)
 
     readme = (ROOT / "README.md").read_text()
+    cli = readme.split("\n## The CLI\n", 1)[1].split("\n## ", 1)[0]
+    api = next(line for line in readme.splitlines() if line.startswith("| `djax.load(path"))
     for name, option in KERNEL_OPTIONS.items():
+        assert f"`{option.flag}`" in cli and f"`{name}`" in api, name
         rows = [line for line in readme.splitlines() if line.startswith(f"| `{name}` |")]
         assert len(rows) == 1, name
         for value in option.choices[1:]:
