@@ -5,7 +5,7 @@ part of a block forward and of a refresh. The layers receive it and take what it
 
 Rules of `auto`:
 - djax's kernels run only on GPUs they were built and tuned for (`Device.runs_kernels`:
-  compute capability >= 9.0 and >= 227 KiB of shared memory per block), with 16-bit weights;
+  compute capability >= 9.0 and >= 227 KiB of shared memory per block), in bf16 or fp16;
   XLA everywhere else. A kernel that still fails to compile there falls back to XLA (the
   engine compiles again with `KernelOptions.auto_as_xla`).
 - With fp8 weights (`weights="fp8"`, `djax.models.fp8`) the dense products run in XLA
