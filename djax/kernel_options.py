@@ -35,8 +35,8 @@ class KernelOptions:
     # when asked for.
     attention_impl: str = _option(
         ("auto", "xla", "cudnn", "split_kv", "split_kv_mosaic"),
-        "split_kv on kernel GPUs with 16-bit weights where its tiles fit the heads; else "
-        "cudnn for refreshes on GPUs (16-bit) and xla",
+        "split_kv on kernel GPUs in bf16/fp16 (fp8 weights too) where its tiles fit the "
+        "heads; else cudnn for refreshes on GPUs (bf16/fp16) and xla",
     )
     # `pallas`: djax's Pallas Triton kernel; `mosaic`: its Pallas Mosaic GPU (Hopper) port,
     # taken only when asked for.
@@ -51,7 +51,7 @@ class KernelOptions:
         "rows with 16-bit weights, else xla",
     )
     # `mosaic`: block forwards' dense products in the fp8 x fp8 Pallas Mosaic GPU (Hopper)
-    # kernel, the rest `scaled`; taken only when asked for.
+    # kernel, XLA's products elsewhere `scaled`; taken only when asked for.
     fp8_impl: str = _option(
         ("auto", "dequant", "scaled", "mosaic"),
         "products of fp8 weights (weights='fp8'): scaled (fp8 x fp8, rows quantised per row) "
@@ -62,13 +62,15 @@ class KernelOptions:
     norm_impl: str = _option(
         ("auto", "xla", "pallas", "fused", "tiled"),
         "residual add + RMSNorm: tiled into the next product on kernel GPUs (16-bit weights, "
-        "<= 32 rows), else one pallas kernel there, else xla",
+        "<= 32 rows), else one pallas kernel there (bf16/fp16; its Mosaic GPU port under "
+        "matmul_impl=mosaic), else xla",
     )
     # `mosaic`: the q/k/v product with the RoPE kernel in its epilogue, in Pallas Mosaic GPU,
     # taken only when asked for.
     rope_impl: str = _option(
         ("auto", "xla", "pallas", "mosaic"),
-        "q/k norm, RoPE and K/V writes: pallas on kernel GPUs with 16-bit weights, else xla",
+        "q/k norm, RoPE and K/V writes: pallas on kernel GPUs in bf16/fp16 (fp8 weights "
+        "too) where its tiles fit the heads, else xla",
     )
     moe_impl: str = _option(
         ("auto", "xla", "pallas", "mosaic"),

@@ -142,9 +142,9 @@ def load(
     holding another format than `weights` raises a CheckpointError. options: the
     fields of `djax.kernel_options.KernelOptions` (`attention_impl="auto"|"xla"|"cudnn"|
     "split_kv"|"split_kv_mosaic"`, `mlp_impl`, `matmul_impl`, `rope_impl` and `moe_impl`, each
-    `"auto"|"xla"|"pallas"`, `mlp_impl` and `matmul_impl` also `"mosaic"`, `norm_impl` also
-    `"fused"` and `"tiled"`, `fp8_impl` `"auto"|"dequant"|"scaled"|"mosaic"`; `mosaic` holds
-    the dense products' fp8 values K-major, `djax.models.fp8`). An unknown option name
+    `"auto"|"xla"|"pallas"|"mosaic"`, `norm_impl="auto"|"xla"|"pallas"|"fused"|"tiled"`,
+    `fp8_impl="auto"|"dequant"|"scaled"|"mosaic"`; its `mosaic` holds the dense products'
+    fp8 values K-major, `djax.models.fp8`). An unknown option name
     raises a TypeError naming the closest valid one, and a value outside its choices a
     ValueError naming them, before anything is read.
     """

@@ -100,7 +100,8 @@ def test_kernel_choice_takes_xla_products_under_fp8():
     for forward in (choice.block.layers, choice.block.last, choice.refresh.last):
         assert (forward.qkv, forward.out, forward.mlp, forward.down) == ("xla",) * 4
         assert forward.norm_into_mlp == forward.norm_into_attention == "no"
-    assert choice.block.layers.attention == "split_kv"  # reads no weights: still djax's
+    block = choice.block.layers  # the kernels that read no weights: still djax's
+    assert (block.attention, block.rope, block.norm) == ("split_kv", "pallas", "pallas")
     assert (choice.block.layers.fp8, choice.refresh.layers.fp8) == ("scaled", "scaled")
     moe = resolve(KernelOptions(), HOPPER, LLADA_MOE, jnp.bfloat16, GENERATION, weights="fp8")
     assert moe.block.layers.moe == "mosaic"  # the one expert kernel that reads fp8

@@ -30,6 +30,7 @@ def _choice(config=LLADA_8B, shapes=GENERATION, **kwargs):
 def test_block_forwards_take_the_kernel_refreshes_scaled():
     choice = _choice()
     assert choice.k_major
+    assert choice.explain().endswith("\nweights: fp8, dense products' values K-major")
     for forward in (choice.block.layers, choice.block.last):
         assert (forward.qkv, forward.out, forward.mlp, forward.down) == ("fp8_mosaic",) * 4
         assert forward.fp8 == "scaled"  # what XLA's products (none here) would take
@@ -46,6 +47,7 @@ def test_block_forwards_take_the_kernel_refreshes_scaled():
     # the option is only taken when asked, and says nothing without fp8 weights
     auto = resolve(KernelOptions(), HOPPER, LLADA_8B, jnp.bfloat16, GENERATION, weights="fp8")
     assert not auto.k_major and auto.block.layers.qkv == "xla"
+    assert auto.explain().endswith("\nweights: fp8, as stored")
     plain = resolve(MOSAIC, HOPPER, LLADA_8B, jnp.bfloat16, GENERATION)
     assert not plain.k_major and plain.block.layers.qkv == "rope"
 

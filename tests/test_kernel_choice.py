@@ -172,7 +172,7 @@ def test_moe_mosaic_only_when_asked():
     blackwell = Device("gpu", (10, 0), 227 * 1024)  # djax's Triton kernels, no WGMMA
     for device in (AMPERE, CPU, blackwell):
         assert _choice(config=LLADA_MOE, device=device, weights="fp8").block.layers.moe == "grouped"
-    with pytest.raises(ValueError, match="moe_impl='mosaic' takes bfloat16 or float16"):
+    with pytest.raises(ValueError, match="moe_impl='mosaic' takes .* model dtype; got float32"):
         _choice(mosaic, CPU, LLADA_MOE, dtype=jnp.float32)
     with pytest.raises(ValueError, match="moe_impl='mosaic' takes .* 64; got model 2048, local"):
         _choice(mosaic, CPU, LLADA_MOE.replace(expert_hidden=48))
@@ -349,3 +349,42 @@ def test_mosaic_products_take_the_mosaic_norm_kernel():
     assert _choice().block.layers.norm == "pallas"
     odd = LLADA_8B.replace(d_model=4096 + 64)  # Mosaic GPU products, not whole 512-blocks
     assert _choice(mosaic.replace(norm_impl="pallas"), config=odd).block.layers.norm == "pallas"
+
+
+def test_auto_mosaic_experts_and_rope_windows():
+    """`auto` takes the Mosaic GPU expert tiles for fp8 experts only where their widths are
+    multiples of 64 (XLA's grouped path otherwise); `rope_impl="mosaic"` takes block windows
+    whose rows are a multiple of 8 (XLA's RoPE otherwise, after the q/k/v product
+    `matmul_impl` gives)."""
+    narrow = _choice(config=LLADA_MOE.replace(expert_hidden=48), weights="fp8").block.layers
+    assert narrow.moe == "grouped"
+    odd = _choice(KernelOptions(rope_impl="mosaic"), shapes=Shapes(1, 12, 384, 12)).block.layers
+    assert (odd.rope, odd.qkv) == ("xla", "pallas")
+    even = _choice(KernelOptions(rope_impl="mosaic"), shapes=Shapes(1, 16, 384, 16)).block.layers
+    assert (even.rope, even.qkv) == ("mosaic", "rope")
+
+
+def test_readme_documents_every_option_value_and_kernel_module():
+    """The README's options table has one row per option naming each of its values, and its
+    code layout names every kernel module, as does `djax.kernels`' docstring; `load`'s
+    docstring names every value."""
+    import djax.kernels
+
+    for name, option in KERNEL_OPTIONS.items():
+        assert name in djax.load.__doc__, name
+        for value in option.choices:
+            assert f'"{value}"' in djax.load.__doc__, (name, value)
+
+    readme = (ROOT / "README.md").read_text()
+    cli = readme.split("\n## The CLI\n", 1)[1].split("\n## ", 1)[0]
+    api = next(line for line in readme.splitlines() if line.startswith("| `djax.load(path"))
+    for name, option in KERNEL_OPTIONS.items():
+        assert f"`{option.flag}`" in cli and f"`{name}`" in api, name
+        rows = [line for line in readme.splitlines() if line.startswith(f"| `{name}` |")]
+        assert len(rows) == 1, name
+        for value in option.choices[1:]:
+            assert f"`{value}`" in rows[0], (name, value)
+    layout = next(line for line in readme.splitlines() if line.startswith("| `djax/kernels/` |"))
+    for module in sorted((ROOT / "djax" / "kernels").glob("[a-z]*.py")):
+        assert f"`{module.stem}`" in layout, module.stem
+        assert f"`{module.stem}`" in djax.kernels.__doc__, module.stem

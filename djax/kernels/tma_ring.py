@@ -1,7 +1,8 @@
-"""What djax's Pallas Mosaic GPU product kernels (`split_k_mosaic`, `swiglu_mosaic`,
-`residual_product_mosaic`) share:
-their tile rules, the ring of shared-memory slots each CTA streams its operands through,
-and how they run off GPUs (Mosaic GPU's interpreter, which is how the CPU tests check them).
+"""What djax's Pallas Mosaic GPU kernels (`split_k_mosaic`, `swiglu_mosaic`,
+`residual_product_mosaic`, `rope_write_mosaic`, `expert_tiles_mosaic`, `fp8_matmul_mosaic`;
+the attention and norm kernels take its layouts and stores) share: their tile rules, the
+ring of shared-memory slots each CTA streams its operands through, and how they run off
+GPUs (Mosaic GPU's interpreter, which is how the CPU tests check them).
 
 Each CTA owns one tile of `block_n` output columns (of one contraction slice, for the
 split-K product) and steps through the contraction `block_k` at a time: TMA copies bring

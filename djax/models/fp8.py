@@ -17,7 +17,14 @@ Products (`Kernels.fp8`): `dequant` converts the values to the rows' dtype insid
 dot (whose result is in the rows' dtype, as with weights of the model's dtype) and scales
 it per output channel in fp32; `scaled` also quantises the rows to e4m3
 (one scale per row, over the contraction axis) and runs an fp8 x fp8 dot accumulating in
-fp32, scaled by both.
+fp32, scaled by both. Outside XLA: the parts a kernel choice marks `fp8_mosaic` run the
+`scaled` product in `djax.kernels.fp8_matmul_mosaic`, and `moe="mosaic"` converts the
+experts' e4m3 tiles inside `djax.kernels.expert_tiles_mosaic`.
+
+Layout: the fp8 Mosaic GPU kernel reads the values K-major, so under `fp8_impl="mosaic"`
+(`k_major`) a model holds the dense products' values output axes first
+(`k_major_order`, moved by `to_layout`; `Fp8Weight.k_major`); checkpoints always hold the
+layout above.
 """
 
 from __future__ import annotations

@@ -5,12 +5,14 @@ part of a block forward and of a refresh. The layers receive it and take what it
 
 Rules of `auto`:
 - djax's kernels run only on GPUs they were built and tuned for (`Device.runs_kernels`:
-  compute capability >= 9.0 and >= 227 KiB of shared memory per block), with 16-bit weights;
+  compute capability >= 9.0 and >= 227 KiB of shared memory per block), in bf16 or fp16;
   XLA everywhere else. A kernel that still fails to compile there falls back to XLA (the
   engine compiles again with `KernelOptions.auto_as_xla`).
-- With fp8 weights (`weights="fp8"`, `djax.models.fp8`) every product of weights runs in
-  XLA (djax's product kernels take 16-bit weights; the attention, RoPE and norm kernels,
-  which read no weights, are chosen as above). Their fp8 path (`Kernels.fp8`): `scaled`
+- With fp8 weights (`weights="fp8"`, `djax.models.fp8`) the dense products run in XLA
+  (djax's Triton product kernels take 16-bit weights; the attention, RoPE and norm kernels,
+  which read no weights, are chosen as above), and the MoE experts in their Mosaic GPU
+  tiles (`moe="mosaic"`, which convert e4m3 tiles in the kernel) on kernel GPUs where the
+  widths are multiples of 64, in XLA elsewhere. XLA's fp8 path (`Kernels.fp8`): `scaled`
   (fp8 x fp8) for every forward on GPUs with fp8 tensor cores (`FP8_MIN_CAPABILITY`),
   `dequant` elsewhere. One path for the whole program: a program whose refreshes run
   `scaled` and block forwards `dequant` was measured slower than either alone
@@ -44,20 +46,23 @@ the q/k/v product keeps its RoPE kernel apart and the norm before attention is n
 `rope_impl="mosaic"` (`djax.kernels.rope_write_mosaic`, Hopper GPUs) is also taken only when
 asked for, with 16-bit weights, heads of 64 or 128 features and a model width that is a
 multiple of 64: it runs the q/k/v product with the RoPE kernel in its epilogue (`qkv="rope"`)
-in forwards whose windows it takes (`rope_write_mosaic.fits`: block windows), and XLA's
-product and RoPE in the others (refreshes); the norm before attention stays apart.
+in forwards of at most `KERNEL_MAX_ROWS` token rows whose windows it takes
+(`rope_write_mosaic.fits`: block windows), and XLA's RoPE in the others (refreshes; the
+q/k/v product there as `matmul_impl` gives it); the norm before attention stays apart.
 `attention_impl="split_kv_mosaic"` (the split-K/V kernel's Mosaic GPU port,
 `djax.kernels.flash_attention_mosaic`) is likewise taken only when asked for, for block
 forwards and refreshes, with 16-bit inputs and head dims that are multiples of 64.
-`moe_impl="mosaic"` (`djax.kernels.expert_tiles_mosaic`) is likewise taken only when asked
-for, and is the one expert kernel that takes fp8 weights as well as 16-bit ones.
-`fp8_impl="mosaic"` (fp8 weights, `djax.kernels.fp8_matmul_mosaic`, Hopper GPUs) is likewise
-taken only when asked for, on one device, with every dense product's contraction a multiple
+`moe_impl="mosaic"` (`djax.kernels.expert_tiles_mosaic`), the one expert kernel that takes
+fp8 weights as well as 16-bit ones, runs every forward's experts where asked (no row limit:
+its row tiles follow the experts); `auto` takes it only for fp8 weights (above).
+`fp8_impl="mosaic"` (fp8 weights, `djax.kernels.fp8_matmul_mosaic`, Hopper GPUs) is taken
+only when asked for, on one device, with every dense product's contraction a multiple
 of 128 and its output a multiple of 64: block forwards of at most `KERNEL_MAX_ROWS` token
 rows run the q/k/v, attention-output and down products and the SwiGLU gate/up path in the
 fp8 x fp8 Mosaic GPU kernel (`fp8_mosaic`), their partials handed on as the split-K
-kernels' are; refreshes, longer forwards and the experts run XLA's `scaled` products. The
-model then holds those weights K-major (`KernelChoice.k_major`, `djax.models.fp8`).
+kernels' are; refreshes and longer forwards run XLA's `scaled` products, and the experts
+keep their own choice (`moe_impl`). The model then holds those weights K-major
+(`KernelChoice.k_major`, `djax.models.fp8`).
 """
 
 from __future__ import annotations
@@ -163,8 +168,8 @@ class Kernels:
     `dense`, `grouped`, `pallas` or `mosaic` (`resolve` says `none` for a model without
     experts).
     fp8: how XLA's products take fp8 weights, `dequant` or `scaled` (`djax.models.fp8`),
-    `no` for weights in the model's dtype; the parts above that say `fp8_mosaic` take
-    them in Mosaic GPU instead."""
+    `no` for weights in the model's dtype; the parts above that say `fp8_mosaic`, and
+    `moe="mosaic"`, take them in Mosaic GPU instead."""
 
     attention: str = "xla"
     qkv: str = "xla"
@@ -214,12 +219,16 @@ class KernelChoice:
 
     def explain(self) -> str:
         """The choice as one line per forward (`part=path, ...`), and a line for the last
-        layer's kept rows where they differ."""
+        layer's kept rows where they differ; with fp8 weights a last line names them and
+        their layout (K-major under `fp8_impl="mosaic"`)."""
         lines = []
         for name, forward in (("block forward", self.block), ("refresh", self.refresh)):
             lines.append(f"{name}: {_listed(forward.layers)}")
             if forward.last != forward.layers:
                 lines.append(f"  last layer, kept rows: {_listed(forward.last, forward.layers)}")
+        if self.weights != "dtype":
+            layout = "dense products' values K-major" if self.k_major else "as stored"
+            lines.append(f"weights: {self.weights}, {layout}")
         return "\n".join(lines)
 
 
@@ -372,7 +381,8 @@ class _Rule:
         for name in ("matmul_impl", "mlp_impl", "rope_impl", "moe_impl"):
             if getattr(options, name) == "mosaic" and not tma_ring.takes_dtype(dtype):
                 raise ValueError(
-                    f"{name}='mosaic' takes bfloat16 or float16 weights; got {self.dtype_name}"
+                    f"{name}='mosaic' takes bfloat16 or float16 as the model dtype; got "
+                    f"{self.dtype_name}"
                 )
 
     def forward(
