@@ -11,8 +11,8 @@ Rules of `auto`:
 - With fp8 weights (`weights="fp8"`, `djax.models.fp8`) the dense products run in XLA
   (djax's Triton product kernels take 16-bit weights; the attention, RoPE and norm kernels,
   which read no weights, are chosen as above), and the MoE experts in their Mosaic GPU
-  tiles (`moe="mosaic"`, which convert e4m3 tiles in the kernel) on kernel GPUs where the
-  widths are multiples of 64, in XLA elsewhere. XLA's fp8 path (`Kernels.fp8`): `scaled`
+  tiles (`moe="mosaic"`, which convert e4m3 tiles in the kernel) on Hopper kernel GPUs
+  (`Device.runs_wgmma`) where the widths are multiples of 64, in XLA elsewhere. XLA's fp8 path (`Kernels.fp8`): `scaled`
   (fp8 x fp8) for every forward on GPUs with fp8 tensor cores (`FP8_MIN_CAPABILITY`),
   `dequant` elsewhere. One path for the whole program: a program whose refreshes run
   `scaled` and block forwards `dequant` was measured slower than either alone
