@@ -174,6 +174,7 @@ def test_moe_mosaic_only_when_asked():
         assert _choice(config=LLADA_MOE, device=device, weights="fp8").block.layers.moe == "grouped"
     with pytest.raises(ValueError, match="moe_impl='mosaic' takes .* model dtype; got float32"):
         _choice(mosaic, CPU, LLADA_MOE, dtype=jnp.float32)
+    _choice(mosaic, CPU, LLADA_8B, dtype=jnp.float32)  # no experts: moe_impl does not apply
     with pytest.raises(ValueError, match="moe_impl='mosaic' takes .* 64; got model 2048, local"):
         _choice(mosaic, CPU, LLADA_MOE.replace(expert_hidden=48))
 

@@ -389,8 +389,9 @@ def test_a_budget_runs_a_long_and_a_short_row_as_two_calls(demo_model, generatio
     }
     try:
         assert engine.memory.fits(2, 64) and not engine.memory.fits(2, 128)
-        for name, (ids, max_tokens) in requests.items():
-            engine.submit(EngineRequest(name, ids, max_tokens), got.sink(name))
+        with engine._lock:  # both queued before the engine's loop next looks at the queue
+            for name, (ids, max_tokens) in requests.items():
+                engine.submit(EngineRequest(name, ids, max_tokens), got.sink(name))
         got.wait(2)
     finally:
         engine.stop()

@@ -12,11 +12,11 @@ Rules of `auto`:
   (djax's Triton product kernels take 16-bit weights; the attention, RoPE and norm kernels,
   which read no weights, are chosen as above), and the MoE experts in their Mosaic GPU
   tiles (`moe="mosaic"`, which convert e4m3 tiles in the kernel) on Hopper kernel GPUs
-  (`Device.runs_wgmma`) where the widths are multiples of 64, in XLA elsewhere. XLA's fp8 path (`Kernels.fp8`): `scaled`
-  (fp8 x fp8) for every forward on GPUs with fp8 tensor cores (`FP8_MIN_CAPABILITY`),
-  `dequant` elsewhere. One path for the whole program: a program whose refreshes run
-  `scaled` and block forwards `dequant` was measured slower than either alone
-  (`bench/NOTES.md`).
+  (`Device.runs_wgmma`) where the widths are multiples of 64, in XLA elsewhere. XLA's fp8
+  path (`Kernels.fp8`): `scaled` (fp8 x fp8) for every forward on GPUs with fp8 tensor cores
+  (`FP8_MIN_CAPABILITY`), `dequant` elsewhere. One path for the whole program: a program
+  whose refreshes run `scaled` and block forwards `dequant` was measured slower than either
+  alone (`bench/NOTES.md`).
 - The products, the SwiGLU kernel and the norm fused into the next product take at most
   `KERNEL_MAX_ROWS` token rows (a denoising block of one sequence), the rows their tiles
   were built for; more rows take XLA's GEMMs.
@@ -362,8 +362,10 @@ class _Rule:
                 f"attention_impl={options.attention_impl!r} takes bf16 or fp16 inputs; got "
                 f"{self.dtype_name}"
             )
+        # A model without experts ignores `moe_impl`: it is checked only where it applies.
+        moe = ("moe_impl",) if widths.config.is_moe else ()
         if self.fp8:
-            for name in ("matmul_impl", "mlp_impl", "moe_impl"):
+            for name in ("matmul_impl", "mlp_impl", *moe):
                 if getattr(options, name) in ("pallas", "mosaic") and not (
                     name == "moe_impl" and options.moe_impl == "mosaic"
                 ):
@@ -378,7 +380,7 @@ class _Rule:
                 "rope_impl='mosaic' runs the q/k/v product of 16-bit weights; with "
                 "weights='fp8' give 'auto', 'xla' or 'pallas'"
             )
-        for name in ("matmul_impl", "mlp_impl", "rope_impl", "moe_impl"):
+        for name in ("matmul_impl", "mlp_impl", "rope_impl", *moe):
             if getattr(options, name) == "mosaic" and not tma_ring.takes_dtype(dtype):
                 raise ValueError(
                     f"{name}='mosaic' takes bfloat16 or float16 as the model dtype; got "
