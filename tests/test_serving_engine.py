@@ -600,8 +600,9 @@ def test_rounds_of_two_calls_give_generate_s_tokens(demo_model, generation, monk
     max_tokens = [64, 8, 64, 8, 40]
     rows = [_ids(demo_model, prompt) for prompt in PROMPTS]
     got = Collector()
-    for i, ids in enumerate(rows):
-        engine.submit(EngineRequest(f"r{i}", ids, max_tokens[i]), got.sink(f"r{i}"))
+    with engine._lock:  # all queued before the engine's loop next looks at the queue
+        for i, ids in enumerate(rows):
+            engine.submit(EngineRequest(f"r{i}", ids, max_tokens[i]), got.sink(f"r{i}"))
     got.wait(len(rows))
     engine.stop()
     assert any(len(groups) == 2 for groups in rounds)
