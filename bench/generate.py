@@ -88,6 +88,10 @@ def run_case(
     best = sorted(runs, key=lambda r: r.stats.seconds)[len(runs) // 2]
     s = best.stats
     hit = experts_hit(model, prompts, config) if model.config.is_moe else {}
+    kernels = None  # block diffusion's programs are planned apart (`djax.block_diffusion`)
+    if not model.config.block_diffusion:
+        plan, _ = engine.make_plan(model, config, batch, prompt_len)
+        kernels = engine.kernel_choice(model, plan).explain()
     limit = block_diffusion_limit if model.config.block_diffusion else denoising_limit
     limit_s = limit(model, s, prompt_len, batch, config, hit, ceilings)
     tokens = batch * config.gen_length  # early stop is off: every answer position is generated
@@ -109,6 +113,7 @@ def run_case(
         "compile_s": first.stats.compile_seconds,
         "experts_hit": hit,
         "steps": config.steps,
+        "kernels": kernels,
     }
 
 

@@ -329,6 +329,9 @@ def test_generate_rows_carry_the_batch_and_its_limit(dense_model):
     assert math.isclose(two["limit_tokens_per_s"], 2 * one["limit_tokens_per_s"])
     flops_one, flops_two = rows[1, "flops"]["limit_tokens_per_s"], rows[2, "flops"]
     assert math.isclose(flops_two["limit_tokens_per_s"], flops_one)
+    # what the kernel options resolved to, as `djax generate --explain` prints it (CPU: XLA)
+    assert one["kernels"].startswith("block forward: attention=xla")
+    assert "\nrefresh: " in one["kernels"]
     assert positive("8") == 8
     with pytest.raises(Exception, match="batch '0'; expected a positive integer"):
         positive("0")
