@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 
 from djax.kernels import tma_ring
 from djax.kernels.handoff import Partials, ScaledRows, add_slices
-from djax.kernels.residual_product_mosaic import MAX_COLUMN_TILES
+from djax.kernels.residual_product_mosaic import MAX_COLUMN_TILES, scaled_rows_tile
 from djax.kernels.tma_ring import ROW_TILE
 
 Array = jax.Array
@@ -88,13 +88,12 @@ def _kernel(
     # The contract's roundings to h's dtype: y's sum, then x + y; everything after reads
     # the rounded h.
     y = add_slices([y_smem[split].astype(jnp.float32) for split in range(splits)], dtype)
-    h = (x_smem[...].astype(jnp.float32) + y).astype(dtype)
-    hf = h.astype(jnp.float32)
-    scale = tma_ring.accumulator_columns(scale_smem[column_tile], interpreting)
-    scale = jax.lax.broadcast_in_dim(scale.astype(jnp.float32), hf.shape, [1])
+    h, scaled, squares = scaled_rows_tile(
+        x_smem[...], y, scale_smem, column_tile, dtype, interpreting
+    )
     h_smem[...] = h
-    scaled_smem[...] = (hf * scale).astype(dtype)
-    squares_smem[...] = jnp.sum(hf * hf, axis=1)
+    scaled_smem[...] = scaled
+    squares_smem[...] = squares
     tma_ring.store_rows(
         h_smem,
         lambda rows: h_gmem.at[rows, cols],

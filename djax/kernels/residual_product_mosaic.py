@@ -99,6 +99,20 @@ def _cluster_sync() -> None:
     sync()
 
 
+def scaled_rows_tile(residual, y, scale_smem, column_tile, dtype, interpreting: bool):
+    """Inside a kernel, one tile of `ScaledRows` (`handoff`): `h = residual + y` rounded to
+    `dtype` (the sum in fp32, `y` already rounded as its contract says), `h * scale` in
+    `dtype` and each row's sum of squares of the stored `h`, in fp32. residual: [rows,
+    cols] tile; y: fp32 [rows, cols]; scale_smem: the norm scale by column tile, [tiles,
+    cols], read at `column_tile` once h is made (the order the lowering's layouts were
+    checked in on GPUs). Returns (h, scaled, squares [rows])."""
+    h = (residual.astype(jnp.float32) + y).astype(dtype)
+    hf = h.astype(jnp.float32)
+    scale = tma_ring.accumulator_columns(scale_smem[column_tile], interpreting)
+    scale = jax.lax.broadcast_in_dim(scale.astype(jnp.float32), hf.shape, [1])
+    return h, (hf * scale).astype(dtype), jnp.sum(hf * hf, axis=1)
+
+
 def _kernel(
     x_gmem,
     w_gmem,
@@ -150,13 +164,12 @@ def _kernel(
         y = product.astype(dtype).astype(jnp.float32)
         plgpu.barrier_wait(inputs_bar.at[0])
         plgpu.barrier_wait(inputs_bar.at[1])
-        h = (res_smem[...].astype(jnp.float32) + y).astype(dtype)
-        hf = h.astype(jnp.float32)
-        scale = tma_ring.accumulator_columns(scale_smem[column_tile], interpreting)
-        scale = jax.lax.broadcast_in_dim(scale.astype(jnp.float32), hf.shape, [1])
+        h, scaled, squares = scaled_rows_tile(
+            res_smem[...], y, scale_smem, column_tile, dtype, interpreting
+        )
         h_smem[...] = h
-        scaled_smem[...] = (hf * scale).astype(dtype)
-        squares_smem[...] = jnp.sum(hf * hf, axis=1)
+        scaled_smem[...] = scaled
+        squares_smem[...] = squares
 
     def finish(product):
         if tiles.splits == 1:
