@@ -15,10 +15,10 @@ each slot, scales both fp32 products and writes `silu(gate) * up`, as `swiglu_mo
 for 16-bit weights.
 
 Rules: k a multiple of 128 (`block_k` is), n a multiple of 64, `block_n` at most 256
-(WGMMA's widest N). Rows are quantised by `quantize_rows`, the rule of
-`djax.models.fp8.quantize` over the row (the `scaled` product's). Mosaic GPU's interpreter
-has no transposed WGMMA operand: there each step's weight tile is first copied, transposed,
-into a scratch tile of its own.
+(WGMMA's widest N). Rows are quantised by `quantize_rows`: `quantize`, the rule of every
+fp8 weight (`djax.models.fp8`), over the row (as the `scaled` product does). Mosaic GPU's
+interpreter has no transposed WGMMA operand: there each step's weight tile is first copied,
+transposed, into a scratch tile of its own.
 """
 
 from __future__ import annotations
@@ -48,14 +48,21 @@ def fits(k: int, n: int) -> bool:
     return k % K_TILE == 0 and n % tma_ring.TILE == 0
 
 
-def quantize_rows(x: Array) -> tuple[Array, Array]:
-    """x [..., k] -> (e4m3 values [..., k], fp32 scale [...]): each row's scale is its max
-    |x| / 448 (1 for a zero row) and its values `x / scale` rounded to nearest e4m3, the
-    rule of `djax.models.fp8.quantize` over the row (which this package may not import)."""
-    xf = x.astype(jnp.float32)
-    peak = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+def quantize(w: Array, axes: tuple[int, ...]) -> tuple[Array, Array]:
+    """`w` -> (e4m3 values of w's shape, fp32 scale of w's shape without `axes`): the scale
+    is the max |w| over `axes` / 448 (1 where that max is 0), the values `w / scale`
+    rounded to nearest e4m3. The one rule of djax's fp8 weights (`djax.models.fp8`) and
+    rows."""
+    wf = w.astype(jnp.float32)
+    peak = jnp.max(jnp.abs(wf), axis=axes, keepdims=True)
     scale = jnp.where(peak > 0, peak / E4M3_MAX, 1.0)
-    return jnp.clip(xf / scale, -E4M3_MAX, E4M3_MAX).astype(FP8), scale[..., 0]
+    values = jnp.clip(wf / scale, -E4M3_MAX, E4M3_MAX).astype(FP8)
+    return values, jnp.squeeze(scale, axes)
+
+
+def quantize_rows(x: Array) -> tuple[Array, Array]:
+    """x [..., k] -> (e4m3 values [..., k], fp32 scale [...]): `quantize` over each row."""
+    return quantize(x, (x.ndim - 1,))
 
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:

@@ -37,8 +37,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from djax.config import WEIGHTS, check_weights
+from djax.kernels.fp8_matmul_mosaic import E4M3_MAX, FP8, quantize
 
 __all__ = [
+    "E4M3_MAX",
+    "FP8",
     "WEIGHTS",
     "check_weights",
     "Fp8Weight",
@@ -50,8 +53,6 @@ __all__ = [
 
 Array = jax.Array
 
-FP8 = jnp.float8_e4m3fn
-E4M3_MAX = float(jnp.finfo(FP8).max)  # 448
 SCALE_SUFFIX = "_scale"
 
 
@@ -182,15 +183,6 @@ def scale_name(name: str) -> str:
 def values_name(name: str) -> str | None:
     """The values' name of a scale's param name, or None where `name` is no scale."""
     return name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
-
-
-def quantize(w: Array, axes: tuple[int, ...]) -> tuple[Array, Array]:
-    """`w` -> (e4m3 values of w's shape, fp32 scale of w's shape without `axes`)."""
-    wf = w.astype(jnp.float32)
-    peak = jnp.max(jnp.abs(wf), axis=axes, keepdims=True)
-    scale = jnp.where(peak > 0, peak / E4M3_MAX, 1.0)
-    values = jnp.clip(wf / scale, -E4M3_MAX, E4M3_MAX).astype(FP8)
-    return values, jnp.squeeze(scale, axes)
 
 
 def dequantize(values: Array, scale: Array, axes: tuple[int, ...], dtype: Any) -> Array:
