@@ -40,7 +40,13 @@ import jax.numpy as jnp
 
 from bench.common import model_config, save
 from bench.kernels.timing import rel_error, time_row
-from djax.kernels import residual_product, rope_write, rope_write_mosaic, split_k_mosaic
+from djax.kernels import (
+    residual_product,
+    rope_write,
+    rope_write_mosaic,
+    split_k_mosaic,
+    tma_ring,
+)
 from djax.kernels.residual_norm import add_rms_norm, add_scaled
 from djax.kernels.split_k import Tiles, matmul_partials, tiles_for
 from djax.models import layers
@@ -157,8 +163,10 @@ def qkv_rope_inputs(cfg, rows: int, key) -> tuple:
     return x, w, buffers, positions, cos, sin, bounds, scales
 
 
-# --fused-sweep: the fused kernel at these (num_warps, num_stages) besides its default (4, 4)
+# --fused-sweep: the Triton fused kernel at these (num_warps, num_stages) besides its default
+# (4, 4), and the Mosaic GPU one at these ring stages (its block_n is head_dim, block_k 64)
 FUSED_SWEEP = ((4, 3), (4, 5), (8, 3), (8, 4), (8, 5))
+MOSAIC_FUSED_STAGES = (3, 4, 5, 6)
 
 
 def qkv_rope_forms(cfg, fused_sweep: bool = False) -> dict:
@@ -207,9 +215,9 @@ def qkv_rope_forms(cfg, fused_sweep: bool = False) -> dict:
         qkv = type(qkv)(qkv.parts.reshape(qkv.parts.shape[:-1] + w.shape[1:]), qkv.dtype)
         return rope_write_mosaic.rope_and_write(qkv, cos, sin, buffers, bounds, scales, ops)
 
-    def mosaic_fused(x, w, buffers, positions, cos, sin, bounds, scales):
+    def mosaic_fused(x, w, buffers, positions, cos, sin, bounds, scales, tiles=None):
         return rope_write_mosaic.project_rope_and_write(
-            x, w, cos, sin, buffers, bounds, scales, ops
+            x, w, cos, sin, buffers, bounds, scales, ops, tiles=tiles
         )
 
     forms = {
@@ -223,6 +231,9 @@ def qkv_rope_forms(cfg, fused_sweep: bool = False) -> dict:
     }
     for warps, stages in FUSED_SWEEP if fused_sweep else ():
         forms[f"fused w{warps} st{stages}"] = functools.partial(fused, warps=warps, stages=stages)
+    for stages in MOSAIC_FUSED_STAGES if fused_sweep else ():
+        tiles = tma_ring.Tiles(block_n=cfg.head_dim, block_k=64, splits=1, stages=stages)
+        forms[f"mosaic_fused st{stages}"] = functools.partial(mosaic_fused, tiles=tiles)
     return forms
 
 

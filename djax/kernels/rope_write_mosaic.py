@@ -75,9 +75,9 @@ def fits(t: int, model: int, head_dim: int, rotary_dim: int) -> bool:
 
 
 def tiles_for(head_dim: int) -> Tiles:
-    """A head's columns in 64-wide steps through 6 slots: the split-K kernel's q/k/v
-    tiling."""
-    return Tiles(block_n=head_dim, block_k=tma_ring.TILE, splits=1, stages=6)
+    """A head's columns in 64-wide steps through 4 slots (the fastest ring of
+    `bench.kernels.split_k --fused-sweep` at LLaDA-8B's heads)."""
+    return Tiles(block_n=head_dim, block_k=tma_ring.TILE, splits=1, stages=4)
 
 
 def _read(ref, interpreting: bool) -> Array:

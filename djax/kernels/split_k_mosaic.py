@@ -29,14 +29,14 @@ MIN_CTAS = 96
 
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:
-    """128-column tiles in 64-wide steps (6 stages) where they alone give `MIN_CTAS`
+    """128-column tiles in 64-wide steps (4 stages) where they alone give `MIN_CTAS`
     column tiles; else 64-column tiles in up to 128-wide steps (4 stages), the contraction
     cut into the fewest slices (up to 8, of at least 2 steps) that reach `MIN_CTAS`. At
     LLaDA-8B's block products: q/k/v (4096 -> 12288) 96 tiles unsplit, the attention
-    output (4096 -> 4096) and down (12288 -> 4096) products 64 tiles x 2 slices (the
-    fastest tilings of `bench.probes.tma_matmul`)."""
+    output (4096 -> 4096) and down (12288 -> 4096) products 64 tiles x 2 slices (among
+    the fastest tilings of `bench.kernels.mosaic --sweep`)."""
     if n % 128 == 0 and n // 128 >= MIN_CTAS:
-        return Tiles(block_n=128, block_k=tiling.largest_block(k, 64), splits=1, stages=6)
+        return Tiles(block_n=128, block_k=tiling.largest_block(k, 64), splits=1, stages=4)
     block_n = tma_ring.TILE
     block_k = tiling.largest_block(k, 128)
     splits = 1
