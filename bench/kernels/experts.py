@@ -93,13 +93,20 @@ EXPERT_TILES = (
     (expert_tiles.Tiles(block_m=16, block_n=128), expert_tiles.Tiles(block_m=16, block_n=128)),
 )
 # The Mosaic GPU port (`expert_tiles_mosaic`): (gate/up, down) tiles; None is `tiles_for`
-# (128 columns, 64-wide steps, 4 stages: one CTA per SM). Two stages leave room for two
-# CTAs per SM; 64-column gate/up tiles make twice the CTAs.
+# (128 columns, 64-wide steps, 4 stages, row tiles of `row_tile_for`: 16 rows at a block's
+# 32 tokens, 64 at a refresh's). `r64` reads x 64 rows at a time whatever the experts' rows;
+# two stages leave room for two CTAs per SM; 64-column gate/up tiles make twice the CTAs.
 MOSAIC_TILES = (
     None,
-    (Tiles(block_n=128, stages=2), Tiles(block_n=128, stages=2)),
-    (Tiles(block_n=64, stages=4), Tiles(block_n=128, stages=4)),
-    (Tiles(block_n=128, block_k=128, stages=2), Tiles(block_n=128, block_k=128, stages=2)),
+    (Tiles(block_n=128, stages=4), Tiles(block_n=128, stages=4)),
+    (Tiles(block_n=128, stages=2, rows=16), Tiles(block_n=128, stages=2, rows=16)),
+    (Tiles(block_n=128, stages=6, rows=16), Tiles(block_n=128, stages=6, rows=16)),
+    (Tiles(block_n=64, stages=4, rows=16), Tiles(block_n=128, stages=4, rows=16)),
+    (Tiles(block_n=128, stages=4, rows=32), Tiles(block_n=128, stages=4, rows=32)),
+    (
+        Tiles(block_n=128, block_k=128, stages=2, rows=16),
+        Tiles(block_n=128, block_k=128, stages=3, rows=16),
+    ),
 )
 XLA_RAGGED_OPTIONS = {
     "default": {},
@@ -164,7 +171,7 @@ def mosaic_paths() -> list[tuple[str, object, dict, str]]:
 
 
 def _mosaic_label(tiles) -> str:
-    return " / ".join(f"n{t.block_n} k{t.block_k} s{t.stages}" for t in tiles)
+    return " / ".join(f"n{t.block_n} k{t.block_k} s{t.stages} r{t.rows}" for t in tiles)
 
 
 def _tiles_label(tiles) -> str:

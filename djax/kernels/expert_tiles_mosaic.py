@@ -10,13 +10,16 @@ prove a multiple of 8: `pl.multiple_of` on the tile table's first row, true by t
 layout. The stores then copy whole 8-row groups of the swizzled output tile.
 
 The tiles follow the experts as in `expert_tiles`: expert `e`'s `a_e` aligned rows (`n_e`
-rounded up to 8) make `ceil(a_e / 64)` = `ceil(n_e / 64)` row tiles of their own
-(`expert_tiles.row_tiles`; 64 is WGMMA's row tile), and the CTAs of the tiles past the
-table's used ones return at once. Each CTA owns one (row tile, `block_n` columns) and
-streams its expert's weight tiles through the ring of `tma_ring`; rules beyond the ring's:
+rounded up to 8) make `ceil(a_e / r)` = `ceil(n_e / r)` row tiles of their own
+(`expert_tiles.row_tiles`), `r` being the program's `Tiles.rows` (8 to 64, a multiple of 8;
+`row_tile_for` takes the mean expert's rows, so a block's few rows per expert are not read
+64 at a time), and the CTAs of the tiles past the table's used ones return at once. Each
+CTA owns one (row tile, `block_n` columns) and streams its expert's weight tiles through
+the ring of `tma_ring`; rules beyond the ring's:
 
-- The rows: a tile's 64 rows are read from its first row by TMA (rows of the next expert
-  or past the array's end come along, read as zeros past the end; their products are
+- The rows: a tile's `r` rows are read from its first row by TMA into the first rows of
+  each 64-row slot (rows of the next expert or past the array's end come along, read as
+  zeros past the end; their products, and those of the slot's stale rows past `r`, are
   never stored). The gate/up product's rows are the pairs' token rows, gathered into an
   aligned [rows, model] copy by XLA before the kernel (TMA copies whole boxes, not rows by
   index); the down product's rows are the gate/up product's output, in the same layout.
@@ -56,9 +59,18 @@ SCALE_BYTES = 4  # a column's fp32 scale
 
 
 def tiles_for(pairs: int, groups: int, k: int, n: int) -> Tiles:
-    """128 columns (64 where 128 do not divide n) in 64-wide steps, 4 stages."""
+    """128 columns (64 where 128 do not divide n) in 64-wide steps, 4 stages, row tiles
+    of `row_tile_for` rows."""
     block_n = 128 if n % 128 == 0 else tma_ring.TILE
-    return Tiles(block_n=block_n, block_k=tma_ring.TILE, splits=1, stages=4)
+    rows = row_tile_for(pairs, groups)
+    return Tiles(block_n=block_n, block_k=tma_ring.TILE, splits=1, stages=4, rows=rows)
+
+
+def row_tile_for(rows: int, groups: int) -> int:
+    """The rows of a tile for `rows` aligned rows in `groups` groups: the mean group's
+    rows rounded up to a power of two, 16 to 64."""
+    mean = -(-rows // max(1, groups))
+    return min(ROW_TILE, max(16, 1 << (mean - 1).bit_length()))
 
 
 def _silu_times(gate: Array, up: Array) -> Array:
@@ -182,7 +194,7 @@ def _kernel(*refs, tiles, steps, n, column_tiles, gated, scaled, interpreting):
             tiles,
             0,
             steps,
-            pl.ds(first, ROW_TILE),
+            pl.ds(first, tiles.rows),
             finish,
             converted,
         )
@@ -265,8 +277,8 @@ def _aligned_product(
         converted, fp8_slots = weights * tile * x.dtype.itemsize, tiles.stages * weights * tile
         extra = converted + weights * tiles.block_n * SCALE_BYTES - fp8_slots
     tiles.check(k, n, weights=weights, out_bytes=x.dtype.itemsize, extra=extra)
-    n_tiles = expert_tiles.max_tiles(rows, groups, ROW_TILE)
-    table = expert_tiles.row_tiles(aligned_sizes, ROW_TILE, n_tiles)
+    n_tiles = expert_tiles.max_tiles(rows, groups, tiles.rows)
+    table = expert_tiles.row_tiles(aligned_sizes, tiles.rows, n_tiles)
     column_tiles = n // tiles.block_n
     width = weights * n
     inputs = [*table, x, w.reshape(groups, k, width)]

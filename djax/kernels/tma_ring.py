@@ -49,12 +49,17 @@ SHARED_MEMORY = 224 * 1024
 class Tiles:
     """Program shape of a Mosaic GPU product: a CTA per `block_n` output columns (and per
     contraction slice, of `splits`), stepping `block_k` at a time through a ring of
-    `stages` slots. `block_n` is 32 or a multiple of 64, `block_k` a multiple of 64."""
+    `stages` slots. `block_n` is 32 or a multiple of 64, `block_k` a multiple of 64.
+    `rows`: the rows of x a step copies into its 64-row slot (a multiple of 8 up to 64);
+    WGMMA multiplies all 64, and the products of the slot's rows past `rows` (stale
+    values) are never stored, so a kernel whose row tiles hold at most `rows` rows reads
+    no more of x than it uses."""
 
     block_n: int = 128
     block_k: int = 64
     splits: int = 1
     stages: int = 4
+    rows: int = ROW_TILE
 
     @property
     def swizzle(self) -> int:
@@ -73,10 +78,12 @@ class Tiles:
         bn, bk, splits = self.block_n, self.block_k, self.splits
         k_tile = SWIZZLE // itemsize
         whole = (bn % TILE == 0 or bn == NARROW) and bk % k_tile == 0
-        if not whole or splits < 1 or self.stages < 1 or n % bn or k % (splits * bk):
+        rows = 0 < self.rows <= ROW_TILE and self.rows % ROW_ALIGN == 0
+        if not whole or not rows or splits < 1 or self.stages < 1 or n % bn or k % (splits * bk):
             raise ValueError(
                 f"{self}: block_n must be {NARROW} or a multiple of {TILE} dividing n = {n}, "
-                f"block_k a multiple of {k_tile} and splits x block_k dividing k = {k}"
+                f"block_k a multiple of {k_tile}, splits x block_k dividing k = {k} and rows "
+                f"a multiple of {ROW_ALIGN} up to {ROW_TILE}"
             )
         used = self.shared_bytes(weights, out_bytes, itemsize) + extra
         if used > SHARED_MEMORY:
@@ -203,7 +210,8 @@ def stream(
     `first_step` through the ring, then call `finish` with the fp32 products [64, block_n]
     (one per weight, as arrays) while their accumulators are live. `w_tiles[i](ks)` is
     weight i's GMEM tile at contraction indexer `ks`; `ring` the scratch refs of
-    `ring_scratch`; `rows` the indexer of x's 64 rows. `converted`: one swizzled slot
+    `ring_scratch`; `rows` the indexer of x's rows (64, or `tiles.rows` copied into the
+    first rows of each slot). `converted`: one swizzled slot
     [block_k, block_n] of x's dtype per weight, into which each step's weight tile (of
     another dtype, as fp8) is converted before its WGMMA. `multiply(acc, x_slot, w_slot)`
     issues a step's product into an accumulator ref (default `plgpu.wgmma`; K-major weight
@@ -218,7 +226,10 @@ def stream(
 
     def fetch(step, slot):
         ks = pl.ds((first_step + step) * tiles.block_k, tiles.block_k)
-        plgpu.copy_gmem_to_smem(x_gmem.at[rows, ks], x_slots.at[slot], x_bars.at[slot])
+        x_slot = x_slots.at[slot]
+        if rows.size != ROW_TILE:
+            x_slot = x_slots.at[slot, pl.ds(0, rows.size)]
+        plgpu.copy_gmem_to_smem(x_gmem.at[rows, ks], x_slot, x_bars.at[slot])
         for w_tile, slots, bars in zip(w_tiles, w_slots, w_bars, strict=True):
             plgpu.copy_gmem_to_smem(w_tile(ks), slots.at[slot], bars.at[slot])
 

@@ -69,8 +69,9 @@ def _reference(x, w, sizes, scale=None):
 @pytest.mark.parametrize(
     "gated, weights, tiles",
     [
-        (True, "bf16", None),
-        (False, "bf16", Tiles(block_n=64, block_k=64, stages=2)),  # 2 column tiles
+        (True, "bf16", None),  # row tiles of 32 (`row_tile_for`): 70 rows make 3
+        (True, "bf16", Tiles(rows=16)),  # 70 rows make 5 tiles, the last of 8 rows
+        (False, "bf16", Tiles(block_n=64, block_k=64, stages=2)),  # 2 column tiles, 64 rows
         (True, "fp8", Tiles(block_n=64, block_k=64, stages=2)),  # down's fp8: the layer test
     ],
 )
@@ -97,6 +98,19 @@ def test_grouped_matmul_matches_numpy(gated, weights, tiles):
     # the fp32 product rounded once to bf16
     np.testing.assert_allclose(ours, ref[:used], rtol=1e-2, atol=1e-2)
     assert np.linalg.norm(ours - ref[:used]) / np.linalg.norm(ref[:used]) < 5e-3
+
+
+def test_row_tiles_follow_the_mean_expert():
+    """A block's few rows per expert are read 16 at a time, a refresh's 64; every row tile
+    is a multiple of 8 up to 64 (`Tiles.check`)."""
+    aligned = expert_tiles_mosaic.aligned_rows
+    assert expert_tiles_mosaic.row_tile_for(aligned(32 * 8, 64), 64) == 16
+    assert expert_tiles_mosaic.row_tile_for(aligned(384 * 8, 64), 64) == 64
+    assert expert_tiles_mosaic.row_tile_for(aligned(128 * 8, 64), 64) == 32
+    assert expert_tiles_mosaic.tiles_for(aligned(32 * 8, 64), 64, 2048, 1024).rows == 16
+    for rows in (0, 12, 128):
+        with pytest.raises(ValueError, match="rows a multiple of 8 up to 64"):
+            Tiles(rows=rows).check(128, 128, weights=1, out_bytes=2)
 
 
 def _moe_config():
