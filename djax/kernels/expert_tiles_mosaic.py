@@ -104,11 +104,13 @@ def aligned_layout(group_sizes: Array, pairs: int) -> tuple[Array, Array, Array]
     shift = jnp.cumsum(aligned) - aligned - (ends - sizes)
     shift = jnp.append(shift, jnp.sum(aligned) - ends[-1])
     row = jnp.arange(pairs, dtype=jnp.int32)
-    group = jnp.searchsorted(ends, row, side="right")
+    group = jnp.searchsorted(ends, row, side="right", method="compare_all")
     position = row + shift[group]
     rows = aligned_rows(pairs, sizes.shape[0])
     source = jnp.zeros(rows, jnp.int32).at[position].set(row, unique_indices=True)
-    return position, source, aligned
+    # Materialised once: fused into the gathers that take them, XLA recomputes their
+    # compare-and-sums for every gathered value.
+    return jax.lax.optimization_barrier((position, source, aligned))
 
 
 def _store_tile(out_smem, out_gmem, first, n_rows, cols) -> None:
@@ -134,24 +136,24 @@ def _store_tile(out_smem, out_gmem, first, n_rows, cols) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel(*refs, tiles, steps, n, column_tiles, gated, scaled, interpreting):
-    """One CTA: one (row tile, column tile). Refs in order: the tile table (group, first
-    row, rows) [n_tiles] int32 of the aligned layout; x [rows, k] (aligned rows); w
-    [groups, k, 2n] (`gated`: gate columns, then up columns) or [groups, k, n]; with
-    `scaled` the scales [groups, 2n or n] fp32; out [rows, n]; the ring's scratch, the
-    output tile, and with `scaled` the converted weight slots, the scale tiles and their
-    barriers."""
+def _kernel(*refs, tiles, steps, n, n_tiles, column_tiles, gated, scaled, interpreting):
+    """One CTA: one (row tile, column tile). Refs in order: the tile table [3 n_tiles]
+    int32 of the aligned layout (each tile's group, then first rows, then rows); x [rows, k]
+    (aligned rows); w [groups, k, 2n] (`gated`: gate columns, then up columns) or [groups,
+    k, n]; with `scaled` the scales [groups, 2n or n] fp32; out [rows, n]; the ring's
+    scratch, the output tile, and with `scaled` the converted weight slots, the scale
+    tiles and their barriers."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    group_gmem, first_gmem, rows_gmem, x_gmem, w_gmem, *refs = refs
+    table_gmem, x_gmem, w_gmem, *refs = refs
     scale_gmem = refs.pop(0) if scaled else None
     out_gmem, *scratch = refs
     weights = 2 if gated else 1
     ring, (out_smem, *rest) = scratch[: 2 * weights + 2], scratch[2 * weights + 2 :]
     cta = jax.lax.axis_index("cta")
     tile, column_tile = cta // column_tiles, cta % column_tiles
-    group, n_rows = group_gmem[tile], rows_gmem[tile]
-    first = pl.multiple_of(first_gmem[tile], ROW_ALIGN)  # true in the aligned layout
+    group, n_rows = table_gmem[tile], table_gmem[2 * n_tiles + tile]
+    first = pl.multiple_of(table_gmem[n_tiles + tile], ROW_ALIGN)  # true in the aligned layout
     start = column_tile * tiles.block_n
     cols = pl.ds(start, tiles.block_n)
     offsets = [start, n + start] if gated else [start]
@@ -278,10 +280,11 @@ def _aligned_product(
         extra = converted + weights * tiles.block_n * SCALE_BYTES - fp8_slots
     tiles.check(k, n, weights=weights, out_bytes=x.dtype.itemsize, extra=extra)
     n_tiles = expert_tiles.max_tiles(rows, groups, tiles.rows)
-    table = expert_tiles.row_tiles(aligned_sizes, tiles.rows, n_tiles)
+    # one operand: the tile's group, first row and rows at tile, n_tiles + tile, 2 n_tiles + tile
+    table = jnp.concatenate(expert_tiles.row_tiles(aligned_sizes, tiles.rows, n_tiles))
     column_tiles = n // tiles.block_n
     width = weights * n
-    inputs = [*table, x, w.reshape(groups, k, width)]
+    inputs = [table, x, w.reshape(groups, k, width)]
     scratch = [
         *tma_ring.ring_scratch(tiles, x.dtype, weights, w.dtype),
         plgpu.SMEM((ROW_TILE, tiles.block_n), x.dtype),
@@ -302,6 +305,7 @@ def _aligned_product(
             tiles=tiles,
             steps=k // tiles.block_k,
             n=n,
+            n_tiles=n_tiles,
             column_tiles=column_tiles,
             gated=gated,
             scaled=scaled,
