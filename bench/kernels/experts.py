@@ -3,18 +3,17 @@ expert ffn 1024) per expert path, at block (32 tokens) and refresh (384, 1280) s
 
 Paths: `dense` (every expert on every token), `grouped` (`jax.lax.ragged_dot`, also under
 XLA's experimental ragged-dot options), `hopper` (JAX's Mosaic GPU ragged-dot kernel, at a
-few tile shapes; GPU only) and `pallas` (djax's expert-tile kernels, `expert_tiles`, at the
-tiles of `EXPERT_TILES`; interpreted off GPUs). Each is checked against `dense` in fp32
+few tile shapes; GPU only) and `mosaic` (djax's expert-tile kernels, `expert_tiles_mosaic`,
+at the tiles of `MOSAIC_TILES`; interpreted off GPUs). Each is checked against `dense` in fp32
 (relative L2 error) and timed in-program; the floor is the bytes of the experts the tokens
 hit, read once, at the measured read bandwidth, or the routed FLOPs at the matmul rate.
 
 `--sweep` replaces the first three paths by the Hopper kernel at a wider set of tiles
 (`SWEEP`).
-`--mosaic` compares the expert-tile kernels' Pallas Mosaic GPU port (`expert_tiles_mosaic`,
-at `MOSAIC_TILES`) with bf16 and with fp8 weights (`djax.models.fp8`, quantised from the
-bf16 ones) against the Triton kernels (bf16) and XLA's paths in both weight forms (the
-engine's: `grouped` and `dense`, fp8 as `scaled` and `dequant`); the floor of an fp8 path
-counts the e4m3 values' bytes.
+`--mosaic` compares the expert-tile kernels (`expert_tiles_mosaic`, at `MOSAIC_TILES`) with
+bf16 and with fp8 weights (`djax.models.fp8`, quantised from the bf16 ones) against XLA's
+paths in both weight forms (the engine's: `grouped` and `dense`, fp8 as `scaled` and
+`dequant`); the floor of an fp8 path counts the e4m3 values' bytes.
 `--routing spread` routes as `bench.generate --routing spread` does (`spread_routing`: a
 block's tokens reach every expert, as a trained router spreads them).
 `--permutation` times only the sort of the token-expert pairs by expert (device µs of each
@@ -43,7 +42,6 @@ from bench.common import (
     time_in_program,
 )
 from bench.kernels.timing import kernel_us
-from djax.kernels import expert_tiles
 from djax.kernels.tma_ring import Tiles
 from djax.models import fp8
 from djax.models.llada_moe import (
@@ -70,29 +68,7 @@ SWEEP = tuple(
     for steps in (2, 4, 6)
     for g in (1, 2)
 )
-# djax's expert-tile kernels (`expert_tiles`): (gate/up, down) tiles; None is `tiles_for`.
-# (64 x 128 gate/up tiles with 128-wide steps in 3 stages need 240 KB of shared memory: they
-# do not run on an H100/H200.)
-EXPERT_TILES = (
-    None,
-    (expert_tiles.Tiles(block_m=64, block_n=128), expert_tiles.Tiles(block_m=64, block_n=256)),
-    (expert_tiles.Tiles(block_m=64, block_n=64), expert_tiles.Tiles(block_m=64, block_n=128)),
-    (
-        expert_tiles.Tiles(block_m=64, block_n=128, num_warps=8),
-        expert_tiles.Tiles(block_m=64, block_n=128, num_warps=8),
-    ),
-    (expert_tiles.Tiles(block_m=32, block_n=128), expert_tiles.Tiles(block_m=32, block_n=128)),
-    (
-        expert_tiles.Tiles(block_m=128, block_n=64, num_warps=8),
-        expert_tiles.Tiles(block_m=128, block_n=128, num_warps=8),
-    ),
-    (
-        expert_tiles.Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3),
-        expert_tiles.Tiles(block_m=128, block_n=128, num_warps=8, num_stages=3),
-    ),
-    (expert_tiles.Tiles(block_m=16, block_n=128), expert_tiles.Tiles(block_m=16, block_n=128)),
-)
-# The Mosaic GPU port (`expert_tiles_mosaic`): (gate/up, down) tiles; None is `tiles_for`
+# djax's expert-tile kernels (`expert_tiles_mosaic`): (gate/up, down) tiles; None is `tiles_for`
 # (128 columns, 64-wide steps, 4 stages, row tiles of `row_tile_for`: 16 rows at a block's
 # 32 tokens, 64 at a refresh's). `r64` reads x 64 rows at a time whatever the experts' rows;
 # two stages leave room for two CTAs per SM; 64-column gate/up tiles make twice the CTAs.
@@ -138,9 +114,9 @@ def paths(sweep: bool = False) -> list[tuple[str, object, dict]]:
             label = "hopper " + " ".join(f"{k}={v}" for k, v in tiles.items())
             run = functools.partial(experts_grouped, mlp=hopper_mlp(tiles))
             out.append((label, run, {}))
-    for tiles in EXPERT_TILES:
-        label = "pallas " + ("tiles_for" if tiles is None else _tiles_label(tiles))
-        mlp = functools.partial(expert_tiles.expert_mlp, tiles=tiles)
+    for tiles in MOSAIC_TILES:
+        label = "mosaic " + ("tiles_for" if tiles is None else _mosaic_label(tiles))
+        mlp = functools.partial(mosaic_mlp, tiles=tiles)
         out.append((label, functools.partial(experts_grouped, mlp=mlp), {}))
     return out
 
@@ -159,8 +135,6 @@ def mosaic_paths() -> list[tuple[str, object, dict, str]]:
         out.append(
             (f"dense (xla) fp8 {impl}", functools.partial(experts_dense, fp8_impl=impl), {}, "fp8")
         )
-    triton = functools.partial(experts_grouped, mlp=expert_tiles.expert_mlp)
-    out.append(("pallas (triton) bf16 tiles_for", triton, {}, "bf16"))
     for weights in ("bf16", "fp8"):
         for tiles in MOSAIC_TILES:
             label = "tiles_for" if tiles is None else _mosaic_label(tiles)
@@ -172,12 +146,6 @@ def mosaic_paths() -> list[tuple[str, object, dict, str]]:
 
 def _mosaic_label(tiles) -> str:
     return " / ".join(f"n{t.block_n} k{t.block_k} s{t.stages} r{t.rows}" for t in tiles)
-
-
-def _tiles_label(tiles) -> str:
-    return " / ".join(
-        f"{t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}" for t in tiles
-    )
 
 
 def sort_by_xla(group, n_groups: int):

@@ -1,6 +1,14 @@
 """The routed experts' two products over token-expert pairs sorted by expert, as Pallas
-Mosaic GPU kernels (Hopper: TMA copies, WGMMA): `expert_tiles`' contract off the Triton
-backend (`moe_impl="mosaic"`), taking weights of the rows' dtype or fp8 weights.
+Mosaic GPU kernels (Hopper: TMA copies, WGMMA) whose row tiles each belong to one expert
+(`moe_impl="mosaic"`), taking weights of the rows' dtype or fp8 weights.
+
+A grouped matmul over fixed tiles of sorted rows computes a tile that straddles two
+experts once per expert, and runs every tile slot's whole contraction, used or not. Here
+the tiles follow the experts instead: each expert's rows make tiles of their own,
+described by a small table (`row_tiles`), so each expert's weights are read once per
+column tile (plus once per extra row tile of an expert with more rows than a tile), and the
+CTAs past the table's used tiles (the grid holds `max_tiles`, the most any routing can
+need) return at once: a forward whose tokens reach few experts reads only theirs.
 
 The kernels take the rows in an aligned layout: the pairs sorted by expert, each expert's
 rows from a multiple of 8 (`aligned_layout`; the rows between experts are padding), as a
@@ -9,13 +17,11 @@ that Mosaic GPU's layout inference (jax 0.11's default lowering, named by the ke
 prove a multiple of 8: `pl.multiple_of` on the tile table's first row, true by this
 layout. The stores then copy whole 8-row groups of the swizzled output tile.
 
-The tiles follow the experts as in `expert_tiles`: expert `e`'s `a_e` aligned rows (`n_e`
-rounded up to 8) make `ceil(a_e / r)` = `ceil(n_e / r)` row tiles of their own
-(`expert_tiles.row_tiles`), `r` being the program's `Tiles.rows` (8 to 64, a multiple of 8;
+Expert `e`'s `a_e` aligned rows (`n_e` rounded up to 8) make `ceil(a_e / r)` =
+`ceil(n_e / r)` row tiles, `r` being the program's `Tiles.rows` (8 to 64, a multiple of 8;
 `row_tile_for` takes the mean expert's rows, so a block's few rows per expert are not read
-64 at a time), and the CTAs of the tiles past the table's used ones return at once. Each
-CTA owns one (row tile, `block_n` columns) and streams its expert's weight tiles through
-the ring of `tma_ring`; rules beyond the ring's:
+64 at a time). Each CTA owns one (row tile, `block_n` columns) and streams its expert's
+weight tiles through the ring of `tma_ring`; rules beyond the ring's:
 
 - The rows: a tile's `r` rows are read from its first row by TMA into the first rows of
   each 64-row slot (rows of the next expert or past the array's end come along, read as
@@ -49,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.kernels import expert_tiles, tma_ring
+from djax.kernels import tma_ring
 from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, Tiles
 
 Array = jax.Array
@@ -71,6 +77,33 @@ def row_tile_for(rows: int, groups: int) -> int:
     rows rounded up to a power of two, 16 to 64."""
     mean = -(-rows // max(1, groups))
     return min(ROW_TILE, max(16, 1 << (mean - 1).bit_length()))
+
+
+def max_tiles(pairs: int, groups: int, block_m: int) -> int:
+    """The most row tiles `pairs` rows in `groups` groups can make: each group of `n` rows
+    makes `ceil(n / block_m)` <= `(n + block_m - 1) / block_m`, and no tile is empty."""
+    return max(1, min(pairs, (pairs + groups * (block_m - 1)) // block_m))
+
+
+def row_tiles(group_sizes: Array, block_m: int, n_tiles: int) -> tuple[Array, Array, Array]:
+    """The tile table of rows sorted by group: group `g`'s `n_g` rows (after those of
+    groups `< g`) make `ceil(n_g / block_m)` tiles, in order.
+
+    group_sizes: [groups] int32. Returns (group [n_tiles], first row [n_tiles], rows
+    [n_tiles]), int32; tiles past the used ones have 0 rows (and group and first row 0).
+    """
+    groups = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    per_group = (sizes + block_m - 1) // block_m
+    tiles_end = jnp.cumsum(per_group)  # [groups]: tiles of groups <= g
+    tile = jnp.arange(n_tiles, dtype=jnp.int32)
+    group = jnp.sum(tiles_end[None, :] <= tile[:, None], axis=1, dtype=jnp.int32)
+    used = group < groups
+    group = jnp.where(used, group, 0)
+    within = tile - (tiles_end - per_group)[group]  # the tile's index inside its group
+    first_row = jnp.cumsum(sizes)[group] - sizes[group] + within * block_m
+    rows = jnp.clip(sizes[group] - within * block_m, 0, block_m)
+    return group, jnp.where(used, first_row, 0), jnp.where(used, rows, 0)
 
 
 def _silu_times(gate: Array, up: Array) -> Array:
@@ -279,9 +312,9 @@ def _aligned_product(
         converted, fp8_slots = weights * tile * x.dtype.itemsize, tiles.stages * weights * tile
         extra = converted + weights * tiles.block_n * SCALE_BYTES - fp8_slots
     tiles.check(k, n, weights=weights, out_bytes=x.dtype.itemsize, extra=extra)
-    n_tiles = expert_tiles.max_tiles(rows, groups, tiles.rows)
+    n_tiles = max_tiles(rows, groups, tiles.rows)
     # one operand: the tile's group, first row and rows at tile, n_tiles + tile, 2 n_tiles + tile
-    table = jnp.concatenate(expert_tiles.row_tiles(aligned_sizes, tiles.rows, n_tiles))
+    table = jnp.concatenate(row_tiles(aligned_sizes, tiles.rows, n_tiles))
     column_tiles = n // tiles.block_n
     width = weights * n
     inputs = [table, x, w.reshape(groups, k, width)]

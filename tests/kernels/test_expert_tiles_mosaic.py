@@ -18,7 +18,13 @@ from djax.kernels.expert_tiles_mosaic import FP8, grouped_matmul
 from djax.kernels.tma_ring import Tiles
 from djax.models import fp8
 from djax.models.kernel_choice import Kernels
-from djax.models.llada_moe import MoEBlock, experts_grouped, mosaic_mlp, ragged_mlp
+from djax.models.llada_moe import (
+    MoEBlock,
+    experts_dense,
+    experts_grouped,
+    mosaic_mlp,
+    ragged_mlp,
+)
 
 BF16 = jnp.bfloat16
 needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
@@ -111,6 +117,67 @@ def test_row_tiles_follow_the_mean_expert():
     for rows in (0, 12, 128):
         with pytest.raises(ValueError, match="rows a multiple of 8 up to 64"):
             Tiles(rows=rows).check(128, 128, weights=1, out_bytes=2)
+
+
+def _table_by_loop(sizes, block_m):
+    """(group, first row, rows) of every used tile, group by group."""
+    table, first = [], 0
+    for group, size in enumerate(sizes):
+        for start in range(0, size, block_m):
+            table.append((group, first + start, min(block_m, size - start)))
+        first += size
+    return table
+
+
+@pytest.mark.parametrize(
+    "sizes, block_m",
+    [
+        ([3, 0, 20, 1, 9], 16),  # an empty group, one of two tiles, a last group
+        ([17, 17, 17, 17], 16),  # every group one row past a whole tile: the most tiles
+        ([0, 0, 64], 16),
+        ([5], 64),
+    ],
+)
+def test_row_tiles_follow_the_groups(sizes, block_m):
+    pairs = sum(sizes) + 3  # rows past the groups, as pairs on other devices leave
+    n_tiles = expert_tiles_mosaic.max_tiles(pairs, len(sizes), block_m)
+    expected = _table_by_loop(sizes, block_m)
+    assert len(expected) <= n_tiles
+    table = expert_tiles_mosaic.row_tiles(jnp.array(sizes), block_m, n_tiles)
+    group, first, rows = map(np.asarray, table)
+    used = np.stack([group, first, rows], axis=1)[: len(expected)]
+    assert [tuple(map(int, tile)) for tile in used] == expected
+    assert not rows[len(expected) :].any()  # the rest do nothing
+
+
+def test_max_tiles_is_reached_and_never_passed():
+    """The bound is tight: 4 groups of 17 rows in 16-row tiles make 8 tiles; and random
+    sizes never need more."""
+    max_tiles = expert_tiles_mosaic.max_tiles
+    assert max_tiles(68, 4, 16) == 8
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        groups, block_m = int(rng.integers(1, 9)), int(rng.choice([16, 32, 64]))
+        sizes = rng.integers(0, 3 * block_m, groups)
+        pairs = int(sizes.sum()) + int(rng.integers(0, 5))
+        assert len(_table_by_loop(sizes, block_m)) <= max_tiles(max(pairs, 1), groups, block_m)
+
+
+@pytest.mark.parametrize("first_expert, n_local", [(0, 4), (2, 2)])
+def test_experts_through_the_kernels_match_dense(first_expert, n_local):
+    """The whole routed-expert computation with `mosaic_mlp` against every expert on every
+    token, all experts local and half of them (pairs of the other half sort past every
+    group, where the kernels write nothing)."""
+    x, weights, experts, gate_up, down = _routed_experts(4, n=24, m=64, e=4, f=64, k=2)
+    x, gate_up, down = (a.astype(BF16) for a in (x, gate_up, down))
+    mine = slice(first_expert, first_expert + n_local)
+    local = (gate_up[mine], down[mine])
+    out = experts_grouped(x, weights, experts, *local, first_expert, mlp=mosaic_mlp)
+    assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
+    f32 = [a.astype(jnp.float32) for a in (x, *local)]
+    expected = experts_dense(f32[0], weights, experts, *f32[1:], first_expert)
+    err = np.linalg.norm(np.asarray(out, np.float32) - np.asarray(expected, np.float32))
+    assert err / np.linalg.norm(np.asarray(expected, np.float32)) < 1e-2
 
 
 def _moe_config():
