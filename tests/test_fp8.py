@@ -268,9 +268,11 @@ def test_convert_round_trip_is_bit_exact_and_recorded(dense_folder, tmp_path):
     djax.convert(dense_folder[0], out, jnp.float32, progress=False, weights="fp8")
     marker = json.loads((out / checkpoint.MARKER).read_text())
     assert marker["weights"] == "fp8"
-    loaded = djax.load(out)
+    loaded = djax.load(out)  # the platform's default dtype: fp32 on the CPU, bf16 elsewhere
     assert loaded.weights == "fp8"
-    direct = djax.load(dense_folder[0], jnp.float32, weights="fp8")
+    default = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    assert loaded.params["embed"].dtype == default
+    direct = djax.load(dense_folder[0], default, weights="fp8")
     flat = jax.tree_util.tree_leaves_with_path(direct.params)
     assert len(flat) == len(jax.tree_util.tree_leaves(loaded.params))
     for path, a in flat:

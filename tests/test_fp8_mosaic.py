@@ -18,7 +18,7 @@ from djax.models.kernel_choice import Kernels, Shapes, resolve
 from djax.models.layers import GatedMLP, project
 from djax.sharding import make_mesh
 
-from torch_reference import make_llada_dense
+from torch_reference import make_llada_dense, rel_error
 
 MOSAIC = KernelOptions(fp8_impl="mosaic")
 
@@ -88,15 +88,21 @@ def test_xla_products_read_k_major_values(subscripts, impl):
 
 def test_projection_of_several_contraction_axes_matches_scaled():
     """The attention output [kv_heads, group, head_dim, model] (three contraction axes)
-    through the kernel, K-major, against `scaled` on the same e4m3 operands (fp32
-    accumulation both ways: equal to rounding)."""
+    through the kernel, K-major, against `scaled` on the same e4m3 operands. Off GPUs both
+    accumulate in fp32 (equal to rounding); Hopper's fp8 WGMMA accumulates in less than fp32,
+    which moves single elements near zero by several percent but the whole product by about
+    0.1% (0.09-0.17% at LLaDA-8B's products, bench/NOTES.md): a bound of 0.5% of its norm,
+    which a wrong product (a swapped axis, a lost scale) exceeds by orders of magnitude."""
     w = _weight((2, 2, 64, 128), (0, 1, 2), seed=3)  # k = 256
     x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 8, 256)), jnp.float32)
     flat = fp8.matrix(_k_major(w, "attn_out"), 256, 128)
     assert flat.values.shape == (128, 256) and flat.shape == (256, 128)
     ours = finish(project(x, flat, "fp8_mosaic"))
     ref = project(x, fp8.matrix(w, 256, 128), "xla", "scaled")
-    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+    if jax.default_backend() == "gpu":
+        assert rel_error(np.asarray(ours), np.asarray(ref)) <= 5e-3
+    else:
+        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
 
 
 def test_the_kernel_refuses_weights_in_their_own_layout():
