@@ -34,8 +34,8 @@ def test_block_forwards_take_the_kernel_refreshes_scaled():
     for forward in (choice.block.layers, choice.block.last):
         assert (forward.qkv, forward.out, forward.mlp, forward.down) == ("fp8_mosaic",) * 4
         assert forward.fp8 == "scaled"  # what XLA's products (none here) would take
-        assert forward.norm_into_mlp == forward.norm_into_attention == "no"
-        assert forward.rope == "pallas" and forward.attention == "split_kv"
+        assert forward.norm_into_mlp == "no"
+        assert forward.rope == "mosaic" and forward.attention == "split_kv"  # read no weights
     for forward in (choice.refresh.layers, choice.refresh.last):  # last: 32 kept rows
         assert (forward.qkv, forward.out, forward.mlp, forward.down) == ("xla",) * 4
         assert forward.fp8 == "scaled"
@@ -146,6 +146,20 @@ def test_generation_is_scaled_token_for_token(wide_folder):
         djax.generate(mosaic, prompts, config).answer_ids,
         djax.generate(scaled, prompts, config).answer_ids,
     )
+
+
+def test_fp8_weights_with_the_kernels_that_read_none(wide_folder):
+    """What `auto` picks under fp8 on Hopper GPUs besides XLA's products (djax's attention
+    and RoPE kernels, which read no weights; Mosaic GPU's interpreter here) gives the
+    all-XLA path's logits, to bf16 rounding."""
+    quantised = djax.load(wide_folder, jnp.bfloat16, weights="fp8")
+    kernels = quantised.with_options(attention_impl="split_kv", rope_impl="mosaic")
+    choice = kernels.kernel_choice(Shapes.whole_sequence(1, 16)).refresh.layers
+    assert (choice.attention, choice.rope, choice.qkv) == ("split_kv", "mosaic", "xla")
+    ids = np.random.default_rng(5).integers(4, 100, (1, 16))
+    ours = np.asarray(djax.forward_logits(kernels, ids), np.float32)
+    ref = np.asarray(djax.forward_logits(quantised, ids), np.float32)
+    assert rel_error(ours, ref) <= 1e-2
 
 
 def test_a_mesh_is_refused(wide_folder):
