@@ -370,3 +370,45 @@ def test_readme_documents_every_option_value_and_kernel_module():
     for module in sorted((ROOT / "djax" / "kernels").glob("[a-z]*.py")):
         assert f"`{module.stem}`" in layout, module.stem
         assert f"`{module.stem}`" in djax.kernels.__doc__, module.stem
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_auto_block_forward_lowers_for_hopper(monkeypatch, batch):
+    """A LLaDA-8B layer's block forward (32 rows a sequence against a 384-position buffer,
+    bf16) under `auto`'s Hopper choice lowers for CUDA with its parts in their Mosaic GPU
+    kernels, compiled rather than interpreted (no GPU needed to lower). Batch 1: the q/k/v
+    product with RoPE, attention, the output product and tiled add, the SwiGLU product, the
+    down product and the per-row norm after it; batch 8 (256 rows: XLA's products): RoPE on
+    XLA's q/k/v product, attention and the two per-row norms."""
+    from djax.kernels import tma_ring
+    from djax.models.layers import Window
+    from djax.programs import local_module
+
+    monkeypatch.setattr(tma_ring, "interpret_params", lambda interpret: None)
+    config = LLADA_8B.replace(n_layers=1)
+    choice = _choice(config=config, shapes=Shapes(batch, 32, 384, 32))
+    layers = choice.block.layers
+    assert (layers.qkv, layers.norm_into_mlp) == (
+        ("rope", "tiled") if batch == 1 else ("xla", "no")
+    )
+    module = local_module(config, BF16, choice, None)
+    spec = jax.ShapeDtypeStruct
+    buffer = spec((batch, 384, 32, 128), BF16)
+    args = (
+        spec((batch, 32, 4096), BF16),  # the window's embeddings
+        spec((batch, 32), jnp.int32),  # positions
+        spec((batch, 384), jnp.bool_),  # key_valid
+        ((buffer, buffer),),
+        Window(spec((), jnp.int32)),
+    )
+
+    def forward(params, *args):
+        return module.apply(params, *args, block_forward=True)
+
+    params = jax.eval_shape(
+        lambda *a: module.init(jax.random.key(0), *a, block_forward=True), *args
+    )
+    text = jax.jit(forward).trace(params, *args).lower(lowering_platforms=("cuda",)).as_text()
+    # q/k/v + RoPE, attention, output, tiled add, SwiGLU, down, norm
+    kernels = re.findall(r"custom_call @mosaic_gpu\w*", text)
+    assert len(kernels) == (7 if batch == 1 else 4), kernels
