@@ -412,3 +412,28 @@ def test_auto_block_forward_lowers_for_hopper(monkeypatch, batch):
     # q/k/v + RoPE, attention, output, tiled add, SwiGLU, down, norm
     kernels = re.findall(r"custom_call @mosaic_gpu\w*", text)
     assert len(kernels) == (7 if batch == 1 else 4), kernels
+
+
+def test_forward_with_every_mosaic_kernel_is_xlas(tmp_path):
+    """A whole-sequence forward of 16 rows (a forward the products take) with every Mosaic
+    GPU kernel asked for (Mosaic GPU's interpreter here): the split-K q/k/v product, then the
+    RoPE kernel on its partials (4 heads: too few to run the product inside it), split-K/V
+    attention, the output product with the tiled add into the SwiGLU kernel, the down
+    product; its logits are XLA's to bf16 rounding."""
+    from torch_reference import make_llada_dense, rel_error
+
+    make_llada_dense(
+        tmp_path, d_model=128, n_layers=1, n_heads=2, n_kv_heads=1, mlp_hidden=128, seed=4
+    )
+    xla = djax.load(tmp_path, BF16)
+    options = {"matmul_impl": "mosaic", "mlp_impl": "mosaic", "rope_impl": "mosaic"}
+    mosaic = xla.with_options(**options, attention_impl="split_kv", norm_impl="tiled")
+    layers = mosaic.kernel_choice(Shapes.whole_sequence(1, 16)).refresh.layers
+    assert (layers.qkv, layers.rope, layers.attention) == ("mosaic", "mosaic", "split_kv")
+    assert (layers.out, layers.mlp, layers.down, layers.norm_into_mlp) == (
+        ("mosaic",) * 3 + ("tiled",)
+    )
+    ids = np.random.default_rng(6).integers(4, 100, (1, 16))
+    ours = np.asarray(djax.forward_logits(mosaic, ids), np.float32)
+    ref = np.asarray(djax.forward_logits(xla, ids), np.float32)
+    assert rel_error(ours, ref) <= 1e-2
