@@ -28,27 +28,25 @@ def check_choice(option: str, value: Any, choices: tuple[str, ...]) -> None:
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
     """Which implementation each part of the forward takes; `auto` leaves it to
-    `resolve`, which takes djax's kernels only on GPUs they were built for (see
+    `resolve`, which takes djax's kernels only on the GPUs they were built for (see
     `djax.models.kernel_choice`). Every value is checked on construction."""
 
-    # `split_kv_mosaic`: the split-K/V kernel's Pallas Mosaic GPU (Hopper) port, taken only
-    # when asked for.
+    # `split_kv`: djax's split-K/V attention kernel (Pallas Mosaic GPU, Hopper).
     attention_impl: str = _option(
-        ("auto", "xla", "cudnn", "split_kv", "split_kv_mosaic"),
-        "split_kv on kernel GPUs in bf16/fp16 (fp8 weights too) where its tiles fit the "
-        "heads; else cudnn for refreshes on GPUs (bf16/fp16) and xla",
+        ("auto", "xla", "cudnn", "split_kv"),
+        "split_kv on Hopper GPUs in bf16/fp16 (fp8 weights too) where its tiles fit the heads "
+        "(head dim a multiple of 64); else cudnn for refreshes on GPUs (bf16/fp16) and xla",
     )
-    # `pallas`: djax's Pallas Triton kernel; `mosaic`: its Pallas Mosaic GPU (Hopper) port,
-    # taken only when asked for.
+    # `mosaic`: djax's Pallas Mosaic GPU (Hopper) kernels, here and below.
     mlp_impl: str = _option(
-        ("auto", "xla", "pallas", "mosaic"),
-        "the SwiGLU gate/up product: pallas on kernel GPUs for <= 32 token rows with 16-bit "
-        "weights, else xla",
+        ("auto", "xla", "mosaic"),
+        "the SwiGLU gate/up product: mosaic on Hopper GPUs for <= 32 token rows with 16-bit "
+        "weights and widths that are multiples of 64, else xla",
     )
     matmul_impl: str = _option(
-        ("auto", "xla", "pallas", "mosaic"),
-        "the q/k/v, output and down products: split-K pallas on kernel GPUs for <= 32 token "
-        "rows with 16-bit weights, else xla",
+        ("auto", "xla", "mosaic"),
+        "the q/k/v, output and down products: split-K mosaic on Hopper GPUs for <= 32 token "
+        "rows with 16-bit weights and widths that are multiples of 64, else xla",
     )
     # `mosaic`: block forwards' dense products in the fp8 x fp8 Pallas Mosaic GPU (Hopper)
     # kernel, XLA's products elsewhere `scaled`; taken only when asked for.
@@ -59,24 +57,25 @@ class KernelOptions:
         "inside XLA's dot)",
         fallback="dequant",
     )
+    # `mosaic`: the norm kernel of whole rows; `fused`: the add in the next product's
+    # epilogue; `tiled`: a column-tiled add after the split-K product (the norms neither can
+    # move run as `mosaic`).
     norm_impl: str = _option(
-        ("auto", "xla", "pallas", "fused", "tiled"),
-        "residual add + RMSNorm: tiled into the next product on kernel GPUs (16-bit weights, "
-        "<= 32 rows), else one pallas kernel there (bf16/fp16; its Mosaic GPU port under "
-        "matmul_impl=mosaic), else xla",
+        ("auto", "xla", "mosaic", "fused", "tiled"),
+        "residual add + RMSNorm: tiled into the next product on Hopper GPUs (16-bit weights, "
+        "<= 32 rows), else mosaic there (bf16/fp16, model width a multiple of 512), else xla",
     )
-    # `mosaic`: the q/k/v product with the RoPE kernel in its epilogue, in Pallas Mosaic GPU,
-    # taken only when asked for.
     rope_impl: str = _option(
-        ("auto", "xla", "pallas", "mosaic"),
-        "q/k norm, RoPE and K/V writes: pallas on kernel GPUs in bf16/fp16 (fp8 weights "
-        "too) where its tiles fit the heads, else xla",
+        ("auto", "xla", "mosaic"),
+        "q/k norm, RoPE and K/V writes: mosaic on Hopper GPUs in bf16/fp16 (fp8 weights too) "
+        "for block windows (a multiple of 8 rows up to 64) where its tiles fit the heads, "
+        "the q/k/v product inside it for <= 32 token rows; else xla",
     )
     moe_impl: str = _option(
         ("auto", "xla", "pallas", "mosaic"),
-        "MoE experts: pallas on kernel GPUs with 16-bit weights, mosaic on Hopper kernel "
-        "GPUs with fp8 weights (widths multiples of 64), else xla (grouped up to 64 tokens "
-        "per forward, dense above)",
+        "MoE experts: pallas (Triton) on Hopper GPUs with 16-bit weights, mosaic there with "
+        "fp8 weights (widths multiples of 64), else xla (grouped up to 64 tokens per "
+        "forward, dense above)",
     )
 
     def __post_init__(self) -> None:

@@ -141,8 +141,9 @@ def load(
     as loaded); default: what a converted folder holds, else `"dtype"`. A converted folder
     holding another format than `weights` raises a CheckpointError. options: the
     fields of `djax.kernel_options.KernelOptions` (`attention_impl="auto"|"xla"|"cudnn"|
-    "split_kv"|"split_kv_mosaic"`, `mlp_impl`, `matmul_impl`, `rope_impl` and `moe_impl`, each
-    `"auto"|"xla"|"pallas"|"mosaic"`, `norm_impl="auto"|"xla"|"pallas"|"fused"|"tiled"`,
+    "split_kv"`, `mlp_impl`, `matmul_impl` and `rope_impl`, each `"auto"|"xla"|"mosaic"`,
+    `moe_impl="auto"|"xla"|"pallas"|"mosaic"`,
+    `norm_impl="auto"|"xla"|"mosaic"|"fused"|"tiled"`,
     `fp8_impl="auto"|"dequant"|"scaled"|"mosaic"`; its `mosaic` holds the dense products'
     fp8 values K-major, `djax.models.fp8`). An unknown option name
     raises a TypeError naming the closest valid one, and a value outside its choices a

@@ -40,7 +40,7 @@ MAX_SIZE_VARIABLE = "DJAX_COMPILE_CACHE_MAX_SIZE"
 DEFAULT_MAX_BYTES = 2 * 1024**3
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 # The artifacts never leave this machine's cache and are keyed by the exact jax and jaxlib
-# versions, so custom calls without a cross-version stability promise (Pallas Triton
+# versions, so custom calls without a cross-version stability promise (Pallas
 # kernels, cuDNN attention) are safe to keep.
 _CHECKS = (jax.export.DisabledSafetyCheck.custom_call("ALL"),)
 # Custom calls whose runtime is registered with XLA when a Python module is imported. A

@@ -35,7 +35,6 @@ os.environ.setdefault("DJAX_COMPILE_CACHE", "")  # tests must not depend on a wa
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import djax  # noqa: E402
@@ -92,22 +91,3 @@ def moe_folder(tmp_path_factory):
 @pytest.fixture(scope="session")
 def moe_model(moe_folder):
     return djax.load(moe_folder[0], dtype=jnp.float32)
-
-
-@pytest.fixture
-def assert_same_generation(dense_model):
-    """A check that two module-option sets give the same tokens and forward counts on the
-    dense model: a ragged two-row batch, 16 tokens in blocks of 8, under `cache`."""
-
-    def check(options: dict, reference_options: dict, cache: str) -> None:
-        config = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache=cache)
-        prompts = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
-        ours = djax.generate(dense_model.with_options(**options), prompts, config)
-        ref = djax.generate(dense_model.with_options(**reference_options), prompts, config)
-        np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
-        assert (ours.stats.forwards, ours.stats.refreshes) == (
-            ref.stats.forwards,
-            ref.stats.refreshes,
-        )
-
-    return check

@@ -76,9 +76,9 @@ def test_parse_options():
     from bench.common import parse_options
 
     assert parse_options("default") == {}
-    assert parse_options("norm_impl=xla,rope_impl=pallas") == {
+    assert parse_options("norm_impl=xla,rope_impl=mosaic") == {
         "norm_impl": "xla",
-        "rope_impl": "pallas",
+        "rope_impl": "mosaic",
     }
     with pytest.raises(SystemExit, match="options 'norm_impl'; expected 'default' or key=value"):
         parse_options("norm_impl")
@@ -704,21 +704,21 @@ def test_mosaic_verdict_lines():
 
     rows = [
         row("mosaic", 12.0),
-        row("pallas", 14.5),
+        row("xla", 14.5),
         row("mosaic + xla norm", 13.0),
         row("mosaic", 99.0, product="down_norm"),
     ]
     assert verdict("out_norm", rows) == (
-        "verdict out_norm: Mosaic port 12.0 us | Triton 14.5 us | XLA on Mosaic partials "
-        "13.0 us -> Mosaic port fastest (Triton +2.5 us, XLA on Mosaic partials +1.0 us)"
+        "verdict out_norm: Mosaic 12.0 us | XLA 14.5 us | XLA on Mosaic partials "
+        "13.0 us -> Mosaic fastest (XLA +2.5 us, XLA on Mosaic partials +1.0 us)"
     )
     rows = [
         row("mosaic", 9.0, rel_error=0.5, product="down_tiled"),
-        row("pallas", product="down_tiled"),
+        row("xla", product="down_tiled"),
         row("mosaic + xla add", 16.0, product="down_tiled"),
     ]
     assert verdict("down_tiled", rows) == (
-        "verdict down_tiled: Mosaic port wrong (rel_error 5.0e-01) | Triton failed | "
+        "verdict down_tiled: Mosaic wrong (rel_error 5.0e-01) | XLA failed | "
         "XLA on Mosaic partials 16.0 us -> XLA on Mosaic partials fastest"
     )
     assert verdict("out_tiled", rows).endswith("XLA on Mosaic partials not run -> none ran")

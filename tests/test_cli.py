@@ -225,10 +225,7 @@ def test_help_lists_choices_and_examples(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = capsys.readouterr().out
-    assert (
-        "{auto,xla,cudnn,split_kv,split_kv_mosaic}" in text
-        and "{none,prefix,dual,vicinity}" in text
-    )
+    assert "{auto,xla,cudnn,split_kv}" in text and "{none,prefix,dual,vicinity}" in text
     assert "(default: None)" not in text and "examples:" in text
     assert "--batch-size N" in text and "(default: 32)" in text
 

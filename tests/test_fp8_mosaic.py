@@ -18,7 +18,7 @@ from djax.models.kernel_choice import Kernels, Shapes, resolve
 from djax.models.layers import GatedMLP, project
 from djax.sharding import make_mesh
 
-from torch_reference import make_llada_dense
+from torch_reference import make_llada_dense, rel_error
 
 MOSAIC = KernelOptions(fp8_impl="mosaic")
 
@@ -34,8 +34,8 @@ def test_block_forwards_take_the_kernel_refreshes_scaled():
     for forward in (choice.block.layers, choice.block.last):
         assert (forward.qkv, forward.out, forward.mlp, forward.down) == ("fp8_mosaic",) * 4
         assert forward.fp8 == "scaled"  # what XLA's products (none here) would take
-        assert forward.norm_into_mlp == forward.norm_into_attention == "no"
-        assert forward.rope == "pallas" and forward.attention == "split_kv"
+        assert forward.norm_into_mlp == "no"
+        assert forward.rope == "mosaic" and forward.attention == "split_kv"  # read no weights
     for forward in (choice.refresh.layers, choice.refresh.last):  # last: 32 kept rows
         assert (forward.qkv, forward.out, forward.mlp, forward.down) == ("xla",) * 4
         assert forward.fp8 == "scaled"
@@ -88,15 +88,21 @@ def test_xla_products_read_k_major_values(subscripts, impl):
 
 def test_projection_of_several_contraction_axes_matches_scaled():
     """The attention output [kv_heads, group, head_dim, model] (three contraction axes)
-    through the kernel, K-major, against `scaled` on the same e4m3 operands (fp32
-    accumulation both ways: equal to rounding)."""
+    through the kernel, K-major, against `scaled` on the same e4m3 operands. Off GPUs both
+    accumulate in fp32 (equal to rounding); Hopper's fp8 WGMMA accumulates in less than fp32,
+    which moves single elements near zero by several percent but the whole product by about
+    0.1% (0.09-0.17% at LLaDA-8B's products, bench/NOTES.md): a bound of 0.5% of its norm,
+    which a wrong product (a swapped axis, a lost scale) exceeds by orders of magnitude."""
     w = _weight((2, 2, 64, 128), (0, 1, 2), seed=3)  # k = 256
     x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 8, 256)), jnp.float32)
     flat = fp8.matrix(_k_major(w, "attn_out"), 256, 128)
     assert flat.values.shape == (128, 256) and flat.shape == (256, 128)
     ours = finish(project(x, flat, "fp8_mosaic"))
     ref = project(x, fp8.matrix(w, 256, 128), "xla", "scaled")
-    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
+    if jax.default_backend() == "gpu":
+        assert rel_error(np.asarray(ours), np.asarray(ref)) <= 5e-3
+    else:
+        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(ref))))
 
 
 def test_the_kernel_refuses_weights_in_their_own_layout():
@@ -140,6 +146,20 @@ def test_generation_is_scaled_token_for_token(wide_folder):
         djax.generate(mosaic, prompts, config).answer_ids,
         djax.generate(scaled, prompts, config).answer_ids,
     )
+
+
+def test_fp8_weights_with_the_kernels_that_read_none(wide_folder):
+    """What `auto` picks under fp8 on Hopper GPUs besides XLA's products (djax's attention
+    and RoPE kernels, which read no weights; Mosaic GPU's interpreter here) gives the
+    all-XLA path's logits, to bf16 rounding."""
+    quantised = djax.load(wide_folder, jnp.bfloat16, weights="fp8")
+    kernels = quantised.with_options(attention_impl="split_kv", rope_impl="mosaic")
+    choice = kernels.kernel_choice(Shapes.whole_sequence(1, 16)).refresh.layers
+    assert (choice.attention, choice.rope, choice.qkv) == ("split_kv", "mosaic", "xla")
+    ids = np.random.default_rng(5).integers(4, 100, (1, 16))
+    ours = np.asarray(djax.forward_logits(kernels, ids), np.float32)
+    ref = np.asarray(djax.forward_logits(quantised, ids), np.float32)
+    assert rel_error(ours, ref) <= 1e-2
 
 
 def test_a_mesh_is_refused(wide_folder):

@@ -18,6 +18,7 @@ import djax
 from djax import engine
 from djax.config import DENSE, MOE, ModelConfig
 from djax.kernel_options import KERNEL_OPTIONS, KernelOptions
+from djax.models import kernel_choice
 from djax.models.kernel_choice import Device, Kernels, Shapes, describe, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,9 +48,9 @@ def test_options_refuse_unknown_names_and_values():
         KernelOptions(moe_impl="hopper")  # removed: it never won
     options = KernelOptions(mlp_impl="xla")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        options.mlp_impl = "pallas"
-    assert options.replace(rope_impl="pallas").items()[-2:] == [
-        ("rope_impl", "pallas"),
+        options.mlp_impl = "mosaic"
+    assert options.replace(rope_impl="mosaic").items()[-2:] == [
+        ("rope_impl", "mosaic"),
         ("moe_impl", "auto"),
     ]
     assert dict(KernelOptions(norm_impl="tiled").auto_as_xla().items()) == {
@@ -83,32 +84,33 @@ def test_describe_reads_capability_and_shared_memory():
     assert HOPPER.runs_kernels
     assert not AMPERE.runs_kernels  # too little shared memory and an older capability
     assert not Device("gpu", (9, 0), 100 * 1024).runs_kernels
+    assert not Device("gpu", (10, 0), 227 * 1024).runs_kernels  # no WGMMA
     assert not CPU.runs_kernels
 
 
 def test_auto_on_a_hopper_gpu():
-    """Blocks take every kernel (the q/k/v product inside the RoPE kernel, the norms fused
-    into the products, tiled); refreshes of 384 rows keep XLA's products."""
+    """Blocks take every kernel (the q/k/v product inside the RoPE kernel, the norm before
+    the feed-forward tiled into the products); refreshes of 384 rows keep XLA's products
+    and RoPE (their windows are longer than the RoPE kernel's 64 rows)."""
     choice = _choice()
     block = choice.block.layers
     assert block == Kernels(
         attention="split_kv",
         qkv="rope",
-        rope="pallas",
-        out="pallas",
-        mlp="pallas",
-        down="pallas",
-        norm="pallas",
+        rope="mosaic",
+        out="mosaic",
+        mlp="mosaic",
+        down="mosaic",
+        norm="mosaic",
         norm_into_mlp="tiled",
-        norm_into_attention="tiled",
         moe="none",
     )
     assert choice.block.last == block  # a dual-cache block keeps every row
     refresh = choice.refresh.layers
-    assert (refresh.attention, refresh.rope, refresh.norm) == ("split_kv", "pallas", "pallas")
+    assert (refresh.attention, refresh.rope, refresh.norm) == ("split_kv", "xla", "mosaic")
     assert (refresh.qkv, refresh.out, refresh.mlp, refresh.down) == ("xla",) * 4
-    assert (refresh.norm_into_mlp, refresh.norm_into_attention) == ("no", "no")
-    assert choice.refresh.last.out == choice.refresh.last.mlp == "pallas"  # the kept block
+    assert refresh.norm_into_mlp == "no"
+    assert choice.refresh.last.out == choice.refresh.last.mlp == "mosaic"  # the kept block
     assert choice.refresh.last.norm_into_mlp == "tiled"
 
 
@@ -126,7 +128,8 @@ def test_sparse_block_forwards_attend_in_xla():
 
 
 def test_auto_elsewhere_is_xla():
-    for device, dtype in ((AMPERE, BF16), (CPU, BF16), (HOPPER, jnp.float32)):
+    blackwell = Device("gpu", (10, 0), 227 * 1024)  # no WGMMA
+    for device, dtype in ((AMPERE, BF16), (CPU, BF16), (blackwell, BF16), (HOPPER, jnp.float32)):
         choice = _choice(device=device, dtype=dtype)
         assert choice.block.layers == Kernels(moe="none"), (device, dtype)
         cudnn = device.platform == "gpu" and dtype == BF16
@@ -136,18 +139,28 @@ def test_auto_elsewhere_is_xla():
 def test_auto_rows_and_shapes():
     batch8 = _choice(shapes=Shapes(8, 32, 384, 32)).block.layers  # 256 rows
     assert (batch8.qkv, batch8.mlp, batch8.norm_into_mlp) == ("xla", "xla", "no")
-    assert batch8.rope == "pallas" and batch8.attention == "split_kv"
+    assert batch8.rope == "mosaic" and batch8.attention == "split_kv"  # on XLA's product
     prefix = _choice(shapes=Shapes(1, 256, 384, 32)).block  # a prefix-cache window
-    assert prefix.layers.qkv == "xla" and prefix.last.mlp == "pallas"
-    tp4 = _choice(shards=4, sharded=True).block.layers  # 8 kv heads x 3: 24 programs
-    assert tp4.qkv == "pallas" and tp4.norm_into_mlp == "no"  # summed before any norm
+    assert (prefix.layers.qkv, prefix.layers.rope) == ("xla", "xla")  # 256-row windows
+    assert prefix.last.mlp == "mosaic"
+    tp4 = _choice(shards=4, sharded=True).block.layers  # 8 kv heads x 3: 24 CTAs a row tile
+    assert (tp4.qkv, tp4.rope) == ("mosaic", "mosaic")  # the RoPE kernel after the product
+    assert tp4.norm_into_mlp == "no"  # summed before any norm
     odd = _choice(config=LLADA_8B.replace(head_dim=96, d_model=3072)).block.layers
-    assert (odd.attention, odd.rope) == ("xla", "xla")  # no Triton tile of 96
+    assert (odd.attention, odd.rope) == ("xla", "xla")  # no 64-wide tiles of 96
+    assert (odd.qkv, odd.out, odd.mlp) == ("mosaic",) * 3  # its products are multiples of 64
+    narrow = _choice(config=LLADA_8B.replace(mlp_hidden=1000)).block.layers
+    assert (narrow.mlp, narrow.down, narrow.out, narrow.norm_into_mlp) == (
+        "xla",
+        "xla",
+        "mosaic",
+        "no",
+    )
 
 
 def test_moe_choice():
     block = _choice(config=LLADA_MOE).block.layers
-    assert block.moe == "pallas" and block.qkv == "rope"  # 16 kv heads x 3 programs
+    assert block.moe == "pallas" and block.qkv == "rope"  # 16 kv heads x 3 CTAs
     for device in (AMPERE, CPU):
         choice = _choice(config=LLADA_MOE, device=device)
         assert (choice.block.layers.moe, choice.refresh.layers.moe) == ("grouped", "dense")
@@ -169,7 +182,7 @@ def test_moe_mosaic_only_when_asked():
     assert _choice(config=LLADA_MOE).block.layers.moe == "pallas"
     fp8 = _choice(config=LLADA_MOE, weights="fp8")
     assert fp8.block.layers.moe == fp8.refresh.layers.moe == "mosaic"
-    blackwell = Device("gpu", (10, 0), 227 * 1024)  # djax's Triton kernels, no WGMMA
+    blackwell = Device("gpu", (10, 0), 227 * 1024)  # no WGMMA
     for device in (AMPERE, CPU, blackwell):
         assert _choice(config=LLADA_MOE, device=device, weights="fp8").block.layers.moe == "grouped"
     with pytest.raises(ValueError, match="moe_impl='mosaic' takes .* model dtype; got float32"):
@@ -180,62 +193,29 @@ def test_moe_mosaic_only_when_asked():
 
 
 def test_explicit_options():
-    """An explicit kernel runs wherever it fits, off GPUs and in fp32 included; the fused
-    forms keep their row limits; cuDNN runs only refreshes."""
-    pallas = KernelOptions(mlp_impl="pallas", matmul_impl="pallas", norm_impl="fused")
-    choice = _choice(pallas, CPU, dtype=jnp.float32)
-    assert choice.refresh.layers.mlp == choice.refresh.layers.out == "pallas"
-    assert choice.refresh.layers.norm_into_mlp == "no"  # 384 rows
-    assert choice.block.layers.norm_into_mlp == "fused"
-    assert choice.block.layers.norm == "pallas"
+    """An explicit kernel runs wherever it fits, off GPUs included; the products and the norm
+    moved into them keep their row limits; cuDNN runs only refreshes."""
+    mosaic = KernelOptions(mlp_impl="mosaic", matmul_impl="mosaic", norm_impl="fused")
+    choice = _choice(mosaic, CPU)
+    assert choice.refresh.layers.mlp == choice.refresh.layers.out == "xla"  # 384 rows
+    assert choice.refresh.layers.norm_into_mlp == "no"
+    block = choice.block.layers
+    assert (block.qkv, block.out, block.mlp, block.down) == ("mosaic",) * 4
+    assert (block.norm_into_mlp, block.norm, block.rope) == ("fused", "mosaic", "xla")
     cudnn = _choice(KernelOptions(attention_impl="cudnn"))
     assert (cudnn.block.layers.attention, cudnn.refresh.layers.attention) == ("xla", "cudnn")
     with pytest.raises(ValueError, match="'cudnn' takes bf16 or fp16 inputs; got float32"):
         _choice(KernelOptions(attention_impl="cudnn"), dtype=jnp.float32)
-    mosaic = _choice(KernelOptions(attention_impl="split_kv_mosaic"), CPU)
-    assert (mosaic.block.layers.attention, mosaic.refresh.layers.attention) == (
-        "split_kv_mosaic",
-        "split_kv_mosaic",
-    )
-    assert _choice().block.layers.attention == "split_kv"  # auto never takes it
-    with pytest.raises(ValueError, match="'split_kv_mosaic' takes bf16 or fp16 inputs; got"):
-        _choice(KernelOptions(attention_impl="split_kv_mosaic"), dtype=jnp.float32)
-    with pytest.raises(ValueError, match="'split_kv_mosaic' takes a head dim .* 64; got 96"):
-        _choice(
-            KernelOptions(attention_impl="split_kv_mosaic"), config=LLADA_8B.replace(head_dim=96)
-        )
-    with pytest.raises(ValueError, match="matmul_impl='pallas'.*multiples of 16; got 40 -> "):
-        _choice(KernelOptions(matmul_impl="pallas"), config=LLADA_8B.replace(d_model=40))
-    with pytest.raises(ValueError, match="mlp_impl='pallas'.*multiples of 16; got 4096 -> \\[1000"):
-        _choice(KernelOptions(mlp_impl="pallas"), config=LLADA_8B.replace(mlp_hidden=1000))
-    with pytest.raises(ValueError, match="rope_impl='pallas' takes heads whose rotary halves"):
-        _choice(KernelOptions(rope_impl="pallas"), config=LLADA_8B.replace(head_dim=96))
-
-
-def test_mosaic_products_only_when_asked():
-    """`mosaic` takes the Mosaic GPU products where asked (16-bit weights, widths that are
-    multiples of 64) in block forwards (at most 32 token rows; XLA's in refreshes), never
-    under `auto`; the norm before the feed-forward moves into them as into the Triton
-    kernels, the norm before attention does not (no Mosaic GPU q/k/v product inside the
-    RoPE kernel)."""
-    mosaic = KernelOptions(mlp_impl="mosaic", matmul_impl="mosaic")
-    for device in (HOPPER, CPU):
-        block = _choice(mosaic, device).block.layers
-        refresh = _choice(mosaic, device).refresh.layers
-        assert (block.qkv, block.out, block.mlp, block.down) == ("mosaic",) * 4
-        assert (refresh.qkv, refresh.out, refresh.mlp, refresh.down) == ("xla",) * 4
-    block = _choice(mosaic).block.layers
-    assert block.norm_into_mlp == "tiled"  # the split-K product, the tiled add, the gate/up
-    assert block.norm_into_attention == "no"  # the q/k/v product is not in the RoPE kernel
-    assert block.rope == "pallas"  # the RoPE kernel sums the Mosaic GPU product's partials
-    fused = _choice(mosaic.replace(norm_impl="fused")).block.layers
-    assert (fused.norm_into_mlp, fused.norm_into_attention) == ("fused", "no")
-    triton_out = _choice(mosaic.replace(matmul_impl="pallas", norm_impl="fused")).block.layers
-    assert (triton_out.mlp, triton_out.norm_into_mlp) == ("mosaic", "fused")
-    auto = _choice().block.layers
-    assert (auto.qkv, auto.out, auto.mlp, auto.down) == ("rope", "pallas", "pallas", "pallas")
-    with pytest.raises(ValueError, match="matmul_impl='mosaic' takes bfloat16 or float16 "):
-        _choice(KernelOptions(matmul_impl="mosaic"), CPU, dtype=jnp.float32)
+    split_kv = _choice(KernelOptions(attention_impl="split_kv"), CPU)
+    assert split_kv.block.layers.attention == split_kv.refresh.layers.attention == "split_kv"
+    with pytest.raises(ValueError, match="'split_kv' takes bf16 or fp16 inputs; got float32"):
+        _choice(KernelOptions(attention_impl="split_kv"), dtype=jnp.float32)
+    with pytest.raises(ValueError, match="'split_kv' takes a head dim .* 64; got 96"):
+        _choice(KernelOptions(attention_impl="split_kv"), config=LLADA_8B.replace(head_dim=96))
+    for option in ("matmul_impl", "mlp_impl", "rope_impl", "norm_impl"):
+        for value in ("mosaic", "fused", "tiled") if option == "norm_impl" else ("mosaic",):
+            with pytest.raises(ValueError, match=f"{option}='{value}' takes bfloat16 or float16"):
+                _choice(KernelOptions(**{option: value}), CPU, dtype=jnp.float32)
     with pytest.raises(
         ValueError,
         match="mlp_impl='mosaic' takes .* 64; got model and hidden widths 4096 -> \\[1008",
@@ -249,37 +229,33 @@ def test_mosaic_products_only_when_asked():
         _choice(KernelOptions(mlp_impl="mosaic"), weights="fp8")
 
 
-def test_mosaic_rope_only_when_asked():
-    """`rope_impl="mosaic"` runs the q/k/v product with RoPE in its epilogue in block forwards
-    (LLaDA-8B's and LLaDA-MoE's), XLA's product and RoPE in refreshes (384-row windows),
-    keeps the norm before attention apart, and is never `auto`'s."""
+def test_mosaic_rope():
+    """`rope_impl="mosaic"` runs the q/k/v product with RoPE in its epilogue where the
+    product runs djax's kernel (LLaDA-8B's and LLaDA-MoE's block forwards), RoPE on the
+    product made apart elsewhere in block windows (XLA's product, fp8 weights), XLA's product
+    and RoPE in refreshes (384-row windows)."""
     for config in (LLADA_8B, LLADA_MOE):
+        choice = _choice(KernelOptions(rope_impl="mosaic"), CPU, config=config)
+        assert (choice.block.layers.rope, choice.block.layers.qkv) == ("mosaic", "xla")
         choice = _choice(KernelOptions(rope_impl="mosaic", matmul_impl="mosaic"), config=config)
         assert (choice.block.layers.rope, choice.block.layers.qkv) == ("mosaic", "rope")
         assert (choice.block.last.rope, choice.block.last.qkv) == ("mosaic", "rope")
         assert (choice.refresh.layers.rope, choice.refresh.layers.qkv) == ("xla", "xla")
-        batch8 = _choice(
-            KernelOptions(rope_impl="mosaic", matmul_impl="mosaic"),
-            config=config,
-            shapes=Shapes(batch=8, window=32, seq=384, kept=32),
-        ).block.layers  # 256 rows: one 64-row tile per CTA would read the weights 4 times
-        assert (batch8.rope, batch8.qkv) == ("xla", "xla")
-    fused = KernelOptions(rope_impl="mosaic", matmul_impl="pallas", norm_impl="fused")
-    assert _choice(fused).block.layers.norm_into_attention == "no"
-    assert _choice().block.layers.rope == "pallas"
-    with pytest.raises(ValueError, match="rope_impl='mosaic' takes bfloat16 or float16"):
-        _choice(KernelOptions(rope_impl="mosaic"), CPU, dtype=jnp.float32)
+    fp8 = _choice(KernelOptions(rope_impl="mosaic"), weights="fp8").block.layers
+    assert (fp8.rope, fp8.qkv) == ("mosaic", "xla")
     with pytest.raises(ValueError, match="rope_impl='mosaic' takes head_dim in .*got head_dim=96"):
         _choice(KernelOptions(rope_impl="mosaic"), config=LLADA_8B.replace(head_dim=96))
-    with pytest.raises(ValueError, match="rope_impl='mosaic' runs the q/k/v product of 16-bit"):
-        _choice(KernelOptions(rope_impl="mosaic"), weights="fp8")
+    odd = _choice(shapes=Shapes(1, 12, 384, 12)).block.layers  # 12 rows: not a multiple of 8
+    assert (odd.rope, odd.qkv) == ("xla", "mosaic")
+    even = _choice(shapes=Shapes(1, 16, 384, 16)).block.layers
+    assert (even.rope, even.qkv) == ("mosaic", "rope")
 
 
 def test_explain_lists_each_forward():
     text = _choice().explain()
     assert text.splitlines()[0].startswith("block forward: attention=split_kv, qkv=rope,")
     assert "refresh: attention=split_kv, qkv=xla," in text
-    assert "  last layer, kept rows: out=pallas, mlp=pallas, down=pallas," in text
+    assert "  last layer, kept rows: out=mosaic, mlp=mosaic, down=mosaic," in text
 
 
 def test_fallback_to_xla_when_a_kernel_does_not_compile(dense_model, monkeypatch):
@@ -294,8 +270,8 @@ def test_fallback_to_xla_when_a_kernel_does_not_compile(dense_model, monkeypatch
     real_compile = engine._compile
 
     def compile_xla_only(model, plan, args, run, kernels):
-        if kernels.block.layers.mlp == "pallas":
-            raise RuntimeError("triton: no kernel image for this GPU")
+        if kernels.block.layers.out == "mosaic":  # 64 -> 64: the split-K product
+            raise RuntimeError("mosaic_gpu: no kernel image for this GPU")
         compiled.append(kernels)
         return real_compile(model, plan, args, run, kernels)
 
@@ -303,7 +279,7 @@ def test_fallback_to_xla_when_a_kernel_does_not_compile(dense_model, monkeypatch
     monkeypatch.setattr(engine, "_compile", compile_xla_only)
     monkeypatch.setattr(engine, "_EXECUTABLES", {})
     plan = engine.make_plan(model, config, 1, 4)[0]
-    assert engine.kernel_choice(model, plan).block.layers.mlp == "pallas"
+    assert engine.kernel_choice(model, plan).block.layers.out == "mosaic"
     with pytest.warns(UserWarning, match=r"kernels do not compile on gpu 9\.0.*no kernel image"):
         ours = djax.generate(model, [[0, 10, 20, 30]], config)
     np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
@@ -311,8 +287,13 @@ def test_fallback_to_xla_when_a_kernel_does_not_compile(dense_model, monkeypatch
 
 
 def test_explicit_kernels_that_fail_are_not_replaced(dense_model, monkeypatch):
+    params = jax.tree.map(lambda a: a.astype(BF16), dense_model.params)
+    model = dataclasses.replace(dense_model, params=params, dtype=BF16)  # mosaic takes 16 bits
+    wider = model.config.replace(mlp_hidden=128)  # every product's widths multiples of 64
+    model = dataclasses.replace(model, config=wider)  # (the params are never read: no compile)
+
     def failing(model, plan, args, run, kernels):
-        raise RuntimeError("triton: no kernel image")
+        raise RuntimeError("mosaic_gpu: no kernel image")
 
     monkeypatch.setattr(engine, "_compile", failing)
     monkeypatch.setattr(engine, "_EXECUTABLES", {})
@@ -320,7 +301,7 @@ def test_explicit_kernels_that_fail_are_not_replaced(dense_model, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning either
         with pytest.raises(RuntimeError, match="no kernel image"):
-            djax.generate(dense_model.with_options(mlp_impl="pallas"), [[0, 10]], config)
+            djax.generate(model.with_options(matmul_impl="mosaic"), [[0, 10]], config)
 
 
 def test_cli_explain(tmp_path):
@@ -338,31 +319,31 @@ def test_cli_explain(tmp_path):
     assert out.index("block forward:") < out.index("> 1+2=")  # before the answers
 
 
-def test_mosaic_products_take_the_mosaic_norm_kernel():
-    """Under `matmul_impl="mosaic"` the norms left on their own run the norm kernel's Mosaic
-    GPU port wherever `norm_impl` would take the Triton one (rows of LLaDA-8B's 4096 fit;
-    4160-wide rows keep Triton's); `xla` stays XLA's and `auto` alone is unchanged."""
-    mosaic = KernelOptions(matmul_impl="mosaic", mlp_impl="mosaic")
-    for norm_impl in ("auto", "pallas", "fused", "tiled"):
-        choice = _choice(mosaic.replace(norm_impl=norm_impl))
+def test_norm_options():
+    """`norm_impl`: `auto` moves the norm before the feed-forward into the products where
+    djax's kernels run (`AUTO_NORM`); the norms no product takes run the per-row kernel
+    (`mosaic`) under every form but `xla`, where the model width fits it (4160-wide rows do
+    not: XLA's, or a ValueError where `mosaic` was asked for)."""
+    assert kernel_choice.AUTO_NORM in KERNEL_OPTIONS["norm_impl"].choices
+    for norm_impl in ("auto", "mosaic", "fused", "tiled"):
+        choice = _choice(KernelOptions(norm_impl=norm_impl))
         assert choice.block.layers.norm == choice.refresh.layers.norm == "mosaic", norm_impl
-    assert _choice(mosaic.replace(norm_impl="xla")).block.layers.norm == "xla"
-    assert _choice().block.layers.norm == "pallas"
+        into = {"auto": kernel_choice.AUTO_NORM, "mosaic": "no"}.get(norm_impl, norm_impl)
+        assert choice.block.layers.norm_into_mlp == into, norm_impl
+    xla = _choice(KernelOptions(norm_impl="xla")).block.layers
+    assert (xla.norm, xla.norm_into_mlp) == ("xla", "no")
+    assert _choice(KernelOptions(matmul_impl="xla")).block.layers.norm_into_mlp == "no"
     odd = LLADA_8B.replace(d_model=4096 + 64)  # Mosaic GPU products, not whole 512-blocks
-    assert _choice(mosaic.replace(norm_impl="pallas"), config=odd).block.layers.norm == "pallas"
+    assert _choice(KernelOptions(norm_impl="tiled"), config=odd).block.layers.norm == "xla"
+    with pytest.raises(ValueError, match="norm_impl='mosaic' takes a model width .*; got 4160"):
+        _choice(KernelOptions(norm_impl="mosaic"), config=odd)
 
 
-def test_auto_mosaic_experts_and_rope_windows():
+def test_auto_mosaic_experts():
     """`auto` takes the Mosaic GPU expert tiles for fp8 experts only where their widths are
-    multiples of 64 (XLA's grouped path otherwise); `rope_impl="mosaic"` takes block windows
-    whose rows are a multiple of 8 (XLA's RoPE otherwise, after the q/k/v product
-    `matmul_impl` gives)."""
+    multiples of 64 (XLA's grouped path otherwise)."""
     narrow = _choice(config=LLADA_MOE.replace(expert_hidden=48), weights="fp8").block.layers
     assert narrow.moe == "grouped"
-    odd = _choice(KernelOptions(rope_impl="mosaic"), shapes=Shapes(1, 12, 384, 12)).block.layers
-    assert (odd.rope, odd.qkv) == ("xla", "pallas")
-    even = _choice(KernelOptions(rope_impl="mosaic"), shapes=Shapes(1, 16, 384, 16)).block.layers
-    assert (even.rope, even.qkv) == ("mosaic", "rope")
 
 
 def test_readme_documents_every_option_value_and_kernel_module():
@@ -389,3 +370,70 @@ def test_readme_documents_every_option_value_and_kernel_module():
     for module in sorted((ROOT / "djax" / "kernels").glob("[a-z]*.py")):
         assert f"`{module.stem}`" in layout, module.stem
         assert f"`{module.stem}`" in djax.kernels.__doc__, module.stem
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_auto_block_forward_lowers_for_hopper(monkeypatch, batch):
+    """A LLaDA-8B layer's block forward (32 rows a sequence against a 384-position buffer,
+    bf16) under `auto`'s Hopper choice lowers for CUDA with its parts in their Mosaic GPU
+    kernels, compiled rather than interpreted (no GPU needed to lower). Batch 1: the q/k/v
+    product with RoPE, attention, the output product and tiled add, the SwiGLU product, the
+    down product and the per-row norm after it; batch 8 (256 rows: XLA's products): RoPE on
+    XLA's q/k/v product, attention and the two per-row norms."""
+    from djax.kernels import tma_ring
+    from djax.models.layers import Window
+    from djax.programs import local_module
+
+    monkeypatch.setattr(tma_ring, "interpret_params", lambda interpret: None)
+    config = LLADA_8B.replace(n_layers=1)
+    choice = _choice(config=config, shapes=Shapes(batch, 32, 384, 32))
+    layers = choice.block.layers
+    assert (layers.qkv, layers.norm_into_mlp) == (
+        ("rope", "tiled") if batch == 1 else ("xla", "no")
+    )
+    module = local_module(config, BF16, choice, None)
+    spec = jax.ShapeDtypeStruct
+    buffer = spec((batch, 384, 32, 128), BF16)
+    args = (
+        spec((batch, 32, 4096), BF16),  # the window's embeddings
+        spec((batch, 32), jnp.int32),  # positions
+        spec((batch, 384), jnp.bool_),  # key_valid
+        ((buffer, buffer),),
+        Window(spec((), jnp.int32)),
+    )
+
+    def forward(params, *args):
+        return module.apply(params, *args, block_forward=True)
+
+    params = jax.eval_shape(
+        lambda *a: module.init(jax.random.key(0), *a, block_forward=True), *args
+    )
+    text = jax.jit(forward).trace(params, *args).lower(lowering_platforms=("cuda",)).as_text()
+    # q/k/v + RoPE, attention, output, tiled add, SwiGLU, down, norm
+    kernels = re.findall(r"custom_call @mosaic_gpu\w*", text)
+    assert len(kernels) == (7 if batch == 1 else 4), kernels
+
+
+def test_forward_with_every_mosaic_kernel_is_xlas(tmp_path):
+    """A whole-sequence forward of 16 rows (a forward the products take) with every Mosaic
+    GPU kernel asked for (Mosaic GPU's interpreter here): the split-K q/k/v product, then the
+    RoPE kernel on its partials (4 heads: too few to run the product inside it), split-K/V
+    attention, the output product with the tiled add into the SwiGLU kernel, the down
+    product; its logits are XLA's to bf16 rounding."""
+    from torch_reference import make_llada_dense, rel_error
+
+    make_llada_dense(
+        tmp_path, d_model=128, n_layers=1, n_heads=2, n_kv_heads=1, mlp_hidden=128, seed=4
+    )
+    xla = djax.load(tmp_path, BF16)
+    options = {"matmul_impl": "mosaic", "mlp_impl": "mosaic", "rope_impl": "mosaic"}
+    mosaic = xla.with_options(**options, attention_impl="split_kv", norm_impl="tiled")
+    layers = mosaic.kernel_choice(Shapes.whole_sequence(1, 16)).refresh.layers
+    assert (layers.qkv, layers.rope, layers.attention) == ("mosaic", "mosaic", "split_kv")
+    assert (layers.out, layers.mlp, layers.down, layers.norm_into_mlp) == (
+        ("mosaic",) * 3 + ("tiled",)
+    )
+    ids = np.random.default_rng(6).integers(4, 100, (1, 16))
+    ours = np.asarray(djax.forward_logits(mosaic, ids), np.float32)
+    ref = np.asarray(djax.forward_logits(xla, ids), np.float32)
+    assert rel_error(ours, ref) <= 1e-2

@@ -151,22 +151,28 @@ def test_mesh_errors(moe_model):
 
 
 def test_split_kv_attention_under_tensor_parallel(tmp_path, monkeypatch):
-    """The split-K/V kernel (Pallas's interpreter here) inside `shard_map`, each device with
-    its own kv heads: tokens as the single-device einsum path."""
-    from djax.kernels import flash_attention
+    """Under `shard_map` the split-K/V kernel gets each device's own heads (q [b, t, 2, d]
+    and K/V [b, s, 1, d] of 4 heads and 2 kv heads over 2 devices). Mosaic GPU's interpreter
+    does not run inside `shard_map` on CPU devices, so a stand-in with the kernel's contract
+    (the einsum attention) records what it gets; the tokens are the einsum path's."""
+    from djax.kernels import flash_attention_mosaic
+    from djax.models import layers
 
     calls = []
-    kernel = flash_attention.split_kv_attention
-    monkeypatch.setattr(
-        flash_attention, "split_kv_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k)
-    )
-    make_llada_dense(tmp_path, d_model=128, n_heads=8, n_kv_heads=4, head_scale=6.0, seed=5)
-    single = djax.load(tmp_path, dtype=jnp.float32, attention_impl="xla")
-    sharded = djax.load(
-        tmp_path, dtype=jnp.float32, mesh=make_mesh(tensor_parallel=2), attention_impl="split_kv"
-    )
+
+    def stand_in(q, keys, values, key_valid, **kwargs):
+        calls.append((q.shape[2], keys.shape[2]))
+        b, t, n, d = q.shape
+        grouped = q.reshape(b, t, keys.shape[2], n // keys.shape[2], d)
+        return layers.attend(grouped, keys, values, key_valid, "xla").reshape(q.shape)
+
+    monkeypatch.setattr(flash_attention_mosaic, "split_kv_attention", stand_in)
+    make_llada_dense(tmp_path, d_model=256, n_heads=4, n_kv_heads=2, head_scale=6.0, seed=5)
+    mesh = make_mesh(tensor_parallel=2)
+    einsums = djax.load(tmp_path, dtype=jnp.bfloat16, mesh=mesh, attention_impl="xla")
+    sharded = djax.load(tmp_path, dtype=jnp.bfloat16, mesh=mesh, attention_impl="split_kv")
     config = dataclasses.replace(BASE, cache="dual")
-    a = djax.generate(single, PROMPTS, config)
+    a = djax.generate(einsums, PROMPTS, config)
     b = djax.generate(sharded, PROMPTS, config)
     np.testing.assert_array_equal(a.answer_ids, b.answer_ids)
-    assert calls  # the sharded program did trace the kernel
+    assert calls and set(calls) == {(2, 1)}  # the sharded program did trace the kernel

@@ -3,8 +3,8 @@ block (32 queries) against the K/V buffer, and a refresh (all queries against al
 
 Implementations: `xla` (einsums), `cudnn` (with the key-padding mask, as the engine calls
 it), `cudnn no mask` (what cuDNN takes when nothing is padded; a bound, not an engine path)
-`split_kv` (djax's Pallas Triton flash-decoding kernel) and `split_kv_mosaic` (its Pallas
-Mosaic GPU port, Hopper only) at several tilings. Each is
+and `split_kv` (djax's flash-decoding kernel, `flash_attention_mosaic`: Pallas Mosaic GPU,
+Hopper only) at several tilings. Each is
 checked against fp32 einsums (relative L2 error) and timed twice: in-program, where
 `step_only` is the cost of the loop's own `q + 1e-3 * out` update, to subtract; and by its
 kernels' device time in a profiler trace (`kernels_us` per kernel, `device_us` their sum:
@@ -12,11 +12,10 @@ every kernel the call launches, e.g. the split-K/V kernel, the merge of its slic
 key-bias kernel that a generation runs once per forward; no loop).
 
     python -m bench.kernels.attention [--shapes 32x384 32x1280 384x384] [--model dense|moe]
-        [--batch 1] [--impls xla cudnn split_kv split_kv_mosaic] [--tiny]
+        [--batch 1] [--impls xla cudnn split_kv] [--tiny]
 
-`--impls` keeps the implementations whose label starts with one of the given words
-(`split_kv` keeps both kernels' rows). Off GPUs (`--tiny`) the kernels run in their
-interpreters and the times are wall times.
+`--impls` keeps the implementations whose label starts with one of the given words. Off
+GPUs (`--tiny`) the kernels run in their interpreters and the times are wall times.
 """
 
 from __future__ import annotations
@@ -30,37 +29,13 @@ import jax.numpy as jnp
 from bench.common import model_config, save, time_in_program
 from bench.kernels.timing import kernel_us
 from djax.kernels import flash_attention_mosaic
-from djax.kernels.flash_attention import Tiles, split_kv_attention
 from djax.models.layers import attend
 
-TILINGS = (
-    # Block forwards without a merge: one key slice, the queries cut into 16-row tiles so
-    # twice as many programs run.
-    Tiles(block_q=16, block_k=64, splits=1, num_stages=3),
-    Tiles(block_q=16, block_k=64, splits=1, num_stages=4),
-    Tiles(block_q=16, block_k=64, splits=1, num_stages=3, num_warps=2),
-    Tiles(block_q=16, block_k=128, splits=1, num_stages=2),
-    Tiles(block_q=16, block_k=32, splits=1, num_stages=4),
-    Tiles(block_q=32, block_k=64, splits=1, num_stages=3),
-    Tiles(block_q=16, block_k=64, splits=2, num_stages=3),
-    Tiles(block_q=32, block_k=64, splits=2, num_stages=3),
-    Tiles(block_q=32, block_k=64, splits=3, num_stages=2),
-    Tiles(block_q=32, block_k=64, splits=6, num_stages=3),
-    Tiles(block_q=32, block_k=64, splits=12, num_stages=3),
-    Tiles(block_q=32, block_k=32, splits=12, num_stages=3),
-    Tiles(block_q=32, block_k=128, splits=6, num_stages=3),
-    Tiles(block_q=64, block_k=64, splits=1, num_stages=2),
-    Tiles(block_q=64, block_k=64, splits=1, num_stages=3),
-    Tiles(block_q=64, block_k=128, splits=1, num_stages=2),
-    Tiles(block_q=128, block_k=64, splits=1, num_stages=2, num_warps=8),
-    Tiles(block_q=128, block_k=64, splits=1, num_stages=3, num_warps=8),
-)
-
-# The Mosaic GPU port: (block_k, splits, stages, warpgroups), beside `tiles_for`'s; splits
+# The kernel's tilings: (block_k, splits, stages, warpgroups), beside `tiles_for`'s; splits
 # past the key blocks are clamped. Two stages leave room for two CTAs per SM (batch 8: 256
 # CTAs). Warpgroups: key slices of one CTA merged in the kernel (each with its own ring),
 # alone or with splits across CTAs merged in XLA.
-MOSAIC_TILINGS = tuple(
+TILINGS = tuple(
     flash_attention_mosaic.Tiles(block_k=bk, splits=splits, stages=stages, warpgroups=wgs)
     for bk, splits, stages, wgs in (
         (64, 1, 4, 1),
@@ -104,11 +79,9 @@ def implementations() -> list[tuple[str, object]]:
     out = [("xla", grouped("xla"))]
     if jax.default_backend() == "gpu":
         out += [("cudnn", grouped("cudnn")), ("cudnn no mask", _cudnn_no_mask)]
+    kernel = flash_attention_mosaic.split_kv_attention
     for tiles in (None, *TILINGS):  # None: the engine's choice, `tiles_for`
-        out.append((_label("split_kv", tiles), functools.partial(split_kv_attention, tiles=tiles)))
-    mosaic = flash_attention_mosaic.split_kv_attention
-    for tiles in (None, *MOSAIC_TILINGS):
-        out.append((_label("split_kv_mosaic", tiles), functools.partial(mosaic, tiles=tiles)))
+        out.append((_label("split_kv", tiles), functools.partial(kernel, tiles=tiles)))
     return out
 
 

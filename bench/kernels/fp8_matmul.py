@@ -11,12 +11,11 @@ Products (k -> n): `qkv` 4096 -> 12288, `out` 4096 -> 4096, `down` 12288 -> 4096
   fp8 dot, both scales) given the weight already stored [n, k], so XLA need not transpose
   it per call as it does the model's [k, n] weight;
 - `xla fp8 dequant`: the `dequant` product on the model's [k, n] fp8 weight;
-- `xla bf16`, `pallas bf16` (`split_k.matmul_partials`, Triton), `mosaic bf16`
-  (`split_k_mosaic.matmul_partials`): the bf16 weight's products;
+- `xla bf16`, `mosaic bf16` (`split_k_mosaic.matmul_partials`): the bf16 weight's products;
 - `gate_up` also as SwiGLU (`silu(gate) * up` of the two halves written):
   `swiglu mosaic fp8` (`fp8_matmul_mosaic.swiglu`, the weight stored [2, n / 2, k]),
-  `swiglu xla fp8 dequant` and `swiglu xla bf16` (`layers.swiglu_xla`), `swiglu pallas
-  bf16` and `swiglu mosaic bf16` (`swiglu.swiglu_matmul`, `swiglu_mosaic.swiglu_matmul`).
+  `swiglu xla fp8 dequant` and `swiglu xla bf16` (`layers.swiglu_xla`) and `swiglu mosaic
+  bf16` (`swiglu_mosaic.swiglu_matmul`).
 
 `--sweep` adds the Mosaic GPU fp8 kernel at every tiling of SWEEP (block_n, block_k, splits,
 stages) that fits (`fp8_matmul_mosaic.check_tiles`) and ends with the fastest per product
@@ -34,7 +33,7 @@ form's weight bytes over its time.
         [--sweep] [--tiny]
 
 The Mosaic GPU kernels need a Hopper GPU; off GPUs (`--tiny`) they run in Mosaic GPU's
-interpreter (the Triton kernel in Pallas's) and the times are wall times.
+interpreter and the times are wall times.
 """
 
 from __future__ import annotations
@@ -46,10 +45,9 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import model_config, save
-from bench.kernels.mosaic import fastest
-from bench.kernels.split_k import products
+from bench.kernels.mosaic import fastest, products
 from bench.kernels.timing import rel_error, time_row
-from djax.kernels import fp8_matmul_mosaic, split_k, split_k_mosaic, swiglu, swiglu_mosaic
+from djax.kernels import fp8_matmul_mosaic, split_k_mosaic, swiglu_mosaic
 from djax.kernels.tma_ring import Tiles
 from djax.models import fp8
 from djax.models.layers import swiglu_xla
@@ -79,7 +77,6 @@ FORMS = {
     "xla fp8 scaled [n,k]": ("fp8 [n,k]", xla_scaled_nk),
     "xla fp8 dequant": ("fp8 [k,n]", lambda x, w: fp8.einsum("mk,kn->mn", x, w, "dequant")),
     "xla bf16": ("bf16", lambda x, w: x @ w),
-    "pallas bf16": ("bf16", lambda x, w: split_k.matmul_partials(x, w).parts),
     "mosaic bf16": ("bf16", lambda x, w: split_k_mosaic.matmul_partials(x, w).parts),
 }
 
@@ -94,7 +91,6 @@ SWIGLU_FORMS = {
     "swiglu mosaic fp8": ("fp8 [2,n,k]", swiglu_mosaic_fp8),
     "swiglu xla fp8 dequant": ("fp8 [k,2,n]", lambda x, w: swiglu_xla(x, w, "dequant")),
     "swiglu xla bf16": ("bf16 [k,2,n]", swiglu_xla),
-    "swiglu pallas bf16": ("bf16 [k,2,n]", swiglu.swiglu_matmul),
     "swiglu mosaic bf16": ("bf16 [k,2,n]", swiglu_mosaic.swiglu_matmul),
 }
 

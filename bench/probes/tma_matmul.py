@@ -6,9 +6,10 @@ Triton split-K product takes ~25.6 µs. Does that hold once the kernel also mult
 CTA owns one column tile and one contraction slice, streams x's and w's tiles through a ring
 of `stages` shared-memory slots, multiplies them with WGMMA into a 64-row fp32 accumulator
 (the block's 32 rows, padded: WGMMA's smallest row tile) and writes its fp32 partial
-product, as `split_k.matmul_partials` does. Rows: the product's device time per call (µs,
-from profiler traces, weights L2-cold) for each tiling and for the Triton kernel, with the
-error of the summed partials against XLA's product in fp32.
+product. Rows: the product's device time per call (µs, from profiler traces, weights
+L2-cold) for each tiling and for djax's split-K product, with the error of the summed
+partials against XLA's product in fp32. The Triton split-K kernel of the answer below has
+left djax: the baseline row is now its Mosaic GPU successor (`split_k_mosaic`).
 
 Answer (H200, commits 725500e-c9c63cd, result `bench/results/tma_matmul_NVIDIA_H200.json`;
 the tables are in bench/NOTES.md). No: correct (1e-6 against fp32) but not faster. Down
@@ -33,9 +34,9 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import model_config, save
-from bench.kernels.split_k import products
+from bench.kernels.mosaic import products
 from bench.kernels.timing import rel_error, time_row
-from djax.kernels.split_k import matmul_partials
+from djax.kernels.split_k_mosaic import matmul_partials
 
 COLD_BYTES = 256 << 20
 PAD_ROWS = 64  # WGMMA's row tile
@@ -269,7 +270,7 @@ def main() -> None:
         ws = [w * (1 + i / 64) for i in range(copies)]
         reference = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))
         summed = lambda parts: parts.sum(0)[: args.rows]  # noqa: E731
-        forms = {"triton split-K": (lambda x, w: matmul_partials(x, w).parts, summed)}
+        forms = {"djax split-K": (lambda x, w: matmul_partials(x, w).parts, summed)}
         for bn, bk, sp, st in [t for t in TILINGS if fits(k, n, t) and not args.only_t]:
             label = f"tma {bn}x{bk} splits{sp} st{st}"
             form = lambda x, w, t=(bn, bk, sp, st): tma_partials(padded(x), w, *t)  # noqa: E731

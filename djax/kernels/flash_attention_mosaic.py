@@ -1,6 +1,8 @@
 """Flash attention with the keys split across CTAs (flash-decoding) as a Pallas Mosaic GPU
-kernel (Hopper: TMA copies, WGMMA): `flash_attention.split_kv_attention`'s contract, off the
-Triton backend (`attention_impl="split_kv_mosaic"`).
+kernel (Hopper: TMA copies, WGMMA): djax's GPU attention for denoising blocks against a long
+K/V buffer and for refreshes (`attention_impl="split_kv"`). Semantics are `layers.attend`'s:
+bidirectional attention with a key-padding mask (a per-key bias, not a dense `[t, s]`
+mask), scores in fp32, probabilities cast to the value dtype before the value product.
 
 Each CTA owns one (batch row, query head, tile of 64 queries) and `splits` CTAs share its
 keys; within a CTA, each of its `warpgroups` warpgroups owns one key slice. A warpgroup's
@@ -17,8 +19,7 @@ A CTA's warpgroups merge their slices in shared memory: they exchange their row 
 sums, then each adds its output, weighted by its share of the softmax's total, into one fp32
 tile in turn, and the last one stores the sum. CTAs of several `splits` write fp32 partial
 outputs [b, splits, t, n, d] and their rows' log-sum-exps [b, splits, n, 64 x query tiles]
-(TMA stores whole rows of both), merged afterwards as the Triton kernel's are
-(`flash_attention.merge_slices`).
+(TMA stores whole rows of both), merged afterwards by their log-sum-exps (`merge_slices`).
 
 The kernel is lowered with Mosaic GPU's warpgroup semantics (its layouts and shared-memory
 transforms inferred), named explicitly so every jax version lowers it the same way.
@@ -40,11 +41,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.kernels import flash_attention, tma_ring
+from djax.kernels import tma_ring
 from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, SHARED_MEMORY, SWIZZLE, TILE
 
 Array = jax.Array
 LOG2E = math.log2(math.e)
+# The additive score bias of a padding key: finite, so a slice of only padding keys stays
+# NaN-free (its log-sum-exp is ~-1e30 and it gets no weight in the merge). A query row whose
+# keys are all padding (a dummy row) gets an average over slices, not the einsums' uniform one.
+MASKED = -1e30
 # The fewest CTAs (query tiles x heads) `tiles_for` takes for a window of one key slice.
 MIN_CTAS = 96
 # The most warpgroups of a CTA, each streaming its own key slice.
@@ -249,9 +254,7 @@ def _kernel(
 
     carry = (
         _laid_out(jnp.zeros((ROW_TILE, d), jnp.float32), interpreting),
-        tma_ring.accumulator_rows(
-            jnp.full((ROW_TILE,), flash_attention.MASKED, jnp.float32), interpreting
-        ),
+        tma_ring.accumulator_rows(jnp.full((ROW_TILE,), MASKED, jnp.float32), interpreting),
         tma_ring.accumulator_rows(jnp.zeros((ROW_TILE,), jnp.float32), interpreting),
     )
     acc, row_max, row_sum = jax.lax.fori_loop(0, steps, step, carry)
@@ -332,7 +335,7 @@ def split_kv_attention(
 
     q: [batch, t, heads, head_dim]; keys, values: [batch, s, kv_heads, head_dim], all bf16
     or all fp16, head_dim a multiple of 64; key_valid: [batch, s] bool. Returns
-    [batch, t, heads, head_dim] in q's dtype (as `flash_attention.split_kv_attention`).
+    [batch, t, heads, head_dim] in q's dtype.
     `tiles`: the program shape (default `tiles_for(t, s, batch * heads, ...)`; more splits
     than key slices need are clamped, and a CTA's last warpgroups may get slices wholly
     past the keys, masked); `interpret`: run in Mosaic GPU's interpreter (default: exactly
@@ -381,8 +384,8 @@ def split_kv_attention(
         raise ValueError(f"{tiles}: {used} bytes of shared memory; at most {SHARED_MEMORY}")
     q_tiles = pl.cdiv(t, ROW_TILE)
     padded = splits * wgs * steps * tiles.block_k
-    bias = jnp.where(key_valid, 0.0, flash_attention.MASKED).astype(jnp.float32)
-    bias = jnp.pad(bias, ((0, 0), (0, padded - s)), constant_values=flash_attention.MASKED)
+    bias = jnp.where(key_valid, 0.0, MASKED).astype(jnp.float32)
+    bias = jnp.pad(bias, ((0, 0), (0, padded - s)), constant_values=MASKED)
     out_dtype = jnp.float32 if split_out else q.dtype
     if split_out:  # each split's output and its rows' log-sum-exps (TMA stores whole rows)
         out_type = (
@@ -449,4 +452,12 @@ def split_kv_attention(
     if not split_out:
         return kernel(*inputs)
     partial, lse = kernel(*inputs)
-    return flash_attention.merge_slices(partial, lse[..., :t].transpose(0, 1, 3, 2), q.dtype)
+    return merge_slices(partial, lse[..., :t].transpose(0, 1, 3, 2), q.dtype)
+
+
+def merge_slices(partial: Array, lse: Array, dtype) -> Array:
+    """The attention output from its key slices' normalised fp32 outputs partial
+    [b, splits, t, n, d] and log-sum-exps lse [b, splits, t, n], each weighted by its share
+    of the softmax's total, in `dtype`."""
+    weights = jax.nn.softmax(lse, axis=1)  # [b, splits, t, n]
+    return jnp.einsum("bjtn,bjtnd->btnd", weights, partial).astype(dtype)

@@ -1,9 +1,8 @@
 """The residual add and the RMSNorm after it as Pallas Mosaic GPU kernels (Hopper: TMA
-copies), `residual_norm`'s contracts off the Triton backend: `add_scaled`, the column-tiled
-add that leaves the norm to the next product (`norm_impl="tiled"` with
-`matmul_impl="mosaic"`, after `split_k_mosaic.matmul_partials`), and `add_rms_norm`, the
-add and the norm of whole rows (the norms not moved into products, under
-`matmul_impl="mosaic"`).
+copies): `add_scaled`, the column-tiled add that leaves the norm to the next product
+(`norm_impl="tiled"`, after `split_k_mosaic.matmul_partials`), and `add_rms_norm`, the add
+and the norm of whole rows (`norm_impl="mosaic"`, and the norms not moved into products
+under `fused` and `tiled`).
 
 Each CTA owns one row tile of 64 and `COLUMNS` columns. TMA brings in its tiles of x and
 of every slice of y (fp32 partial products, or one slice in x's dtype), and the norm's
@@ -12,11 +11,10 @@ WGMMA accumulator, so a row's share of the sum of squares is one reduction along
 tile's columns. The CTA writes
 `h = x + y` (the slices added in fp32 and rounded to x's dtype first, as
 `Partials.total()` does; then the add in fp32, rounded), `h * scale` and the tile's sums of
-squares of h as stored (`handoff.ScaledRows`), as the Triton kernel does. Rows past x's
+squares of h as stored (`handoff.ScaledRows`). Rows past x's
 end are read by TMA as zeros and never stored.
 
-`add_rms_norm` is `residual_norm.add_rms_norm` in Mosaic GPU: one CTA per row, as the
-Triton kernel's programs. The row comes in by TMA as a [d / 256, 256] block (a TMA box
+`add_rms_norm` runs one CTA per row. The row comes in by TMA as a [d / 256, 256] block (a TMA box
 spans at most 256 values per dim) and is held by the warpgroup in a strided layout, in
 which the sum of squares is one reduction over the whole block.
 """
@@ -37,7 +35,7 @@ from djax.kernels.tma_ring import ROW_TILE
 Array = jax.Array
 
 # Columns per CTA: a 32-bit tile row of 128 bytes, the widest swizzle (128 CTAs at a
-# 4096-wide model, as the Triton kernel's programs).
+# 4096-wide model).
 COLUMNS = 32
 
 
@@ -124,7 +122,7 @@ def add_scaled(
     x: [..., d], bf16 or fp16, d a multiple of 32 up to 8192 (`fits`); y: [..., d] in x's dtype, or
     `Partials` of that shape and dtype (summed and rounded first, as `Partials.total()`
     does); scale: [d] in x's dtype, the norm's learned scale, and `eps` its epsilon.
-    Returns (h, ScaledRows) as `residual_norm.add_scaled` at `block_n=32`. Row counts that
+    Returns (h, ScaledRows), the sums of squares [d / 32, ...]. Row counts that
     are not multiples of 8 are padded with zero rows for the kernel (extra copies of x and
     y, and a slice of the sums of squares). `interpret`: run in Mosaic GPU's interpreter
     (default: exactly off GPUs, as the CPU tests do).
@@ -239,8 +237,8 @@ def add_rms_norm(
     eps: float,
     interpret: bool | None = None,
 ) -> tuple[Array, Array]:
-    """`h = x + y` and `rms_norm(h, scale, eps)` in one Mosaic GPU kernel, as
-    `residual_norm.add_rms_norm`.
+    """`h = x + y` and `rms_norm(h, scale, eps)` (`layers.rms_norm`'s rounding) in one
+    Mosaic GPU kernel.
 
     x: [..., d], bf16 or fp16, d a multiple of 512 up to 65536 (`row_fits`); y: [..., d] in
     x's dtype, or `Partials` of that shape and dtype (summed and rounded first); scale: [d]

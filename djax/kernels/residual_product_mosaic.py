@@ -1,10 +1,9 @@
 """A block layer's attention-output or down product with the residual add in its epilogue,
 leaving the RMSNorm after it to the next product, as a Pallas Mosaic GPU kernel (Hopper: TMA
-copies, WGMMA): `residual_product.residual_product`'s contract, off the Triton backend
-(the attention output's under `norm_impl="fused"` with `matmul_impl="mosaic"`).
+copies, WGMMA): the attention output's under `norm_impl="fused"`.
 
 Each CTA owns one row tile of 64 and `block_n` columns, streams its x and weight tiles
-through a ring (`tma_ring`), and finishes its tile as the Triton kernel does:
+through a ring (`tma_ring`), and finishes its tile:
 `h = residual + x @ w` (the product rounded to h's dtype first), `h * scale` and the tile's
 share of each row's sum of squares (`handoff.ScaledRows`). The residual tile and the whole
 scale vector come in by TMA while the weights stream.
@@ -35,7 +34,7 @@ Array = jax.Array
 
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:
-    """32-column tiles (128 CTAs at a 4096-wide model, as the Triton kernel's programs) in
+    """32-column tiles (128 CTAs at a 4096-wide model) in
     up to 128-wide steps, 6 stages."""
     return Tiles(block_n=NARROW, block_k=tiling.largest_block(k, 128), splits=1, stages=6)
 
@@ -219,7 +218,7 @@ def residual_product(
 
     x: [..., k]; w: [k, n]; residual: [..., n]; scale: [n], the norm's learned scale, and
     `eps` its epsilon; all bf16 or all fp16, k and n multiples of 64 (`fits`). Returns (h,
-    `ScaledRows`), h shaped and typed like residual (as `residual_product.residual_product`).
+    `ScaledRows`), h shaped and typed like residual.
     Row counts that are not multiples of 8 are padded with zero rows for the kernel (extra
     copies of x and the residual, and a slice of the sums of squares). `tiles`: the program
     shape (default `tiles_for`; `splits` > 1 over a cluster's CTAs, compiled only:

@@ -1,9 +1,10 @@
 """The q/k/v product of a denoising block with the q/k norm, clip, RoPE and K/V buffer writes in
 its epilogue, as a Pallas Mosaic GPU kernel (Hopper: TMA copies, WGMMA):
-`rope_write.project_rope_and_write`'s contract, off the Triton backend (`rope_impl="mosaic"`);
-and that epilogue alone on a product made elsewhere (`rope_and_write`, `rope_write`'s
-contract: split-K partial products, `handoff.Partials`, are summed as `Partials.total()`
-sums them).
+`project_rope_and_write` (`rope_impl="mosaic"`); and that epilogue alone on a product made
+elsewhere (`rope_and_write`: split-K partial products, `handoff.Partials`, are summed as
+`Partials.total()` sums them). Semantics are those of `layers.Attention`'s XLA path:
+`rms_norm` with the q/k scales, the clip, rotate-half RoPE in fp32 from the given cos/sin
+tables, and buffer rows outside the write range left as they were.
 
 Each CTA owns one row tile of 64 (whole sequences of the window) and one head slot of one kv
 head: the kv head's query heads, then its key, then its value. It streams the x rows and that
@@ -35,6 +36,7 @@ half (and any unrotated rest) a multiple of 8, and 16-bit activations and weight
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -43,7 +45,6 @@ from jax.experimental import pallas as pl
 
 from djax.kernels import tma_ring
 from djax.kernels.handoff import Partials
-from djax.kernels.rope_write import HeadOps, _buffer_and_scale_problems, _parts
 from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, Tiles
 
 Array = jax.Array
@@ -51,8 +52,40 @@ Array = jax.Array
 HEAD_DIMS = (64, 128)  # WGMMA column tiles a head fills: one CTA's accumulator
 PART_ALIGN = 8  # a rotary half [64, n] is whole `VECTOR`-wide vectors for 128 threads
 VECTOR = 4  # values a thread holds per vector in the epilogue's strided layout
-PLAIN_HEADS = HeadOps()  # no q/k norm, no clip
 MAX_SPLITS = 4  # the most partial products `rope_and_write` sums (their tiles share memory)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadOps:
+    """What the kernel applies to each head before RoPE: q/k RMSNorm with `eps` when
+    `qk_norm` (the scales are arguments), then a clip to `[-clip, clip]` on q, k and v when
+    `clip` is not None."""
+
+    qk_norm: bool = False
+    eps: float = 1e-6
+    clip: float | None = None
+
+
+PLAIN_HEADS = HeadOps()  # no q/k norm, no clip
+
+
+def _parts(head_dim: int, rotary_dim: int) -> tuple[tuple[int, int], ...]:
+    """A head's feature ranges `(start, size)`: the two rotary halves, then the rest."""
+    half = rotary_dim // 2
+    rest = ((rotary_dim, head_dim - rotary_dim),) if rotary_dim < head_dim else ()
+    return ((0, half), (half, half)) + rest
+
+
+def _buffer_and_scale_problems(b, kv_heads, d, buffers, scales, ops: HeadOps) -> list[str]:
+    """What is wrong with the K/V buffers [b, s, kv_heads, d] and q/k norm scales [d]."""
+    problems = []
+    if buffers is not None and any(
+        buf.shape[::2] != (b, kv_heads) or buf.shape[3] != d for buf in buffers
+    ):
+        problems.append(f"buffers {[buf.shape for buf in buffers]}")
+    if ops.qk_norm != (scales is not None) or scales and any(s.shape != (d,) for s in scales):
+        problems.append(f"qk_norm={ops.qk_norm} with scales {scales and [s.shape for s in scales]}")
+    return problems
 
 
 def window_fits(t: int, head_dim: int, rotary_dim: int) -> bool:
@@ -76,7 +109,7 @@ def fits(t: int, model: int, head_dim: int, rotary_dim: int) -> bool:
 
 def tiles_for(head_dim: int) -> Tiles:
     """A head's columns in 64-wide steps through 4 slots (the fastest ring of
-    `bench.kernels.split_k --fused-sweep` at LLaDA-8B's heads)."""
+    `bench.kernels.mosaic --products qkv_rope --sweep` at LLaDA-8B's heads)."""
     return Tiles(block_n=head_dim, block_k=tma_ring.TILE, splits=1, stages=4)
 
 
@@ -399,7 +432,7 @@ def project_rope_and_write(
     interpret: bool | None = None,
 ) -> tuple[Array, Array, Array]:
     """`rope_and_write(x @ w, ...)` with the q/k/v product inside the kernel, in Mosaic GPU
-    (`rope_write.project_rope_and_write`'s contract, but for `ScaledRows`).
+    (rows already normed: not `ScaledRows`).
 
     x: [b, t, model] normed window rows; w: [model, kv_heads, group + 2, head_dim], both bf16
     or both fp16 (`fits`); the rest as `rope_and_write`. Returns (q [b, t, kv_heads, group,
@@ -452,7 +485,7 @@ def rope_and_write(
     interpret: bool | None = None,
 ) -> tuple[Array, Array, Array]:
     """Queries ready for attention and the K/V buffers with the window's rows written, from a
-    q/k/v product made elsewhere, in Mosaic GPU (`rope_write.rope_and_write`'s contract): one
+    q/k/v product made elsewhere, in Mosaic GPU: one
     CTA per (row tile, kv head, slot) reads its head's tile of each partial product by TMA,
     sums them in `handoff.add_slices`' order and finishes them as `project_rope_and_write`
     does.

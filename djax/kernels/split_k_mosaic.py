@@ -1,12 +1,11 @@
 """The split-K product for few rows as a Pallas Mosaic GPU kernel (Hopper: TMA copies,
-WGMMA): `split_k.matmul_partials`'s contract, off the Triton backend (`matmul_impl="mosaic"`).
+WGMMA), for block forwards' q/k/v, output and down products (`matmul_impl="mosaic"`).
 
 Each CTA owns one row tile of 64, one column tile and one of `splits` slices of the
 contraction, streams its x and weight tiles through a ring of shared-memory slots
 (`tma_ring`) and writes its slice's fp32 partial product; the slices' sum is left to the
-kernel that consumes them, as `Partials`, exactly as the Triton kernel leaves it
-(`handoff.Partials`: `residual_norm.add_rms_norm`, `rope_write.rope_and_write` and
-`Partials.total()` take either).
+kernel that consumes them (`handoff.Partials`: `residual_norm_mosaic`,
+`rope_write_mosaic.rope_and_write` and `Partials.total()` take them).
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ def matmul_partials(
     """`x @ w` as `tiles.splits` fp32 partial products, in Mosaic GPU.
 
     x: [..., k]; w: [k, n], both bf16 or both fp16, k and n multiples of 64. Returns
-    `Partials` with parts [splits, ..., n] and x's dtype (as `split_k.matmul_partials`).
+    `Partials` with parts [splits, ..., n] and x's dtype.
     Row counts that are not multiples of 8 are padded with zero rows for the kernel (an
     extra copy of x). `tiles`: the program shape (default `tiles_for`); `interpret`: run in
     Mosaic GPU's interpreter (default: exactly off GPUs, as the CPU tests do).

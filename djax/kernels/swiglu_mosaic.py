@@ -1,14 +1,13 @@
 """The SwiGLU gate/up product for few rows with its activation fused, as a Pallas Mosaic GPU
-kernel (Hopper: TMA copies, WGMMA): `swiglu.swiglu_matmul`'s contract, off the Triton
-backend (`mlp_impl="mosaic"`).
+kernel (Hopper: TMA copies, WGMMA), for block forwards (`mlp_impl="mosaic"`).
 
 Each CTA owns one row tile of 64 and `block_n` columns of the output. Its ring
 (`tma_ring`) holds per slot the step's x tile and the gate and up weight tiles of its
 columns side by side, multiplied by WGMMA into two fp32 accumulators; the CTA writes
 `silu(gate) * up` in x's dtype. Given `ScaledRows` (rows already multiplied by the norm's
-scale, `handoff.ScaledRows`) it applies the RMSNorm after the product, as the Triton kernel
-does: the rows' per-tile sums of squares come in by TMA at the CTA's start and scale each
-accumulator row by `1 / rms`.
+scale, `handoff.ScaledRows`) it applies the RMSNorm after the product: the rows' per-tile
+sums of squares come in by TMA at the CTA's start and scale each accumulator row by
+`1 / rms`.
 """
 
 from __future__ import annotations

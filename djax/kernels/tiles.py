@@ -1,46 +1,16 @@
-"""Rules shared by djax's Pallas Triton kernels (`flash_attention`, `swiglu`, `split_k`,
-`residual_norm`, `residual_product`, `rope_write`): the block sizes Triton takes, the
-program shape of the unsplit product kernels, and when a kernel runs in Pallas's
-interpreter instead (off GPUs, which is how the CPU tests run them)."""
+"""Tile rules of djax's kernels: the block sizes Pallas Triton takes (`expert_tiles`), the
+largest block dividing a width (the Mosaic GPU products' contraction steps too), and when a
+kernel runs in Pallas's interpreter instead (off GPUs, which is how the CPU tests run
+them)."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 
 
-@dataclasses.dataclass(frozen=True)
-class ProductTiles:
-    """Program shape of an unsplit product kernel for few rows (`swiglu`,
-    `residual_product`): a `block_m x block_n` output tile over the whole contraction in
-    `block_k` steps; Triton's `num_warps` and `num_stages`. Each block is a power of two
-    >= 16. The defaults are the SwiGLU kernel's; each kernel's `tiles_for` gives its own."""
-
-    block_m: int = 32
-    block_n: int = 128
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 4
-
-    def check(self, k: int, n: int) -> None:
-        """Raise a ValueError naming these tiles unless they fit a `k -> n` product."""
-        blocks = (self.block_m, self.block_n, self.block_k)
-        if not all(map(is_block, blocks)) or n % self.block_n or k % self.block_k:
-            raise ValueError(
-                f"{self}: blocks must be powers of two >= 16, block_n dividing n = {n} and "
-                f"block_k dividing k = {k}"
-            )
-
-
 def is_block(n: int) -> bool:
     """Whether `n` is a Triton tile size: a power of two, at least 16."""
-    return n >= 16 and is_power_of_two(n)
-
-
-def is_power_of_two(n: int) -> bool:
-    """Whether `n` is a power of two: the tile widths Triton takes outside matmuls."""
-    return n >= 1 and n & (n - 1) == 0
+    return n >= 16 and n & (n - 1) == 0
 
 
 def matmul_fits(k: int, n: int) -> bool:

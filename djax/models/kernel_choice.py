@@ -3,66 +3,63 @@ user asked, `auto` by default), the device (`Device`: compute capability and sha
 and the shapes of a generation's forwards into `KernelChoice`, the concrete path of every
 part of a block forward and of a refresh. The layers receive it and take what it says.
 
-Rules of `auto`:
-- djax's kernels run only on GPUs they were built and tuned for (`Device.runs_kernels`:
-  compute capability >= 9.0 and >= 227 KiB of shared memory per block), in bf16 or fp16;
-  XLA everywhere else. A kernel that still fails to compile there falls back to XLA (the
-  engine compiles again with `KernelOptions.auto_as_xla`).
-- With fp8 weights (`weights="fp8"`, `djax.models.fp8`) the dense products run in XLA
-  (djax's Triton product kernels take 16-bit weights; the attention, RoPE and norm kernels,
-  which read no weights, are chosen as above), and the MoE experts in their Mosaic GPU
-  tiles (`moe="mosaic"`, which convert e4m3 tiles in the kernel) on Hopper kernel GPUs
-  (`Device.runs_wgmma`) where the widths are multiples of 64, in XLA elsewhere. XLA's fp8
-  path (`Kernels.fp8`): `scaled` (fp8 x fp8) for every forward on GPUs with fp8 tensor cores
+djax's kernels (`djax.kernels`) are Pallas Mosaic GPU kernels for Hopper GPUs (TMA copies,
+WGMMA), but for the Triton expert tiles (`moe_impl="pallas"`). Rules of `auto`:
+- djax's kernels run only on the GPUs they were built and tuned for (`Device.runs_kernels`:
+  compute capability 9.x, whose WGMMA instructions they are written with, and >= 227 KiB of
+  shared memory per block), in bf16 or fp16; XLA everywhere else. A kernel that still fails
+  to compile there falls back to XLA (the engine compiles again with
+  `KernelOptions.auto_as_xla`).
+- The products (q/k/v, attention output and down: the split-K kernel, `split_k_mosaic`;
+  the SwiGLU gate/up path, `swiglu_mosaic`) take 16-bit weights whose widths are multiples
+  of 64, in forwards of at most `KERNEL_MAX_ROWS` token rows (a denoising block of one
+  sequence): each CTA holds one 64-row tile, so more rows would read every weight once per
+  row tile; longer forwards (refreshes) take XLA's GEMMs.
+- The q/k/v product runs inside the RoPE kernel (`qkv="rope"`,
+  `rope_write_mosaic.project_rope_and_write`) where both would run and the heads make at
+  least `MIN_FUSED_PROGRAMS` CTAs per row tile; elsewhere the RoPE kernel finishes the
+  product made apart (`rope_write_mosaic.rope_and_write`, fp8 products included). It takes
+  block windows (`rope_write_mosaic.fits`: a multiple of 8 rows up to 64); refreshes run
+  XLA's RoPE.
+- The norm after attention moves into the products around it (`AUTO_NORM`: `tiled`, the
+  split-K product and then a column-tiled add, `residual_norm_mosaic.add_scaled`, whose
+  norm the SwiGLU kernel applies; `fused`, the add in the output product's epilogue,
+  `residual_product_mosaic`) where both products run djax's kernels, on one device (under a
+  mesh the products are summed before any norm). The other norms run the per-row kernel
+  (`norm="mosaic"`, `residual_norm_mosaic.add_rms_norm`) where the model width fits it.
+- With fp8 weights (`weights="fp8"`, `djax.models.fp8`) the dense products run in XLA (the
+  attention, RoPE and norm kernels, which read no weights, are chosen as above), and the
+  MoE experts in their Mosaic GPU tiles (`moe="mosaic"`, which convert e4m3 tiles in the
+  kernel) where the widths are multiples of 64, in XLA elsewhere. XLA's fp8 path
+  (`Kernels.fp8`): `scaled` (fp8 x fp8) for every forward on GPUs with fp8 tensor cores
   (`FP8_MIN_CAPABILITY`), `dequant` elsewhere. One path for the whole program: a program
   whose refreshes run `scaled` and block forwards `dequant` was measured slower than either
   alone (`bench/NOTES.md`).
-- The products, the SwiGLU kernel and the norm fused into the next product take at most
-  `KERNEL_MAX_ROWS` token rows (a denoising block of one sequence), the rows their tiles
-  were built for; more rows take XLA's GEMMs.
 - cuDNN's attention only runs refreshes: at block shapes its dense mask makes it slower
   than XLA's einsums.
 - Block forwards under sparse attention (`Shapes.sparse`) attend in XLA's einsums whatever
   `attention_impl` says (`sparse_attention.attend_kept`: the split-K/V kernel takes one
   contiguous key range, not the compact rows beside the window's).
-- The MoE experts' XLA path sorts token-expert pairs into groups (`ragged_dot`) up to
-  `GROUPED_EXPERTS_MAX_TOKENS` tokens per forward and runs every expert on every token
-  above it (XLA lowers `ragged_dot` to a dense product over every group).
+- The MoE experts: the Triton expert tiles (`expert_tiles`) for 16-bit weights; XLA's path
+  sorts token-expert pairs into groups (`ragged_dot`) up to `GROUPED_EXPERTS_MAX_TOKENS`
+  tokens per forward and runs every expert on every token above it (XLA lowers
+  `ragged_dot` to a dense product over every group).
 
-An option other than `auto` is taken as given wherever its kernel fits (a ValueError naming
-the misfit otherwise), except the fused forms, which need their rows and products as above.
-`mosaic` (`matmul_impl`, `mlp_impl`: the Pallas Mosaic GPU ports of the split-K and SwiGLU
-kernels, `djax.kernels.split_k_mosaic` / `swiglu_mosaic`, for Hopper GPUs) is taken only when
-asked for, with 16-bit weights and widths that are multiples of 64, in forwards of at most
-`KERNEL_MAX_ROWS` token rows (block forwards, as `auto` takes the Triton kernels): each CTA
-holds one 64-row tile, so more rows would read every weight once per row tile; longer
-forwards run XLA's products. The Mosaic GPU
-kernels take the norm moved into the products before the feed-forward as the Triton ones
-do (`fused`: `residual_product_mosaic`; `tiled`: the split-K product, then the tiled add,
-`residual_norm_mosaic`), and the norms left on their own run the norm kernel's Mosaic GPU
-port (`norm="mosaic"`) where `norm_impl` would take the Triton one;
-the Triton q/k/v product inside the RoPE kernel is not taken with them, so under `mosaic`
-the q/k/v product keeps its RoPE kernel apart and the norm before attention is not moved.
-`rope_impl="mosaic"` (`djax.kernels.rope_write_mosaic`, Hopper GPUs) is also taken only when
-asked for, with 16-bit weights, heads of 64 or 128 features and a model width that is a
-multiple of 64: it runs the q/k/v product with the RoPE kernel in its epilogue (`qkv="rope"`)
-in forwards of at most `KERNEL_MAX_ROWS` token rows whose windows it takes
-(`rope_write_mosaic.fits`: block windows), and XLA's RoPE in the others (refreshes; the
-q/k/v product there as `matmul_impl` gives it); the norm before attention stays apart.
-`attention_impl="split_kv_mosaic"` (the split-K/V kernel's Mosaic GPU port,
-`djax.kernels.flash_attention_mosaic`) is likewise taken only when asked for, for block
-forwards and refreshes, with 16-bit inputs and head dims that are multiples of 64.
+An option other than `auto` is taken as given on any device (off GPUs its kernel runs in
+Mosaic GPU's interpreter) wherever its kernel fits: a ValueError names the misfit (widths,
+heads, dtype, fp8 weights) otherwise. The forms `auto` limits by rows and windows keep those
+limits (the products, RoPE and the norms moved into products run only in block forwards).
 `moe_impl="mosaic"` (`djax.kernels.expert_tiles_mosaic`), the one expert kernel that takes
 fp8 weights as well as 16-bit ones, runs every forward's experts where asked (no row limit:
 its row tiles follow the experts); `auto` takes it only for fp8 weights (above).
-`fp8_impl="mosaic"` (fp8 weights, `djax.kernels.fp8_matmul_mosaic`, Hopper GPUs) is taken
-only when asked for, on one device, with every dense product's contraction a multiple
-of 128 and its output a multiple of 64: block forwards of at most `KERNEL_MAX_ROWS` token
-rows run the q/k/v, attention-output and down products and the SwiGLU gate/up path in the
-fp8 x fp8 Mosaic GPU kernel (`fp8_mosaic`), their partials handed on as the split-K
-kernels' are; refreshes and longer forwards run XLA's `scaled` products, and the experts
-keep their own choice (`moe_impl`). The model then holds those weights K-major
-(`KernelChoice.k_major`, `djax.models.fp8`).
+`fp8_impl="mosaic"` (fp8 weights, `djax.kernels.fp8_matmul_mosaic`) is taken only when
+asked for, on one device, with every dense product's contraction a multiple of 128 and its
+output a multiple of 64: block forwards of at most `KERNEL_MAX_ROWS` token rows run the
+q/k/v, attention-output and down products and the SwiGLU gate/up path in the fp8 x fp8
+Mosaic GPU kernel (`fp8_mosaic`), their partials handed on as the split-K kernel's are;
+refreshes and longer forwards run XLA's `scaled` products, and the experts keep their own
+choice (`moe_impl`). The model then holds those weights K-major (`KernelChoice.k_major`,
+`djax.models.fp8`).
 """
 
 from __future__ import annotations
@@ -75,32 +72,32 @@ import jax.numpy as jnp
 from djax.config import ModelConfig
 from djax.kernel_options import KernelOptions
 from djax.kernels import (
-    flash_attention,
     flash_attention_mosaic,
     fp8_matmul_mosaic,
     residual_norm_mosaic,
-    residual_product,
     residual_product_mosaic,
-    rope_write,
     rope_write_mosaic,
     tiles,
     tma_ring,
 )
 from djax.models import fp8
 
-# The most token rows djax's product kernels take under `auto` (a block of one sequence).
+# The most token rows djax's product kernels take (a block of one sequence).
 KERNEL_MAX_ROWS = 32
-# What a GPU needs for `auto` to take djax's kernels: the compute capability and the shared
-# memory per block (opt-in) of the GPUs their tiles were built for.
-KERNEL_MIN_CAPABILITY = (9, 0)
+# What a GPU needs for `auto` to take djax's kernels: the Hopper generation (compute
+# capability 9.x: WGMMA) and the shared memory per block (opt-in) their tiles were built for.
+KERNEL_CAPABILITY_MAJOR = 9
 KERNEL_MIN_SHARED_MEMORY = 227 * 1024
-# The fewest heads (kv heads x (group + 2), one program each) the q/k/v product runs inside
-# the RoPE kernel with; fewer (as under tensor parallelism) keep the split-K product, which
-# spreads over more programs.
+# The fewest CTAs per row tile (kv heads x (group + 2), one each) the q/k/v product runs
+# inside the RoPE kernel with; fewer (as under tensor parallelism) keep the split-K product,
+# which spreads over more CTAs.
 MIN_FUSED_PROGRAMS = 48
 GROUPED_EXPERTS_MAX_TOKENS = 64
 # GPUs with fp8 tensor cores (Ada, Hopper and later).
 FP8_MIN_CAPABILITY = (8, 9)
+# What `norm_impl="auto"` takes where djax's kernels run (a `norm_impl` value other than
+# `auto`): the norm after attention tiled into the products around it.
+AUTO_NORM = "tiled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,19 +112,15 @@ class Device:
 
     @property
     def runs_kernels(self) -> bool:
-        """Whether `auto` takes djax's kernels here."""
+        """Whether `auto` takes djax's kernels here: GPUs of the Hopper generation (compute
+        capability 9.x, whose WGMMA instructions the Mosaic GPU kernels are written with)
+        with the shared memory per block their tiles take."""
         return (
             self.platform == "gpu"
             and self.compute_capability is not None
-            and self.compute_capability >= KERNEL_MIN_CAPABILITY
+            and self.compute_capability[0] == KERNEL_CAPABILITY_MAJOR
             and self.shared_memory >= KERNEL_MIN_SHARED_MEMORY
         )
-
-    @property
-    def runs_wgmma(self) -> bool:
-        """Whether `auto` takes djax's Pallas Mosaic GPU kernels here: kernel GPUs of the Hopper
-        generation (compute capability 9.x), whose WGMMA instructions they are written with."""
-        return self.runs_kernels and self.compute_capability[0] == KERNEL_MIN_CAPABILITY[0]
 
     def __str__(self) -> str:
         if self.compute_capability is None:
@@ -153,20 +146,19 @@ def describe(device: Any) -> Device:
 class Kernels:
     """The path of each part of a decoder layer at one number of token rows.
 
-    attention: `xla`, `split_kv`, `split_kv_mosaic` (its Mosaic GPU port) or `cudnn`. qkv:
-    the q/k/v product, `xla`, `pallas` (split-K), `mosaic` (split-K in Mosaic GPU),
-    `fp8_mosaic` (fp8 weights: `fp8_matmul_mosaic`) or `rope` (inside the RoPE kernel).
-    rope: the q/k norm, RoPE and K/V writes, `xla`, `pallas` or `mosaic` (in the Mosaic GPU
-    q/k/v product's epilogue; qkv is then `rope`).
+    attention: `xla`, `split_kv` (`flash_attention_mosaic`) or `cudnn`. qkv: the q/k/v
+    product, `xla`, `mosaic` (split-K, `split_k_mosaic`), `fp8_mosaic` (fp8 weights:
+    `fp8_matmul_mosaic`) or `rope` (inside the RoPE kernel). rope: the q/k norm, RoPE and
+    K/V writes, `xla` or `mosaic` (`rope_write_mosaic`: in the q/k/v product's epilogue where
+    qkv is `rope`, else on the product made apart).
     out, mlp, down: the attention-output product, the SwiGLU gate/up path and the down
-    product, `xla`, `pallas`, `mosaic` or `fp8_mosaic`.
-    norm: a residual add and RMSNorm on their own, `xla`, `pallas` or `mosaic` (its Mosaic
-    GPU port, where `matmul_impl="mosaic"` asked for Mosaic GPU products). norm_into_mlp /
-    norm_into_attention: where the norm before the feed-forward (a dense MLP) / before the
-    next layer's attention runs inside the products around it, `fused` (the add in the
-    product's epilogue), `tiled` (in a kernel after it) or `no`. moe: the routed experts,
-    `dense`, `grouped`, `pallas` or `mosaic` (`resolve` says `none` for a model without
-    experts).
+    product, `xla`, `mosaic` (`split_k_mosaic`, `swiglu_mosaic`) or `fp8_mosaic`.
+    norm: a residual add and RMSNorm on their own, `xla` or `mosaic`
+    (`residual_norm_mosaic.add_rms_norm`). norm_into_mlp: where the norm before the
+    feed-forward (a dense MLP) runs inside the products around it, `fused` (the add in the
+    output product's epilogue), `tiled` (in a kernel after it) or `no`. moe: the routed
+    experts, `dense`, `grouped`, `pallas` or `mosaic` (`resolve` says `none` for a model
+    without experts).
     fp8: how XLA's products take fp8 weights, `dequant` or `scaled` (`djax.models.fp8`),
     `no` for weights in the model's dtype; the parts above that say `fp8_mosaic`, and
     `moe="mosaic"`, take them in Mosaic GPU instead."""
@@ -179,7 +171,6 @@ class Kernels:
     down: str = "xla"
     norm: str = "xla"
     norm_into_mlp: str = "no"
-    norm_into_attention: str = "no"
     moe: str = "dense"
     fp8: str = "no"
 
@@ -347,17 +338,19 @@ class _Rule:
         self.half = jnp.dtype(dtype).itemsize == 2
         self.dtype_name = jnp.dtype(dtype).name
         self.gpu = device.platform == "gpu"
-        self.kernels_pay = device.runs_kernels and self.half
-        self.wgmma_pays = device.runs_wgmma and self.half
+        self.kernels_run = device.runs_kernels and self.half
         self.fp8 = weights == "fp8"
         # djax's product kernels take 16-bit weights: not fp8 ones.
-        self.products_pay = self.kernels_pay and not self.fp8
+        self.products_run = self.kernels_run and not self.fp8
         self.fp8_tensor_cores = (
             self.gpu
             and device.compute_capability is not None
             and device.compute_capability >= FP8_MIN_CAPABILITY
         )
-        if options.attention_impl in ("cudnn", "split_kv_mosaic") and not self.half:
+        self.norm_impl = options.norm_impl
+        if self.norm_impl == "auto":
+            self.norm_impl = AUTO_NORM if self.kernels_run else "xla"
+        if options.attention_impl in ("cudnn", "split_kv") and not self.half:
             raise ValueError(
                 f"attention_impl={options.attention_impl!r} takes bf16 or fp16 inputs; got "
                 f"{self.dtype_name}"
@@ -365,25 +358,21 @@ class _Rule:
         # A model without experts ignores `moe_impl`: it is checked only where it applies.
         moe = ("moe_impl",) if widths.config.is_moe else ()
         if self.fp8:
-            for name in ("matmul_impl", "mlp_impl", *moe):
-                if getattr(options, name) in ("pallas", "mosaic") and not (
-                    name == "moe_impl" and options.moe_impl == "mosaic"
-                ):
+            kernels = {"matmul_impl": "mosaic", "mlp_impl": "mosaic"}
+            kernels.update({name: "pallas" for name in moe})  # the Triton expert tiles
+            for name, kernel in kernels.items():
+                if getattr(options, name) == kernel:
                     raise ValueError(
-                        f"{name}={getattr(options, name)!r} takes 16-bit weights; with "
-                        "weights='fp8' the products run in XLA: give 'auto' or 'xla'"
+                        f"{name}={kernel!r} takes 16-bit weights; with weights='fp8' the "
+                        "products run in XLA: give 'auto' or 'xla'"
                     )
         if self.fp8 and options.fp8_impl == "mosaic":
             self._check_fp8_mosaic()
-        if self.fp8 and options.rope_impl == "mosaic":
-            raise ValueError(
-                "rope_impl='mosaic' runs the q/k/v product of 16-bit weights; with "
-                "weights='fp8' give 'auto', 'xla' or 'pallas'"
-            )
-        for name in ("matmul_impl", "mlp_impl", "rope_impl", *moe):
-            if getattr(options, name) == "mosaic" and not tma_ring.takes_dtype(dtype):
+        for name in ("matmul_impl", "mlp_impl", "rope_impl", "norm_impl", *moe):
+            value = getattr(options, name)
+            if value in ("mosaic", "fused", "tiled") and not tma_ring.takes_dtype(dtype):
                 raise ValueError(
-                    f"{name}='mosaic' takes bfloat16 or float16 as the model dtype; got "
+                    f"{name}={value!r} takes bfloat16 or float16 as the model dtype; got "
                     f"{self.dtype_name}"
                 )
 
@@ -395,7 +384,7 @@ class _Rule:
         attention `sparse` or dense."""
         layers = self.kernels(batch * positions, positions, refresh, sparse)
         last = self.kernels(batch * kept, positions, refresh, sparse)
-        window_parts = ("attention", "qkv", "rope", "norm_into_attention")
+        window_parts = ("attention", "qkv", "rope")
         last = dataclasses.replace(last, **{name: getattr(layers, name) for name in window_parts})
         return ForwardKernels(layers, last)
 
@@ -403,80 +392,41 @@ class _Rule:
         """The choice for `rows` token rows of windows of `positions` positions."""
         o, w, cfg = self.options, self.widths, self.widths.config
         few = rows <= KERNEL_MAX_ROWS
-        if o.rope_impl == "mosaic":
-            rope = self._mosaic_rope(positions, few)
-        else:
-            rope = self._pallas_or_xla(
-                "rope_impl",
-                o.rope_impl,
-                rope_write.fits(cfg.head_dim, cfg.rope_dim),
-                f"heads whose rotary halves ({cfg.rope_dim // 2}) and unrotated rest "
-                f"({cfg.head_dim - cfg.rope_dim}) are powers of two or zero; got "
-                f"head_dim={cfg.head_dim}, rotary_dim={cfg.rope_dim}",
-                self.kernels_pay,
-            )
-        qkv = "rope" if rope == "mosaic" else self._product(w.qkv, few)
+        rope = self._rope(positions)
+        qkv = self._product(w.qkv, few)
         out = self._product(w.out, few)
         fp8_mosaic = self.fp8 and o.fp8_impl == "mosaic" and few and not refresh
         if fp8_mosaic:
             mlp = "fp8_mosaic"
-        elif o.mlp_impl == "mosaic":
-            mlp = self._mosaic(
+        else:
+            mlp = self._mosaic_or_xla(
                 "mlp_impl",
                 all(tma_ring.fits(cfg.d_model, h) for h in w.mlp_hidden),
                 f"model and hidden widths {cfg.d_model} -> {w.mlp_hidden}",
                 few,
-            )
-        else:
-            mlp = self._pallas_or_xla(
-                "mlp_impl",
-                o.mlp_impl,
-                all(tiles.matmul_fits(cfg.d_model, h) for h in w.mlp_hidden),
-                f"model and hidden widths that are multiples of 16; got {cfg.d_model} -> "
-                f"{w.mlp_hidden}",
-                self.products_pay and few,
             )
         downs = [self._product((h, cfg.d_model), few) for h in w.mlp_hidden]
         down = downs[0] if downs and all(d == downs[0] for d in downs) else "xla"
         if fp8_mosaic:
             qkv = out = down = "fp8_mosaic"
         if (
-            rope == "pallas"
-            and qkv == "pallas"
-            and few
+            rope == "mosaic"
+            and qkv == "mosaic"
             and w.kv_heads * (w.group + 2) >= MIN_FUSED_PROGRAMS
-            and rope_write.projection_fits(positions, cfg.d_model, cfg.head_dim, cfg.rope_dim)
         ):
             qkv = "rope"
-        fusing = self._norm_fusion(few)
-        into_mlp = (
-            fusing
-            if fusing != "no"
-            and out in ("pallas", "mosaic")
-            and mlp in ("pallas", "mosaic")
-            and _fits(w.out, out)
+        into_mlp = self._norm_fusion(few)
+        if not (
+            out == "mosaic"
+            and mlp == "mosaic"
             and not cfg.attn_out_bias  # the output product's epilogue adds no bias
-            else "no"
-        )
-        into_attention = (
-            fusing
-            if fusing != "no"
-            and down == "pallas"
-            and qkv == "rope"
-            and rope == "pallas"
-            and all(residual_product.fits(h, cfg.d_model) for h in w.mlp_hidden)
-            else "no"
-        )
-        if o.norm_impl == "auto":
-            norm = "pallas" if self.kernels_pay else "xla"
-        else:  # `fused` and `tiled` run the norms they cannot move into a product as `pallas`
-            norm = "xla" if o.norm_impl == "xla" else "pallas"
-        if (
-            norm == "pallas"
-            and o.matmul_impl == "mosaic"
-            and residual_norm_mosaic.row_fits(cfg.d_model)
-        ):  # after Mosaic GPU products, the norm kernel's Mosaic GPU port
-            norm = "mosaic"
+            and (
+                residual_product_mosaic.fits(*w.out)
+                if into_mlp == "fused"
+                else residual_norm_mosaic.fits(cfg.d_model)
+            )
+        ):
+            into_mlp = "no"
         return Kernels(
             attention="xla" if sparse else self._attention(refresh),
             qkv=qkv,
@@ -484,9 +434,8 @@ class _Rule:
             out=out,
             mlp=mlp,
             down=down,
-            norm=norm,
+            norm=self._norm(),
             norm_into_mlp=into_mlp,
-            norm_into_attention=into_attention,
             moe=self._moe(rows) if cfg.is_moe else "none",
             fp8=self._fp8(),
         )
@@ -495,45 +444,71 @@ class _Rule:
         impl, cfg = self.options.attention_impl, self.widths.config
         if impl == "cudnn":
             return "cudnn" if refresh else "xla"
-        if impl == "split_kv_mosaic" and not flash_attention_mosaic.fits(cfg.head_dim):
+        fits = flash_attention_mosaic.fits(cfg.head_dim)
+        if impl == "split_kv" and not fits:
             raise ValueError(
-                f"attention_impl='split_kv_mosaic' takes a head dim that is a multiple of 64; "
+                f"attention_impl='split_kv' takes a head dim that is a multiple of 64; "
                 f"got {cfg.head_dim}"
             )
         if impl != "auto":
             return impl
-        if self.kernels_pay and flash_attention.fits(cfg.head_dim):
+        if self.kernels_run and fits:
             return "split_kv"
         return "cudnn" if refresh and self.gpu and self.half else "xla"
 
     def _product(self, widths: tuple[int, int], few: bool) -> str:
         k, n = widths
-        if self.options.matmul_impl == "mosaic":
-            return self._mosaic("matmul_impl", tma_ring.fits(k, n), f"a product {k} -> {n}", few)
-        return self._pallas_or_xla(
-            "matmul_impl",
-            self.options.matmul_impl,
-            tiles.matmul_fits(k, n),
-            f"products whose contraction and output widths are multiples of 16; got {k} -> {n}",
-            self.products_pay and few,
-        )
+        return self._mosaic_or_xla("matmul_impl", tma_ring.fits(k, n), f"a product {k} -> {n}", few)
 
-    def _mosaic_rope(self, positions: int, few: bool) -> str:
-        """`rope_impl="mosaic"`: `mosaic` for windows of `positions` rows the kernel takes in
-        forwards of at most `KERNEL_MAX_ROWS` token rows (`few`: its q/k/v product holds one
-        64-row tile per CTA, as the other Mosaic GPU products), `xla` otherwise; a ValueError
-        where the model's heads or width do not fit."""
-        cfg = self.widths.config
+    def _mosaic_or_xla(self, option: str, fits: bool, unfit: str, few: bool) -> str:
+        """The rule of the product options (`matmul_impl`, `mlp_impl`): `mosaic` where the
+        widths are not multiples of 64 (`tma_ring.fits`) raises a ValueError naming `option`
+        and `unfit` (what it got); `mosaic`, and `auto` where the product kernels run and
+        the widths fit, take the kernel in forwards of at most `KERNEL_MAX_ROWS` token rows
+        (`few`), XLA's product in longer ones."""
+        impl = getattr(self.options, option)
+        if impl == "mosaic" and not fits:
+            raise ValueError(
+                f"{option}='mosaic' takes widths that are multiples of 64; got {unfit}"
+            )
+        wanted = impl == "mosaic" or (impl == "auto" and self.products_run and fits)
+        return "mosaic" if wanted and few else "xla"
+
+    def _rope(self, positions: int) -> str:
+        """`mosaic` for windows of `positions` rows the RoPE kernel takes
+        (`rope_write_mosaic.fits`: block windows) where asked for or, under `auto`, where
+        djax's kernels run; `xla` otherwise. `mosaic` raises a ValueError where the model's
+        heads or width do not fit."""
+        impl, cfg = self.options.rope_impl, self.widths.config
         shortest = tma_ring.ROW_ALIGN  # a window it takes: the heads and the width decide
-        if not rope_write_mosaic.fits(shortest, cfg.d_model, cfg.head_dim, cfg.rope_dim):
+        heads_fit = rope_write_mosaic.fits(shortest, cfg.d_model, cfg.head_dim, cfg.rope_dim)
+        if impl == "mosaic" and not heads_fit:
             raise ValueError(
                 f"rope_impl='mosaic' takes head_dim in {rope_write_mosaic.HEAD_DIMS} with "
                 "rotary halves and rest multiples of 8, and a model width that is a multiple "
                 f"of 64; got head_dim={cfg.head_dim}, rotary_dim={cfg.rope_dim}, "
                 f"d_model={cfg.d_model}"
             )
+        wanted = impl == "mosaic" or (impl == "auto" and self.kernels_run and heads_fit)
         fits = rope_write_mosaic.fits(positions, cfg.d_model, cfg.head_dim, cfg.rope_dim)
-        return "mosaic" if fits and few else "xla"
+        return "mosaic" if wanted and fits else "xla"
+
+    def _norm(self) -> str:
+        """A residual norm left on its own: `xla` under `norm_impl="xla"`, else the per-row
+        kernel (`mosaic`) where the model width fits it (`residual_norm_mosaic.row_fits`);
+        a ValueError where `mosaic` was asked for and does not fit, `xla` for the other
+        forms."""
+        if self.norm_impl == "xla":
+            return "xla"
+        d = self.widths.config.d_model
+        if residual_norm_mosaic.row_fits(d):
+            return "mosaic"
+        if self.options.norm_impl == "mosaic":
+            raise ValueError(
+                f"norm_impl='mosaic' takes a model width that is a multiple of 512 up to "
+                f"65536; got {d}"
+            )
+        return "xla"
 
     def _fp8(self) -> str:
         """XLA's fp8 path; under `mosaic`, `scaled` for the products it leaves to XLA."""
@@ -568,66 +543,32 @@ class _Rule:
                 )
 
     def _norm_fusion(self, few: bool) -> str:
-        """Where a residual norm moved into the next product runs its add, before the
-        products are checked: `tiled` under `auto` (the split-K product, then a tiled
-        kernel: on GPUs of the fastest memory the unsplit `fused` product cannot keep up),
-        `no` where it does not apply."""
-        impl = self.options.norm_impl
-        wanted = impl in ("fused", "tiled") or (impl == "auto" and self.kernels_pay)
-        if not wanted or self.sharded or not few:
+        """Where the norm before the feed-forward moves into the products around it, before
+        the products are checked: `fused` or `tiled` as `norm_impl` (or `AUTO_NORM`) says,
+        in forwards of at most `KERNEL_MAX_ROWS` token rows on one device; `no` otherwise."""
+        if self.norm_impl not in ("fused", "tiled") or self.sharded or not few:
             return "no"
-        return impl if impl in ("fused", "tiled") else "tiled"
+        return self.norm_impl
 
     def _moe(self, tokens: int) -> str:
         cfg, w = self.widths.config, self.widths
         fits = tiles.matmul_fits(cfg.d_model, w.expert_hidden)
         impl = self.options.moe_impl
+        mosaic_fits = tma_ring.fits(cfg.d_model, w.expert_hidden)
         if impl == "mosaic":
-            return self._mosaic(
-                "moe_impl",
-                tma_ring.fits(cfg.d_model, w.expert_hidden),
-                f"model {cfg.d_model}, local expert ffn {w.expert_hidden}",
-                True,
-            )
+            if not mosaic_fits:
+                raise ValueError(
+                    f"moe_impl='mosaic' takes widths that are multiples of 64; got model "
+                    f"{cfg.d_model}, local expert ffn {w.expert_hidden}"
+                )
+            return "mosaic"
         if impl == "pallas" and not fits:
             raise ValueError(
                 f"moe_impl='pallas' takes model and local expert widths that are multiples "
                 f"of 16; got model {cfg.d_model}, local expert ffn {w.expert_hidden}"
             )
-        if impl == "pallas" or (impl == "auto" and self.products_pay and fits):
+        if impl == "pallas" or (impl == "auto" and self.products_run and fits):
             return "pallas"
-        if (
-            impl == "auto"
-            and self.fp8
-            and self.wgmma_pays
-            and tma_ring.fits(cfg.d_model, w.expert_hidden)
-        ):
+        if impl == "auto" and self.fp8 and self.kernels_run and mosaic_fits:
             return "mosaic"  # the one expert kernel that reads fp8 weights
         return "grouped" if tokens <= GROUPED_EXPERTS_MAX_TOKENS else "dense"
-
-    @staticmethod
-    def _mosaic(option: str, fits: bool, unfit: str, rows_fit: bool) -> str:
-        """`mosaic`, asked for: a ValueError naming `option` and `unfit` (what it got) where
-        the widths are not multiples of 64 (`tma_ring.fits`); `mosaic` where the forward's
-        rows suit the kernel (`rows_fit`), else `xla`."""
-        if not fits:
-            raise ValueError(
-                f"{option}='mosaic' takes widths that are multiples of 64; got {unfit}"
-            )
-        return "mosaic" if rows_fit else "xla"
-
-    @staticmethod
-    def _pallas_or_xla(option: str, impl: str, fits: bool, unfit: str, pays: bool) -> str:
-        """The rule every Pallas-kernel option shares: `pallas` where the kernel does not
-        fit raises a ValueError naming `option` and `unfit` (what the kernel takes and what
-        it got); `auto` is `pallas` where it fits and `pays`, else `xla`."""
-        if impl == "pallas" and not fits:
-            raise ValueError(f"{option}='pallas' takes {unfit}")
-        if impl != "auto":
-            return impl
-        return "pallas" if pays and fits else "xla"
-
-
-def _fits(widths: tuple[int, int], impl: str) -> bool:
-    """Whether the residual product of `impl` (`pallas` or `mosaic`) takes these widths."""
-    return (residual_product_mosaic if impl == "mosaic" else residual_product).fits(*widths)

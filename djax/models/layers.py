@@ -29,18 +29,12 @@ import jax.numpy as jnp
 
 from djax.config import ModelConfig
 from djax.kernels import (
-    flash_attention,
     flash_attention_mosaic,
     fp8_matmul_mosaic,
-    residual_norm,
     residual_norm_mosaic,
-    residual_product,
     residual_product_mosaic,
-    rope_write,
     rope_write_mosaic,
-    split_k,
     split_k_mosaic,
-    swiglu,
     swiglu_mosaic,
 )
 from djax.kernels.handoff import Partials, ScaledRows, finish
@@ -55,7 +49,7 @@ LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, hea
 
 def project(x: Array, w: fp8.Weight, impl: str, fp8_impl: str = "no") -> Array | Partials:
     """`x [..., k] @ w [k, ...]` -> [..., *w.shape[1:]]: XLA's einsum (`impl="xla"`), or
-    the split-K kernel's `Partials` (`"pallas"`, Triton; `"mosaic"`, Mosaic GPU). An
+    the split-K kernel's `Partials` (`"mosaic"`, `split_k_mosaic`). An
     `Fp8Weight` takes XLA's product `fp8_impl` (`Kernels.fp8`), or with `"fp8_mosaic"` (its
     values K-major) the fp8 Mosaic GPU kernel's `Partials`."""
     k, out_shape = w.shape[0], w.shape[1:]
@@ -68,8 +62,9 @@ def project(x: Array, w: fp8.Weight, impl: str, fp8_impl: str = "no") -> Array |
         return y.reshape(x.shape[:-1] + out_shape)
     if impl == "xla":
         return jnp.einsum("...k,kn->...n", x, flat).reshape(x.shape[:-1] + out_shape)
-    kernel = split_k_mosaic if impl == "mosaic" else split_k
-    y = kernel.matmul_partials(x, flat)  # Pallas's interpreter off GPUs (for tests)
+    if impl != "mosaic":
+        raise ValueError(f"project: impl {impl!r}; expected 'xla', 'mosaic' or 'fp8_mosaic'")
+    y = split_k_mosaic.matmul_partials(x, flat)  # Mosaic GPU's interpreter off GPUs (for tests)
     return Partials(y.parts.reshape(y.parts.shape[:-1] + out_shape), y.dtype)
 
 
@@ -87,14 +82,12 @@ def _k_major(w: fp8.Weight) -> tuple[Array, Array]:
 
 @dataclasses.dataclass(frozen=True)
 class Product:
-    """A block layer's attention-output or down product `x [..., k] @ w [k, n]`, left for the
-    residual norm after it to run with the residual add, in its epilogue (`fused`) or right
-    after it (`tiled`; `Kernels.norm_into_mlp`, `Kernels.norm_into_attention`). `impl`: the
-    product's kernels (`Kernels.out` / `Kernels.down`: `pallas` or `mosaic`)."""
+    """A block layer's attention-output product `x [..., k] @ w [k, n]`, left for the
+    residual norm after it to run with the residual add in the product's Mosaic GPU kernels,
+    in its epilogue (`fused`) or right after it (`tiled`; `Kernels.norm_into_mlp`)."""
 
     x: Array
     w: Array
-    impl: str = "pallas"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -178,11 +171,11 @@ def rope_and_write_xla(
     buffers: LayerKV | None,
     window: Window,
     scales: tuple[Array, Array] | None,
-    ops: rope_write.HeadOps,
+    ops: rope_write_mosaic.HeadOps,
     theta: float,
     rotary_dim: int,
 ) -> tuple[Array, Array, Array]:
-    """XLA's path of `rope_write.rope_and_write`: qkv [b, t, kv_heads, group + 2, d] ->
+    """XLA's path of `rope_write_mosaic.rope_and_write`: qkv [b, t, kv_heads, group + 2, d] ->
     q [b, t, kv_heads, group, d] after the q/k norm (with `scales`), clip and RoPE, and the
     buffers (or fresh [b, t, kv_heads, d] arrays) with the window's keys and values."""
     group = qkv.shape[3] - 2
@@ -198,10 +191,6 @@ def rope_and_write_xla(
     return q, keys, values
 
 
-# The split-K/V kernels by `Kernels.attention` value: Pallas Triton, Pallas Mosaic GPU.
-SPLIT_KV = {"split_kv": flash_attention, "split_kv_mosaic": flash_attention_mosaic}
-
-
 def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "xla") -> Array:
     """Grouped-query attention with a key mask: bidirectional over the valid keys.
 
@@ -212,14 +201,14 @@ def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "
     """
     if impl == "cudnn":
         return _attend_cudnn(q, keys, values, key_valid)
-    if impl in SPLIT_KV and key_valid.ndim == 2:  # run by an interpreter off GPUs (for tests)
+    if impl == "split_kv" and key_valid.ndim == 2:  # an interpreter off GPUs (for tests)
         b, t, k, g, d = q.shape
-        run = SPLIT_KV[impl].split_kv_attention
+        run = flash_attention_mosaic.split_kv_attention
         return run(q.reshape(b, t, k * g, d), keys, values, key_valid).reshape(q.shape)
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
     mask = key_valid[:, None, None, None, :] if key_valid.ndim == 2 else key_valid[:, None, None]
-    scores = jnp.where(mask, scores * scale, flash_attention.MASKED)
+    scores = jnp.where(mask, scores * scale, flash_attention_mosaic.MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     return jnp.einsum("bkgts,bskd->btkgd", probs, values)
 
@@ -237,13 +226,12 @@ def _attend_cudnn(q: Array, keys: Array, values: Array, key_valid: Array) -> Arr
 class RMSNorm(nn.Module):
     """RMSNorm with a learned scale (param `scale` [width]). `norm(x)` normalises x;
     `norm(y, residual=x, impl=...)` adds first and returns `(x + y, norm(x + y))`, the pair
-    between a decoder layer's blocks, in XLA (`impl="xla"`) or in one kernel (`"pallas"`;
-    `"mosaic"`: its Mosaic GPU port).
+    between a decoder layer's blocks, in XLA (`impl="xla"`) or in one kernel (`"mosaic"`,
+    `residual_norm_mosaic.add_rms_norm`).
     `y` may be a split-K product's `Partials`, or a `Product` still to run: then the add
-    runs in the product's kernel (`impl="fused"`, `residual_product`) or in a tiled kernel
-    after the split-K product (`"tiled"`, `residual_norm.add_scaled`; its Mosaic GPU port
-    after a Mosaic GPU product), and the norm is
-    returned as `ScaledRows` for the next product's kernel to apply."""
+    runs in the product's kernel (`impl="fused"`, `residual_product_mosaic`) or in a tiled
+    kernel after the split-K product (`"tiled"`, `residual_norm_mosaic.add_scaled`), and the
+    norm is returned as `ScaledRows` for the next product's kernel to apply."""
 
     eps: float
     dtype: Any
@@ -254,20 +242,16 @@ class RMSNorm(nn.Module):
     ) -> Array | tuple[Array, Array | ScaledRows]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if isinstance(x, Product):
-            mosaic = x.impl == "mosaic"
             if impl == "fused":
-                fused = residual_product_mosaic if mosaic else residual_product
-                return fused.residual_product(x.x, x.w, residual, scale, self.eps)
+                return residual_product_mosaic.residual_product(x.x, x.w, residual, scale, self.eps)
             if impl != "tiled":
                 raise ValueError(f"RMSNorm: a Product needs impl 'fused' or 'tiled'; got {impl!r}")
-            y = (split_k_mosaic if mosaic else split_k).matmul_partials(x.x, x.w)
-            tiled = residual_norm_mosaic if mosaic else residual_norm
-            return tiled.add_scaled(residual, y, scale, self.eps)
+            y = split_k_mosaic.matmul_partials(x.x, x.w)
+            return residual_norm_mosaic.add_scaled(residual, y, scale, self.eps)
         if residual is None:
             return rms_norm(finish(x), scale, self.eps)
-        if impl in ("pallas", "mosaic"):
-            kernel = residual_norm_mosaic if impl == "mosaic" else residual_norm
-            return kernel.add_rms_norm(residual, x, scale, self.eps)
+        if impl == "mosaic":
+            return residual_norm_mosaic.add_rms_norm(residual, x, scale, self.eps)
         h = residual + finish(x)
         return h, rms_norm(h, scale, self.eps)
 
@@ -304,7 +288,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(
         self,
-        x: Array | ScaledRows,
+        x: Array,
         positions: Array,
         key_valid: Array,
         kv: LayerKV | None,
@@ -316,13 +300,12 @@ class Attention(nn.Module):
         sparse: tuple[SparseAttention, Any, int] | None = None,
         kept_kv: KeptKV | None = None,
     ) -> tuple[Array | Partials | Product, LayerKV, Array | None]:
-        """x: [b, W, model] normed window rows (`ScaledRows` only where the q/k/v product
-        runs in the RoPE kernel, `kernels.qkv == "rope"`) -> the attention output [b, W,
+        """x: [b, W, model] normed window rows -> the attention output [b, W,
         model] (or `Partials`, or with `defer_output` the output `Product` still to run) and
         the layer's K/V with the window's written. `query_rows=(start, n)`: attend and
         project only window rows `[start, start + n)` (every row's K/V is still written);
         the output is then [b, n, model]. `kernels` chooses the q/k/v, RoPE and attention
-        paths, `out_impl` the output product's (`xla`, `pallas` or `mosaic`).
+        paths, `out_impl` the output product's (`xla`, `mosaic` or `fp8_mosaic`).
         `sparse=(rule, row, B)` (a refresh): also choose each kv head's keys by `rule` from
         the block's queries, window rows `[row, row + B)` (`sparse_attention.choose`),
         returned third (else None). `kept_kv` (a block forward): attend to each kv head's kept
@@ -359,24 +342,20 @@ class Attention(nn.Module):
             scales = tuple(
                 NormScale(self.dtype, name=name)(cfg.head_dim) for name in ("q_norm", "k_norm")
             )
-        ops = rope_write.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
-        if kernels.rope in ("pallas", "mosaic"):  # Pallas's interpreters off GPUs (for tests)
+        ops = rope_write_mosaic.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
+        if kernels.rope == "mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
             cos, sin, bounds = self._rope_inputs(positions, window, x.shape[1])
-        if kernels.rope == "mosaic" and not isinstance(x, ScaledRows):
+        if kernels.rope == "mosaic" and kernels.qkv == "rope":
             q, keys, values = rope_write_mosaic.project_rope_and_write(
                 x, qkv_kernel, cos, sin, kv, bounds, scales, ops
             )
-        elif kernels.qkv == "rope" and kernels.rope == "pallas":
-            q, keys, values = rope_write.project_rope_and_write(
-                x, qkv_kernel, cos, sin, kv, bounds, scales, ops
-            )
-        elif isinstance(x, ScaledRows):
-            raise ValueError(
-                "Attention: ScaledRows need the q/k/v product in the Triton RoPE kernel"
-            )
-        elif kernels.rope == "pallas":
+        elif kernels.rope == "mosaic":
             qkv = project(x, qkv_kernel, kernels.qkv, kernels.fp8)  # [b, t, kv, group + 2, d]
-            q, keys, values = rope_write.rope_and_write(qkv, cos, sin, kv, bounds, scales, ops)
+            if isinstance(qkv, Partials) and qkv.parts.shape[0] > rope_write_mosaic.MAX_SPLITS:
+                qkv = qkv.total()
+            q, keys, values = rope_write_mosaic.rope_and_write(
+                qkv, cos, sin, kv, bounds, scales, ops
+            )
         else:
             qkv = finish(project(x, qkv_kernel, kernels.qkv, kernels.fp8))
             q, keys, values = rope_and_write_xla(
@@ -401,14 +380,14 @@ class Attention(nn.Module):
         out = out.reshape(b, t, -1)
         out_kernel = fp8.matrix(out_kernel, out.shape[-1], cfg.d_model)
         if defer_output:
-            return Product(out, out_kernel, out_impl), (keys, values), new_chosen
+            return Product(out, out_kernel), (keys, values), new_chosen
         y = _sum_over(project(out, out_kernel, out_impl, kernels.fp8), self.axis_name)
         if out_bias is not None:  # added once, after the sum over shards
             y = finish(y) + out_bias
         return y, (keys, values), new_chosen
 
     def _rope_inputs(self, positions, window, t):
-        """The Pallas RoPE kernels' cos/sin tables and their `bounds` (window start, write_lo,
+        """The RoPE kernel's cos/sin tables and their `bounds` (window start, write_lo,
         write_hi) for a `t`-row window."""
         cfg = self.config
         cos, sin = rope_tables(positions, cfg.rope_theta, cfg.rope_dim)
@@ -437,12 +416,9 @@ class GatedMLP(nn.Module):
     k_major: bool = False  # fp8 values K-major (`KernelChoice.k_major`)
 
     @nn.compact
-    def __call__(
-        self, x: Array | ScaledRows, kernels: Kernels = XLA_KERNELS, defer_down: bool = False
-    ) -> Array | Partials | Product:
+    def __call__(self, x: Array | ScaledRows, kernels: Kernels = XLA_KERNELS) -> Array | Partials:
         """x: [b, t, model] normed rows (`ScaledRows` only where the gate/up product takes
-        djax's kernel) -> [b, t, model] (or `Partials`, or with `defer_down` the down
-        `Product` still to run)."""
+        djax's kernel) -> [b, t, model] (or `Partials`)."""
         (b, t, d_model), hidden = x.shape, self.hidden // self.shards
         weights, k_major = self.weights, self.k_major
         gate_up = fp8.param(
@@ -454,15 +430,13 @@ class GatedMLP(nn.Module):
         if kernels.mlp == "fp8_mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
             rows = x.reshape(b * t, d_model)
             act = fp8_matmul_mosaic.swiglu(rows, *_k_major(gate_up)).reshape(b, t, hidden)
-        elif kernels.mlp in ("pallas", "mosaic"):  # interpreted off GPUs (for tests)
-            kernel = swiglu_mosaic if kernels.mlp == "mosaic" else swiglu
-            act = kernel.swiglu_matmul(x.reshape(b * t, d_model), gate_up).reshape(b, t, hidden)
+        elif kernels.mlp == "mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
+            rows = x.reshape(b * t, d_model)
+            act = swiglu_mosaic.swiglu_matmul(rows, gate_up).reshape(b, t, hidden)
         elif isinstance(x, ScaledRows):
             raise ValueError("GatedMLP: ScaledRows need the gate/up product in djax's kernel")
         else:
             act = swiglu_xla(x, gate_up, kernels.fp8)
-        if defer_down:
-            return Product(act, down, kernels.down)
         return _sum_over(project(act, down, kernels.down, kernels.fp8), self.axis_name)
 
 
@@ -576,7 +550,6 @@ class TransformerLM(nn.Module):
             kept = forward.last if last_trimmed else layer  # the rows after attention
             dense_ff = isinstance(self.ffs[i], GatedMLP)
             into_mlp = kept.norm_into_mlp if dense_ff else "no"
-            into_attention = layer.norm_into_attention if dense_ff and i + 1 < n_layers else "no"
             with jax.named_scope(f"layer_{i}"):
                 with jax.named_scope("attention"):
                     attn_out, layer_kv, layer_chosen = self.attns[i](
@@ -598,13 +571,9 @@ class TransformerLM(nn.Module):
                 impl = kept.norm if into_mlp == "no" else into_mlp
                 h, normed = self.ff_norms[i](attn_out, residual=x, impl=impl)
                 with jax.named_scope("mlp"):
-                    if into_attention != "no":
-                        mlp_out = self.ffs[i](normed, kept, defer_down=True)
-                    else:
-                        mlp_out = self.ffs[i](normed, kept)
+                    mlp_out = self.ffs[i](normed, kept)
                 next_norm = self.attn_norms[i + 1] if i + 1 < n_layers else self.final_norm
-                impl = kept.norm if into_attention == "no" else into_attention
-                x, normed = next_norm(mlp_out, residual=h, impl=impl)
+                x, normed = next_norm(mlp_out, residual=h, impl=kept.norm)
                 new_kv.append(layer_kv)
         if sparse is not None:
             return normed, tuple(new_kv), jnp.stack(new_chosen)

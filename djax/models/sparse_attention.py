@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from djax.kernels import flash_attention
+from djax.kernels.flash_attention_mosaic import MASKED
 
 Array = jax.Array
 
@@ -121,7 +121,7 @@ def key_mass(q_block: Array, keys: Array, key_valid: Array) -> Array:
     group's query heads."""
     scale = q_block.shape[-1] ** -0.5
     scores = jnp.einsum("btkgd,bskd->bkgts", q_block, keys, preferred_element_type=jnp.float32)
-    scores = jnp.where(key_valid[:, None, None, None, :], scores * scale, flash_attention.MASKED)
+    scores = jnp.where(key_valid[:, None, None, None, :], scores * scale, MASKED)
     return jnp.sum(jax.nn.softmax(scores, axis=-1), axis=(2, 3))
 
 
@@ -227,15 +227,11 @@ def attend_kept(
     window_valid = window_valid[:, None, :] & kept.in_window  # [b, kv, w]
     scale = d**-0.5
     kept_scores = jnp.einsum("btkgd,bknd->bkgtn", q, kept.keys, preferred_element_type=jnp.float32)
-    kept_scores = jnp.where(
-        kept.valid[:, :, None, None, :], kept_scores * scale, flash_attention.MASKED
-    )
+    kept_scores = jnp.where(kept.valid[:, :, None, None, :], kept_scores * scale, MASKED)
     window_scores = jnp.einsum(
         "btkgd,bwkd->bkgtw", q, window_keys, preferred_element_type=jnp.float32
     )
-    window_scores = jnp.where(
-        window_valid[:, :, None, None, :], window_scores * scale, flash_attention.MASKED
-    )
+    window_scores = jnp.where(window_valid[:, :, None, None, :], window_scores * scale, MASKED)
     top = jnp.maximum(jnp.max(kept_scores, axis=-1), jnp.max(window_scores, axis=-1))[..., None]
     kept_weights = jnp.exp(kept_scores - top)
     window_weights = jnp.exp(window_scores - top)

@@ -1,4 +1,4 @@
-"""The split-K/V attention kernel's Mosaic GPU port (`flash_attention_mosaic`), run by Mosaic
+"""The split-K/V attention kernel (`flash_attention_mosaic`), run by Mosaic
 GPU's interpreter on the CPU, against fp32 einsum attention: key padding, several key
 slices merged (by warpgroups of one CTA in the kernel, across CTAs in XLA), GQA, windows
 and buffers that are not multiples of the tiles, and the layer taking it; its errors and
@@ -8,13 +8,26 @@ GPU the compiled kernel at those shapes."""
 import jax
 import jax.numpy as jnp
 import pytest
-from test_flash_attention import _einsum_attention, _problem
 
-from djax.kernels import flash_attention, flash_attention_mosaic
+from djax.kernels import flash_attention_mosaic
 from djax.kernels.flash_attention_mosaic import Tiles, split_kv_attention, tiles_for
 from djax.models import layers
 
 BF16 = jnp.bfloat16
+
+
+def _problem(b, t, n, kv, d, s, dtype=jnp.float32, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (b, t, n, d), dtype)
+    k = jax.random.normal(keys[1], (b, s, kv, d), dtype)
+    v = jax.random.normal(keys[2], (b, s, kv, d), dtype)
+    return q, k, v
+
+
+def _einsum_attention(q, k, v, key_valid):
+    b, t, n, d = q.shape
+    kv = k.shape[2]
+    return layers.attend(q.reshape(b, t, kv, n // kv, d), k, v, key_valid, "xla").reshape(q.shape)
 
 
 def _rel_error(ours, ref):
@@ -57,13 +70,13 @@ def test_matches_einsum_attention(b, t, n, kv, s, pad, tiles):
 
 
 def test_layer_attends_with_the_kernel():
-    """`layers.attend(..., "split_kv_mosaic")` takes the kernel (at `tiles_for`: one CTA
+    """`layers.attend(..., "split_kv")` takes the kernel (at `tiles_for`: one CTA
     stepping through the keys 128 at a time) and gives XLA's attention on the same bf16
     inputs."""
     q, k, v = _problem(1, 16, 2, 2, 64, 256, BF16, seed=4)
     key_valid = jnp.arange(256)[None, :] >= 20
     grouped = q.reshape(1, 16, 2, 1, 64)
-    ours = layers.attend(grouped, k, v, key_valid, "split_kv_mosaic")
+    ours = layers.attend(grouped, k, v, key_valid, "split_kv")
     assert tiles_for(16, 256, 2, head_dim=64) == Tiles(block_k=128, splits=1, stages=2)
     ref = layers.attend(grouped, k, v, key_valid, "xla")
     assert ours.shape == grouped.shape and _rel_error(ours, ref.astype(jnp.float32)) < 1e-2
@@ -172,13 +185,11 @@ def test_compiled_kernel_on_gpu(t, s):
     group 2, a left-padded row) at `tiles_for` (at 1000 and 1020 keys 2 CTAs merged in
     XLA), one slice, 3 slices of 128-key steps (at 1000 keys the last step wholly past the
     buffer's end), 3 warpgroups merged in the CTA and 2 CTAs of 2 warpgroups, against fp32
-    einsums and against the Triton kernel."""
+    einsums."""
     q, k, v = _problem(2, t, 16, 8, 128, s, BF16, seed=2)
     key_valid = _padded_rows(s, 100)
     ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k, v)), key_valid)
-    triton = flash_attention.split_kv_attention(q, k, v, key_valid)
     merged = (Tiles(stages=1, warpgroups=3), Tiles(splits=2, stages=2, warpgroups=2))
     for tiles in (None, Tiles(splits=1), Tiles(block_k=128, splits=3, stages=2), *merged):
         ours = split_kv_attention(q, k, v, key_valid, tiles=tiles)
         assert _rel_error(ours, ref) <= 1e-2, (tiles, _rel_error(ours, ref))
-        assert _rel_error(ours, triton.astype(jnp.float32)) <= 1e-2, tiles

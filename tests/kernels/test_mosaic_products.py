@@ -1,5 +1,5 @@
-"""The Mosaic GPU ports of the split-K and SwiGLU kernels (`split_k_mosaic`, `swiglu_mosaic`)
-against fp32 products (the references of test_split_k and test_swiglu), run by Mosaic GPU's
+"""The Mosaic GPU split-K, SwiGLU and residual products (`split_k_mosaic`, `swiglu_mosaic`,
+`residual_product_mosaic`) against fp32 products and XLA's twins, run by Mosaic GPU's
 interpreter on the CPU and compiled on a GPU; their errors, their lowering for a Hopper GPU
 on any host, and a SwiGLU MLP layer taking them; on a GPU also the compiled kernels at
 LLaDA-8B's block shapes."""
@@ -8,18 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_swiglu import _problem as swiglu_problem
-from test_swiglu import _reference as swiglu_reference
 
-from djax.kernels import (
-    residual_product,
-    residual_product_mosaic,
-    split_k,
-    split_k_mosaic,
-    swiglu,
-    swiglu_mosaic,
-    tma_ring,
-)
+from djax.kernels import residual_product_mosaic, split_k_mosaic, swiglu_mosaic, tma_ring
 from djax.kernels.handoff import Partials, ScaledRows
 from djax.kernels.tma_ring import Tiles
 from djax.models import layers
@@ -38,7 +28,29 @@ def _matmul_problem(shape, k, n, seed=0):
 
 
 def _swiglu_problem(m, k, n, seed=0):
-    return swiglu_problem(m, k, n, BF16, seed)
+    keys = jax.random.split(jax.random.key(seed), 2)
+    x = jax.random.normal(keys[0], (m, k), BF16)
+    w = (jax.random.normal(keys[1], (k, 2, n)) * k**-0.5).astype(BF16)
+    return x, w
+
+
+def swiglu_reference(x, w):
+    """`silu(x @ gate) * (x @ up)` in fp32."""
+    h = jnp.einsum("tm,mcf->tcf", x.astype(jnp.float32), w.astype(jnp.float32))
+    return jax.nn.silu(h[:, 0]) * h[:, 1]
+
+
+def residual_xla(x, w, residual, scale, block_n, eps=EPS):
+    """XLA's twin of the residual product: the fp32 product rounded to the residual's dtype,
+    `h = residual + y` in fp32 rounded, and `ScaledRows`: `h * scale` rounded and each
+    `block_n`-column tile's sums of squares of h as stored."""
+    y = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+    h = (residual.astype(jnp.float32) + y.astype(residual.dtype)).astype(residual.dtype)
+    hf = h.astype(jnp.float32)
+    scaled = (hf * scale.astype(jnp.float32)).astype(h.dtype)
+    *lead, n = h.shape
+    squares = jnp.sum((hf * hf).reshape(*lead, n // block_n, block_n), axis=-1)
+    return h, ScaledRows(scaled, jnp.moveaxis(squares, -1, 0), eps)
 
 
 def _rel_error(ours, ref):
@@ -158,25 +170,25 @@ def test_mlp_layer_takes_the_mosaic_kernels():
 
 
 def _scaled_rows(m, d, seed=5):
-    """bf16 rows h as the Triton output product leaves them (`ScaledRows`), and XLA's norm
-    of h."""
+    """bf16 rows h as an output product leaves them (`ScaledRows` of 32-column tiles, by XLA's
+    twin), and XLA's norm of h."""
     keys = jax.random.split(jax.random.key(seed), 4)
     x = jax.random.normal(keys[0], (m, d), BF16)
     w = (jax.random.normal(keys[1], (d, d)) * d**-0.5).astype(BF16)
     residual = jax.random.normal(keys[2], (m, d), BF16)
     scale = (1 + 0.1 * jax.random.normal(keys[3], (d,))).astype(BF16)
-    h, rows = residual_product.residual_product(x, w, residual, scale, EPS)
+    h, rows = residual_xla(x, w, residual, scale, block_n=32)
     return rows, layers.rms_norm(h, scale, EPS)
 
 
 def test_swiglu_applies_the_norm_of_scaled_rows():
     """Given `ScaledRows` the kernel scales its rows by 1 / rms after the product: as on
-    XLA's normed rows, and as the Triton kernel does."""
+    XLA's normed rows, and as the fp32 product of those rows."""
     rows, normed = _scaled_rows(20, 128)
     _, w = _swiglu_problem(20, 128, 64, seed=6)
     ours = swiglu_mosaic.swiglu_matmul(rows, w)
     assert _rel_error(ours, swiglu_mosaic.swiglu_matmul(normed, w)) < 2e-2
-    assert _rel_error(ours, swiglu.swiglu_matmul(rows, w)) < 1e-2
+    assert _rel_error(ours, swiglu_reference(normed, w)) < 2e-2
     with pytest.raises(ValueError, match=r"squares \(4, 19\), rows \(20, 128\)"):
         bad = ScaledRows(rows.scaled, rows.squares[:, :19], EPS)
         swiglu_mosaic.swiglu_matmul(bad, w)
@@ -198,14 +210,13 @@ def _residual_problem(lead, k, n, seed=7):
         ((2, 10), 128, Tiles(block_n=64, block_k=64, splits=1, stages=2)),  # 20 rows, padded
     ],
 )
-def test_residual_product_matches_the_triton_kernel(lead, n, tiles):
-    """h, `h * scale` and the per-tile sums of squares as the Triton kernel leaves them (at
-    the same column tiles), and h as residual + the product."""
+def test_residual_product_matches_xla(lead, n, tiles):
+    """h, `h * scale` and the per-tile sums of squares as XLA's twin computes them (at the
+    same column tiles), and h as residual + the fp32 product."""
     x, w, residual, scale = _residual_problem(lead, 128, n)
     h, rows = residual_product_mosaic.residual_product(x, w, residual, scale, EPS, tiles=tiles)
     block_n = (tiles or residual_product_mosaic.tiles_for(20, 128, n)).block_n
-    triton_tiles = residual_product.Tiles(block_m=32, block_n=block_n, block_k=64)
-    want_h, want = residual_product.residual_product(x, w, residual, scale, EPS, triton_tiles)
+    want_h, want = residual_xla(x, w, residual, scale, block_n)
     assert h.shape == residual.shape and h.dtype == BF16
     assert rows.squares.shape == (n // block_n, *lead)
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
@@ -237,7 +248,7 @@ def test_norm_moved_into_the_mosaic_products(form):
     norm = layers.RMSNorm(EPS, BF16)
     x, w, residual, _ = _residual_problem((1, 20), 128, 128)
     params = norm.init(jax.random.key(0), residual)
-    h, rows = norm.apply(params, layers.Product(x, w, "mosaic"), residual, impl=form)
+    h, rows = norm.apply(params, layers.Product(x, w), residual, impl=form)
     want_h, want = norm.apply(params, x @ w, residual, impl="xla")
     assert _rel_error(h, want_h) < 1e-2
     assert _rel_error(rows.scaled.astype(jnp.float32) * rows.inv_rms(), want) < 1e-2
@@ -249,26 +260,26 @@ def test_norm_moved_into_the_mosaic_products(form):
 @needs_gpu
 def test_compiled_kernels_on_gpu():
     """On a Hopper GPU: the compiled Mosaic GPU kernels at LLaDA-8B's block products and MLP
-    (bf16, 32 rows and a ragged 20) against fp32 and against the Triton kernels' results; the
-    SwiGLU kernel also on `ScaledRows` of LLaDA-8B's width, and the residual product at the
-    output and down products' shapes against the Triton one."""
+    (bf16, 32 rows and a ragged 20) against fp32; the SwiGLU kernel also on `ScaledRows` of
+    LLaDA-8B's width, and the residual product at the output and down products' shapes
+    against XLA's twin."""
     for m in (32, 20):
         for k, n in ((4096, 12288), (4096, 4096), (12288, 4096)):
             x, w = _matmul_problem((m,), k, n, seed=3)
             ref = x.astype(jnp.float32) @ w.astype(jnp.float32)
             ours = split_k_mosaic.matmul_partials(x, w).total()
             assert _rel_error(ours, ref) <= 1e-2, (m, k, n)
-            assert _rel_error(ours, split_k.matmul_partials(x, w).total()) <= 1e-2, (m, k, n)
         x, w = _swiglu_problem(m, 4096, 12288, seed=4)
         assert _rel_error(swiglu_mosaic.swiglu_matmul(x, w), swiglu_reference(x, w)) <= 1e-2, m
         rows, normed = _scaled_rows(m, 4096)  # 128 tiles of sums of squares
         ours = swiglu_mosaic.swiglu_matmul(rows, w)
         assert _rel_error(ours, swiglu_mosaic.swiglu_matmul(normed, w)) <= 2e-2, m
-        assert _rel_error(ours, swiglu.swiglu_matmul(rows, w)) <= 1e-2, m
+        assert _rel_error(ours, swiglu_reference(normed, w)) <= 2e-2, m
         for k in (4096, 12288):
             x, w, residual, scale = _residual_problem((1, m), k, 4096, seed=10)
             h, rows = residual_product_mosaic.residual_product(x, w, residual, scale, EPS)
-            want_h, want = residual_product.residual_product(x, w, residual, scale, EPS)
+            block_n = residual_product_mosaic.tiles_for(m, k, 4096).block_n
+            want_h, want = residual_xla(x, w, residual, scale, block_n)
             assert _rel_error(h, want_h) <= 1e-2, (m, k)
             assert _rel_error(rows.scaled, want.scaled) <= 1e-2, (m, k)
             assert _rel_error(rows.squares, want.squares) <= 1e-2, (m, k)

@@ -2,7 +2,7 @@
 epilogue (`rope_write_mosaic`), run by Mosaic GPU's interpreter on the CPU, against XLA's
 product and `layers.rope_and_write_xla`; its errors, its lowering for a Hopper GPU at
 LLaDA-8B's and LLaDA-MoE's shapes, an attention layer taking it, and on a GPU the compiled
-kernel against XLA and the Triton kernel."""
+kernel against XLA."""
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from djax.config import DENSE, ModelConfig
-from djax.kernels import rope_write, rope_write_mosaic, split_k_mosaic
+from djax.kernels import rope_write_mosaic, split_k_mosaic
 from djax.kernels.handoff import Partials
-from djax.kernels.rope_write import HeadOps
+from djax.kernels.rope_write_mosaic import HeadOps
 from djax.kernels.tma_ring import Tiles
 from djax.models import layers
 from djax.models.kernel_choice import Kernels
@@ -235,9 +235,11 @@ def test_lowers_for_hopper():
         assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_attention_layer_takes_the_kernel():
-    """An attention layer with `rope="mosaic"` (its q/k/v product inside the kernel) writes
-    the window's K/V and attends as its XLA path does, in bf16."""
+@pytest.mark.parametrize("qkv", ["rope", "xla"])
+def test_attention_layer_takes_the_kernel(qkv):
+    """An attention layer with `rope="mosaic"` (its q/k/v product inside the kernel, or the
+    kernel on XLA's product) writes the window's K/V and attends as its XLA path does, in
+    bf16."""
     config = ModelConfig(DENSE, 64, 64, 1, 2, 1, 64, 128, 1e4, 1e-5, 64, 1, 2, 3)
     attention = layers.Attention(config, BF16)
     x = _normal(6, (1, 16, 64))
@@ -246,7 +248,7 @@ def test_attention_layer_takes_the_kernel():
     key_valid = jnp.ones((1, 32), bool)
     window = layers.Window(8)
     params = attention.init(jax.random.key(9), x, positions, key_valid, kv, window)
-    mosaic = Kernels(qkv="rope", rope="mosaic")
+    mosaic = Kernels(qkv=qkv, rope="mosaic")
     ours, ours_kv, _ = attention.apply(params, x, positions, key_valid, kv, window, None, mosaic)
     ref, ref_kv, _ = attention.apply(params, x, positions, key_valid, kv, window)
     f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
@@ -258,10 +260,10 @@ def test_attention_layer_takes_the_kernel():
 @needs_gpu
 def test_compiled_kernel_on_gpu():
     """On a Hopper GPU: the compiled kernels at LLaDA-8B's block, LLaDA-MoE's (q/k norms) and
-    two 32-row sequences, against XLA's product and head ops and the Triton kernel; the
-    epilogue alone on the Mosaic GPU split-K product's partials (and on 2 slices of it)
-    against the Triton epilogue on the same partials; and each feature turned exactly with
-    its partner in the other rotary half (`_check_turns`)."""
+    two 32-row sequences, against XLA's product and head ops; the epilogue alone on the
+    Mosaic GPU split-K product's partials (and on 2 slices of it) against XLA's head ops on
+    the same partials summed; and each feature turned exactly with its partner in the other
+    rotary half (`_check_turns`)."""
     for d, rotary in ((128, 128), (128, 64), (64, 64)):
         _check_turns(d, rotary, interpret=False)
     cases = [
@@ -276,17 +278,18 @@ def test_compiled_kernel_on_gpu():
             x, w, cos, sin, buffers, bounds, scales, ops
         )
         want = _xla(case, x, w, positions, buffers, scales)
-        triton = rope_write.project_rope_and_write(x, w, cos, sin, buffers, bounds, scales, ops)
-        for o, ref, tri in zip(ours, want, triton, strict=True):
-            o, ref, tri = (a.astype(jnp.float32) for a in (o, ref, tri))
+        for o, ref in zip(ours, want, strict=True):
+            o, ref = (a.astype(jnp.float32) for a in (o, ref))
             np.testing.assert_allclose(o, ref, atol=0.1, rtol=0.02)
-            np.testing.assert_allclose(o, tri, atol=0.1, rtol=0.02)
-        model = w.shape[0]
+        model, (*_, rotary, _, window, _) = w.shape[0], case
         for tiles in (None, Tiles(block_n=64, block_k=64, splits=2, stages=4)):
             qkv = split_k_mosaic.matmul_partials(x, w.reshape(model, -1), tiles=tiles)
             qkv = Partials(qkv.parts.reshape(qkv.parts.shape[:-1] + w.shape[1:]), qkv.dtype)
             args = (cos, sin, buffers, bounds, scales, ops)
             ours = rope_write_mosaic.rope_and_write(qkv, *args)
-            for o, tri in zip(ours, rope_write.rope_and_write(qkv, *args), strict=True):
-                o, tri = o.astype(jnp.float32), tri.astype(jnp.float32)
-                np.testing.assert_allclose(o, tri, atol=0.05, rtol=0.01)
+            want = layers.rope_and_write_xla(
+                qkv.total(), positions, buffers, window, scales, ops, 10000.0, rotary
+            )
+            for o, ref in zip(ours, want, strict=True):
+                o, ref = o.astype(jnp.float32), ref.astype(jnp.float32)
+                np.testing.assert_allclose(o, ref, atol=0.05, rtol=0.01)
