@@ -72,10 +72,10 @@ class KernelOptions:
         "the q/k/v product inside it for <= 32 token rows; else xla",
     )
     moe_impl: str = _option(
-        ("auto", "xla", "pallas", "mosaic"),
-        "MoE experts: pallas (Triton) on Hopper GPUs with 16-bit weights, mosaic there with "
-        "fp8 weights (widths multiples of 64), else xla (grouped up to 64 tokens per "
-        "forward, dense above)",
+        ("auto", "xla", "mosaic"),
+        "MoE experts: mosaic (the expert tiles, 16-bit or fp8 weights) on Hopper GPUs where "
+        "the model and expert widths are multiples of 64, else xla (grouped up to 64 tokens "
+        "per forward, dense above)",
     )
 
     def __post_init__(self) -> None:

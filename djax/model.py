@@ -142,7 +142,7 @@ def load(
     holding another format than `weights` raises a CheckpointError. options: the
     fields of `djax.kernel_options.KernelOptions` (`attention_impl="auto"|"xla"|"cudnn"|
     "split_kv"`, `mlp_impl`, `matmul_impl` and `rope_impl`, each `"auto"|"xla"|"mosaic"`,
-    `moe_impl="auto"|"xla"|"pallas"|"mosaic"`,
+    `moe_impl="auto"|"xla"|"mosaic"`,
     `norm_impl="auto"|"xla"|"mosaic"|"fused"|"tiled"`,
     `fp8_impl="auto"|"dequant"|"scaled"|"mosaic"`; its `mosaic` holds the dense products'
     fp8 values K-major, `djax.models.fp8`). An unknown option name

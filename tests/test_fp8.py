@@ -113,11 +113,7 @@ def test_kernel_choice_takes_xla_products_under_fp8():
     plain = resolve(KernelOptions(), HOPPER, LLADA_8B, jnp.bfloat16, GENERATION)
     assert plain.weights == "dtype" and plain.block.layers.fp8 == "no"
     assert plain.block.layers.mlp == "mosaic"
-    for option, kernel in (
-        ("matmul_impl", "mosaic"),
-        ("mlp_impl", "mosaic"),
-        ("moe_impl", "pallas"),
-    ):
+    for option, kernel in (("matmul_impl", "mosaic"), ("mlp_impl", "mosaic")):
         with pytest.raises(ValueError, match=f"{option}='{kernel}' takes 16-bit weights"):
             resolve(
                 KernelOptions(**{option: kernel}),

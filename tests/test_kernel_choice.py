@@ -159,32 +159,23 @@ def test_auto_rows_and_shapes():
 
 
 def test_moe_choice():
-    block = _choice(config=LLADA_MOE).block.layers
-    assert block.moe == "pallas" and block.qkv == "rope"  # 16 kv heads x 3 CTAs
-    for device in (AMPERE, CPU):
+    """The expert tiles (`mosaic`) run every forward's experts, 16-bit or fp8 weights, on
+    Hopper under `auto` and wherever asked; other devices take XLA's grouped path (dense
+    above 64 tokens); 16-bit activations and widths of 64s only."""
+    for weights in ("dtype", "fp8"):
+        choice = _choice(config=LLADA_MOE, weights=weights)
+        assert choice.block.layers.moe == choice.refresh.layers.moe == "mosaic"
+    assert _choice(config=LLADA_MOE).block.layers.qkv == "rope"  # 16 kv heads x 3 CTAs
+    blackwell = Device("gpu", (10, 0), 227 * 1024)  # no WGMMA
+    for device in (AMPERE, CPU, blackwell):
         choice = _choice(config=LLADA_MOE, device=device)
         assert (choice.block.layers.moe, choice.refresh.layers.moe) == ("grouped", "dense")
-    forced = _choice(KernelOptions(moe_impl="pallas"), CPU, LLADA_MOE)
-    assert forced.refresh.layers.moe == "pallas"
-    with pytest.raises(ValueError, match="moe_impl='pallas' takes .* local expert ffn 40"):
-        _choice(KernelOptions(moe_impl="pallas"), CPU, LLADA_MOE.replace(expert_hidden=40))
-
-
-def test_moe_mosaic_only_when_asked():
-    """`moe_impl="mosaic"` runs every forward's experts where asked, with 16-bit or fp8
-    weights; `auto` takes it only for fp8 weights on kernel GPUs (the one expert kernel that
-    reads them; XLA's path is dense over every expert); 16-bit activations and widths of
-    64s only."""
+    narrow = _choice(config=LLADA_MOE.replace(expert_hidden=48)).block.layers
+    assert narrow.moe == "grouped"
     mosaic = KernelOptions(moe_impl="mosaic")
     for weights in ("dtype", "fp8"):
         choice = _choice(mosaic, CPU, LLADA_MOE, weights=weights)
         assert choice.block.layers.moe == choice.refresh.layers.moe == "mosaic"
-    assert _choice(config=LLADA_MOE).block.layers.moe == "pallas"
-    fp8 = _choice(config=LLADA_MOE, weights="fp8")
-    assert fp8.block.layers.moe == fp8.refresh.layers.moe == "mosaic"
-    blackwell = Device("gpu", (10, 0), 227 * 1024)  # no WGMMA
-    for device in (AMPERE, CPU, blackwell):
-        assert _choice(config=LLADA_MOE, device=device, weights="fp8").block.layers.moe == "grouped"
     with pytest.raises(ValueError, match="moe_impl='mosaic' takes .* model dtype; got float32"):
         _choice(mosaic, CPU, LLADA_MOE, dtype=jnp.float32)
     _choice(mosaic, CPU, LLADA_8B, dtype=jnp.float32)  # no experts: moe_impl does not apply

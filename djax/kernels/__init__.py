@@ -1,8 +1,7 @@
 """djax's hand-written kernels: each module takes and returns JAX arrays (or the hand-offs
 of `handoff`) and imports only jax, numpy and its sibling modules, never a model or its
-config. All but `expert_tiles` are Pallas Mosaic GPU kernels for Hopper GPUs (TMA copies,
-WGMMA). Off GPUs every kernel runs in Pallas's interpreter (Mosaic GPU's for the Mosaic GPU
-kernels), which is how the CPU tests check them.
+config. All are Pallas Mosaic GPU kernels for Hopper GPUs (TMA copies, WGMMA). Off GPUs
+every kernel runs in Mosaic GPU's interpreter, which is how the CPU tests check them.
 
 - `flash_attention_mosaic`: split-K/V attention of a window against the K/V buffers.
 - `split_k_mosaic`: a split-K product for few rows, its partial sums left to the consumer.
@@ -13,12 +12,10 @@ kernels), which is how the CPU tests check them.
   column-tiled after a split-K product (leaving the norm to the next product).
 - `rope_write_mosaic`: q/k norm, RoPE and the K/V buffer writes, in the q/k/v product's
   epilogue or on a product made elsewhere.
-- `tma_ring`: the TMA/WGMMA ring and tile rules every Mosaic GPU kernel shares.
-- `expert_tiles`: the routed experts' products, tiled per expert (Pallas Triton);
-  `expert_tiles_mosaic`: the same in Pallas Mosaic GPU, also for fp8 weights (values and
-  scales given apart).
+- `tma_ring`: the TMA/WGMMA ring and tile rules every kernel shares.
+- `expert_tiles_mosaic`: the routed experts' products, tiled per expert, for 16-bit or fp8
+  weights (values and scales given apart).
 - `fp8_matmul_mosaic`: the product of few rows quantised to e4m3 and an e4m3 weight stored
   [n, k], by fp8 x fp8 WGMMA in Pallas Mosaic GPU (Hopper), and its SwiGLU form.
 - `handoff`: what the kernels hand each other (`Partials`, `ScaledRows`).
-- `tiles`: tile rules shared by the kernels.
 """

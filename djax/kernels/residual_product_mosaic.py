@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.kernels import tiles as tiling
 from djax.kernels import tma_ring
 from djax.kernels.handoff import ScaledRows
 from djax.kernels.tma_ring import NARROW, ROW_TILE, Tiles
@@ -36,7 +35,7 @@ Array = jax.Array
 def tiles_for(m: int, k: int, n: int) -> Tiles:
     """32-column tiles (128 CTAs at a 4096-wide model) in
     up to 128-wide steps, 6 stages."""
-    return Tiles(block_n=NARROW, block_k=tiling.largest_block(k, 128), splits=1, stages=6)
+    return Tiles(block_n=NARROW, block_k=tma_ring.largest_block(k, 128), splits=1, stages=6)
 
 
 # The most column tiles (rows of the scale's one TMA copy).

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.kernels import tiles as tiling
 from djax.kernels import tma_ring
 from djax.kernels.handoff import Partials
 from djax.kernels.tma_ring import ROW_TILE, Tiles
@@ -35,9 +34,9 @@ def tiles_for(m: int, k: int, n: int) -> Tiles:
     output (4096 -> 4096) and down (12288 -> 4096) products 64 tiles x 2 slices (among
     the fastest tilings of `bench.kernels.mosaic --sweep`)."""
     if n % 128 == 0 and n // 128 >= MIN_CTAS:
-        return Tiles(block_n=128, block_k=tiling.largest_block(k, 64), splits=1, stages=4)
+        return Tiles(block_n=128, block_k=tma_ring.largest_block(k, 64), splits=1, stages=4)
     block_n = tma_ring.TILE
-    block_k = tiling.largest_block(k, 128)
+    block_k = tma_ring.largest_block(k, 128)
     splits = 1
     while (
         (n // block_n) * splits < MIN_CTAS

@@ -96,6 +96,14 @@ class Tiles:
         return self.stages * slot * itemsize + ROW_TILE * self.block_n * out_bytes
 
 
+def largest_block(n: int, limit: int) -> int:
+    """The largest power of two <= `limit` (itself a power of two) that divides `n`."""
+    block = limit
+    while n % block:
+        block //= 2
+    return block
+
+
 def fits(k: int, n: int) -> bool:
     """Whether the Mosaic GPU products take a contraction of `k` into `n` columns: both
     multiples of 64, so every swizzled tile is whole."""

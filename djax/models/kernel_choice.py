@@ -4,7 +4,7 @@ and the shapes of a generation's forwards into `KernelChoice`, the concrete path
 part of a block forward and of a refresh. The layers receive it and take what it says.
 
 djax's kernels (`djax.kernels`) are Pallas Mosaic GPU kernels for Hopper GPUs (TMA copies,
-WGMMA), but for the Triton expert tiles (`moe_impl="pallas"`). Rules of `auto`:
+WGMMA). Rules of `auto`:
 - djax's kernels run only on the GPUs they were built and tuned for (`Device.runs_kernels`:
   compute capability 9.x, whose WGMMA instructions they are written with, and >= 227 KiB of
   shared memory per block), in bf16 or fp16; XLA everywhere else. A kernel that still fails
@@ -29,8 +29,8 @@ WGMMA), but for the Triton expert tiles (`moe_impl="pallas"`). Rules of `auto`:
   (`norm="mosaic"`, `residual_norm_mosaic.add_rms_norm`) where the model width fits it.
 - With fp8 weights (`weights="fp8"`, `djax.models.fp8`) the dense products run in XLA (the
   attention, RoPE and norm kernels, which read no weights, are chosen as above), and the
-  MoE experts in their Mosaic GPU tiles (`moe="mosaic"`, which convert e4m3 tiles in the
-  kernel) where the widths are multiples of 64, in XLA elsewhere. XLA's fp8 path
+  MoE experts in their tiles (`moe="mosaic"`, which convert e4m3 tiles in the kernel) as
+  below. XLA's fp8 path
   (`Kernels.fp8`): `scaled` (fp8 x fp8) for every forward on GPUs with fp8 tensor cores
   (`FP8_MIN_CAPABILITY`), `dequant` elsewhere. One path for the whole program: a program
   whose refreshes run `scaled` and block forwards `dequant` was measured slower than either
@@ -40,18 +40,17 @@ WGMMA), but for the Triton expert tiles (`moe_impl="pallas"`). Rules of `auto`:
 - Block forwards under sparse attention (`Shapes.sparse`) attend in XLA's einsums whatever
   `attention_impl` says (`sparse_attention.attend_kept`: the split-K/V kernel takes one
   contiguous key range, not the compact rows beside the window's).
-- The MoE experts: the Triton expert tiles (`expert_tiles`) for 16-bit weights; XLA's path
-  sorts token-expert pairs into groups (`ragged_dot`) up to `GROUPED_EXPERTS_MAX_TOKENS`
-  tokens per forward and runs every expert on every token above it (XLA lowers
-  `ragged_dot` to a dense product over every group).
+- The MoE experts: the expert tiles (`moe="mosaic"`, `expert_tiles_mosaic`; 16-bit or fp8
+  weights) where the model and local expert widths are multiples of 64, in every forward
+  (their row tiles follow the experts: no row limit); else XLA's path, which sorts
+  token-expert pairs into groups (`ragged_dot`) up to `GROUPED_EXPERTS_MAX_TOKENS` tokens
+  per forward and runs every expert on every token above it (XLA lowers `ragged_dot` to a
+  dense product over every group).
 
 An option other than `auto` is taken as given on any device (off GPUs its kernel runs in
 Mosaic GPU's interpreter) wherever its kernel fits: a ValueError names the misfit (widths,
 heads, dtype, fp8 weights) otherwise. The forms `auto` limits by rows and windows keep those
 limits (the products, RoPE and the norms moved into products run only in block forwards).
-`moe_impl="mosaic"` (`djax.kernels.expert_tiles_mosaic`), the one expert kernel that takes
-fp8 weights as well as 16-bit ones, runs every forward's experts where asked (no row limit:
-its row tiles follow the experts); `auto` takes it only for fp8 weights (above).
 `fp8_impl="mosaic"` (fp8 weights, `djax.kernels.fp8_matmul_mosaic`) is taken only when
 asked for, on one device, with every dense product's contraction a multiple of 128 and its
 output a multiple of 64: block forwards of at most `KERNEL_MAX_ROWS` token rows run the
@@ -77,7 +76,6 @@ from djax.kernels import (
     residual_norm_mosaic,
     residual_product_mosaic,
     rope_write_mosaic,
-    tiles,
     tma_ring,
 )
 from djax.models import fp8
@@ -157,8 +155,8 @@ class Kernels:
     (`residual_norm_mosaic.add_rms_norm`). norm_into_mlp: where the norm before the
     feed-forward (a dense MLP) runs inside the products around it, `fused` (the add in the
     output product's epilogue), `tiled` (in a kernel after it) or `no`. moe: the routed
-    experts, `dense`, `grouped`, `pallas` or `mosaic` (`resolve` says `none` for a model
-    without experts).
+    experts, `dense`, `grouped` or `mosaic` (`expert_tiles_mosaic`; `resolve` says `none`
+    for a model without experts).
     fp8: how XLA's products take fp8 weights, `dequant` or `scaled` (`djax.models.fp8`),
     `no` for weights in the model's dtype; the parts above that say `fp8_mosaic`, and
     `moe="mosaic"`, take them in Mosaic GPU instead."""
@@ -358,12 +356,10 @@ class _Rule:
         # A model without experts ignores `moe_impl`: it is checked only where it applies.
         moe = ("moe_impl",) if widths.config.is_moe else ()
         if self.fp8:
-            kernels = {"matmul_impl": "mosaic", "mlp_impl": "mosaic"}
-            kernels.update({name: "pallas" for name in moe})  # the Triton expert tiles
-            for name, kernel in kernels.items():
-                if getattr(options, name) == kernel:
+            for name in ("matmul_impl", "mlp_impl"):
+                if getattr(options, name) == "mosaic":
                     raise ValueError(
-                        f"{name}={kernel!r} takes 16-bit weights; with weights='fp8' the "
+                        f"{name}='mosaic' takes 16-bit weights; with weights='fp8' the "
                         "products run in XLA: give 'auto' or 'xla'"
                     )
         if self.fp8 and options.fp8_impl == "mosaic":
@@ -552,23 +548,13 @@ class _Rule:
 
     def _moe(self, tokens: int) -> str:
         cfg, w = self.widths.config, self.widths
-        fits = tiles.matmul_fits(cfg.d_model, w.expert_hidden)
         impl = self.options.moe_impl
-        mosaic_fits = tma_ring.fits(cfg.d_model, w.expert_hidden)
-        if impl == "mosaic":
-            if not mosaic_fits:
-                raise ValueError(
-                    f"moe_impl='mosaic' takes widths that are multiples of 64; got model "
-                    f"{cfg.d_model}, local expert ffn {w.expert_hidden}"
-                )
-            return "mosaic"
-        if impl == "pallas" and not fits:
+        fits = tma_ring.fits(cfg.d_model, w.expert_hidden)
+        if impl == "mosaic" and not fits:
             raise ValueError(
-                f"moe_impl='pallas' takes model and local expert widths that are multiples "
-                f"of 16; got model {cfg.d_model}, local expert ffn {w.expert_hidden}"
+                f"moe_impl='mosaic' takes widths that are multiples of 64; got model "
+                f"{cfg.d_model}, local expert ffn {w.expert_hidden}"
             )
-        if impl == "pallas" or (impl == "auto" and self.products_run and fits):
-            return "pallas"
-        if impl == "auto" and self.fp8 and self.kernels_run and mosaic_fits:
-            return "mosaic"  # the one expert kernel that reads fp8 weights
+        if impl == "mosaic" or (impl == "auto" and self.kernels_run and fits):
+            return "mosaic"
         return "grouped" if tokens <= GROUPED_EXPERTS_MAX_TOKENS else "dense"

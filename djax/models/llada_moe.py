@@ -5,12 +5,11 @@ Routing follows the LLaDA-MoE reference: router logits in fp32, softmax over all
 optional per-expert bias added to the probabilities, top-k of the (biased) probabilities
 as the weights, renormalised only when `norm_topk_prob`, cast to the activation dtype.
 Experts are stored stacked: `gate_up` [experts, model, 2, ffn], `down` [experts, ffn, model]
-(`Fp8Weight`s under `weights="fp8"`: `djax.models.fp8`). Four expert paths compute the same
+(`Fp8Weight`s under `weights="fp8"`: `djax.models.fp8`). Three expert paths compute the same
 function (`Kernels.moe`): `grouped` sorts the token-expert pairs by expert and runs
-`jax.lax.ragged_dot`; `pallas` runs the same sorted pairs through djax's expert-tile kernels
-(`djax.kernels.expert_tiles`), `mosaic` through their Mosaic GPU port, which also takes fp8
-weights (`djax.kernels.expert_tiles_mosaic`); `dense` runs every local expert on every
-token and weights the outputs (zero weight where not routed).
+`jax.lax.ragged_dot`; `mosaic` runs the same sorted pairs through djax's expert-tile
+kernels (`djax.kernels.expert_tiles_mosaic`, 16-bit or fp8 weights); `dense` runs every
+local expert on every token and weights the outputs (zero weight where not routed).
 
 HF layout: `model.embed_tokens`, `model.layers.{i}.self_attn.{q,k,v,o}_proj`,
 `...self_attn.{q,k}_norm`, `...{input,post_attention}_layernorm`, `...mlp.gate`,
@@ -30,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.config import ModelConfig
-from djax.kernels import expert_tiles, expert_tiles_mosaic
+from djax.kernels import expert_tiles_mosaic
 from djax.kernels.handoff import finish
 from djax.models import fp8
 from djax.models.kernel_choice import XLA_KERNELS, Kernels
@@ -257,7 +256,6 @@ class MoEBlock(nn.Module):
         run = {
             "dense": functools.partial(experts_dense, fp8_impl=kernels.fp8),
             "grouped": functools.partial(experts_grouped, mlp=ragged),
-            "pallas": functools.partial(experts_grouped, mlp=expert_tiles.expert_mlp),
             "mosaic": functools.partial(experts_grouped, mlp=mosaic_mlp),
         }[kernels.moe]
         with jax.named_scope(f"experts_{kernels.moe}"):

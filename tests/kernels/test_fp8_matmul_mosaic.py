@@ -114,15 +114,15 @@ def test_swiglu_matches_float64_activation():
 def test_tiles_for_llada_8b():
     tiles = [fp8_matmul_mosaic.tiles_for(32, k, n) for k, n in LLADA_8B]
     assert tiles == [
-        Tiles(block_n=128, block_k=128, splits=1, stages=6),
+        Tiles(block_n=128, block_k=128, splits=1, stages=4),
         Tiles(block_n=64, block_k=256, splits=2, stages=4),
         Tiles(block_n=64, block_k=256, splits=2, stages=4),
-        Tiles(block_n=128, block_k=128, splits=1, stages=6),
+        Tiles(block_n=128, block_k=128, splits=1, stages=4),
     ]
     for (k, n), t in zip(LLADA_8B, tiles, strict=True):
         fp8_matmul_mosaic.check_tiles(t, k, n)
     gate_up = fp8_matmul_mosaic.swiglu_tiles_for(32, 4096, 12288)
-    assert gate_up == Tiles(block_n=128, block_k=128, splits=1, stages=4)
+    assert gate_up == Tiles(block_n=128, block_k=128, splits=1, stages=3)
     fp8_matmul_mosaic.check_tiles(gate_up, 4096, 12288, gated=True, out_bytes=2)
 
 
