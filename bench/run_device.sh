@@ -69,7 +69,8 @@ case "$stage" in
       workers=(-n 8)
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
     fi
-    python3 -m pytest -q -rs -p no:cacheprovider "${workers[@]}" tests/kernels \
+    # -v names every test as it ends, so a run cut short still says which failed.
+    python3 -m pytest -v -rs -p no:cacheprovider "${workers[@]}" tests/kernels \
       tests/test_kernel_choice.py tests/test_fp8.py tests/test_fp8_mosaic.py \
       tests/test_llada.py tests/test_llada_moe.py "$@" 2>&1 | tee "$log" ;;
   train)

@@ -1,0 +1,61 @@
+"""Probe: where does a LLaDA-MoE layer's expert time go, per kernel, for each expert path?
+
+Question. With spread routing the Mosaic GPU expert tiles gave 637.9 tokens/s against the
+Triton tiles' 890.9 (28b4ae3), though the kernels were near each other in the micro-bench.
+Is the gap in the kernels or around them?
+
+Answer (H100, 28b4ae3 and 5272924; figures in bench/NOTES.md, "Off Pallas Triton"). The
+kernels were level (280.6 against 271.6 µs at 32 tokens); XLA's work around the Mosaic ones
+was not: 55 µs at 32 tokens, 190 at 384, most of it one fusion that recomputed the aligned
+layout's compare-and-sum for every gathered value. With the layout materialised once
+(`expert_tiles_mosaic.aligned_layout`), 298.6 µs in all at 32 tokens and 338.1 at 384,
+against the Triton path's 289.5 and 328.3 (the Triton kernels are deleted since; the probe
+now prints the Mosaic path and XLA's grouped path).
+
+Prints, per token count, each path's device µs per call summed over its kernels and its
+largest kernels (`kernel_us`: a profiler trace of 20 calls), LLaDA-MoE's expert shapes,
+spread routing, bf16.
+
+    python -m bench.probes.expert_glue [--tokens 32 384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import model_config, spread_routing
+from bench.kernels.timing import kernel_us
+from djax.models.llada_moe import experts_grouped, mosaic_mlp, route
+
+PATHS = {"mosaic": functools.partial(experts_grouped, mlp=mosaic_mlp), "xla": experts_grouped}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[32, 384])
+    parser.add_argument("--top", type=int, default=8, help="kernels listed per path")
+    args = parser.parse_args()
+    cfg = model_config("moe", False)
+    e, m, f, k = cfg.n_experts, cfg.d_model, cfg.expert_hidden, cfg.experts_per_token
+    keys = jax.random.split(jax.random.key(0), 4)
+    gate_up = (jax.random.normal(keys[0], (e, m, 2, f)) / np.sqrt(m)).astype(jnp.bfloat16)
+    down = (jax.random.normal(keys[1], (e, f, m)) / np.sqrt(f)).astype(jnp.bfloat16)
+    router = jax.random.normal(keys[2], (m, e), jnp.bfloat16)
+    routing = jax.jit(spread_routing(route), static_argnums=(3, 4))
+    for n in args.tokens:
+        x = jax.random.normal(keys[3], (n, m), jnp.bfloat16)
+        weights, experts = routing(x, router, None, k, False)
+        for name, path in PATHS.items():
+            us = kernel_us(jax.jit(path), (x, weights, experts, gate_up, down, 0), 20)
+            print(f"{n} tokens, {name}: {sum(us.values()):.1f} us", flush=True)
+            for kernel, t in sorted(us.items(), key=lambda kv: -kv[1])[: args.top]:
+                print(f"  {t:8.1f}  {kernel[:90]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
