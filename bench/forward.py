@@ -184,7 +184,7 @@ def main() -> None:
     parser.add_argument("--kv-len", type=int, default=1280)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--attention-impls", nargs="+", default=["xla", "cudnn"])
-    parser.add_argument("--moe-impls", nargs="+", default=["xla", "pallas"])
+    parser.add_argument("--moe-impls", nargs="+", default=["xla", "mosaic"])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = parser.parse_args()
     dtype = jnp.bfloat16
@@ -201,7 +201,7 @@ def main() -> None:
             else [{"attention_impl": i} for i in args.attention_impls]
         )
         for options in variants:
-            gpu_only = "cudnn" in options.values() or "pallas" in options.values()
+            gpu_only = "cudnn" in options.values() or "mosaic" in options.values()
             if gpu_only and jax.default_backend() != "gpu":
                 continue
             module = module_for(config, dtype, options, args.seqs, args.kv_len)

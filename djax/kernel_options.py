@@ -57,9 +57,9 @@ class KernelOptions:
         "inside XLA's dot)",
         fallback="dequant",
     )
-    # `mosaic`: the norm kernel of whole rows; `fused`: the add in the next product's
-    # epilogue; `tiled`: a column-tiled add after the split-K product (the norms neither can
-    # move run as `mosaic`).
+    # `mosaic`: the norm kernel of whole rows; `fused`: the add in the attention-output
+    # product's epilogue; `tiled`: a column-tiled add after the split-K product (the norms
+    # neither can move run as `mosaic`).
     norm_impl: str = _option(
         ("auto", "xla", "mosaic", "fused", "tiled"),
         "residual add + RMSNorm: tiled into the next product on Hopper GPUs (16-bit weights, "
@@ -69,7 +69,8 @@ class KernelOptions:
         ("auto", "xla", "mosaic"),
         "q/k norm, RoPE and K/V writes: mosaic on Hopper GPUs in bf16/fp16 (fp8 weights too) "
         "for block windows (a multiple of 8 rows up to 64) where its tiles fit the heads, "
-        "the q/k/v product inside it for <= 32 token rows; else xla",
+        "the q/k/v product inside it for <= 32 token rows where the heads make >= 48 CTAs; "
+        "else xla",
     )
     moe_impl: str = _option(
         ("auto", "xla", "mosaic"),

@@ -16,8 +16,9 @@ import pytest
 
 import djax
 from djax import engine
-from djax.config import DENSE, MOE, ModelConfig
+from djax.config import DENSE, LLADA2, MOE, ModelConfig
 from djax.kernel_options import KERNEL_OPTIONS, KernelOptions
+from djax.kernels import flash_attention_mosaic
 from djax.models import kernel_choice
 from djax.models.kernel_choice import Device, Kernels, Shapes, describe, resolve
 
@@ -156,6 +157,25 @@ def test_auto_rows_and_shapes():
         "mosaic",
         "no",
     )
+
+
+def test_kernels_only_where_their_shapes_fit():
+    """Attention heads whose smallest program overflows shared memory take XLA; block
+    diffusion's whole-sequence choice (run on windows of a block, two, the prompt) keeps
+    XLA's RoPE even where its sequence would fit the kernel; a model without a dense MLP
+    names none."""
+    assert flash_attention_mosaic.fits(320) and not flash_attention_mosaic.fits(384)
+    for head_dim in (64, 128, 256, 320):  # every tiling `tiles_for` gives fits
+        for t, s, heads in ((384, 384, 32), (32, 1280, 32)):
+            tiles = flash_attention_mosaic.tiles_for(t, s, heads, head_dim)
+            assert tiles.shared_bytes(head_dim, 2, tiles.splits > 1) <= 224 * 1024
+    wide = LLADA_8B.replace(head_dim=384, n_heads=8, n_kv_heads=8)
+    assert _choice(config=wide).block.layers.attention == "xla"
+    short = Shapes(batch=1, window=8, seq=48, kept=8)
+    block_diffusion = LLADA_8B.replace(family=LLADA2)
+    assert _choice(config=block_diffusion, shapes=short).refresh.layers.rope == "xla"
+    assert _choice(config=LLADA_8B, shapes=short).refresh.layers.rope == "mosaic"
+    assert _choice(config=LLADA_MOE).block.layers.mlp == "xla"  # experts in every layer
 
 
 def test_moe_choice():
@@ -331,8 +351,8 @@ def test_norm_options():
 
 
 def test_auto_mosaic_experts():
-    """`auto` takes the Mosaic GPU expert tiles for fp8 experts only where their widths are
-    multiples of 64 (XLA's grouped path otherwise)."""
+    """`auto` takes the Mosaic GPU expert tiles, fp8 experts as 16-bit ones, only where
+    their widths are multiples of 64 (XLA's grouped path otherwise)."""
     narrow = _choice(config=LLADA_MOE.replace(expert_hidden=48), weights="fp8").block.layers
     assert narrow.moe == "grouped"
 

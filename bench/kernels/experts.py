@@ -197,9 +197,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="the Hopper kernel at SWEEP tiles")
     parser.add_argument("--permutation", action="store_true", help="only the sort by expert")
-    parser.add_argument(
-        "--mosaic", action="store_true", help="Mosaic GPU vs Triton vs XLA, bf16 and fp8"
-    )
+    parser.add_argument("--mosaic", action="store_true", help="Mosaic GPU vs XLA, bf16 and fp8")
     parser.add_argument("--routing", choices=ROUTINGS, default="model")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()

@@ -311,7 +311,7 @@ def _aligned_product(
         tile = tiles.block_k * tiles.block_n
         converted, fp8_slots = weights * tile * x.dtype.itemsize, tiles.stages * weights * tile
         extra = converted + weights * tiles.block_n * SCALE_BYTES - fp8_slots
-    tiles.check(k, n, weights=weights, out_bytes=x.dtype.itemsize, extra=extra)
+    tiles.check(k, n, weights=weights, out_bytes=x.dtype.itemsize, extra=extra, row_tiled=True)
     n_tiles = max_tiles(rows, groups, tiles.rows)
     # one operand: the tile's group, first row and rows at tile, n_tiles + tile, 2 n_tiles + tile
     table = jnp.concatenate(row_tiles(aligned_sizes, tiles.rows, n_tiles))

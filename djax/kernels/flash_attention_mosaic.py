@@ -94,29 +94,34 @@ def _aligned_bytes(*sizes: int) -> int:
 
 
 def tiles_for(t: int, s: int, batch_heads: int, head_dim: int = 128, itemsize: int = 2) -> Tiles:
-    """The tiling for `t` queries against `s` keys, with `batch_heads` (batch x query heads
-    on this device) CTAs per query tile, of head dim `head_dim` and `itemsize`-byte values.
+    """The tiling for `t` queries against `s` keys, with `batch_heads` (batch x query heads on
+    this device) CTAs per query tile, of head dim `head_dim` and `itemsize`-byte values.
     Windows with at least `MIN_CTAS` query tiles x heads (refreshes, large batches): one
-    slice, 64-key steps, 2 stages (two CTAs fit on an SM). Fewer (blocks): one warpgroup
-    per CTA, 128-key steps through 2 stages, the keys cut across CTAs into slices of at most
-    `KEYS_PER_CTA` keys (merged by log-sum-exp after the kernel); 64-key steps, then one
-    stage, where the ring would not fit in shared memory. Several warpgroups per CTA
-    (`Tiles.warpgroups`) are taken only when asked for."""
+    slice, 64-key steps, 2 stages (two CTAs fit on an SM), one where two do not fit.
+    Fewer (blocks): one warpgroup per CTA, 128-key steps through 2 stages, the keys cut
+    across CTAs into slices of at most `KEYS_PER_CTA` keys (merged by log-sum-exp after
+    the kernel); 64-key steps, then one stage, where the ring would not fit in shared
+    memory. Several warpgroups per CTA (`Tiles.warpgroups`) are taken only when asked
+    for."""
     ctas = batch_heads * pl.cdiv(t, ROW_TILE)
     if ctas >= MIN_CTAS:
-        return Tiles(block_k=TILE, splits=1, stages=2)
-    splits = pl.cdiv(s, KEYS_PER_CTA)
-    for block_k, stages in ((2 * TILE, 2), (TILE, 2)):
+        splits, rings = 1, ((TILE, 2), (TILE, 1))
+    else:
+        splits, rings = pl.cdiv(s, KEYS_PER_CTA), ((2 * TILE, 2), (TILE, 2), (TILE, 1))
+    for block_k, stages in rings:
         tiles = Tiles(block_k=block_k, splits=splits, stages=stages)
         if tiles.shared_bytes(head_dim, itemsize, splits > 1) <= SHARED_MEMORY:
             return tiles
-    return Tiles(block_k=TILE, splits=splits, stages=1)
+    return tiles  # the smallest ring: `fits` refuses the head dims it does not fit
 
 
-def fits(head_dim: int) -> bool:
+def fits(head_dim: int, itemsize: int = 2) -> bool:
     """Whether the kernel takes this head dim: a multiple of 64, so the query, key and value
-    tiles are whole swizzled rows."""
-    return head_dim % TILE == 0
+    tiles are whole swizzled rows, whose smallest program (64-key steps, one stage, an fp32
+    output tile) fits in shared memory."""
+    smallest = Tiles(block_k=TILE, splits=2, stages=1)
+    fitting = smallest.shared_bytes(head_dim, itemsize, True) <= SHARED_MEMORY
+    return head_dim % TILE == 0 and fitting
 
 
 def _laid_out(value: Array, interpreting: bool) -> Array:

@@ -68,22 +68,32 @@ class Tiles:
         return 2 * NARROW if self.block_n == NARROW else SWIZZLE
 
     def check(
-        self, k: int, n: int, weights: int, out_bytes: int, extra: int = 0, itemsize: int = 2
+        self,
+        k: int,
+        n: int,
+        weights: int,
+        out_bytes: int,
+        extra: int = 0,
+        itemsize: int = 2,
+        row_tiled: bool = False,
     ) -> None:
         """Raise a ValueError naming these tiles unless they divide a `k -> n` product and
         the ring of x and `weights` weight tiles per slot (of `itemsize` bytes a value), with
         an output tile of `out_bytes` per value and `extra` bytes of other scratch, fits in
         `SHARED_MEMORY`. `block_k` must fill whole swizzled rows: a multiple of
-        `SWIZZLE // itemsize` values (64 16-bit, 128 8-bit)."""
+        `SWIZZLE // itemsize` values (64 16-bit, 128 8-bit). `rows` is 64 but for kernels
+        whose row tiles take fewer (`row_tiled`: a multiple of 8 up to 64)."""
         bn, bk, splits = self.block_n, self.block_k, self.splits
         k_tile = SWIZZLE // itemsize
         whole = (bn % TILE == 0 or bn == NARROW) and bk % k_tile == 0
-        rows = 0 < self.rows <= ROW_TILE and self.rows % ROW_ALIGN == 0
+        rows = self.rows == ROW_TILE or (
+            row_tiled and 0 < self.rows <= ROW_TILE and self.rows % ROW_ALIGN == 0
+        )
         if not whole or not rows or splits < 1 or self.stages < 1 or n % bn or k % (splits * bk):
             raise ValueError(
                 f"{self}: block_n must be {NARROW} or a multiple of {TILE} dividing n = {n}, "
                 f"block_k a multiple of {k_tile}, splits x block_k dividing k = {k} and rows "
-                f"a multiple of {ROW_ALIGN} up to {ROW_TILE}"
+                f"{ROW_TILE} (a multiple of {ROW_ALIGN} up to {ROW_TILE} in row-tiled kernels)"
             )
         used = self.shared_bytes(weights, out_bytes, itemsize) + extra
         if used > SHARED_MEMORY:

@@ -19,8 +19,9 @@ WGMMA). Rules of `auto`:
   `rope_write_mosaic.project_rope_and_write`) where both would run and the heads make at
   least `MIN_FUSED_PROGRAMS` CTAs per row tile; elsewhere the RoPE kernel finishes the
   product made apart (`rope_write_mosaic.rope_and_write`, fp8 products included). It takes
-  block windows (`rope_write_mosaic.fits`: a multiple of 8 rows up to 64); refreshes run
-  XLA's RoPE.
+  windows of a multiple of 8 positions up to 64 (`rope_write_mosaic.fits`: block windows,
+  and whole sequences that short, but for block diffusion, whose whole-sequence choice
+  runs on windows of other lengths); longer windows run XLA's RoPE.
 - The norm after attention moves into the products around it (`AUTO_NORM`: `tiled`, the
   split-K product and then a column-tiled add, `residual_norm_mosaic.add_scaled`, whose
   norm the SwiGLU kernel applies; `fused`, the add in the output product's epilogue,
@@ -388,12 +389,16 @@ class _Rule:
         """The choice for `rows` token rows of windows of `positions` positions."""
         o, w, cfg = self.options, self.widths, self.widths.config
         few = rows <= KERNEL_MAX_ROWS
-        rope = self._rope(positions)
+        # Block diffusion runs its whole-sequence choice on windows of other lengths (a
+        # block, two, the prompt), which the RoPE kernel may not take: XLA's RoPE there.
+        rope = "xla" if refresh and cfg.block_diffusion else self._rope(positions)
         qkv = self._product(w.qkv, few)
         out = self._product(w.out, few)
         fp8_mosaic = self.fp8 and o.fp8_impl == "mosaic" and few and not refresh
         if fp8_mosaic:
             mlp = "fp8_mosaic"
+        elif not w.mlp_hidden:  # no dense MLP (every layer's feed-forward is experts)
+            mlp = "xla"
         else:
             mlp = self._mosaic_or_xla(
                 "mlp_impl",

@@ -1,4 +1,4 @@
-"""The Mosaic GPU port of the expert-tile kernels (`expert_tiles_mosaic`), run by Mosaic GPU's
+"""The expert-tile kernels (`expert_tiles_mosaic`, Pallas Mosaic GPU), run by Mosaic GPU's
 interpreter on the CPU: the aligned row layout they take, both products with bf16 and fp8
 weights against a numpy per-group reference, the MoE layer taking them (`moe_impl="mosaic"`),
 their errors, and their lowering for a Hopper GPU at LLaDA-MoE's shapes; on a GPU also the
@@ -83,9 +83,9 @@ def _reference(x, w, sizes, scale=None):
 )
 def test_grouped_matmul_matches_numpy(gated, weights, tiles):
     """Every row inside the groups is written with its own group's product: an empty group,
-    one of more rows than a tile (70: two tiles, from row 8 of the aligned layout), a last
-    group of one row, and rows past the groups (84 in all); fp8 weights with their column
-    scales."""
+    one of more rows than a tile (70 rows from row 8 of the aligned layout: 3 tiles of 32,
+    5 of 16), a last group of one row, and rows past the groups (84 in all); fp8 weights
+    with their column scales."""
     sizes = [3, 0, 70, 1]
     k, n = 128, 128
     keys = jax.random.split(jax.random.key(0), 2)
@@ -115,8 +115,11 @@ def test_row_tiles_follow_the_mean_expert():
     assert expert_tiles_mosaic.row_tile_for(aligned(128 * 8, 64), 64) == 32
     assert expert_tiles_mosaic.tiles_for(aligned(32 * 8, 64), 64, 2048, 1024).rows == 16
     for rows in (0, 12, 128):
-        with pytest.raises(ValueError, match="rows a multiple of 8 up to 64"):
-            Tiles(rows=rows).check(128, 128, weights=1, out_bytes=2)
+        with pytest.raises(ValueError, match="rows 64 .a multiple of 8 up to 64"):
+            Tiles(rows=rows).check(128, 128, weights=1, out_bytes=2, row_tiled=True)
+    Tiles(rows=16).check(128, 128, weights=1, out_bytes=2, row_tiled=True)
+    with pytest.raises(ValueError, match="rows 64"):  # kernels of whole 64-row tiles
+        Tiles(rows=16).check(128, 128, weights=1, out_bytes=2)
 
 
 def _table_by_loop(sizes, block_m):
