@@ -56,8 +56,8 @@ def test_aligned_layout_starts_groups_at_multiples_of_8(sizes, pairs):
 def _reference(x, w, sizes, scale=None):
     """Each group's rows times its weights (times the columns' scales) in float64; gated
     weights [g, k, 2, n] give silu(gate) * up. Returns (out, rows used)."""
-    x = np.asarray(x.astype(jnp.float32), np.float64)
-    w = np.asarray(w.astype(jnp.float32), np.float64)
+    x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    w = np.asarray(jnp.asarray(w).astype(jnp.float32), np.float64)
     if scale is not None:
         w = w * np.asarray(scale, np.float64)[:, None]
     out, first = np.zeros((x.shape[0], w.shape[-1])), 0
@@ -102,6 +102,38 @@ def test_grouped_matmul_matches_numpy(gated, weights, tiles):
     ref, used = _reference(x, w, sizes, scale)
     ours = np.asarray(ours[:used].astype(jnp.float32), np.float64)
     # the fp32 product rounded once to bf16
+    np.testing.assert_allclose(ours, ref[:used], rtol=1e-2, atol=1e-2)
+    assert np.linalg.norm(ours - ref[:used]) / np.linalg.norm(ref[:used]) < 5e-3
+
+
+@pytest.mark.parametrize(
+    "gated, tiles",
+    [
+        (True, None),  # row tiles of 32 (`row_tile_for`): 70 rows make 3
+        (False, Tiles(block_n=64, block_k=128, stages=2, rows=64)),  # 70 rows: 2 tiles
+    ],
+)
+def test_fp8_grouped_matmul_matches_numpy(gated, tiles):
+    """The fp8 x fp8 products (`grouped_matmul_fp8`, K-major e4m3 weights, e4m3 rows) against
+    float64 products of the same quantised operands times their row and column scales: an
+    empty group, one of more rows than a tile, a last group of one row and rows past the
+    groups; two contraction steps of 128."""
+    sizes = [3, 0, 70, 1]
+    k, n = 256, 128
+    keys = jax.random.split(jax.random.key(2), 2)
+    x = jax.random.normal(keys[0], (sum(sizes) + 5, k), BF16)
+    shape = (len(sizes), 2, n, k) if gated else (len(sizes), n, k)
+    xq, x_scale = fp8.quantize(x, (1,))
+    w_t, w_scale = fp8.quantize(jax.random.normal(keys[1], shape) * k**-0.5, (len(shape) - 1,))
+    ours = expert_tiles_mosaic.grouped_matmul_fp8(
+        xq, x_scale, w_t, w_scale, jnp.array(sizes, jnp.int32), tiles=tiles
+    )
+    assert ours.shape == (x.shape[0], n) and ours.dtype == BF16
+    rows = np.asarray(xq.astype(jnp.float32), np.float64) * np.asarray(x_scale, np.float64)[:, None]
+    w = np.asarray(w_t.astype(jnp.float32), np.float64) * np.asarray(w_scale, np.float64)[..., None]
+    w = np.moveaxis(w, -1, 1)  # [groups, k, (2,) n]
+    ref, used = _reference(rows, w, sizes)
+    ours = np.asarray(ours[:used].astype(jnp.float32), np.float64)
     np.testing.assert_allclose(ours, ref[:used], rtol=1e-2, atol=1e-2)
     assert np.linalg.norm(ours - ref[:used]) / np.linalg.norm(ref[:used]) < 5e-3
 
@@ -235,12 +267,13 @@ def test_shape_dtype_and_tile_errors():
         )
 
 
-@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "fp8_k_major"])
 def test_lowers_for_hopper(weights):
     """Both products at LLaDA-MoE's expert shapes (64 experts, model 2048, ffn 1024, top-8)
     lower to Mosaic GPU's custom call for CUDA, at a block's (32) and a refresh's (384)
-    tokens."""
-    w_dtype = FP8 if weights == "fp8" else BF16
+    tokens: bf16 weights, fp8 weights converted in the kernel, and K-major fp8 weights by
+    fp8 x fp8 WGMMA (`expert_mlp_fp8`)."""
+    w_dtype = BF16 if weights == "bf16" else FP8
     experts, model, ffn = 64, 2048, 1024
 
     def mlp(x, source_rows, gate_up, down, sizes, *scales):
@@ -248,18 +281,25 @@ def test_lowers_for_hopper(weights):
             x, source_rows, gate_up, down, sizes, *scales, interpret=False
         )
 
+    def mlp_fp8(x, source_rows, gate_up_t, down_t, sizes, gate_up_scale, down_scale):
+        return expert_tiles_mosaic.expert_mlp_fp8(
+            x, source_rows, gate_up_t, gate_up_scale, down_t, down_scale, sizes, interpret=False
+        )
+
+    k_major = weights == "fp8_k_major"
     for tokens in (32, 384):
         shapes = [
             ((tokens, model), BF16),
             ((tokens * 8,), jnp.int32),
-            ((experts, model, 2, ffn), w_dtype),
-            ((experts, ffn, model), w_dtype),
+            ((experts, 2, ffn, model) if k_major else (experts, model, 2, ffn), w_dtype),
+            ((experts, model, ffn) if k_major else (experts, ffn, model), w_dtype),
             ((experts,), jnp.int32),
         ]
-        if weights == "fp8":
+        if weights != "bf16":
             shapes += [((experts, 2, ffn), jnp.float32), ((experts, model), jnp.float32)]
         args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
-        lowered = jax.jit(mlp).trace(*args).lower(lowering_platforms=("cuda",))
+        traced = jax.jit(mlp_fp8 if k_major else mlp).trace(*args)
+        lowered = traced.lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("mosaic_gpu") >= 2
 
 
