@@ -1,6 +1,7 @@
 """The routed experts' two products over token-expert pairs sorted by expert, as Pallas
 Mosaic GPU kernels (Hopper: TMA copies, WGMMA) whose row tiles each belong to one expert
-(`moe_impl="mosaic"`), taking weights of the rows' dtype or fp8 weights.
+(`moe_impl="mosaic"`), taking weights of the rows' dtype or fp8 weights (converted in the
+kernel, or K-major by fp8 x fp8 WGMMA under `fp8_impl="mosaic"`).
 
 A grouped matmul over fixed tiles of sorted rows computes a tile that straddles two
 experts once per expert, and runs every tile slot's whole contraction, used or not. Here
@@ -38,9 +39,17 @@ weight tiles through the ring of `tma_ring`; rules beyond the ring's:
   that WGMMA reads (`tma_ring.stream`'s `converted`); the accumulator is multiplied by its
   columns' scales in fp32 before the activation and the store. This is the `dequant`
   product of `djax.models.fp8` (values converted exactly, product in fp32, scaled per
-  channel), with the product kept in fp32 until the scale. (An fp8 x fp8 WGMMA would need
-  the weight tiles K-major: Mosaic GPU's WGMMA transposes 16-bit operands only, and the
-  weights are stored [experts, k, n], n fastest.)
+  channel), with the product kept in fp32 until the scale.
+- fp8 x fp8 (`grouped_matmul_fp8`, `expert_mlp_fp8`; `moe="fp8_mosaic"`): Hopper's WGMMA
+  takes 8-bit operands only K-major, so the weights come K-major ([experts, 2, ffn, model]
+  and [experts, model, ffn], as a model loaded with `fp8_impl="mosaic"` holds them) and the
+  rows as e4m3 with a scale per row (`fp8_matmul_mosaic.quantize_rows`: the token rows
+  before the gather, the activation between the products). Both e4m3 tiles go from the
+  ring's K-major form to the tensor cores as they are (`fp8_matmul_mosaic.k_major_multiply`,
+  which in the interpreter copies the weight tile transposed first), `block_k` a multiple
+  of 128 (`fp8_tiles_for`); the fp32 product is multiplied by its rows' scales (the slot's
+  64, read by TMA from the tile's first row) and its columns' before the activation and
+  the store (`fp8_matmul_mosaic.scale_products`). Rows, tile table and stores as above.
 
 `expert_mlp` runs both products: the gate/up product with `silu(gate) * up` fused (gate and
 up weight tiles side by side in two accumulators), then the down product, both in the

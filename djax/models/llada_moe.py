@@ -165,7 +165,13 @@ def mosaic_mlp(
 ) -> Array:
     """`ragged_mlp`'s contract through the Mosaic GPU expert-tile kernels
     (`expert_tiles_mosaic.expert_mlp`, at its (gate/up, down) `tiles`, default `tiles_for`),
-    `Fp8Weight`s given to them as values and scales."""
+    `Fp8Weight`s given to them as values and scales (in their own layout: K-major ones,
+    as `fp8_impl="mosaic"` holds them, run in `fp8_mosaic_mlp`; a ValueError here)."""
+    if any(isinstance(w, fp8.Fp8Weight) and w.k_major for w in (gate_up, down)):
+        raise ValueError(
+            "moe='mosaic' takes fp8 expert weights in their own layout; got K-major ones (a "
+            "model loaded with fp8_impl='mosaic' runs its experts in moe='fp8_mosaic')"
+        )
     if isinstance(gate_up, fp8.Fp8Weight) and isinstance(down, fp8.Fp8Weight):
         return expert_tiles_mosaic.expert_mlp(
             x,

@@ -276,6 +276,8 @@ def test_moe_layer_takes_the_fp8_products():
     np.testing.assert_allclose(np.asarray(dense, np.float32), ref, rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="moe='fp8_mosaic' takes K-major .* in its own layout"):
         stored.apply({"params": params}, x, Kernels(moe="fp8_mosaic", fp8="scaled"))
+    with pytest.raises(ValueError, match="moe='mosaic' takes fp8 expert weights in their own"):
+        block.apply({"params": k_major}, x, Kernels(moe="mosaic", fp8="scaled"))
 
 
 def test_shape_dtype_and_tile_errors():
