@@ -49,7 +49,8 @@ class KernelOptions:
         "rows with 16-bit weights and widths that are multiples of 64, else xla",
     )
     # `mosaic`: block forwards' dense products in the fp8 x fp8 Pallas Mosaic GPU (Hopper)
-    # kernel, XLA's products elsewhere `scaled`; taken only when asked for.
+    # kernel, XLA's products elsewhere `scaled`, a MoE model's experts by fp8 x fp8 WGMMA in
+    # their tiles; taken only when asked for.
     fp8_impl: str = _option(
         ("auto", "dequant", "scaled", "mosaic"),
         "products of fp8 weights (weights='fp8'): scaled (fp8 x fp8, rows quantised per row) "

@@ -43,8 +43,9 @@ class Model:
     are the kernel options (`KernelOptions`), resolved for each program it runs
     (`kernel_choice`); `weights` is the params' weight format (`djax.models.fp8.WEIGHTS`:
     `dtype`, every weight in `dtype`, or `fp8`, the projections and experts as e4m3 values
-    `<name>` beside fp32 scales `<name>_scale`; under `fp8_impl="mosaic"` the dense
-    products' values K-major, `fp8.k_major`, which `load` and `with_options` keep).
+    `<name>` beside fp32 scales `<name>_scale`; under `fp8_impl="mosaic"` the values
+    K-major, the dense products' and experts', `fp8.k_major`, which `load` and
+    `with_options` keep).
     """
 
     config: ModelConfig
@@ -59,7 +60,7 @@ class Model:
     def with_options(self, **options: Any) -> Model:
         """This model with kernel `options` replaced (checked as `load` checks them); where
         `fp8_impl` changes the fp8 values' layout (`fp8.k_major`), with its params moved to
-        the new one (a copy of the dense products' values)."""
+        the new one (a copy of the fp8 values)."""
         new = self.options.replace(**options)
         held = fp8.k_major(self.weights, self.options.fp8_impl)
         wanted = fp8.k_major(self.weights, new.fp8_impl)
@@ -144,8 +145,8 @@ def load(
     "split_kv"`, `mlp_impl`, `matmul_impl` and `rope_impl`, each `"auto"|"xla"|"mosaic"`,
     `moe_impl="auto"|"xla"|"mosaic"`,
     `norm_impl="auto"|"xla"|"mosaic"|"fused"|"tiled"`,
-    `fp8_impl="auto"|"dequant"|"scaled"|"mosaic"`; its `mosaic` holds the dense products'
-    fp8 values K-major, `djax.models.fp8`). An unknown option name
+    `fp8_impl="auto"|"dequant"|"scaled"|"mosaic"`; its `mosaic` holds the fp8 values
+    K-major, `djax.models.fp8`). An unknown option name
     raises a TypeError naming the closest valid one, and a value outside its choices a
     ValueError naming them, before anything is read.
     """

@@ -11,9 +11,12 @@ hit, read once, at the measured read bandwidth, or the routed FLOPs at the matmu
 `--sweep` replaces the first three paths by the Hopper kernel at a wider set of tiles
 (`SWEEP`).
 `--mosaic` compares the expert-tile kernels (`expert_tiles_mosaic`, at `MOSAIC_TILES`) with
-bf16 and with fp8 weights (`djax.models.fp8`, quantised from the bf16 ones) against XLA's
-paths in both weight forms (the engine's: `grouped` and `dense`, fp8 as `scaled` and
-`dequant`); the floor of an fp8 path counts the e4m3 values' bytes.
+bf16 and with fp8 weights (`djax.models.fp8`, quantised from the bf16 ones; `fp8
+converted`: e4m3 tiles converted to bf16 in the kernel, `moe="mosaic"`) and the fp8 x fp8
+products on the same weights held K-major (`fp8 x fp8 k-major`, at `FP8_MOSAIC_TILES`:
+`moe="fp8_mosaic"`, `fp8_impl="mosaic"`'s) against XLA's paths in both weight forms (the
+engine's: `grouped` and `dense`, fp8 as `scaled` and `dequant`); the floor of an fp8 path
+counts the e4m3 values' bytes.
 `--routing spread` routes as `bench.generate --routing spread` does (`spread_routing`: a
 block's tokens reach every expert, as a trained router spreads them).
 `--permutation` times only the sort of the token-expert pairs by expert (device µs of each
@@ -47,6 +50,7 @@ from djax.models import fp8
 from djax.models.llada_moe import (
     experts_dense,
     experts_grouped,
+    fp8_mosaic_mlp,
     mosaic_mlp,
     ragged_mlp,
     route,
@@ -82,6 +86,15 @@ MOSAIC_TILES = (
     (
         Tiles(block_n=128, block_k=128, stages=2, rows=16),
         Tiles(block_n=128, block_k=128, stages=3, rows=16),
+    ),
+)
+# The fp8 x fp8 expert products (`fp8_mosaic_mlp`): None is `fp8_tiles_for` (128-wide steps,
+# 4 stages); 256-wide steps in 2 stages halve the steps.
+FP8_MOSAIC_TILES = (
+    None,
+    (
+        Tiles(block_n=128, block_k=256, stages=2, rows=16),
+        Tiles(block_n=128, block_k=256, stages=2, rows=16),
     ),
 )
 XLA_RAGGED_OPTIONS = {
@@ -122,7 +135,8 @@ def paths(sweep: bool = False) -> list[tuple[str, object, dict]]:
 
 
 def mosaic_paths() -> list[tuple[str, object, dict, str]]:
-    """`--mosaic`'s paths as (label, run, compile options, weights: `bf16` or `fp8`)."""
+    """`--mosaic`'s paths as (label, run, compile options, weights: `bf16`, `fp8` or
+    `fp8_k_major`)."""
     out = [
         ("grouped (xla) bf16", experts_grouped, {}, "bf16"),
         ("dense (xla) bf16", experts_dense, {}, "bf16"),
@@ -140,7 +154,12 @@ def mosaic_paths() -> list[tuple[str, object, dict, str]]:
             label = "tiles_for" if tiles is None else _mosaic_label(tiles)
             mlp = functools.partial(mosaic_mlp, tiles=tiles)
             run = functools.partial(experts_grouped, mlp=mlp)
-            out.append((f"mosaic {weights} {label}", run, {}, weights))
+            form = "fp8 converted" if weights == "fp8" else weights
+            out.append((f"mosaic {form} {label}", run, {}, weights))
+    for tiles in FP8_MOSAIC_TILES:
+        label = "fp8_tiles_for" if tiles is None else _mosaic_label(tiles)
+        run = functools.partial(experts_grouped, mlp=functools.partial(fp8_mosaic_mlp, tiles=tiles))
+        out.append((f"mosaic fp8 x fp8 k-major {label}", run, {}, "fp8_k_major"))
     return out
 
 
@@ -197,7 +216,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--sweep", action="store_true", help="the Hopper kernel at SWEEP tiles")
     parser.add_argument("--permutation", action="store_true", help="only the sort by expert")
-    parser.add_argument("--mosaic", action="store_true", help="Mosaic GPU vs XLA, bf16 and fp8")
+    parser.add_argument(
+        "--mosaic",
+        action="store_true",
+        help="the Mosaic GPU expert tiles vs XLA, bf16, fp8 converted and fp8 x fp8",
+    )
     parser.add_argument("--routing", choices=ROUTINGS, default="model")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
@@ -214,8 +237,14 @@ def main() -> None:
     down = (jax.random.normal(keys[1], (e, f, m)) / np.sqrt(f)).astype(jnp.bfloat16)
     experts_by_form = {"bf16": (gate_up, down)}
     if args.mosaic:
+        params = fp8.quantize_params({"gate_up": gate_up, "down": down})
+        moved = fp8.to_layout(params, True)  # as `fp8_impl="mosaic"` holds them
         experts_by_form["fp8"] = tuple(
-            fp8.Fp8Weight(*fp8.quantize(w, (1,))) for w in (gate_up, down)
+            fp8.Fp8Weight(params[name], params[f"{name}_scale"]) for name in ("gate_up", "down")
+        )
+        experts_by_form["fp8_k_major"] = tuple(
+            fp8.Fp8Weight(moved[name], moved[f"{name}_scale"], True, leading=1)
+            for name in ("gate_up", "down")
         )
     router = jax.random.normal(keys[2], (m, e), jnp.bfloat16)
     rows = []
@@ -225,7 +254,7 @@ def main() -> None:
         hit = int(jnp.unique(experts).size)
         flops = 2 * n * k * 3 * m * f
         floors = {}
-        for form, item in (("bf16", 2), ("fp8", 1)):
+        for form, item in (("bf16", 2), ("fp8", 1), ("fp8_k_major", 1)):
             floor_bytes = hit * item * (gate_up[0].size + down[0].size)
             floors[form] = max(
                 floor_bytes / ceilings["hbm_read_bytes_per_s"],

@@ -1,6 +1,7 @@
 """The routed experts' two products over token-expert pairs sorted by expert, as Pallas
 Mosaic GPU kernels (Hopper: TMA copies, WGMMA) whose row tiles each belong to one expert
-(`moe_impl="mosaic"`), taking weights of the rows' dtype or fp8 weights.
+(`moe_impl="mosaic"`), taking weights of the rows' dtype or fp8 weights (converted in the
+kernel, or K-major by fp8 x fp8 WGMMA under `fp8_impl="mosaic"`).
 
 A grouped matmul over fixed tiles of sorted rows computes a tile that straddles two
 experts once per expert, and runs every tile slot's whole contraction, used or not. Here
@@ -38,9 +39,17 @@ weight tiles through the ring of `tma_ring`; rules beyond the ring's:
   that WGMMA reads (`tma_ring.stream`'s `converted`); the accumulator is multiplied by its
   columns' scales in fp32 before the activation and the store. This is the `dequant`
   product of `djax.models.fp8` (values converted exactly, product in fp32, scaled per
-  channel), with the product kept in fp32 until the scale. (An fp8 x fp8 WGMMA would need
-  the weight tiles K-major: Mosaic GPU's WGMMA transposes 16-bit operands only, and the
-  weights are stored [experts, k, n], n fastest.)
+  channel), with the product kept in fp32 until the scale.
+- fp8 x fp8 (`grouped_matmul_fp8`, `expert_mlp_fp8`; `moe="fp8_mosaic"`): Hopper's WGMMA
+  takes 8-bit operands only K-major, so the weights come K-major ([experts, 2, ffn, model]
+  and [experts, model, ffn], as a model loaded with `fp8_impl="mosaic"` holds them) and the
+  rows as e4m3 with a scale per row (`fp8_matmul_mosaic.quantize_rows`: the token rows
+  before the gather, the activation between the products). Both e4m3 tiles go from the
+  ring's K-major form to the tensor cores as they are (`fp8_matmul_mosaic.k_major_multiply`,
+  which in the interpreter copies the weight tile transposed first), `block_k` a multiple
+  of 128 (`fp8_tiles_for`); the fp32 product is multiplied by its rows' scales (the slot's
+  64, read by TMA from the tile's first row) and its columns' before the activation and
+  the store (`fp8_matmul_mosaic.scale_products`). Rows, tile table and stores as above.
 
 `expert_mlp` runs both products: the gate/up product with `silu(gate) * up` fused (gate and
 up weight tiles side by side in two accumulators), then the down product, both in the
@@ -49,13 +58,14 @@ aligned layout (one gather into it, one back).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.kernels import tma_ring
+from djax.kernels import fp8_matmul_mosaic, tma_ring
 from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, Tiles
 
 Array = jax.Array
@@ -70,6 +80,13 @@ def tiles_for(pairs: int, groups: int, k: int, n: int) -> Tiles:
     block_n = 128 if n % 128 == 0 else tma_ring.TILE
     rows = row_tile_for(pairs, groups)
     return Tiles(block_n=block_n, block_k=tma_ring.TILE, splits=1, stages=4, rows=rows)
+
+
+def fp8_tiles_for(pairs: int, groups: int, k: int, n: int) -> Tiles:
+    """`tiles_for`'s tiles with block_k 128 (the same bytes a step at one byte a value; a
+    multiple of 128 as 8-bit K-major slots need)."""
+    base = tiles_for(pairs, groups, k, n)
+    return dataclasses.replace(base, block_k=fp8_matmul_mosaic.K_TILE)
 
 
 def row_tile_for(rows: int, groups: int) -> int:
@@ -169,17 +186,27 @@ def _store_tile(out_smem, out_gmem, first, n_rows, cols) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel(*refs, tiles, steps, n, n_tiles, column_tiles, gated, scaled, interpreting):
+# How a kernel takes its weights: of the rows' dtype; e4m3 converted to the rows' dtype in
+# the kernel; e4m3 K-major times e4m3 rows (fp8 x fp8 WGMMA).
+DTYPE, CONVERTED, FP8_PRODUCT = "dtype", "converted", "fp8"
+
+
+def _kernel(*refs, tiles, steps, n, n_tiles, column_tiles, gated, form, interpreting):
     """One CTA: one (row tile, column tile). Refs in order: the tile table [3 n_tiles]
     int32 of the aligned layout (each tile's group, then first rows, then rows); x [rows, k]
-    (aligned rows); w [groups, k, 2n] (`gated`: gate columns, then up columns) or [groups,
-    k, n]; with `scaled` the scales [groups, 2n or n] fp32; out [rows, n]; the ring's
-    scratch, the output tile, and with `scaled` the converted weight slots, the scale
-    tiles and their barriers."""
+    (aligned rows; e4m3 under `FP8_PRODUCT`); w [groups, k, 2n] (`gated`: gate columns,
+    then up columns) or [groups, k, n], K-major under `FP8_PRODUCT` ([groups, 2n or n, k]);
+    under `FP8_PRODUCT` the rows' scales [1, rows] fp32; under `CONVERTED` and
+    `FP8_PRODUCT` the columns' scales [groups, 2n or n] fp32; out [rows, n]. Scratch: the
+    ring's, the output tile, then under `CONVERTED` the converted weight slots, under
+    `FP8_PRODUCT` the rows' scale tile [1, 64]; with scales the columns' scale tile
+    [weights, block_n] and the scales' barriers; in the interpreter under `FP8_PRODUCT` the
+    untransposed weight tile (`fp8_matmul_mosaic.k_major_multiply`)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     table_gmem, x_gmem, w_gmem, *refs = refs
-    scale_gmem = refs.pop(0) if scaled else None
+    row_scale_gmem = refs.pop(0) if form == FP8_PRODUCT else None
+    scale_gmem = refs.pop(0) if form != DTYPE else None
     out_gmem, *scratch = refs
     weights = 2 if gated else 1
     ring, (out_smem, *rest) = scratch[: 2 * weights + 2], scratch[2 * weights + 2 :]
@@ -190,48 +217,56 @@ def _kernel(*refs, tiles, steps, n, n_tiles, column_tiles, gated, scaled, interp
     start = column_tile * tiles.block_n
     cols = pl.ds(start, tiles.block_n)
     offsets = [start, n + start] if gated else [start]
+    rows = pl.ds(first, tiles.rows)
+
+    def w_tile(ks, offset):
+        if form == FP8_PRODUCT:
+            return w_gmem.at[group, pl.ds(offset, tiles.block_n), ks]
+        return w_gmem.at[group, ks, pl.ds(offset, tiles.block_n)]
 
     @pl.when(n_rows > 0)
     def _tile():
-        converted = None
-        if scaled:
-            converted, scale_smem, scale_bar = rest[:weights], rest[weights], rest[weights + 1]
+        converted = row_scale_smem = multiply = None
+        scales = rest
+        if form == CONVERTED:
+            converted, scales = rest[:weights], rest[weights:]
+        elif form == FP8_PRODUCT:
+            row_scale_smem, *scales = rest
+            multiply = fp8_matmul_mosaic.k_major_multiply(scales[2] if interpreting else None)
+        if form != DTYPE:
+            scale_smem, scale_bar = scales[0], scales[1]
             for side, offset in enumerate(offsets):
                 plgpu.copy_gmem_to_smem(
                     scale_gmem.at[pl.ds(group, 1), pl.ds(offset, tiles.block_n)],
                     scale_smem.at[pl.ds(side, 1)],
                     scale_bar.at[side],
                 )
+        if form == FP8_PRODUCT:  # the scales of the slot's 64 rows (past the end: zeros)
+            plgpu.copy_gmem_to_smem(
+                row_scale_gmem.at[:, pl.ds(first, ROW_TILE)], row_scale_smem, scale_bar.at[weights]
+            )
 
         def finish(*products):
-            if scaled:
-                for side in range(weights):
-                    plgpu.barrier_wait(scale_bar.at[side])
-                products = [
-                    product
-                    * jax.lax.broadcast_in_dim(
-                        tma_ring.accumulator_columns(scale_smem[side], interpreting),
-                        product.shape,
-                        [1],
-                    )
-                    for side, product in enumerate(products)
-                ]
+            if form != DTYPE:
+                for bar in range(weights + (form == FP8_PRODUCT)):
+                    plgpu.barrier_wait(scale_bar.at[bar])
+                products = fp8_matmul_mosaic.scale_products(
+                    products, scale_smem, row_scale_smem, interpreting
+                )
             out = _silu_times(*products) if gated else products[0]
             out_smem[...] = out.astype(out_smem.dtype)
 
         tma_ring.stream(
             x_gmem,
-            [
-                lambda ks, offset=offset: w_gmem.at[group, ks, pl.ds(offset, tiles.block_n)]
-                for offset in offsets
-            ],
+            [lambda ks, offset=offset: w_tile(ks, offset) for offset in offsets],
             ring,
             tiles,
             0,
             steps,
-            pl.ds(first, tiles.rows),
+            rows,
             finish,
             converted,
+            multiply,
         )
         _store_tile(out_smem, out_gmem, first, n_rows, cols)
 
@@ -262,6 +297,37 @@ def grouped_matmul(
         raise ValueError(f"expert_tiles_mosaic.grouped_matmul: x {x.shape}; expected [pairs, k]")
     position, source, aligned = aligned_layout(group_sizes, x.shape[0])
     return _aligned_product(x[source], w, aligned, scale, tiles, interpret)[position]
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "dtype", "interpret"))
+def grouped_matmul_fp8(
+    xq: Array,
+    x_scale: Array,
+    w_t: Array,
+    w_scale: Array,
+    group_sizes: Array,
+    tiles: Tiles | None = None,
+    dtype=jnp.bfloat16,
+    interpret: bool | None = None,
+) -> Array:
+    """`grouped_matmul`'s products by fp8 x fp8 WGMMA: each group's e4m3 rows times its
+    K-major e4m3 weights, the fp32 product times each row's and each column's scale (before
+    the activation of a gated `w_t`).
+
+    xq: [pairs, k] e4m3, rows sorted by group, x_scale [pairs] fp32 (`quantize_rows`);
+    w_t: [groups, 2, n, k] (gate and up) or [groups, n, k] e4m3 (the weights [groups, k,
+    ...] K-major), w_scale [groups, 2, n] or [groups, n] fp32; k a multiple of 128, n of
+    64; group_sizes as `grouped_matmul`'s. Returns [pairs, n] in `dtype`; rows past
+    sum(group_sizes) may hold anything. `tiles`: default `fp8_tiles_for`."""
+    if xq.ndim != 2:
+        raise ValueError(
+            f"expert_tiles_mosaic.grouped_matmul_fp8: xq {xq.shape}; expected [pairs, k]"
+        )
+    position, source, aligned = aligned_layout(group_sizes, xq.shape[0])
+    out = _aligned_fp8_product(
+        xq[source], x_scale[source], w_t, w_scale, aligned, tiles, dtype, interpret
+    )
+    return out[position]
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
@@ -312,16 +378,9 @@ def _aligned_product(
         converted, fp8_slots = weights * tile * x.dtype.itemsize, tiles.stages * weights * tile
         extra = converted + weights * tiles.block_n * SCALE_BYTES - fp8_slots
     tiles.check(k, n, weights=weights, out_bytes=x.dtype.itemsize, extra=extra, row_tiled=True)
-    n_tiles = max_tiles(rows, groups, tiles.rows)
-    # one operand: the tile's group, first row and rows at tile, n_tiles + tile, 2 n_tiles + tile
-    table = jnp.concatenate(row_tiles(aligned_sizes, tiles.rows, n_tiles))
-    column_tiles = n // tiles.block_n
     width = weights * n
-    inputs = [table, x, w.reshape(groups, k, width)]
-    scratch = [
-        *tma_ring.ring_scratch(tiles, x.dtype, weights, w.dtype),
-        plgpu.SMEM((ROW_TILE, tiles.block_n), x.dtype),
-    ]
+    inputs = [x, w.reshape(groups, k, width)]
+    scratch = []
     if scaled:
         inputs.append(scale.reshape(groups, width))
         converted = (tiles.block_k, tiles.block_n)
@@ -331,6 +390,74 @@ def _aligned_product(
             plgpu.SMEM((weights, tiles.block_n), jnp.float32),
             plgpu.Barrier(num_barriers=weights),
         ]
+    ring = tma_ring.ring_scratch(tiles, x.dtype, weights, w.dtype)
+    form = CONVERTED if scaled else DTYPE
+    return _launch(form, inputs, aligned_sizes, ring, scratch, tiles, n, gated, x.dtype, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "dtype", "interpret"))
+def _aligned_fp8_product(
+    xq: Array,
+    x_scale: Array,
+    w_t: Array,
+    w_scale: Array,
+    aligned_sizes: Array,
+    tiles: Tiles | None,
+    dtype,
+    interpret: bool | None,
+) -> Array:
+    """`grouped_matmul_fp8` on rows xq [rows, k], x_scale [rows] in the aligned layout of
+    groups of `aligned_sizes` (as `_aligned_product`)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    name = "expert_tiles_mosaic.grouped_matmul_fp8"
+    fp8_matmul_mosaic.check_operands(name, xq, x_scale, w_t, w_scale, dtype)
+    rows, k = xq.shape
+    groups, n, gated = w_t.shape[0], w_t.shape[-2], w_t.ndim == 4
+    expected = (groups, 2, n, k) if gated else (groups, n, k)
+    if w_t.shape != expected or aligned_sizes.shape != (groups,):
+        raise ValueError(
+            f"{name}: xq {xq.shape}, w_t {w_t.shape}, group_sizes {aligned_sizes.shape}; "
+            f"expected w_t [groups, 2, n, {k}] or [groups, n, {k}] and group_sizes [groups]"
+        )
+    tiles = tiles or fp8_tiles_for(rows, groups, k, n)
+    if tiles.splits != 1:
+        raise ValueError(f"{tiles}: the expert products take splits=1")
+    out_bytes = jnp.dtype(dtype).itemsize
+    fp8_matmul_mosaic.check_tiles(tiles, k, n, gated=gated, out_bytes=out_bytes, row_tiled=True)
+    weights = 2 if gated else 1
+    width = weights * n
+    inputs = [
+        xq,
+        w_t.reshape(groups, width, k),
+        x_scale.reshape(1, rows),
+        w_scale.reshape(groups, width),
+    ]
+    scratch = [
+        plgpu.SMEM((1, ROW_TILE), jnp.float32),
+        plgpu.SMEM((weights, tiles.block_n), jnp.float32),
+        plgpu.Barrier(num_barriers=weights + 1),
+    ]
+    if tma_ring.interpret_params(interpret) is not None:  # `k_major_multiply`'s tile
+        scratch.append(plgpu.SMEM((tiles.block_k, tiles.block_n), FP8))
+    ring = tma_ring.ring_scratch(tiles, FP8, weights, k_major=True)
+    return _launch(
+        FP8_PRODUCT, inputs, aligned_sizes, ring, scratch, tiles, n, gated, dtype, interpret
+    )
+
+
+def _launch(form, inputs, aligned_sizes, ring, scratch, tiles, n, gated, dtype, interpret):
+    """The kernel of `form` on `inputs` (x, w, then the scales `_kernel` takes) over the
+    tile table of `aligned_sizes`, its scratch the `ring`, the output tile and `scratch`;
+    returns [rows, n] in `dtype`."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rows, k = inputs[0].shape
+    groups = aligned_sizes.shape[0]
+    n_tiles = max_tiles(rows, groups, tiles.rows)
+    # one operand: the tile's group, first row and rows at tile, n_tiles + tile, 2 n_tiles + tile
+    table = jnp.concatenate(row_tiles(aligned_sizes, tiles.rows, n_tiles))
+    column_tiles = n // tiles.block_n
     params = tma_ring.interpret_params(interpret)
     kernel = plgpu.kernel(
         functools.partial(
@@ -341,18 +468,18 @@ def _aligned_product(
             n_tiles=n_tiles,
             column_tiles=column_tiles,
             gated=gated,
-            scaled=scaled,
+            form=form,
             interpreting=params is not None,
         ),
-        out_type=jax.ShapeDtypeStruct((rows, n), x.dtype),
+        out_type=jax.ShapeDtypeStruct((rows, n), dtype),
         grid=(n_tiles * column_tiles,),
         grid_names=("cta",),
-        scratch_types=scratch,
+        scratch_types=[*ring, plgpu.SMEM((ROW_TILE, tiles.block_n), dtype), *scratch],
         # jax 0.11's default, named so jax 0.10's CUDA lowering runs the same layout inference
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=params,
     )
-    return kernel(*inputs)
+    return kernel(table, *inputs)
 
 
 def expert_mlp(
@@ -386,4 +513,45 @@ def expert_mlp(
     rows = x[source_rows[source]]
     act = _aligned_product(rows, gate_up, aligned, gate_up_scale, up_tiles, interpret)
     out = _aligned_product(act, down, aligned, down_scale, down_tiles, interpret)
+    return out[position]
+
+
+def expert_mlp_fp8(
+    x: Array,
+    source_rows: Array,
+    gate_up_t: Array,
+    gate_up_scale: Array,
+    down_t: Array,
+    down_scale: Array,
+    group_sizes: Array,
+    tiles: tuple[Tiles, Tiles] | None = None,
+    interpret: bool | None = None,
+) -> Array:
+    """`expert_mlp` by fp8 x fp8 WGMMA (`grouped_matmul_fp8`) on K-major e4m3 weights: the
+    token rows quantised per row (`fp8_matmul_mosaic.quantize_rows`) and gathered into the
+    aligned layout with their scales, the gate/up product with the activation fused, its
+    output quantised per row, then the down product, and the result gathered back.
+
+    x: [tokens, model] bf16 or fp16; source_rows: [pairs] int32; gate_up_t: [experts, 2,
+    ffn, model] e4m3, gate_up_scale [experts, 2, ffn] fp32; down_t: [experts, model, ffn]
+    e4m3, down_scale [experts, model] fp32; model and ffn multiples of 128; group_sizes:
+    [experts] int32. Returns [pairs, model] in x's dtype; rows past sum(group_sizes) may
+    hold anything. `tiles`: (gate/up, down) program shapes, default `fp8_tiles_for` each.
+    """
+    up_tiles, down_tiles = tiles or (None, None)
+    if source_rows.ndim != 1 or x.ndim != 2:
+        raise ValueError(
+            f"expert_tiles_mosaic.expert_mlp_fp8: x {x.shape}, source_rows "
+            f"{source_rows.shape}; expected [tokens, model] and [pairs]"
+        )
+    position, source, aligned = aligned_layout(group_sizes, source_rows.shape[0])
+    xq, x_scale = fp8_matmul_mosaic.quantize_rows(x)  # per token: the pairs share its rows
+    token = source_rows[source]
+    act = _aligned_fp8_product(
+        xq[token], x_scale[token], gate_up_t, gate_up_scale, aligned, up_tiles, x.dtype, interpret
+    )
+    aq, a_scale = fp8_matmul_mosaic.quantize_rows(act)
+    out = _aligned_fp8_product(
+        aq, a_scale, down_t, down_scale, aligned, down_tiles, x.dtype, interpret
+    )
     return out[position]

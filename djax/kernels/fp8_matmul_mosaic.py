@@ -83,19 +83,29 @@ def swiglu_tiles_for(m: int, k: int, n: int) -> Tiles:
     return dataclasses.replace(base, block_k=block_k if k % block_k == 0 else K_TILE)
 
 
-def check_tiles(tiles: Tiles, k: int, n: int, gated: bool = False, out_bytes: int = 4) -> None:
+def check_tiles(
+    tiles: Tiles,
+    k: int,
+    n: int,
+    gated: bool = False,
+    out_bytes: int = 4,
+    row_tiled: bool = False,
+) -> None:
     """Raise a ValueError naming `tiles` unless they take a `k -> n` fp8 product (`gated`: n
     columns a side, two weight tiles a slot): the ring's rules at one byte a value
-    (`Tiles.check`), the output tile (`out_bytes` a value) and scales in shared memory, and
-    block_n at most `MAX_BLOCK_N`."""
+    (`Tiles.check`; `row_tiled` for kernels whose row tiles may take fewer than 64 rows),
+    the output tile (`out_bytes` a value) and scales in shared memory, and block_n at most
+    `MAX_BLOCK_N`."""
     if tiles.block_n > MAX_BLOCK_N:
         raise ValueError(f"{tiles}: block_n must be at most {MAX_BLOCK_N} (WGMMA's widest N)")
     weights = 2 if gated else 1
     scales = (ROW_TILE + weights * tiles.block_n) * 4
-    tiles.check(k, n, weights=weights, out_bytes=out_bytes, extra=scales, itemsize=1)
+    tiles.check(
+        k, n, weights=weights, out_bytes=out_bytes, extra=scales, itemsize=1, row_tiled=row_tiled
+    )
 
 
-def _multiply(untransposed=None):
+def k_major_multiply(untransposed=None):
     """A step's product into an accumulator ref: fp8 x fp8 WGMMA of an x slot [64, block_k]
     and a weight slot [block_n, block_k] read transposed. Mosaic GPU's interpreter has no
     transposed WGMMA operand: given `untransposed`, a [block_k, block_n] scratch ref, the
@@ -110,6 +120,22 @@ def _multiply(untransposed=None):
         plgpu.wgmma(acc, x_slot, untransposed)
 
     return multiply
+
+
+def scale_products(products, column_scales, row_scales=None, interpreting=False) -> list:
+    """Inside a kernel: fp32 products [64, block_n] (one per weight) times their columns'
+    scales, `column_scales` [weights, block_n] fp32 in shared memory (row i for product i),
+    and with `row_scales` [1, 64] fp32 in shared memory times their rows' scales."""
+    row_scale = None
+    if row_scales is not None:
+        row_scale = tma_ring.accumulator_rows(row_scales[0], interpreting)
+    scaled = []
+    for side, product in enumerate(products):
+        if row_scale is not None:
+            product = product * jax.lax.broadcast_in_dim(row_scale, product.shape, [0])
+        column_scale = tma_ring.accumulator_columns(column_scales[side], interpreting)
+        scaled.append(product * jax.lax.broadcast_in_dim(column_scale, product.shape, [1]))
+    return scaled
 
 
 def _kernel(
@@ -156,12 +182,7 @@ def _kernel(
     def finish(*products):
         for bar in range(1 + len(offsets)):
             plgpu.barrier_wait(scale_bars.at[bar])
-        row_scale = tma_ring.accumulator_rows(x_scale_smem[0], interpreting)
-        scaled = []
-        for side, product in enumerate(products):
-            column_scale = tma_ring.accumulator_columns(w_scale_smem[side], interpreting)
-            product = product * jax.lax.broadcast_in_dim(row_scale, product.shape, [0])
-            scaled.append(product * jax.lax.broadcast_in_dim(column_scale, product.shape, [1]))
+        scaled = scale_products(products, w_scale_smem, x_scale_smem, interpreting)
         out = swiglu_mosaic.silu_times(*scaled) if gated else scaled[0]
         out_smem[...] = out.astype(out_smem.dtype)
 
@@ -177,7 +198,7 @@ def _kernel(
         steps,
         rows,
         finish,
-        multiply=_multiply(untransposed if interpreting else None),
+        multiply=k_major_multiply(untransposed if interpreting else None),
     )
     out_at = (
         (lambda rows: out_gmem.at[rows, cols])
@@ -187,7 +208,7 @@ def _kernel(
     tma_ring.store_rows(out_smem, out_at, row_tile, m)
 
 
-def _check_operands(name: str, xq, x_scale, w_t, w_scale, dtype) -> None:
+def check_operands(name: str, xq, x_scale, w_t, w_scale, dtype) -> None:
     """Raise a ValueError naming `name` unless xq [..., k] and w_t [..., n, k] are e4m3 with
     k a multiple of 128 and n of 64, x_scale [...] and w_scale [..., n] fp32, and the
     product's `dtype` one of `OUT_DTYPES`."""
@@ -234,7 +255,7 @@ def _call(xq, x_scale, w_t, w_scale, tiles: Tiles, dtype, gated: bool, interpret
         plgpu.SMEM((weights, tiles.block_n), jnp.float32),
         plgpu.Barrier(num_barriers=1 + weights),
     ]
-    if params is not None:  # the interpreter's untransposed weight tile (`_multiply`)
+    if params is not None:  # the interpreter's untransposed weight tile (`k_major_multiply`)
         scratch.append(plgpu.SMEM((tiles.block_k, tiles.block_n), FP8))
     kernel = plgpu.kernel(
         functools.partial(
@@ -279,7 +300,7 @@ def matmul_partials(
     (default: exactly off GPUs, as the CPU tests do).
     """
     name = "fp8_matmul_mosaic.matmul_partials"
-    _check_operands(name, xq, x_scale, w_t, w_scale, dtype)
+    check_operands(name, xq, x_scale, w_t, w_scale, dtype)
     if w_t.ndim != 2:
         raise ValueError(f"{name}: w_t {w_t.shape}; expected [n, k]")
     n, k = w_t.shape
@@ -310,7 +331,7 @@ def swiglu_matmul(
     must be 1); `interpret` as `matmul_partials`.
     """
     name = "fp8_matmul_mosaic.swiglu_matmul"
-    _check_operands(name, xq, x_scale, w_t, w_scale, dtype)
+    check_operands(name, xq, x_scale, w_t, w_scale, dtype)
     if xq.ndim != 2 or w_t.ndim != 3 or w_t.shape[0] != 2:
         raise ValueError(f"{name}: xq {xq.shape}, w_t {w_t.shape}; expected [m, k] and [2, n, k]")
     _, n, k = w_t.shape

@@ -18,10 +18,11 @@ rows, the row tile of one warpgroup. Rules:
   multiple of 64, `block_k` a multiple of 64, and the operands 16-bit (bf16 or fp16).
 - Each step's products are waited for before its slot is refilled with the step `stages`
   ahead, so `stages - 1` steps of copies are in flight while one multiplies.
-- 8-bit operands multiplied as they are (fp8 x fp8 WGMMA, `fp8_matmul_mosaic`) must both be
-  K-major: the ring's `k_major` form holds weight tiles [block_n, block_k] (the weight
-  stored [n, k]) and swizzles every slot at 128 bytes = 128 values, so `block_k` is a
-  multiple of 128 (`Tiles.check`'s `itemsize=1`).
+- 8-bit operands multiplied as they are (fp8 x fp8 WGMMA, `fp8_matmul_mosaic` and
+  `expert_tiles_mosaic`'s fp8 form) must both be K-major: the ring's `k_major` form holds
+  weight tiles [block_n, block_k] (the weight stored [n, k]) and swizzles every slot at
+  128 bytes = 128 values, so `block_k` is a multiple of 128 (`Tiles.check`'s
+  `itemsize=1`).
 """
 
 from __future__ import annotations

@@ -18,11 +18,12 @@ dot (whose result is in the rows' dtype, as with weights of the model's dtype) a
 it per output channel in fp32; `scaled` also quantises the rows to e4m3
 (one scale per row, over the contraction axis) and runs an fp8 x fp8 dot accumulating in
 fp32, scaled by both. Outside XLA: the parts a kernel choice marks `fp8_mosaic` run the
-`scaled` product in `djax.kernels.fp8_matmul_mosaic`, and `moe="mosaic"` converts the
+`scaled` product in `djax.kernels.fp8_matmul_mosaic` (the experts under `moe="fp8_mosaic"`
+in `djax.kernels.expert_tiles_mosaic.expert_mlp_fp8`), and `moe="mosaic"` converts the
 experts' e4m3 tiles inside `djax.kernels.expert_tiles_mosaic`.
 
-Layout: the fp8 Mosaic GPU kernel reads the values K-major, so under `fp8_impl="mosaic"`
-(`k_major`) a model holds the dense products' values output axes first
+Layout: fp8 x fp8 WGMMA reads the values K-major, so under `fp8_impl="mosaic"`
+(`k_major`) a model holds the dense products' and the experts' values output axes first
 (`k_major_order`, moved by `to_layout`; `Fp8Weight.k_major`); checkpoints always hold the
 layout above.
 """
@@ -59,14 +60,16 @@ SCALE_SUFFIX = "_scale"
 @dataclasses.dataclass(frozen=True)
 class Fp8Weight:
     """A weight as fp8 `values` (e4m3) and the fp32 `scale` of each output channel (the
-    weight's shape without its contraction axes). `values` has the weight's shape
-    (contraction axes first), or with `k_major` the scale's axes first and the contraction
-    axes last (the layout `fp8_matmul_mosaic` reads). `shape` is the weight's shape
+    weight's shape without its contraction axes). `values` has the weight's shape (its
+    `leading` axes, the experts' axis of an expert weight, then the contraction axes, then
+    the other output axes), or with `k_major` the scale's axes first and the contraction
+    axes last (the layout the fp8 Mosaic GPU kernels read). `shape` is the weight's shape
     either way."""
 
     values: Array
     scale: Array
     k_major: bool = False
+    leading: int = 0
 
     @property
     def contraction(self) -> int:
@@ -78,18 +81,21 @@ class Fp8Weight:
         shape = self.values.shape
         if not self.k_major:
             return shape
-        channels = self.scale.ndim
-        return shape[channels:] + shape[:channels]
+        lead, channels = self.leading, self.scale.ndim
+        return shape[:lead] + shape[channels:] + shape[lead:channels]
 
     def reshape(self, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> Fp8Weight:
-        """The weight as `shape` (its contraction axes first), the scale as `scale_shape`
-        (the same channels); K-major values stay K-major."""
+        """The weight as `shape` (its `leading` axes, then its contraction axes), the scale
+        as `scale_shape` (the same channels); K-major values stay K-major."""
         values_shape = shape
         if self.k_major:
-            contraction = len(shape) - len(scale_shape)
-            values_shape = tuple(scale_shape) + tuple(shape[:contraction])
+            lead, contraction = self.leading, len(shape) - len(scale_shape)
+            values_shape = tuple(scale_shape) + tuple(shape[lead : lead + contraction])
         return Fp8Weight(
-            self.values.reshape(values_shape), self.scale.reshape(scale_shape), self.k_major
+            self.values.reshape(values_shape),
+            self.scale.reshape(scale_shape),
+            self.k_major,
+            self.leading,
         )
 
     def operand(self, subscripts: str) -> str:
@@ -97,11 +103,12 @@ class Fp8Weight:
         layout): the same, or K-major the scale's letters first."""
         if not self.k_major:
             return subscripts
-        return subscripts[self.contraction :] + subscripts[: self.contraction]
+        lead, end = self.leading, self.leading + self.contraction
+        return subscripts[:lead] + subscripts[end:] + subscripts[lead:end]
 
 
 jax.tree_util.register_dataclass(
-    Fp8Weight, data_fields=["values", "scale"], meta_fields=["k_major"]
+    Fp8Weight, data_fields=["values", "scale"], meta_fields=["k_major", "leading"]
 )
 
 Weight = Array | Fp8Weight
@@ -131,27 +138,30 @@ def contraction_axes(name: str, ndim: int) -> tuple[int, ...] | None:
 
 
 def k_major_order(name: str, ndim: int) -> tuple[int, ...] | None:
-    """The axis order that makes the values of the param `name` of `ndim` axes K-major
-    (`Fp8Weight.k_major`: its output axes, then its contraction axes), for the dense
-    products the Mosaic GPU kernel runs; None for the experts and every other param."""
+    """The axis order that makes the values of the fp8 param `name` of `ndim` axes K-major
+    (`Fp8Weight.k_major`: its output axes, then its contraction axes), as the Mosaic GPU
+    kernels read them: the dense products' and the experts' (`gate_up` [experts, 2, ffn,
+    model], `down` [experts, model, ffn]); None for every other param."""
     axes = contraction_axes(name, ndim)
-    if axes is None or (name == "gate_up" and ndim == 4) or (name == "down" and ndim == 3):
+    if axes is None:
         return None
     return tuple(i for i in range(ndim) if i not in axes) + axes
 
 
 def k_major(weights: str, fp8_impl: str) -> bool:
     """Whether a model of the weight format `weights` loaded with the option `fp8_impl`
-    holds its dense products' fp8 values K-major: under `fp8_impl="mosaic"`."""
+    holds its fp8 values (dense products' and experts') K-major: under
+    `fp8_impl="mosaic"`."""
     return weights == "fp8" and fp8_impl == "mosaic"
 
 
 def to_layout(params: dict, k_major: bool) -> dict:
-    """fp8 params (`quantize_params`' layout, or K-major) with the dense products' values
-    (`k_major_order`) K-major (`k_major`) or in their own layout; every other param as it
-    is. Each weight is moved by its own jitted call into a new array (the old ones are
-    freed once `params` is dropped). The dict does not record its layout: the caller
-    (`djax.load`, `Model.with_options`) knows the layout it holds."""
+    """fp8 params (`quantize_params`' layout, or K-major) with the fp8 values
+    (`k_major_order`: the dense products' and the experts') K-major (`k_major`) or in
+    their own layout; every other param as it is. Each weight is moved by its own jitted
+    call into a new array (the old ones are freed once `params` is dropped). The dict
+    does not record its layout: the caller (`djax.load`, `Model.with_options`) knows the
+    layout it holds."""
     out: dict = {}
     for key, value in params.items():
         if isinstance(value, dict):
@@ -267,7 +277,11 @@ def ragged_dot(x: Array, w: Weight, group_sizes: Array, impl: str = "no") -> Arr
     if not isinstance(w, Fp8Weight):
         return jax.lax.ragged_dot(x, w, group_sizes)
     if w.k_major:
-        raise ValueError("ragged_dot: expert weights are not held K-major; got a K-major weight")
+        raise ValueError(
+            "ragged_dot: takes expert weights in their own layout; got a K-major weight (a "
+            "model loaded with fp8_impl='mosaic' runs its experts in moe='fp8_mosaic' or "
+            "'dense')"
+        )
     ends = jnp.cumsum(group_sizes)
     row_group = jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right")
     scale = w.scale[jnp.minimum(row_group, w.scale.shape[0] - 1)]  # [p, n]
@@ -292,7 +306,7 @@ def param(
 ):
     """The Flax param `name` of `module` (the weight's `shape`): an array of `dtype`
     (weights `dtype`), or under `fp8` an `Fp8Weight` of the params `name` (e4m3 values;
-    with `k_major`, the dense products' values K-major, `k_major_order`) and `<name>_scale`
+    with `k_major`, K-major, `k_major_order`) and `<name>_scale`
     (fp32).
 
     Under `fp8`, `init` is not used: the values start at 0 and the scales at 1 (random fp8
@@ -305,4 +319,6 @@ def param(
     values_shape = shape if order is None else tuple(shape[i] for i in order)
     values = module.param(name, jax.nn.initializers.zeros, values_shape, FP8)
     scale = module.param(scale_name(name), jax.nn.initializers.ones, out_shape, jnp.float32)
-    return Fp8Weight(values, scale, order is not None)
+    if order is None:
+        return Fp8Weight(values, scale)
+    return Fp8Weight(values, scale, True, leading=axes[0])

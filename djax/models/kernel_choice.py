@@ -57,9 +57,11 @@ asked for, on one device, with every dense product's contraction a multiple of 1
 output a multiple of 64: block forwards of at most `KERNEL_MAX_ROWS` token rows run the
 q/k/v, attention-output and down products and the SwiGLU gate/up path in the fp8 x fp8
 Mosaic GPU kernel (`fp8_mosaic`), their partials handed on as the split-K kernel's are;
-refreshes and longer forwards run XLA's `scaled` products, and the experts keep their own
-choice (`moe_impl`). The model then holds those weights K-major (`KernelChoice.k_major`,
-`djax.models.fp8`).
+refreshes and longer forwards run XLA's `scaled` products. A MoE model's experts run by
+fp8 x fp8 WGMMA in their tiles (`moe="fp8_mosaic"`, `expert_tiles_mosaic.expert_mlp_fp8`)
+in every forward, under `moe_impl` `auto` or `mosaic` (`xla` is refused: XLA's grouped
+product reads no K-major experts), their model and local ffn widths multiples of 128. The
+model then holds those weights K-major (`KernelChoice.k_major`, `djax.models.fp8`).
 """
 
 from __future__ import annotations
@@ -156,11 +158,13 @@ class Kernels:
     (`residual_norm_mosaic.add_rms_norm`). norm_into_mlp: where the norm before the
     feed-forward (a dense MLP) runs inside the products around it, `fused` (the add in the
     output product's epilogue), `tiled` (in a kernel after it) or `no`. moe: the routed
-    experts, `dense`, `grouped` or `mosaic` (`expert_tiles_mosaic`; `resolve` says `none`
-    for a model without experts).
+    experts, `dense`, `grouped`, `mosaic` (`expert_tiles_mosaic`, 16-bit weights or fp8
+    ones converted in the kernel) or `fp8_mosaic` (K-major fp8 weights by fp8 x fp8 WGMMA,
+    `expert_tiles_mosaic.expert_mlp_fp8`); `resolve` says `none` for a model without
+    experts.
     fp8: how XLA's products take fp8 weights, `dequant` or `scaled` (`djax.models.fp8`),
-    `no` for weights in the model's dtype; the parts above that say `fp8_mosaic`, and
-    `moe="mosaic"`, take them in Mosaic GPU instead."""
+    `no` for weights in the model's dtype; the parts above that say `fp8_mosaic` or
+    `mosaic` (moe), take them in Mosaic GPU instead."""
 
     attention: str = "xla"
     qkv: str = "xla"
@@ -192,7 +196,8 @@ class KernelChoice:
     """The resolved choice of a program: its block forwards' and its refreshes' (a
     whole-sequence forward takes `refresh`), for params of the weight format `weights`
     (`djax.models.fp8.WEIGHTS`), which the modules built with it hold; `k_major`: the
-    dense products' fp8 values are held K-major (`fp8.k_major`, under `fp8_impl="mosaic"`).
+    fp8 values (dense products' and experts') are held K-major (`fp8.k_major`, under
+    `fp8_impl="mosaic"`).
     The default is XLA's paths everywhere, weights in the model's dtype."""
 
     block: ForwardKernels = ForwardKernels()
@@ -217,7 +222,7 @@ class KernelChoice:
             if forward.last != forward.layers:
                 lines.append(f"  last layer, kept rows: {_listed(forward.last, forward.layers)}")
         if self.weights != "dtype":
-            layout = "dense products' values K-major" if self.k_major else "as stored"
+            layout = "values K-major" if self.k_major else "as stored"
             lines.append(f"weights: {self.weights}, {layout}")
         return "\n".join(lines)
 
@@ -523,8 +528,10 @@ class _Rule:
         return "scaled" if self.fp8_tensor_cores else "dequant"
 
     def _check_fp8_mosaic(self) -> None:
-        """`fp8_impl="mosaic"`: a ValueError unless it runs on one device and the kernel
-        takes every dense product (`fp8_matmul_mosaic.fits`)."""
+        """`fp8_impl="mosaic"`: a ValueError unless it runs on one device and the kernels
+        take every dense product and, for a MoE model, the experts' (`fp8_matmul_mosaic.fits`:
+        the model and local expert ffn widths multiples of 128) under a `moe_impl` that
+        reads K-major experts (`auto` or `mosaic`)."""
         if self.sharded:
             raise ValueError(
                 "fp8_impl='mosaic' runs on one device (its K-major weights have no sharded "
@@ -535,6 +542,19 @@ class _Rule:
         for h in w.mlp_hidden:
             products[f"gate/up ({h})"] = (cfg.d_model, h)
             products[f"down ({h})"] = (h, cfg.d_model)
+        if cfg.is_moe:
+            if self.options.moe_impl == "xla":
+                raise ValueError(
+                    "fp8_impl='mosaic' holds the experts K-major, which moe_impl='xla' does "
+                    "not read; give moe_impl 'auto' or 'mosaic'"
+                )
+            k_tile = fp8_matmul_mosaic.K_TILE
+            if cfg.d_model % k_tile or w.expert_hidden % k_tile:
+                raise ValueError(
+                    f"fp8_impl='mosaic' takes expert widths that are multiples of {k_tile} "
+                    f"(both contract an expert product); got model {cfg.d_model}, local "
+                    f"expert ffn {w.expert_hidden}"
+                )
         for name, (k, n) in products.items():
             if not fp8_matmul_mosaic.fits(k, n):
                 raise ValueError(
@@ -554,6 +574,8 @@ class _Rule:
     def _moe(self, tokens: int) -> str:
         cfg, w = self.widths.config, self.widths
         impl = self.options.moe_impl
+        if self.fp8 and self.options.fp8_impl == "mosaic":  # `_check_fp8_mosaic` took it
+            return "fp8_mosaic"
         fits = tma_ring.fits(cfg.d_model, w.expert_hidden)
         if impl == "mosaic" and not fits:
             raise ValueError(

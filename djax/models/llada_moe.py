@@ -8,7 +8,8 @@ Experts are stored stacked: `gate_up` [experts, model, 2, ffn], `down` [experts,
 (`Fp8Weight`s under `weights="fp8"`: `djax.models.fp8`). Three expert paths compute the same
 function (`Kernels.moe`): `grouped` sorts the token-expert pairs by expert and runs
 `jax.lax.ragged_dot`; `mosaic` runs the same sorted pairs through djax's expert-tile
-kernels (`djax.kernels.expert_tiles_mosaic`, 16-bit or fp8 weights); `dense` runs every
+kernels (`djax.kernels.expert_tiles_mosaic`, 16-bit or fp8 weights), and `fp8_mosaic` runs
+them by fp8 x fp8 WGMMA on K-major fp8 weights (`fp8_impl="mosaic"`); `dense` runs every
 local expert on every token and weights the outputs (zero weight where not routed).
 
 HF layout: `model.embed_tokens`, `model.layers.{i}.self_attn.{q,k,v,o}_proj`,
@@ -164,7 +165,13 @@ def mosaic_mlp(
 ) -> Array:
     """`ragged_mlp`'s contract through the Mosaic GPU expert-tile kernels
     (`expert_tiles_mosaic.expert_mlp`, at its (gate/up, down) `tiles`, default `tiles_for`),
-    `Fp8Weight`s given to them as values and scales."""
+    `Fp8Weight`s given to them as values and scales (in their own layout: K-major ones,
+    as `fp8_impl="mosaic"` holds them, run in `fp8_mosaic_mlp`; a ValueError here)."""
+    if any(isinstance(w, fp8.Fp8Weight) and w.k_major for w in (gate_up, down)):
+        raise ValueError(
+            "moe='mosaic' takes fp8 expert weights in their own layout; got K-major ones (a "
+            "model loaded with fp8_impl='mosaic' runs its experts in moe='fp8_mosaic')"
+        )
     if isinstance(gate_up, fp8.Fp8Weight) and isinstance(down, fp8.Fp8Weight):
         return expert_tiles_mosaic.expert_mlp(
             x,
@@ -177,6 +184,36 @@ def mosaic_mlp(
             tiles=tiles,
         )
     return expert_tiles_mosaic.expert_mlp(x, source_rows, gate_up, down, group_sizes, tiles=tiles)
+
+
+def fp8_mosaic_mlp(
+    x: Array,
+    source_rows: Array,
+    gate_up: fp8.Weight,
+    down: fp8.Weight,
+    group_sizes: Array,
+    tiles: Any = None,
+) -> Array:
+    """`ragged_mlp`'s contract by fp8 x fp8 WGMMA (`expert_tiles_mosaic.expert_mlp_fp8`, at
+    its (gate/up, down) `tiles`, default `fp8_tiles_for`): K-major `Fp8Weight`s (a model
+    loaded with `fp8_impl="mosaic"`), the rows quantised per row; a ValueError for others."""
+    for w in (gate_up, down):
+        if not isinstance(w, fp8.Fp8Weight) or not w.k_major:
+            raise ValueError(
+                "moe='fp8_mosaic' takes K-major fp8 expert weights (a model loaded with "
+                f"fp8_impl='mosaic'); got {type(w).__name__} {w.shape}"
+                + (" in its own layout" if isinstance(w, fp8.Fp8Weight) else "")
+            )
+    return expert_tiles_mosaic.expert_mlp_fp8(
+        x,
+        source_rows,
+        gate_up.values,
+        gate_up.scale,
+        down.values,
+        down.scale,
+        group_sizes,
+        tiles=tiles,
+    )
 
 
 def experts_grouped(
@@ -225,7 +262,7 @@ class MoEBlock(nn.Module):
     shards: int = 1
     split_experts: bool = False
     weights: str = "dtype"
-    k_major: bool = False  # the shared expert's fp8 values K-major (`KernelChoice.k_major`)
+    k_major: bool = False  # fp8 values K-major, experts' and shared (`KernelChoice.k_major`)
 
     @nn.compact
     def __call__(self, x: Array, kernels: Kernels = XLA_KERNELS) -> Array:
@@ -241,12 +278,12 @@ class MoEBlock(nn.Module):
             if cfg.router_expert_bias
             else None
         )
+        shape = (local_e, m, 2, local_f)
         gate_up = fp8.param(
-            self, "gate_up", init_normal(), (local_e, m, 2, local_f), self.dtype, self.weights
+            self, "gate_up", init_normal(), shape, self.dtype, self.weights, self.k_major
         )
-        down = fp8.param(
-            self, "down", init_normal(), (local_e, local_f, m), self.dtype, self.weights
-        )
+        shape = (local_e, local_f, m)
+        down = fp8.param(self, "down", init_normal(), shape, self.dtype, self.weights, self.k_major)
         b, t, _ = x.shape
         flat = x.reshape(b * t, m)
         with jax.named_scope("router"):
@@ -257,6 +294,7 @@ class MoEBlock(nn.Module):
             "dense": functools.partial(experts_dense, fp8_impl=kernels.fp8),
             "grouped": functools.partial(experts_grouped, mlp=ragged),
             "mosaic": functools.partial(experts_grouped, mlp=mosaic_mlp),
+            "fp8_mosaic": functools.partial(experts_grouped, mlp=fp8_mosaic_mlp),
         }[kernels.moe]
         with jax.named_scope(f"experts_{kernels.moe}"):
             y = run(flat, weights, experts, gate_up, down, first).reshape(b, t, m)

@@ -22,6 +22,7 @@ from djax.models.llada_moe import (
     MoEBlock,
     experts_dense,
     experts_grouped,
+    fp8_mosaic_mlp,
     mosaic_mlp,
     ragged_mlp,
 )
@@ -56,8 +57,8 @@ def test_aligned_layout_starts_groups_at_multiples_of_8(sizes, pairs):
 def _reference(x, w, sizes, scale=None):
     """Each group's rows times its weights (times the columns' scales) in float64; gated
     weights [g, k, 2, n] give silu(gate) * up. Returns (out, rows used)."""
-    x = np.asarray(x.astype(jnp.float32), np.float64)
-    w = np.asarray(w.astype(jnp.float32), np.float64)
+    x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    w = np.asarray(jnp.asarray(w).astype(jnp.float32), np.float64)
     if scale is not None:
         w = w * np.asarray(scale, np.float64)[:, None]
     out, first = np.zeros((x.shape[0], w.shape[-1])), 0
@@ -102,6 +103,38 @@ def test_grouped_matmul_matches_numpy(gated, weights, tiles):
     ref, used = _reference(x, w, sizes, scale)
     ours = np.asarray(ours[:used].astype(jnp.float32), np.float64)
     # the fp32 product rounded once to bf16
+    np.testing.assert_allclose(ours, ref[:used], rtol=1e-2, atol=1e-2)
+    assert np.linalg.norm(ours - ref[:used]) / np.linalg.norm(ref[:used]) < 5e-3
+
+
+@pytest.mark.parametrize(
+    "gated, tiles",
+    [
+        (True, None),  # row tiles of 32 (`row_tile_for`): 70 rows make 3
+        (False, Tiles(block_n=64, block_k=128, stages=2, rows=64)),  # 70 rows: 2 tiles
+    ],
+)
+def test_fp8_grouped_matmul_matches_numpy(gated, tiles):
+    """The fp8 x fp8 products (`grouped_matmul_fp8`, K-major e4m3 weights, e4m3 rows) against
+    float64 products of the same quantised operands times their row and column scales: an
+    empty group, one of more rows than a tile, a last group of one row and rows past the
+    groups; two contraction steps of 128."""
+    sizes = [3, 0, 70, 1]
+    k, n = 256, 128
+    keys = jax.random.split(jax.random.key(2), 2)
+    x = jax.random.normal(keys[0], (sum(sizes) + 5, k), BF16)
+    shape = (len(sizes), 2, n, k) if gated else (len(sizes), n, k)
+    xq, x_scale = fp8.quantize(x, (1,))
+    w_t, w_scale = fp8.quantize(jax.random.normal(keys[1], shape) * k**-0.5, (len(shape) - 1,))
+    ours = expert_tiles_mosaic.grouped_matmul_fp8(
+        xq, x_scale, w_t, w_scale, jnp.array(sizes, jnp.int32), tiles=tiles
+    )
+    assert ours.shape == (x.shape[0], n) and ours.dtype == BF16
+    rows = np.asarray(xq.astype(jnp.float32), np.float64) * np.asarray(x_scale, np.float64)[:, None]
+    w = np.asarray(w_t.astype(jnp.float32), np.float64) * np.asarray(w_scale, np.float64)[..., None]
+    w = np.moveaxis(w, -1, 1)  # [groups, k, (2,) n]
+    ref, used = _reference(rows, w, sizes)
+    ours = np.asarray(ours[:used].astype(jnp.float32), np.float64)
     np.testing.assert_allclose(ours, ref[:used], rtol=1e-2, atol=1e-2)
     assert np.linalg.norm(ours - ref[:used]) / np.linalg.norm(ref[:used]) < 5e-3
 
@@ -216,6 +249,40 @@ def test_moe_layer_takes_the_kernels(weights):
     assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 2e-2
 
 
+def test_moe_layer_takes_the_fp8_products():
+    """A bf16 MoE layer (4 experts, top-2, model and ffn 128) with K-major fp8 experts under
+    `moe=fp8_mosaic` against the same fp8 weights in their own layout under XLA's grouped
+    `dequant` path. The rows' e4m3 quantisation (twice: the tokens, the activation) adds
+    up to 2^-4 of each row's largest value per element (XLA's `scaled` path is 4.5% of the
+    norm from `dequant` here): a bound of 6% of the norm, and 3% against `scaled` (the same
+    quantisation; the kernel rounds the activation once, from fp32, `scaled` in bf16),
+    which a lost scale or a wrong expert's weights exceed many times. K-major experts also
+    run XLA's dense path (`experts_dense`) as they are."""
+    cfg = ModelConfig(
+        MOE, 16, 128, 1, 2, 1, 64, 128, 1e4, 1e-6, 64, 1, 2, 3,
+        n_experts=4, experts_per_token=2, expert_hidden=128, moe_layers=(True,),
+    )  # fmt: skip
+    x = jax.random.normal(jax.random.key(3), (1, 12, 128), BF16)
+    params = fp8.quantize_params(MoEBlock(cfg, BF16).init(jax.random.key(4), x)["params"])
+    stored = MoEBlock(cfg, BF16, weights="fp8")
+    ref = stored.apply({"params": params}, x, Kernels(moe="grouped", fp8="dequant"))
+    scaled = stored.apply({"params": params}, x, Kernels(moe="grouped", fp8="scaled"))
+    k_major = fp8.to_layout(params, True)
+    assert k_major["gate_up"].shape == (4, 2, 128, 128) and k_major["down"].shape == (4, 128, 128)
+    block = MoEBlock(cfg, BF16, weights="fp8", k_major=True)
+    ours = block.apply({"params": k_major}, x, Kernels(moe="fp8_mosaic", fp8="scaled"))
+    ours, ref, scaled = (np.asarray(a, np.float32) for a in (ours, ref, scaled))
+    assert np.isfinite(ours).all()
+    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 6e-2
+    assert np.linalg.norm(ours - scaled) / np.linalg.norm(scaled) < 3e-2
+    dense = block.apply({"params": k_major}, x, Kernels(moe="dense", fp8="dequant"))
+    np.testing.assert_allclose(np.asarray(dense, np.float32), ref, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="moe='fp8_mosaic' takes K-major .* in its own layout"):
+        stored.apply({"params": params}, x, Kernels(moe="fp8_mosaic", fp8="scaled"))
+    with pytest.raises(ValueError, match="moe='mosaic' takes fp8 expert weights in their own"):
+        block.apply({"params": k_major}, x, Kernels(moe="mosaic", fp8="scaled"))
+
+
 def test_shape_dtype_and_tile_errors():
     x = jnp.zeros((8, 64), BF16)
     w = jnp.zeros((2, 64, 2, 64), BF16)
@@ -238,12 +305,13 @@ def test_shape_dtype_and_tile_errors():
         )
 
 
-@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "fp8_k_major"])
 def test_lowers_for_hopper(weights):
     """Both products at LLaDA-MoE's expert shapes (64 experts, model 2048, ffn 1024, top-8)
     lower to Mosaic GPU's custom call for CUDA, at a block's (32) and a refresh's (384)
-    tokens."""
-    w_dtype = FP8 if weights == "fp8" else BF16
+    tokens: bf16 weights, fp8 weights converted in the kernel, and K-major fp8 weights by
+    fp8 x fp8 WGMMA (`expert_mlp_fp8`)."""
+    w_dtype = BF16 if weights == "bf16" else FP8
     experts, model, ffn = 64, 2048, 1024
 
     def mlp(x, source_rows, gate_up, down, sizes, *scales):
@@ -251,18 +319,25 @@ def test_lowers_for_hopper(weights):
             x, source_rows, gate_up, down, sizes, *scales, interpret=False
         )
 
+    def mlp_fp8(x, source_rows, gate_up_t, down_t, sizes, gate_up_scale, down_scale):
+        return expert_tiles_mosaic.expert_mlp_fp8(
+            x, source_rows, gate_up_t, gate_up_scale, down_t, down_scale, sizes, interpret=False
+        )
+
+    k_major = weights == "fp8_k_major"
     for tokens in (32, 384):
         shapes = [
             ((tokens, model), BF16),
             ((tokens * 8,), jnp.int32),
-            ((experts, model, 2, ffn), w_dtype),
-            ((experts, ffn, model), w_dtype),
+            ((experts, 2, ffn, model) if k_major else (experts, model, 2, ffn), w_dtype),
+            ((experts, model, ffn) if k_major else (experts, ffn, model), w_dtype),
             ((experts,), jnp.int32),
         ]
-        if weights == "fp8":
+        if weights != "bf16":
             shapes += [((experts, 2, ffn), jnp.float32), ((experts, model), jnp.float32)]
         args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
-        lowered = jax.jit(mlp).trace(*args).lower(lowering_platforms=("cuda",))
+        traced = jax.jit(mlp_fp8 if k_major else mlp).trace(*args)
+        lowered = traced.lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("mosaic_gpu") >= 2
 
 
@@ -286,3 +361,30 @@ def test_compiled_kernels_on_gpu(tokens):
         ref = np.asarray(expected, np.float32)
         err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
         assert err < 1e-2, (tokens, fp8_weights, err)
+
+
+@needs_gpu
+@pytest.mark.parametrize("tokens", [32, 384])
+def test_compiled_fp8_products_on_gpu(tokens):
+    """On a GPU: the compiled fp8 x fp8 expert products (`fp8_mosaic_mlp`, K-major weights)
+    at LLaDA-MoE's expert shapes against XLA's ragged_dot path `scaled` (the same rows
+    quantised per row) under jit: within 5% of the norm (the kernel rounds the activation
+    once from fp32, `scaled` in bf16, before both quantise it to e4m3, which moves the
+    interpreted kernels 2.3% from `scaled` at a tiny shape; Hopper's fp8 WGMMA accumulates
+    in less than fp32); a lost scale or a wrong expert moves it by about its norm."""
+    x, weights, experts, gate_up, down = _routed_experts(5, tokens, 2048, 64, 1024, 8, BF16)
+    args = (x, weights, experts)
+    stored = tuple(fp8.Fp8Weight(*fp8.quantize(a, (1,))) for a in (gate_up, down))
+    orders = ((0, 2, 3, 1), (0, 2, 1))
+    k_major = tuple(
+        fp8.Fp8Weight(jnp.transpose(w.values, order), w.scale, True, leading=1)
+        for w, order in zip(stored, orders, strict=True)
+    )
+    ragged = functools.partial(ragged_mlp, fp8_impl="scaled")
+    expected = jax.jit(functools.partial(experts_grouped, mlp=ragged))(*args, *stored, 0)
+    run = jax.jit(functools.partial(experts_grouped, mlp=fp8_mosaic_mlp))
+    out = np.asarray(run(*args, *k_major, 0), np.float32)
+    assert np.isfinite(out).all()
+    ref = np.asarray(expected, np.float32)
+    err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    assert err < 5e-2, (tokens, err)
