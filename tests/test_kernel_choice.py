@@ -458,6 +458,41 @@ def test_generation_with_every_mosaic_kernel_is_xlas(tmp_path):
     assert (ours.stats.forwards, ours.stats.refreshes) == (ref.stats.forwards, ref.stats.refreshes)
 
 
+def test_moe_shared_expert_follows_the_product_kernels(tmp_path, monkeypatch):
+    """A LLaDA-MoE layout with a shared expert (random weights, fp16), a 16-row forward
+    with the Mosaic GPU products and expert tiles asked for (Mosaic GPU's interpreter here):
+    the shared expert's down product (64 -> 64) runs the split-K kernel as the dense layer's
+    (128 -> 64) does, and the logits are XLA's to fp16 rounding."""
+    from djax.kernels import split_k_mosaic
+    from djax.model import Model
+    from djax.models import init_params
+
+    from torch_reference import make_llada_moe, rel_error
+
+    make_llada_moe(
+        tmp_path, dense_layers=(0,), n_layers=2, expert_hidden=64, dense_hidden=128, seed=2
+    )
+    config = dataclasses.replace(djax.load(tmp_path).config, shared_expert_hidden=64)
+    params = init_params(config, jnp.float16, seed=4)
+    assert "shared" in params["ff_1"]
+    model = Model(config, params, None, jnp.float16)
+    mosaic = model.with_options(matmul_impl="mosaic", mlp_impl="mosaic", moe_impl="mosaic")
+    products, kernel = [], split_k_mosaic.matmul_partials
+
+    def spy(x, w, *args, **kwargs):
+        products.append(w.shape)
+        return kernel(x, w, *args, **kwargs)
+
+    monkeypatch.setattr(split_k_mosaic, "matmul_partials", spy)
+    ids = np.random.default_rng(3).integers(4, 100, (1, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the interpreted kernels' export
+        ours = np.asarray(djax.forward_logits(mosaic, ids), np.float32)
+    ref = np.asarray(djax.forward_logits(model.with_options(moe_impl="xla"), ids), np.float32)
+    assert (64, 64) in products and (128, 64) in products  # shared and dense down products
+    assert rel_error(ours, ref) <= 1e-2
+
+
 def test_forward_with_every_mosaic_kernel_is_xlas(tmp_path):
     """A whole-sequence forward of 16 rows (a forward the products take) with every Mosaic
     GPU kernel asked for (Mosaic GPU's interpreter here): the split-K q/k/v product, then the
