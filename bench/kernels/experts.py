@@ -73,9 +73,10 @@ SWEEP = tuple(
     for g in (1, 2)
 )
 # djax's expert-tile kernels (`expert_tiles_mosaic`): (gate/up, down) tiles; None is `tiles_for`
-# (128 columns, 64-wide steps, 4 stages, row tiles of `row_tile_for`: 16 rows at a block's
-# 32 tokens, 64 at a refresh's). `r64` reads x 64 rows at a time whatever the experts' rows;
-# two stages leave room for two CTAs per SM; 64-column gate/up tiles make twice the CTAs.
+# (128 columns, 64-wide steps, 4 stages, row tiles of `row_tile_for`: 32 rows at a block's
+# 32 tokens, 64 at a refresh's). `r64` reads x 64 rows at a time whatever the experts' rows,
+# `r16` 16 (an expert of more rows is read in several tiles); two stages leave room for two
+# CTAs per SM; 64-column gate/up tiles make twice the CTAs.
 MOSAIC_TILES = (
     None,
     (Tiles(block_n=128, stages=4), Tiles(block_n=128, stages=4)),

@@ -20,9 +20,10 @@ layout. The stores then copy whole 8-row groups of the swizzled output tile.
 
 Expert `e`'s `a_e` aligned rows (`n_e` rounded up to 8) make `ceil(a_e / r)` =
 `ceil(n_e / r)` row tiles, `r` being the program's `Tiles.rows` (8 to 64, a multiple of 8;
-`row_tile_for` takes the mean expert's rows, so a block's few rows per expert are not read
-64 at a time). Each CTA owns one (row tile, `block_n` columns) and streams its expert's
-weight tiles through the ring of `tma_ring`; rules beyond the ring's:
+`row_tile_for` takes the most rows an expert can hold, the forward's tokens: a block's 32
+are read 32 at a time, not 64, and no expert of it in two tiles). Each CTA owns one (row
+tile, `block_n` columns) and streams its expert's weight tiles through the ring of
+`tma_ring`; rules beyond the ring's:
 
 - The rows: a tile's `r` rows are read from its first row by TMA into the first rows of
   each 64-row slot (rows of the next expert or past the array's end come along, read as
@@ -74,26 +75,27 @@ FP8 = jnp.float8_e4m3fn
 SCALE_BYTES = 4  # a column's fp32 scale
 
 
-def tiles_for(pairs: int, groups: int, k: int, n: int) -> Tiles:
+def tiles_for(group_rows: int, k: int, n: int) -> Tiles:
     """128 columns (64 where 128 do not divide n) in 64-wide steps, 4 stages, row tiles
-    of `row_tile_for` rows."""
+    of `row_tile_for(group_rows)` rows."""
     block_n = 128 if n % 128 == 0 else tma_ring.TILE
-    rows = row_tile_for(pairs, groups)
+    rows = row_tile_for(group_rows)
     return Tiles(block_n=block_n, block_k=tma_ring.TILE, splits=1, stages=4, rows=rows)
 
 
-def fp8_tiles_for(pairs: int, groups: int, k: int, n: int) -> Tiles:
+def fp8_tiles_for(group_rows: int, k: int, n: int) -> Tiles:
     """`tiles_for`'s tiles with block_k 128 (the same bytes a step at one byte a value; a
     multiple of 128 as 8-bit K-major slots need)."""
-    base = tiles_for(pairs, groups, k, n)
+    base = tiles_for(group_rows, k, n)
     return dataclasses.replace(base, block_k=fp8_matmul_mosaic.K_TILE)
 
 
-def row_tile_for(rows: int, groups: int) -> int:
-    """The rows of a tile for `rows` aligned rows in `groups` groups: the mean group's
-    rows rounded up to a power of two, 16 to 64."""
-    mean = -(-rows // max(1, groups))
-    return min(ROW_TILE, max(16, 1 << (mean - 1).bit_length()))
+def row_tile_for(group_rows: int) -> int:
+    """The rows of a tile where a group holds at most `group_rows` rows (the experts' MLP:
+    its tokens, as each token reaches an expert once): those rounded up to a multiple of 8
+    and a power of two, 16 to 64, so no group of a block forward is read in two tiles."""
+    aligned = -(-max(1, group_rows) // ROW_ALIGN) * ROW_ALIGN
+    return min(ROW_TILE, max(16, 1 << (aligned - 1).bit_length()))
 
 
 def max_tiles(pairs: int, groups: int, block_m: int) -> int:
@@ -296,6 +298,7 @@ def grouped_matmul(
     if x.ndim != 2:
         raise ValueError(f"expert_tiles_mosaic.grouped_matmul: x {x.shape}; expected [pairs, k]")
     position, source, aligned = aligned_layout(group_sizes, x.shape[0])
+    tiles = tiles or tiles_for(x.shape[0], x.shape[1], w.shape[-1])
     return _aligned_product(x[source], w, aligned, scale, tiles, interpret)[position]
 
 
@@ -324,6 +327,7 @@ def grouped_matmul_fp8(
             f"expert_tiles_mosaic.grouped_matmul_fp8: xq {xq.shape}; expected [pairs, k]"
         )
     position, source, aligned = aligned_layout(group_sizes, xq.shape[0])
+    tiles = tiles or fp8_tiles_for(xq.shape[0], xq.shape[1], w_t.shape[-2])
     out = _aligned_fp8_product(
         xq[source], x_scale[source], w_t, w_scale, aligned, tiles, dtype, interpret
     )
@@ -336,7 +340,7 @@ def _aligned_product(
     w: Array,
     aligned_sizes: Array,
     scale: Array | None,
-    tiles: Tiles | None,
+    tiles: Tiles,
     interpret: bool | None,
 ) -> Array:
     """`grouped_matmul` on rows x [rows, k] in the aligned layout (`aligned_layout`) of
@@ -368,7 +372,6 @@ def _aligned_product(
             )
     else:
         tma_ring.check_operands(name, x, w)
-    tiles = tiles or tiles_for(rows, groups, k, n)
     if tiles.splits != 1:
         raise ValueError(f"{tiles}: the expert products take splits=1")
     weights = 2 if gated else 1
@@ -402,7 +405,7 @@ def _aligned_fp8_product(
     w_t: Array,
     w_scale: Array,
     aligned_sizes: Array,
-    tiles: Tiles | None,
+    tiles: Tiles,
     dtype,
     interpret: bool | None,
 ) -> Array:
@@ -420,7 +423,6 @@ def _aligned_fp8_product(
             f"{name}: xq {xq.shape}, w_t {w_t.shape}, group_sizes {aligned_sizes.shape}; "
             f"expected w_t [groups, 2, n, {k}] or [groups, n, {k}] and group_sizes [groups]"
         )
-    tiles = tiles or fp8_tiles_for(rows, groups, k, n)
     if tiles.splits != 1:
         raise ValueError(f"{tiles}: the expert products take splits=1")
     out_bytes = jnp.dtype(dtype).itemsize
@@ -504,11 +506,14 @@ def expert_mlp(
     Returns [pairs, model]; rows past sum(group_sizes) may hold anything. `tiles`:
     (gate/up, down) program shapes, default `tiles_for` each.
     """
-    up_tiles, down_tiles = tiles or (None, None)
     if source_rows.ndim != 1:
         raise ValueError(
             f"expert_tiles_mosaic.expert_mlp: source_rows {source_rows.shape}; expected [pairs]"
         )
+    tokens, model = x.shape[0], gate_up.shape[1]
+    up_tiles, down_tiles = tiles or (None, None)
+    up_tiles = up_tiles or tiles_for(tokens, model, gate_up.shape[-1])
+    down_tiles = down_tiles or tiles_for(tokens, down.shape[1], model)
     position, source, aligned = aligned_layout(group_sizes, source_rows.shape[0])
     rows = x[source_rows[source]]
     act = _aligned_product(rows, gate_up, aligned, gate_up_scale, up_tiles, interpret)
@@ -538,12 +543,15 @@ def expert_mlp_fp8(
     [experts] int32. Returns [pairs, model] in x's dtype; rows past sum(group_sizes) may
     hold anything. `tiles`: (gate/up, down) program shapes, default `fp8_tiles_for` each.
     """
-    up_tiles, down_tiles = tiles or (None, None)
     if source_rows.ndim != 1 or x.ndim != 2:
         raise ValueError(
             f"expert_tiles_mosaic.expert_mlp_fp8: x {x.shape}, source_rows "
             f"{source_rows.shape}; expected [tokens, model] and [pairs]"
         )
+    tokens, model = x.shape
+    up_tiles, down_tiles = tiles or (None, None)
+    up_tiles = up_tiles or fp8_tiles_for(tokens, model, gate_up_t.shape[-2])
+    down_tiles = down_tiles or fp8_tiles_for(tokens, down_t.shape[-1], model)
     position, source, aligned = aligned_layout(group_sizes, source_rows.shape[0])
     xq, x_scale = fp8_matmul_mosaic.quantize_rows(x)  # per token: the pairs share its rows
     token = source_rows[source]

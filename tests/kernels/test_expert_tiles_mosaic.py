@@ -76,7 +76,7 @@ def _reference(x, w, sizes, scale=None):
 @pytest.mark.parametrize(
     "gated, weights, tiles",
     [
-        (True, "bf16", None),  # row tiles of 32 (`row_tile_for`): 70 rows make 3
+        (True, "bf16", None),  # row tiles of 64 (`row_tile_for` of 79 rows): 70 rows make 2
         (True, "bf16", Tiles(rows=16)),  # 70 rows make 5 tiles, the last of 8 rows
         (False, "bf16", Tiles(block_n=64, block_k=64, stages=2)),  # 2 column tiles, 64 rows
         (True, "fp8", Tiles(block_n=64, block_k=64, stages=2)),  # down's fp8: the layer test
@@ -84,7 +84,7 @@ def _reference(x, w, sizes, scale=None):
 )
 def test_grouped_matmul_matches_numpy(gated, weights, tiles):
     """Every row inside the groups is written with its own group's product: an empty group,
-    one of more rows than a tile (70 rows from row 8 of the aligned layout: 3 tiles of 32,
+    one of more rows than a tile (70 rows from row 8 of the aligned layout: 2 tiles of 64,
     5 of 16), a last group of one row, and rows past the groups (84 in all); fp8 weights
     with their column scales."""
     sizes = [3, 0, 70, 1]
@@ -110,7 +110,7 @@ def test_grouped_matmul_matches_numpy(gated, weights, tiles):
 @pytest.mark.parametrize(
     "gated, tiles",
     [
-        (True, None),  # row tiles of 32 (`row_tile_for`): 70 rows make 3
+        (True, None),  # row tiles of 64 (`row_tile_for` of 79 rows): 70 rows make 2
         (False, Tiles(block_n=64, block_k=128, stages=2, rows=64)),  # 70 rows: 2 tiles
     ],
 )
@@ -139,14 +139,14 @@ def test_fp8_grouped_matmul_matches_numpy(gated, tiles):
     assert np.linalg.norm(ours - ref[:used]) / np.linalg.norm(ref[:used]) < 5e-3
 
 
-def test_row_tiles_follow_the_mean_expert():
-    """A block's few rows per expert are read 16 at a time, a refresh's 64; every row tile
-    is a multiple of 8 up to 64 (`Tiles.check`)."""
-    aligned = expert_tiles_mosaic.aligned_rows
-    assert expert_tiles_mosaic.row_tile_for(aligned(32 * 8, 64), 64) == 16
-    assert expert_tiles_mosaic.row_tile_for(aligned(384 * 8, 64), 64) == 64
-    assert expert_tiles_mosaic.row_tile_for(aligned(128 * 8, 64), 64) == 32
-    assert expert_tiles_mosaic.tiles_for(aligned(32 * 8, 64), 64, 2048, 1024).rows == 16
+def test_row_tiles_hold_the_most_rows_an_expert_can_take():
+    """An expert holds at most one row per token: a block's 32 tokens are read 32 rows at a
+    time (no expert in two tiles), fewer tokens in tiles of 16, a refresh's 64; every row
+    tile is a multiple of 8 up to 64 (`Tiles.check`)."""
+    row_tile_for = expert_tiles_mosaic.row_tile_for
+    assert [row_tile_for(t) for t in (1, 5, 16, 17, 32, 33, 384)] == [16, 16, 16, 32, 32, 64, 64]
+    assert expert_tiles_mosaic.tiles_for(32, 2048, 1024).rows == 32
+    assert expert_tiles_mosaic.fp8_tiles_for(32, 2048, 1024).rows == 32
     for rows in (0, 12, 128):
         with pytest.raises(ValueError, match="rows 64 .a multiple of 8 up to 64"):
             Tiles(rows=rows).check(128, 128, weights=1, out_bytes=2, row_tiled=True)
