@@ -176,3 +176,46 @@ def test_split_kv_attention_under_tensor_parallel(tmp_path, monkeypatch):
     b = djax.generate(sharded, PROMPTS, config)
     np.testing.assert_array_equal(a.answer_ids, b.answer_ids)
     assert calls and set(calls) == {(2, 1)}  # the sharded program did trace the kernel
+
+
+def test_mosaic_products_under_tensor_parallel(tmp_path, monkeypatch):
+    """Under `shard_map` the Mosaic GPU split-K and SwiGLU products get each device's own
+    slice of the weights (q/k/v and gate/up split by their outputs, the attention-output
+    and down products by their contractions), and the split-K partials are summed before
+    the all-reduce. Mosaic GPU's interpreter does not run inside `shard_map` on CPU devices,
+    so stand-ins with the kernels' contracts (one fp32 partial; the SwiGLU product in fp32)
+    record what they get; the tokens are XLA's."""
+    from djax.kernels import split_k_mosaic, swiglu_mosaic
+    from djax.kernels.handoff import Partials
+
+    products = []
+
+    def split_k(x, w, *args, **kwargs):
+        products.append(tuple(w.shape))
+        parts = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+        return Partials(parts[None], x.dtype)
+
+    def swiglu(x, w, *args, **kwargs):
+        products.append(tuple(w.shape))
+        h = jnp.einsum("mk,kgn->mgn", x, w, preferred_element_type=jnp.float32)
+        return (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x.dtype)
+
+    monkeypatch.setattr(split_k_mosaic, "matmul_partials", split_k)
+    monkeypatch.setattr(swiglu_mosaic, "swiglu_matmul", swiglu)
+    make_llada_dense(
+        tmp_path, d_model=256, n_heads=4, n_kv_heads=2, mlp_hidden=256, head_scale=6.0, seed=5
+    )
+    mesh = make_mesh(tensor_parallel=2)
+    xla = djax.load(tmp_path, dtype=jnp.bfloat16, mesh=mesh)
+    mosaic = xla.with_options(matmul_impl="mosaic", mlp_impl="mosaic")
+    config = dataclasses.replace(BASE, cache="dual")
+    a = djax.generate(xla, PROMPTS, config)
+    b = djax.generate(mosaic, PROMPTS, config)
+    np.testing.assert_array_equal(a.answer_ids, b.answer_ids)
+    head_dim = 256 // 4
+    assert set(products) == {
+        (256, 4 * head_dim),  # q/k/v of 1 kv head a device: 2 query heads, a key, a value
+        (2 * head_dim, 256),  # the attention output of 2 heads a device
+        (256, 2, 128),  # gate/up, 128 of 256 hidden a device
+        (128, 256),  # down
+    }
