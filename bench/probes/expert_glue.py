@@ -1,8 +1,9 @@
 """Probe: where does a LLaDA-MoE layer's expert time go, per kernel, for each expert path?
 
-Question. With spread routing the Mosaic GPU expert tiles gave 637.9 tokens/s against the
-Triton tiles' 890.9 (28b4ae3), though the kernels were near each other in the micro-bench.
-Is the gap in the kernels or around them?
+Question. With spread routing the Mosaic GPU expert tiles gave 636.8 tokens/s against the
+Triton tiles' 880.4 (1b8f64f, `bench/results/generate_spread_fp8_NVIDIA_H100_80GB_HBM3.json`),
+though the kernels were near each other in the micro-bench. Is the gap in the kernels or
+around them?
 
 Answer (H100, 28b4ae3 and 5272924; figures in bench/NOTES.md, "Off Pallas Triton"). The
 kernels were level (280.6 against 271.6 µs at 32 tokens); XLA's work around the Mosaic ones
@@ -10,7 +11,8 @@ was not: 55 µs at 32 tokens, 190 at 384, most of it one fusion that recomputed 
 layout's compare-and-sum for every gathered value. With the layout materialised once
 (`expert_tiles_mosaic.aligned_layout`), 298.6 µs in all at 32 tokens and 338.1 at 384,
 against the Triton path's 289.5 and 328.3 (the Triton kernels are deleted since; the probe
-now prints the Mosaic path and XLA's grouped path).
+now prints the Mosaic path and XLA's grouped path). Output of both runs:
+`bench/results/logs/expert_glue_NVIDIA_H100_80GB_HBM3.log`.
 
 Prints, per token count, each path's device µs per call summed over its kernels and its
 largest kernels (`kernel_us`: a profiler trace of 20 calls), LLaDA-MoE's expert shapes,

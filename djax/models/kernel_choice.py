@@ -400,10 +400,10 @@ class _Rule:
         qkv = self._product(w.qkv, few)
         out = self._product(w.out, few)
         fp8_mosaic = self.fp8 and o.fp8_impl == "mosaic" and few and not refresh
-        if fp8_mosaic:
-            mlp = "fp8_mosaic"
-        elif not w.mlp_hidden:  # no dense MLP (every layer's feed-forward is experts)
+        if not w.mlp_hidden:  # no dense MLP (every layer's feed-forward is experts)
             mlp = "xla"
+        elif fp8_mosaic:
+            mlp = "fp8_mosaic"
         else:
             mlp = self._mosaic_or_xla(
                 "mlp_impl",
@@ -414,7 +414,8 @@ class _Rule:
         downs = [self._product((h, cfg.d_model), few) for h in w.mlp_hidden]
         down = downs[0] if downs and all(d == downs[0] for d in downs) else "xla"
         if fp8_mosaic:
-            qkv = out = down = "fp8_mosaic"
+            qkv = out = "fp8_mosaic"
+            down = "fp8_mosaic" if w.mlp_hidden else "xla"
         if (
             rope == "mosaic"
             and qkv == "mosaic"
