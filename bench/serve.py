@@ -1,5 +1,5 @@
 """Serving benchmark of `djax serve`: a trace of requests sent to the OpenAI-compatible server
-through the `openai` client, per scheduler (continuous, static) and request rate.
+through the `openai` client, per scheduler (continuous, phase, static) and request rate.
 
 Three roles in one script:
 
@@ -7,7 +7,7 @@ Three roles in one script:
         [--schedulers continuous static] [--rates 2 4 8 inf] [--requests 500] [--seed 0]
         [--max-batch 32] [--equal N]
     python -m bench.serve server --model dense|moe|llada2_mini [--tiny]
-        --scheduler continuous|static --port P [--max-batch N] [--routing spread|model]
+        --scheduler continuous|phase|static --port P [--max-batch N] [--routing spread|model]
     python -m bench.serve plot RESULT.json [RESULT.json ...]
 
 The client (the default role) starts one server per scheduler (`server` role, this Python, as
@@ -93,7 +93,7 @@ from bench.common import ROUTINGS, SETTING, bench_model, model_config, save, use
 from djax import GenerationConfig, engine
 
 REPO = Path(__file__).resolve().parent.parent
-SCHEDULERS = ("continuous", "static")
+SCHEDULERS = ("continuous", "phase", "static")
 TOKENS_PER_FORWARD = SETTING.gen_length // SETTING.steps
 
 

@@ -117,6 +117,25 @@ jax.tree_util.register_dataclass(
 )
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionGroup:
+    """One group of a mixed forward (`TransformerLM.forward_groups`): `b` windows of `t`
+    rows whose products run with the other groups' rows while they attend on their own.
+
+    positions: [b, t] RoPE positions; key_valid: [b, seq] or [b, t, seq] (each row's own
+    keys); window: where the rows sit in the group's K/V buffers (ignored without them).
+    """
+
+    positions: Array
+    key_valid: Array
+    window: Window = Window()
+
+    @property
+    def rows(self) -> int:
+        return self.positions.shape[0] * self.positions.shape[1]
+
+
 def rms_norm(x: Array, scale: Array, eps: float) -> Array:
     """RMSNorm over the last axis, normalised in fp32, cast back, then times `scale`."""
     xf = x.astype(jnp.float32)
@@ -299,6 +318,7 @@ class Attention(nn.Module):
         defer_output: bool = False,
         sparse: tuple[SparseAttention, Any, int] | None = None,
         kept_kv: KeptKV | None = None,
+        groups: tuple[AttentionGroup, ...] | None = None,
     ) -> tuple[Array | Partials | Product, LayerKV, Array | None]:
         """x: [b, W, model] normed window rows -> the attention output [b, W,
         model] (or `Partials`, or with `defer_output` the output `Product` still to run) and
@@ -310,7 +330,12 @@ class Attention(nn.Module):
         the block's queries, window rows `[row, row + B)` (`sparse_attention.choose`),
         returned third (else None). `kept_kv` (a block forward): attend to each kv head's kept
         keys only, its compact rows and its kept rows of this window
-        (`sparse_attention.attend_kept`)."""
+        (`sparse_attention.attend_kept`).
+
+        `groups` (a mixed forward): x is [1, T, model], the rows of every group one after the
+        other; `kv` holds each group's buffers (or None); the q/k/v and output products run
+        on all T rows, RoPE, the K/V write and attention per group in XLA. Returns the output
+        [1, T, model] and each group's K/V."""
         cfg = self.config
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
@@ -343,6 +368,31 @@ class Attention(nn.Module):
                 NormScale(self.dtype, name=name)(cfg.head_dim) for name in ("q_norm", "k_norm")
             )
         ops = rope_write_mosaic.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
+        if groups is not None:
+            qkv = finish(project(x, qkv_kernel, kernels.qkv, kernels.fp8))[0]
+            outs, group_kv, first = [], [], 0
+            for group, buffers in zip(groups, kv, strict=True):
+                b, t = group.positions.shape
+                part = qkv[first : first + b * t].reshape(b, t, *qkv.shape[1:])
+                first += b * t
+                q, keys, values = rope_and_write_xla(
+                    part,
+                    group.positions,
+                    buffers,
+                    group.window,
+                    scales,
+                    ops,
+                    cfg.rope_theta,
+                    cfg.rope_dim,
+                )
+                outs.append(attend(q, keys, values, group.key_valid).reshape(1, b * t, -1))
+                group_kv.append((keys, values))
+            out = jnp.concatenate(outs, axis=1)
+            out_kernel = fp8.matrix(out_kernel, out.shape[-1], cfg.d_model)
+            y = _sum_over(project(out, out_kernel, out_impl, kernels.fp8), self.axis_name)
+            if out_bias is not None:
+                y = finish(y) + out_bias
+            return y, tuple(group_kv), None
         if kernels.rope == "mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
             cos, sin, bounds = self._rope_inputs(positions, window, x.shape[1])
         if kernels.rope == "mosaic" and kernels.qkv == "rope":
@@ -577,6 +627,53 @@ class TransformerLM(nn.Module):
                 new_kv.append(layer_kv)
         if sparse is not None:
             return normed, tuple(new_kv), jnp.stack(new_chosen)
+        return normed, tuple(new_kv)
+
+    def forward_groups(
+        self,
+        x: Array,
+        groups: tuple[AttentionGroup, ...],
+        kv: tuple[tuple[LayerKV | None, ...], ...],
+    ) -> tuple[Array, tuple[tuple[LayerKV, ...], ...]]:
+        """A mixed forward: groups of windows of different shapes whose rows share every
+        product (q/k/v, output, feed-forward, experts) while each group attends in its own
+        shape (`Attention`'s `groups`).
+
+        x: [1, T, model] input embeddings, each group's b·t rows in turn (T their sum); kv:
+        per layer, each group's buffers [b, seq, kv_heads, head_dim] (the window's K/V are
+        written into them) or None (the group is a whole sequence: its K/V are returned
+        fresh). Returns the final-norm hidden states [1, T, model] and per layer each
+        group's K/V. The forward takes `kernels.refresh`'s products; RoPE, the K/V writes
+        and attention run in XLA.
+        """
+        total = sum(g.rows for g in groups)
+        if x.shape[:2] != (1, total):
+            raise ValueError(f"x has shape {x.shape}; expected (1, {total}, model)")
+        layer = dataclasses.replace(
+            self.kernels.refresh.layers, attention="xla", rope="xla", norm_into_mlp="no"
+        )
+        if layer.qkv == "rope":
+            layer = dataclasses.replace(layer, qkv="mosaic")
+        n_layers = self.config.n_layers
+        normed = self.attn_norms[0](x)
+        new_kv = []
+        for i in range(n_layers):
+            with jax.named_scope(f"layer_{i}"):
+                attn_out, layer_kv, _ = self.attns[i](
+                    normed,
+                    None,
+                    None,
+                    kv[i],
+                    Window(),
+                    kernels=layer,
+                    out_impl=layer.out,
+                    groups=groups,
+                )
+                h, normed = self.ff_norms[i](attn_out, residual=x, impl=layer.norm)
+                mlp_out = self.ffs[i](normed, layer)
+                next_norm = self.attn_norms[i + 1] if i + 1 < n_layers else self.final_norm
+                x, normed = next_norm(mlp_out, residual=h, impl=layer.norm)
+                new_kv.append(layer_kv)
         return normed, tuple(new_kv)
 
     def embed(self, token_ids: Array) -> Array:

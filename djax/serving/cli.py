@@ -41,9 +41,18 @@ def add_parser(
     serve.add_argument(
         "--scheduler",
         default="continuous",
-        choices=("continuous", "static"),
-        help="continuous: requests join and leave the batch at block boundaries; static: a "
-        "batch runs until all its requests finish (default: continuous)",
+        choices=("continuous", "phase", "static"),
+        help="continuous: requests join and leave the batch at block boundaries; phase: each "
+        "device call mixes some rows' refreshes with every other row's cached step, over "
+        "K/V kept on the device between calls; static: a batch runs until all its requests "
+        "finish (default: continuous)",
+    )
+    serve.add_argument(
+        "--phase-tokens",
+        type=int,
+        default=0,
+        help="phase scheduler: tokens a call, every row's block plus the refreshing rows' "
+        "sequences (default: 0, room for two of the longest rows beside the steps)",
     )
     serve.add_argument(
         "--max-batch", type=int, default=32, help="requests decoded together (default: 32)"
@@ -110,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             max_seq_len=args.max_seq_len,
             sampling=args.sampling,
             memory_fraction=args.memory_fraction,
+            phase_tokens=args.phase_tokens,
         )
         name = args.served_model_name or (DEMO_NAME if label else Path(path).name)
         model = _load(args, path, progress=False)

@@ -64,7 +64,7 @@ log = logging.getLogger("djax.serve")
 # A wait of the device for the host this long is logged (INFO) with the queue it met.
 STALL_SECONDS = 0.02
 
-SCHEDULERS = ("continuous", "static")
+SCHEDULERS = ("continuous", "phase", "static")
 
 
 # How long an idle engine waits for requests arriving together to join the first one: up
@@ -79,6 +79,7 @@ class ArrivalWindow:
 
 ARRIVAL_WINDOWS = {
     "continuous": ArrivalWindow(quiet=0.005, limit=0.05),
+    "phase": ArrivalWindow(quiet=0.005, limit=0.05),
     "static": ArrivalWindow(quiet=0.025, limit=0.5),
 }
 # Cache policies whose cached steps need nothing but the block's place: the layout moves
@@ -100,6 +101,8 @@ class ServeConfig:
     server may use, weights included (`djax.serving.memory`); memory_bytes: those bytes
     given outright instead (None: from memory_fraction, where the device reports its
     memory). The continuous scheduler runs only block calls that fit beside the weights.
+    phase_tokens: the phase scheduler's tokens a call (every slot's block plus the rows
+    refreshing in it; 0: room for two rows of the longest sequence beside the steps).
     """
 
     generation: GenerationConfig = GenerationConfig()
@@ -110,6 +113,7 @@ class ServeConfig:
     sampling: bool = True
     memory_fraction: float = 0.9
     memory_bytes: int | None = None
+    phase_tokens: int = 0
 
     def __post_init__(self):
         g = self.generation
@@ -119,6 +123,13 @@ class ServeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}; expected a positive int")
+        if not isinstance(self.phase_tokens, int) or self.phase_tokens < 0:
+            raise ValueError(f"phase_tokens={self.phase_tokens!r}; expected an int ≥ 0")
+        if self.phase_tokens and self.scheduler != "phase":
+            raise ValueError(
+                f"phase_tokens={self.phase_tokens} applies to scheduler='phase'; got "
+                f"scheduler={self.scheduler!r}"
+            )
         if self.max_seq_len is not None and (
             not isinstance(self.max_seq_len, int) or self.max_seq_len <= g.block_length
         ):
@@ -458,10 +469,7 @@ class ServingEngine:
             self._warm_up()
             self._ready = True
             log.info("ready: %s scheduler", self.config.scheduler)
-            if self.config.scheduler == "continuous":
-                self._serve_continuous()
-            else:
-                self._serve_static()
+            self._serve()
         except BaseException as err:  # noqa: BLE001 - the thread's last word: fail everyone
             log.exception("the engine stopped")
             with self._lock:
@@ -473,6 +481,12 @@ class ServingEngine:
                 self._running.clear()
                 self.metrics.queue_depth.set(0)
                 self.metrics.running_rows.set(0)
+
+    def _serve(self) -> None:
+        if self.config.scheduler == "continuous":
+            self._serve_continuous()
+        else:
+            self._serve_static()
 
     def _take_waiting(
         self, free: int, fits: Callable[[list[_Row]], bool] | None = None
@@ -1001,4 +1015,8 @@ def _mib(nbytes: int) -> str:
 
 def make_engine(model: Model, config: ServeConfig, metrics: ServerMetrics) -> ServingEngine:
     """The engine for `config.scheduler` (not started)."""
+    if config.scheduler == "phase":
+        from djax.serving.phase import PhaseEngine  # it builds on this module
+
+        return PhaseEngine(model, config, metrics)
     return ServingEngine(model, config, metrics)

@@ -1,0 +1,452 @@
+"""Phase-multiplexed denoising: one device program that runs, in a single forward, the
+refreshes of some rows and the cached steps of all the others.
+
+Diffusion decoding alternates two kinds of forward: a row's refresh (its whole sequence,
+rewriting every K/V: compute-bound) and its cached steps (only its block against the cached
+K/V: bound by reading the weights). Here the rows' K/V live in a `Pool` that outlives each
+call, so the two kinds need not wait for each other: every call is one forward whose
+products (q/k/v, output, MLP or experts) run over the refresh rows' tokens and every slot's
+block together, while each group attends in its own shape
+(`TransformerLM.forward_groups`). A refresh row then decodes its block's first step from
+its refresh, like a block call's first step (`djax.diffusion`); a stepping slot decodes its
+next step. The host (`djax.serving.phase`) decides which rows refresh in each call, under a
+budget of refresh tokens.
+
+Shapes are fixed per `PhasePlan`: the pool holds `slots` rows of `pool_len` K/V positions;
+the refresh rows of a call are packed one after the other into a stream of `stream` tokens
+(`pack_stream`), each attending only to its own tokens. A slot's layout is the block
+calls' (`djax.serving.layout`): its block at positions `[0, block_len)` of its pool row,
+its context and later answer positions after it, so a cached step writes its block's K/V
+at the front of the row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from djax import decoders, programs, sharding
+from djax.decoders import DecoderSpec
+from djax.models.kernel_choice import KernelChoice, Shapes
+from djax.models.layers import AttentionGroup, LayerKV, TransformerLM, Window
+
+Array = jax.Array
+
+# Decoders whose state outlives a step beyond the block's tokens (`credit`'s matrix) are
+# not served by this program.
+PHASE_DECODERS = tuple(d for d in decoders.DECODERS if d != "credit")
+
+
+@dataclasses.dataclass(frozen=True)
+class PhasePlan:
+    """Everything static about one phase program.
+
+    slots: the pool's rows (every slot takes a cached step each call); pool_len: K/V
+    positions per slot; stream: refresh tokens this call (0: cached steps only);
+    refresh_rows: the most refresh rows a stream holds; keys_len: the pool positions the
+    cached steps attend to, `[0, keys_len)` of every slot (0: all `pool_len`): every
+    stepping row's sequence must lie within them.
+    """
+
+    slots: int
+    pool_len: int
+    stream: int
+    refresh_rows: int
+    block_len: int
+    steps_per_block: int
+    decoder: DecoderSpec
+    mask_id: int
+    sampling: bool = False
+    keys_len: int = 0
+
+    @property
+    def step_keys(self) -> int:
+        return self.keys_len or self.pool_len
+
+    def __post_init__(self):
+        if self.decoder.name not in PHASE_DECODERS:
+            raise ValueError(
+                f"decoder={self.decoder.name!r} is not available to the phase scheduler; "
+                f"expected one of {PHASE_DECODERS}"
+            )
+        if self.stream and self.refresh_rows < 1:
+            raise ValueError(f"refresh_rows={self.refresh_rows}; a stream needs at least 1")
+        if self.pool_len <= self.block_len:
+            raise ValueError(f"pool_len={self.pool_len}; expected above {self.block_len}")
+        if not self.block_len <= self.step_keys <= self.pool_len:
+            raise ValueError(
+                f"keys_len={self.keys_len}; expected {self.block_len} to {self.pool_len}"
+            )
+
+
+class Pool(NamedTuple):
+    """What the phase calls keep on the device, by slot. kv: per layer (keys, values)
+    [slots, pool_len, kv_heads, head_dim]; key_valid: [slots, pool_len] bool; positions:
+    [slots, block_len] int32, the block's; block: [slots, block_len] int32, its tokens
+    (no mask id once it is decoded); keys: [slots, 2] uint32; threshold, temperature:
+    [slots] fp32; step_in_block: [slots] int32, steps the block has taken; block_masks:
+    [slots] int32, its masks when it started (the fixed-steps schedule)."""
+
+    kv: tuple[LayerKV, ...]
+    key_valid: Array
+    positions: Array
+    block: Array
+    keys: Array
+    threshold: Array
+    temperature: Array
+    step_in_block: Array
+    block_masks: Array
+
+
+class Stream(NamedTuple):
+    """A call's refresh rows, packed. tokens, positions: [stream] int32, each row's layout
+    (its block first) one after the other, then padding; row: [stream] int32, the refresh
+    row each token belongs to (`refresh_rows` on padding); column: [stream] int32, its
+    position in its slot's pool row; start: [refresh_rows] int32, where each row begins;
+    slot: [refresh_rows] int32, its slot (≥ slots: no row); keys [refresh_rows, 2] uint32,
+    threshold and temperature [refresh_rows] fp32."""
+
+    tokens: Array
+    positions: Array
+    row: Array
+    column: Array
+    start: Array
+    slot: Array
+    keys: Array
+    threshold: Array
+    temperature: Array
+
+
+class Refresh(NamedTuple):
+    """One row entering a block, on the host: its layout (`layout.RowLayout.fill` of one
+    row: block first, then context and later answer positions) and per-row values."""
+
+    slot: int
+    tokens: np.ndarray
+    positions: np.ndarray
+    keys: np.ndarray
+    threshold: float
+    temperature: float
+
+
+for _kind in (Pool, Stream):
+    jax.tree_util.register_pytree_node(
+        _kind, lambda t: (tuple(t), None), lambda _, c, kind=_kind: kind(*c)
+    )
+
+
+def empty_pool(
+    plan: PhasePlan, kv_shape: tuple[int, int], n_layers: int, dtype: Any, pad_id: int
+) -> Pool:
+    """A pool of empty slots on the host: no masks (nothing to decode), one valid key each
+    so attention stays finite. kv_shape: (kv_heads, head_dim) of the whole model."""
+    slots, length, block = plan.slots, plan.pool_len, plan.block_len
+    shape = (slots, length, *kv_shape)
+    kv = tuple((np.zeros(shape, dtype), np.zeros(shape, dtype)) for _ in range(n_layers))
+    key_valid = np.zeros((slots, length), bool)
+    key_valid[:, 0] = True
+    return Pool(
+        kv,
+        key_valid,
+        np.zeros((slots, block), np.int32),
+        np.full((slots, block), pad_id, np.int32),
+        np.zeros((slots, 2), np.uint32),
+        np.ones(slots, np.float32),
+        np.zeros(slots, np.float32),
+        np.zeros(slots, np.int32),
+        np.zeros(slots, np.int32),
+    )
+
+
+def pack_stream(plan: PhasePlan, rows: list[Refresh], pad_id: int) -> Stream:
+    """The call's refresh rows packed into a `Stream` of `plan.stream` tokens, on the host.
+    Each row's layout must fit its pool row and the stream its rows."""
+    if len(rows) > plan.refresh_rows:
+        raise ValueError(f"{len(rows)} refresh rows; this stream holds {plan.refresh_rows}")
+    total = sum(len(r.tokens) for r in rows)
+    if total > plan.stream:
+        raise ValueError(f"refresh rows of {total} tokens; this stream holds {plan.stream}")
+    n, r_max = plan.stream, plan.refresh_rows
+    tokens = np.full(n, pad_id, np.int32)
+    positions = np.zeros(n, np.int32)
+    row = np.full(n, r_max, np.int32)
+    column = np.full(n, plan.pool_len, np.int32)
+    start = np.zeros(r_max, np.int32)
+    slot = np.full(r_max, plan.slots, np.int32)
+    keys = np.zeros((r_max, 2), np.uint32)
+    threshold = np.ones(r_max, np.float32)
+    temperature = np.zeros(r_max, np.float32)
+    at = 0
+    for i, r in enumerate(rows):
+        length = len(r.tokens)
+        if length > plan.pool_len or length < plan.block_len:
+            raise ValueError(
+                f"a refresh row of {length} tokens; expected {plan.block_len} to "
+                f"{plan.pool_len} (the pool's row)"
+            )
+        tokens[at : at + length] = r.tokens
+        positions[at : at + length] = r.positions
+        row[at : at + length] = i
+        column[at : at + length] = np.arange(length)
+        start[i], slot[i], keys[i] = at, r.slot, r.keys
+        threshold[i], temperature[i] = r.threshold, r.temperature
+        at += length
+    return Stream(tokens, positions, row, column, start, slot, keys, threshold, temperature)
+
+
+def run_phase_call(
+    module: TransformerLM,
+    params: dict,
+    plan: PhasePlan,
+    pool: Pool,
+    stream: Stream | None,
+    axis_name: str | None = None,
+) -> dict[str, Any]:
+    """One phase call: the stream's rows refresh into their slots and decode their block's
+    first step; every other slot with masks left takes a cached step. Returns the new
+    `pool` and, for the host, each slot's `block` [slots, block_len], `keys` [slots, 2] and
+    `step_in_block` [slots] after the call."""
+    slots, block, span = plan.slots, plan.block_len, plan.step_keys
+    apply = lambda *a, **k: module.apply({"params": params}, *a, **k)  # noqa: E731
+    step_group = AttentionGroup(pool.positions, pool.key_valid[:, :span], Window(start=0))
+    x = apply(pool.block, method="embed").reshape(1, slots * block, -1)
+    step_kv = tuple((keys[:, :span], values[:, :span]) for keys, values in pool.kv)
+    groups, kv = (step_group,), tuple((layer,) for layer in step_kv)
+    if stream is not None:
+        r_max = plan.refresh_rows
+        own = (stream.row[:, None] == stream.row[None, :]) & (stream.row < r_max)[None, :]
+        refresh_group = AttentionGroup(stream.positions[None], own[None])
+        x = jnp.concatenate([apply(stream.tokens[None], method="embed"), x], axis=1)
+        groups = (refresh_group, step_group)
+        kv = tuple((None, layer) for layer in step_kv)
+    hidden, new_kv = apply(x, groups, kv, method="forward_groups")
+    hidden = hidden[0]
+    step_hidden = hidden[-slots * block :].reshape(slots, block, -1)
+    pool_kv = tuple(  # the steps' block K/V, at the front of every slot's row
+        (
+            keys.at[:, :block].set(layer[-1][0][:, :block]),
+            values.at[:, :block].set(layer[-1][1][:, :block]),
+        )
+        for (keys, values), layer in zip(pool.kv, new_kv, strict=True)
+    )
+
+    refreshing = jnp.zeros(slots, bool)
+    rows = _RowState(
+        pool.block,
+        pool.keys,
+        pool.threshold,
+        pool.temperature,
+        pool.step_in_block,
+        pool.block_masks,
+    )
+    if stream is not None:
+        within = stream.start[:, None] + jnp.arange(block)  # [r_max, block]
+        refresh_hidden = hidden[within]
+        r_block = stream.tokens[within]
+        refreshing = refreshing.at[stream.slot].set(True, mode="drop")
+        r_masks = jnp.sum(r_block == plan.mask_id, axis=1, dtype=jnp.int32)
+        r_zero = jnp.zeros_like(r_masks)
+        rows = rows.concat(
+            _RowState(r_block, stream.keys, stream.threshold, stream.temperature, r_zero, r_masks)
+        )
+        step_hidden = jnp.concatenate([step_hidden, refresh_hidden], axis=0)
+        pool_kv, key_valid = _write_stream(pool, pool_kv, new_kv, stream, plan)
+        positions = pool.positions.at[stream.slot].set(stream.positions[within], mode="drop")
+    else:
+        key_valid, positions = pool.key_valid, pool.positions
+    active = jnp.any(rows.block == plan.mask_id, axis=1)
+    active = active.at[:slots].set(active[:slots] & ~refreshing)
+    decoded = _decode(module, params, plan, step_hidden, rows, active, axis_name)
+
+    def merge(new: Array) -> Array:
+        """Per-slot values: the slots' rows, then each refresh row's in its slot."""
+        merged = new[:slots]
+        if stream is not None:
+            merged = merged.at[stream.slot].set(new[slots:], mode="drop")
+        return merged
+
+    new_pool = Pool(
+        pool_kv,
+        key_valid,
+        positions,
+        merge(decoded.block),
+        merge(decoded.keys),
+        merge(rows.threshold),
+        merge(rows.temperature),
+        merge(decoded.step_in_block),
+        merge(rows.block_masks),
+    )
+    return {
+        "pool": new_pool,
+        "block": new_pool.block,
+        "keys": new_pool.keys,
+        "step_in_block": new_pool.step_in_block,
+    }
+
+
+class _RowState(NamedTuple):
+    """The decoding state of the rows a call decodes (its slots, then its refresh rows)."""
+
+    block: Array
+    keys: Array
+    threshold: Array
+    temperature: Array
+    step_in_block: Array
+    block_masks: Array
+
+    def concat(self, other: _RowState) -> _RowState:
+        return _RowState(
+            *(jnp.concatenate([a, b], axis=0) for a, b in zip(self, other, strict=True))
+        )
+
+
+def _write_stream(
+    pool: Pool, pool_kv: tuple, new_kv: tuple, stream: Stream, plan: PhasePlan
+) -> tuple[tuple, Array]:
+    """The refresh rows' K/V written into their slots' pool rows (from column 0), and
+    those slots' valid keys reset to their rows' tokens."""
+    r_max = plan.refresh_rows
+    slot_of = jnp.where(
+        stream.row < r_max, stream.slot[jnp.minimum(stream.row, r_max - 1)], plan.slots
+    )
+    written = []
+    for (keys, values), (fresh, _) in zip(pool_kv, new_kv, strict=True):
+        fresh_keys, fresh_values = fresh
+        keys = keys.at[slot_of, stream.column].set(fresh_keys[0].astype(keys.dtype), mode="drop")
+        values = values.at[slot_of, stream.column].set(
+            fresh_values[0].astype(values.dtype), mode="drop"
+        )
+        written.append((keys, values))
+    key_valid = pool.key_valid.at[stream.slot].set(False, mode="drop")
+    key_valid = key_valid.at[slot_of, stream.column].set(True, mode="drop")
+    return tuple(written), key_valid
+
+
+def _decode(
+    module: TransformerLM,
+    params: dict,
+    plan: PhasePlan,
+    hidden: Array,
+    rows: _RowState,
+    active: Array,
+    axis_name: str | None,
+) -> _RowState:
+    """One decoding step of every active row from its block's hidden states [rows,
+    block_len, model]; an inactive row keeps its block, keys and step count."""
+    spec = plan.decoder
+    masked = rows.block == plan.mask_id
+    keys = jax.vmap(lambda key: jax.random.split(key, 3))(jax.random.wrap_key_data(rows.keys))
+    temperature = rows.temperature if plan.sampling else None
+    vocab_local = params["lm_head"].shape[1]
+    chunk = spec.chunk_for(vocab_local)
+    logits_at = lambda start, width: module.apply(  # noqa: E731
+        {"params": params}, hidden, start, width, method="logits"
+    )
+    if chunk is not None:
+        token, confidence = decoders.predict_chunked(
+            lambda start: logits_at(start, chunk),
+            vocab_local,
+            chunk,
+            temperature,
+            keys[:, 1],
+            plan.mask_id,
+            axis_name,
+        )
+    else:
+        token, confidence = decoders.predict(
+            logits_at(0, None), temperature, keys[:, 1], plan.mask_id, axis_name
+        )
+    k = None
+    if spec.fixed_steps:
+        k = decoders.fixed_schedule(rows.block_masks, plan.steps_per_block, rows.step_in_block)
+    commit = decoders.decide(
+        spec, confidence, masked, threshold=rows.threshold[:, None], k=k, keys=keys[:, 2]
+    )
+    commit = commit & active[:, None]
+    return rows._replace(
+        block=jnp.where(commit, token, rows.block),
+        keys=jnp.where(active[:, None], jax.random.key_data(keys[:, 0]), rows.keys),
+        step_in_block=rows.step_in_block + active.astype(jnp.int32),
+    )
+
+
+def phase_kernels(model: Any, plan: PhasePlan) -> KernelChoice:
+    """The kernel choice of a phase program: the model's options resolved for one forward
+    over every row of the call (the stream's tokens and every slot's block)."""
+    rows = plan.stream + plan.slots * plan.block_len
+    return model.kernel_choice(Shapes.whole_sequence(1, rows))
+
+
+def check_mesh(mesh: Any) -> None:
+    """The phase program runs on one device or on a mesh whose `data` axis has size 1 (its
+    pool's rows are not split over devices)."""
+    if mesh is not None and mesh.shape[sharding.DATA] != 1:
+        raise ValueError(
+            f"data_parallel={mesh.shape[sharding.DATA]}: the phase scheduler runs its pool "
+            "on the model axis alone; expected data_parallel=1 (or the continuous scheduler)"
+        )
+
+
+def pool_specs(n_layers: int, mesh: Any) -> Pool:
+    """`PartitionSpec`s of a pool on `mesh`: K/V split by kv head over the model axis as
+    every K/V buffer is (`djax.sharding`), the rest whole on every device."""
+    kv = P(None, None, sharding.model_axis(mesh), None)
+    return Pool(tuple((kv, kv) for _ in range(n_layers)), *(P(),) * 8)
+
+
+def place_pool(model: Any, pool: Pool) -> Pool:
+    """A host pool on the model's devices (`pool_specs` on a mesh)."""
+    if model.mesh is None:
+        return jax.tree.map(jnp.asarray, pool)
+    specs = pool_specs(len(pool.kv), model.mesh)
+    return jax.tree.map(
+        lambda a, spec: jax.device_put(a, NamedSharding(model.mesh, spec)),
+        pool,
+        specs,
+        is_leaf=lambda x: isinstance(x, np.ndarray),
+    )
+
+
+def phase_program(model: Any, plan: PhasePlan, kernels: KernelChoice) -> Any:
+    """`run_phase_call` for `model` and `plan` following `kernels`, jitted, the pool
+    donated: `(params, pool, stream) -> outputs` (`stream` None when `plan.stream` is 0).
+    On a mesh it is one `shard_map`, its pool kept in `pool_specs`."""
+    check_mesh(model.mesh)
+    module = programs.local_module(model.config, model.dtype, kernels, model.mesh)
+    if model.mesh is None:
+
+        def program(params, pool, stream):
+            return run_phase_call(module, params, plan, pool, stream)
+
+        return jax.jit(program, donate_argnums=(1,))
+    mesh = model.mesh
+    axis = sharding.model_axis(mesh)
+    params = sharding.param_specs(model.config, model.dtype, mesh, kernels.weights)
+    pool = pool_specs(model.config.n_layers, mesh)
+    outputs = {"pool": pool, "block": P(), "keys": P(), "step_in_block": P()}
+
+    def local(params, pool, stream):
+        return run_phase_call(module, params, plan, pool, stream, axis)
+
+    program = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(params, pool, None if not plan.stream else P()),
+        out_specs=outputs,
+        check_vma=False,
+    )
+    return jax.jit(program, donate_argnums=(1,))
+
+
+def place_stream(model: Any, stream: Stream) -> Stream:
+    """A host stream on the model's devices (whole on every device of a mesh)."""
+    if model.mesh is None:
+        return jax.tree.map(jnp.asarray, stream)
+    replicated = NamedSharding(model.mesh, P())
+    return jax.tree.map(lambda a: jax.device_put(a, replicated), stream)

@@ -1,0 +1,364 @@
+"""The phase-multiplexed scheduler (`--scheduler phase`): device calls of one forward
+each, mixing some rows' refreshes with every other row's cached step (`djax.phase`).
+
+Every running row owns a slot of the device `Pool`, which keeps its K/V between calls.
+A row is either *stepping* (its block is on the device and takes a cached step each call)
+or *pending* (it has just been admitted, or the host has read its finished block and it
+has blocks left): pending rows refresh in the next call, first come first served, as many
+as the call's budget of refresh tokens takes (a refresh row costs its sequence, and every
+slot's step its block: `ServeConfig.phase_tokens` bounds the two together). A refresh
+decodes its block's first step; the row then steps until its block holds no mask.
+
+The engine queues a call before it reads the one before, so the device never waits for
+the host; a row whose block ends in a call takes one idle step in the next (the host
+learns of it only then), and refreshes in the one after. Every program (the steps-only
+call and each stream size of `stream_sizes`, in each served sampling variant) is compiled
+before the engine reports ready; the pool and the largest call must fit the memory
+budget, or the engine refuses to start, naming the sizes.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import jax
+
+from djax import phase
+from djax.serving import memory
+from djax.serving.engine import STALL_SECONDS, ServingEngine, _mib, _Row
+from djax.serving.requests import Failed
+
+log = logging.getLogger("djax.serve")
+
+# Compiled sizes below the largest refresh stream and pool span: the largest halved this
+# many times (a call takes the smallest stream that holds its refresh rows, and the
+# smallest span that holds its stepping rows).
+HALVINGS = 2
+
+
+def halvings(largest: int, block_length: int) -> tuple[int, ...]:
+    """`largest` and its halves (`HALVINGS` of them, each rounded up to whole blocks and
+    at least two blocks), ascending: the refresh streams compiled, and the pool spans the
+    cached steps attend to."""
+    sizes = {largest}
+    size = largest
+    for _ in range(HALVINGS):
+        size = max(2 * block_length, block_length * math.ceil(size / 2 / block_length))
+        sizes.add(size)
+    return tuple(sorted(sizes))
+
+
+@dataclasses.dataclass
+class _PhaseCall:
+    """A queued phase call: its index, outputs and the rows it refreshed; when it was
+    queued and when the host last saw it running."""
+
+    index: int
+    out: dict
+    refreshed: list[_Row]
+    queued: float
+    seen_running: float
+
+    @property
+    def running(self) -> bool:
+        return not self.out["block"].is_ready()
+
+
+class PhaseEngine(ServingEngine):
+    """The engine of the `phase` scheduler (see the module docstring)."""
+
+    def __init__(self, model, config, metrics):
+        super().__init__(model, config, metrics)
+        cfg = model.config
+        if cfg.block_diffusion:
+            raise ValueError(
+                f"scheduler='phase' serves bidirectional dLLMs; {cfg.family} decodes by block "
+                "diffusion: use the continuous scheduler"
+            )
+        g = config.generation
+        if g.decoder not in phase.PHASE_DECODERS:
+            raise ValueError(
+                f"decoder={g.decoder!r} is not available to the phase scheduler; expected one "
+                f"of {phase.PHASE_DECODERS}"
+            )
+        if g.attention_sparsity < 1:
+            raise ValueError(
+                f"attention_sparsity={g.attention_sparsity} is not available to the phase "
+                "scheduler; expected 1.0"
+            )
+        if g.cache != "dual":
+            raise ValueError(f"cache={g.cache!r}; the phase scheduler keeps a dual cache")
+        phase.check_mesh(model.mesh)
+        self.pool_len = self.seq_buckets[-1]
+        slots, block = config.max_batch, self.block_length
+        budget = config.phase_tokens or 2 * self.pool_len + slots * block
+        largest = budget - slots * block
+        if largest < self.pool_len:
+            raise ValueError(
+                f"phase_tokens={budget}: every call's steps take {slots * block} tokens "
+                f"(max_batch {slots} × block {block}), which leaves {largest} refresh tokens, "
+                f"fewer than the longest row ({self.pool_len}); expected at least "
+                f"{slots * block + self.pool_len}"
+            )
+        self.streams = halvings(largest, block)
+        self.spans = halvings(self.pool_len, block)
+        self._pool: phase.Pool | None = None
+        self._plans: dict[tuple[int, int, bool], phase.PhasePlan] = {}
+        self._programs: dict[tuple[int, int, bool], Any] = {}
+        self._pending: collections.deque[_Row] = collections.deque()
+        self._stepping: dict[int, _Row] = {}  # slot -> row
+        self._since: dict[int, int] = {}  # id(row) -> the call that refreshed it
+        self._phase_calls: collections.deque[_PhaseCall] = collections.deque()
+        self._next_call = 0
+        self._last_read = 0.0  # when the host last finished waiting for a call
+
+    # ------------------------------------------------------------ programs
+
+    def _plan(self, stream: int, span: int, sampling: bool) -> phase.PhasePlan:
+        g, cfg, block = self.config.generation, self.model.config, self.block_length
+        return phase.PhasePlan(
+            slots=self.config.max_batch,
+            pool_len=self.pool_len,
+            stream=stream,
+            refresh_rows=max(1, min(self.config.max_batch, stream // (4 * block))),
+            block_len=block,
+            steps_per_block=self.config.steps_per_block,
+            decoder=g.decoder_spec(),
+            mask_id=cfg.mask_token_id,
+            sampling=sampling,
+            keys_len=span,
+        )
+
+    def _empty_pool(self) -> phase.Pool:
+        cfg = self.model.config
+        plan = self._plan(0, self.pool_len, False)
+        pool = phase.empty_pool(
+            plan, (cfg.n_kv_heads, cfg.head_dim), cfg.n_layers, self.model.dtype, cfg.pad_token_id
+        )
+        return phase.place_pool(self.model, pool)
+
+    def _stream_arrays(self, plan: phase.PhasePlan, rows: list[_Row]) -> Any:
+        refreshes = [self._refresh(row) for row in rows]
+        return phase.place_stream(
+            self.model, phase.pack_stream(plan, refreshes, self.model.config.pad_token_id)
+        )
+
+    def _refresh(self, row: _Row) -> phase.Refresh:
+        """A pending row laid out at its next block: the block first, then its context and
+        later answer positions."""
+        context = row.context
+        later = row.answer_length - len(row.committed) - self.block_length
+        arrays = self.layout.arrays(1, row.sequence)
+        self.layout.fill(arrays, 0, context, later)
+        return phase.Refresh(
+            row.slot,
+            arrays["tokens"][0],
+            arrays["positions"][0],
+            row.keys,
+            row.threshold,
+            row.request.temperature,
+        )
+
+    def _warm_up(self) -> None:
+        """Compile every phase program (stream 0 and each stream size, with each pool span,
+        in each sampling variant; several at a time: tracing holds the GIL, XLA's compiler
+        does not) and check that the pool and the largest call fit the memory budget."""
+        start = time.perf_counter()
+        self._pool = self._empty_pool()
+        pool_bytes = memory.weight_bytes(self._pool)
+        shapes = [
+            (stream, span, sampling)
+            for sampling in self.memory.variants
+            for stream in (0, *self.streams)
+            for span in self.spans
+        ]
+
+        def compile_one(shape: tuple[int, int, bool]) -> int | None:
+            plan = self._plan(*shape)
+            kernels = phase.phase_kernels(self.model, plan)
+            program = phase.phase_program(self.model, plan, kernels)
+            stream = self._stream_arrays(plan, []) if plan.stream else None
+            compiled = program.lower(self.model.params, self._pool, stream).compile()
+            self.metrics.compiles.inc()
+            self._plans[shape], self._programs[shape] = plan, compiled
+            return memory.analysed_call_bytes(compiled, self._weight_bytes)
+
+        workers = max(1, min(len(shapes), (os.cpu_count() or 2) // 2, 8))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            analysed = [n for n in pool.map(compile_one, shapes) if n is not None]
+        largest = max(analysed, default=0)
+        self._measured = True
+        if self.memory.limit is not None and max(largest, pool_bytes) > self.memory.limit:
+            raise ValueError(
+                f"the phase scheduler's pool ({self.config.max_batch} slots of "
+                f"{self.pool_len} positions: {_mib(pool_bytes)}) and its largest call "
+                f"({_mib(largest)} with the pool) exceed the memory budget of "
+                f"{_mib(self.memory.limit)} beside the weights ({_mib(self._weight_bytes)}); "
+                "lower --max-batch, --max-seq-len or --phase-tokens, or raise "
+                "--memory-fraction"
+            )
+        self.metrics.call_bytes.set(max(largest, pool_bytes))
+        log.info(
+            "compiled %d phase programs (streams %s, spans %s, pool %d × %d: %s) in %.1f s",
+            len(self._programs),
+            self.streams,
+            self.spans,
+            self.config.max_batch,
+            self.pool_len,
+            _mib(pool_bytes),
+            time.perf_counter() - start,
+        )
+
+    def _fits(self, rows: list[_Row]) -> bool:
+        """Every row of the served length fits: the pool holds it (`submit` checks it)."""
+        return True
+
+    # ------------------------------------------------------------ the loop
+
+    def _serve(self) -> None:
+        """Queue a call (every slot's step and the pending rows' refreshes), then read the
+        call before it while the device runs this one."""
+        while True:
+            with self._lock:
+                self._admit()
+                working = bool(self._stepping or self._pending)
+                if not working and not self._phase_calls:
+                    if not self._wait_for_work():
+                        return
+                    continue
+            if working:
+                self._dispatch_phase()
+                if len(self._phase_calls) > 1:
+                    self._read_phase(self._phase_calls.popleft())
+            else:
+                self._read_phase(self._phase_calls.popleft())
+
+    def _admit(self) -> None:
+        """Free the slots of finished and cancelled rows, and give free slots to waiting
+        rows, first come first served (lock held)."""
+        running = []
+        for row in self._running:
+            if row.cancelled or row.done:
+                self._free_slots.append(row.slot)
+                self._stepping.pop(row.slot, None)
+                if row in self._pending:
+                    self._pending.remove(row)
+            else:
+                running.append(row)
+        for row in self._take_waiting(self.config.max_batch - len(running)):
+            row.slot = self._free_slots.pop()
+            running.append(row)
+            self._pending.append(row)
+        self._running = running
+        self.metrics.running_rows.set(len(running))
+
+    def _take_refreshes(self) -> tuple[int, list[_Row]]:
+        """The pending rows this call refreshes, first come first served while they fit the
+        largest stream and its rows, and the smallest stream that holds them (0: none)."""
+        rows, tokens = [], 0
+        largest = self._plans[self.streams[-1], self.pool_len, False]
+        while self._pending and len(rows) < largest.refresh_rows:
+            row = self._pending[0]
+            if tokens + row.sequence > self.streams[-1]:
+                break
+            rows.append(self._pending.popleft())
+            tokens += row.sequence
+        if not rows:
+            return 0, []
+        stream = next(s for s in self.streams if s >= tokens)
+        if len(rows) > self._plans[stream, self.pool_len, False].refresh_rows:
+            stream = self.streams[-1]
+        return stream, rows
+
+    def _dispatch_phase(self) -> None:
+        with self._lock:
+            stream, rows = self._take_refreshes()
+        stepping = list(self._stepping.values())
+        sampling = any(r.request.temperature > 0 for r in [*rows, *stepping])
+        longest = max((r.sequence for r in stepping), default=0)
+        span = next(s for s in self.spans if s >= longest)
+        plan = self._plans[stream, span, sampling]
+        program = self._programs[stream, span, sampling]
+        last = self._phase_calls[-1] if self._phase_calls else None
+        try:
+            args = self._stream_arrays(plan, rows) if stream else None
+            queued = time.perf_counter()
+            out = program(self.model.params, self._pool, args)
+        except Exception as err:  # the call failed: its rows fail, the server goes on
+            self._fail_rows(rows, err)
+            return
+        self._pool = out["pool"]
+        index = self._next_call
+        self._next_call += 1
+        for row in rows:
+            self._since[id(row)] = index
+            self._stepping[row.slot] = row
+        if last is not None:  # the device waited at most since the host saw `last` running
+            gap = 0.0 if last.running else queued - last.seen_running
+            self.metrics.host_gap.observe(gap)
+            if gap > STALL_SECONDS:
+                log.info("the device waited up to %.0f ms for the host", 1e3 * gap)
+        self._phase_calls.append(_PhaseCall(index, out, rows, queued, queued))
+
+    def _read_phase(self, call: _PhaseCall) -> None:
+        """Wait for a call, commit the blocks it finished and send their events."""
+        for later in self._phase_calls:
+            if later.running:
+                later.seen_running = time.perf_counter()
+        try:
+            block, keys, steps = jax.device_get(
+                (call.out["block"], call.out["keys"], call.out["step_in_block"])
+            )
+        except Exception as err:
+            self._fail_rows([*call.refreshed, *self._stepping.values()], err)
+            self._restart()
+            return
+        ended = time.perf_counter()  # the device ran it after the call before it ended
+        seconds = ended - max(call.queued, self._last_read)
+        self._last_read = ended
+        self.metrics.block_call.observe(seconds)
+        self._calls += 1
+        self._call_seconds += seconds
+        events = []
+        mask_id = self.model.config.mask_token_id
+        with self._lock:
+            for slot, row in list(self._stepping.items()):
+                if self._since.get(id(row), math.inf) > call.index or row.cancelled or row.done:
+                    continue
+                if (block[slot] == mask_id).any():
+                    if steps[slot] > self.block_length:
+                        del self._stepping[slot]
+                        row.done = True
+                        stalled = Failed(
+                            "the block stalled with masks left: the model's logits are not "
+                            "finite (check the weights and dtype for NaN/inf)"
+                        )
+                        events.append((row, stalled))
+                    continue
+                del self._stepping[slot]
+                self._since.pop(id(row), None)
+                row.keys = keys[slot]
+                events += self._block_events(row, block[slot].tolist())
+                if not row.done and len(row.committed) < row.answer_length:
+                    self._pending.append(row)
+        self._send(events)
+        self._note_memory()
+
+    def _restart(self) -> None:
+        """After a failed call: every queued call fed on its pool, so the pool starts anew
+        and every running row fails (their K/V are gone)."""
+        self._phase_calls.clear()
+        with self._lock:
+            for row in self._running:
+                if not row.done:
+                    self._finish(row, Failed("a device call failed; the pool was reset"))
+            self._stepping.clear()
+            self._pending.clear()
+        self._pool = self._empty_pool()
