@@ -109,8 +109,10 @@ class Stream(NamedTuple):
     (its block first) one after the other, then padding; row: [stream] int32, the refresh
     row each token belongs to (`refresh_rows` on padding); column: [stream] int32, its
     position in its slot's pool row; start: [refresh_rows] int32, where each row begins;
-    slot: [refresh_rows] int32, its slot (≥ slots: no row); keys [refresh_rows, 2] uint32,
-    threshold and temperature [refresh_rows] fp32."""
+    slot: [refresh_rows] int32, its slot (≥ slots: no row); carry_at: [refresh_rows] int32,
+    where in the stream the row's last decoded block goes, taken with the row's keys from
+    its slot (the host may not have read them yet), or -1 (a new row: the host's tokens and
+    keys); keys [refresh_rows, 2] uint32, threshold and temperature [refresh_rows] fp32."""
 
     tokens: Array
     positions: Array
@@ -118,6 +120,7 @@ class Stream(NamedTuple):
     column: Array
     start: Array
     slot: Array
+    carry_at: Array
     keys: Array
     threshold: Array
     temperature: Array
@@ -125,11 +128,14 @@ class Stream(NamedTuple):
 
 class Refresh(NamedTuple):
     """One row entering a block, on the host: its layout (`layout.RowLayout.fill` of one
-    row: block first, then context and later answer positions) and per-row values."""
+    row: block first, then context and later answer positions), where in it the row's last
+    decoded block goes (-1: a new row; else the block and the keys come from its slot) and
+    per-row values."""
 
     slot: int
     tokens: np.ndarray
     positions: np.ndarray
+    carry_at: int
     keys: np.ndarray
     threshold: float
     temperature: float
@@ -179,6 +185,7 @@ def pack_stream(plan: PhasePlan, rows: list[Refresh], pad_id: int) -> Stream:
     column = np.full(n, plan.pool_len, np.int32)
     start = np.zeros(r_max, np.int32)
     slot = np.full(r_max, plan.slots, np.int32)
+    carry_at = np.full(r_max, -1, np.int32)
     keys = np.zeros((r_max, 2), np.uint32)
     threshold = np.ones(r_max, np.float32)
     temperature = np.zeros(r_max, np.float32)
@@ -195,46 +202,47 @@ def pack_stream(plan: PhasePlan, rows: list[Refresh], pad_id: int) -> Stream:
         row[at : at + length] = i
         column[at : at + length] = np.arange(length)
         start[i], slot[i], keys[i] = at, r.slot, r.keys
+        carry_at[i] = -1 if r.carry_at < 0 else at + r.carry_at
         threshold[i], temperature[i] = r.threshold, r.temperature
         at += length
-    return Stream(tokens, positions, row, column, start, slot, keys, threshold, temperature)
+    return Stream(
+        tokens, positions, row, column, start, slot, carry_at, keys, threshold, temperature
+    )
 
 
 def run_phase_call(
     module: TransformerLM,
     params: dict,
     plan: PhasePlan,
+    kernels: PhaseKernels,
     pool: Pool,
     stream: Stream | None,
     axis_name: str | None = None,
 ) -> dict[str, Any]:
     """One phase call: the stream's rows refresh into their slots and decode their block's
     first step; every other slot with masks left takes a cached step. Returns the new
-    `pool` and, for the host, each slot's `block` [slots, block_len], `keys` [slots, 2] and
-    `step_in_block` [slots] after the call."""
-    slots, block, span = plan.slots, plan.block_len, plan.step_keys
+    `pool` and, for the host, each slot's `block` [slots, block_len] and `step_in_block`
+    [slots] after the call."""
+    slots, block = plan.slots, plan.block_len
     apply = lambda *a, **k: module.apply({"params": params}, *a, **k)  # noqa: E731
-    step_group = AttentionGroup(pool.positions, pool.key_valid[:, :span], Window(start=0))
+    step_group = AttentionGroup(
+        pool.positions, pool.key_valid, Window(start=0), kernels.steps, plan.step_keys
+    )
     x = apply(pool.block, method="embed").reshape(1, slots * block, -1)
-    step_kv = tuple((keys[:, :span], values[:, :span]) for keys, values in pool.kv)
-    groups, kv = (step_group,), tuple((layer,) for layer in step_kv)
+    # Every slot's block K/V are written at the front of its pool row, in place.
+    groups, kv = (step_group,), tuple((layer,) for layer in pool.kv)
     if stream is not None:
+        stream = _carry_in(stream, pool, plan)
         r_max = plan.refresh_rows
         own = (stream.row[:, None] == stream.row[None, :]) & (stream.row < r_max)[None, :]
-        refresh_group = AttentionGroup(stream.positions[None], own[None])
+        refresh_group = AttentionGroup(stream.positions[None], own[None], attention=kernels.stream)
         x = jnp.concatenate([apply(stream.tokens[None], method="embed"), x], axis=1)
         groups = (refresh_group, step_group)
-        kv = tuple((None, layer) for layer in step_kv)
+        kv = tuple((None, layer) for layer in pool.kv)
     hidden, new_kv = apply(x, groups, kv, method="forward_groups")
     hidden = hidden[0]
     step_hidden = hidden[-slots * block :].reshape(slots, block, -1)
-    pool_kv = tuple(  # the steps' block K/V, at the front of every slot's row
-        (
-            keys.at[:, :block].set(layer[-1][0][:, :block]),
-            values.at[:, :block].set(layer[-1][1][:, :block]),
-        )
-        for (keys, values), layer in zip(pool.kv, new_kv, strict=True)
-    )
+    pool_kv = tuple(layer[-1] for layer in new_kv)
 
     refreshing = jnp.zeros(slots, bool)
     rows = _RowState(
@@ -282,12 +290,19 @@ def run_phase_call(
         merge(decoded.step_in_block),
         merge(rows.block_masks),
     )
-    return {
-        "pool": new_pool,
-        "block": new_pool.block,
-        "keys": new_pool.keys,
-        "step_in_block": new_pool.step_in_block,
-    }
+    return {"pool": new_pool, "block": new_pool.block, "step_in_block": new_pool.step_in_block}
+
+
+def _carry_in(stream: Stream, pool: Pool, plan: PhasePlan) -> Stream:
+    """The stream with each carried row's last block (from its slot) written at its
+    `carry_at`, and its keys taken from its slot."""
+    carried = stream.carry_at >= 0
+    slot = jnp.minimum(stream.slot, plan.slots - 1)
+    columns = stream.carry_at[:, None] + jnp.arange(plan.block_len, dtype=jnp.int32)
+    columns = jnp.where(carried[:, None], columns, plan.stream)  # out of range: not written
+    tokens = stream.tokens.at[columns].set(pool.block[slot], mode="drop")
+    keys = jnp.where(carried[:, None], pool.keys[slot], stream.keys)
+    return stream._replace(tokens=tokens, keys=keys)
 
 
 class _RowState(NamedTuple):
@@ -376,11 +391,36 @@ def _decode(
     )
 
 
-def phase_kernels(model: Any, plan: PhasePlan) -> KernelChoice:
-    """The kernel choice of a phase program: the model's options resolved for one forward
-    over every row of the call (the stream's tokens and every slot's block)."""
+@dataclasses.dataclass(frozen=True)
+class PhaseKernels:
+    """The kernel choice of a phase program, made once. products: the choice whose
+    whole-sequence paths every product of the mixed forward takes (its weight format is
+    the params'); steps: how the cached steps attend to the pool (`attend`'s impl); stream:
+    how the refresh stream attends (each row to its own tokens: a per-query mask)."""
+
+    products: KernelChoice
+    steps: str
+    stream: str
+
+    def explain(self) -> str:
+        return (
+            f"{self.products.explain()}\nphase attention: steps={self.steps}, stream={self.stream}"
+        )
+
+
+def phase_kernels(model: Any, plan: PhasePlan) -> PhaseKernels:
+    """The model's kernel options resolved for a phase program: its products as one forward
+    over every row of the call (the stream's tokens and every slot's block); the steps'
+    attention as a block forward of `slots` rows against `step_keys` positions; the stream's
+    cuDNN's on a GPU in a 16-bit dtype unless `attention_impl` says `xla` (a per-query mask
+    is what neither XLA's fused paths nor djax's kernel take), else XLA's."""
     rows = plan.stream + plan.slots * plan.block_len
-    return model.kernel_choice(Shapes.whole_sequence(1, rows))
+    products = model.kernel_choice(Shapes.whole_sequence(1, rows))
+    steps = model.kernel_choice(Shapes(plan.slots, plan.block_len, plan.step_keys, plan.block_len))
+    gpu = programs.device_of(model.mesh).platform == "gpu"
+    half = jnp.dtype(model.dtype).itemsize == 2
+    cudnn = gpu and half and model.options.attention_impl != "xla"
+    return PhaseKernels(products, steps.block.layers.attention, "cudnn" if cudnn else "xla")
 
 
 def check_mesh(mesh: Any) -> None:
@@ -413,26 +453,26 @@ def place_pool(model: Any, pool: Pool) -> Pool:
     )
 
 
-def phase_program(model: Any, plan: PhasePlan, kernels: KernelChoice) -> Any:
+def phase_program(model: Any, plan: PhasePlan, kernels: PhaseKernels) -> Any:
     """`run_phase_call` for `model` and `plan` following `kernels`, jitted, the pool
     donated: `(params, pool, stream) -> outputs` (`stream` None when `plan.stream` is 0).
     On a mesh it is one `shard_map`, its pool kept in `pool_specs`."""
     check_mesh(model.mesh)
-    module = programs.local_module(model.config, model.dtype, kernels, model.mesh)
+    module = programs.local_module(model.config, model.dtype, kernels.products, model.mesh)
     if model.mesh is None:
 
         def program(params, pool, stream):
-            return run_phase_call(module, params, plan, pool, stream)
+            return run_phase_call(module, params, plan, kernels, pool, stream)
 
         return jax.jit(program, donate_argnums=(1,))
     mesh = model.mesh
     axis = sharding.model_axis(mesh)
-    params = sharding.param_specs(model.config, model.dtype, mesh, kernels.weights)
+    params = sharding.param_specs(model.config, model.dtype, mesh, kernels.products.weights)
     pool = pool_specs(model.config.n_layers, mesh)
-    outputs = {"pool": pool, "block": P(), "keys": P(), "step_in_block": P()}
+    outputs = {"pool": pool, "block": P(), "step_in_block": P()}
 
     def local(params, pool, stream):
-        return run_phase_call(module, params, plan, pool, stream, axis)
+        return run_phase_call(module, params, plan, kernels, pool, stream, axis)
 
     program = jax.shard_map(
         local,

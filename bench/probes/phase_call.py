@@ -43,7 +43,13 @@ def refreshes(layout: RowLayout, slots: list[int]) -> list[phase.Refresh]:
         layout.fill(arrays, 0, np.arange(10, 10 + ROW - 2 * BLOCK, dtype=np.int32), BLOCK)
         rows.append(
             phase.Refresh(
-                slot, arrays["tokens"][0], arrays["positions"][0], row_keys(slot, 1)[0], 0.9, 0.0
+                slot,
+                arrays["tokens"][0],
+                arrays["positions"][0],
+                -1,
+                row_keys(slot, 1)[0],
+                0.9,
+                0.0,
             )
         )
     return rows

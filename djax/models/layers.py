@@ -117,23 +117,33 @@ jax.tree_util.register_dataclass(
 )
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionGroup:
     """One group of a mixed forward (`TransformerLM.forward_groups`): `b` windows of `t`
     rows whose products run with the other groups' rows while they attend on their own.
 
     positions: [b, t] RoPE positions; key_valid: [b, seq] or [b, t, seq] (each row's own
-    keys); window: where the rows sit in the group's K/V buffers (ignored without them).
+    keys); window: where the rows sit in the group's K/V buffers (ignored without them);
+    attention: how the group attends (`attend`'s impl); keys: attend to the first `keys`
+    positions of the buffers only (None: all of them; the window's K/V must lie within).
     """
 
     positions: Array
     key_valid: Array
     window: Window = Window()
+    attention: str = "xla"
+    keys: int | None = None
 
     @property
     def rows(self) -> int:
         return self.positions.shape[0] * self.positions.shape[1]
+
+
+jax.tree_util.register_dataclass(
+    AttentionGroup,
+    data_fields=["positions", "key_valid", "window"],
+    meta_fields=["attention", "keys"],
+)
 
 
 def rms_norm(x: Array, scale: Array, eps: float) -> Array:
@@ -334,8 +344,8 @@ class Attention(nn.Module):
 
         `groups` (a mixed forward): x is [1, T, model], the rows of every group one after the
         other; `kv` holds each group's buffers (or None); the q/k/v and output products run
-        on all T rows, RoPE, the K/V write and attention per group in XLA. Returns the output
-        [1, T, model] and each group's K/V."""
+        on all T rows, RoPE and the K/V write per group in XLA, attention per group as the
+        group says. Returns the output [1, T, model] and each group's K/V."""
         cfg = self.config
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
@@ -385,8 +395,12 @@ class Attention(nn.Module):
                     cfg.rope_theta,
                     cfg.rope_dim,
                 )
-                outs.append(attend(q, keys, values, group.key_valid).reshape(1, b * t, -1))
                 group_kv.append((keys, values))
+                valid, span = group.key_valid, group.keys or keys.shape[1]
+                out = attend(
+                    q, keys[:, :span], values[:, :span], valid[..., :span], group.attention
+                )
+                outs.append(out.reshape(1, b * t, -1))
             out = jnp.concatenate(outs, axis=1)
             out_kernel = fp8.matrix(out_kernel, out.shape[-1], cfg.d_model)
             y = _sum_over(project(out, out_kernel, out_impl, kernels.fp8), self.axis_name)
@@ -643,15 +657,13 @@ class TransformerLM(nn.Module):
         per layer, each group's buffers [b, seq, kv_heads, head_dim] (the window's K/V are
         written into them) or None (the group is a whole sequence: its K/V are returned
         fresh). Returns the final-norm hidden states [1, T, model] and per layer each
-        group's K/V. The forward takes `kernels.refresh`'s products; RoPE, the K/V writes
-        and attention run in XLA.
+        group's K/V. The forward takes `kernels.refresh`'s products; RoPE and the K/V
+        writes run in XLA, each group's attention as the group says.
         """
         total = sum(g.rows for g in groups)
         if x.shape[:2] != (1, total):
             raise ValueError(f"x has shape {x.shape}; expected (1, {total}, model)")
-        layer = dataclasses.replace(
-            self.kernels.refresh.layers, attention="xla", rope="xla", norm_into_mlp="no"
-        )
+        layer = dataclasses.replace(self.kernels.refresh.layers, rope="xla", norm_into_mlp="no")
         if layer.qkv == "rope":
             layer = dataclasses.replace(layer, qkv="mosaic")
         n_layers = self.config.n_layers

@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 from djax import phase
 from djax.serving import memory
@@ -53,6 +54,21 @@ def halvings(largest: int, block_length: int) -> tuple[int, ...]:
         size = max(2 * block_length, block_length * math.ceil(size / 2 / block_length))
         sizes.add(size)
     return tuple(sorted(sizes))
+
+
+@dataclasses.dataclass
+class _RowState:
+    """A running row's blocks on the device. started: blocks refreshed so far; since: the
+    call that refreshed its current block (None before its first); ends: the calls whose
+    outputs hold a block of it that the host has not read, with that block's index, in
+    order (a fixed-steps block's end is known when it is refreshed; others' are found by
+    reading); decoding: its current block is still being decoded (as far as the host
+    knows)."""
+
+    started: int = 0
+    since: int | None = None
+    ends: collections.deque = dataclasses.field(default_factory=collections.deque)
+    decoding: bool = False
 
 
 @dataclasses.dataclass
@@ -112,9 +128,14 @@ class PhaseEngine(ServingEngine):
         self._pool: phase.Pool | None = None
         self._plans: dict[tuple[int, int, bool], phase.PhasePlan] = {}
         self._programs: dict[tuple[int, int, bool], Any] = {}
-        self._pending: collections.deque[_Row] = collections.deque()
-        self._stepping: dict[int, _Row] = {}  # slot -> row
-        self._since: dict[int, int] = {}  # id(row) -> the call that refreshed it
+        self._pending: collections.deque[_Row] = collections.deque()  # to refresh, in order
+        self._states: dict[int, _RowState] = {}  # id(row) -> where its blocks stand
+        # Fixed-steps decoders finish a block in a known number of calls: its refresh's,
+        # then a step a call (`djax.phase`); other decoders' ends are read from the calls.
+        g = config.generation
+        self._block_calls = (
+            min(self.config.steps_per_block, block) if g.decoder_spec().fixed_steps else None
+        )
         self._phase_calls: collections.deque[_PhaseCall] = collections.deque()
         self._next_call = 0
         self._last_read = 0.0  # when the host last finished waiting for a call
@@ -151,16 +172,28 @@ class PhaseEngine(ServingEngine):
         )
 
     def _refresh(self, row: _Row) -> phase.Refresh:
-        """A pending row laid out at its next block: the block first, then its context and
-        later answer positions."""
-        context = row.context
-        later = row.answer_length - len(row.committed) - self.block_length
+        """A row laid out at its next block: the block first, then its context and later
+        answer positions. After its first block, the last block decoded comes from its slot
+        with its keys (`phase.Stream.carry_at`): the host may not have read it yet."""
+        state, block = self._states[id(row)], self.block_length
+        prompt = np.asarray(row.request.prompt_ids, np.int32)
+        decoded = state.started * block  # answer tokens decoded before this block
+        carry_at = -1
+        if state.started:
+            known = np.asarray(row.committed[: decoded - block], np.int32)
+            placeholder = np.full(block, self.layout.mask_id, np.int32)
+            context = np.concatenate([prompt, known, placeholder])
+            carry_at = len(context)  # the layout's block, then the context: its last block
+        else:
+            context = prompt
+        later = row.answer_length - decoded - block
         arrays = self.layout.arrays(1, row.sequence)
         self.layout.fill(arrays, 0, context, later)
         return phase.Refresh(
             row.slot,
             arrays["tokens"][0],
             arrays["positions"][0],
+            carry_at,
             row.keys,
             row.threshold,
             row.request.temperature,
@@ -223,12 +256,16 @@ class PhaseEngine(ServingEngine):
     # ------------------------------------------------------------ the loop
 
     def _serve(self) -> None:
-        """Queue a call (every slot's step and the pending rows' refreshes), then read the
-        call before it while the device runs this one."""
+        """Queue a call (every slot's step and the refreshes that fit), then read the call
+        before it while the device runs this one."""
         while True:
             with self._lock:
                 self._admit()
-                working = bool(self._stepping or self._pending)
+                working = any(
+                    state.decoding or state.started * self.block_length < row.answer_length
+                    for row in self._running
+                    if (state := self._states[id(row)])
+                )
                 if not working and not self._phase_calls:
                     if not self._wait_for_work():
                         return
@@ -241,13 +278,14 @@ class PhaseEngine(ServingEngine):
                 self._read_phase(self._phase_calls.popleft())
 
     def _admit(self) -> None:
-        """Free the slots of finished and cancelled rows, and give free slots to waiting
-        rows, first come first served (lock held)."""
+        """Free the slots of finished and cancelled rows, give free slots to waiting rows,
+        first come first served, and queue for refresh the rows whose block has ended
+        (lock held)."""
         running = []
         for row in self._running:
             if row.cancelled or row.done:
                 self._free_slots.append(row.slot)
-                self._stepping.pop(row.slot, None)
+                self._states.pop(id(row), None)
                 if row in self._pending:
                     self._pending.remove(row)
             else:
@@ -255,9 +293,18 @@ class PhaseEngine(ServingEngine):
         for row in self._take_waiting(self.config.max_batch - len(running)):
             row.slot = self._free_slots.pop()
             running.append(row)
+            self._states[id(row)] = _RowState()
             self._pending.append(row)
         self._running = running
         self.metrics.running_rows.set(len(running))
+        now = self._next_call
+        for row in running:
+            state = self._states[id(row)]
+            if state.decoding and state.ends and state.ends[-1][0] < now:
+                state.decoding = False  # its block ended in a queued call
+            more = state.started * self.block_length < row.answer_length
+            if not state.decoding and more and state.since is not None and row not in self._pending:
+                self._pending.append(row)
 
     def _take_refreshes(self) -> tuple[int, list[_Row]]:
         """The pending rows this call refreshes, first come first served while they fit the
@@ -278,9 +325,11 @@ class PhaseEngine(ServingEngine):
         return stream, rows
 
     def _dispatch_phase(self) -> None:
+        index = self._next_call
         with self._lock:
             stream, rows = self._take_refreshes()
-        stepping = list(self._stepping.values())
+            stepping = [r for r in self._running if self._states[id(r)].decoding and r not in rows]
+            refreshes = [self._refresh(r) for r in rows]
         sampling = any(r.request.temperature > 0 for r in [*rows, *stepping])
         longest = max((r.sequence for r in stepping), default=0)
         span = next(s for s in self.spans if s >= longest)
@@ -288,18 +337,24 @@ class PhaseEngine(ServingEngine):
         program = self._programs[stream, span, sampling]
         last = self._phase_calls[-1] if self._phase_calls else None
         try:
-            args = self._stream_arrays(plan, rows) if stream else None
+            packed = None
+            if stream:
+                packed = phase.pack_stream(plan, refreshes, self.model.config.pad_token_id)
+                packed = phase.place_stream(self.model, packed)
             queued = time.perf_counter()
-            out = program(self.model.params, self._pool, args)
-        except Exception as err:  # the call failed: its rows fail, the server goes on
+            out = program(self.model.params, self._pool, packed)
+        except Exception as err:  # the call failed before it ran: its rows fail
             self._fail_rows(rows, err)
             return
         self._pool = out["pool"]
-        index = self._next_call
         self._next_call += 1
-        for row in rows:
-            self._since[id(row)] = index
-            self._stepping[row.slot] = row
+        with self._lock:
+            for row in rows:
+                state = self._states[id(row)]
+                state.started += 1
+                state.since, state.decoding = index, True
+                if self._block_calls is not None:
+                    state.ends.append((index + self._block_calls - 1, state.started - 1))
         if last is not None:  # the device waited at most since the host saw `last` running
             gap = 0.0 if last.running else queued - last.seen_running
             self.metrics.host_gap.observe(gap)
@@ -308,17 +363,14 @@ class PhaseEngine(ServingEngine):
         self._phase_calls.append(_PhaseCall(index, out, rows, queued, queued))
 
     def _read_phase(self, call: _PhaseCall) -> None:
-        """Wait for a call, commit the blocks it finished and send their events."""
+        """Wait for a call, commit the blocks that ended in it and send their events."""
         for later in self._phase_calls:
             if later.running:
                 later.seen_running = time.perf_counter()
         try:
-            block, keys, steps = jax.device_get(
-                (call.out["block"], call.out["keys"], call.out["step_in_block"])
-            )
+            block, steps = jax.device_get((call.out["block"], call.out["step_in_block"]))
         except Exception as err:
-            self._fail_rows([*call.refreshed, *self._stepping.values()], err)
-            self._restart()
+            self._restart(err)
             return
         ended = time.perf_counter()  # the device ran it after the call before it ended
         seconds = ended - max(call.queued, self._last_read)
@@ -329,36 +381,38 @@ class PhaseEngine(ServingEngine):
         events = []
         mask_id = self.model.config.mask_token_id
         with self._lock:
-            for slot, row in list(self._stepping.items()):
-                if self._since.get(id(row), math.inf) > call.index or row.cancelled or row.done:
+            for row in list(self._running):
+                state = self._states.get(id(row))
+                if state is None or row.cancelled or row.done or state.since is None:
                     continue
-                if (block[slot] == mask_id).any():
-                    if steps[slot] > self.block_length:
-                        del self._stepping[slot]
-                        row.done = True
-                        stalled = Failed(
-                            "the block stalled with masks left: the model's logits are not "
-                            "finite (check the weights and dtype for NaN/inf)"
-                        )
-                        events.append((row, stalled))
-                    continue
-                del self._stepping[slot]
-                self._since.pop(id(row), None)
-                row.keys = keys[slot]
-                events += self._block_events(row, block[slot].tolist())
-                if not row.done and len(row.committed) < row.answer_length:
-                    self._pending.append(row)
+                if self._block_calls is None and state.decoding and state.since <= call.index:
+                    if (block[row.slot] == mask_id).any():
+                        if steps[row.slot] > self.block_length:  # no step commits: NaN logits
+                            row.done = True
+                            events.append((row, Failed(STALLED)))
+                        continue
+                    state.decoding = False
+                    state.ends.append((call.index, state.started - 1))
+                while state.ends and state.ends[0][0] == call.index and not row.done:
+                    state.ends.popleft()
+                    events += self._block_events(row, block[row.slot].tolist())
         self._send(events)
         self._note_memory()
 
-    def _restart(self) -> None:
-        """After a failed call: every queued call fed on its pool, so the pool starts anew
-        and every running row fails (their K/V are gone)."""
+    def _restart(self, err: Exception) -> None:
+        """After a call failed on the device: every call queued after it fed on its pool,
+        so the pool starts anew and every running row fails (their K/V are gone)."""
+        log.exception("a device call failed")
         self._phase_calls.clear()
         with self._lock:
             for row in self._running:
                 if not row.done:
-                    self._finish(row, Failed("a device call failed; the pool was reset"))
-            self._stepping.clear()
+                    self._finish(row, Failed(f"the device call failed: {err}"))
             self._pending.clear()
         self._pool = self._empty_pool()
+
+
+STALLED = (
+    "the block stalled with masks left: the model's logits are not finite (check the "
+    "weights and dtype for NaN/inf)"
+)
