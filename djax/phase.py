@@ -49,9 +49,7 @@ class PhasePlan:
 
     slots: the pool's rows (every slot takes a cached step each call); pool_len: K/V
     positions per slot; stream: refresh tokens this call (0: cached steps only);
-    refresh_rows: the most refresh rows a stream holds; keys_len: the pool positions the
-    cached steps attend to, `[0, keys_len)` of every slot (0: all `pool_len`): every
-    stepping row's sequence must lie within them.
+    refresh_rows: the most refresh rows a stream holds.
     """
 
     slots: int
@@ -63,11 +61,6 @@ class PhasePlan:
     decoder: DecoderSpec
     mask_id: int
     sampling: bool = False
-    keys_len: int = 0
-
-    @property
-    def step_keys(self) -> int:
-        return self.keys_len or self.pool_len
 
     def __post_init__(self):
         if self.decoder.name not in PHASE_DECODERS:
@@ -79,10 +72,6 @@ class PhasePlan:
             raise ValueError(f"refresh_rows={self.refresh_rows}; a stream needs at least 1")
         if self.pool_len <= self.block_len:
             raise ValueError(f"pool_len={self.pool_len}; expected above {self.block_len}")
-        if not self.block_len <= self.step_keys <= self.pool_len:
-            raise ValueError(
-                f"keys_len={self.keys_len}; expected {self.block_len} to {self.pool_len}"
-            )
 
 
 class Pool(NamedTuple):
@@ -225,9 +214,7 @@ def run_phase_call(
     [slots] after the call."""
     slots, block = plan.slots, plan.block_len
     apply = lambda *a, **k: module.apply({"params": params}, *a, **k)  # noqa: E731
-    step_group = AttentionGroup(
-        pool.positions, pool.key_valid, Window(start=0), kernels.steps, plan.step_keys
-    )
+    step_group = AttentionGroup(pool.positions, pool.key_valid, Window(start=0), kernels.steps)
     x = apply(pool.block, method="embed").reshape(1, slots * block, -1)
     # Every slot's block K/V are written at the front of its pool row, in place.
     groups, kv = (step_group,), tuple((layer,) for layer in pool.kv)
@@ -411,12 +398,12 @@ class PhaseKernels:
 def phase_kernels(model: Any, plan: PhasePlan) -> PhaseKernels:
     """The model's kernel options resolved for a phase program: its products as one forward
     over every row of the call (the stream's tokens and every slot's block); the steps'
-    attention as a block forward of `slots` rows against `step_keys` positions; the stream's
+    attention as a block forward of `slots` rows against the pool's positions; the stream's
     cuDNN's on a GPU in a 16-bit dtype unless `attention_impl` says `xla` (a per-query mask
     is what neither XLA's fused paths nor djax's kernel take), else XLA's."""
     rows = plan.stream + plan.slots * plan.block_len
     products = model.kernel_choice(Shapes.whole_sequence(1, rows))
-    steps = model.kernel_choice(Shapes(plan.slots, plan.block_len, plan.step_keys, plan.block_len))
+    steps = model.kernel_choice(Shapes(plan.slots, plan.block_len, plan.pool_len, plan.block_len))
     gpu = programs.device_of(model.mesh).platform == "gpu"
     half = jnp.dtype(model.dtype).itemsize == 2
     cudnn = gpu and half and model.options.attention_impl != "xla"

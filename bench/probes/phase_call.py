@@ -1,18 +1,28 @@
 """Probe: where does a phase call's device time go (`djax.phase`, `--scheduler phase`)?
 
-Question. On the LLaDA-MoE serve trace the phase scheduler's calls took 34 ms (median) for
-32 slots' steps (1,024 tokens) plus ~1,000 refresh tokens, and it served 0.80× the
-continuous scheduler's tokens/s (`bench/results/serve_moe_phase_<device>.json`). A
-block call's cached step of 32 rows costs ~13 ms: which part of the phase call is the rest?
+Question. On the LLaDA-MoE serve trace the first phase scheduler served 0.80× the
+continuous scheduler's tokens/s (1922854, `bench/results/serve_moe_phase_<device>.json`),
+its calls taking 34 ms (median) for 32 slots' steps (1,024 tokens) and ~1,000 refresh
+tokens. Which part of the call is the time?
 
-Prints, for each (stream, span) — refresh tokens a call and pool positions its steps
-attend to — the median milliseconds of a call over `--calls` calls, the resolved kernel
-choice, and for `--profile` shapes a profiler table of device time per op category
-(`bench.profile.summarize`). The pool holds 32 rows of 300 tokens; each timed call with a
-stream refreshes rows of 300 tokens into it.
+Answer (H100, LLaDA-MoE, spread routing; figures in bench/NOTES.md, "Phase-multiplexed
+serving"). At 1922854 a steps-only call took 23.9 ms, 39% of it copies: the pool's K/V
+copied at every layer (the block's K/V written back into the pool out of place) and XLA's
+attention transposing them. With the block K/V written in place and the steps attending
+with the block forward's Mosaic GPU kernel, the refresh stream with cuDNN (d4d7e8a): 12.6
+ms. Refresh tokens cost ~11 ms per 1,000 (30.2 ms with 1,800 of them), most of it in the
+Mosaic GPU expert tiles (5.8 ms a call at 1,024 tokens, 14.4 at 3,072): the experts are
+not bound by reading their weights once a call holds the refreshes' tokens too, so
+refreshes do not ride free on the steps' weight reads. Attending over 384 of the pool's
+1,024 positions was no faster (the slice is a copy): the pool spans were dropped.
 
-    python -m bench.probes.phase_call [--model moe] [--streams 0 1024 2048]
-        [--spans 384 1024] [--calls 10]
+Prints, for each stream (refresh tokens a call), the median milliseconds of a call over
+`--calls` calls, the resolved kernel choice, and for `--profile` streams a profiler table
+of device time per op category (`bench.profile.summarize`). The pool holds 32 rows of 300
+tokens in 1,024 positions; each timed call with a stream refreshes rows of 300 tokens.
+
+    python -m bench.probes.phase_call [--model moe] [--streams 0 1024 2048] [--calls 10]
+        [--profile 0 2048]
 """
 
 from __future__ import annotations
@@ -60,9 +70,8 @@ def main() -> None:
     parser.add_argument("--model", default="moe")
     parser.add_argument("--routing", choices=ROUTINGS, default="spread")
     parser.add_argument("--streams", type=int, nargs="+", default=[0, 1024, 2048])
-    parser.add_argument("--spans", type=int, nargs="+", default=[384, 1024])
     parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--profile", nargs="*", default=["2048,1024", "0,1024"])
+    parser.add_argument("--profile", type=int, nargs="*", default=[0, 2048])
     parser.add_argument("--out", default="/tmp/djax_phase_profile")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
@@ -71,17 +80,16 @@ def main() -> None:
     model, _ = bench_model(config)
     layout = RowLayout(BLOCK, config.mask_token_id, config.pad_token_id)
 
-    def plan(stream: int, span: int) -> phase.PhasePlan:
+    def plan(stream: int) -> phase.PhasePlan:
         return phase.PhasePlan(
             slots=SLOTS,
             pool_len=POOL,
             stream=stream,
-            refresh_rows=max(1, min(SLOTS, stream // (4 * BLOCK))),
+            refresh_rows=max(1, min(SLOTS, stream // (8 * BLOCK))),
             block_len=BLOCK,
             steps_per_block=8,
             decoder=DecoderSpec("low_confidence"),
             mask_id=config.mask_token_id,
-            keys_len=span,
         )
 
     def program(p: phase.PhasePlan):
@@ -90,14 +98,14 @@ def main() -> None:
     pool = phase.place_pool(
         model,
         phase.empty_pool(
-            plan(0, POOL),
+            plan(0),
             (config.n_kv_heads, config.head_dim),
             config.n_layers,
             model.dtype,
             config.pad_token_id,
         ),
     )
-    fill = plan(2048, POOL)
+    fill = plan(2048)
     fill_program = program(fill)
     per_call = 2048 // ROW
     for first in range(0, SLOTS, per_call):
@@ -106,37 +114,33 @@ def main() -> None:
         pool = fill_program(model.params, pool, stream)["pool"]
     rows = []
     for stream_len in args.streams:
-        for span in args.spans:
-            p = plan(stream_len, span)
-            run = program(p)
-            slots = list(range(min(stream_len // ROW, p.refresh_rows))) if stream_len else []
-            stream = None
-            if stream_len:
-                stream = phase.place_stream(
-                    model, phase.pack_stream(p, refreshes(layout, slots), 0)
-                )
-            pool = jax.block_until_ready(run(model.params, pool, stream)["pool"])  # compile
-            times = []
-            for _ in range(args.calls):
-                start = time.perf_counter()
-                pool = jax.block_until_ready(run(model.params, pool, stream)["pool"])
-                times.append(1e3 * (time.perf_counter() - start))
-            row = {
-                "stream": stream_len,
-                "span": span,
-                "refresh_rows": len(slots),
-                "refresh_tokens": len(slots) * ROW,
-                "ms_median": statistics.median(times),
-                "kernels": phase.phase_kernels(model, p).explain(),
-            }
-            if f"{stream_len},{span}" in args.profile:
-                out = Path(args.out) / f"s{stream_len}_k{span}"
-                with jax.profiler.trace(str(out), create_perfetto_trace=True):
-                    for _ in range(3):
-                        pool = jax.block_until_ready(run(model.params, pool, stream)["pool"])
-                row["profile_3_calls"] = next(iter(trace_summaries(out).values()))
-            print({k: v for k, v in row.items() if k not in ("kernels", "profile_3_calls")})
-            rows.append(row)
+        p = plan(stream_len)
+        run = program(p)
+        slots = list(range(min(stream_len // ROW, p.refresh_rows))) if stream_len else []
+        stream = None
+        if stream_len:
+            stream = phase.place_stream(model, phase.pack_stream(p, refreshes(layout, slots), 0))
+        pool = jax.block_until_ready(run(model.params, pool, stream)["pool"])  # compile
+        times = []
+        for _ in range(args.calls):
+            start = time.perf_counter()
+            pool = jax.block_until_ready(run(model.params, pool, stream)["pool"])
+            times.append(1e3 * (time.perf_counter() - start))
+        row = {
+            "stream": stream_len,
+            "refresh_rows": len(slots),
+            "refresh_tokens": len(slots) * ROW,
+            "ms_median": statistics.median(times),
+            "kernels": phase.phase_kernels(model, p).explain(),
+        }
+        if stream_len in args.profile:
+            out = Path(args.out) / f"stream_{stream_len}"
+            with jax.profiler.trace(str(out), create_perfetto_trace=True):
+                for _ in range(3):
+                    pool = jax.block_until_ready(run(model.params, pool, stream)["pool"])
+            row["profile_3_calls"] = next(iter(trace_summaries(out).values()))
+        print({k: v for k, v in row.items() if k not in ("kernels", "profile_3_calls")})
+        rows.append(row)
     print(rows[0]["kernels"])
     save(f"phase_call_{args.model}", {"model": args.model, "routing": args.routing, "rows": rows})
 

@@ -124,15 +124,13 @@ class AttentionGroup:
 
     positions: [b, t] RoPE positions; key_valid: [b, seq] or [b, t, seq] (each row's own
     keys); window: where the rows sit in the group's K/V buffers (ignored without them);
-    attention: how the group attends (`attend`'s impl); keys: attend to the first `keys`
-    positions of the buffers only (None: all of them; the window's K/V must lie within).
+    attention: how the group attends (`attend`'s impl).
     """
 
     positions: Array
     key_valid: Array
     window: Window = Window()
     attention: str = "xla"
-    keys: int | None = None
 
     @property
     def rows(self) -> int:
@@ -142,7 +140,7 @@ class AttentionGroup:
 jax.tree_util.register_dataclass(
     AttentionGroup,
     data_fields=["positions", "key_valid", "window"],
-    meta_fields=["attention", "keys"],
+    meta_fields=["attention"],
 )
 
 
@@ -396,10 +394,7 @@ class Attention(nn.Module):
                     cfg.rope_dim,
                 )
                 group_kv.append((keys, values))
-                valid, span = group.key_valid, group.keys or keys.shape[1]
-                out = attend(
-                    q, keys[:, :span], values[:, :span], valid[..., :span], group.attention
-                )
+                out = attend(q, keys, values, group.key_valid, group.attention)
                 outs.append(out.reshape(1, b * t, -1))
             out = jnp.concatenate(outs, axis=1)
             out_kernel = fp8.matrix(out_kernel, out.shape[-1], cfg.d_model)

@@ -38,16 +38,17 @@ from djax.serving.requests import Failed
 
 log = logging.getLogger("djax.serve")
 
-# Compiled sizes below the largest refresh stream and pool span: the largest halved this
-# many times (a call takes the smallest stream that holds its refresh rows, and the
-# smallest span that holds its stepping rows).
+# Refresh streams compiled below the largest: the largest halved this many times (a call
+# takes the smallest stream that holds its refresh rows).
 HALVINGS = 2
+# A stream of n tokens holds at most n / (this × block) rows (every one decodes a block,
+# padding rows too), at least one.
+REFRESH_ROW_BLOCKS = 8
 
 
 def halvings(largest: int, block_length: int) -> tuple[int, ...]:
     """`largest` and its halves (`HALVINGS` of them, each rounded up to whole blocks and
-    at least two blocks), ascending: the refresh streams compiled, and the pool spans the
-    cached steps attend to."""
+    at least two blocks), ascending: the refresh streams compiled."""
     sizes = {largest}
     size = largest
     for _ in range(HALVINGS):
@@ -124,10 +125,9 @@ class PhaseEngine(ServingEngine):
                 f"{slots * block + self.pool_len}"
             )
         self.streams = halvings(largest, block)
-        self.spans = halvings(self.pool_len, block)
         self._pool: phase.Pool | None = None
-        self._plans: dict[tuple[int, int, bool], phase.PhasePlan] = {}
-        self._programs: dict[tuple[int, int, bool], Any] = {}
+        self._plans: dict[tuple[int, bool], phase.PhasePlan] = {}
+        self._programs: dict[tuple[int, bool], Any] = {}
         self._pending: collections.deque[_Row] = collections.deque()  # to refresh, in order
         self._states: dict[int, _RowState] = {}  # id(row) -> where its blocks stand
         # Fixed-steps decoders finish a block in a known number of calls: its refresh's,
@@ -142,24 +142,23 @@ class PhaseEngine(ServingEngine):
 
     # ------------------------------------------------------------ programs
 
-    def _plan(self, stream: int, span: int, sampling: bool) -> phase.PhasePlan:
+    def _plan(self, stream: int, sampling: bool) -> phase.PhasePlan:
         g, cfg, block = self.config.generation, self.model.config, self.block_length
         return phase.PhasePlan(
             slots=self.config.max_batch,
             pool_len=self.pool_len,
             stream=stream,
-            refresh_rows=max(1, min(self.config.max_batch, stream // (4 * block))),
+            refresh_rows=max(1, min(self.config.max_batch, stream // (REFRESH_ROW_BLOCKS * block))),
             block_len=block,
             steps_per_block=self.config.steps_per_block,
             decoder=g.decoder_spec(),
             mask_id=cfg.mask_token_id,
             sampling=sampling,
-            keys_len=span,
         )
 
     def _empty_pool(self) -> phase.Pool:
         cfg = self.model.config
-        plan = self._plan(0, self.pool_len, False)
+        plan = self._plan(0, False)
         pool = phase.empty_pool(
             plan, (cfg.n_kv_heads, cfg.head_dim), cfg.n_layers, self.model.dtype, cfg.pad_token_id
         )
@@ -200,20 +199,15 @@ class PhaseEngine(ServingEngine):
         )
 
     def _warm_up(self) -> None:
-        """Compile every phase program (stream 0 and each stream size, with each pool span,
-        in each sampling variant; several at a time: tracing holds the GIL, XLA's compiler
-        does not) and check that the pool and the largest call fit the memory budget."""
+        """Compile every phase program (stream 0 and each stream size, in each sampling
+        variant; several at a time: tracing holds the GIL, XLA's compiler does not) and
+        check that the pool and the largest call fit the memory budget."""
         start = time.perf_counter()
         self._pool = self._empty_pool()
         pool_bytes = memory.weight_bytes(self._pool)
-        shapes = [
-            (stream, span, sampling)
-            for sampling in self.memory.variants
-            for stream in (0, *self.streams)
-            for span in self.spans
-        ]
+        shapes = [(stream, x) for x in self.memory.variants for stream in (0, *self.streams)]
 
-        def compile_one(shape: tuple[int, int, bool]) -> int | None:
+        def compile_one(shape: tuple[int, bool]) -> int | None:
             plan = self._plan(*shape)
             kernels = phase.phase_kernels(self.model, plan)
             program = phase.phase_program(self.model, plan, kernels)
@@ -239,10 +233,9 @@ class PhaseEngine(ServingEngine):
             )
         self.metrics.call_bytes.set(max(largest, pool_bytes))
         log.info(
-            "compiled %d phase programs (streams %s, spans %s, pool %d × %d: %s) in %.1f s",
+            "compiled %d phase programs (streams %s, pool %d × %d: %s) in %.1f s",
             len(self._programs),
             self.streams,
-            self.spans,
             self.config.max_batch,
             self.pool_len,
             _mib(pool_bytes),
@@ -310,7 +303,7 @@ class PhaseEngine(ServingEngine):
         """The pending rows this call refreshes, first come first served while they fit the
         largest stream and its rows, and the smallest stream that holds them (0: none)."""
         rows, tokens = [], 0
-        largest = self._plans[self.streams[-1], self.pool_len, False]
+        largest = self._plans[self.streams[-1], False]
         while self._pending and len(rows) < largest.refresh_rows:
             row = self._pending[0]
             if tokens + row.sequence > self.streams[-1]:
@@ -320,7 +313,7 @@ class PhaseEngine(ServingEngine):
         if not rows:
             return 0, []
         stream = next(s for s in self.streams if s >= tokens)
-        if len(rows) > self._plans[stream, self.pool_len, False].refresh_rows:
+        if len(rows) > self._plans[stream, False].refresh_rows:
             stream = self.streams[-1]
         return stream, rows
 
@@ -331,10 +324,7 @@ class PhaseEngine(ServingEngine):
             stepping = [r for r in self._running if self._states[id(r)].decoding and r not in rows]
             refreshes = [self._refresh(r) for r in rows]
         sampling = any(r.request.temperature > 0 for r in [*rows, *stepping])
-        longest = max((r.sequence for r in stepping), default=0)
-        span = next(s for s in self.spans if s >= longest)
-        plan = self._plans[stream, span, sampling]
-        program = self._programs[stream, span, sampling]
+        plan, program = self._plans[stream, sampling], self._programs[stream, sampling]
         last = self._phase_calls[-1] if self._phase_calls else None
         try:
             packed = None
