@@ -136,13 +136,15 @@ class PhaseEngine(ServingEngine):
             keys_len=span,
         )
 
-    def _empty_pool(self) -> phase.Pool:
+    def _host_pool(self) -> phase.Pool:
         cfg = self.model.config
         plan = self._plan(0, self.pool_len, False)
-        pool = phase.empty_pool(
+        return phase.empty_pool(
             plan, (cfg.n_kv_heads, cfg.head_dim), cfg.n_layers, self.model.dtype, cfg.pad_token_id
         )
-        return phase.place_pool(self.model, pool)
+
+    def _empty_pool(self) -> phase.Pool:
+        return phase.place_pool(self.model, self._host_pool())
 
     def _stream_arrays(self, plan: phase.PhasePlan, rows: list[_Row]) -> Any:
         refreshes = [self._refresh(row) for row in rows]
@@ -169,10 +171,20 @@ class PhaseEngine(ServingEngine):
     def _warm_up(self) -> None:
         """Compile every phase program (stream 0 and each stream size, with each pool span,
         in each sampling variant; several at a time: tracing holds the GIL, XLA's compiler
-        does not) and check that the pool and the largest call fit the memory budget."""
+        does not) and check that the pool (first, before it is allocated) and the largest
+        call fit the memory budget."""
         start = time.perf_counter()
-        self._pool = self._empty_pool()
-        pool_bytes = memory.weight_bytes(self._pool)
+        host_pool = self._host_pool()
+        pool_bytes = phase.pool_bytes(self.model, host_pool)
+        if self.memory.limit is not None and pool_bytes > self.memory.limit:
+            raise ValueError(  # before the pool is allocated and anything compiled
+                f"the phase scheduler's pool ({self.config.max_batch} slots of "
+                f"{self.pool_len} positions) takes {_mib(pool_bytes)}, more than the memory "
+                f"budget of {_mib(self.memory.limit)} beside the weights "
+                f"({_mib(self._weight_bytes)}); lower --max-batch or --max-seq-len, or raise "
+                "--memory-fraction"
+            )
+        self._pool = phase.place_pool(self.model, host_pool)
         shapes = [
             (stream, span, sampling)
             for sampling in self.memory.variants
@@ -195,11 +207,11 @@ class PhaseEngine(ServingEngine):
             analysed = [n for n in pool.map(compile_one, shapes) if n is not None]
         largest = max(analysed, default=0)
         self._measured = True
-        if self.memory.limit is not None and max(largest, pool_bytes) > self.memory.limit:
+        if self.memory.limit is not None and largest > self.memory.limit:
             raise ValueError(
-                f"the phase scheduler's pool ({self.config.max_batch} slots of "
-                f"{self.pool_len} positions: {_mib(pool_bytes)}) and its largest call "
-                f"({_mib(largest)} with the pool) exceed the memory budget of "
+                f"the phase scheduler's largest call ({_mib(largest)} with its pool of "
+                f"{self.config.max_batch} slots of {self.pool_len} positions: "
+                f"{_mib(pool_bytes)}) exceeds the memory budget of "
                 f"{_mib(self.memory.limit)} beside the weights ({_mib(self._weight_bytes)}); "
                 "lower --max-batch, --max-seq-len or --phase-tokens, or raise "
                 "--memory-fraction"
