@@ -95,6 +95,11 @@ class PhaseEngine(ServingEngine):
             )
         if g.cache != "dual":
             raise ValueError(f"cache={g.cache!r}; the phase scheduler keeps a dual cache")
+        if g.refresh_every:
+            raise ValueError(
+                f"refresh_every={g.refresh_every} is not available to the phase scheduler (a "
+                "row refreshes once a block); expected 0"
+            )
         phase.check_mesh(model.mesh)
         self.pool_len = self.seq_buckets[-1]
         slots, block = config.max_batch, self.block_length
@@ -260,6 +265,7 @@ class PhaseEngine(ServingEngine):
             if row.cancelled or row.done:
                 self._free_slots.append(row.slot)
                 self._stepping.pop(row.slot, None)
+                self._since.pop(id(row), None)
                 if row in self._pending:
                     self._pending.remove(row)
             else:
