@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import queue
 import re
+import threading
 import time
 
 import jax
@@ -23,6 +24,7 @@ from djax.engine import executable
 from djax.models.kernel_choice import Shapes
 from djax.models.layers import AttentionGroup, Window
 from djax.serving import memory
+from djax.serving import phase as phase_serving
 from djax.serving.engine import ServeConfig, make_engine
 from djax.serving.metrics import ServerMetrics
 from djax.serving.requests import BlockCommitted, EngineRequest, Failed, Finished
@@ -334,6 +336,29 @@ def test_cancel_mid_generation_frees_the_slot(phased, continuous):
     assert not phased._since  # nothing kept of the finished and cancelled rows
 
 
+def test_a_call_failing_on_the_device_resets_the_pool(phased, continuous, monkeypatch):
+    """A call that fails when its outputs are read fails the running rows (their K/V went
+    with the pool), the pool starts anew, and the next requests get the continuous
+    engine's tokens."""
+    real = phase_serving.jax.device_get
+    reads = iter(range(100))
+
+    def flaky(arrays):
+        if threading.current_thread() is phased._thread and next(reads) == 3:
+            raise RuntimeError("injected device fault")
+        return real(arrays)
+
+    monkeypatch.setattr(phase_serving.jax, "device_get", flaky)
+    bad = _requests(0.0)[:2]
+    got = _serve_all(phased, bad)
+    assert all(isinstance(event, Failed) for _, event in got)
+    assert any("injected device fault" in event.message for _, event in got)
+    monkeypatch.undo()
+    requests = _requests(0.0)[2:]
+    want = _serve_all(continuous, requests)
+    assert _serve_all(phased, requests) == want
+
+
 def test_what_the_phase_scheduler_cannot_serve_is_refused_by_name(dense_model, dense_folder):
     def refused(model=dense_model, scheduler="phase", generation=GENERATION, **options):
         options = {"max_batch": 2, "max_seq_len": 32} | options
@@ -413,6 +438,18 @@ def test_a_phase_call_over_the_memory_budget_stops_the_warm_up(dense_model, capl
     assert "with its pool of 1 slots of 16 positions" in caplog.text
     assert "exceeds the memory budget" in caplog.text
     assert engine.metrics.compiles._value.get() == 3
+
+
+def test_a_donated_buffer_is_counted_once_in_a_call_s_bytes():
+    """The phase call returns its pool in the donated pool's buffers: the call's bytes
+    hold it once (arguments + outputs + temporaries, less what aliases)."""
+    pool = jnp.zeros((256, 1024), jnp.float32)
+    program = jax.jit(lambda pool, x: (pool + x, x * 2), donate_argnums=(0,))
+    compiled = program.lower(pool, jnp.zeros((1024,), jnp.float32)).compile()
+    stats = compiled.memory_analysis()
+    assert stats.alias_size_in_bytes == pool.nbytes
+    nbytes = memory.analysed_call_bytes(compiled, 0)
+    assert pool.nbytes + 2 * 4096 <= nbytes < pool.nbytes + 4 * 4096 + stats.temp_size_in_bytes
 
 
 def _host_pool(model, slots, pool_len):
