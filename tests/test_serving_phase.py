@@ -495,3 +495,19 @@ def test_a_tensor_parallel_engine_gives_the_single_device_tokens_and_drains(dens
     assert not engine._thread.is_alive()
     assert [got.tokens(r.request_id) for r in requests] == [t for t, _ in want]
     assert [got.events[r.request_id][-1] for r in requests] == [e for _, e in want]
+
+
+def test_the_serve_command_takes_the_phase_options(monkeypatch, capsys):
+    from djax.cli import build_parser
+    from djax.serving import cli
+
+    served = []
+    monkeypatch.setattr(
+        "djax.serving.server.serve", lambda model, config, **kw: served.append(config)
+    )
+    argv = ["serve", "--scheduler", "phase", "--phase-tokens", "300", "--port", "0"]
+    assert cli.run(build_parser().parse_args(argv)) == 0
+    assert [(c.scheduler, c.phase_tokens) for c in served] == [("phase", 300)]
+    argv[2] = "continuous"
+    assert cli.run(build_parser().parse_args(argv)) == 2
+    assert "phase_tokens=300 applies to scheduler='phase'" in capsys.readouterr().err
