@@ -485,7 +485,7 @@ def test_a_tensor_parallel_engine_gives_the_single_device_tokens_and_drains(dens
     sharded = djax.load(dense_folder[0], dtype=jnp.float32, mesh=make_mesh(tensor_parallel=2))
     by_hand = _pool_bytes(sharded, 2, 32, 8, kv_shards=2)
     assert phase.pool_bytes(sharded, _host_pool(sharded, 2, 32)) == by_hand
-    engine = _engine(sharded, "phase")
+    engine = _engine(sharded, "phase", phase_tokens=48)  # streams of 16 and 32: one row each
     requests = _requests(0.0)[:3] + _requests(1.5)[3:]
     want = _serve_all(phased, requests)
     got = Collector()
