@@ -359,7 +359,7 @@ def test_a_call_failing_on_the_device_resets_the_pool(phased, continuous, monkey
     assert _serve_all(phased, requests) == want
 
 
-def test_what_the_phase_scheduler_cannot_serve_is_refused_by_name(dense_model, dense_folder):
+def test_what_the_phase_scheduler_cannot_serve_is_refused_by_name(dense_model):
     def refused(model=dense_model, scheduler="phase", generation=GENERATION, **options):
         options = {"max_batch": 2, "max_seq_len": 32} | options
         config = ServeConfig(generation=generation, scheduler=scheduler, **options)
@@ -384,6 +384,7 @@ def test_what_the_phase_scheduler_cannot_serve_is_refused_by_name(dense_model, d
             refused(**options)
     assert refused(phase_tokens=48).streams == (16, 32)  # the least it takes
 
+    # a stand-in: the refusal reads the family alone (a LLaDA2 model costs a build)
     llada2 = dataclasses.replace(
         dense_model, config=dataclasses.replace(dense_model.config, family=LLADA2)
     )
