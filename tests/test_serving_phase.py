@@ -186,61 +186,81 @@ def test_a_mixed_forward_refuses_rows_that_are_not_its_groups(dense_model):
 # ---------------------------------------------------------------- the phase program
 
 
-def _row(engine, prompt, max_tokens, threshold=None):
+def _row(engine, prompt, max_tokens, threshold=None, temperature=0.0, seed=0):
     """A host row of `engine` for `prompt`, as `submit` makes it."""
-    request = EngineRequest(str(prompt), prompt, max_tokens, threshold=threshold)
+    request = EngineRequest(str(prompt), prompt, max_tokens, temperature, seed, threshold)
     return engine._row(request, lambda event: None)
 
 
-def test_the_phase_program_decodes_each_block_as_a_block_call(dense_model, phased, continuous):
-    """Four rows through two slots: the first two refresh together (one stream), the
-    others each into a slot as it frees while the other slot steps: every row's block is
-    the one the continuous engine's block call decodes for it."""
-    rows = [
-        _row(phased, prompt, 16, threshold)
-        for prompt, threshold in zip(PROMPTS[:4], (0.9, 0.5, 0.9, 0.7), strict=True)
-    ]
-    expected = []
-    plan = continuous._block_plan(2, 32, False)
+def _block_call_blocks(model, continuous, rows, sampling):
+    """Each row's next block from `continuous`'s block calls, two rows a call."""
+    blocks = []
+    plan = continuous._block_plan(2, 32, sampling)
     for pair in (rows[:2], rows[2:]):
         for slot, row in enumerate(pair):
             row.slot = slot
         args = continuous._block_args(pair, 2, 32)
-        program, _ = executable(dense_model, plan, args, run_block_call)
-        expected += list(np.asarray(program(*args)["block"]))
+        program, _ = executable(model, plan, args, run_block_call)
+        blocks += list(np.asarray(program(*args)["block"]))
+    return blocks
 
-    mask_id, pool_len = dense_model.config.mask_token_id, phased.pool_len
-    pool = phased._empty_pool()
-    pending, owner, got, mixed, packed = list(range(len(rows))), {}, {}, 0, 0
+
+def _phase_blocks(model, engine, rows, sampling, streams, per_call=2):
+    """Each row's next block from `engine`'s phase programs over a fresh pool of two
+    slots: rows refresh as slots free, up to `per_call` a call (two: the first two
+    together, in one stream), and every
+    call's blocks are read before the next (no idle steps). Returns the blocks, the first
+    call's pool K/V and valid keys (two rows packed), and how many refreshes ran beside a
+    slot still stepping."""
+    mask_id, pool_len = model.config.mask_token_id, engine.pool_len
+    pool = engine._empty_pool()
+    pending, owner, got, mixed, packed = list(range(len(rows))), {}, {}, 0, None
     while len(got) < len(rows):
         refresh = []
-        for slot in [slot for slot in range(2) if slot not in owner][: len(pending)]:
+        for slot in [slot for slot in range(2) if slot not in owner][: len(pending)][:per_call]:
             i = pending.pop(0)
             rows[i].slot, owner[slot] = slot, i
             refresh.append(rows[i])
         mixed += bool(refresh) and len(owner) > len(refresh)
-        packed = max(packed, len(refresh))
         tokens = sum(row.sequence for row in refresh)
         holds = [
             s
-            for s in phased.streams
-            if s >= tokens and phased._plans[s, pool_len, False].refresh_rows >= len(refresh)
+            for s in streams
+            if s >= tokens and engine._plans[s, pool_len, sampling].refresh_rows >= len(refresh)
         ]
         stream = holds[0] if refresh else 0
-        program = phased._programs[stream, pool_len, False]
-        arrays = phased._stream_arrays(phased._plans[stream, pool_len, False], refresh)
-        out = program(dense_model.params, pool, arrays if stream else None)
+        program = engine._programs[stream, pool_len, sampling]
+        arrays = engine._stream_arrays(engine._plans[stream, pool_len, sampling], refresh)
+        out = program(model.params, pool, arrays if stream else None)
         pool = out["pool"]
         if len(refresh) == 2:  # read before the next call takes the pool
-            packed_kv = [np.asarray(keys) for keys, _ in pool.kv]
-            packed_valid = np.asarray(pool.key_valid)
+            packed = [np.asarray(keys) for keys, _ in pool.kv], np.asarray(pool.key_valid)
         block = np.asarray(out["block"])
         for slot, i in list(owner.items()):
             if not (block[slot] == mask_id).any():
                 got[i] = block[slot]
                 del owner[slot]
-    assert packed == 2  # two rows in one stream
-    # each packed row's keys are those of its own refresh: it attended to itself alone
+    return [got[i] for i in range(len(rows))], packed, mixed
+
+
+def test_the_phase_program_decodes_each_block_as_a_block_call(dense_model, phased, continuous):
+    """Four rows through two slots: the first two refresh together (one stream), the
+    others each into a slot as it frees while the other slot steps: every row's block is
+    the one the continuous engine's block call decodes for it, and each packed row's K/V
+    are those of its own refresh (it attended to itself alone)."""
+    rows = [
+        _row(phased, prompt, 16, threshold)
+        for prompt, threshold in zip(PROMPTS[:4], (0.9, 0.5, 0.9, 0.7), strict=True)
+    ]
+    expected = _block_call_blocks(dense_model, continuous, rows, False)
+    got, packed, mixed = _phase_blocks(dense_model, phased, rows, False, phased.streams)
+    assert mixed >= 2  # refreshes beside a slot still stepping
+    for i, want in enumerate(expected):
+        np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")
+
+    assert packed is not None  # two rows in one stream
+    packed_kv, packed_valid = packed
+    pool_len = phased.pool_len
     kernels = phase.phase_kernels(dense_model, phased._plans[phased.streams[-1], pool_len, False])
     module = programs.local_module(dense_model.config, dense_model.dtype, kernels, None)
     refresh = jax.jit(
@@ -258,7 +278,29 @@ def test_the_phase_program_decodes_each_block_as_a_block_call(dense_model, phase
         assert packed_valid[slot].tolist() == [True] * length + [False] * (pool_len - length)
         for keys, (want, _) in zip(packed_kv, alone, strict=True):
             np.testing.assert_allclose(keys[slot, :length], want[0], rtol=2e-5, atol=2e-5)
-    assert mixed >= 2  # refreshes beside a slot still stepping
+
+
+def test_a_fixed_steps_decoder_samples_each_block_as_a_block_call(dense_model):
+    """low_confidence (a fixed schedule: 3 steps a block commit 3, 3 and 2 of its 8
+    masks) at temperature 1.5, one row refreshing a call: the phase program's blocks are
+    the block call's, each row drawing from its own keys."""
+    generation = dataclasses.replace(GENERATION, decoder="low_confidence", steps=6)
+    config = dict(generation=generation, max_batch=2, max_seq_len=32)
+    continuous = make_engine(dense_model, ServeConfig(**config), ServerMetrics())
+    continuous._carried = continuous._empty_table()
+    engine = make_engine(dense_model, ServeConfig(scheduler="phase", **config), ServerMetrics())
+    for shape in ((0, 32, True), (64, 32, True)):
+        plan = engine._plan(*shape)
+        engine._plans[shape] = plan
+        engine._programs[shape] = phase.phase_program(
+            dense_model, plan, phase.phase_kernels(dense_model, plan)
+        )
+    rows = [
+        _row(engine, prompt, 16, temperature=1.5, seed=i) for i, prompt in enumerate(PROMPTS[:4])
+    ]
+    expected = _block_call_blocks(dense_model, continuous, rows, True)
+    got, _, mixed = _phase_blocks(dense_model, engine, rows, True, (64,), per_call=1)
+    assert mixed >= 1
     for i, want in enumerate(expected):
         np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")
 
