@@ -307,10 +307,15 @@ class PhaseEngine(ServingEngine):
         last = self._phase_calls[-1] if self._phase_calls else None
         try:
             args = self._stream_arrays(plan, rows) if stream else None
-            queued = time.perf_counter()
-            out = program(self.model.params, self._pool, args)
-        except Exception as err:  # the call failed: its rows fail, the server goes on
+        except Exception as err:  # these rows cannot be laid out: they fail, the rest go on
             self._fail_rows(rows, err)
+            return
+        queued = time.perf_counter()
+        try:
+            out = program(self.model.params, self._pool, args)
+        except Exception as err:  # the pool went with the call: every row it carried fails
+            self._fail_rows([*rows, *stepping], err)
+            self._restart()
             return
         self._pool = out["pool"]
         index = self._next_call
