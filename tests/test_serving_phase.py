@@ -5,6 +5,7 @@ serve is refused by name."""
 
 import dataclasses
 import functools
+import itertools
 import queue
 import re
 import threading
@@ -395,6 +396,34 @@ def test_a_call_failing_on_the_device_resets_the_pool(phased, continuous, monkey
     got = _serve_all(phased, bad)
     assert all(isinstance(event, Failed) for _, event in got)
     assert any("injected device fault" in event.message for _, event in got)
+    monkeypatch.undo()
+    requests = _requests(0.0)[2:]
+    want = _serve_all(continuous, requests)
+    assert _serve_all(phased, requests) == want
+
+
+def test_a_call_failing_when_queued_fails_the_rows_it_carries(phased, continuous, monkeypatch):
+    """A call that raises when queued may take the pool it was given with it (every later
+    call would raise too): it fails its refreshing and stepping rows, the pool starts
+    anew, and the next requests get the continuous engine's tokens."""
+    calls = itertools.count()
+
+    def broken(program):
+        def run(*args):
+            if next(calls) >= 3:
+                raise RuntimeError("injected fault")
+            return program(*args)
+
+        return run
+
+    for key, program in list(phased._programs.items()):
+        monkeypatch.setitem(phased._programs, key, broken(program))
+    got = Collector()
+    for request in _requests(0.0)[:2]:
+        phased.submit(request, got.sink(request.request_id))
+    got.wait(2, timeout=20)
+    assert [type(events[-1]) for events in got.events.values()] == [Failed, Failed]
+    assert all("injected fault" in events[-1].message for events in got.events.values())
     monkeypatch.undo()
     requests = _requests(0.0)[2:]
     want = _serve_all(continuous, requests)
