@@ -19,10 +19,11 @@ from conftest import needs_devices
 
 import djax
 from djax import phase, programs
-from djax.config import LLADA2
+from djax.config import DENSE, LLADA2, MOE, ModelConfig
 from djax.diffusion import run_block_call
 from djax.engine import executable
-from djax.models.kernel_choice import Shapes
+from djax.kernel_options import KernelOptions
+from djax.models.kernel_choice import Device, Shapes, resolve
 from djax.models.layers import AttentionGroup, Window
 from djax.serving import memory
 from djax.serving import phase as phase_serving
@@ -583,3 +584,50 @@ def test_the_serve_command_takes_the_phase_options(monkeypatch, capsys):
     argv[2] = "continuous"
     assert cli.run(build_parser().parse_args(argv)) == 2
     assert "phase_tokens=300 applies to scheduler='phase'" in capsys.readouterr().err
+
+
+# LLaDA-8B's shape and LLaDA-MoE's (7B-A1B), one layer each.
+LLADA_8B = ModelConfig(DENSE, 126464, 4096, 1, 32, 32, 128, 12288, 5e5, 1e-5, 4096, 1, 2, 3)
+LLADA_MOE = ModelConfig(
+    MOE, 157184, 2048, 1, 16, 16, 128, 8192, 5e4, 1e-6, 8192, 1, 2, 3, qk_norm=True,
+    n_experts=64, experts_per_token=8, expert_hidden=1024, moe_layers=(True,),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("config", [LLADA_8B, LLADA_MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("slots, stream", [(4, 0), (4, 256), (32, 1024)])
+def test_the_phase_program_lowers_for_hopper(monkeypatch, config, slots, stream):
+    """The whole phase call (the mixed forward with `auto`'s Hopper kernels for its rows,
+    the decode, the pool's writes) at real shapes in bf16 lowers for CUDA, its Mosaic GPU
+    kernels compiled rather than interpreted (no GPU needed to lower)."""
+    from djax.kernels import tma_ring
+
+    monkeypatch.setattr(tma_ring, "interpret_params", lambda interpret: None)
+    plan = phase.PhasePlan(
+        slots=slots,
+        pool_len=512,
+        stream=stream,
+        refresh_rows=2 if stream else 0,
+        block_len=32,
+        steps_per_block=8,
+        decoder=GENERATION.decoder_spec(),
+        mask_id=2,
+        sampling=True,
+    )
+    hopper = Device("gpu", (9, 0), 227 * 1024)
+    shapes = Shapes.whole_sequence(1, stream + slots * 32)
+    module = programs.local_module(
+        config, jnp.bfloat16, resolve(KernelOptions(), hopper, config, jnp.bfloat16, shapes), None
+    )
+    spec = jax.ShapeDtypeStruct
+    shape_of = functools.partial(jax.tree.map, lambda a: spec(a.shape, a.dtype))
+    kv_shape = (config.n_kv_heads, config.head_dim)
+    pool = shape_of(phase.empty_pool(plan, kv_shape, 1, jnp.bfloat16, 1))
+    stream_arrays = shape_of(phase.pack_stream(plan, [], 1)) if stream else None
+    window = (spec((1, 8, config.d_model), jnp.bfloat16), spec((1, 8), jnp.int32))
+    params = jax.eval_shape(
+        lambda *a: module.init(jax.random.key(0), *a)["params"], *window, spec((1, 8), bool)
+    )
+    call = jax.jit(lambda params, pool, s: phase.run_phase_call(module, params, plan, pool, s))
+    lowered = call.trace(params, pool, stream_arrays).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
