@@ -109,9 +109,31 @@ def test_a_mixed_forward_equals_the_separate_forwards(name, request):
     def apply(*args, **kwargs):
         return module.apply({"params": model.params}, *args, **kwargs)
 
-    def forward(x, *args, **kwargs):  # jitted: a forward op by op takes seconds
-        run = jax.jit(lambda x, args: apply(x, *args, **kwargs))
-        return run(x, args)
+    @jax.jit  # one program: op by op the forwards take seconds
+    def forwards(tokens, positions, key_valid, step_tokens):
+        whole, stepped = slice(0, 2), slice(2, 4)
+        embedded, step_embedded = apply(tokens, method="embed"), apply(step_tokens, method="embed")
+        _, buffers = apply(embedded[stepped], positions[stepped], key_valid[stepped])
+        step_positions = positions[stepped, :block]
+        alone = apply(embedded[whole], positions[whole], key_valid[whole])
+        step = apply(
+            step_embedded,
+            step_positions,
+            key_valid[stepped],
+            buffers,
+            Window(start=0),
+            block_forward=True,
+        )
+        x = jnp.concatenate(
+            [embedded[whole].reshape(1, 2 * seq, -1), step_embedded.reshape(1, 2 * block, -1)],
+            axis=1,
+        )
+        groups = (
+            AttentionGroup(positions[whole], key_valid[whole]),
+            AttentionGroup(step_positions, key_valid[stepped], Window(start=0)),
+        )
+        kv = tuple((None, layer) for layer in buffers)
+        return buffers, alone, step, apply(x, groups, kv, method="forward_groups")
 
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (4, seq)), jnp.int32)
@@ -120,39 +142,10 @@ def test_a_mixed_forward_equals_the_separate_forwards(name, request):
     positions = jnp.asarray(np.stack([np.arange(seq)] * 2 + [order] * 2), jnp.int32)
     key_valid = np.ones((4, seq), bool)
     key_valid[1, -3:] = key_valid[3, -2:] = False
-    key_valid = jnp.asarray(key_valid)
-    whole, stepped = slice(0, 2), slice(2, 4)
-    _, buffers = forward(
-        apply(tokens[stepped], method="embed"), positions[stepped], key_valid[stepped]
-    )
     step_tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, block)), jnp.int32)
-    step_positions = positions[stepped, :block]
-
-    hidden_a, kv_a = forward(
-        apply(tokens[whole], method="embed"), positions[whole], key_valid[whole]
+    buffers, (hidden_a, kv_a), (hidden_b, kv_b), (hidden, mixed_kv) = forwards(
+        tokens, positions, jnp.asarray(key_valid), step_tokens
     )
-    hidden_b, kv_b = forward(
-        apply(step_tokens, method="embed"),
-        step_positions,
-        key_valid[stepped],
-        buffers,
-        Window(start=0),
-        block_forward=True,
-    )
-
-    x = jnp.concatenate(
-        [
-            apply(tokens[whole], method="embed").reshape(1, 2 * seq, -1),
-            apply(step_tokens, method="embed").reshape(1, 2 * block, -1),
-        ],
-        axis=1,
-    )
-    groups = (
-        AttentionGroup(positions[whole], key_valid[whole]),
-        AttentionGroup(step_positions, key_valid[stepped], Window(start=0)),
-    )
-    kv = tuple((None, layer) for layer in buffers)
-    hidden, mixed_kv = forward(x, groups, kv, method="forward_groups")
 
     close = dict(rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(hidden[0, : 2 * seq], hidden_a.reshape(2 * seq, -1), **close)
