@@ -467,6 +467,8 @@ def _pool_bytes(model, slots, pool_len, block, kv_shards=1):
 
 
 def test_a_pool_over_the_memory_budget_stops_the_warm_up_before_compiling(dense_model, caplog):
+    """A budget a byte short of the pool (counted by hand): the engine never gets ready,
+    the log names the pool, and nothing was compiled."""
     weights = memory.weight_bytes(dense_model.params)
     pool = _pool_bytes(dense_model, 2, 32, 8)
     assert phase.pool_bytes(dense_model, _host_pool(dense_model, 2, 32)) == pool
