@@ -348,10 +348,13 @@ class _Generation:
         tokens = jax.lax.dynamic_update_slice_in_dim(
             state.tokens, jnp.where(commit, token, block), bs, axis=1
         )
+        # A row whose block holds no mask takes no step of its own: its keys stay, as they
+        # would alone, so its draws never depend on how many steps its batch-mates take.
+        stepped = jnp.any(masked, axis=1)
         return dataclasses.replace(
             state,
             tokens=tokens,
-            keys=keys[:, 0],
+            keys=jnp.where(stepped, keys[:, 0], state.keys),
             credit=credit,
             soft=soft,
             step=state.step + 1,

@@ -23,6 +23,7 @@ at the front of the row.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -425,6 +426,23 @@ def pool_specs(n_layers: int, mesh: Any) -> Pool:
     every K/V buffer is (`djax.sharding`), the rest whole on every device."""
     kv = P(None, None, sharding.model_axis(mesh), None)
     return Pool(tuple((kv, kv) for _ in range(n_layers)), *(P(),) * 8)
+
+
+def pool_bytes(model: Any, pool: Pool) -> int:
+    """A host pool's bytes on one device once placed (`place_pool`): on a mesh, each
+    device's share of the K/V heads and the rest whole."""
+    if model.mesh is None:
+        return sum(a.nbytes for a in jax.tree.leaves(pool))
+    specs = pool_specs(len(pool.kv), model.mesh)
+    shards = jax.tree.map(
+        lambda a, spec: (
+            math.prod(NamedSharding(model.mesh, spec).shard_shape(a.shape)) * a.itemsize
+        ),
+        pool,
+        specs,
+        is_leaf=lambda x: isinstance(x, np.ndarray),
+    )
+    return sum(jax.tree.leaves(shards))
 
 
 def place_pool(model: Any, pool: Pool) -> Pool:

@@ -40,12 +40,13 @@ def add_parser(
     )
     serve.add_argument(
         "--scheduler",
-        default="continuous",
-        choices=("continuous", "phase", "static"),
+        default="auto",
+        choices=("auto", "continuous", "phase", "static"),
         help="continuous: requests join and leave the batch at block boundaries; phase: each "
         "device call mixes some rows' refreshes with every other row's cached step, over "
         "K/V kept on the device between calls; static: a batch runs until all its requests "
-        "finish (default: continuous)",
+        "finish; auto: phase for mixture-of-experts models where it serves the settings, "
+        "else continuous (default: auto)",
     )
     serve.add_argument(
         "--phase-tokens",

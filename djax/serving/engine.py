@@ -1,6 +1,7 @@
 """The serving engine: a thread that turns queued requests into device calls.
 
-Two schedulers share the queue, the events and the metrics:
+Three schedulers share the queue, the events and the metrics (`auto` picks one by the
+model: `resolve_scheduler`):
 
 - `continuous`: one device call per block (`diffusion.run_block_call`, or
   `block_diffusion.run_causal_block_call` for a block-diffusion family). Every running row
@@ -16,6 +17,9 @@ Two schedulers share the queue, the events and the metrics:
   device runs one round while the host reads the last and prepares the next, and never
   waits for it. A row that turns out to have stopped in the unread round has decoded one
   block in vain.
+- `phase`: one forward per device call, mixing some rows' refreshes with every other row's
+  cached step over K/V kept on the device (`djax.serving.phase`, which builds on this
+  module).
 - `static`: first-come batches of up to `max_batch` requests, each run to completion as one
   whole-generation program (`diffusion.run_generation`, as `djax.generate` runs it); the
   baseline continuous batching is measured against.
@@ -64,7 +68,7 @@ log = logging.getLogger("djax.serve")
 # A wait of the device for the host this long is logged (INFO) with the queue it met.
 STALL_SECONDS = 0.02
 
-SCHEDULERS = ("continuous", "phase", "static")
+SCHEDULERS = ("auto", "continuous", "phase", "static")
 
 
 # How long an idle engine waits for requests arriving together to join the first one: up
@@ -94,7 +98,8 @@ class ServeConfig:
     generation: the server-wide decoding settings (decoder, block_length, cache, steps,
     threshold and temperature defaults; gen_length is the default max_tokens, and with
     `steps` it sets the fixed-steps decoders' steps per block). scheduler: one of
-    `SCHEDULERS`. max_batch: rows per device call; max_queue: requests waiting beyond them.
+    `SCHEDULERS` (`auto`: `resolve_scheduler`). max_batch: rows per device call;
+    max_queue: requests waiting beyond them.
     max_seq_len: the longest prompt + answer served (None: the model's maximum); it bounds
     the compiled shapes. sampling: whether temperature > 0 is served (its programs are
     compiled at warm-up too). memory_fraction: the share of each device's memory the
@@ -106,7 +111,7 @@ class ServeConfig:
     """
 
     generation: GenerationConfig = GenerationConfig()
-    scheduler: str = "continuous"
+    scheduler: str = "auto"
     max_batch: int = 32
     max_queue: int = 1024
     max_seq_len: int | None = None
@@ -125,7 +130,7 @@ class ServeConfig:
                 raise ValueError(f"{name}={value!r}; expected a positive int")
         if not isinstance(self.phase_tokens, int) or self.phase_tokens < 0:
             raise ValueError(f"phase_tokens={self.phase_tokens!r}; expected an int ≥ 0")
-        if self.phase_tokens and self.scheduler != "phase":
+        if self.phase_tokens and self.scheduler not in ("auto", "phase"):
             raise ValueError(
                 f"phase_tokens={self.phase_tokens} applies to scheduler='phase'; got "
                 f"scheduler={self.scheduler!r}"
@@ -1013,8 +1018,23 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
+def resolve_scheduler(model: Model, config: ServeConfig) -> str:
+    """`config.scheduler` with `auto` made concrete: `phase` for a mixture-of-experts model
+    where the phase scheduler serves the config, else `continuous`. On the serve benchmark
+    the phase scheduler serves LLaDA-MoE faster than the continuous one and LLaDA-8B slower
+    (`bench/README.md`): a MoE step leaves its experts room for refresh tokens, a dense
+    step at a server's batch does not."""
+    if config.scheduler != "auto":
+        return config.scheduler
+    from djax.serving.phase import refusal  # it builds on this module
+
+    return "phase" if model.config.is_moe and refusal(model, config) is None else "continuous"
+
+
 def make_engine(model: Model, config: ServeConfig, metrics: ServerMetrics) -> ServingEngine:
-    """The engine for `config.scheduler` (not started)."""
+    """The engine for `config.scheduler` (`auto` resolved: `resolve_scheduler`), not
+    started."""
+    config = dataclasses.replace(config, scheduler=resolve_scheduler(model, config))
     if config.scheduler == "phase":
         from djax.serving.phase import PhaseEngine  # it builds on this module
 

@@ -65,8 +65,9 @@ def weight_bytes(params: Any) -> int:
 
 def analysed_call_bytes(compiled: Any, weights: int) -> int | None:
     """A compiled block call's bytes on a device beside the weights: arguments + outputs +
-    temporaries of its memory analysis, less `weights`; None where the backend gives no
-    analysis."""
+    temporaries of its memory analysis, less the outputs that reuse a donated argument's
+    buffer (counted once: the phase scheduler's pool) and less `weights`; None where the
+    backend gives no analysis."""
     try:
         stats = compiled.memory_analysis()
     except (NotImplementedError, jax.errors.JaxRuntimeError):
@@ -74,6 +75,7 @@ def analysed_call_bytes(compiled: Any, weights: int) -> int | None:
     if stats is None:
         return None
     total = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    total -= getattr(stats, "alias_size_in_bytes", 0)
     return max(int(total) - weights, 0)
 
 

@@ -88,31 +88,47 @@ class _PhaseCall:
         return not self.out["block"].is_ready()
 
 
+def refusal(model: Any, config: Any) -> str | None:
+    """Why the phase scheduler cannot serve `config` on `model` (None: it can), naming the
+    setting and what it needs."""
+    cfg, g = model.config, config.generation
+    if cfg.block_diffusion:
+        return (
+            f"scheduler='phase' serves bidirectional dLLMs; {cfg.family} decodes by block "
+            "diffusion: use the continuous scheduler"
+        )
+    if g.decoder not in phase.PHASE_DECODERS:
+        return (
+            f"decoder={g.decoder!r} is not available to the phase scheduler; expected one of "
+            f"{phase.PHASE_DECODERS}"
+        )
+    if g.attention_sparsity < 1:
+        return (
+            f"attention_sparsity={g.attention_sparsity} is not available to the phase "
+            "scheduler; expected 1.0"
+        )
+    if g.cache != "dual":
+        return f"cache={g.cache!r}; the phase scheduler keeps a dual cache"
+    if g.refresh_every:
+        return (
+            f"refresh_every={g.refresh_every} is not available to the phase scheduler (a row "
+            "refreshes once a block); expected 0"
+        )
+    try:
+        phase.check_mesh(model.mesh)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 class PhaseEngine(ServingEngine):
     """The engine of the `phase` scheduler (see the module docstring)."""
 
     def __init__(self, model, config, metrics):
         super().__init__(model, config, metrics)
-        cfg = model.config
-        if cfg.block_diffusion:
-            raise ValueError(
-                f"scheduler='phase' serves bidirectional dLLMs; {cfg.family} decodes by block "
-                "diffusion: use the continuous scheduler"
-            )
-        g = config.generation
-        if g.decoder not in phase.PHASE_DECODERS:
-            raise ValueError(
-                f"decoder={g.decoder!r} is not available to the phase scheduler; expected one "
-                f"of {phase.PHASE_DECODERS}"
-            )
-        if g.attention_sparsity < 1:
-            raise ValueError(
-                f"attention_sparsity={g.attention_sparsity} is not available to the phase "
-                "scheduler; expected 1.0"
-            )
-        if g.cache != "dual":
-            raise ValueError(f"cache={g.cache!r}; the phase scheduler keeps a dual cache")
-        phase.check_mesh(model.mesh)
+        reason = refusal(model, config)
+        if reason is not None:
+            raise ValueError(reason)
         self.pool_len = self.seq_buckets[-1]
         slots, block = config.max_batch, self.block_length
         budget = config.phase_tokens or 2 * self.pool_len + slots * block
@@ -156,13 +172,15 @@ class PhaseEngine(ServingEngine):
             sampling=sampling,
         )
 
-    def _empty_pool(self) -> phase.Pool:
+    def _host_pool(self) -> phase.Pool:
         cfg = self.model.config
         plan = self._plan(0, False)
-        pool = phase.empty_pool(
+        return phase.empty_pool(
             plan, (cfg.n_kv_heads, cfg.head_dim), cfg.n_layers, self.model.dtype, cfg.pad_token_id
         )
-        return phase.place_pool(self.model, pool)
+
+    def _empty_pool(self) -> phase.Pool:
+        return phase.place_pool(self.model, self._host_pool())
 
     def _stream_arrays(self, plan: phase.PhasePlan, rows: list[_Row]) -> Any:
         refreshes = [self._refresh(row) for row in rows]
@@ -201,10 +219,20 @@ class PhaseEngine(ServingEngine):
     def _warm_up(self) -> None:
         """Compile every phase program (stream 0 and each stream size, in each sampling
         variant; several at a time: tracing holds the GIL, XLA's compiler does not) and
-        check that the pool and the largest call fit the memory budget."""
+        check that the pool (first, before it is allocated) and the largest call fit the
+        memory budget."""
         start = time.perf_counter()
-        self._pool = self._empty_pool()
-        pool_bytes = memory.weight_bytes(self._pool)
+        host_pool = self._host_pool()
+        pool_bytes = phase.pool_bytes(self.model, host_pool)
+        if self.memory.limit is not None and pool_bytes > self.memory.limit:
+            raise ValueError(  # before the pool is allocated and anything compiled
+                f"the phase scheduler's pool ({self.config.max_batch} slots of "
+                f"{self.pool_len} positions) takes {_mib(pool_bytes)}, more than the memory "
+                f"budget of {_mib(self.memory.limit)} beside the weights "
+                f"({_mib(self._weight_bytes)}); lower --max-batch or --max-seq-len, or raise "
+                "--memory-fraction"
+            )
+        self._pool = phase.place_pool(self.model, host_pool)
         shapes = [(stream, x) for x in self.memory.variants for stream in (0, *self.streams)]
 
         def compile_one(shape: tuple[int, bool]) -> int | None:
@@ -222,11 +250,11 @@ class PhaseEngine(ServingEngine):
             analysed = [n for n in pool.map(compile_one, shapes) if n is not None]
         largest = max(analysed, default=0)
         self._measured = True
-        if self.memory.limit is not None and max(largest, pool_bytes) > self.memory.limit:
+        if self.memory.limit is not None and largest > self.memory.limit:
             raise ValueError(
-                f"the phase scheduler's pool ({self.config.max_batch} slots of "
-                f"{self.pool_len} positions: {_mib(pool_bytes)}) and its largest call "
-                f"({_mib(largest)} with the pool) exceed the memory budget of "
+                f"the phase scheduler's largest call ({_mib(largest)} with its pool of "
+                f"{self.config.max_batch} slots of {self.pool_len} positions: "
+                f"{_mib(pool_bytes)}) exceeds the memory budget of "
                 f"{_mib(self.memory.limit)} beside the weights ({_mib(self._weight_bytes)}); "
                 "lower --max-batch, --max-seq-len or --phase-tokens, or raise "
                 "--memory-fraction"
@@ -331,10 +359,14 @@ class PhaseEngine(ServingEngine):
             if stream:
                 packed = phase.pack_stream(plan, refreshes, self.model.config.pad_token_id)
                 packed = phase.place_stream(self.model, packed)
-            queued = time.perf_counter()
-            out = program(self.model.params, self._pool, packed)
-        except Exception as err:  # the call failed before it ran: its rows fail
+        except Exception as err:  # these rows cannot be laid out: they fail, the rest go on
             self._fail_rows(rows, err)
+            return
+        queued = time.perf_counter()
+        try:
+            out = program(self.model.params, self._pool, packed)
+        except Exception as err:  # the pool went with the call: every running row fails
+            self._restart(err)
             return
         self._pool = out["pool"]
         self._next_call += 1
