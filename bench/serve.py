@@ -4,7 +4,7 @@ through the `openai` client, per scheduler (continuous, phase, static) and reque
 Three roles in one script:
 
     python -m bench.serve --model dense|moe|llada2_mini [--tiny]
-        [--schedulers continuous static] [--rates 2 4 8 inf] [--requests 500] [--seed 0]
+        [--schedulers continuous phase static] [--rates 2 4 8 inf] [--requests 500] [--seed 0]
         [--max-batch 32] [--equal N]
     python -m bench.serve server --model dense|moe|llada2_mini [--tiny]
         --scheduler continuous|phase|static --port P [--max-batch N] [--routing spread|model]

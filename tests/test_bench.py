@@ -537,7 +537,7 @@ def test_serve_command_lines():
     assert (client.role, client.rates, client.schedulers) == (
         "client",
         [2.0, math.inf],
-        ["continuous", "static"],
+        ["continuous", "phase", "static"],
     )
     server = parse(["server", "--model", "dense", "--scheduler", "static", "--port", "9"])
     assert (server.role, server.scheduler, server.port, server.max_batch) == (

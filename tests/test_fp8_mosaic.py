@@ -252,9 +252,10 @@ def test_moe_model_runs_its_experts_in_the_fp8_kernels(tmp_path):
     `fp8_impl="mosaic"`: its experts held K-major and run by fp8 x fp8 WGMMA (Mosaic GPU's
     interpreter) in a whole-sequence forward. Its logits are `dequant`'s within the rows'
     e4m3 quantisation (XLA's `scaled` path, which quantises the same rows, is 7% of the
-    norm from `dequant` here: a bound of 10%) and `scaled`'s within 3% (the kernels round
-    the activation once from fp32 before quantising it, `scaled` in bf16); a lost scale or
-    wrong expert moves them by about their norm."""
+    norm from `dequant` here: a bound of 10%) and `scaled`'s within 4% (the kernels round
+    the activation once from fp32 before quantising it, `scaled` in bf16, and a GPU's
+    products sum in another order than the interpreter's); a lost scale or wrong expert
+    moves them by about their norm."""
 
     from torch_reference import make_llada_moe
 
@@ -272,4 +273,4 @@ def test_moe_model_runs_its_experts_in_the_fp8_kernels(tmp_path):
     ref = np.asarray(djax.forward_logits(dequant, ids), np.float32)
     scaled = djax.forward_logits(dequant.with_options(fp8_impl="scaled"), ids)
     assert np.isfinite(ours).all() and rel_error(ours, ref) <= 1e-1
-    assert rel_error(ours, np.asarray(scaled, np.float32)) <= 3e-2
+    assert rel_error(ours, np.asarray(scaled, np.float32)) <= 4e-2

@@ -314,7 +314,11 @@ def test_explicit_kernels_that_fail_are_not_replaced(dense_model, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning either
         with pytest.raises(RuntimeError, match="no kernel image"):
-            djax.generate(model.with_options(matmul_impl="mosaic"), [[0, 10]], config)
+            # every other option XLA's, so that no `auto` kernel could be replaced either
+            # (on a Hopper GPU `auto` takes djax's kernels, whose fallback would warn)
+            explicit = dict(matmul_impl="mosaic", mlp_impl="xla", attention_impl="xla")
+            explicit |= dict(norm_impl="xla", rope_impl="xla")
+            djax.generate(model.with_options(**explicit), [[0, 10]], config)
 
 
 def test_cli_explain(tmp_path):

@@ -45,7 +45,7 @@ def test_demo_model_with_its_generation_defaults(served):
     assert model.config.max_seq_len == 128 and model.tokenizer is not None
     assert (config.generation.gen_length, config.generation.block_length) == (32, 8)
     assert (config.scheduler, config.max_batch, config.max_queue, config.max_seq_len) == (
-        "continuous",
+        "auto",  # the demo model is dense: continuous (`resolve_scheduler`)
         32,
         1024,
         None,
