@@ -9,8 +9,10 @@ products (q/k/v, output, MLP or experts) run over the refresh rows' tokens and e
 block together, while each group attends in its own shape
 (`TransformerLM.forward_groups`). A refresh row then decodes its block's first step from
 its refresh, like a block call's first step (`djax.diffusion`); a stepping slot decodes its
-next step. The host (`djax.serving.phase`) decides which rows refresh in each call, under a
-budget of refresh tokens.
+next step, and a slot whose block is decoded keeps it (and its keys) for its row's next
+refresh to carry in. The host (`djax.serving.phase`) decides which rows refresh in each
+call, under a budget of refresh tokens. How each group attends is chosen once, with the
+products' kernels (`PhaseKernels`).
 
 Shapes are fixed per `PhasePlan`: the pool holds `slots` rows of `pool_len` K/V positions;
 the refresh rows of a call are packed one after the other into a stream of `stream` tokens
@@ -75,23 +77,34 @@ class PhasePlan:
             raise ValueError(f"pool_len={self.pool_len}; expected above {self.block_len}")
 
 
-class Pool(NamedTuple):
-    """What the phase calls keep on the device, by slot. kv: per layer (keys, values)
-    [slots, pool_len, kv_heads, head_dim]; key_valid: [slots, pool_len] bool; positions:
-    [slots, block_len] int32, the block's; block: [slots, block_len] int32, its tokens
-    (no mask id once it is decoded); keys: [slots, 2] uint32; threshold, temperature:
-    [slots] fp32; step_in_block: [slots] int32, steps the block has taken; block_masks:
-    [slots] int32, its masks when it started (the fixed-steps schedule)."""
+class Decoding(NamedTuple):
+    """Rows' decoding state, by row. block: [rows, block_len] int32, the block's tokens (no
+    mask id once it is decoded); keys: [rows, 2] uint32; threshold, temperature: [rows]
+    fp32; step_in_block: [rows] int32, steps the block has taken; block_masks: [rows] int32,
+    its masks when it started (the fixed-steps schedule)."""
 
-    kv: tuple[LayerKV, ...]
-    key_valid: Array
-    positions: Array
     block: Array
     keys: Array
     threshold: Array
     temperature: Array
     step_in_block: Array
     block_masks: Array
+
+    def concat(self, other: Decoding) -> Decoding:
+        return Decoding(
+            *(jnp.concatenate([a, b], axis=0) for a, b in zip(self, other, strict=True))
+        )
+
+
+class Pool(NamedTuple):
+    """What the phase calls keep on the device, by slot. kv: per layer (keys, values)
+    [slots, pool_len, kv_heads, head_dim]; key_valid: [slots, pool_len] bool; positions:
+    [slots, block_len] int32, the block's; rows: each slot's `Decoding`."""
+
+    kv: tuple[LayerKV, ...]
+    key_valid: Array
+    positions: Array
+    rows: Decoding
 
 
 class Stream(NamedTuple):
@@ -131,7 +144,7 @@ class Refresh(NamedTuple):
     temperature: float
 
 
-for _kind in (Pool, Stream):
+for _kind in (Decoding, Pool, Stream):
     jax.tree_util.register_pytree_node(
         _kind, lambda t: (tuple(t), None), lambda _, c, kind=_kind: kind(*c)
     )
@@ -147,10 +160,7 @@ def empty_pool(
     kv = tuple((np.zeros(shape, dtype), np.zeros(shape, dtype)) for _ in range(n_layers))
     key_valid = np.zeros((slots, length), bool)
     key_valid[:, 0] = True
-    return Pool(
-        kv,
-        key_valid,
-        np.zeros((slots, block), np.int32),
+    rows = Decoding(
         np.full((slots, block), pad_id, np.int32),
         np.zeros((slots, 2), np.uint32),
         np.ones(slots, np.float32),
@@ -158,6 +168,7 @@ def empty_pool(
         np.zeros(slots, np.int32),
         np.zeros(slots, np.int32),
     )
+    return Pool(kv, key_valid, np.zeros((slots, block), np.int32), rows)
 
 
 def pack_stream(plan: PhasePlan, rows: list[Refresh], pad_id: int) -> Stream:
@@ -216,7 +227,7 @@ def run_phase_call(
     slots, block = plan.slots, plan.block_len
     apply = lambda *a, **k: module.apply({"params": params}, *a, **k)  # noqa: E731
     step_group = AttentionGroup(pool.positions, pool.key_valid, Window(start=0), kernels.steps)
-    x = apply(pool.block, method="embed").reshape(1, slots * block, -1)
+    x = apply(pool.rows.block, method="embed").reshape(1, slots * block, -1)
     # Every slot's block K/V are written at the front of its pool row, in place.
     groups, kv = (step_group,), tuple((layer,) for layer in pool.kv)
     if stream is not None:
@@ -233,14 +244,7 @@ def run_phase_call(
     pool_kv = tuple(layer[-1] for layer in new_kv)
 
     refreshing = jnp.zeros(slots, bool)
-    rows = _RowState(
-        pool.block,
-        pool.keys,
-        pool.threshold,
-        pool.temperature,
-        pool.step_in_block,
-        pool.block_masks,
-    )
+    rows = pool.rows
     if stream is not None:
         within = stream.start[:, None] + jnp.arange(block)  # [r_max, block]
         refresh_hidden = hidden[within]
@@ -249,7 +253,7 @@ def run_phase_call(
         r_masks = jnp.sum(r_block == plan.mask_id, axis=1, dtype=jnp.int32)
         r_zero = jnp.zeros_like(r_masks)
         rows = rows.concat(
-            _RowState(r_block, stream.keys, stream.threshold, stream.temperature, r_zero, r_masks)
+            Decoding(r_block, stream.keys, stream.threshold, stream.temperature, r_zero, r_masks)
         )
         step_hidden = jnp.concatenate([step_hidden, refresh_hidden], axis=0)
         pool_kv, key_valid = _write_stream(pool, pool_kv, new_kv, stream, plan)
@@ -267,18 +271,9 @@ def run_phase_call(
             merged = merged.at[stream.slot].set(new[slots:], mode="drop")
         return merged
 
-    new_pool = Pool(
-        pool_kv,
-        key_valid,
-        positions,
-        merge(decoded.block),
-        merge(decoded.keys),
-        merge(rows.threshold),
-        merge(rows.temperature),
-        merge(decoded.step_in_block),
-        merge(rows.block_masks),
-    )
-    return {"pool": new_pool, "block": new_pool.block, "step_in_block": new_pool.step_in_block}
+    new_pool = Pool(pool_kv, key_valid, positions, Decoding(*(merge(a) for a in decoded)))
+    rows = new_pool.rows
+    return {"pool": new_pool, "block": rows.block, "step_in_block": rows.step_in_block}
 
 
 def _carry_in(stream: Stream, pool: Pool, plan: PhasePlan) -> Stream:
@@ -288,25 +283,9 @@ def _carry_in(stream: Stream, pool: Pool, plan: PhasePlan) -> Stream:
     slot = jnp.minimum(stream.slot, plan.slots - 1)
     columns = stream.carry_at[:, None] + jnp.arange(plan.block_len, dtype=jnp.int32)
     columns = jnp.where(carried[:, None], columns, plan.stream)  # out of range: not written
-    tokens = stream.tokens.at[columns].set(pool.block[slot], mode="drop")
-    keys = jnp.where(carried[:, None], pool.keys[slot], stream.keys)
+    tokens = stream.tokens.at[columns].set(pool.rows.block[slot], mode="drop")
+    keys = jnp.where(carried[:, None], pool.rows.keys[slot], stream.keys)
     return stream._replace(tokens=tokens, keys=keys)
-
-
-class _RowState(NamedTuple):
-    """The decoding state of the rows a call decodes (its slots, then its refresh rows)."""
-
-    block: Array
-    keys: Array
-    threshold: Array
-    temperature: Array
-    step_in_block: Array
-    block_masks: Array
-
-    def concat(self, other: _RowState) -> _RowState:
-        return _RowState(
-            *(jnp.concatenate([a, b], axis=0) for a, b in zip(self, other, strict=True))
-        )
 
 
 def _write_stream(
@@ -336,10 +315,10 @@ def _decode(
     params: dict,
     plan: PhasePlan,
     hidden: Array,
-    rows: _RowState,
+    rows: Decoding,
     active: Array,
     axis_name: str | None,
-) -> _RowState:
+) -> Decoding:
     """One decoding step of every active row from its block's hidden states [rows,
     block_len, model]; an inactive row keeps its block, keys and step count."""
     spec = plan.decoder
@@ -425,7 +404,7 @@ def pool_specs(n_layers: int, mesh: Any) -> Pool:
     """`PartitionSpec`s of a pool on `mesh`: K/V split by kv head over the model axis as
     every K/V buffer is (`djax.sharding`), the rest whole on every device."""
     kv = P(None, None, sharding.model_axis(mesh), None)
-    return Pool(tuple((kv, kv) for _ in range(n_layers)), *(P(),) * 8)
+    return Pool(tuple((kv, kv) for _ in range(n_layers)), P(), P(), Decoding(*(P(),) * 6))
 
 
 def pool_bytes(model: Any, pool: Pool) -> int:

@@ -1,10 +1,12 @@
 """A stand-in engine for the HTTP tests: `FakeEngine` answers each request with scripted
 events from a thread, without a model, so the HTTP layer's cases (errors, queue bounds,
-disconnects, failures) can be played exactly."""
+disconnects, failures) can be played exactly. `Collector` gathers a real engine's events
+per request for the engine tests."""
 
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +17,7 @@ from djax.serving.requests import (
     EngineRequest,
     EngineStopped,
     Event,
+    Failed,
     Finished,
     QueueFull,
 )
@@ -95,3 +98,26 @@ class FakeEngine:
                 if request_id in self.cancelled:
                     return
             on_event(event)
+
+
+class Collector:
+    """Events per request id, and a wait for the last one."""
+
+    def __init__(self):
+        self.events: dict[str, list] = {}
+        self.ended: queue.Queue = queue.Queue()
+
+    def sink(self, request_id):
+        def on_event(event):
+            self.events.setdefault(request_id, []).append(event)
+            if isinstance(event, (Finished, Failed)):
+                self.ended.put(request_id)
+
+        return on_event
+
+    def wait(self, n, timeout=120):
+        return {self.ended.get(timeout=timeout) for _ in range(n)}
+
+    def tokens(self, request_id):
+        events = self.events[request_id]
+        return [t for e in events if isinstance(e, BlockCommitted) for t in e.token_ids]

@@ -4,7 +4,6 @@ queue bounds, bad requests and failing calls touch only the requests they concer
 
 import dataclasses
 import itertools
-import queue
 import re
 import time
 
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import needs_devices
 from prometheus_client.parser import text_string_to_metric_families
+from serving_fakes import Collector
 
 import djax
 from djax import demo
@@ -19,7 +19,6 @@ from djax.serving import layout, memory
 from djax.serving.engine import ServeConfig, make_engine
 from djax.serving.metrics import ServerMetrics
 from djax.serving.requests import (
-    BlockCommitted,
     EngineRequest,
     EngineStopped,
     Failed,
@@ -56,29 +55,6 @@ def continuous(demo_model, generation):
     engine = _engine(demo_model, generation)
     yield engine
     engine.stop()
-
-
-class Collector:
-    """Events per request id, and a wait for the last one."""
-
-    def __init__(self):
-        self.events: dict[str, list] = {}
-        self.ended: queue.Queue = queue.Queue()
-
-    def sink(self, request_id):
-        def on_event(event):
-            self.events.setdefault(request_id, []).append(event)
-            if isinstance(event, (Finished, Failed)):
-                self.ended.put(request_id)
-
-        return on_event
-
-    def wait(self, n, timeout=120):
-        return {self.ended.get(timeout=timeout) for _ in range(n)}
-
-    def tokens(self, request_id):
-        events = self.events[request_id]
-        return [t for e in events if isinstance(e, BlockCommitted) for t in e.token_ids]
 
 
 def _ids(model, prompt):

@@ -6,7 +6,6 @@ serve is refused by name."""
 import dataclasses
 import functools
 import itertools
-import queue
 import re
 import threading
 import time
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import needs_devices
+from serving_fakes import Collector
 
 import djax
 from djax import phase, programs
@@ -60,29 +60,6 @@ def continuous(dense_model):
     engine = _engine(dense_model, "continuous")
     yield engine
     engine.stop()
-
-
-class Collector:
-    """Events per request id, and a wait for the last one."""
-
-    def __init__(self):
-        self.events: dict[str, list] = {}
-        self.ended: queue.Queue = queue.Queue()
-
-    def sink(self, request_id):
-        def on_event(event):
-            self.events.setdefault(request_id, []).append(event)
-            if isinstance(event, (Finished, Failed)):
-                self.ended.put(request_id)
-
-        return on_event
-
-    def wait(self, n, timeout=120):
-        return {self.ended.get(timeout=timeout) for _ in range(n)}
-
-    def tokens(self, request_id):
-        events = self.events[request_id]
-        return [t for e in events if isinstance(e, BlockCommitted) for t in e.token_ids]
 
 
 def _serve_all(engine, requests):

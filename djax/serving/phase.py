@@ -2,19 +2,23 @@
 each, mixing some rows' refreshes with every other row's cached step (`djax.phase`).
 
 Every running row owns a slot of the device `Pool`, which keeps its K/V between calls.
-A row is either *stepping* (its block is on the device and takes a cached step each call)
-or *pending* (it has just been admitted, or the host has read its finished block and it
-has blocks left): pending rows refresh in the next call, first come first served, as many
-as the call's budget of refresh tokens takes (a refresh row costs its sequence, and every
-slot's step its block: `ServeConfig.phase_tokens` bounds the two together). A refresh
-decodes its block's first step; the row then steps until its block holds no mask.
+A row is either *decoding* (its block is on the device and takes a cached step each call)
+or *pending* (just admitted, or its block has ended and it has blocks left): pending rows
+refresh in the next call, first come first served, as many as the call's budget of
+refresh tokens takes (a refresh row costs its sequence, and every slot's step its block:
+`ServeConfig.phase_tokens` bounds the two together). A refresh decodes its block's first
+step; the row then steps until its block holds no mask. A row's next refresh takes its
+last block and keys from its slot (`phase.Stream.carry_at`), so it need not wait for the
+host to read them.
 
 The engine queues a call before it reads the one before, so the device never waits for
-the host; a row whose block ends in a call takes one idle step in the next (the host
-learns of it only then), and refreshes in the one after. Every program (the steps-only
-call and each stream size of `stream_sizes`, in each served sampling variant) is compiled
-before the engine reports ready; the pool and the largest call must fit the memory
-budget, or the engine refuses to start, naming the sizes.
+the host. Under a fixed-steps decoder a block ends after a known number of calls, and
+the row is pending from the next one; under the others the host learns of the end when it
+reads the call, so the row steps idly once before its refresh. Every program (the
+steps-only call and each stream size of `halvings`, in each served sampling variant) is
+compiled before the engine reports ready; the pool (before it is allocated) and the
+largest call must fit the memory budget, or the engine refuses to start, naming the
+sizes.
 """
 
 from __future__ import annotations
