@@ -86,6 +86,7 @@ def serving_engine(model: Model, seq: int, chunk: int, args: argparse.Namespace)
     generation = dataclasses.replace(SETTING, block_length=BLOCK, logits_chunk=chunk)
     config = ServeConfig(
         generation=generation,
+        scheduler="continuous",  # its block calls are what is measured
         max_batch=args.max_batch,
         max_seq_len=seq,
         sampling=False,

@@ -150,25 +150,36 @@ for _kind in (Decoding, Pool, Stream):
     )
 
 
+def pool_shapes(plan: PhasePlan, kv_shape: tuple[int, int], n_layers: int, dtype: Any) -> Pool:
+    """The shapes and dtypes of a pool (`jax.ShapeDtypeStruct`s), its K/V in `dtype`.
+    kv_shape: (kv_heads, head_dim) of the whole model."""
+    slots, length, block = plan.slots, plan.pool_len, plan.block_len
+    of = jax.ShapeDtypeStruct
+    kv = of((slots, length, *kv_shape), dtype)
+    per_slot = lambda kind: of((slots,), kind)  # noqa: E731
+    rows = Decoding(
+        of((slots, block), np.int32),
+        of((slots, 2), np.uint32),
+        per_slot(np.float32),
+        per_slot(np.float32),
+        per_slot(np.int32),
+        per_slot(np.int32),
+    )
+    kvs = tuple((kv, kv) for _ in range(n_layers))
+    return Pool(kvs, of((slots, length), bool), of((slots, block), np.int32), rows)
+
+
 def empty_pool(
     plan: PhasePlan, kv_shape: tuple[int, int], n_layers: int, dtype: Any, pad_id: int
 ) -> Pool:
-    """A pool of empty slots on the host: no masks (nothing to decode), one valid key each
-    so attention stays finite. kv_shape: (kv_heads, head_dim) of the whole model."""
-    slots, length, block = plan.slots, plan.pool_len, plan.block_len
-    shape = (slots, length, *kv_shape)
-    kv = tuple((np.zeros(shape, dtype), np.zeros(shape, dtype)) for _ in range(n_layers))
-    key_valid = np.zeros((slots, length), bool)
-    key_valid[:, 0] = True
-    rows = Decoding(
-        np.full((slots, block), pad_id, np.int32),
-        np.zeros((slots, 2), np.uint32),
-        np.ones(slots, np.float32),
-        np.zeros(slots, np.float32),
-        np.zeros(slots, np.int32),
-        np.zeros(slots, np.int32),
-    )
-    return Pool(kv, key_valid, np.zeros((slots, block), np.int32), rows)
+    """A pool of empty slots on the host (`pool_shapes`): no masks (nothing to decode), one
+    valid key each so attention stays finite, thresholds 1."""
+    shapes = pool_shapes(plan, kv_shape, n_layers, dtype)
+    pool = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+    pool.key_valid[:, 0] = True
+    pool.rows.block[:] = pad_id
+    pool.rows.threshold[:] = 1.0
+    return pool
 
 
 def pack_stream(plan: PhasePlan, rows: list[Refresh], pad_id: int) -> Stream:
@@ -407,19 +418,18 @@ def pool_specs(n_layers: int, mesh: Any) -> Pool:
     return Pool(tuple((kv, kv) for _ in range(n_layers)), P(), P(), Decoding(*(P(),) * 6))
 
 
-def pool_bytes(model: Any, pool: Pool) -> int:
-    """A host pool's bytes on one device once placed (`place_pool`): on a mesh, each
-    device's share of the K/V heads and the rest whole."""
+def pool_bytes(model: Any, shapes: Pool) -> int:
+    """A pool's bytes on one device once placed (`place_pool`), from its `pool_shapes`: on a
+    mesh, each device's share of the K/V heads and the rest whole."""
     if model.mesh is None:
-        return sum(a.nbytes for a in jax.tree.leaves(pool))
-    specs = pool_specs(len(pool.kv), model.mesh)
+        return sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes))
+    specs = pool_specs(len(shapes.kv), model.mesh)
     shards = jax.tree.map(
-        lambda a, spec: (
-            math.prod(NamedSharding(model.mesh, spec).shard_shape(a.shape)) * a.itemsize
+        lambda s, spec: (
+            math.prod(NamedSharding(model.mesh, spec).shard_shape(s.shape)) * s.dtype.itemsize
         ),
-        pool,
+        shapes,
         specs,
-        is_leaf=lambda x: isinstance(x, np.ndarray),
     )
     return sum(jax.tree.leaves(shards))
 

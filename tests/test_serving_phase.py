@@ -27,7 +27,7 @@ from djax.models.kernel_choice import Device, Shapes, resolve
 from djax.models.layers import AttentionGroup, Window
 from djax.serving import memory
 from djax.serving import phase as phase_serving
-from djax.serving.engine import ServeConfig, make_engine, resolve_scheduler
+from djax.serving.engine import ServeConfig, ServingEngine, make_engine, resolve_scheduler
 from djax.serving.metrics import ServerMetrics
 from djax.serving.phase import PhaseEngine, _RowState
 from djax.serving.requests import BlockCommitted, EngineRequest, Failed, Finished
@@ -669,7 +669,16 @@ def test_auto_takes_phase_for_a_moe_model_it_serves_and_continuous_otherwise(
         (moe_model, ServeConfig(generation=GENERATION, scheduler="static"), "static"),
         (dense_model, ServeConfig(generation=GENERATION, scheduler="phase"), "phase"),
     ]
+    # a budget the MoE pool does not fit (2 of its 32 slots): continuous, which batches less
+    weights = memory.weight_bytes(moe_model.params)
+    small = ServeConfig(generation=GENERATION, max_seq_len=32, memory_bytes=weights + 2**10)
+    cases.append((moe_model, small, "continuous"))
     for model, config, want in cases:
         assert resolve_scheduler(model, config) == want, (model.config.family, config)
     engine = make_engine(moe_model, ServeConfig(generation=GENERATION), ServerMetrics())
     assert isinstance(engine, PhaseEngine) and engine.config.scheduler == "phase"
+    with pytest.raises(ValueError, match=r"phase_tokens=64 applies to the phase scheduler; "
+                       r"scheduler='auto' runs 'continuous'"):  # fmt: skip
+        make_engine(dense_model, ServeConfig(generation=GENERATION, phase_tokens=64), None)
+    with pytest.raises(ValueError, match="scheduler='auto' is made concrete by make_engine"):
+        ServingEngine(dense_model, ServeConfig(generation=GENERATION), ServerMetrics())

@@ -45,8 +45,8 @@ def add_parser(
         help="continuous: requests join and leave the batch at block boundaries; phase: each "
         "device call mixes some rows' refreshes with every other row's cached step, over "
         "K/V kept on the device between calls; static: a batch runs until all its requests "
-        "finish; auto: phase for mixture-of-experts models where it serves the settings, "
-        "else continuous (default: auto)",
+        "finish; auto: phase for mixture-of-experts models where it serves the settings and "
+        "its pool fits the memory budget, else continuous (default: auto)",
     )
     serve.add_argument(
         "--phase-tokens",

@@ -215,6 +215,8 @@ class ServingEngine:
     `djax.serving.requests.Engine`."""
 
     def __init__(self, model: Model, config: ServeConfig, metrics: ServerMetrics):
+        if config.scheduler == "auto":
+            raise ValueError("scheduler='auto' is made concrete by make_engine; give a scheduler")
         cfg = model.config
         g = config.generation
         if cfg.block_diffusion:
@@ -1020,21 +1022,27 @@ def _mib(nbytes: int) -> str:
 
 def resolve_scheduler(model: Model, config: ServeConfig) -> str:
     """`config.scheduler` with `auto` made concrete: `phase` for a mixture-of-experts model
-    where the phase scheduler serves the config, else `continuous`. On the serve benchmark
-    the phase scheduler serves LLaDA-MoE faster than the continuous one and LLaDA-8B slower
-    (`bench/README.md`): a MoE step leaves its experts room for refresh tokens, a dense
-    step at a server's batch does not."""
+    where the phase scheduler serves the config and its pool fits the memory budget, else
+    `continuous`: on the serve benchmark the phase scheduler serves LLaDA-MoE faster than
+    the continuous one and LLaDA-8B slower (`bench/README.md`)."""
     if config.scheduler != "auto":
         return config.scheduler
-    from djax.serving.phase import refusal  # it builds on this module
+    from djax.serving.phase import pool_fits, refusal  # they build on this module
 
-    return "phase" if model.config.is_moe and refusal(model, config) is None else "continuous"
+    serves = model.config.is_moe and refusal(model, config) is None
+    return "phase" if serves and pool_fits(model, config) else "continuous"
 
 
 def make_engine(model: Model, config: ServeConfig, metrics: ServerMetrics) -> ServingEngine:
     """The engine for `config.scheduler` (`auto` resolved: `resolve_scheduler`), not
     started."""
-    config = dataclasses.replace(config, scheduler=resolve_scheduler(model, config))
+    scheduler = resolve_scheduler(model, config)
+    if config.phase_tokens and scheduler != "phase":
+        raise ValueError(
+            f"phase_tokens={config.phase_tokens} applies to the phase scheduler; "
+            f"scheduler={config.scheduler!r} runs {scheduler!r} for this model and settings"
+        )
+    config = dataclasses.replace(config, scheduler=scheduler)
     if config.scheduler == "phase":
         from djax.serving.phase import PhaseEngine  # it builds on this module
 

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from djax import phase
-from djax.serving import memory
+from djax.serving import layout, memory
 from djax.serving.engine import STALL_SECONDS, ServingEngine, _mib, _Row
 from djax.serving.requests import Failed
 
@@ -125,6 +125,29 @@ def refusal(model: Any, config: Any) -> str | None:
     return None
 
 
+def pool_fits(model: Any, config: Any) -> bool:
+    """Whether the phase scheduler's pool for `config` (`max_batch` slots of its longest
+    sequence) fits the memory budget beside the weights (always, where the budget is not
+    known)."""
+    limit, _ = memory.budget_bytes(model, config.memory_fraction, config.memory_bytes)
+    if limit is None:
+        return True
+    cfg, block = model.config, config.generation.block_length
+    longest = layout.seq_buckets(config.max_seq_len or cfg.max_seq_len, block)[-1]
+    plan = phase.PhasePlan(
+        slots=config.max_batch,
+        pool_len=longest,
+        stream=0,
+        refresh_rows=0,
+        block_len=block,
+        steps_per_block=1,
+        decoder=config.generation.decoder_spec(),
+        mask_id=cfg.mask_token_id,
+    )
+    shapes = phase.pool_shapes(plan, (cfg.n_kv_heads, cfg.head_dim), cfg.n_layers, model.dtype)
+    return phase.pool_bytes(model, shapes) <= limit
+
+
 class PhaseEngine(ServingEngine):
     """The engine of the `phase` scheduler (see the module docstring)."""
 
@@ -176,15 +199,19 @@ class PhaseEngine(ServingEngine):
             sampling=sampling,
         )
 
-    def _host_pool(self) -> phase.Pool:
+    def _pool_shapes(self) -> phase.Pool:
         cfg = self.model.config
         plan = self._plan(0, False)
-        return phase.empty_pool(
-            plan, (cfg.n_kv_heads, cfg.head_dim), cfg.n_layers, self.model.dtype, cfg.pad_token_id
+        return phase.pool_shapes(
+            plan, (cfg.n_kv_heads, cfg.head_dim), cfg.n_layers, self.model.dtype
         )
 
     def _empty_pool(self) -> phase.Pool:
-        return phase.place_pool(self.model, self._host_pool())
+        cfg = self.model.config
+        plan = self._plan(0, False)
+        kv_shape = (cfg.n_kv_heads, cfg.head_dim)
+        pool = phase.empty_pool(plan, kv_shape, cfg.n_layers, self.model.dtype, cfg.pad_token_id)
+        return phase.place_pool(self.model, pool)
 
     def _stream_arrays(self, plan: phase.PhasePlan, rows: list[_Row]) -> Any:
         refreshes = [self._refresh(row) for row in rows]
@@ -201,6 +228,11 @@ class PhaseEngine(ServingEngine):
         decoded = state.started * block  # answer tokens decoded before this block
         carry_at = -1
         if state.started:
+            if len(row.committed) < decoded - block:  # the host reads every block but the last
+                raise RuntimeError(
+                    f"request {row.request.request_id}: {len(row.committed)} tokens read, "
+                    f"{decoded - block} expected before its carried block"
+                )
             known = np.asarray(row.committed[: decoded - block], np.int32)
             placeholder = np.full(block, self.layout.mask_id, np.int32)
             context = np.concatenate([prompt, known, placeholder])
@@ -226,8 +258,7 @@ class PhaseEngine(ServingEngine):
         check that the pool (first, before it is allocated) and the largest call fit the
         memory budget."""
         start = time.perf_counter()
-        host_pool = self._host_pool()
-        pool_bytes = phase.pool_bytes(self.model, host_pool)
+        pool_bytes = phase.pool_bytes(self.model, self._pool_shapes())
         if self.memory.limit is not None and pool_bytes > self.memory.limit:
             raise ValueError(  # before the pool is allocated and anything compiled
                 f"the phase scheduler's pool ({self.config.max_batch} slots of "
@@ -236,7 +267,7 @@ class PhaseEngine(ServingEngine):
                 f"({_mib(self._weight_bytes)}); lower --max-batch or --max-seq-len, or raise "
                 "--memory-fraction"
             )
-        self._pool = phase.place_pool(self.model, host_pool)
+        self._pool = self._empty_pool()
         shapes = [(stream, x) for x in self.memory.variants for stream in (0, *self.streams)]
 
         def compile_one(shape: tuple[int, bool]) -> int | None:
@@ -354,13 +385,13 @@ class PhaseEngine(ServingEngine):
         with self._lock:
             stream, rows = self._take_refreshes()
             stepping = [r for r in self._running if self._states[id(r)].decoding and r not in rows]
-            refreshes = [self._refresh(r) for r in rows]
         sampling = any(r.request.temperature > 0 for r in [*rows, *stepping])
         plan, program = self._plans[stream, sampling], self._programs[stream, sampling]
         last = self._phase_calls[-1] if self._phase_calls else None
         try:
             packed = None
             if stream:
+                refreshes = [self._refresh(r) for r in rows]
                 packed = phase.pack_stream(plan, refreshes, self.model.config.pad_token_id)
                 packed = phase.place_stream(self.model, packed)
         except Exception as err:  # these rows cannot be laid out: they fail, the rest go on
@@ -413,7 +444,7 @@ class PhaseEngine(ServingEngine):
                     continue
                 if self._block_calls is None and state.decoding and state.since <= call.index:
                     if (block[row.slot] == mask_id).any():
-                        if steps[row.slot] > self.block_length:  # no step commits: NaN logits
+                        if steps[row.slot] >= self.block_length:  # no step commits: NaN logits
                             row.done = True
                             events.append((row, Failed(STALLED)))
                         continue
