@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from djax import decoders, programs, sharding
+from djax.config import ModelConfig
 from djax.decoders import DecoderSpec
 from djax.models.kernel_choice import KernelChoice, Shapes
 from djax.models.layers import AttentionGroup, LayerKV, TransformerLM, Window
@@ -150,34 +151,31 @@ for _kind in (Decoding, Pool, Stream):
     )
 
 
-def pool_shapes(plan: PhasePlan, kv_shape: tuple[int, int], n_layers: int, dtype: Any) -> Pool:
-    """The shapes and dtypes of a pool (`jax.ShapeDtypeStruct`s), its K/V in `dtype`.
-    kv_shape: (kv_heads, head_dim) of the whole model."""
-    slots, length, block = plan.slots, plan.pool_len, plan.block_len
+def pool_shapes(config: ModelConfig, slots: int, pool_len: int, block_len: int, dtype: Any) -> Pool:
+    """The shapes and dtypes of a pool (`jax.ShapeDtypeStruct`s) for a model of `config`:
+    `slots` rows of `pool_len` K/V positions in `dtype`, blocks of `block_len`."""
     of = jax.ShapeDtypeStruct
-    kv = of((slots, length, *kv_shape), dtype)
+    kv = of((slots, pool_len, config.n_kv_heads, config.head_dim), dtype)
     per_slot = lambda kind: of((slots,), kind)  # noqa: E731
     rows = Decoding(
-        of((slots, block), np.int32),
+        of((slots, block_len), np.int32),
         of((slots, 2), np.uint32),
         per_slot(np.float32),
         per_slot(np.float32),
         per_slot(np.int32),
         per_slot(np.int32),
     )
-    kvs = tuple((kv, kv) for _ in range(n_layers))
-    return Pool(kvs, of((slots, length), bool), of((slots, block), np.int32), rows)
+    kvs = tuple((kv, kv) for _ in range(config.n_layers))
+    return Pool(kvs, of((slots, pool_len), bool), of((slots, block_len), np.int32), rows)
 
 
-def empty_pool(
-    plan: PhasePlan, kv_shape: tuple[int, int], n_layers: int, dtype: Any, pad_id: int
-) -> Pool:
-    """A pool of empty slots on the host (`pool_shapes`): no masks (nothing to decode), one
-    valid key each so attention stays finite, thresholds 1."""
-    shapes = pool_shapes(plan, kv_shape, n_layers, dtype)
+def empty_pool(config: ModelConfig, slots: int, pool_len: int, block_len: int, dtype: Any) -> Pool:
+    """A pool of empty slots on the host (`pool_shapes`): no masks (pad tokens: nothing to
+    decode), one valid key each so attention stays finite, thresholds 1."""
+    shapes = pool_shapes(config, slots, pool_len, block_len, dtype)
     pool = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
     pool.key_valid[:, 0] = True
-    pool.rows.block[:] = pad_id
+    pool.rows.block[:] = config.pad_token_id
     pool.rows.threshold[:] = 1.0
     return pool
 

@@ -544,19 +544,7 @@ def test_a_donated_buffer_is_counted_once_in_a_call_s_bytes():
 
 
 def _host_pool(model, slots, pool_len):
-    cfg = model.config
-    plan = phase.PhasePlan(
-        slots=slots,
-        pool_len=pool_len,
-        stream=0,
-        refresh_rows=0,
-        block_len=8,
-        steps_per_block=8,
-        decoder=GENERATION.decoder_spec(),
-        mask_id=cfg.mask_token_id,
-    )
-    kv_shape = (cfg.n_kv_heads, cfg.head_dim)
-    return phase.empty_pool(plan, kv_shape, cfg.n_layers, model.dtype, cfg.pad_token_id)
+    return phase.empty_pool(model.config, slots, pool_len, 8, model.dtype)
 
 
 @needs_devices
@@ -641,8 +629,7 @@ def test_the_phase_program_lowers_for_hopper(monkeypatch, config, slots, stream)
     module = programs.local_module(config, jnp.bfloat16, products, None)
     spec = jax.ShapeDtypeStruct
     shape_of = functools.partial(jax.tree.map, lambda a: spec(a.shape, a.dtype))
-    kv_shape = (config.n_kv_heads, config.head_dim)
-    pool = shape_of(phase.empty_pool(plan, kv_shape, 1, jnp.bfloat16, 1))
+    pool = phase.pool_shapes(config, slots, plan.pool_len, 32, jnp.bfloat16)
     stream_arrays = shape_of(phase.pack_stream(plan, [], 1)) if stream else None
     window = (spec((1, 8, config.d_model), jnp.bfloat16), spec((1, 8), jnp.int32))
     params = jax.eval_shape(

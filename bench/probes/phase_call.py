@@ -97,13 +97,7 @@ def main() -> None:
 
     pool = phase.place_pool(
         model,
-        phase.empty_pool(
-            plan(0),
-            (config.n_kv_heads, config.head_dim),
-            config.n_layers,
-            model.dtype,
-            config.pad_token_id,
-        ),
+        phase.empty_pool(config, SLOTS, POOL, BLOCK, model.dtype),
     )
     fill = plan(2048)
     fill_program = program(fill)

@@ -377,31 +377,8 @@ class Attention(nn.Module):
             )
         ops = rope_write_mosaic.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
         if groups is not None:
-            qkv = finish(project(x, qkv_kernel, kernels.qkv, kernels.fp8))[0]
-            outs, group_kv, first = [], [], 0
-            for group, buffers in zip(groups, kv, strict=True):
-                b, t = group.positions.shape
-                part = qkv[first : first + b * t].reshape(b, t, *qkv.shape[1:])
-                first += b * t
-                q, keys, values = rope_and_write_xla(
-                    part,
-                    group.positions,
-                    buffers,
-                    group.window,
-                    scales,
-                    ops,
-                    cfg.rope_theta,
-                    cfg.rope_dim,
-                )
-                group_kv.append((keys, values))
-                out = attend(q, keys, values, group.key_valid, group.attention)
-                outs.append(out.reshape(1, b * t, -1))
-            out = jnp.concatenate(outs, axis=1)
-            out_kernel = fp8.matrix(out_kernel, out.shape[-1], cfg.d_model)
-            y = _sum_over(project(out, out_kernel, out_impl, kernels.fp8), self.axis_name)
-            if out_bias is not None:
-                y = finish(y) + out_bias
-            return y, tuple(group_kv), None
+            out, group_kv = self._attend_groups(x, qkv_kernel, kv, groups, scales, ops, kernels)
+            return self._output(out, out_kernel, out_bias, out_impl, kernels), group_kv, None
         if kernels.rope == "mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
             cos, sin, bounds = self._rope_inputs(positions, window, x.shape[1])
         if kernels.rope == "mosaic" and kernels.qkv == "rope":
@@ -436,14 +413,42 @@ class Attention(nn.Module):
         else:
             out = attend(q, keys, values, key_valid, kernels.attention)
         b, t = out.shape[:2]
-        out = out.reshape(b, t, -1)
-        out_kernel = fp8.matrix(out_kernel, out.shape[-1], cfg.d_model)
-        if defer_output:
-            return Product(out, out_kernel), (keys, values), new_chosen
+        y = self._output(
+            out.reshape(b, t, -1), out_kernel, out_bias, out_impl, kernels, defer_output
+        )
+        return y, (keys, values), new_chosen
+
+    def _attend_groups(self, x, qkv_kernel, kv, groups, scales, ops, kernels):
+        """A mixed forward's attention: the q/k/v product over every group's rows of x [1,
+        T, model], then per group RoPE, the K/V write and attention in its own shape.
+        Returns the attention output [1, T, heads · head_dim] and each group's K/V."""
+        cfg = self.config
+        qkv = finish(project(x, qkv_kernel, kernels.qkv, kernels.fp8))[0]
+        outs, group_kv, first = [], [], 0
+        for group, buffers in zip(groups, kv, strict=True):
+            b, t = group.positions.shape
+            part = qkv[first : first + b * t].reshape(b, t, *qkv.shape[1:])
+            first += b * t
+            q, keys, values = rope_and_write_xla(
+                part, group.positions, buffers, group.window, scales, ops, cfg.rope_theta,
+                cfg.rope_dim,
+            )  # fmt: skip
+            group_kv.append((keys, values))
+            out = attend(q, keys, values, group.key_valid, group.attention)
+            outs.append(out.reshape(1, b * t, -1))
+        return jnp.concatenate(outs, axis=1), tuple(group_kv)
+
+    def _output(self, out, out_kernel, out_bias, out_impl, kernels, defer=False):
+        """The output product of the attention output [b, t, heads · head_dim] (summed over
+        the mesh axis, its bias added once after the sum), or with `defer` the `Product`
+        still to run."""
+        out_kernel = fp8.matrix(out_kernel, out.shape[-1], self.config.d_model)
+        if defer:
+            return Product(out, out_kernel)
         y = _sum_over(project(out, out_kernel, out_impl, kernels.fp8), self.axis_name)
         if out_bias is not None:  # added once, after the sum over shards
             y = finish(y) + out_bias
-        return y, (keys, values), new_chosen
+        return y
 
     def _rope_inputs(self, positions, window, t):
         """The RoPE kernel's cos/sin tables and their `bounds` (window start, write_lo,

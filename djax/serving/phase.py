@@ -134,17 +134,7 @@ def pool_fits(model: Any, config: Any) -> bool:
         return True
     cfg, block = model.config, config.generation.block_length
     longest = layout.seq_buckets(config.max_seq_len or cfg.max_seq_len, block)[-1]
-    plan = phase.PhasePlan(
-        slots=config.max_batch,
-        pool_len=longest,
-        stream=0,
-        refresh_rows=0,
-        block_len=block,
-        steps_per_block=1,
-        decoder=config.generation.decoder_spec(),
-        mask_id=cfg.mask_token_id,
-    )
-    shapes = phase.pool_shapes(plan, (cfg.n_kv_heads, cfg.head_dim), cfg.n_layers, model.dtype)
+    shapes = phase.pool_shapes(cfg, config.max_batch, longest, block, model.dtype)
     return phase.pool_bytes(model, shapes) <= limit
 
 
@@ -199,19 +189,13 @@ class PhaseEngine(ServingEngine):
             sampling=sampling,
         )
 
-    def _pool_shapes(self) -> phase.Pool:
+    def _pool_size(self) -> tuple:
+        """The pool's (model config, slots, positions, block length, dtype)."""
         cfg = self.model.config
-        plan = self._plan(0, False)
-        return phase.pool_shapes(
-            plan, (cfg.n_kv_heads, cfg.head_dim), cfg.n_layers, self.model.dtype
-        )
+        return cfg, self.config.max_batch, self.pool_len, self.block_length, self.model.dtype
 
     def _empty_pool(self) -> phase.Pool:
-        cfg = self.model.config
-        plan = self._plan(0, False)
-        kv_shape = (cfg.n_kv_heads, cfg.head_dim)
-        pool = phase.empty_pool(plan, kv_shape, cfg.n_layers, self.model.dtype, cfg.pad_token_id)
-        return phase.place_pool(self.model, pool)
+        return phase.place_pool(self.model, phase.empty_pool(*self._pool_size()))
 
     def _stream_arrays(self, plan: phase.PhasePlan, rows: list[_Row]) -> Any:
         refreshes = [self._refresh(row) for row in rows]
@@ -258,7 +242,7 @@ class PhaseEngine(ServingEngine):
         check that the pool (first, before it is allocated) and the largest call fit the
         memory budget."""
         start = time.perf_counter()
-        pool_bytes = phase.pool_bytes(self.model, self._pool_shapes())
+        pool_bytes = phase.pool_bytes(self.model, phase.pool_shapes(*self._pool_size()))
         if self.memory.limit is not None and pool_bytes > self.memory.limit:
             raise ValueError(  # before the pool is allocated and anything compiled
                 f"the phase scheduler's pool ({self.config.max_batch} slots of "
@@ -389,11 +373,7 @@ class PhaseEngine(ServingEngine):
         plan, program = self._plans[stream, sampling], self._programs[stream, sampling]
         last = self._phase_calls[-1] if self._phase_calls else None
         try:
-            packed = None
-            if stream:
-                refreshes = [self._refresh(r) for r in rows]
-                packed = phase.pack_stream(plan, refreshes, self.model.config.pad_token_id)
-                packed = phase.place_stream(self.model, packed)
+            packed = self._stream_arrays(plan, rows) if stream else None
         except Exception as err:  # these rows cannot be laid out: they fail, the rest go on
             self._fail_rows(rows, err)
             return
