@@ -246,6 +246,8 @@ def main() -> None:
     for (model_name, config), weights in itertools.product(configs.items(), args.weights):
         model, _ = bench_model(config, 1, (("moe_impl", args.moe_impl),), weights)
         for options in variants:
+            if weights != "fp8" and "fp8_impl" in options:
+                continue  # fp8_impl picks the fp8 products: nothing to vary in other weights
             variant = model.with_options(**options)
             for prompt_len in args.prompts:
                 for batch in args.batch:

@@ -6,7 +6,7 @@ idle gaps — read from the trace's device events, readable without a viewer. Re
 `profile_<model>_<device>.json` (`profile_moe_spread_<device>.json` with `--routing spread`).
 
     python -m bench.profile [--model dense] [--devices N] [--cache dual] [--options k=v,...]
-                            [--out DIR] [--tiny]
+                            [--weights dtype|fp8] [--out DIR] [--tiny]
     python -m bench.profile --resummarize TRACE_DIR RESULT_JSON
 """
 
@@ -36,6 +36,7 @@ from bench.common import (
     use_routing,
 )
 from djax import generate
+from djax.config import WEIGHTS
 
 # First match wins; tested against the kernel name plus the op/scope names in its args.
 CATEGORIES = [
@@ -200,6 +201,9 @@ def main() -> None:
         "--options", default="default", help="more module options: key=value[,key=value]"
     )
     parser.add_argument("--devices", type=int, default=1, help="TP (dense) / EP (MoE) size")
+    parser.add_argument(
+        "--weights", choices=WEIGHTS, default="dtype", help="fp8: projections and experts in fp8"
+    )
     parser.add_argument("--out", default="/tmp/djax_profile")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument(
@@ -216,7 +220,7 @@ def main() -> None:
     config = model_config(args.model, args.tiny)
     options = {"attention_impl": args.attention_impl, "moe_impl": args.moe_impl}
     options = tuple(sorted((options | parse_options(args.options)).items()))
-    model, _ = bench_model(config, args.devices, options)
+    model, _ = bench_model(config, args.devices, options, args.weights)
     gen = dataclasses.replace(SETTING, cache=args.cache)
     prompt = np.arange(10, 10 + args.prompt_len).tolist()
     generate(model, [prompt], gen)  # compile outside the trace
@@ -225,14 +229,16 @@ def main() -> None:
         result = generate(model, [prompt], gen)
     summaries = trace_summaries(out_dir)
     spread = "_spread" if config.is_moe and args.routing == "spread" else ""
+    fp8 = "_fp8" if args.weights == "fp8" else ""
     save(
-        f"profile_{args.model}{spread}",
+        f"profile_{args.model}{spread}{fp8}",
         {
             "model": args.model,
             "cache": args.cache,
             "prompt_len": args.prompt_len,
             "options": dict(options),
             "routing": args.routing,
+            "weights": args.weights,
             "generation_seconds": result.stats.seconds,
             "forwards": result.stats.forwards,
             "refreshes": result.stats.refreshes,
