@@ -1,0 +1,67 @@
+"""`bench.load` end to end on the tiny dense model: its folders written, converted, loaded in
+fresh processes, the result written, and only its own folders deleted."""
+
+import json
+
+import pytest
+
+from bench import load as bench_load
+
+
+def test_load_bench_times_every_case_and_deletes_only_its_folders(tmp_path, monkeypatch, capsys):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / "keep.txt").write_text("a user's file")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    bench_load.main(["--tiny", "--repeats", "1", "--scratch", str(scratch)])
+    # the bench's own folder (HF, bf16 and fp8 folders inside) is gone, the user's file not
+    assert [p.name for p in scratch.iterdir()] == ["keep.txt"]
+    (path,) = (tmp_path / "out").glob("load_*.json")
+    record = json.loads(path.read_text())
+    assert record["benchmark"] == "load" and record["options"]["scratch"] == str(scratch)
+    (row,) = record["results"]
+    assert row["model"] == "dense" and row["dtype"] == "bfloat16"
+    assert set(row["seconds"]) == {"write_hf", "convert_bf16", "convert_fp8"}
+    assert all(s > 0 for s in row["seconds"].values())
+    sizes = row["folder_bytes"]
+    # fp8 values (1 byte) and fp32 scales per output channel against bf16 (2 bytes)
+    assert 0 < sizes["converted_fp8"] < 0.8 * sizes["converted_bf16"]
+    assert sizes["hf"] > 0
+    assert set(row["loads"]) == {"converted_bf16", "converted_fp8", "hf_bf16", "hf_fp8"}
+    for case, load in row["loads"].items():
+        assert len(load["samples_s"]) == 1 and load["median_s"] == load["samples_s"][0] > 0
+        assert load["import_s"][0] > 0, case
+        assert load["weights"] == ("fp8" if case.endswith("fp8") else "dtype"), case
+    medians = {case: load["median_s"] for case, load in row["loads"].items()}
+    ratio = medians["converted_fp8"] / medians["converted_bf16"]
+    assert row["fp8_over_bf16"] == pytest.approx(ratio, abs=1e-4)
+    assert "dense converted_fp8 (repeat 1)" in capsys.readouterr().out
+
+
+def test_load_bench_rotates_the_cases_and_checks_its_arguments(tmp_path):
+    assert bench_load.rotated(["a", "b", "c", "d"], 0) == ["a", "b", "c", "d"]
+    assert bench_load.rotated(["a", "b", "c", "d"], 1) == ["b", "c", "d", "a"]
+    assert bench_load.rotated(["a", "b", "c", "d"], 5) == ["b", "c", "d", "a"]
+    for bad in (["--scratch", str(tmp_path / "missing")], ["--repeats", "0"]):
+        with pytest.raises(SystemExit):
+            bench_load.main(["--tiny", *bad])
+
+
+def test_load_bench_deletes_its_folders_when_a_step_fails(tmp_path, monkeypatch):
+    """A failing child (here the preparing one) propagates its error; the bench's folder
+    inside `--scratch` is deleted all the same and nothing is saved."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    seen = []
+
+    def failing(program, *args):
+        seen.append(args[-1])
+        raise RuntimeError("bench.load: prepare failed")
+
+    monkeypatch.setattr(bench_load, "run_child", failing)
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    with pytest.raises(RuntimeError, match="prepare failed"):
+        bench_load.main(["--tiny", "--scratch", str(scratch)])
+    (work,) = seen
+    assert work.startswith(str(scratch)) and list(scratch.iterdir()) == []
+    assert not (tmp_path / "out").exists()
