@@ -384,7 +384,8 @@ def time_in_program(
 
 
 def measure_ceilings(tiny: bool = False) -> dict[str, float]:
-    """Device-to-device bandwidth (bytes read + written) and bf16 matmul rate, measured."""
+    """Device-to-device bandwidth (bytes read + written), HBM read bandwidth, and the bf16
+    and fp8 (e4m3) matmul rates, measured."""
     n = 1 << (20 if tiny else 30)  # 2 GiB of bf16 per buffer on a GPU
     x = jnp.full((n,), 1.5, jnp.bfloat16)
     # x * 0.5 + 0.75 keeps x at 1.5: one read and one write per element, nothing to fold.
@@ -403,10 +404,23 @@ def measure_ceilings(tiny: bool = False) -> dict[str, float]:
     # Scaled so repeated products keep unit variance (random data, never zeros or inf).
     b = (jax.random.normal(jax.random.key(1), (size, size)) / np.sqrt(size)).astype(jnp.bfloat16)
     seconds = time_in_program(lambda c, b: c @ b, a, 2 if tiny else 20, b)
+    matmul_rate = 2 * size**3 / seconds
+    # e4m3 x e4m3 -> bf16 (Hopper's fp8 tensor cores), the product cast back to e4m3 for the
+    # next: twice the size, so the cast's pass over the product is a small share.
+    size *= 2
+    a8 = jax.random.normal(jax.random.key(0), (size, size)).astype(jnp.float8_e4m3fn)
+    b8 = (jax.random.normal(jax.random.key(1), (size, size)) / np.sqrt(size)).astype(a8.dtype)
+    seconds = time_in_program(
+        lambda c, b: jnp.dot(c, b, preferred_element_type=jnp.bfloat16).astype(c.dtype),
+        a8,
+        2 if tiny else 10,
+        b8,
+    )
     return {
         "hbm_bytes_per_s": bandwidth,
         "hbm_read_bytes_per_s": read_bandwidth,
-        "matmul_flops_per_s": 2 * size**3 / seconds,
+        "matmul_flops_per_s": matmul_rate,
+        "fp8_matmul_flops_per_s": 2 * size**3 / seconds,
     }
 
 

@@ -65,7 +65,7 @@ from bench.common import (
     use_routing,
     weight_bytes,
 )
-from bench.forward import forward_flops
+from bench.forward import active_matmul_params, forward_flops
 from djax import GenerationConfig, Model, block_diffusion, engine, generate
 from djax.config import LLADA2, WEIGHTS, ModelConfig
 
@@ -128,11 +128,16 @@ def forward_seconds(
 ) -> float:
     """One forward's physical limit: the longer of its FLOPs (`rows` token rows of each of
     the `batch` sequences, attending to `kv_len` keys, the head on `head_rows`) at the
-    matmul rate and reading its weights once (`experts` experts of each MoE layer; no head
-    without `head_rows`) at the HBM read rate."""
-    flops = batch * forward_flops(model.config, model.params, rows, kv_len, head_rows)
+    matmul rate (the products of fp8 weights at the fp8 rate, attention and the head at
+    the bf16 rate) and reading its weights once (`experts` experts of each MoE layer; no
+    head without `head_rows`) at the HBM read rate."""
+    flops = forward_flops(model.config, model.params, rows, kv_len, head_rows)
+    products = 2 * rows * active_matmul_params(model.config, model.params)
+    bf16_rate = ceilings["matmul_flops_per_s"]
+    product_rate = ceilings["fp8_matmul_flops_per_s"] if model.weights == "fp8" else bf16_rate
+    compute = batch * (products / product_rate + (flops - products) / bf16_rate)
     read = weight_bytes(model.params, experts, head=head_rows > 0)
-    return max(flops / ceilings["matmul_flops_per_s"], read / ceilings["hbm_read_bytes_per_s"])
+    return max(compute, read / ceilings["hbm_read_bytes_per_s"])
 
 
 def denoising_limit(model, s, prompt_len, batch, config, hit, ceilings) -> float:

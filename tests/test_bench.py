@@ -752,3 +752,28 @@ def test_fp8_matmul_bench_layouts_and_sweep():
     assert {(t.block_n, t.block_k) for t in kept} == {(64, 128), (64, 256), (128, 128)}
     for t in kept:
         fp8_matmul_mosaic.check_tiles(t, 4096, 4096)
+
+
+def test_fp8_limit_runs_the_products_at_the_fp8_rate():
+    """Under fp8 weights a forward's products (the weights' FLOPs) run at the fp8 matmul
+    rate, its attention and head at the bf16 rate; bf16 weights run everything at the bf16
+    rate, and the fp8 rate is not read."""
+    import math
+
+    from bench.common import bench_model, model_config
+    from bench.forward import active_matmul_params, forward_flops
+    from bench.generate import forward_seconds
+
+    config = model_config("dense", tiny=True)
+    ceilings = {"hbm_read_bytes_per_s": math.inf, "matmul_flops_per_s": 1.0}
+    for weights in ("dtype", "fp8"):
+        model, _ = bench_model(config, weights=weights)
+        flops = forward_flops(config, model.params, 32, 96, 32)
+        products = 2 * 32 * active_matmul_params(config, model.params)
+        assert 0 < products < flops
+        if weights == "dtype":
+            assert forward_seconds(model, 2, ceilings, 32, 96, None, 32) == 2 * flops
+        else:
+            fp8 = {**ceilings, "fp8_matmul_flops_per_s": 2.0}
+            seconds = forward_seconds(model, 2, fp8, 32, 96, None, 32)
+            assert math.isclose(seconds, 2 * (products / 2 + flops - products))
