@@ -458,3 +458,31 @@ def test_generation_with_the_kernel_path(tmp_path, monkeypatch):
     ours = djax.generate(kernel, prompts, config).answer_ids
     assert calls == [(2, 24, 1, 64)]  # the block forward traced the kernel: 20 keys, 24 slots
     np.testing.assert_array_equal(ours, djax.generate(xla, prompts, config).answer_ids)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("b", [1, 4])
+def test_kernel_path_on_gpu(b):
+    """On a Hopper GPU, LLaDA-8B's sparse block at prompt 8,192 (32 heads and kv heads, head
+    dim 128, a 32-row dual-cache window at 8,192 of 8,448 keys, 2,208 kept per head, drawn at
+    random besides the block and the 64 before it; row 0's kv head 3 keeps only its block,
+    so it has no compact row): the compiled `split_kv` path against the `xla` one."""
+    seq, heads, d, width, start = 8448, 32, 128, 32, 8192
+    n = kept_keys(0.25, 64, seq, width)
+    rng = jax.random.split(jax.random.key(9), 4)
+    keys, values = (jax.random.normal(k, (b, seq, heads, d), jnp.bfloat16) for k in rng[:2])
+    q = jax.random.normal(rng[2], (b, width, heads, 1, d), jnp.bfloat16)
+    position = jnp.arange(seq)
+    forced = (position >= start - 64) & (position < start + width)
+    score = jnp.where(forced, 2.0, jax.random.uniform(rng[3], (b, heads, seq)))
+    chosen = jnp.sort(jax.lax.top_k(score, n)[1], axis=-1).astype(jnp.int32)
+    block = (chosen[0, 3] >= start) & (chosen[0, 3] < start + width)
+    chosen = chosen.at[0, 3].set(jnp.where(block, chosen[0, 3], -1))
+    key_valid = jnp.ones((b, seq), bool)
+    kept = compact(chosen, keys, values, key_valid, start, width)
+    assert not kept.valid[0, 3].any() and kept.in_window[0, 3].all()
+    run = jax.jit(attend_kept, static_argnums=6)
+    ours = run(q, keys, values, key_valid, kept, start, "split_kv").astype(jnp.float32)
+    ref = run(q, keys, values, key_valid, kept, start, "xla").astype(jnp.float32)
+    assert float(jnp.linalg.norm(ours - ref) / jnp.linalg.norm(ref)) <= 1e-2
+    assert float(jnp.abs(ours[0, :, 3] - ref[0, :, 3]).max()) <= 0.05
