@@ -110,7 +110,8 @@ def tiles_for(
     this device) CTAs per query tile, of head dim `head_dim` and `itemsize`-byte values, its
     output fp32 partials even of one slice where `partials` (`split_kv_partials`).
     Windows with at least `MIN_CTAS` query tiles x heads (refreshes, large batches): one
-    slice, 64-key steps, 2 stages (two CTAs fit on an SM), one where two do not fit.
+    slice, 64-key steps, 2 stages (at head dim 128, two CTAs of 16-bit outputs fit on an SM;
+    of fp32 partials, one), one where two do not fit.
     Fewer (blocks): one warpgroup per CTA, 128-key steps through 2 stages, the keys cut
     across CTAs into slices of at most `KEYS_PER_CTA` keys (merged by log-sum-exp after
     the kernel); 64-key steps, then one stage, where the ring would not fit in shared
