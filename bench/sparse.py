@@ -12,7 +12,9 @@ which), their rows outside the block gathered once before the timed loop, as the
 gathers them once a block (`sparse_attention.compact`). Medians of forwards run back to
 back in one compiled loop (`time_in_program`); `speedup` = dense ms / sparse ms.
 `--batches`: rows a block forward (the K/V of every row is held twice by the timing loop).
-`attention`: the dense forward's attention path (the sparse one's is XLA's). Also the
+`attention`: the block forwards' attention path, dense and sparse alike (`split_kv` on a
+Hopper GPU: the sparse forward's compact rows in the kernel, its window's rows in XLA,
+`sparse_attention.attend_kept`). Also the
 refresh of one row (a whole-sequence forward over S keeping the block) with and without
 choosing the keys, for the choice's cost. Saved as `sparse_speed_<device>.json`.
 

@@ -30,11 +30,9 @@ def device_of(mesh: Any) -> Device:
 def plan_shapes(plan: Plan, mesh: Any = None) -> Shapes:
     """The forwards of a generation program of `plan` (`diffusion.Plan` or
     `block_diffusion.BlockPlan`), per device: its rows split over the mesh's `data` axis;
-    block forwards over `plan.forward_window` positions, their attention sparse where the
-    plan's is."""
+    block forwards over `plan.forward_window` positions."""
     batch = plan.batch // (mesh.shape[sharding.DATA] if mesh is not None else 1)
-    sparse = isinstance(plan, Plan) and plan.sparse is not None
-    return Shapes(batch, plan.forward_window, plan.seq_len, plan.block_len, sparse)
+    return Shapes(batch, plan.forward_window, plan.seq_len, plan.block_len)
 
 
 def kernel_choice(

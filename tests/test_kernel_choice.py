@@ -115,19 +115,6 @@ def test_auto_on_a_hopper_gpu():
     assert choice.refresh.last.norm_into_mlp == "tiled"
 
 
-def test_sparse_block_forwards_attend_in_xla():
-    """The split-K/V kernel takes one contiguous key range, not the compact kept rows beside
-    the window's: a sparse program's block forwards attend in XLA (even when asked for the
-    kernel), everything else as dense."""
-    sparse = dataclasses.replace(GENERATION, sparse=True)
-    for options in (KernelOptions(), KernelOptions(attention_impl="split_kv")):
-        choice, dense = _choice(options, shapes=sparse), _choice(options)
-        assert choice.block.layers == dataclasses.replace(dense.block.layers, attention="xla")
-        assert choice.block.last.attention == "xla"
-        assert choice.refresh == dense.refresh
-        assert dense.block.layers.attention == "split_kv"
-
-
 def test_auto_elsewhere_is_xla():
     blackwell = Device("gpu", (10, 0), 227 * 1024)  # no WGMMA
     for device, dtype in ((AMPERE, BF16), (CPU, BF16), (blackwell, BF16), (HOPPER, jnp.float32)):

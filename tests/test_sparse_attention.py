@@ -18,11 +18,13 @@ from djax import engine, programs
 from djax.models.kernel_choice import KernelChoice
 from djax.models.layers import Window
 from djax.models.sparse_attention import (
+    KeptKV,
     SparseAttention,
     attend_kept,
     choose,
     compact,
     kept_keys,
+    kept_slots,
     plan_sparse,
 )
 
@@ -292,7 +294,7 @@ def test_compact_rows_and_window_equal_the_gathered_rows(window):
     kept = compact(
         jnp.asarray(chosen), jnp.asarray(keys), jnp.asarray(values), key_valid, start, width
     )
-    assert kept.keys.shape == (b, kv_heads, n, d) and kept.in_window.shape == (b, kv_heads, width)
+    assert kept.keys.shape == (b, n, kv_heads, d) and kept.in_window.shape == (b, kv_heads, width)
     fresh_keys, fresh_values = keys.copy(), values.copy()  # the step's window rows
     fresh_keys[:, start : start + width] = rng.normal(size=(b, width, kv_heads, d))
     fresh_values[:, start : start + width] = rng.normal(size=(b, width, kv_heads, d))
@@ -359,3 +361,128 @@ def test_a_row_keeps_its_tokens_beside_a_longer_prompt(dense_model):
     for i, prompt in enumerate((short, long)):
         alone = djax.generate(dense_model, [prompt], config).answer_ids
         np.testing.assert_array_equal(together[i], alone[0])
+
+
+def test_kernel_path_equals_the_einsums():
+    """`attend_kept` with `split_kv` (the compact rows in the split-K/V kernel, run by Mosaic
+    GPU's interpreter; the window's in XLA; merged by log-sum-exp) against its XLA path and
+    the gathered rows, in bf16: 13 kept keys per head (16 slots, 3 invalid), a left-padded
+    row, a wide window whose rows some heads kept, and a head (row 1, kv head 1) whose kept
+    rows all lie in the window, so it has no valid compact row."""
+    rng = np.random.default_rng(4)
+    b, seq, kv_heads, group, d, t, n = 2, 48, 2, 2, 64, 8, 13
+    start, width, block = 32, 16, np.arange(32, 40)
+    key_valid = np.ones((b, seq), bool)
+    key_valid[1, :3] = False
+    chosen = np.empty((b, kv_heads, n), np.int32)
+    for r in range(b):
+        for h in range(kv_heads):
+            pool = np.arange(40, 48) if (r, h) == (1, 1) else np.setdiff1d(np.arange(3, seq), block)
+            chosen[r, h] = np.sort([*block, *rng.choice(pool, n - len(block), replace=False)])
+    keys, values = (rng.normal(size=(b, seq, kv_heads, d)) for _ in "kv")
+    keys, values = (jnp.asarray(a, jnp.bfloat16) for a in (keys, values))
+    q = jnp.asarray(rng.normal(size=(b, t, kv_heads, group, d)), jnp.bfloat16)
+    kept = compact(jnp.asarray(chosen), keys, values, key_valid, start, width)
+    assert kept.keys.shape == (b, kept_slots(n), kv_heads, d) == (b, 16, kv_heads, d)
+    valid = np.asarray(kept.valid)
+    assert not valid[1, 1].any() and valid[0].sum(axis=-1).min() > 0
+    ours = attend_kept(q, keys, values, key_valid, kept, start, "split_kv")
+    xla = attend_kept(q, keys, values, key_valid, kept, start, "xla")
+    assert ours.shape == q.shape and ours.dtype == jnp.bfloat16
+    expected = attend_gathered(
+        *(np.asarray(a, np.float32) for a in (q, keys, values)), key_valid, chosen
+    )
+    for path in (ours, xla):
+        error = np.linalg.norm(np.asarray(path, np.float32) - expected) / np.linalg.norm(expected)
+        assert error < 1e-2
+    diff = np.abs(np.asarray(ours, np.float32) - np.asarray(xla, np.float32))
+    assert diff.max() < 0.05
+    with pytest.raises(ValueError, match="impl 'cudnn'; expected 'xla' or 'split_kv'"):
+        attend_kept(q, keys, values, key_valid, kept, start, "cudnn")
+
+
+def test_kernel_path_lowers_for_hopper(monkeypatch):
+    """The `split_kv` path of a sparse block's attention at LLaDA-8B's shapes (batch 4, 32
+    heads and kv heads, head dim 128, a 32-row dual-cache window, keep 0.25 of 8,192 + 256
+    keys: 2,208 slots) lowers for CUDA, the kernel compiled rather than interpreted."""
+    from djax.kernels import tma_ring
+
+    monkeypatch.setattr(tma_ring, "interpret_params", lambda interpret: None)
+    b, seq, heads, d, width = 4, 8448, 32, 128, 32
+    n = kept_keys(0.25, 64, seq, width)
+    assert n == kept_slots(n) == 2208
+    bf16 = jnp.bfloat16
+    args = [
+        jax.ShapeDtypeStruct((b, width, heads, 1, d), bf16),
+        *(jax.ShapeDtypeStruct((b, seq, heads, d), bf16) for _ in "kv"),
+        jax.ShapeDtypeStruct((b, seq), jnp.bool_),
+        KeptKV(
+            *(jax.ShapeDtypeStruct((b, n, heads, d), bf16) for _ in "kv"),
+            jax.ShapeDtypeStruct((b, heads, n), jnp.bool_),
+            jax.ShapeDtypeStruct((b, heads, width), jnp.bool_),
+        ),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    ]
+    run = lambda *a: attend_kept(*a, "split_kv")  # noqa: E731
+    assert "mosaic_gpu" in jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_generation_with_the_kernel_path(tmp_path, monkeypatch):
+    """A bf16 model of head dim 64 at keep 0.25 (20 of 32 positions per head):
+    `attention_impl="split_kv"` (Mosaic GPU's interpreter) runs
+    the cached steps' compact rows in the kernel and gives the tokens of XLA's path."""
+    from djax.kernels import flash_attention_mosaic
+
+    from torch_reference import make_llada_dense
+
+    calls = []
+    partials = flash_attention_mosaic.split_kv_partials
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return partials(*args, **kwargs)
+
+    monkeypatch.setattr(flash_attention_mosaic, "split_kv_partials", counted)
+    make_llada_dense(
+        tmp_path, d_model=128, n_layers=1, n_heads=2, n_kv_heads=1, mlp_hidden=128,
+        head_scale=6.0, seed=7,
+    )  # fmt: skip
+    xla = djax.load(tmp_path, dtype=jnp.bfloat16, attention_impl="xla")
+    kernel = xla.with_options(attention_impl="split_kv")
+    config = djax.GenerationConfig(
+        gen_length=16, block_length=8, decoder="low_confidence", attention_sparsity=0.25,
+        attention_window=4,
+    )  # fmt: skip
+    prompts = [[0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 15, 25, 35, 45, 55], [0, *range(11, 22)]]
+    assert engine.make_plan(xla, config, 2, 15)[0].sparse == SparseAttention(0.25, 4, 20)
+    ours = djax.generate(kernel, prompts, config).answer_ids
+    assert calls == [(2, 24, 1, 64)]  # the block forward traced the kernel: 20 keys, 24 slots
+    np.testing.assert_array_equal(ours, djax.generate(xla, prompts, config).answer_ids)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("b", [1, 4])
+def test_kernel_path_on_gpu(b):
+    """On a Hopper GPU, LLaDA-8B's sparse block at prompt 8,192 (32 heads and kv heads, head
+    dim 128, a 32-row dual-cache window at 8,192 of 8,448 keys, 2,208 kept per head, drawn at
+    random besides the block and the 64 before it; row 0's kv head 3 keeps only its block,
+    so it has no compact row): the compiled `split_kv` path against the `xla` one."""
+    seq, heads, d, width, start = 8448, 32, 128, 32, 8192
+    n = kept_keys(0.25, 64, seq, width)
+    rng = jax.random.split(jax.random.key(9), 4)
+    keys, values = (jax.random.normal(k, (b, seq, heads, d), jnp.bfloat16) for k in rng[:2])
+    q = jax.random.normal(rng[2], (b, width, heads, 1, d), jnp.bfloat16)
+    position = jnp.arange(seq)
+    forced = (position >= start - 64) & (position < start + width)
+    score = jnp.where(forced, 2.0, jax.random.uniform(rng[3], (b, heads, seq)))
+    chosen = jnp.sort(jax.lax.top_k(score, n)[1], axis=-1).astype(jnp.int32)
+    block = (chosen[0, 3] >= start) & (chosen[0, 3] < start + width)
+    chosen = chosen.at[0, 3].set(jnp.where(block, chosen[0, 3], -1))
+    key_valid = jnp.ones((b, seq), bool)
+    kept = compact(chosen, keys, values, key_valid, start, width)
+    assert not kept.valid[0, 3].any() and kept.in_window[0, 3].all()
+    run = jax.jit(attend_kept, static_argnums=6)
+    ours = run(q, keys, values, key_valid, kept, start, "split_kv").astype(jnp.float32)
+    ref = run(q, keys, values, key_valid, kept, start, "xla").astype(jnp.float32)
+    assert float(jnp.linalg.norm(ours - ref) / jnp.linalg.norm(ref)) <= 1e-2
+    assert float(jnp.abs(ours[0, :, 3] - ref[0, :, 3]).max()) <= 0.05

@@ -2,7 +2,10 @@
 kernel (Hopper: TMA copies, WGMMA): djax's GPU attention for denoising blocks against a long
 K/V buffer and for refreshes (`attention_impl="split_kv"`). Semantics are `layers.attend`'s:
 bidirectional attention with a key-padding mask (a per-key bias, not a dense `[t, s]`
-mask), scores in fp32, probabilities cast to the value dtype before the value product.
+mask), scores in fp32, probabilities cast to the value dtype before the value product. The
+mask is one per batch row, or one per kv head (`[b, kv_heads, s]`: each CTA reads its kv
+head's row), as sparse attention's compact kept rows take it
+(`djax.models.sparse_attention`).
 
 Each CTA owns one (batch row, query head, tile of 64 queries) and `splits` CTAs share its
 keys; within a CTA, each of its `warpgroups` warpgroups owns one key slice. A warpgroup's
@@ -20,6 +23,8 @@ sums, then each adds its output, weighted by its share of the softmax's total, i
 tile in turn, and the last one stores the sum. CTAs of several `splits` write fp32 partial
 outputs [b, splits, t, n, d] and their rows' log-sum-exps [b, splits, n, 64 x query tiles]
 (TMA stores whole rows of both), merged afterwards by their log-sum-exps (`merge_slices`).
+`split_kv_partials` returns those unmerged (one slice too), for a caller that merges them
+with attention over other keys.
 
 The kernel is lowered with Mosaic GPU's warpgroup semantics (its layouts and shared-memory
 transforms inferred), named explicitly so every jax version lowers it the same way.
@@ -93,11 +98,20 @@ def _aligned_bytes(*sizes: int) -> int:
     return sum(-(-size // 1024) * 1024 for size in sizes)
 
 
-def tiles_for(t: int, s: int, batch_heads: int, head_dim: int = 128, itemsize: int = 2) -> Tiles:
+def tiles_for(
+    t: int,
+    s: int,
+    batch_heads: int,
+    head_dim: int = 128,
+    itemsize: int = 2,
+    partials: bool = False,
+) -> Tiles:
     """The tiling for `t` queries against `s` keys, with `batch_heads` (batch x query heads on
-    this device) CTAs per query tile, of head dim `head_dim` and `itemsize`-byte values.
+    this device) CTAs per query tile, of head dim `head_dim` and `itemsize`-byte values, its
+    output fp32 partials even of one slice where `partials` (`split_kv_partials`).
     Windows with at least `MIN_CTAS` query tiles x heads (refreshes, large batches): one
-    slice, 64-key steps, 2 stages (two CTAs fit on an SM), one where two do not fit.
+    slice, 64-key steps, 2 stages (at head dim 128, two CTAs of 16-bit outputs fit on an SM;
+    of fp32 partials, one), one where two do not fit.
     Fewer (blocks): one warpgroup per CTA, 128-key steps through 2 stages, the keys cut
     across CTAs into slices of at most `KEYS_PER_CTA` keys (merged by log-sum-exp after
     the kernel); 64-key steps, then one stage, where the ring would not fit in shared
@@ -110,7 +124,7 @@ def tiles_for(t: int, s: int, batch_heads: int, head_dim: int = 128, itemsize: i
         splits, rings = pl.cdiv(s, KEYS_PER_CTA), ((2 * TILE, 2), (TILE, 2), (TILE, 1))
     for block_k, stages in rings:
         tiles = Tiles(block_k=block_k, splits=splits, stages=stages)
-        if tiles.shared_bytes(head_dim, itemsize, splits > 1) <= SHARED_MEMORY:
+        if tiles.shared_bytes(head_dim, itemsize, splits > 1 or partials) <= SHARED_MEMORY:
             return tiles
     return tiles  # the smallest ring: `fits` refuses the head dims it does not fit
 
@@ -189,11 +203,13 @@ def _kernel(
     steps,
     t,
     split_out,
+    per_head,
     interpreting,
 ):
     """One CTA: one (batch x head, query tile, split) of q [b, t, n, d] against keys and
-    values [b, s, kv, d] with the bias [b, slices x steps x block_k] (0, or `MASKED` on
-    padding keys, added to the scores in base 2), its warpgroups each streaming the slice
+    values [b, s, kv, d] with the bias [b, slices x steps x block_k], or with `per_head` each
+    kv head's own [b, kv, slices x steps x block_k] (0, or `MASKED` on padding keys, added to
+    the scores in base 2), its warpgroups each streaming the slice
     `split x warpgroups + warpgroup`, into out [b, t, n, d] (one split) or, `split_out`,
     each split's normalised fp32 output [b, splits, t, n, d] and its rows' log-sum-exps
     [b, splits, n, 64 x q_tiles]."""
@@ -226,7 +242,8 @@ def _kernel(
         ring = wg * tiles.stages + slot  # this warpgroup's slots
         plgpu.copy_gmem_to_smem(k_gmem.at[batch, keys, kv_head], k_slots.at[ring], k_bars.at[ring])
         plgpu.copy_gmem_to_smem(v_gmem.at[batch, keys, kv_head], v_slots.at[ring], v_bars.at[ring])
-        plgpu.copy_gmem_to_smem(bias_gmem.at[batch, keys], bias_slots.at[ring], bias_bars.at[ring])
+        bias = bias_gmem.at[batch, kv_head, keys] if per_head else bias_gmem.at[batch, keys]
+        plgpu.copy_gmem_to_smem(bias, bias_slots.at[ring], bias_bars.at[ring])
 
     for step in range(min(tiles.stages, steps)):
         fetch(step, step)
@@ -339,36 +356,62 @@ def split_kv_attention(
     """Bidirectional grouped-query attention with a key-padding mask, in Mosaic GPU.
 
     q: [batch, t, heads, head_dim]; keys, values: [batch, s, kv_heads, head_dim], all bf16
-    or all fp16, head_dim a multiple of 64; key_valid: [batch, s] bool. Returns
-    [batch, t, heads, head_dim] in q's dtype.
+    or all fp16, head_dim a multiple of 64; key_valid: [batch, s] bool, or [batch, kv_heads,
+    s] (each kv head's own keys). Returns [batch, t, heads, head_dim] in q's dtype.
     `tiles`: the program shape (default `tiles_for(t, s, batch * heads, ...)`; more splits
     than key slices need are clamped, and a CTA's last warpgroups may get slices wholly
     past the keys, masked); `interpret`: run in Mosaic GPU's interpreter (default: exactly
     off GPUs, as the CPU tests do).
     """
+    out = _attention(q, keys, values, key_valid, tiles, interpret, partials=False)
+    return merge_slices(*out, q.dtype) if isinstance(out, tuple) else out
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def split_kv_partials(
+    q: Array,
+    keys: Array,
+    values: Array,
+    key_valid: Array,
+    tiles: Tiles | None = None,
+    interpret: bool | None = None,
+) -> tuple[Array, Array]:
+    """`split_kv_attention` left unmerged, for attention over these keys and others
+    attended apart: each key slice's normalised fp32 output [batch, splits, t, heads,
+    head_dim] and its rows' log-sum-exps [batch, splits, t, heads] (natural log; a slice
+    of only padding keys has one near `MASKED`), merged by `merge_slices` (one slice too
+    is written in fp32). Arguments as `split_kv_attention`'s, `tiles_for`'s default taken
+    for fp32 outputs."""
+    return _attention(q, keys, values, key_valid, tiles, interpret, partials=True)
+
+
+def _attention(q, keys, values, key_valid, tiles, interpret, partials):
+    """The kernel over `split_kv_attention`'s arguments: its output, or where it writes
+    several slices (or `partials`) their fp32 outputs and log-sum-exps [b, splits, t, n]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, t, n, d = q.shape
     s, kv_heads = keys.shape[1], keys.shape[2]
-    name = "flash_attention_mosaic.split_kv_attention"
+    name = f"flash_attention_mosaic.split_kv_{'partials' if partials else 'attention'}"
     if (
         keys.shape != (b, s, kv_heads, d)
         or values.shape != keys.shape
-        or key_valid.shape != (b, s)
+        or key_valid.shape not in ((b, s), (b, kv_heads, s))
         or not fits(d)
         or n % kv_heads
     ):
         raise ValueError(
             f"{name}: q {q.shape}, keys {keys.shape}, values {values.shape}, key_valid "
             f"{key_valid.shape}; expected keys and values [{b}, s, kv_heads, {d}], key_valid "
-            f"[{b}, s], a head dim that is a multiple of {TILE} and heads a multiple of kv heads"
+            f"[{b}, s] or [{b}, kv_heads, s], a head dim that is a multiple of {TILE} and "
+            "heads a multiple of kv heads"
         )
     if not tma_ring.takes_dtype(q.dtype) or keys.dtype != q.dtype or values.dtype != q.dtype:
         raise ValueError(
             f"{name}: q {q.dtype}, keys {keys.dtype}, values {values.dtype}; expected all "
             "bfloat16 or all float16"
         )
-    tiles = tiles or tiles_for(t, s, b * n, d, q.dtype.itemsize)
+    tiles = tiles or tiles_for(t, s, b * n, d, q.dtype.itemsize, partials)
     if (
         tiles.block_k % TILE
         or tiles.splits < 1
@@ -383,14 +426,14 @@ def split_kv_attention(
     steps = pl.cdiv(pl.cdiv(s, tiles.block_k), tiles.splits * wgs)
     splits = pl.cdiv(pl.cdiv(s, tiles.block_k), steps * wgs)  # every CTA holds keys
     tiles = dataclasses.replace(tiles, splits=splits, stages=min(tiles.stages, steps))
-    split_out = splits > 1
+    split_out = splits > 1 or partials
     used = tiles.shared_bytes(d, q.dtype.itemsize, split_out)
     if used > SHARED_MEMORY:
         raise ValueError(f"{tiles}: {used} bytes of shared memory; at most {SHARED_MEMORY}")
     q_tiles = pl.cdiv(t, ROW_TILE)
     padded = splits * wgs * steps * tiles.block_k
     bias = jnp.where(key_valid, 0.0, MASKED).astype(jnp.float32)
-    bias = jnp.pad(bias, ((0, 0), (0, padded - s)), constant_values=MASKED)
+    bias = jnp.pad(bias, [(0, 0)] * (bias.ndim - 1) + [(0, padded - s)], constant_values=MASKED)
     out_dtype = jnp.float32 if split_out else q.dtype
     if split_out:  # each split's output and its rows' log-sum-exps (TMA stores whole rows)
         out_type = (
@@ -442,6 +485,7 @@ def split_kv_attention(
             steps=steps,
             t=t,
             split_out=split_out,
+            per_head=key_valid.ndim == 3,
             interpreting=params is not None,
         ),
         out_type=out_type,
@@ -457,7 +501,7 @@ def split_kv_attention(
     if not split_out:
         return kernel(*inputs)
     partial, lse = kernel(*inputs)
-    return merge_slices(partial, lse[..., :t].transpose(0, 1, 3, 2), q.dtype)
+    return partial, lse[..., :t].transpose(0, 1, 3, 2)
 
 
 def merge_slices(partial: Array, lse: Array, dtype) -> Array:

@@ -38,9 +38,9 @@ WGMMA). Rules of `auto`:
   alone (`bench/NOTES.md`).
 - cuDNN's attention only runs refreshes: at block shapes its dense mask makes it slower
   than XLA's einsums.
-- Block forwards under sparse attention (`Shapes.sparse`) attend in XLA's einsums whatever
-  `attention_impl` says (`sparse_attention.attend_kept`: the split-K/V kernel takes one
-  contiguous key range, not the compact rows beside the window's).
+- Block forwards under sparse attention take the attention path of dense ones: with
+  `split_kv`, the compact kept rows run in the kernel and the window's rows in XLA, merged
+  by log-sum-exp (`sparse_attention.attend_kept`).
 - The MoE experts: the expert tiles (`moe="mosaic"`, `expert_tiles_mosaic`; 16-bit or fp8
   weights) where the model and local expert widths are multiples of 64, in every forward
   (their row tiles follow the experts: no row limit); else XLA's path, which sorts
@@ -241,14 +241,12 @@ def _listed(kernels: Kernels, base: Kernels | None = None) -> str:
 class Shapes:
     """The forwards a program runs: `batch` sequences (on one device), block forwards over
     windows of `window` positions, refreshes over `seq` positions, each keeping `kept`
-    positions (the block) at its last layer; `sparse`: the block forwards attend to each
-    head's kept keys (`djax.models.sparse_attention`)."""
+    positions (the block) at its last layer."""
 
     batch: int
     window: int
     seq: int
     kept: int
-    sparse: bool = False
 
     @classmethod
     def whole_sequence(cls, batch: int, seq: int) -> Shapes:
@@ -317,9 +315,7 @@ def resolve(
     widths = _Widths(config, shards, split_experts)
     rule = _Rule(options, device, widths, dtype, sharded, fp8.check_weights(weights))
     return KernelChoice(
-        block=rule.forward(
-            shapes.batch, shapes.window, shapes.kept, refresh=False, sparse=shapes.sparse
-        ),
+        block=rule.forward(shapes.batch, shapes.window, shapes.kept, refresh=False),
         refresh=rule.forward(shapes.batch, shapes.seq, shapes.kept, refresh=True),
         weights=weights,
         k_major=fp8.k_major(weights, options.fp8_impl),
@@ -378,19 +374,16 @@ class _Rule:
                     f"{self.dtype_name}"
                 )
 
-    def forward(
-        self, batch: int, positions: int, kept: int, refresh: bool, sparse: bool = False
-    ) -> ForwardKernels:
+    def forward(self, batch: int, positions: int, kept: int, refresh: bool) -> ForwardKernels:
         """The choice for a forward of `batch` windows of `positions` positions keeping
-        `kept` of them at its last layer (whose attention runs every window row), its
-        attention `sparse` or dense."""
-        layers = self.kernels(batch * positions, positions, refresh, sparse)
-        last = self.kernels(batch * kept, positions, refresh, sparse)
+        `kept` of them at its last layer (whose attention runs every window row)."""
+        layers = self.kernels(batch * positions, positions, refresh)
+        last = self.kernels(batch * kept, positions, refresh)
         window_parts = ("attention", "qkv", "rope")
         last = dataclasses.replace(last, **{name: getattr(layers, name) for name in window_parts})
         return ForwardKernels(layers, last)
 
-    def kernels(self, rows: int, positions: int, refresh: bool, sparse: bool = False) -> Kernels:
+    def kernels(self, rows: int, positions: int, refresh: bool) -> Kernels:
         """The choice for `rows` token rows of windows of `positions` positions."""
         o, w, cfg = self.options, self.widths, self.widths.config
         few = rows <= KERNEL_MAX_ROWS
@@ -435,7 +428,7 @@ class _Rule:
         ):
             into_mlp = "no"
         return Kernels(
-            attention="xla" if sparse else self._attention(refresh),
+            attention=self._attention(refresh),
             qkv=qkv,
             rope=rope,
             out=out,

@@ -409,7 +409,9 @@ class Attention(nn.Module):
                     key_valid, query_rows[0], query_rows[1], axis=1
                 )
         if kept_kv is not None:
-            out = sparse_attention.attend_kept(q, keys, values, key_valid, kept_kv, window.start)
+            out = sparse_attention.attend_kept(
+                q, keys, values, key_valid, kept_kv, window.start, kernels.attention
+            )
         else:
             out = attend(q, keys, values, key_valid, kernels.attention)
         b, t = out.shape[:2]
