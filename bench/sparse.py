@@ -158,11 +158,12 @@ def speed(args) -> None:
     for batch in args.batches:
         for prompt_len in args.prompt_lens:
             rows.append(speed_row(args, config, params, dtype, batch, prompt_len))
-    save(
-        "sparse",
-        {"model": "dense", "tiny": args.tiny, "block": BLOCK, "gen": GEN, "results": rows},
-        setting="speed",
-    )
+            # saved after every row: a run cut short keeps the rows it measured
+            save(
+                "sparse",
+                {"model": "dense", "tiny": args.tiny, "block": BLOCK, "gen": GEN, "results": rows},
+                setting="speed",
+            )
 
 
 def accuracy(args) -> None:
