@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import djax
+from djax import checkpoint
 
 from torch_reference import make_llada_dense, rel_error, torch_logits
 
@@ -72,6 +73,10 @@ def test_converted_folder_gives_identical_logits(dense_folder, dense_model, tmp_
     djax.convert(folder, out, dtype=jnp.float32, progress=False)
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
     converted = djax.load(out, dtype=jnp.float32)
+    # stored uncompressed (zstd would shrink these random fp32 weights below their bytes)
+    files = (out / checkpoint.PARAMS_DIR).rglob("*")
+    stored = sum(path.stat().st_size for path in files if path.is_file())
+    assert stored >= sum(a.nbytes for a in jax.tree.leaves(converted.params))
     ids = np.random.default_rng(5).integers(4, 100, (2, 10))
     np.testing.assert_array_equal(
         np.asarray(djax.forward_logits(converted, ids)),
