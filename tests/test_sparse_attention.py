@@ -439,6 +439,48 @@ def test_kernel_path_equals_the_einsums():
         attend_kept(q, kept, "cudnn")
 
 
+def test_sparse_layer_step_with_the_kernels():
+    """An attention layer's sparse cached step with RoPE's kernel (the q/k/v product inside
+    it) and the split-K/V kernel (Mosaic GPU's interpreter) against its XLA path, in bf16:
+    a 16-row window at 8 of 32 keys written from 12 on (as `prefix` writes from the
+    block), 12 kept keys per head. Both write the window's K/V into the kept rows' last 16
+    slots (the 4 before the write range keep the refresh's) and leave the K/V buffers as
+    they were."""
+    from djax.config import DENSE, ModelConfig
+    from djax.models.kernel_choice import Kernels
+    from djax.models.layers import Attention
+
+    rng = np.random.default_rng(5)
+    config = ModelConfig(DENSE, 64, 64, 1, 2, 1, 64, 128, 1e4, 1e-5, 64, 1, 2, 3)
+    bf16, width, n = jnp.bfloat16, 16, 12
+    x = jnp.asarray(rng.normal(size=(1, width, 64)), bf16)
+    positions = 8 + jnp.arange(width)[None]
+    kv = tuple(jnp.asarray(rng.normal(size=(1, 32, 1, 64)), bf16) for _ in "kv")
+    key_valid = jnp.ones((1, 32), bool)
+    window = Window(8, 12, 24)
+    chosen = np.sort(rng.choice(32, size=(1, 1, n), replace=False), axis=-1).astype(np.int32)
+    kept = compact(jnp.asarray(chosen), *kv, key_valid, 8, width)
+    attention = Attention(config, bf16)
+    params = attention.init(jax.random.key(9), x, positions, key_valid, kv, window)
+    kernels = Kernels(qkv="rope", rope="mosaic", attention="split_kv")
+    runs = [
+        attention.apply(params, x, positions, key_valid, kv, window, None, k, kept_kv=kept)
+        for k in (kernels, Kernels())
+    ]
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    (ours, ours_kv, ours_kept), (ref, ref_kv, ref_kept) = runs
+    np.testing.assert_allclose(f32(ours), f32(ref), atol=5e-2, rtol=5e-2)
+    slots = kept.keys.shape[1]
+    for out_kv, out_kept in ((ours_kv, ours_kept), (ref_kv, ref_kept)):
+        assert all(a is b for a, b in zip(out_kv, kv, strict=True))
+        for before, after in zip(kept[:2], out_kept[:2], strict=True):
+            np.testing.assert_array_equal(f32(after)[:, : slots - 12], f32(before)[:, : slots - 12])
+            written = np.abs(f32(after) - f32(before))[0, slots - 12 :].max(axis=(1, 2))
+            assert (written > 0.1).all()  # every row of the write range
+    for o, r in zip(ours_kept[:2], ref_kept[:2], strict=True):
+        np.testing.assert_allclose(f32(o), f32(r), atol=2e-2, rtol=2e-2)
+
+
 def test_sparse_layer_step_lowers_for_hopper(monkeypatch):
     """A LLaDA-8B layer's sparse cached step at batch 4, prompt 8,192 (a 32-row dual-cache
     window at 8,192 of 8,448 keys, keep 0.25: 2,208 kept keys and the window's 32 rows, 2,240

@@ -30,7 +30,7 @@ window, or a window row the head kept that is a valid key (`kept_slots`: the kep
 the window's rows up to a multiple of 8). Every cached step of the block writes its
 window's fresh K/V into those window slots in place, in the policy's write range
 (`window_slots`: the step's K/V write goes there instead of into the K/V buffers, which
-only the next refresh rewrites and reads), and attends to the valid slots (`attend_kept`):
+keep the refresh's rows for the gather alone), and attends to the valid slots (`attend_kept`):
 nothing is gathered per step. The window's position is fixed within a block, so which of
 its rows a head attends to is too. A refresh later in the block chooses and gathers again.
 
@@ -196,7 +196,7 @@ def kept_slots(n: int, width: int) -> int:
 def window_slots(window: Any, slots: int, width: int) -> Any:
     """`window` (a `layers.Window` of `width` rows: start, write range) moved to the compact
     buffers' last `width` slots of `slots`: a cached step writes its window's K/V there, in
-    the same write range, instead of into the K/V buffers (which only a refresh reads)."""
+    the same write range, instead of into the K/V buffers (which only `compact` reads)."""
     offset = slots - width
     shift = offset - window.start
     return dataclasses.replace(
