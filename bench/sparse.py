@@ -13,7 +13,7 @@ gathers them once a block (`sparse_attention.compact`). Medians of forwards run 
 back in one compiled loop (`time_in_program`); `speedup` = dense ms / sparse ms.
 `--batches`: rows a block forward (the K/V of every row is held twice by the timing loop).
 `attention`: the block forwards' attention path, dense and sparse alike (`split_kv` on a
-Hopper GPU: the sparse forward's compact rows in the kernel, its window's rows in XLA,
+Hopper GPU: the sparse forward's kept rows and its window's in one kernel call,
 `sparse_attention.attend_kept`). Also the
 refresh of one row (a whole-sequence forward over S keeping the block) with and without
 choosing the keys, for the choice's cost. Saved as `sparse_speed_<device>.json`.
@@ -65,7 +65,8 @@ def time_block(
 ) -> float:
     """A dual-cache block forward of `batch` rows at `block_row` over `seq` keys; `chosen`
     None is dense, else each layer's kept rows are gathered once (outside the timed loop)
-    for the block's window."""
+    for the block's window and carried by the loop, as the engine carries them (each
+    forward writes its window's K/V into their window slots)."""
     x = jax.random.normal(jax.random.key(1), (batch, BLOCK, config.d_model), module.dtype)
     positions = jnp.broadcast_to(block_row + jnp.arange(BLOCK, dtype=jnp.int32), (batch, BLOCK))
     valid = jnp.ones((batch, seq), bool)
@@ -81,9 +82,9 @@ def time_block(
         )
         kept = gather(chosen, kv)
 
-    def step(carry, params, kept):
-        x, kv = carry
-        hidden, kv = module.apply(
+    def step(carry, params):
+        x, kv, kept = carry
+        out = module.apply(
             {"params": params},
             x,
             positions,
@@ -95,10 +96,13 @@ def time_block(
             True,
             kept_kv=kept,
         )
+        hidden, kv = out[:2]
+        if kept is not None:  # the window's K/V went to the kept rows' window slots
+            kept = out[2]
         logits = module.apply({"params": params}, hidden, method="logits")
-        return x + (1e-6 * jnp.mean(logits)).astype(x.dtype), kv
+        return x + (1e-6 * jnp.mean(logits)).astype(x.dtype), kv, kept
 
-    return time_in_program(step, (x, kv), iters, params, kept)
+    return time_in_program(step, (x, kv, kept), iters, params)
 
 
 def time_refresh(module, params, config, seq: int, block_row: int, rule, iters: int) -> float:

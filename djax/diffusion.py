@@ -184,7 +184,10 @@ class State:
     [batch, block, vocab_local] or None; soft: expected embeddings of the block's masked
     positions from the previous step [batch, block, model] or None; kept: per layer, the
     keys its kv heads attend to in the block's cached steps (`KeptKV`: the last refresh's
-    choice, its rows outside the cached window gathered), or None (dense attention)."""
+    choice, its rows outside the cached window gathered, the window's rows in its last
+    slots, rewritten by each cached step), or None (dense attention). Under sparse
+    attention a cached step writes its window's K/V there, and `kv` holds the last
+    refresh's."""
 
     tokens: Array
     kv: Any
@@ -270,7 +273,7 @@ class _Generation:
             with jax.named_scope("block_forward"):
                 x = self._inputs(state, window.start, width, bs)
                 pos = jax.lax.dynamic_slice_in_dim(self.positions, window.start, width, axis=1)
-                hidden, kv = self._apply(
+                out = self._apply(
                     x,
                     pos,
                     self.key_valid,
@@ -281,6 +284,9 @@ class _Generation:
                     block_forward=True,
                     kept_kv=state.kept,
                 )
+            hidden, kv = out[:2]
+            if plan.sparse is not None:  # the window's K/V went to the kept rows' slots
+                state = dataclasses.replace(state, kept=out[2])
         with jax.named_scope("decoder"):
             state = self.decode(state, hidden, bs)
         return dataclasses.replace(

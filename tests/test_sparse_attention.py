@@ -5,6 +5,7 @@ numpy reference with each head's attention masked to the same keys, and the plan
 path."""
 
 import math
+import re
 from fractions import Fraction
 
 import jax
@@ -16,7 +17,7 @@ from conftest import needs_devices
 import djax
 from djax import engine, programs
 from djax.models.kernel_choice import KernelChoice
-from djax.models.layers import Window
+from djax.models.layers import Window, write_window
 from djax.models.sparse_attention import (
     KeptKV,
     SparseAttention,
@@ -26,6 +27,7 @@ from djax.models.sparse_attention import (
     kept_keys,
     kept_slots,
     plan_sparse,
+    window_slots,
 )
 
 from numpy_reference import RefLLaDA, softmax
@@ -116,9 +118,13 @@ def test_each_row_keeps_its_own_count(keep, counts, expected):
     kept = compact(
         jnp.asarray(ours), jnp.asarray(keys), jnp.asarray(values), key_valid, block_row, 4
     )
-    outside = np.asarray(kept.valid).sum(axis=-1)  # kept rows outside the block's window
+    slots = kept_slots(rule.keys, 4)
+    assert kept.keys.shape == (b, slots, kv_heads, d) and slots - 8 < rule.keys + 4 <= slots
+    valid = np.asarray(kept.valid)
+    outside = valid[..., : slots - 4].sum(axis=-1)  # kept rows outside the block's window
     np.testing.assert_array_equal(outside, np.array(expected)[:, None] - 4 + np.zeros(kv_heads))
-    np.testing.assert_array_equal(np.asarray(kept.in_window), np.ones((b, kv_heads, 4), bool))
+    np.testing.assert_array_equal(valid[..., slots - 4 :], np.ones((b, kv_heads, 4), bool))
+    np.testing.assert_array_equal(np.asarray(kept.keys)[:, slots - 4 :], keys[:, block_row:])
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +152,10 @@ def forwards(dense_model):
         )
         x = apply(inputs, method="embed")
         pos = jax.lax.dynamic_slice_in_dim(positions, block_row, width, axis=1)
-        hidden, _ = apply(x, pos, valid, kv, Window(block_row), 0, BLOCK, True, kept_kv=kept)
-        return apply(hidden, method="logits")
+        hidden, out_kv, kept = apply(
+            x, pos, valid, kv, Window(block_row), 0, BLOCK, True, kept_kv=kept
+        )
+        return apply(hidden, method="logits"), out_kv, kept
 
     return refresh, block_forward
 
@@ -181,7 +189,14 @@ def test_block_forward_attends_to_the_chosen_keys(forwards, dense_folder, dense_
 
     inputs = tokens[:, BLOCK_ROW : BLOCK_ROW + width].copy()
     inputs[0, [1, 4, 6]] = [17, 42, 9]  # some positions committed since the refresh
-    ours = np.asarray(block_forward(inputs, positions, valid, kv, chosen, BLOCK_ROW))[0]
+    logits, out_kv, kept = block_forward(inputs, positions, valid, kv, chosen, BLOCK_ROW)
+    ours = np.asarray(logits)[0]
+    # the window's fresh K/V went to the kept rows' window slots, not to the K/V buffers
+    for (k, v), (out_k, out_v), layer in zip(kv, out_kv, kept, strict=True):
+        np.testing.assert_array_equal(np.asarray(out_k), np.asarray(k))
+        np.testing.assert_array_equal(np.asarray(out_v), np.asarray(v))
+        fresh = np.asarray(layer.keys)[:, -width:]
+        assert np.abs(fresh - np.asarray(k)[:, BLOCK_ROW : BLOCK_ROW + width]).max() > 1e-3
 
     ref = RefLLaDA(dense_folder[0])
     _, cache = ref.forward(ref.emb[tokens[0]], 0, SEQ, None)
@@ -270,60 +285,72 @@ def attend_gathered(q, keys, values, key_valid, chosen):
     return np.einsum("bkgtn,bknd->btkgd", softmax(scores), v_rows)
 
 
+def written(kept, keys, values, window, width):
+    """`kept` after a cached step whose window is `window` (`Window`, `width` rows) wrote
+    the rows of keys, values [b, s, kv_heads, d] there, as `layers.Attention` writes them."""
+    slots = window_slots(window, kept.keys.shape[1], width)
+    fresh = (jax.lax.dynamic_slice_in_dim(a, window.start, width, axis=1) for a in (keys, values))
+    new_keys, new_values = (
+        write_window(buf, f, slots) for buf, f in zip(kept[:2], fresh, strict=True)
+    )
+    return kept._replace(keys=new_keys, values=new_values)
+
+
 @pytest.mark.parametrize("window", ["prefix", "dual"])
 def test_compact_rows_and_window_equal_the_gathered_rows(window):
-    """`prefix`: a wide window holding rows some heads chose and others did not; `dual`: the
-    window is the block, which every head keeps. The window's rows are rewritten after the
-    gather, as a cached step rewrites them."""
+    """`prefix`: a wide window holding rows some heads chose and others did not, written
+    from the block on (the rows before it keep the refresh's K/V); `dual`: the window is the
+    block, which every head keeps, written whole. A step's window rows are rewritten after
+    the gather and written into the kept rows' window slots, as a cached step writes them."""
     rng = np.random.default_rng(2)
     b, seq, kv_heads, group, d, t = 2, 40, 2, 2, 16, 4
-    start, width = (14, 26) if window == "prefix" else (20, 8)
+    if window == "prefix":
+        start, width, step_window = 14, 26, Window(14, 20, 40)
+    else:
+        start, width, step_window = 20, 8, Window(20)
     n = 16
     key_valid = np.ones((b, seq), bool)
     key_valid[1, :3] = False  # a left-padded row
+    key_valid[0, 17] = False  # a padding key in the window (a row's own padding)
     keys, values = (rng.normal(size=(b, seq, kv_heads, d)).astype(np.float32) for _ in "kv")
     block = np.arange(20, 28)
     chosen = np.empty((b, kv_heads, n), np.int32)
     for r in range(b):
         for h in range(kv_heads):
-            others = np.setdiff1d(np.arange(seq), block)
-            chosen[r, h] = np.sort([*block, *rng.choice(others, n - len(block), replace=False)])
+            padding = [17] if (r, h) == (0, 0) else []  # chosen (in a test): never attended to
+            others = np.setdiff1d(np.arange(seq), [*block, 17])
+            more = rng.choice(others, n - len(block) - len(padding), replace=False)
+            chosen[r, h] = np.sort([*block, *padding, *more])
     window_rows = np.arange(start, start + width)
     inside = [set(np.intersect1d(c, window_rows).tolist()) for c in chosen.reshape(-1, n)]
     assert any(len(s - set(block.tolist())) for s in inside) == (window == "prefix")
     kept = compact(
         jnp.asarray(chosen), jnp.asarray(keys), jnp.asarray(values), key_valid, start, width
     )
-    assert kept.keys.shape == (b, n, kv_heads, d) and kept.in_window.shape == (b, kv_heads, width)
-    fresh_keys, fresh_values = keys.copy(), values.copy()  # the step's window rows
-    fresh_keys[:, start : start + width] = rng.normal(size=(b, width, kv_heads, d))
-    fresh_values[:, start : start + width] = rng.normal(size=(b, width, kv_heads, d))
+    assert kept.keys.shape == (b, kept_slots(n, width), kv_heads, d)
+    fresh_keys, fresh_values = keys.copy(), values.copy()  # the step's rows
+    lo = start if step_window.write_lo is None else step_window.write_lo
+    fresh_keys[:, lo : start + width] = rng.normal(size=(b, start + width - lo, kv_heads, d))
+    fresh_values[:, lo : start + width] = rng.normal(size=(b, start + width - lo, kv_heads, d))
+    step = written(kept, jnp.asarray(fresh_keys), jnp.asarray(fresh_values), step_window, width)
     q = rng.normal(size=(b, t, kv_heads, group, d)).astype(np.float32)
-    ours = attend_kept(
-        jnp.asarray(q), jnp.asarray(fresh_keys), jnp.asarray(fresh_values), key_valid, kept, start
-    )
+    ours = np.asarray(attend_kept(jnp.asarray(q), step))
     expected = attend_gathered(q, fresh_keys, fresh_values, key_valid, chosen)
-    np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-5)
     # the rows the window holds come from this step, not from the refresh's buffers
-    stale = attend_gathered(q, keys, values, key_valid, chosen)
-    assert np.abs(np.asarray(ours) - stale).max() > 1e-2
-    # and each head sees only the window rows it chose
-    every_row = kept._replace(in_window=jnp.ones_like(kept.in_window))
-    unmasked = attend_kept(
-        jnp.asarray(q),
-        jnp.asarray(fresh_keys),
-        jnp.asarray(fresh_values),
-        key_valid,
-        every_row,
-        start,
-    )
-    assert (np.abs(np.asarray(unmasked) - expected).max() > 1e-2) == (window == "prefix")
+    stale = np.asarray(attend_kept(jnp.asarray(q), kept))
+    assert np.abs(stale - attend_gathered(q, keys, values, key_valid, chosen)).max() < 1e-5
+    assert np.abs(stale - expected).max() > 1e-2
+    # and each head sees only the window rows it chose that are valid keys
+    every_row = step._replace(valid=step.valid.at[..., -width:].set(True))
+    unmasked = np.asarray(attend_kept(jnp.asarray(q), every_row))
+    assert (np.abs(unmasked - expected).max() > 1e-2) == (window == "prefix")
     # and no compact slot holds a window row (it would count twice)
-    twice = kept._replace(valid=jnp.asarray(key_valid[np.arange(b)[:, None, None], chosen]))
-    doubled = attend_kept(
-        jnp.asarray(q), jnp.asarray(fresh_keys), jnp.asarray(fresh_values), key_valid, twice, start
-    )
-    assert np.abs(np.asarray(doubled) - expected).max() > 1e-2
+    gathered = key_valid[np.arange(b)[:, None, None], chosen]
+    gathered = np.pad(gathered, [(0, 0), (0, 0), (0, kept.keys.shape[1] - width - n)])
+    twice = step._replace(valid=step.valid.at[..., :-width].set(gathered))
+    doubled = np.asarray(attend_kept(jnp.asarray(q), twice))
+    assert np.abs(doubled - expected).max() > 1e-2
 
 
 @needs_devices
@@ -364,11 +391,13 @@ def test_a_row_keeps_its_tokens_beside_a_longer_prompt(dense_model):
 
 
 def test_kernel_path_equals_the_einsums():
-    """`attend_kept` with `split_kv` (the compact rows in the split-K/V kernel, run by Mosaic
-    GPU's interpreter; the window's in XLA; merged by log-sum-exp) against its XLA path and
-    the gathered rows, in bf16: 13 kept keys per head (16 slots, 3 invalid), a left-padded
-    row, a wide window whose rows some heads kept, and a head (row 1, kv head 1) whose kept
-    rows all lie in the window, so it has no valid compact row."""
+    """`attend_kept` with `split_kv` (one split-K/V kernel call over the kept rows' slots,
+    run by Mosaic GPU's interpreter) against its XLA path and the gathered rows, in bf16,
+    after a step wrote its window's rows from the block on (rows 32 and 33 keep the
+    refresh's): 13 kept keys per head and a 16-row window (32 slots, 3 invalid between), a
+    left-padded row, a wide window whose rows some heads kept, a head (row 1, kv head 1)
+    whose kept rows all lie in the window, so it has no valid compact row, and one (row 0,
+    kv head 1) that keeps no window row."""
     rng = np.random.default_rng(4)
     b, seq, kv_heads, group, d, t, n = 2, 48, 2, 2, 64, 8, 13
     start, width, block = 32, 16, np.arange(32, 40)
@@ -377,20 +406,29 @@ def test_kernel_path_equals_the_einsums():
     chosen = np.empty((b, kv_heads, n), np.int32)
     for r in range(b):
         for h in range(kv_heads):
+            if (r, h) == (0, 1):
+                chosen[r, h] = np.sort(rng.choice(np.arange(3, start), n, replace=False))
+                continue
             pool = np.arange(40, 48) if (r, h) == (1, 1) else np.setdiff1d(np.arange(3, seq), block)
             chosen[r, h] = np.sort([*block, *rng.choice(pool, n - len(block), replace=False)])
     keys, values = (rng.normal(size=(b, seq, kv_heads, d)) for _ in "kv")
     keys, values = (jnp.asarray(a, jnp.bfloat16) for a in (keys, values))
     q = jnp.asarray(rng.normal(size=(b, t, kv_heads, group, d)), jnp.bfloat16)
     kept = compact(jnp.asarray(chosen), keys, values, key_valid, start, width)
-    assert kept.keys.shape == (b, kept_slots(n), kv_heads, d) == (b, 16, kv_heads, d)
+    assert kept.keys.shape == (b, kept_slots(n, width), kv_heads, d) == (b, 32, kv_heads, d)
+    fresh_keys, fresh_values = (
+        a.at[:, 34:].set(jnp.asarray(rng.normal(size=(b, 14, kv_heads, d)), jnp.bfloat16))
+        for a in (keys, values)
+    )
+    kept = written(kept, fresh_keys, fresh_values, Window(start, 34, seq), width)
     valid = np.asarray(kept.valid)
-    assert not valid[1, 1].any() and valid[0].sum(axis=-1).min() > 0
-    ours = attend_kept(q, keys, values, key_valid, kept, start, "split_kv")
-    xla = attend_kept(q, keys, values, key_valid, kept, start, "xla")
+    assert not valid[1, 1, :16].any() and valid[0, :, :16].sum(axis=-1).min() > 0
+    assert not valid[0, 1, 16:].any() and valid[:, 0, 16:].sum(axis=-1).min() > 0
+    ours = attend_kept(q, kept, "split_kv")
+    xla = attend_kept(q, kept, "xla")
     assert ours.shape == q.shape and ours.dtype == jnp.bfloat16
     expected = attend_gathered(
-        *(np.asarray(a, np.float32) for a in (q, keys, values)), key_valid, chosen
+        *(np.asarray(a, np.float32) for a in (q, fresh_keys, fresh_values)), key_valid, chosen
     )
     for path in (ours, xla):
         error = np.linalg.norm(np.asarray(path, np.float32) - expected) / np.linalg.norm(expected)
@@ -398,51 +436,125 @@ def test_kernel_path_equals_the_einsums():
     diff = np.abs(np.asarray(ours, np.float32) - np.asarray(xla, np.float32))
     assert diff.max() < 0.05
     with pytest.raises(ValueError, match="impl 'cudnn'; expected 'xla' or 'split_kv'"):
-        attend_kept(q, keys, values, key_valid, kept, start, "cudnn")
+        attend_kept(q, kept, "cudnn")
 
 
-def test_kernel_path_lowers_for_hopper(monkeypatch):
-    """The `split_kv` path of a sparse block's attention at LLaDA-8B's shapes (batch 4, 32
-    heads and kv heads, head dim 128, a 32-row dual-cache window, keep 0.25 of 8,192 + 256
-    keys: 2,208 slots) lowers for CUDA, the kernel compiled rather than interpreted."""
+def test_sparse_layer_step_with_the_kernels():
+    """An attention layer's sparse cached step with RoPE's kernel (the q/k/v product inside
+    it) and the split-K/V kernel (Mosaic GPU's interpreter) against its XLA path, in bf16:
+    a 16-row window at 8 of 32 keys written from 12 on (as `prefix` writes from the
+    block), 12 kept keys per head. Both write the window's K/V into the kept rows' last 16
+    slots (the 4 before the write range keep the refresh's) and leave the K/V buffers as
+    they were."""
+    from djax.config import DENSE, ModelConfig
+    from djax.models.kernel_choice import Kernels
+    from djax.models.layers import Attention
+
+    rng = np.random.default_rng(5)
+    config = ModelConfig(DENSE, 64, 64, 1, 2, 1, 64, 128, 1e4, 1e-5, 64, 1, 2, 3)
+    bf16, width, n = jnp.bfloat16, 16, 12
+    x = jnp.asarray(rng.normal(size=(1, width, 64)), bf16)
+    positions = 8 + jnp.arange(width)[None]
+    kv = tuple(jnp.asarray(rng.normal(size=(1, 32, 1, 64)), bf16) for _ in "kv")
+    key_valid = jnp.ones((1, 32), bool)
+    window = Window(8, 12, 24)
+    chosen = np.sort(rng.choice(32, size=(1, 1, n), replace=False), axis=-1).astype(np.int32)
+    kept = compact(jnp.asarray(chosen), *kv, key_valid, 8, width)
+    attention = Attention(config, bf16)
+    params = attention.init(jax.random.key(9), x, positions, key_valid, kv, window)
+    kernels = Kernels(qkv="rope", rope="mosaic", attention="split_kv")
+    runs = [
+        attention.apply(params, x, positions, key_valid, kv, window, None, k, kept_kv=kept)
+        for k in (kernels, Kernels())
+    ]
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    (ours, ours_kv, ours_kept), (ref, ref_kv, ref_kept) = runs
+    np.testing.assert_allclose(f32(ours), f32(ref), atol=5e-2, rtol=5e-2)
+    slots = kept.keys.shape[1]
+    for out_kv, out_kept in ((ours_kv, ours_kept), (ref_kv, ref_kept)):
+        assert all(a is b for a, b in zip(out_kv, kv, strict=True))
+        for before, after in zip(kept[:2], out_kept[:2], strict=True):
+            np.testing.assert_array_equal(f32(after)[:, : slots - 12], f32(before)[:, : slots - 12])
+            written = np.abs(f32(after) - f32(before))[0, slots - 12 :].max(axis=(1, 2))
+            assert (written > 0.1).all()  # every row of the write range
+    for o, r in zip(ours_kept[:2], ref_kept[:2], strict=True):
+        np.testing.assert_allclose(f32(o), f32(r), atol=2e-2, rtol=2e-2)
+
+
+def test_sparse_layer_step_lowers_for_hopper(monkeypatch):
+    """A LLaDA-8B layer's sparse cached step at batch 4, prompt 8,192 (a 32-row dual-cache
+    window at 8,192 of 8,448 keys, keep 0.25: 2,208 kept keys and the window's 32 rows, 2,240
+    slots) under `auto`'s Hopper choice lowers for CUDA, its kernels compiled rather than
+    interpreted: RoPE writing the window's K/V into the kept rows' buffers (seen as their
+    [4 x 2,240, 32 x 128] rows), one attention call over them, the two per-row norms; the
+    K/V buffers come back as they went in."""
+    from djax.config import DENSE, ModelConfig
+    from djax.kernel_options import KernelOptions
     from djax.kernels import tma_ring
+    from djax.models.kernel_choice import Device, Shapes, resolve
 
     monkeypatch.setattr(tma_ring, "interpret_params", lambda interpret: None)
     b, seq, heads, d, width = 4, 8448, 32, 128, 32
     n = kept_keys(0.25, 64, seq, width)
-    assert n == kept_slots(n) == 2208
+    slots = kept_slots(n, width)
+    assert (n, slots) == (2208, 2240)
     bf16 = jnp.bfloat16
-    args = [
-        jax.ShapeDtypeStruct((b, width, heads, 1, d), bf16),
-        *(jax.ShapeDtypeStruct((b, seq, heads, d), bf16) for _ in "kv"),
-        jax.ShapeDtypeStruct((b, seq), jnp.bool_),
-        KeptKV(
-            *(jax.ShapeDtypeStruct((b, n, heads, d), bf16) for _ in "kv"),
-            jax.ShapeDtypeStruct((b, heads, n), jnp.bool_),
-            jax.ShapeDtypeStruct((b, heads, width), jnp.bool_),
-        ),
-        jax.ShapeDtypeStruct((), jnp.int32),
-    ]
-    run = lambda *a: attend_kept(*a, "split_kv")  # noqa: E731
-    assert "mosaic_gpu" in jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    config = ModelConfig(DENSE, 126464, 4096, 1, heads, heads, d, 12288, 5e5, 1e-5, 4096, 1, 2, 3)
+    hopper = Device("gpu", (9, 0), 227 * 1024)
+    choice = resolve(KernelOptions(), hopper, config, bf16, Shapes(b, width, seq, width))
+    layers = choice.block.layers
+    assert (layers.attention, layers.rope) == ("split_kv", "mosaic")
+    module = programs.local_module(config, bf16, choice, None)
+    spec = jax.ShapeDtypeStruct
+    buffer = spec((b, seq, heads, d), bf16)
+    args = (
+        spec((b, width, 4096), bf16),  # the window's embeddings
+        spec((b, width), jnp.int32),  # positions
+        spec((b, seq), jnp.bool_),  # key_valid
+        ((buffer, buffer),),
+        Window(spec((), jnp.int32)),
+    )
+    kept = (KeptKV(spec((b, slots, heads, d), bf16), spec((b, slots, heads, d), bf16),
+                   spec((b, heads, slots), jnp.bool_)),)  # fmt: skip
+    params = jax.eval_shape(
+        lambda *a: module.init(jax.random.key(0), *a, block_forward=True), *args
+    )
+
+    def step(params, *args):
+        return module.apply(params, *args[:-1], block_forward=True, kept_kv=args[-1])
+
+    traced = jax.jit(step).trace(params, *args, kept)
+    _, out_kv, out_kept = traced.out_info
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), out_kept) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), kept
+    )
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    kernels = re.findall(r"custom_call @mosaic_gpu\w*", text)
+    assert len(kernels) == 4, kernels  # RoPE and the K/V write, attention, two norms
+    assert f"tensor<{b * slots}x{heads * d}xbf16>" in text
+    assert f"tensor<{b}x{slots}x{heads}x{d}xbf16>" in text
+    main = re.search(r"func.func public @main.*?\n\s+return ([^:]*):", text, re.S)
+    returned = main.group(1).split(", ")  # hidden, keys, values, the kept rows' three
+    assert [r.startswith("%arg") for r in returned] == [False, True, True, False, False, True]
 
 
 def test_generation_with_the_kernel_path(tmp_path, monkeypatch):
     """A bf16 model of head dim 64 at keep 0.25 (20 of 32 positions per head):
-    `attention_impl="split_kv"` (Mosaic GPU's interpreter) runs
-    the cached steps' compact rows in the kernel and gives the tokens of XLA's path."""
+    `attention_impl="split_kv"` (Mosaic GPU's interpreter) runs the cached steps' attention
+    in one kernel call over the kept rows and the window's (each kv head its own mask) and
+    gives the tokens of XLA's path."""
     from djax.kernels import flash_attention_mosaic
 
     from torch_reference import make_llada_dense
 
     calls = []
-    partials = flash_attention_mosaic.split_kv_partials
+    attention = flash_attention_mosaic.split_kv_attention
 
     def counted(*args, **kwargs):
-        calls.append(args[1].shape)
-        return partials(*args, **kwargs)
+        calls.append((args[1].shape, args[3].ndim))
+        return attention(*args, **kwargs)
 
-    monkeypatch.setattr(flash_attention_mosaic, "split_kv_partials", counted)
+    monkeypatch.setattr(flash_attention_mosaic, "split_kv_attention", counted)
     make_llada_dense(
         tmp_path, d_model=128, n_layers=1, n_heads=2, n_kv_heads=1, mlp_hidden=128,
         head_scale=6.0, seed=7,
@@ -456,7 +568,8 @@ def test_generation_with_the_kernel_path(tmp_path, monkeypatch):
     prompts = [[0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 15, 25, 35, 45, 55], [0, *range(11, 22)]]
     assert engine.make_plan(xla, config, 2, 15)[0].sparse == SparseAttention(0.25, 4, 20)
     ours = djax.generate(kernel, prompts, config).answer_ids
-    assert calls == [(2, 24, 1, 64)]  # the block forward traced the kernel: 20 keys, 24 slots
+    # the refresh's kernel, and the block forward's over 20 keys and the 8-row window's
+    assert sorted(calls) == [((2, 32, 1, 64), 2), ((2, 32, 1, 64), 3)]
     np.testing.assert_array_equal(ours, djax.generate(xla, prompts, config).answer_ids)
 
 
@@ -466,10 +579,11 @@ def test_kernel_path_on_gpu(b):
     """On a Hopper GPU, LLaDA-8B's sparse block at prompt 8,192 (32 heads and kv heads, head
     dim 128, a 32-row dual-cache window at 8,192 of 8,448 keys, 2,208 kept per head, drawn at
     random besides the block and the 64 before it; row 0's kv head 3 keeps only its block,
-    so it has no compact row): the compiled `split_kv` path against the `xla` one."""
+    so it has no compact row, and its kv head 5 none of it), after a step wrote its window's
+    rows: the compiled `split_kv` path (one kernel call) against the `xla` one."""
     seq, heads, d, width, start = 8448, 32, 128, 32, 8192
     n = kept_keys(0.25, 64, seq, width)
-    rng = jax.random.split(jax.random.key(9), 4)
+    rng = jax.random.split(jax.random.key(9), 6)
     keys, values = (jax.random.normal(k, (b, seq, heads, d), jnp.bfloat16) for k in rng[:2])
     q = jax.random.normal(rng[2], (b, width, heads, 1, d), jnp.bfloat16)
     position = jnp.arange(seq)
@@ -478,11 +592,17 @@ def test_kernel_path_on_gpu(b):
     chosen = jnp.sort(jax.lax.top_k(score, n)[1], axis=-1).astype(jnp.int32)
     block = (chosen[0, 3] >= start) & (chosen[0, 3] < start + width)
     chosen = chosen.at[0, 3].set(jnp.where(block, chosen[0, 3], -1))
+    in_block = (chosen[0, 5] >= start) & (chosen[0, 5] < start + width)
+    chosen = chosen.at[0, 5].set(jnp.where(in_block, -1, chosen[0, 5]))
     key_valid = jnp.ones((b, seq), bool)
     kept = compact(chosen, keys, values, key_valid, start, width)
-    assert not kept.valid[0, 3].any() and kept.in_window[0, 3].all()
-    run = jax.jit(attend_kept, static_argnums=6)
-    ours = run(q, keys, values, key_valid, kept, start, "split_kv").astype(jnp.float32)
-    ref = run(q, keys, values, key_valid, kept, start, "xla").astype(jnp.float32)
+    fresh = (jax.random.normal(k, (b, seq, heads, d), jnp.bfloat16) for k in rng[4:])
+    kept = written(kept, *fresh, Window(start), width)
+    assert not kept.valid[0, 3, :-width].any() and kept.valid[0, 3, -width:].all()
+    assert not kept.valid[0, 5, -width:].any() and kept.valid[0, 5, :-width].any()
+    run = jax.jit(attend_kept, static_argnums=2)
+    ours = run(q, kept, "split_kv").astype(jnp.float32)
+    ref = run(q, kept, "xla").astype(jnp.float32)
     assert float(jnp.linalg.norm(ours - ref) / jnp.linalg.norm(ref)) <= 1e-2
-    assert float(jnp.abs(ours[0, :, 3] - ref[0, :, 3]).max()) <= 0.05
+    for head in (3, 5):
+        assert float(jnp.abs(ours[0, :, head] - ref[0, :, head]).max()) <= 0.05

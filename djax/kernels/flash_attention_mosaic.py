@@ -23,8 +23,6 @@ sums, then each adds its output, weighted by its share of the softmax's total, i
 tile in turn, and the last one stores the sum. CTAs of several `splits` write fp32 partial
 outputs [b, splits, t, n, d] and their rows' log-sum-exps [b, splits, n, 64 x query tiles]
 (TMA stores whole rows of both), merged afterwards by their log-sum-exps (`merge_slices`).
-`split_kv_partials` returns those unmerged (one slice too), for a caller that merges them
-with attention over other keys.
 
 The kernel is lowered with Mosaic GPU's warpgroup semantics (its layouts and shared-memory
 transforms inferred), named explicitly so every jax version lowers it the same way.
@@ -104,14 +102,12 @@ def tiles_for(
     batch_heads: int,
     head_dim: int = 128,
     itemsize: int = 2,
-    partials: bool = False,
 ) -> Tiles:
     """The tiling for `t` queries against `s` keys, with `batch_heads` (batch x query heads on
-    this device) CTAs per query tile, of head dim `head_dim` and `itemsize`-byte values, its
-    output fp32 partials even of one slice where `partials` (`split_kv_partials`).
+    this device) CTAs per query tile, of head dim `head_dim` and `itemsize`-byte values.
     Windows with at least `MIN_CTAS` query tiles x heads (refreshes, large batches): one
-    slice, 64-key steps, 2 stages (at head dim 128, two CTAs of 16-bit outputs fit on an SM;
-    of fp32 partials, one), one where two do not fit.
+    slice, 64-key steps, 2 stages (at head dim 128, two CTAs of 16-bit outputs fit on an
+    SM), one where two do not fit.
     Fewer (blocks): one warpgroup per CTA, 128-key steps through 2 stages, the keys cut
     across CTAs into slices of at most `KEYS_PER_CTA` keys (merged by log-sum-exp after
     the kernel); 64-key steps, then one stage, where the ring would not fit in shared
@@ -124,7 +120,7 @@ def tiles_for(
         splits, rings = pl.cdiv(s, KEYS_PER_CTA), ((2 * TILE, 2), (TILE, 2), (TILE, 1))
     for block_k, stages in rings:
         tiles = Tiles(block_k=block_k, splits=splits, stages=stages)
-        if tiles.shared_bytes(head_dim, itemsize, splits > 1 or partials) <= SHARED_MEMORY:
+        if tiles.shared_bytes(head_dim, itemsize, splits > 1) <= SHARED_MEMORY:
             return tiles
     return tiles  # the smallest ring: `fits` refuses the head dims it does not fit
 
@@ -363,36 +359,18 @@ def split_kv_attention(
     past the keys, masked); `interpret`: run in Mosaic GPU's interpreter (default: exactly
     off GPUs, as the CPU tests do).
     """
-    out = _attention(q, keys, values, key_valid, tiles, interpret, partials=False)
+    out = _attention(q, keys, values, key_valid, tiles, interpret)
     return merge_slices(*out, q.dtype) if isinstance(out, tuple) else out
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def split_kv_partials(
-    q: Array,
-    keys: Array,
-    values: Array,
-    key_valid: Array,
-    tiles: Tiles | None = None,
-    interpret: bool | None = None,
-) -> tuple[Array, Array]:
-    """`split_kv_attention` left unmerged, for attention over these keys and others
-    attended apart: each key slice's normalised fp32 output [batch, splits, t, heads,
-    head_dim] and its rows' log-sum-exps [batch, splits, t, heads] (natural log; a slice
-    of only padding keys has one near `MASKED`), merged by `merge_slices` (one slice too
-    is written in fp32). Arguments as `split_kv_attention`'s, `tiles_for`'s default taken
-    for fp32 outputs."""
-    return _attention(q, keys, values, key_valid, tiles, interpret, partials=True)
-
-
-def _attention(q, keys, values, key_valid, tiles, interpret, partials):
+def _attention(q, keys, values, key_valid, tiles, interpret):
     """The kernel over `split_kv_attention`'s arguments: its output, or where it writes
-    several slices (or `partials`) their fp32 outputs and log-sum-exps [b, splits, t, n]."""
+    several slices their fp32 outputs and log-sum-exps [b, splits, t, n]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, t, n, d = q.shape
     s, kv_heads = keys.shape[1], keys.shape[2]
-    name = f"flash_attention_mosaic.split_kv_{'partials' if partials else 'attention'}"
+    name = "flash_attention_mosaic.split_kv_attention"
     if (
         keys.shape != (b, s, kv_heads, d)
         or values.shape != keys.shape
@@ -411,7 +389,7 @@ def _attention(q, keys, values, key_valid, tiles, interpret, partials):
             f"{name}: q {q.dtype}, keys {keys.dtype}, values {values.dtype}; expected all "
             "bfloat16 or all float16"
         )
-    tiles = tiles or tiles_for(t, s, b * n, d, q.dtype.itemsize, partials)
+    tiles = tiles or tiles_for(t, s, b * n, d, q.dtype.itemsize)
     if (
         tiles.block_k % TILE
         or tiles.splits < 1
@@ -426,7 +404,7 @@ def _attention(q, keys, values, key_valid, tiles, interpret, partials):
     steps = pl.cdiv(pl.cdiv(s, tiles.block_k), tiles.splits * wgs)
     splits = pl.cdiv(pl.cdiv(s, tiles.block_k), steps * wgs)  # every CTA holds keys
     tiles = dataclasses.replace(tiles, splits=splits, stages=min(tiles.stages, steps))
-    split_out = splits > 1 or partials
+    split_out = splits > 1
     used = tiles.shared_bytes(d, q.dtype.itemsize, split_out)
     if used > SHARED_MEMORY:
         raise ValueError(f"{tiles}: {used} bytes of shared memory; at most {SHARED_MEMORY}")

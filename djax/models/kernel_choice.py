@@ -39,8 +39,8 @@ WGMMA). Rules of `auto`:
 - cuDNN's attention only runs refreshes: at block shapes its dense mask makes it slower
   than XLA's einsums.
 - Block forwards under sparse attention take the attention path of dense ones: with
-  `split_kv`, the compact kept rows run in the kernel and the window's rows in XLA, merged
-  by log-sum-exp (`sparse_attention.attend_kept`).
+  `split_kv`, one kernel call over the compact buffers of the kept rows and the window's
+  (`sparse_attention.attend_kept`).
 - The MoE experts: the expert tiles (`moe="mosaic"`, `expert_tiles_mosaic`; 16-bit or fp8
   weights) where the model and local expert widths are multiples of 64, in every forward
   (their row tiles follow the experts: no row limit); else XLA's path, which sorts

@@ -14,7 +14,7 @@ valid key of the whole buffer, and returns final hidden states for `hidden_len` 
 starting `hidden_start` positions into the window. With sparse attention
 (`djax.models.sparse_attention`) a refresh also returns each layer's chosen keys per kv
 head, and a block forward given their compact rows (`sparse_attention.KeptKV`, gathered
-once after that refresh) attends to those keys only.
+once after that refresh) writes its window's K/V into them and attends to those keys only.
 """
 
 from __future__ import annotations
@@ -327,18 +327,20 @@ class Attention(nn.Module):
         sparse: tuple[SparseAttention, Any, int] | None = None,
         kept_kv: KeptKV | None = None,
         groups: tuple[AttentionGroup, ...] | None = None,
-    ) -> tuple[Array | Partials | Product, LayerKV, Array | None]:
+    ) -> tuple[Array | Partials | Product, LayerKV, Array | KeptKV | None]:
         """x: [b, W, model] normed window rows -> the attention output [b, W,
         model] (or `Partials`, or with `defer_output` the output `Product` still to run) and
-        the layer's K/V with the window's written. `query_rows=(start, n)`: attend and
-        project only window rows `[start, start + n)` (every row's K/V is still written);
-        the output is then [b, n, model]. `kernels` chooses the q/k/v, RoPE and attention
-        paths, `out_impl` the output product's (`xla`, `mosaic` or `fp8_mosaic`).
+        the layer's K/V with the window's written (as given, with `kept_kv`).
+        `query_rows=(start, n)`: attend and project only window rows `[start, start + n)`
+        (every row's K/V is still written); the output is then [b, n, model]. `kernels`
+        chooses the q/k/v, RoPE and attention paths, `out_impl` the output product's
+        (`xla`, `mosaic` or `fp8_mosaic`).
         `sparse=(rule, row, B)` (a refresh): also choose each kv head's keys by `rule` from
         the block's queries, window rows `[row, row + B)` (`sparse_attention.choose`),
-        returned third (else None). `kept_kv` (a block forward): attend to each kv head's kept
-        keys only, its compact rows and its kept rows of this window
-        (`sparse_attention.attend_kept`).
+        returned third (else None). `kept_kv` (a block forward): write the window's K/V into
+        its window slots instead of `kv` (`sparse_attention.window_slots`), attend to each kv
+        head's kept keys only, its compact rows and its kept rows of this window
+        (`sparse_attention.attend_kept`), and return the updated `KeptKV` third.
 
         `groups` (a mixed forward): x is [1, T, model], the rows of every group one after the
         other; `kv` holds each group's buffers (or None); the q/k/v and output products run
@@ -376,6 +378,10 @@ class Attention(nn.Module):
                 NormScale(self.dtype, name=name)(cfg.head_dim) for name in ("q_norm", "k_norm")
             )
         ops = rope_write_mosaic.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
+        layer_kv = kv
+        if kept_kv is not None:  # the window's K/V go to the compact buffers' window slots
+            kv = (kept_kv.keys, kept_kv.values)
+            window = sparse_attention.window_slots(window, kept_kv.keys.shape[1], x.shape[1])
         if groups is not None:
             out, group_kv = self._attend_groups(x, qkv_kernel, kv, groups, scales, ops, kernels)
             return self._output(out, out_kernel, out_bias, out_impl, kernels), group_kv, None
@@ -409,16 +415,16 @@ class Attention(nn.Module):
                     key_valid, query_rows[0], query_rows[1], axis=1
                 )
         if kept_kv is not None:
-            out = sparse_attention.attend_kept(
-                q, keys, values, key_valid, kept_kv, window.start, kernels.attention
-            )
+            kept_kv = kept_kv._replace(keys=keys, values=values)
+            out = sparse_attention.attend_kept(q, kept_kv, kernels.attention)
         else:
+            layer_kv = (keys, values)
             out = attend(q, keys, values, key_valid, kernels.attention)
         b, t = out.shape[:2]
         y = self._output(
             out.reshape(b, t, -1), out_kernel, out_bias, out_impl, kernels, defer_output
         )
-        return y, (keys, values), new_chosen
+        return y, layer_kv, new_chosen if kept_kv is None else kept_kv
 
     def _attend_groups(self, x, qkv_kernel, kv, groups, scales, ops, kernels):
         """A mixed forward's attention: the q/k/v product over every group's rows of x [1,
@@ -584,7 +590,7 @@ class TransformerLM(nn.Module):
         block_forward: bool = False,
         sparse: SparseAttention | None = None,
         kept_kv: tuple[KeptKV, ...] | None = None,
-    ) -> tuple[Array, tuple[LayerKV, ...]] | tuple[Array, tuple[LayerKV, ...], Array]:
+    ) -> tuple[Array, tuple[LayerKV, ...]] | tuple[Array, tuple[LayerKV, ...], Any]:
         """Run the decoder stack on a window.
 
         x: [batch, W, model] input embeddings; positions: [batch, W] RoPE positions;
@@ -602,11 +608,13 @@ class TransformerLM(nn.Module):
         also returns, third, every layer's chosen keys [n_layers, batch, kv_heads,
         sparse.keys] int32 (-1: a slot the row drops); a block forward given every layer's
         compact kept rows `kept_kv` (`sparse_attention.compact` of that choice, for this
-        forward's window) attends to those keys only.
+        forward's window) writes the window's K/V into their window slots (the K/V buffers
+        are returned as given), attends to those keys only, and returns, third, every
+        layer's updated `KeptKV`.
         """
         forward = self.kernels.block if block_forward else self.kernels.refresh
         choosing = None if sparse is None else (sparse, hidden_start, hidden_len)
-        new_kv, new_chosen = [], []
+        new_kv, new_sparse = [], []
         n_layers = self.config.n_layers
         trim = hidden_len is not None and hidden_len != x.shape[1]
         normed = self.attn_norms[0](x)
@@ -618,7 +626,7 @@ class TransformerLM(nn.Module):
             into_mlp = kept.norm_into_mlp if dense_ff else "no"
             with jax.named_scope(f"layer_{i}"):
                 with jax.named_scope("attention"):
-                    attn_out, layer_kv, layer_chosen = self.attns[i](
+                    attn_out, layer_kv, layer_sparse = self.attns[i](
                         normed,
                         positions,
                         key_valid,
@@ -631,7 +639,7 @@ class TransformerLM(nn.Module):
                         sparse=choosing,
                         kept_kv=None if kept_kv is None else kept_kv[i],
                     )
-                new_chosen.append(layer_chosen)
+                new_sparse.append(layer_sparse)
                 if last_trimmed:
                     x = jax.lax.dynamic_slice_in_dim(x, hidden_start, hidden_len, axis=1)
                 impl = kept.norm if into_mlp == "no" else into_mlp
@@ -642,7 +650,9 @@ class TransformerLM(nn.Module):
                 x, normed = next_norm(mlp_out, residual=h, impl=kept.norm)
                 new_kv.append(layer_kv)
         if sparse is not None:
-            return normed, tuple(new_kv), jnp.stack(new_chosen)
+            return normed, tuple(new_kv), jnp.stack(new_sparse)
+        if kept_kv is not None:
+            return normed, tuple(new_kv), tuple(new_sparse)
         return normed, tuple(new_kv)
 
     def forward_groups(

@@ -21,18 +21,22 @@ nearest to it with `q ≤ 1000` (`keep_fraction`: 0.1 is 1/10, 0.25 is 1/4), and
 
 What is read when. A cached step recomputes only its window's K/V (`CachePolicy.window`:
 the block under `dual`, the block and everything after it under `prefix`, the block's
-vicinity under `vicinity`); every row outside the window keeps what the refresh wrote. So
-right after the refresh that chose them (`compact`), each head's kept rows outside the
-window are gathered once into compact buffers [b, slots, kv_heads, d] (`KeptKV`, in the K/V
-buffers' layout, `kept_slots`: the keys up to a multiple of 8; with their validity per
-head and the head's kept rows inside the window), and every cached step of the block
-(`attend_kept`) attends to those compact rows, read in place, and to the window's rows of
-its own step in the dense buffers, each head masked to the window rows it kept: nothing is
-gathered per step. A refresh later in the block chooses and gathers again.
+vicinity under `vicinity`), inside the policy's write range; every other row keeps what the
+refresh wrote. So right after the refresh that chose them (`compact`), each head's kept rows
+outside the window are gathered once into compact buffers [b, slots, kv_heads, d]
+(`KeptKV`, in the K/V buffers' layout), whose last `width` slots hold the window's rows
+(the refresh's, at first), with each slot's validity per head: a kept valid row outside the
+window, or a window row the head kept that is a valid key (`kept_slots`: the kept keys and
+the window's rows up to a multiple of 8). Every cached step of the block writes its
+window's fresh K/V into those window slots in place, in the policy's write range
+(`window_slots`: the step's K/V write goes there instead of into the K/V buffers, which
+keep the refresh's rows for the gather alone), and attends to the valid slots (`attend_kept`):
+nothing is gathered per step. The window's position is fixed within a block, so which of
+its rows a head attends to is too. A refresh later in the block chooses and gathers again.
 
 Memory: the compact buffers hold, per layer, keys and values [b, slots, kv_heads, d] in the
-K/V dtype (`slots / seq` of the dense K/V buffers' size besides them), plus masks
-[b, kv_heads, slots] and [b, kv_heads, window] bool.
+K/V dtype (`slots / seq` of the dense K/V buffers' size besides them; `slots` counts the
+window's `width` rows besides the kept keys), plus a mask [b, kv_heads, slots] bool.
 
 The program's slot count `keys = min(seq, ceil(keep · seq) + block + recent)` (`kept_keys`, the
 rule at the largest count a row of `seq` positions can have) is static, so a program
@@ -43,13 +47,11 @@ keep = 1: then every row keeps all its keys under the per-row rule as well (`pla
 says why).
 
 Kernels. The sparse steps attend as `Kernels.attention` says (`attend_kept`'s `impl`,
-resolved once by `kernel_choice` as for dense block forwards): `split_kv` runs the compact
-part in djax's split-K/V attention kernel (`flash_attention_mosaic.split_kv_partials`),
-which reads the compact buffers through strides as it reads the K/V buffers, each query
-head masked by its kv head's validity row, and returns each key slice's output and
-log-sum-exp; the window part (a window's rows: the block's under `dual`) runs in XLA's
-einsums with its own log-sum-exp, and the parts are merged by them. `xla` runs both parts
-in XLA's einsums under one softmax (the reference).
+resolved once by `kernel_choice` as for dense block forwards): `split_kv` runs one call of
+djax's split-K/V attention kernel (`flash_attention_mosaic.split_kv_attention`) over the
+compact buffers, read in place through strides as it reads the K/V buffers, each query head
+masked by its kv head's validity row; `xla` runs one softmax over the same slots in XLA's
+einsums (the reference). The set of keys a head attends to is the same either way.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ import jax
 import jax.numpy as jnp
 
 from djax.kernels import flash_attention_mosaic
-from djax.kernels.flash_attention_mosaic import MASKED, merge_slices
+from djax.kernels.flash_attention_mosaic import MASKED
 from djax.kernels.tma_ring import ROW_ALIGN
 
 Array = jax.Array
@@ -170,37 +172,51 @@ def choose(
 
 class KeptKV(NamedTuple):
     """One layer's kept keys for a block's cached steps (`compact`). keys, values
-    [b, slots, kv_heads, d] (the K/V buffers' layout): slot i of head h holds the head's
-    i-th kept row outside the window, in ascending position (a slot whose row lies inside the
-    window, is padding or was dropped is invalid; `kept_slots` of them); valid
-    [b, kv_heads, slots] bool; in_window [b, kv_heads, width] bool: window row r is kept by
-    the head."""
+    [b, slots, kv_heads, d] (the K/V buffers' layout), `slots = kept_slots(n, width)`: the
+    last `width` slots hold the window's rows `[start, start + width)` in order (the
+    refresh's, until a cached step writes its own into them: `window_slots`); the slots
+    before them hold each head's kept rows outside the window, in ascending position, then
+    invalid ones. valid [b, kv_heads, slots] bool: which slots each head attends to (a kept
+    valid row outside the window; a window row the head kept that is a valid key)."""
 
     keys: Array
     values: Array
     valid: Array
-    in_window: Array
 
 
-def kept_slots(n: int) -> int:
-    """The slots of compact buffers for `n` kept keys per head: `n` up to a multiple of
-    `ROW_ALIGN` (8), the rows the split-K/V kernel's TMA reads at a time, so its steps read
-    the buffers as they are (a buffer of another length would be copied, padded, at every
-    step). The slots past `n` are invalid."""
-    return -(-n // ROW_ALIGN) * ROW_ALIGN
+def kept_slots(n: int, width: int) -> int:
+    """The slots of compact buffers for `n` kept keys per head and a `width`-row window:
+    `n + width` up to a multiple of `ROW_ALIGN` (8), the rows the split-K/V kernel's TMA
+    reads at a time, so its steps read the buffers as they are (a buffer of another length
+    would be copied, padded, at every step). The slots between the kept rows and the
+    window's are invalid."""
+    return -(-(n + width) // ROW_ALIGN) * ROW_ALIGN
+
+
+def window_slots(window: Any, slots: int, width: int) -> Any:
+    """`window` (a `layers.Window` of `width` rows: start, write range) moved to the compact
+    buffers' last `width` slots of `slots`: a cached step writes its window's K/V there, in
+    the same write range, instead of into the K/V buffers (which only `compact` reads)."""
+    offset = slots - width
+    shift = offset - window.start
+    return dataclasses.replace(
+        window,
+        start=offset,
+        write_lo=None if window.write_lo is None else window.write_lo + shift,
+        write_hi=None if window.write_hi is None else window.write_hi + shift,
+    )
 
 
 def no_kept(buffer: Array, n: int, width: int) -> KeptKV:
-    """A zeroed `KeptKV` of `n` kept keys (`kept_slots(n)` slots) and a `width`-row window
-    for a layer whose K/V buffers are like `buffer` [b, s, kv_heads, d] (a program's carry
-    before its first refresh)."""
+    """A zeroed `KeptKV` of `n` kept keys and a `width`-row window (`kept_slots(n, width)`
+    slots) for a layer whose K/V buffers are like `buffer` [b, s, kv_heads, d] (a program's
+    carry before its first refresh)."""
     b, _, kv_heads, d = buffer.shape
-    slots = kept_slots(n)
+    slots = kept_slots(n, width)
     return KeptKV(
         keys=jnp.zeros((b, slots, kv_heads, d), buffer.dtype),
         values=jnp.zeros((b, slots, kv_heads, d), buffer.dtype),
         valid=jnp.zeros((b, kv_heads, slots), bool),
-        in_window=jnp.zeros((b, kv_heads, width), bool),
     )
 
 
@@ -208,12 +224,15 @@ def compact(
     chosen: Array, keys: Array, values: Array, key_valid: Array, start: Any, width: int
 ) -> KeptKV:
     """The kept rows of one layer, gathered once for a block's cached steps whose window is
-    `[start, start + width)` (`start` ≥ 0, may be traced). chosen [b, kv_heads, n]
-    (`choose`; a -1 slot is dropped: invalid, outside the window), keys and values
+    `[start, start + width)` (`start` ≥ 0, may be traced; the window lies inside the
+    buffers). chosen [b, kv_heads, n] (`choose`; a -1 slot is dropped), keys and values
     [b, s, kv_heads, d] (the buffers as the refresh wrote them), key_valid [b, s] bool.
-    Returns `kept_slots(n)` slots per head, the last ones invalid."""
+    Returns `kept_slots(n, width)` slots per head: the kept rows outside the window, then
+    invalid slots, then the window's `width` rows, which each head attends to where it kept
+    them and they are valid keys."""
     b, kv_heads, n = chosen.shape
-    chosen = jnp.pad(chosen, ((0, 0), (0, 0), (0, kept_slots(n) - n)), constant_values=-1)
+    outside_slots = kept_slots(n, width) - width
+    chosen = jnp.pad(chosen, ((0, 0), (0, 0), (0, outside_slots - n)), constant_values=-1)
     rows = jnp.arange(b)[:, None, None]
     heads = jnp.arange(kv_heads)[None, :, None]
     kept = chosen >= 0
@@ -222,113 +241,41 @@ def compact(
     window_row = jnp.where(inside, chosen - start, width)  # `width`: dropped below
     in_window = jnp.zeros((b, kv_heads, width), bool)
     in_window = in_window.at[rows, heads, window_row].set(True, mode="drop")
+    window_valid = jax.lax.dynamic_slice_in_dim(key_valid, start, width, axis=1)
     slot_rows = row.transpose(0, 2, 1)  # [b, slots, kv_heads]
     slot_heads = jnp.arange(kv_heads)[None, None, :]
+
+    def rows_of(buffer):
+        window = jax.lax.dynamic_slice_in_dim(buffer, start, width, axis=1)
+        return jnp.concatenate([buffer[rows, slot_rows, slot_heads], window], axis=1)
+
     return KeptKV(
-        keys=keys[rows, slot_rows, slot_heads],
-        values=values[rows, slot_rows, slot_heads],
-        valid=kept & key_valid[rows, row] & ~inside,
-        in_window=in_window,
+        keys=rows_of(keys),
+        values=rows_of(values),
+        valid=jnp.concatenate(
+            [kept & key_valid[rows, row] & ~inside, in_window & window_valid[:, None, :]], axis=-1
+        ),
     )
 
 
-def attend_kept(
-    q: Array,
-    keys: Array,
-    values: Array,
-    key_valid: Array,
-    kept: KeptKV,
-    start: Any,
-    impl: str = "xla",
-) -> Array:
+def attend_kept(q: Array, kept: KeptKV, impl: str = "xla") -> Array:
     """Attention of a cached step's q [b, t, kv_heads, group, d] to each kv head's kept
-    keys: the compact rows of `kept` and the rows of the window `[start, start + width)`
-    (width = `kept.in_window`'s last axis) of keys, values [b, s, kv_heads, d] (the buffers
-    with this step's window written) that the head kept; key_valid [b, s]. Returns
+    keys: the slots of `kept` it marks valid (its compact rows and its kept rows of the
+    window, which the step has written into `kept`'s window slots, `window_slots`). Returns
     [b, t, kv_heads, group, d].
 
-    `impl` (`Kernels.attention`): `xla`, one softmax over both parts in XLA's einsums: the
-    scores of each part stay apart (no concatenated copy of either the keys or the scores),
-    share one maximum, and the output is the sum of the two parts' unnormalized products
-    divided once by their summed weights. `split_kv`: the compact rows in the split-K/V
-    kernel (`flash_attention_mosaic.split_kv_partials`, each head masked by its own
-    validity), the window's rows in XLA, each part normalised with its log-sum-exp, the
-    parts merged by them as the kernel's key slices are (`merge_slices`)."""
-    if impl == "split_kv":
-        return _attend_kept_split_kv(q, keys, values, key_valid, kept, start)
+    `impl` (`Kernels.attention`): `xla`, one softmax over the slots in XLA's einsums (the
+    reference); `split_kv`, the split-K/V kernel over the slots
+    (`flash_attention_mosaic.split_kv_attention`, each query head masked by its kv head's
+    validity row): one kernel call, its key slices merged as in a dense block forward."""
+    b, t, kv_heads, group, d = q.shape
+    if impl == "split_kv":  # Mosaic GPU's interpreter off GPUs (for tests)
+        heads = q.reshape(b, t, kv_heads * group, d)
+        out = flash_attention_mosaic.split_kv_attention(heads, kept.keys, kept.values, kept.valid)
+        return out.reshape(q.shape)
     if impl != "xla":
         raise ValueError(f"attend_kept: impl {impl!r}; expected 'xla' or 'split_kv'")
-    d = q.shape[-1]
-    window_keys, window_values, window_valid = _window(keys, values, key_valid, kept, start)
-    scale = d**-0.5
-    kept_scores = jnp.einsum("btkgd,bnkd->bkgtn", q, kept.keys, preferred_element_type=jnp.float32)
-    kept_scores = jnp.where(kept.valid[:, :, None, None, :], kept_scores * scale, MASKED)
-    window_scores = jnp.einsum(
-        "btkgd,bwkd->bkgtw", q, window_keys, preferred_element_type=jnp.float32
-    )
-    window_scores = jnp.where(window_valid[:, :, None, None, :], window_scores * scale, MASKED)
-    top = jnp.maximum(jnp.max(kept_scores, axis=-1), jnp.max(window_scores, axis=-1))[..., None]
-    kept_weights = jnp.exp(kept_scores - top)
-    window_weights = jnp.exp(window_scores - top)
-    total = jnp.sum(kept_weights, axis=-1) + jnp.sum(window_weights, axis=-1)  # [b, kv, g, t]
-    out = jnp.einsum(
-        "bkgtn,bnkd->btkgd",
-        kept_weights.astype(values.dtype),
-        kept.values,
-        preferred_element_type=jnp.float32,
-    ) + jnp.einsum(
-        "bkgtw,bwkd->btkgd",
-        window_weights.astype(values.dtype),
-        window_values,
-        preferred_element_type=jnp.float32,
-    )
-    return (out / total.transpose(0, 3, 1, 2)[..., None]).astype(values.dtype)
-
-
-def _window(keys: Array, values: Array, key_valid: Array, kept: KeptKV, start: Any):
-    """The window's keys and values [b, width, kv_heads, d] from the buffers, and which of
-    its rows each head attends to [b, kv_heads, width]: valid ones it kept."""
-    width = kept.in_window.shape[-1]
-    window_keys = jax.lax.dynamic_slice_in_dim(keys, start, width, axis=1)
-    window_values = jax.lax.dynamic_slice_in_dim(values, start, width, axis=1)
-    window_valid = jax.lax.dynamic_slice_in_dim(key_valid, start, width, axis=1)
-    return window_keys, window_values, window_valid[:, None, :] & kept.in_window
-
-
-def _attend_kept_split_kv(
-    q: Array, keys: Array, values: Array, key_valid: Array, kept: KeptKV, start: Any
-) -> Array:
-    """`attend_kept`'s `split_kv` path (Mosaic GPU's interpreter off GPUs, for tests). A
-    head with no valid compact row gets a log-sum-exp near `MASKED` there, so no weight:
-    its output is its window part's."""
-    b, t, kv_heads, group, d = q.shape
-    heads = q.reshape(b, t, kv_heads * group, d)
-    partial, lse = flash_attention_mosaic.split_kv_partials(
-        heads, kept.keys, kept.values, kept.valid
-    )
-    window_out, window_lse = _window_part(q, *_window(keys, values, key_valid, kept, start))
-    partial = jnp.concatenate([partial, window_out.reshape(b, 1, *heads.shape[1:])], axis=1)
-    lse = jnp.concatenate([lse, window_lse.reshape(b, 1, t, kv_heads * group)], axis=1)
-    return merge_slices(partial, lse, values.dtype).reshape(q.shape)
-
-
-def _window_part(
-    q: Array, window_keys: Array, window_values: Array, window_valid: Array
-) -> tuple[Array, Array]:
-    """Attention of q [b, t, kv_heads, group, d] to the window's rows each head attends to
-    (`_window`): the normalised fp32 output [b, t, kv_heads, group, d] and its rows'
-    log-sum-exps [b, t, kv_heads, group] (natural log), the probabilities cast to the values'
-    dtype before their product, as the kernel casts them."""
-    scale = q.shape[-1] ** -0.5
-    scores = jnp.einsum("btkgd,bwkd->btkgw", q, window_keys, preferred_element_type=jnp.float32)
-    scores = jnp.where(window_valid[:, None, :, None, :], scores * scale, MASKED)
-    top = jnp.max(scores, axis=-1)
-    weights = jnp.exp(scores - top[..., None])
-    total = jnp.sum(weights, axis=-1)
-    out = jnp.einsum(
-        "btkgw,bwkd->btkgd",
-        weights.astype(window_values.dtype),
-        window_values,
-        preferred_element_type=jnp.float32,
-    )
-    return out / total[..., None], top + jnp.log(total)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, kept.keys, preferred_element_type=jnp.float32)
+    scores = jnp.where(kept.valid[:, :, None, None, :], scores * d**-0.5, MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(kept.values.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, kept.values)
