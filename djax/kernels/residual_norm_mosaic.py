@@ -16,7 +16,12 @@ end are read by TMA as zeros and never stored.
 
 `add_rms_norm` runs one CTA per row. The row comes in by TMA as a [d / 256, 256] block (a TMA box
 spans at most 256 values per dim) and is held by the warpgroup in a strided layout, in
-which the sum of squares is one reduction over the whole block.
+which the sum of squares is one reduction over the whole block. With `into_fp8` it also
+quantises the normed row for the fp8 product after it (`handoff.QuantizedRows`, the rule
+of `fp8_matmul_mosaic.quantize_rows`): the row's max |value| is a second reduction over
+the block, the e4m3 block leaves by TMA as the normed block does, and the row's scale, one
+fp32 (less than a TMA copy's 16 bytes), is stored by the CTA's threads straight into
+global memory.
 """
 
 from __future__ import annotations
