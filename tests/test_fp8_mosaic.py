@@ -1,7 +1,9 @@
 """`fp8_impl="mosaic"`: a fp8 model's block forwards through the fp8 x fp8 Mosaic GPU kernel
 (`djax.kernels.fp8_matmul_mosaic`, Mosaic GPU's interpreter here) on K-major values: the
-kernel choice, the layout moves, the products and a generation against `scaled`, and the
-errors."""
+kernel choice, the layout moves, the products and a generation against `scaled`, the norms
+that quantise the rows for the kernel, and the errors."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,12 +12,13 @@ import pytest
 from test_kernel_choice import GENERATION, HOPPER, LLADA_8B, LLADA_MOE
 
 import djax
+from djax.config import DENSE, ModelConfig
 from djax.kernel_options import KernelOptions
-from djax.kernels import tma_ring
-from djax.kernels.handoff import finish
-from djax.models import fp8
-from djax.models.kernel_choice import Kernels, Shapes, resolve
-from djax.models.layers import GatedMLP, project
+from djax.kernels import fp8_matmul_mosaic, tma_ring
+from djax.kernels.handoff import QuantizedRows, finish
+from djax.models import abstract_params, build_module, fp8
+from djax.models.kernel_choice import Device, ForwardKernels, Kernels, Shapes, resolve
+from djax.models.layers import GatedMLP, RMSNorm, project
 from djax.sharding import make_mesh
 
 from torch_reference import make_llada_dense, rel_error
@@ -58,6 +61,91 @@ def test_block_forwards_take_the_kernel_refreshes_scaled():
     assert auto.explain().endswith("\nweights: fp8, as stored")
     plain = resolve(MOSAIC, HOPPER, LLADA_8B, jnp.bfloat16, GENERATION)
     assert not plain.k_major and plain.block.layers.qkv == "rope"
+
+
+def test_the_norms_quantise_for_the_kernel_in_block_forwards_only():
+    """`norm_into_fp8`: the per-row norms hand e4m3 rows to the q/k/v and gate/up products
+    where a block forward runs them in the fp8 kernel (LLaDA-MoE's too: its q/k/v), and
+    nowhere else: not in refreshes, nor with bf16 weights, `scaled` or `norm_impl="xla"`."""
+    choice = _choice()
+    assert choice.block.layers.norm_into_fp8 and choice.block.last.norm_into_fp8
+    assert "norm=mosaic, norm_into_mlp=no, norm_into_fp8=True," in choice.explain()
+    assert _choice(LLADA_MOE).block.layers.norm_into_fp8
+    others = (
+        resolve(MOSAIC, HOPPER, LLADA_8B, jnp.bfloat16, GENERATION),  # bf16 weights
+        _choice(options=KernelOptions(fp8_impl="scaled")),
+        _choice(options=KernelOptions(fp8_impl="mosaic", norm_impl="xla")),
+    )
+    for forward in (choice.refresh, *(other.block for other in others)):
+        assert not forward.layers.norm_into_fp8 and not forward.last.norm_into_fp8
+    assert others[1].block.layers.norm == "mosaic"  # the norm kernel, rows left in bf16
+
+
+def test_quantised_rows_are_refused_elsewhere():
+    rows = QuantizedRows(jnp.zeros((2, 128), fp8.FP8), jnp.ones((2,), jnp.float32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="QuantizedRows\\) need impl 'fp8_mosaic'; got 'xla'"):
+        project(rows, jnp.zeros((128, 64), jnp.bfloat16), "xla")
+    x = jnp.ones((2, 512), jnp.bfloat16)
+    params = {"params": {"scale": x[0]}}
+    with pytest.raises(ValueError, match="into_fp8 needs a residual add in impl 'mosaic'"):
+        RMSNorm(1e-5, jnp.bfloat16).apply(params, x, x, impl="xla", into_fp8=True)
+
+
+# A two-layer LLaDA dense whose products the fp8 kernel and whose norms the per-row kernel
+# take (model 512: the narrowest row it takes).
+FP8_NORMED = ModelConfig(DENSE, 256, 512, 2, 2, 1, 64, 128, 5e5, 1e-5, 64, 1, 2, 3)
+
+
+def test_norms_hand_the_kernel_quantised_rows(monkeypatch):
+    """A block forward of 8 rows (bf16, K-major fp8 weights; Mosaic GPU's interpreter off
+    GPUs) under `fp8_impl="mosaic"` and `norm_impl="mosaic"`: the norms after layer 0's
+    attention and MLP and after layer 1's attention quantise the rows of the products
+    after them, so XLA quantises only 5 row sets (layer 0's q/k/v after the first norm,
+    which has no residual add, and each layer's attention outputs and activations) where
+    the same choice with `norm_into_fp8=False` quantises 8; the hidden states are the
+    same bit for bit (the same arithmetic; on a GPU the compilers' divisions may round a
+    value at an e4m3 midpoint apart: to 1%)."""
+    choice = resolve(
+        KernelOptions(fp8_impl="mosaic", norm_impl="mosaic"),
+        Device("cpu"),
+        FP8_NORMED,
+        jnp.bfloat16,
+        Shapes(batch=1, window=8, seq=8, kept=8),
+        weights="fp8",
+    )
+    layers = choice.block.layers
+    assert (layers.qkv, layers.mlp, layers.norm, layers.norm_into_fp8) == (
+        "fp8_mosaic", "fp8_mosaic", "mosaic", True,
+    )  # fmt: skip
+    unfused = dataclasses.replace(layers, norm_into_fp8=False)
+    in_xla = dataclasses.replace(choice, block=ForwardKernels(unfused, unfused))
+    rng = np.random.default_rng(3)
+    shapes = abstract_params(FP8_NORMED, jnp.bfloat16)
+    params = jax.tree.map(
+        lambda a: jnp.asarray(0.05 * rng.standard_normal(a.shape), a.dtype), shapes
+    )
+    params = fp8.to_layout(fp8.quantize_params(params), True)
+    x = jnp.asarray(rng.standard_normal((1, 8, 512)), jnp.bfloat16)
+    quantised = []
+    real = fp8_matmul_mosaic.quantize_rows
+    monkeypatch.setattr(
+        fp8_matmul_mosaic, "quantize_rows", lambda rows: quantised.append(rows.shape) or real(rows)
+    )
+    hidden = []
+    for kernels in (choice, in_xla):
+        quantised.clear()
+        module = build_module(FP8_NORMED, jnp.bfloat16, kernels=kernels)
+        out, _ = module.apply(
+            {"params": params}, x, jnp.arange(8)[None], jnp.ones((1, 8), bool), block_forward=True
+        )
+        hidden.append((np.asarray(out, np.float32), len(quantised)))
+    (fused, fused_calls), (ref, ref_calls) = hidden
+    assert (fused_calls, ref_calls) == (5, 8)
+    assert np.isfinite(fused).all() and np.abs(fused).max() > 0
+    if jax.default_backend() == "gpu":
+        assert rel_error(fused, ref) <= 1e-2
+    else:
+        np.testing.assert_array_equal(fused, ref)
 
 
 def test_kernel_choice_errors():

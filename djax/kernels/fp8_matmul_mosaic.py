@@ -54,10 +54,22 @@ def quantize(w: Array, axes: tuple[int, ...]) -> tuple[Array, Array]:
     rounded to nearest e4m3. The one rule of djax's fp8 weights (`djax.models.fp8`) and
     rows."""
     wf = w.astype(jnp.float32)
-    peak = jnp.max(jnp.abs(wf), axis=axes, keepdims=True)
-    scale = jnp.where(peak > 0, peak / E4M3_MAX, 1.0)
-    values = jnp.clip(wf / scale, -E4M3_MAX, E4M3_MAX).astype(FP8)
-    return values, jnp.squeeze(scale, axes)
+    scale = scale_of(jnp.max(jnp.abs(wf), axis=axes, keepdims=True))
+    return e4m3_values(wf, scale), jnp.squeeze(scale, axes)
+
+
+def scale_of(peak: Array) -> Array:
+    """`quantize`'s scale of values whose max |value| is `peak` (fp32): `peak / 448` as
+    `peak` times 1/448 rounded to fp32 (what XLA's compiler makes of the division by a
+    constant, on every backend; written so, a Mosaic GPU kernel rounds it the same way),
+    1 where `peak` is 0. Also inside a Mosaic GPU kernel (`residual_norm_mosaic`)."""
+    return jnp.where(peak > 0, peak * (1 / E4M3_MAX), 1.0)
+
+
+def e4m3_values(wf: Array, scale: Array) -> Array:
+    """`quantize`'s values: fp32 `wf / scale` clipped to +-448 and rounded to nearest e4m3
+    (ties to even). Also inside a Mosaic GPU kernel (`residual_norm_mosaic`)."""
+    return jnp.clip(wf / scale, -E4M3_MAX, E4M3_MAX).astype(FP8)
 
 
 def quantize_rows(x: Array) -> tuple[Array, Array]:

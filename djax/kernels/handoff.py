@@ -1,7 +1,8 @@
 """What djax's kernels hand each other instead of finished arrays: a split-K product's
-fp32 partial sums (`Partials`, summed by the kernel that consumes them) and rows whose
-RMSNorm is still to be applied (`ScaledRows`, normed by the product kernel that reads them),
-and the in-kernel helper that adds a product's slices."""
+fp32 partial sums (`Partials`, summed by the kernel that consumes them), rows whose
+RMSNorm is still to be applied (`ScaledRows`, normed by the product kernel that reads them)
+and normed rows already quantised for an fp8 product (`QuantizedRows`), and the in-kernel
+helper that adds a product's slices."""
 
 from __future__ import annotations
 
@@ -79,3 +80,29 @@ class ScaledRows:
         """`1 / rms(h)` [..., 1] fp32."""
         d = self.scaled.shape[-1]
         return jax.lax.rsqrt(self.squares.sum(axis=0) / d + self.eps)[..., None]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedRows:
+    """Rows quantised for an fp8 x fp8 product by the kernel that made them (the norm,
+    `residual_norm_mosaic.add_rms_norm(..., into_fp8=True)`): `values` [..., d] e4m3 and
+    `scale` [...] fp32, the rows' `fp8_matmul_mosaic.quantize_rows`; `dtype` is the rows'
+    own dtype before quantisation, the dtype of the products made of them."""
+
+    values: Array
+    scale: Array
+    dtype: Any = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The rows' shape, [..., d]."""
+        return self.values.shape
+
+    def reshape(self, *shape: int) -> QuantizedRows:
+        """The same rows as [*shape] (the last dim stays d)."""
+        if shape[-1] != self.values.shape[-1]:
+            raise ValueError(
+                f"QuantizedRows.reshape{shape}: the last dim must stay {self.shape[-1]}"
+            )
+        return QuantizedRows(self.values.reshape(shape), self.scale.reshape(shape[:-1]), self.dtype)

@@ -16,7 +16,12 @@ end are read by TMA as zeros and never stored.
 
 `add_rms_norm` runs one CTA per row. The row comes in by TMA as a [d / 256, 256] block (a TMA box
 spans at most 256 values per dim) and is held by the warpgroup in a strided layout, in
-which the sum of squares is one reduction over the whole block.
+which the sum of squares is one reduction over the whole block. With `into_fp8` it also
+quantises the normed row for the fp8 product after it (`handoff.QuantizedRows`, the rule
+of `fp8_matmul_mosaic.quantize_rows`): the row's max |value| is a second reduction over
+the block, the e4m3 block leaves by TMA as the normed block does, and the row's scale, one
+fp32 (less than a TMA copy's 16 bytes), is stored by the CTA's threads straight into
+global memory.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.kernels import tma_ring
-from djax.kernels.handoff import Partials, ScaledRows, add_slices
+from djax.kernels import fp8_matmul_mosaic, tma_ring
+from djax.kernels.handoff import Partials, QuantizedRows, ScaledRows, add_slices
 from djax.kernels.residual_product_mosaic import MAX_COLUMN_TILES, scaled_rows_tile
 from djax.kernels.tma_ring import ROW_TILE
 
@@ -191,13 +196,16 @@ def row_fits(d: int) -> bool:
 
 
 def _row_kernel(
-    x_gmem, y_gmem, scale_gmem, h_gmem, normed_gmem, x_smem, y_smem, scale_smem, bars,
-    h_smem, normed_smem, *, eps, width, interpreting,
+    x_gmem, y_gmem, scale_gmem, h_gmem, normed_gmem, *refs, eps, width, into_fp8, interpreting,
 ):  # fmt: skip
-    """One CTA per row. x, h, normed [m, d / 256, 256]; y [splits, m, d / 256, 256] (fp32
-    partial products, or x's dtype with one split); scale [d / 256, 256]."""
+    """One CTA per row. x, h [m, d / 256, 256]; y [splits, m, d / 256, 256] (fp32 partial
+    products, or x's dtype with one split); scale [d / 256, 256]; normed [m, d / 256, 256]
+    in x's dtype, or with `into_fp8` its e4m3 values, and then the next output (before the
+    scratch refs) is the rows' fp32 scales [m]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    row_scale_gmem, *refs = refs if into_fp8 else (None, *refs)
+    x_smem, y_smem, scale_smem, bars, h_smem, normed_smem = refs
     splits = y_gmem.shape[0]
     row = jax.lax.axis_index("row")
     plgpu.copy_gmem_to_smem(x_gmem.at[row], x_smem, bars.at[0])
@@ -220,30 +228,40 @@ def _row_kernel(
     h = (load(x_smem) + y).astype(dtype)
     hf = h.astype(jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.sum(hf * hf) / width + eps)
-    normed = (hf * inv_rms).astype(dtype).astype(jnp.float32) * load(scale_smem)
+    normed = ((hf * inv_rms).astype(dtype).astype(jnp.float32) * load(scale_smem)).astype(dtype)
     h_smem[...] = h
-    normed_smem[...] = normed.astype(dtype)
+    if into_fp8:  # `quantize_rows` of the rounded row: the block is the whole row
+        normed = normed.astype(jnp.float32)
+        row_scale = fp8_matmul_mosaic.scale_of(jnp.max(jnp.abs(normed)))
+        normed_smem[...] = fp8_matmul_mosaic.e4m3_values(normed, row_scale)
+        row_scale_gmem[row] = row_scale  # one fp32: every thread stores the same value
+    else:
+        normed_smem[...] = normed
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(h_smem, h_gmem.at[row])
     plgpu.copy_smem_to_gmem(normed_smem, normed_gmem.at[row])
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "into_fp8", "interpret"))
 def add_rms_norm(
     x: Array,
     y: Array | Partials,
     scale: Array,
     eps: float,
+    into_fp8: bool = False,
     interpret: bool | None = None,
-) -> tuple[Array, Array]:
+) -> tuple[Array, Array | QuantizedRows]:
     """`h = x + y` and `rms_norm(h, scale, eps)` (`layers.rms_norm`'s rounding) in one
     Mosaic GPU kernel.
 
     x: [..., d], bf16 or fp16, d a multiple of 512 up to 65536 (`row_fits`); y: [..., d] in
     x's dtype, or `Partials` of that shape and dtype (summed and rounded first); scale: [d]
-    in x's dtype. Returns (h, normed), both shaped and typed like x. `interpret`: run in
-    Mosaic GPU's interpreter (default: exactly off GPUs, as the CPU tests do).
+    in x's dtype. Returns (h, normed), both shaped and typed like x; `into_fp8`: normed as
+    the next fp8 product takes it, `QuantizedRows` (values [..., d] e4m3, scale [...] fp32:
+    `fp8_matmul_mosaic.quantize_rows` of the normed rows as rounded to x's dtype, bit for
+    bit). `interpret`: run in Mosaic GPU's interpreter (default: exactly off GPUs, as the
+    CPU tests do).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -265,11 +283,19 @@ def add_rms_norm(
     block = (d // ROW_BLOCK, ROW_BLOCK)
     rows = x.reshape(-1, *block)
     m = rows.shape[0]
-    out = jax.ShapeDtypeStruct(rows.shape, x.dtype)
+    normed_dtype = fp8_matmul_mosaic.FP8 if into_fp8 else x.dtype
+    out_type = [
+        jax.ShapeDtypeStruct(rows.shape, x.dtype),
+        jax.ShapeDtypeStruct(rows.shape, normed_dtype),
+    ]
+    if into_fp8:
+        out_type.append(jax.ShapeDtypeStruct((m,), jnp.float32))  # the rows' scales
     params = tma_ring.interpret_params(interpret)
     kernel = plgpu.kernel(
-        functools.partial(_row_kernel, eps=eps, width=d, interpreting=params is not None),
-        out_type=(out, out),
+        functools.partial(
+            _row_kernel, eps=eps, width=d, into_fp8=into_fp8, interpreting=params is not None
+        ),
+        out_type=tuple(out_type),
         grid=(m,),
         grid_names=("row",),
         scratch_types=[
@@ -278,9 +304,14 @@ def add_rms_norm(
             plgpu.SMEM(block, x.dtype),  # the scale
             plgpu.Barrier(num_barriers=2 + splits),  # x, scale, each slice of y
             plgpu.SMEM(block, x.dtype),  # h
-            plgpu.SMEM(block, x.dtype),  # normed
+            plgpu.SMEM(block, normed_dtype),  # normed, or its e4m3 values
         ],
         interpret=params,
     )
-    h, normed = kernel(rows, parts.reshape(splits, m, *block), scale.reshape(block))
+    h, normed, *row_scale = kernel(rows, parts.reshape(splits, m, *block), scale.reshape(block))
+    lead = x.shape[:-1]
+    if into_fp8:
+        return h.reshape(x.shape), QuantizedRows(
+            normed.reshape(x.shape), row_scale[0].reshape(lead), x.dtype
+        )
     return h.reshape(x.shape), normed.reshape(x.shape)

@@ -57,7 +57,10 @@ asked for, on one device, with every dense product's contraction a multiple of 1
 output a multiple of 64: block forwards of at most `KERNEL_MAX_ROWS` token rows run the
 q/k/v, attention-output and down products and the SwiGLU gate/up path in the fp8 x fp8
 Mosaic GPU kernel (`fp8_mosaic`), their partials handed on as the split-K kernel's are;
-refreshes and longer forwards run XLA's `scaled` products. A MoE model's experts run by
+refreshes and longer forwards run XLA's `scaled` products. There the per-row norms
+(`norm="mosaic"`) before the q/k/v product and a dense MLP's gate/up path also quantise
+their rows for them (`norm_into_fp8`: `handoff.QuantizedRows`), so no XLA quantisation runs
+between them. A MoE model's experts run by
 fp8 x fp8 WGMMA in their tiles (`moe="fp8_mosaic"`, `expert_tiles_mosaic.expert_mlp_fp8`)
 in every forward, under `moe_impl` `auto` or `mosaic` (`xla` is refused: XLA's grouped
 product reads no K-major experts), their model and local ffn widths multiples of 128. The
@@ -157,7 +160,11 @@ class Kernels:
     norm: a residual add and RMSNorm on their own, `xla` or `mosaic`
     (`residual_norm_mosaic.add_rms_norm`). norm_into_mlp: where the norm before the
     feed-forward (a dense MLP) runs inside the products around it, `fused` (the add in the
-    output product's epilogue), `tiled` (in a kernel after it) or `no`. moe: the routed
+    output product's epilogue), `tiled` (in a kernel after it) or `no`. norm_into_fp8: the
+    per-row norms (`norm="mosaic"`) before the q/k/v product and a dense MLP's gate/up
+    path, both `fp8_mosaic`, hand them rows already quantised to e4m3 with a scale per row
+    (`residual_norm_mosaic.add_rms_norm(..., into_fp8=True)`, `handoff.QuantizedRows`).
+    moe: the routed
     experts, `dense`, `grouped`, `mosaic` (`expert_tiles_mosaic`, 16-bit weights or fp8
     ones converted in the kernel) or `fp8_mosaic` (K-major fp8 weights by fp8 x fp8 WGMMA,
     `expert_tiles_mosaic.expert_mlp_fp8`); `resolve` says `none` for a model without
@@ -174,6 +181,7 @@ class Kernels:
     down: str = "xla"
     norm: str = "xla"
     norm_into_mlp: str = "no"
+    norm_into_fp8: bool = False
     moe: str = "dense"
     fp8: str = "no"
 
@@ -427,6 +435,7 @@ class _Rule:
             )
         ):
             into_mlp = "no"
+        norm = self._norm()
         return Kernels(
             attention=self._attention(refresh),
             qkv=qkv,
@@ -434,8 +443,10 @@ class _Rule:
             out=out,
             mlp=mlp,
             down=down,
-            norm=self._norm(),
+            norm=norm,
             norm_into_mlp=into_mlp,
+            # the products after the per-row norms (q/k/v, a dense MLP's gate/up) are fp8
+            norm_into_fp8=fp8_mosaic and norm == "mosaic",
             moe=self._moe(rows) if cfg.is_moe else "none",
             fp8=self._fp8(),
         )

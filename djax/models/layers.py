@@ -37,7 +37,7 @@ from djax.kernels import (
     split_k_mosaic,
     swiglu_mosaic,
 )
-from djax.kernels.handoff import Partials, ScaledRows, finish
+from djax.kernels.handoff import Partials, QuantizedRows, ScaledRows, finish
 from djax.models import fp8, sparse_attention
 from djax.models.fp8 import Fp8Weight
 from djax.models.kernel_choice import XLA_KERNELS, KernelChoice, Kernels
@@ -47,15 +47,28 @@ Array = jax.Array
 LayerKV = tuple[Array, Array]  # (keys, values), each [batch, seq, kv_heads, head_dim]
 
 
-def project(x: Array, w: fp8.Weight, impl: str, fp8_impl: str = "no") -> Array | Partials:
+def project(
+    x: Array | QuantizedRows, w: fp8.Weight, impl: str, fp8_impl: str = "no"
+) -> Array | Partials:
     """`x [..., k] @ w [k, ...]` -> [..., *w.shape[1:]]: XLA's einsum (`impl="xla"`), or
     the split-K kernel's `Partials` (`"mosaic"`, `split_k_mosaic`). An
     `Fp8Weight` takes XLA's product `fp8_impl` (`Kernels.fp8`), or with `"fp8_mosaic"` (its
-    values K-major) the fp8 Mosaic GPU kernel's `Partials`."""
+    values K-major) the fp8 Mosaic GPU kernel's `Partials`: x's rows quantised first, or
+    given as the norm kernel quantised them (`QuantizedRows`, which only `"fp8_mosaic"`
+    takes: a ValueError otherwise)."""
     k, out_shape = w.shape[0], w.shape[1:]
     flat = fp8.matrix(w, k, math.prod(out_shape))
+    if isinstance(x, QuantizedRows) and impl != "fp8_mosaic":
+        raise ValueError(
+            f"project: rows quantised by the norm (QuantizedRows) need impl 'fp8_mosaic'; "
+            f"got {impl!r}"
+        )
     if impl == "fp8_mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
-        y = fp8_matmul_mosaic.matmul(x, *_k_major(flat))
+        if isinstance(x, QuantizedRows):
+            values, scale = _k_major(flat)
+            y = fp8_matmul_mosaic.matmul_partials(x.values, x.scale, values, scale, dtype=x.dtype)
+        else:
+            y = fp8_matmul_mosaic.matmul(x, *_k_major(flat))
         return Partials(y.parts.reshape(y.parts.shape[:-1] + out_shape), y.dtype)
     if isinstance(w, Fp8Weight):
         y = fp8.einsum("...k,kn->...n", x, flat, fp8_impl)
@@ -258,16 +271,27 @@ class RMSNorm(nn.Module):
     `y` may be a split-K product's `Partials`, or a `Product` still to run: then the add
     runs in the product's kernel (`impl="fused"`, `residual_product_mosaic`) or in a tiled
     kernel after the split-K product (`"tiled"`, `residual_norm_mosaic.add_scaled`), and the
-    norm is returned as `ScaledRows` for the next product's kernel to apply."""
+    norm is returned as `ScaledRows` for the next product's kernel to apply. `into_fp8`
+    (with `"mosaic"` only, `Kernels.norm_into_fp8`): the norm is returned quantised for the
+    fp8 product after it, `QuantizedRows`."""
 
     eps: float
     dtype: Any
 
     @nn.compact
     def __call__(
-        self, x: Array | Partials | Product, residual: Array | None = None, impl: str = "xla"
-    ) -> Array | tuple[Array, Array | ScaledRows]:
+        self,
+        x: Array | Partials | Product,
+        residual: Array | None = None,
+        impl: str = "xla",
+        into_fp8: bool = False,
+    ) -> Array | tuple[Array, Array | ScaledRows | QuantizedRows]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        if into_fp8 and (impl != "mosaic" or residual is None or isinstance(x, Product)):
+            raise ValueError(
+                f"RMSNorm: into_fp8 needs a residual add in impl 'mosaic'; got impl {impl!r}"
+                + (", no residual" if residual is None else "")
+            )
         if isinstance(x, Product):
             if impl == "fused":
                 return residual_product_mosaic.residual_product(x.x, x.w, residual, scale, self.eps)
@@ -278,7 +302,7 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(finish(x), scale, self.eps)
         if impl == "mosaic":
-            return residual_norm_mosaic.add_rms_norm(residual, x, scale, self.eps)
+            return residual_norm_mosaic.add_rms_norm(residual, x, scale, self.eps, into_fp8)
         h = residual + finish(x)
         return h, rms_norm(h, scale, self.eps)
 
@@ -328,7 +352,8 @@ class Attention(nn.Module):
         kept_kv: KeptKV | None = None,
         groups: tuple[AttentionGroup, ...] | None = None,
     ) -> tuple[Array | Partials | Product, LayerKV, Array | KeptKV | None]:
-        """x: [b, W, model] normed window rows -> the attention output [b, W,
+        """x: [b, W, model] normed window rows (`QuantizedRows` where the q/k/v product is
+        `fp8_mosaic`) -> the attention output [b, W,
         model] (or `Partials`, or with `defer_output` the output `Product` still to run) and
         the layer's K/V with the window's written (as given, with `kept_kv`).
         `query_rows=(start, n)`: attend and project only window rows `[start, start + n)`
@@ -347,6 +372,11 @@ class Attention(nn.Module):
         on all T rows, RoPE and the K/V write per group in XLA, attention per group as the
         group says. Returns the output [1, T, model] and each group's K/V."""
         cfg = self.config
+        if isinstance(x, QuantizedRows) and kernels.qkv != "fp8_mosaic":
+            raise ValueError(
+                "Attention: rows quantised by the norm (QuantizedRows) need qkv 'fp8_mosaic'; "
+                f"got {kernels.qkv!r}"
+            )
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
         qkv_kernel = fp8.param(
@@ -488,9 +518,17 @@ class GatedMLP(nn.Module):
     k_major: bool = False  # fp8 values K-major (`KernelChoice.k_major`)
 
     @nn.compact
-    def __call__(self, x: Array | ScaledRows, kernels: Kernels = XLA_KERNELS) -> Array | Partials:
+    def __call__(
+        self, x: Array | ScaledRows | QuantizedRows, kernels: Kernels = XLA_KERNELS
+    ) -> Array | Partials:
         """x: [b, t, model] normed rows (`ScaledRows` only where the gate/up product takes
-        djax's kernel) -> [b, t, model] (or `Partials`)."""
+        djax's kernel, `QuantizedRows` only where it is `fp8_mosaic`) -> [b, t, model] (or
+        `Partials`)."""
+        if isinstance(x, QuantizedRows) and kernels.mlp != "fp8_mosaic":
+            raise ValueError(
+                "GatedMLP: rows quantised by the norm (QuantizedRows) need mlp 'fp8_mosaic'; "
+                f"got {kernels.mlp!r}"
+            )
         (b, t, d_model), hidden = x.shape, self.hidden // self.shards
         weights, k_major = self.weights, self.k_major
         gate_up = fp8.param(
@@ -501,7 +539,14 @@ class GatedMLP(nn.Module):
         )
         if kernels.mlp == "fp8_mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
             rows = x.reshape(b * t, d_model)
-            act = fp8_matmul_mosaic.swiglu(rows, *_k_major(gate_up)).reshape(b, t, hidden)
+            if isinstance(rows, QuantizedRows):  # quantised by the norm kernel
+                values, scale = _k_major(gate_up)
+                act = fp8_matmul_mosaic.swiglu_matmul(
+                    rows.values, rows.scale, values, scale, dtype=rows.dtype
+                )
+            else:
+                act = fp8_matmul_mosaic.swiglu(rows, *_k_major(gate_up))
+            act = act.reshape(b, t, hidden)
         elif kernels.mlp == "mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
             rows = x.reshape(b * t, d_model)
             act = swiglu_mosaic.swiglu_matmul(rows, gate_up).reshape(b, t, hidden)
@@ -643,11 +688,20 @@ class TransformerLM(nn.Module):
                 if last_trimmed:
                     x = jax.lax.dynamic_slice_in_dim(x, hidden_start, hidden_len, axis=1)
                 impl = kept.norm if into_mlp == "no" else into_mlp
-                h, normed = self.ff_norms[i](attn_out, residual=x, impl=impl)
+                # `norm_into_fp8`: the norms before a dense MLP's gate/up product (the
+                # kept rows') and the next layer's q/k/v product hand them e4m3 rows
+                ff_fp8 = kept.norm_into_fp8 and dense_ff
+                h, normed = self.ff_norms[i](attn_out, residual=x, impl=impl, into_fp8=ff_fp8)
                 with jax.named_scope("mlp"):
                     mlp_out = self.ffs[i](normed, kept)
-                next_norm = self.attn_norms[i + 1] if i + 1 < n_layers else self.final_norm
-                x, normed = next_norm(mlp_out, residual=h, impl=kept.norm)
+                next_attention = i + 1 < n_layers
+                next_norm = self.attn_norms[i + 1] if next_attention else self.final_norm
+                x, normed = next_norm(
+                    mlp_out,
+                    residual=h,
+                    impl=kept.norm,
+                    into_fp8=layer.norm_into_fp8 and next_attention,
+                )
                 new_kv.append(layer_kv)
         if sparse is not None:
             return normed, tuple(new_kv), jnp.stack(new_sparse)

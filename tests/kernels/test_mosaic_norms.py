@@ -11,8 +11,13 @@ import pytest
 from test_mosaic_products import residual_xla
 
 from bench.kernels.mosaic import sweep_tiles
-from djax.kernels import residual_norm_mosaic, residual_product_mosaic, split_k_mosaic
-from djax.kernels.handoff import Partials
+from djax.kernels import (
+    fp8_matmul_mosaic,
+    residual_norm_mosaic,
+    residual_product_mosaic,
+    split_k_mosaic,
+)
+from djax.kernels.handoff import Partials, QuantizedRows
 from djax.kernels.tma_ring import Tiles
 
 BF16 = jnp.bfloat16
@@ -310,6 +315,84 @@ def test_compiled_add_rms_norm_on_gpu():
         x, parts, scale = _norm_problem(m, 4096, splits, seed=5)
         h, normed = residual_norm_mosaic.add_rms_norm(x, Partials(parts, BF16), scale, EPS)
         _assert_add_rms_norm(h, normed, x, parts, scale)
+
+
+# The compiled kernel divides the values by their scale with `div.full.f32` (Mosaic GPU's
+# choice, within 2 ulp), so against IEEE division a value at an e4m3 rounding midpoint may
+# round the other way (about 4e-6 of them).
+MAX_E4M3_OFF = 1e-3
+
+
+def _assert_quantized(rows, normed, exact):
+    """`QuantizedRows` against the quantisation of the normed rows: bit for bit against
+    XLA's `quantize_rows(normed)` where `exact` (Mosaic GPU's interpreter, whose arithmetic
+    is XLA's); else against numpy's (IEEE arithmetic, ml_dtypes' rounding to nearest even),
+    the scales equal and at most MAX_E4M3_OFF of the values off, each by one e4m3 step
+    (the next code of the same sign: e4m3 codes are sign and magnitude)."""
+    assert isinstance(rows, QuantizedRows) and rows.dtype == normed.dtype
+    assert rows.values.dtype == fp8_matmul_mosaic.FP8 and rows.scale.dtype == jnp.float32
+    assert rows.shape == normed.shape and rows.scale.shape == normed.shape[:-1]
+    if exact:
+        values, scale = fp8_matmul_mosaic.quantize_rows(normed)
+    else:
+        wf = _f32(normed)
+        peak = np.abs(wf).max(-1)
+        scale = np.where(peak > 0, peak * np.float32(1 / 448), np.float32(1))
+        values = np.clip(wf / scale[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    got, want = (np.asarray(v).view(np.uint8).astype(np.int32) for v in (rows.values, values))
+    np.testing.assert_array_equal(rows.scale, scale)
+    if exact:
+        np.testing.assert_array_equal(got, want)
+        return
+    off = got != want
+    assert off.mean() <= MAX_E4M3_OFF, float(off.mean())
+    assert (np.abs(got[off] - want[off]) == 1).all()
+
+
+@pytest.mark.parametrize("splits", [2, 1])
+def test_add_rms_norm_into_fp8_is_quantize_rows(splits):
+    """`into_fp8`: the per-row kernel's e4m3 values and fp32 scales are `quantize_rows` of
+    the normed rows it returns without `into_fp8`, bit for bit (in the interpreter; on a
+    GPU within its division, `_assert_quantized`), from fp32 partials or a
+    plain y (3 rows of 512: one all zero, scale 1 and values 0; one whose outlier sets its
+    scale, the outlier at 448 and the rest near zero), and h is the same."""
+    x, parts, scale = _norm_problem(3, 512, splits, seed=8)
+    x, parts = x.at[0].set(0), parts.at[:, 0].set(0)
+    parts = parts.at[0, 1, 100].set(-3e4)
+    y = Partials(parts, BF16) if splits > 1 else parts[0].astype(BF16)
+    h, rows = residual_norm_mosaic.add_rms_norm(x, y, scale, EPS, into_fp8=True)
+    want_h, normed = residual_norm_mosaic.add_rms_norm(x, y, scale, EPS)
+    np.testing.assert_array_equal(_f32(h), _f32(want_h))
+    _assert_quantized(rows, normed, exact=jax.default_backend() != "gpu")
+    values = _f32(rows.values)
+    assert float(rows.scale[0]) == 1 and not values[0].any()
+    assert values[1, 100] == -448 and np.abs(values[1]).max() == 448
+    assert np.median(np.abs(values[1])) < 0.1 * np.median(np.abs(values[2]))
+
+
+@pytest.mark.parametrize("d", [4096, 2048])  # LLaDA-8B's and LLaDA-MoE's widths
+def test_add_rms_norm_into_fp8_lowers_for_hopper(d):
+    """The quantising kernel at a block's 32 rows after a split-K product of 2 slices:
+    Mosaic GPU's lowering for CUDA (the e4m3 conversion and block, the scale's store)."""
+    fn = lambda x, p, s: residual_norm_mosaic.add_rms_norm(  # noqa: E731
+        x, Partials(p, BF16), s, EPS, into_fp8=True, interpret=False
+    )
+    shapes = (((1, 32, d), BF16), ((2, 1, 32, d), jnp.float32), ((d,), BF16))
+    assert _lowers(fn, *shapes)
+
+
+@needs_gpu
+def test_compiled_add_rms_norm_into_fp8_on_gpu():
+    """On a Hopper GPU: the compiled quantising kernel at LLaDA-8B's and LLaDA-MoE's widths
+    (32 rows) against numpy's quantisation of the compiled kernel's normed rows, within
+    the kernel's division (`_assert_quantized`)."""
+    for d, splits in ((4096, 2), (2048, 1), (4096, 4)):
+        x, parts, scale = _norm_problem(32, d, splits, seed=9)
+        y = Partials(parts, BF16)
+        h, rows = residual_norm_mosaic.add_rms_norm(x, y, scale, EPS, into_fp8=True)
+        want_h, normed = residual_norm_mosaic.add_rms_norm(x, y, scale, EPS)
+        np.testing.assert_array_equal(_f32(h), _f32(want_h))
+        _assert_quantized(rows, normed, exact=False)
 
 
 def test_rms_norm_layer_takes_the_mosaic_kernel():
