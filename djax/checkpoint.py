@@ -304,6 +304,43 @@ def first_nonfinite(arrays: Iterable[jax.Array]) -> int | None:
     return next((i for i, ok in enumerate(flags) if not ok), None)
 
 
+def _fingerprint(x: jax.Array) -> jax.Array:
+    """[2] uint32: the sum of x's values' bit patterns (unsigned integers of their width)
+    and the sum of each times its 1-based row-major position, both modulo 2**32."""
+    unsigned = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    position, stride = jnp.uint32(1), 1
+    for axis in reversed(range(x.ndim)):  # no reshape: a sharded x stays where it is
+        step = jnp.uint32(stride % 2**32)
+        position = position + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * step
+        stride *= x.shape[axis]
+    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * position, dtype=jnp.uint32)])
+
+
+@jax.jit
+def _scan(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x's `_fingerprint` and whether it is all finite, in one program (per shape)."""
+    return _fingerprint(x), jnp.isfinite(x).all()
+
+
+def fingerprints(params: dict) -> dict[str, list[int]]:
+    """Each param's fingerprint by name (`_param_name`): two sums over its values' bits,
+    modulo 2**32 (`_fingerprint`). Integer sums give the same result in any order, so a
+    param split over devices has the fingerprint it has whole. A changed value changes
+    the first sum (or, where changes cancel there, the second), a moved one the second."""
+    return _scanned(params)[0]
+
+
+def _scanned(params: dict) -> tuple[dict[str, list[int]], dict[str, bool]]:
+    """Every param's fingerprint and finiteness by name: one device program per param and
+    one transfer of all the results."""
+    named = jax.tree_util.tree_flatten_with_path(params)[0]
+    scans = jax.device_get([_scan(a) for _, a in named])
+    names = [_param_name(path) for path, _ in named]
+    sums = {name: [int(v) for v in scan[0]] for name, scan in zip(names, scans, strict=True)}
+    return sums, {name: bool(scan[1]) for name, scan in zip(names, scans, strict=True)}
+
+
 def _nonfinite_error(folder: Any, src: ParamSource, store: Any, dtype: Any) -> CheckpointError:
     for name in src.raw.names():
         if not np.isfinite(np.asarray(store.view(name), np.float32)).all():
@@ -411,8 +448,9 @@ def _checkpointer() -> Any:
 
 def save_orbax(folder: str | Path, params: dict, metadata: dict) -> None:
     """Write params as an orbax checkpoint under `folder/djax_params`, then `djax.json`
-    (last: a folder without it is an unfinished one) with `metadata` and the size of every
-    file of the checkpoint, by which a truncated or missing file is found before reading.
+    (last: a folder without it is an unfinished one) with `metadata`, the size of every
+    file of the checkpoint, by which a truncated or missing file is found before reading,
+    and every param's `fingerprints`, by which `restore_orbax` finds changed bytes.
 
     The arrays are stored uncompressed (orbax compresses with zstd by default): loading is
     then a copy from the files, with no decompression on the host, and an fp8 checkpoint
@@ -423,7 +461,12 @@ def save_orbax(folder: str | Path, params: dict, metadata: dict) -> None:
     folder = Path(folder).absolute()
     writer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
     writer.save(folder / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
-    marker = {"format_version": FORMAT_VERSION, **metadata, "files": _file_sizes(folder)}
+    marker = {
+        "format_version": FORMAT_VERSION,
+        **metadata,
+        "files": _file_sizes(folder),
+        "fingerprints": fingerprints(params),
+    }
     (folder / MARKER).write_text(json.dumps(marker, indent=2))
 
 
@@ -534,13 +577,14 @@ def restore_orbax(
             f"{folder / MARKER}: format_version={version!r}; this djax reads {FORMAT_VERSION}"
         )
     _check_file_sizes(folder, marker.get("files"))
-    abstract = abstract_params(config, dtype, weights)
-    check_orbax(folder, abstract)
+    # restored as stored, so that the fingerprints see the bytes `save_orbax` saw
+    stored = abstract_params(config, _stored_dtype(folder, marker, dtype), weights)
+    check_orbax(folder, stored)
     default = SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        abstract,
-        shardings if shardings else jax.tree.map(lambda _: default, abstract),
+        stored,
+        shardings if shardings else jax.tree.map(lambda _: default, stored),
     )
     try:
         params = _checkpointer().restore(folder / PARAMS_DIR, args=ocp.args.StandardRestore(target))
@@ -549,14 +593,55 @@ def restore_orbax(
             f"{folder / PARAMS_DIR}: cannot be read ({type(err).__name__}); the checkpoint is "
             "damaged: convert the model again"
         ) from err
-    named = jax.tree_util.tree_flatten_with_path(params)[0]
-    bad = first_nonfinite(a for _, a in named)
+    found, finite = _scanned(params)
+    _check_fingerprints(folder, marker.get("fingerprints"), found)
+    named, structure = jax.tree_util.tree_flatten_with_path(params)
+    wanted = jax.tree.leaves(abstract_params(config, dtype, weights))
+    leaves = [
+        a if a.dtype == t.dtype else a.astype(t.dtype)
+        for (_, a), t in zip(named, wanted, strict=True)
+    ]
+    recast = [
+        (_param_name(p), a) for (p, old), a in zip(named, leaves, strict=True) if a is not old
+    ]
+    flags = jax.device_get([_all_finite(a) for _, a in recast])  # finite after the cast too
+    finite.update((name, bool(ok)) for (name, _), ok in zip(recast, flags, strict=True))
+    bad = next((name for name, ok in finite.items() if not ok), None)
     if bad is not None:
         raise CheckpointError(
-            f"{folder / PARAMS_DIR}: param {_param_name(named[bad][0])} holds NaN or inf "
-            "values; expected finite weights"
+            f"{folder / PARAMS_DIR}: param {bad} holds NaN or inf values; expected finite weights"
         )
-    return params
+    return jax.tree_util.tree_unflatten(structure, leaves)
+
+
+def _stored_dtype(folder: Path, marker: dict, default: Any) -> Any:
+    """The dtype `djax convert` stored the params in (`djax.json`'s `dtype`; `default`
+    where a folder does not say)."""
+    name = marker.get("dtype", jnp.dtype(default).name)
+    try:
+        return jnp.dtype(name)
+    except TypeError as err:
+        raise CheckpointError(
+            f"{folder / MARKER}: dtype={name!r} is not a dtype; convert the model again"
+        ) from err
+
+
+def _check_fingerprints(folder: Path, expected: Any, found: dict[str, list[int]]) -> None:
+    """The params' fingerprints `found` as `djax.json` records them (`expected`; None:
+    nothing to check), else a CheckpointError naming the first that differs."""
+    if expected is None:
+        return
+    if not isinstance(expected, dict) or set(expected) != set(found):
+        raise CheckpointError(
+            f"{folder / MARKER}: its fingerprints do not name the checkpoint's params; "
+            "convert the model again"
+        )
+    changed = next((name for name in found if expected[name] != found[name]), None)
+    if changed is not None:
+        raise CheckpointError(
+            f"{folder / PARAMS_DIR}: param {changed} holds other bytes than `djax convert` "
+            "wrote (its fingerprint differs); the checkpoint is damaged: convert the model again"
+        )
 
 
 def _param_name(path: tuple) -> str:

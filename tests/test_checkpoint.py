@@ -110,3 +110,47 @@ def test_save_hf_round_trip(dense_folder, dense_model, tmp_path):
         np.testing.assert_array_equal(
             np.asarray(written.view(name)), np.asarray(original.view(name))
         )
+
+
+def test_fingerprints_see_changed_and_moved_values_and_not_the_layout():
+    """A param's fingerprint changes with any one value (first sum) and with two values
+    swapped (second sum), and is the same whole and split over devices."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from djax.checkpoint import fingerprints
+
+    x = jax.random.normal(jax.random.key(0), (8, 6), jnp.bfloat16)
+    base = fingerprints({"w": x})["w"]
+    changed = fingerprints({"w": x.at[3, 2].add(1)})["w"]
+    assert changed[0] != base[0]
+    swapped = x.at[0, 0].set(x[5, 1]).at[5, 1].set(x[0, 0])
+    assert fingerprints({"w": swapped})["w"][0] == base[0]
+    assert fingerprints({"w": swapped})["w"][1] != base[1]
+    fp8 = x.astype(jnp.float8_e4m3fn)
+    assert fingerprints({"v": fp8})["v"] != fingerprints({"v": fp8.at[1, 1].set(0)})["v"]
+    if jax.device_count() >= 2:
+        mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+        split = jax.device_put(x, NamedSharding(mesh, PartitionSpec("x", None)))
+        assert fingerprints({"w": split})["w"] == base
+
+
+def test_converted_folder_without_fingerprints_still_loads(dense_folder, tmp_path):
+    """A folder converted before fingerprints were recorded loads unchecked; a recorded
+    set that does not name the params is refused."""
+    import jax.numpy as jnp
+
+    from djax import checkpoint
+
+    out = tmp_path / "converted"
+    djax.convert(dense_folder[0], out, jnp.float32, progress=False)
+    marker = json.loads((out / checkpoint.MARKER).read_text())
+    assert set(marker["fingerprints"]) >= {"embed", "attn_0/qkv"}
+    del marker["fingerprints"]
+    (out / checkpoint.MARKER).write_text(json.dumps(marker))
+    assert djax.load(out, jnp.float32).params["embed"].dtype == jnp.float32
+    marker["fingerprints"] = {"embed": [0, 0]}
+    (out / checkpoint.MARKER).write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match="fingerprints do not name the checkpoint's params"):
+        djax.load(out, jnp.float32)

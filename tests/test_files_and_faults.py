@@ -275,7 +275,7 @@ ROWS = [
     (bad_index, CheckpointError, "index.json: not a JSON object with a 'weight_map'"),
     (index_leaves_folder, CheckpointError, "names the file '../model/model.safetensors'"),
     (truncated_orbax, CheckpointError, "djax_params/.*: \\d+ bytes; djax.json records \\d+"),
-    (damaged_orbax, CheckpointError, "djax_params: cannot be read"),
+    (damaged_orbax, CheckpointError, "djax_params: param .* holds other bytes"),
     (orbax_without_metadata, CheckpointError, "djax_params: not a readable orbax checkpoint"),
     (leftover_staging, CheckpointError, "unfinished `djax convert` output"),
     (leftover_orbax_tmp, CheckpointError, "unfinished `djax convert` output"),
