@@ -304,39 +304,55 @@ def first_nonfinite(arrays: Iterable[jax.Array]) -> int | None:
     return next((i for i, ok in enumerate(flags) if not ok), None)
 
 
+def _mix(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: a bijection of uint32 whose every output bit
+    depends on every input bit."""
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
 def _fingerprint(x: jax.Array) -> jax.Array:
-    """[2] uint32: the sum of x's values' bit patterns (unsigned integers of their width)
-    and the sum of each times its 1-based row-major position, both modulo 2**32."""
+    """[2] uint32: the sum of x's values' bit patterns (unsigned integers of their width),
+    and the sum of `_mix(bits ^ _mix(position))` over its row-major positions, both
+    modulo 2**32."""
     unsigned = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
     bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-    position, stride = jnp.uint32(1), 1
+    position, stride = jnp.uint32(0), 1
     for axis in reversed(range(x.ndim)):  # no reshape: a sharded x stays where it is
         step = jnp.uint32(stride % 2**32)
         position = position + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * step
         stride *= x.shape[axis]
-    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * position, dtype=jnp.uint32)])
+    mixed = _mix(bits ^ _mix(position))
+    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(mixed, dtype=jnp.uint32)])
 
 
-@jax.jit
-def _scan(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x's `_fingerprint` and whether it is all finite, in one program (per shape)."""
-    return _fingerprint(x), jnp.isfinite(x).all()
+@functools.partial(jax.jit, static_argnames="stored")
+def _scan(x: jax.Array, stored: Any = None) -> tuple[jax.Array, jax.Array]:
+    """The `_fingerprint` of x as stored in dtype `stored` (x's own: None) and whether x
+    is all finite, in one program (per shape and dtypes); the cast to `stored` is fused
+    into the sums, never made whole."""
+    return _fingerprint(x if stored is None else x.astype(stored)), jnp.isfinite(x).all()
 
 
 def fingerprints(params: dict) -> dict[str, list[int]]:
     """Each param's fingerprint by name (`_param_name`): two sums over its values' bits,
     modulo 2**32 (`_fingerprint`). Integer sums give the same result in any order, so a
-    param split over devices has the fingerprint it has whole. A changed value changes
-    the first sum (or, where changes cancel there, the second), a moved one the second."""
-    return _scanned(params)[0]
+    param split over devices has the fingerprint it has whole. Any changed value changes
+    the first sum; values moved or changed so that it cancels change the second, but
+    for a collision of odds about 2**-32."""
+    return _scanned(params, {})[0]
 
 
-def _scanned(params: dict) -> tuple[dict[str, list[int]], dict[str, bool]]:
-    """Every param's fingerprint and finiteness by name: one device program per param and
-    one transfer of all the results."""
+def _scanned(params: dict, stored: dict[str, Any]) -> tuple[dict[str, list[int]], dict[str, bool]]:
+    """Every param's fingerprint as stored in `stored[name]` (its own dtype where absent)
+    and its finiteness, by name: one device program per param and one transfer of all
+    the results."""
     named = jax.tree_util.tree_flatten_with_path(params)[0]
-    scans = jax.device_get([_scan(a) for _, a in named])
     names = [_param_name(path) for path, _ in named]
+    scans = jax.device_get(
+        [_scan(a, stored.get(name)) for name, (_, a) in zip(names, named, strict=True)]
+    )
     sums = {name: [int(v) for v in scan[0]] for name, scan in zip(names, scans, strict=True)}
     return sums, {name: bool(scan[1]) for name, scan in zip(names, scans, strict=True)}
 
@@ -562,8 +578,10 @@ def restore_orbax(
     weights: str = "dtype",
 ) -> dict:
     """Restore params of the format `weights` straight into their target dtype and
-    shardings (fp8 values and their scales as stored). A damaged checkpoint or NaN/inf
-    values raise `CheckpointError`."""
+    shardings (fp8 values and their scales as stored). A damaged checkpoint (a file's
+    size, a param's fingerprint where `djax.json` records them: each param checked as
+    stored, through an exact cast back where the load widened it; not where it narrowed)
+    or NaN/inf values raise `CheckpointError`."""
     import orbax.checkpoint as ocp
 
     folder = Path(folder).absolute()
@@ -577,14 +595,13 @@ def restore_orbax(
             f"{folder / MARKER}: format_version={version!r}; this djax reads {FORMAT_VERSION}"
         )
     _check_file_sizes(folder, marker.get("files"))
-    # restored as stored, so that the fingerprints see the bytes `save_orbax` saw
-    stored = abstract_params(config, _stored_dtype(folder, marker, dtype), weights)
-    check_orbax(folder, stored)
+    abstract = abstract_params(config, dtype, weights)
+    check_orbax(folder, abstract)
     default = SingleDeviceSharding(jax.local_devices()[0])
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        stored,
-        shardings if shardings else jax.tree.map(lambda _: default, stored),
+        abstract,
+        shardings if shardings else jax.tree.map(lambda _: default, abstract),
     )
     try:
         params = _checkpointer().restore(folder / PARAMS_DIR, args=ocp.args.StandardRestore(target))
@@ -593,25 +610,16 @@ def restore_orbax(
             f"{folder / PARAMS_DIR}: cannot be read ({type(err).__name__}); the checkpoint is "
             "damaged: convert the model again"
         ) from err
-    found, finite = _scanned(params)
-    _check_fingerprints(folder, marker.get("fingerprints"), found)
-    named, structure = jax.tree_util.tree_flatten_with_path(params)
-    wanted = jax.tree.leaves(abstract_params(config, dtype, weights))
-    leaves = [
-        a if a.dtype == t.dtype else a.astype(t.dtype)
-        for (_, a), t in zip(named, wanted, strict=True)
-    ]
-    recast = [
-        (_param_name(p), a) for (p, old), a in zip(named, leaves, strict=True) if a is not old
-    ]
-    flags = jax.device_get([_all_finite(a) for _, a in recast])  # finite after the cast too
-    finite.update((name, bool(ok)) for (name, _), ok in zip(recast, flags, strict=True))
+    as_stored = abstract_params(config, _stored_dtype(folder, marker, dtype), weights)
+    stored = _stored_dtypes(params, as_stored)
+    found, finite = _scanned(params, stored)
+    _check_fingerprints(folder, marker.get("fingerprints"), found, stored)
     bad = next((name for name, ok in finite.items() if not ok), None)
     if bad is not None:
         raise CheckpointError(
             f"{folder / PARAMS_DIR}: param {bad} holds NaN or inf values; expected finite weights"
         )
-    return jax.tree_util.tree_unflatten(structure, leaves)
+    return params
 
 
 def _stored_dtype(folder: Path, marker: dict, default: Any) -> Any:
@@ -626,9 +634,26 @@ def _stored_dtype(folder: Path, marker: dict, default: Any) -> Any:
         ) from err
 
 
-def _check_fingerprints(folder: Path, expected: Any, found: dict[str, list[int]]) -> None:
+def _stored_dtypes(params: dict, stored: dict) -> dict[str, Any]:
+    """By name, the stored dtype of each param restored in another one (`stored`: the
+    params' abstract tree as stored): the dtype its fingerprint is taken in, through a
+    cast back that is exact where the restore widened (bf16 -> fp32); None where it
+    narrowed (fp32 -> bf16: the stored bytes are gone, nothing to check)."""
+    out = {}
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, a), s in zip(leaves, jax.tree.leaves(stored), strict=True):
+        if a.dtype != s.dtype:
+            widened = jnp.finfo(a.dtype).bits > jnp.finfo(s.dtype).bits
+            out[_param_name(path)] = s.dtype if widened else None
+    return out
+
+
+def _check_fingerprints(
+    folder: Path, expected: Any, found: dict[str, list[int]], stored: dict[str, Any]
+) -> None:
     """The params' fingerprints `found` as `djax.json` records them (`expected`; None:
-    nothing to check), else a CheckpointError naming the first that differs."""
+    nothing to check), else a CheckpointError naming the first that differs. Params
+    restored narrower than stored (`stored[name]` None) are not compared."""
     if expected is None:
         return
     if not isinstance(expected, dict) or set(expected) != set(found):
@@ -636,7 +661,8 @@ def _check_fingerprints(folder: Path, expected: Any, found: dict[str, list[int]]
             f"{folder / MARKER}: its fingerprints do not name the checkpoint's params; "
             "convert the model again"
         )
-    changed = next((name for name in found if expected[name] != found[name]), None)
+    checked = [name for name in found if stored.get(name, 0) is not None]
+    changed = next((name for name in checked if expected[name] != found[name]), None)
     if changed is not None:
         raise CheckpointError(
             f"{folder / PARAMS_DIR}: param {changed} holds other bytes than `djax convert` "

@@ -128,6 +128,10 @@ def test_fingerprints_see_changed_and_moved_values_and_not_the_layout():
     swapped = x.at[0, 0].set(x[5, 1]).at[5, 1].set(x[0, 0])
     assert fingerprints({"w": swapped})["w"][0] == base[0]
     assert fingerprints({"w": swapped})["w"][1] != base[1]
+    # a value and its negation swapped 2**17 positions apart (sign bit 2**15)
+    pair = jnp.zeros((64, 4096), jnp.bfloat16).at[0, 0].set(1.5).at[32, 0].set(-1.5)
+    flipped = pair.at[0, 0].set(-1.5).at[32, 0].set(1.5)
+    assert fingerprints({"w": pair})["w"] != fingerprints({"w": flipped})["w"]
     fp8 = x.astype(jnp.float8_e4m3fn)
     assert fingerprints({"v": fp8})["v"] != fingerprints({"v": fp8.at[1, 1].set(0)})["v"]
     if jax.device_count() >= 2:
@@ -154,3 +158,25 @@ def test_converted_folder_without_fingerprints_still_loads(dense_folder, tmp_pat
     (out / checkpoint.MARKER).write_text(json.dumps(marker))
     with pytest.raises(CheckpointError, match="fingerprints do not name the checkpoint's params"):
         djax.load(out, jnp.float32)
+
+
+def test_fingerprints_are_checked_through_widening_loads(dense_folder, tmp_path):
+    """A bf16 folder loaded as bf16 or fp32 (an exact cast back to bf16) has its recorded
+    fingerprints checked; an fp32 folder loaded as bf16 cannot be (the stored bytes are
+    not restored) and loads."""
+    import jax.numpy as jnp
+
+    from djax import checkpoint
+
+    for stored, checked, unchecked in ((jnp.bfloat16, (jnp.bfloat16, jnp.float32), ()),
+                                       (jnp.float32, (jnp.float32,), (jnp.bfloat16,))):  # fmt: skip
+        out = tmp_path / jnp.dtype(stored).name
+        djax.convert(dense_folder[0], out, stored, progress=False)
+        marker = json.loads((out / checkpoint.MARKER).read_text())
+        marker["fingerprints"]["embed"][1] ^= 1
+        (out / checkpoint.MARKER).write_text(json.dumps(marker))
+        for dtype in checked:
+            with pytest.raises(CheckpointError, match="param embed holds other bytes"):
+                djax.load(out, dtype)
+        for dtype in unchecked:
+            assert djax.load(out, dtype).params["embed"].dtype == dtype
