@@ -261,8 +261,9 @@ def add_rms_norm(
     the next fp8 product takes it, `QuantizedRows` (values [..., d] e4m3, scale [...] fp32:
     `fp8_matmul_mosaic.quantize_rows` of the normed rows as rounded to x's dtype; the same
     scales, and on a GPU values that may differ by one e4m3 step where the kernel's
-    approximate division and XLA's exact one round a value at a midpoint apart). `interpret`: run in Mosaic GPU's interpreter (default: exactly off GPUs, as the
-    CPU tests do).
+    approximate division and XLA's exact one round a value at a midpoint apart).
+    `interpret`: run in Mosaic GPU's interpreter (default: exactly off GPUs, as the CPU
+    tests do).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
