@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run benchmark stages on the GPU machine, each logged; results and logs land in $OUT.
 #   bash bench/run_device.sh STAGE [ARGS...]; STAGE: env | forward | generate | profile | parallel |
-#   decoders | flags | compile | memory | sparse | load | serve | train | gputests | detach | collect,
+#   decoders | flags | compile | memory | sparse | load | fp8_error | fp8_accuracy | serve | train |
+#   gputests | detach | collect,
 #   or kernels.NAME | probes.NAME
 #   (bench/kernels, bench/probes). gputests: the kernel tests on the GPU (the tests marked
 #   "needs a GPU" run there), their log kept as gputests.log with the results.
@@ -31,7 +32,7 @@ case "$stage" in
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       python3 -c "import jax, flax, orbax.checkpoint as o, transformers, optax; print(jax.__version__, jax.devices(), flax.__version__, transformers.__version__)"
     } 2>&1 | tee "$log" ;;
-  forward | generate | profile | parallel | decoders | flags | compile | memory | sparse | load | kernels.* | probes.*)
+  forward | generate | profile | parallel | decoders | flags | compile | memory | sparse | load | fp8_error | fp8_accuracy | kernels.* | probes.*)
     python3 -m "bench.$stage" "$@" 2>&1 | tee "$log" ;;
   serve)
     install_wheels || exit
