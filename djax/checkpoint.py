@@ -661,8 +661,10 @@ def _check_fingerprints(
             f"{folder / MARKER}: its fingerprints do not name the checkpoint's params; "
             "convert the model again"
         )
-    checked = [name for name in found if stored.get(name, 0) is not None]
-    changed = next((name for name in checked if expected[name] != found[name]), None)
+    narrowed = {name for name, as_stored in stored.items() if as_stored is None}
+    changed = next(
+        (name for name in found if name not in narrowed and expected[name] != found[name]), None
+    )
     if changed is not None:
         raise CheckpointError(
             f"{folder / PARAMS_DIR}: param {changed} holds other bytes than `djax convert` "

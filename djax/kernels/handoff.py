@@ -67,9 +67,7 @@ class ScaledRows:
 
     def reshape(self, *shape: int) -> ScaledRows:
         """The same rows as [*shape] (the last dim stays d)."""
-        if shape[-1] != self.scaled.shape[-1]:
-            raise ValueError(f"ScaledRows.reshape{shape}: the last dim must stay {self.shape[-1]}")
-        lead = shape[:-1]
+        lead = _lead(self, shape)
         return ScaledRows(
             self.scaled.reshape(shape),
             self.squares.reshape(self.squares.shape[0], *lead),
@@ -101,8 +99,14 @@ class QuantizedRows:
 
     def reshape(self, *shape: int) -> QuantizedRows:
         """The same rows as [*shape] (the last dim stays d)."""
-        if shape[-1] != self.values.shape[-1]:
-            raise ValueError(
-                f"QuantizedRows.reshape{shape}: the last dim must stay {self.shape[-1]}"
-            )
-        return QuantizedRows(self.values.reshape(shape), self.scale.reshape(shape[:-1]), self.dtype)
+        lead = _lead(self, shape)
+        return QuantizedRows(self.values.reshape(shape), self.scale.reshape(lead), self.dtype)
+
+
+def _lead(rows: ScaledRows | QuantizedRows, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The leading dims of `rows.reshape(*shape)`, whose last dim must stay the rows' d."""
+    if shape[-1] != rows.shape[-1]:
+        raise ValueError(
+            f"{type(rows).__name__}.reshape{shape}: the last dim must stay {rows.shape[-1]}"
+        )
+    return shape[:-1]
