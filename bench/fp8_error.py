@@ -7,7 +7,11 @@ The bench models (`bench.common.bench_model`: LLaDA-8B's and LLaDA-MoE's shapes,
 bf16 weights) and the same weights quantised (`djax.models.fp8.quantize_params`). The
 logits are those of one whole-sequence forward (`djax.forward_logits`) of a random prompt
 of `--prompt` tokens followed by `--gen` mask tokens, on every position and on the masked
-ones; each `fp8_impl` is run. The generation is the bench setting (`bench.common.SETTING`)
+ones; each `fp8_impl` is run. The control, `matched_noise`: the bf16 weights that fp8 would
+quantise, each perturbed by Gaussian relative noise of its own fp8 rounding's relative RMS
+(no fp8 anywhere), through the same forward: random weights amplify any perturbation
+through the layers, and the control says how much of the fp8 error that explains. The
+generation is the bench setting (`bench.common.SETTING`)
 (4 tokens per forward) on the same prompt, its answer tokens compared position by position.
 
 Writes JSON through `bench.common.save` (`fp8_error_<device>.json`).
@@ -17,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import djax
@@ -26,6 +33,40 @@ from djax.models import fp8
 from djax.models.kernel_choice import Shapes
 
 IMPLS = ("dequant", "scaled")
+
+
+@functools.partial(jax.jit, static_argnames="axes")
+def _matched_noise(w: jax.Array, axes: tuple[int, ...], key: jax.Array) -> tuple:
+    """(w times `1 + eps * z`, z standard normal per value, in w's dtype; eps) with eps
+    the relative RMS error of w's fp8 rounding, `||dequantize(quantize(w)) - w|| / ||w||`."""
+    wf = w.astype(jnp.float32)
+    values, scale = fp8.quantize(wf, axes)
+    eps = jnp.linalg.norm(fp8.dequantize(values, scale, axes, jnp.float32) - wf)
+    eps = eps / jnp.linalg.norm(wf)
+    noisy = wf * (1 + eps * jax.random.normal(key, w.shape, jnp.float32))
+    return noisy.astype(w.dtype), eps
+
+
+def matched_noise(params: dict, key: jax.Array) -> tuple[dict, list[float]]:
+    """`params` with every weight that fp8 quantises (`fp8.contraction_axes`) perturbed by
+    Gaussian relative noise of its own fp8 rounding's relative RMS (`_matched_noise`), the
+    others as they are; and those RMS values. The control of the fp8 figures: how much a
+    perturbation of the weights of the same size, with no fp8 in it, moves the logits."""
+    out: dict = {}
+    epsilons: list[float] = []
+    for name, value in params.items():
+        key, sub = jax.random.split(key)
+        if isinstance(value, dict):
+            out[name], more = matched_noise(value, sub)
+            epsilons += more
+            continue
+        axes = fp8.contraction_axes(name, value.ndim)
+        if axes is None:
+            out[name] = value
+            continue
+        out[name], eps = _matched_noise(value, axes, sub)
+        epsilons.append(float(eps))
+    return out, epsilons
 
 
 def compare(reference: np.ndarray, ours: np.ndarray, where: np.ndarray) -> dict:
@@ -55,7 +96,15 @@ def measure(name: str, tiny: bool, prompt_len: int, gen_len: int) -> dict:
             "all": compare(reference, ours, everywhere),
             "masked": compare(reference, ours, masked),
         }
-    del reference
+    noisy, epsilons = matched_noise(model.params, jax.random.key(1))
+    ours = np.asarray(djax.forward_logits(dataclasses.replace(model, params=noisy), ids))
+    del noisy
+    row["matched_noise"] = {
+        "weight_rel_rms": float(np.mean(epsilons)),
+        "all": compare(reference, ours, everywhere),
+        "masked": compare(reference, ours, masked),
+    }
+    del reference, ours
     # the setting's 4 tokens per forward
     setting = dataclasses.replace(SETTING, gen_length=gen_len, steps=gen_len // 4)
     a = djax.generate(model, [prompt], setting).answer_ids

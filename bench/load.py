@@ -2,7 +2,7 @@
 holding bf16 weights against the same weights converted to fp8, and, for context, the HF
 folder they were converted from, loaded as bf16 and quantised to fp8 as it is loaded.
 
-    python -m bench.load [--models dense moe] [--repeats 3] [--scratch DIR] [--tiny]
+    python -m bench.load [--models dense moe] [--repeats 3] [--profile] [--scratch DIR] [--tiny]
 
 Per model (`bench.common`: LLaDA-8B's or LLaDA-MoE's shape, random bf16 weights built on
 the device), one preparing process writes the weights as an HF folder
@@ -30,7 +30,9 @@ figures are deserialisation and host-to-device copies, not a cold disk, the same
 case. The figure of merit is `fp8_over_bf16`, the converted fp8 load's median over the
 converted bf16 load's. A model's row: `seconds` (`write_hf`, `convert_bf16`, `convert_fp8`),
 `folder_bytes` (each folder's bytes on disk), per case `loads` (`median_s`, `samples_s`,
-`import_s`, `backend_s`, the `weights` loaded), `fp8_over_bf16` and `hf_fp8_over_hf_bf16`.
+`import_s`, `backend_s`, the `weights` loaded; with `--profile`, `profiled`: one more load
+under cProfile, after the timed ones and not among them, with its slowest functions by
+cumulative time), `fp8_over_bf16` and `hf_fp8_over_hf_bf16`.
 
 Disk: the folders live under a fresh folder made inside `--scratch` (default: the system's
 temporary folder), one model at a time, and are deleted when the model is done and, on any
@@ -43,7 +45,9 @@ Writes JSON through `bench.common.save` (`load_<device>.json`).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -64,6 +68,7 @@ CASES = {
     "hf_fp8": ("hf", "fp8"),
 }
 FOLDERS = ("hf", "converted_bf16", "converted_fp8")
+PROFILE_TOP = 25  # functions kept from a profiled load
 # Fresh processes: `python -c PROGRAM ARGS`; a load's clock starts before anything is imported.
 PREPARE = "import sys; from bench.load import prepare; prepare(*sys.argv[1:])"
 LOAD = (
@@ -92,9 +97,11 @@ def prepare(name: str, tiny: str, folder: str) -> None:
     print(json.dumps({key: round(value, 3) for key, value in seconds.items()}))
 
 
-def timed_load(started: float, folder: str, weights: str) -> None:
+def timed_load(started: float, folder: str, weights: str, profile: str = "0") -> None:
     """In a fresh process: the seconds of importing, starting the backend and
-    `djax.load(folder)` until its params are on the device, printed as JSON."""
+    `djax.load(folder)` until its params are on the device, printed as JSON; `profile`
+    "1": the load runs under cProfile and its `PROFILE_TOP` functions by cumulative time
+    come with it (`profile`: "module:line(function)" -> seconds)."""
     import jax
     import orbax.checkpoint  # noqa: F401  (read by `load` for a converted folder)
     import safetensors.numpy  # noqa: F401  (read by `load` for an HF folder)
@@ -105,19 +112,32 @@ def timed_load(started: float, folder: str, weights: str) -> None:
     imported = time.perf_counter()
     jax.devices()
     ready = time.perf_counter()
+    profiler = cProfile.Profile() if profile == "1" else None
+    if profiler:
+        profiler.enable()
     model = djax.load(folder, DTYPE, weights=None if weights == "stored" else weights)
     jax.block_until_ready(model.params)
     done = time.perf_counter()
-    print(
-        json.dumps(
-            {
-                "import_s": round(imported - started, 3),
-                "backend_s": round(ready - imported, 3),
-                "load_s": round(done - ready, 4),
-                "weights": model.weights,
-            }
-        )
-    )
+    result = {
+        "import_s": round(imported - started, 3),
+        "backend_s": round(ready - imported, 3),
+        "load_s": round(done - ready, 4),
+        "weights": model.weights,
+    }
+    if profiler:
+        profiler.disable()
+        result["profile"] = top_functions(pstats.Stats(profiler), PROFILE_TOP)
+    print(json.dumps(result))
+
+
+def top_functions(stats: pstats.Stats, count: int) -> dict[str, float]:
+    """The `count` functions of the most cumulative seconds in `stats`, as
+    "module:line(function)" -> seconds (rounded to ms), most first."""
+    rows = sorted(stats.stats.items(), key=lambda item: item[1][3], reverse=True)[:count]
+    return {
+        f"{Path(file).stem}:{line}({func})": round(cumulative, 3)
+        for (file, line, func), (_, _, _, cumulative, _) in rows
+    }
 
 
 def run_child(program: str, *args: str) -> dict:
@@ -143,9 +163,9 @@ def rotated(cases: list[str], repeat: int) -> list[str]:
     return cases[shift:] + cases[:shift]
 
 
-def measure(name: str, tiny: bool, repeats: int, work: Path) -> dict:
+def measure(name: str, tiny: bool, repeats: int, work: Path, profile: bool = False) -> dict:
     """One model's row: prepare its folders under `work`, then `repeats` rotated rounds of
-    fresh-process loads of every case."""
+    fresh-process loads of every case, then with `profile` one profiled load of each."""
     row: dict = {"model": name, "dtype": DTYPE, "repeats": repeats}
     row["seconds"] = run_child(PREPARE, name, "1" if tiny else "0", str(work))
     row["folder_bytes"] = {folder: folder_bytes(work / folder) for folder in FOLDERS}
@@ -169,6 +189,11 @@ def measure(name: str, tiny: bool, repeats: int, work: Path) -> dict:
     medians = {case: row["loads"][case]["median_s"] for case in CASES}
     row["fp8_over_bf16"] = round(medians["converted_fp8"] / medians["converted_bf16"], 4)
     row["hf_fp8_over_hf_bf16"] = round(medians["hf_fp8"] / medians["hf_bf16"], 4)
+    if profile:  # after the timed loads: cProfile slows what it watches
+        for case, (folder, weights) in CASES.items():
+            sample = run_child(LOAD, str(work / folder), weights, "1")
+            row["loads"][case]["profiled"] = sample
+            print(f"{name} {case} (profiled): {sample}", flush=True)
     return row
 
 
@@ -196,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="an existing folder; the bench writes and deletes a folder of its own inside it",
     )
+    p.add_argument(
+        "--profile", action="store_true", help="then one load of each case under cProfile"
+    )
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = p.parse_args(argv)
     rows = []
@@ -203,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for name in args.models:
             work = Path(tempfile.mkdtemp(prefix=f"{name}_", dir=root))
-            rows.append(measure(name, args.tiny, args.repeats, work))
+            rows.append(measure(name, args.tiny, args.repeats, work, args.profile))
             shutil.rmtree(work)  # before the next model's folders are written
             medians = {case: v["median_s"] for case, v in rows[-1]["loads"].items()}
             print(f"{name}: {medians}, fp8/bf16 {rows[-1]['fp8_over_bf16']}", flush=True)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import struct
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -344,15 +346,46 @@ def fingerprints(params: dict) -> dict[str, list[int]]:
     return _scanned(params, {})[0]
 
 
-def _scanned(params: dict, stored: dict[str, Any]) -> tuple[dict[str, list[int]], dict[str, bool]]:
+def _scan_key(a: Any, stored: Any) -> tuple:
+    return a.shape, jnp.dtype(a.dtype), a.sharding, stored
+
+
+def compile_scans(abstract: dict, stored: dict[str, Any]) -> Callable[[Any], dict]:
+    """Start compiling `_scan` for every distinct (shape, dtype, sharding, stored dtype) of
+    the params `abstract` describes (`jax.ShapeDtypeStruct`s with shardings), on threads
+    (compiles run outside the GIL), so they overlap whatever runs meanwhile (the read of
+    the params). Returns a function of a key (`_scan_key`) that waits for its program
+    (None for a key not compiled here)."""
+    keys = {
+        _scan_key(a, stored.get(_param_name(path)))
+        for path, a in jax.tree_util.tree_flatten_with_path(abstract)[0]
+    }
+
+    def build(key: tuple) -> Any:
+        shape, dtype, sharding, as_stored = key
+        spec = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        return _scan.lower(spec, stored=as_stored).compile()
+
+    pool = ThreadPoolExecutor(max_workers=min(len(keys), os.cpu_count() or 1) or 1)
+    futures = {key: pool.submit(build, key) for key in keys}
+    pool.shutdown(wait=False)
+    return lambda key: futures[key].result() if key in futures else None
+
+
+def _scanned(
+    params: dict, stored: dict[str, Any], programs: Callable[[Any], Any] | None = None
+) -> tuple[dict[str, list[int]], dict[str, bool]]:
     """Every param's fingerprint as stored in `stored[name]` (its own dtype where absent)
-    and its finiteness, by name: one device program per param and one transfer of all
-    the results."""
+    and its finiteness, by name: one device program per param (`programs`' compiled ones,
+    from `compile_scans`, where given) and one transfer of all the results."""
     named = jax.tree_util.tree_flatten_with_path(params)[0]
     names = [_param_name(path) for path, _ in named]
-    scans = jax.device_get(
-        [_scan(a, stored.get(name)) for name, (_, a) in zip(names, named, strict=True)]
-    )
+
+    def scan(name: str, a: jax.Array) -> Any:
+        program = programs and programs(_scan_key(a, stored.get(name)))
+        return program(a) if program is not None else _scan(a, stored.get(name))
+
+    scans = jax.device_get([scan(name, a) for name, (_, a) in zip(names, named, strict=True)])
     sums = {name: [int(v) for v in scan[0]] for name, scan in zip(names, scans, strict=True)}
     return sums, {name: bool(scan[1]) for name, scan in zip(names, scans, strict=True)}
 
@@ -603,6 +636,9 @@ def restore_orbax(
         abstract,
         shardings if shardings else jax.tree.map(lambda _: default, abstract),
     )
+    as_stored = abstract_params(config, _stored_dtype(folder, marker, dtype), weights)
+    stored = _stored_dtypes(target, as_stored)
+    programs = compile_scans(target, stored)  # compiled while the params are read
     try:
         params = _checkpointer().restore(folder / PARAMS_DIR, args=ocp.args.StandardRestore(target))
     except Exception as err:  # tensorstore reports a damaged file in many ways
@@ -610,9 +646,7 @@ def restore_orbax(
             f"{folder / PARAMS_DIR}: cannot be read ({type(err).__name__}); the checkpoint is "
             "damaged: convert the model again"
         ) from err
-    as_stored = abstract_params(config, _stored_dtype(folder, marker, dtype), weights)
-    stored = _stored_dtypes(params, as_stored)
-    found, finite = _scanned(params, stored)
+    found, finite = _scanned(params, stored, programs)
     _check_fingerprints(folder, marker.get("fingerprints"), found, stored)
     bad = next((name for name, ok in finite.items() if not ok), None)
     if bad is not None:

@@ -65,3 +65,20 @@ def test_load_bench_deletes_its_folders_when_a_step_fails(tmp_path, monkeypatch)
     (work,) = seen
     assert work.startswith(str(scratch)) and list(scratch.iterdir()) == []
     assert not (tmp_path / "out").exists()
+
+
+def test_a_profiled_load_names_its_slowest_functions():
+    import cProfile
+    import pstats
+    import time
+
+    def slow():
+        time.sleep(0.05)
+
+    profiler = cProfile.Profile()
+    profiler.runcall(slow)
+    top = bench_load.top_functions(pstats.Stats(profiler), 2)
+    assert len(top) == 2
+    (name, seconds), _ = top.items()
+    assert "(slow)" in name and seconds >= 0.04
+    assert list(top.values()) == sorted(top.values(), reverse=True)

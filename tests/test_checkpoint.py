@@ -140,6 +140,32 @@ def test_fingerprints_see_changed_and_moved_values_and_not_the_layout():
         assert fingerprints({"w": split})["w"] == base
 
 
+def test_scans_compiled_ahead_are_the_jitted_scans():
+    """`compile_scans`' programs (compiled from the abstract params before the read) give
+    the fingerprints and finiteness of `_scan` itself; a param whose key was not compiled
+    ahead (another shape) falls back to `_scan`."""
+    import jax
+    import jax.numpy as jnp
+
+    from djax.checkpoint import _scanned, compile_scans
+
+    key = jax.random.key(1)
+    params = {
+        "a": jax.random.normal(key, (8, 6), jnp.bfloat16).astype(jnp.float32),  # widened
+        "b": {"c": jax.random.normal(key, (4, 128), jnp.bfloat16).astype(jnp.float8_e4m3fn)},
+        "d": jnp.ones((3,), jnp.float32).at[1].set(jnp.nan),
+    }
+    stored = {"a": jnp.dtype(jnp.bfloat16)}
+    ahead = {k: v for k, v in params.items() if k != "d"}
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), ahead
+    )
+    programs = compile_scans(abstract, stored)
+    assert _scanned(params, stored, programs) == _scanned(params, stored)
+    found, finite = _scanned(params, stored, programs)
+    assert finite == {"a": True, "b/c": True, "d": False}
+
+
 def test_converted_folder_without_fingerprints_still_loads(dense_folder, tmp_path):
     """A folder converted before fingerprints were recorded loads unchecked; a recorded
     set that does not name the params is refused."""
