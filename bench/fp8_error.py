@@ -1,7 +1,7 @@
 """fp8 weights against bf16 at the bench shapes, random weights: the logits' relative L2
 error and the share of equal argmaxes, and the share of equal tokens in a generation.
 
-    python -m bench.fp8_error [--models dense moe] [--tiny]
+    python -m bench.fp8_error [--models dense moe] [--layers N] [--tiny]
 
 The bench models (`bench.common.bench_model`: LLaDA-8B's and LLaDA-MoE's shapes, random
 bf16 weights) and the same weights quantised (`djax.models.fp8.quantize_params`). The
@@ -10,7 +10,10 @@ of `--prompt` tokens followed by `--gen` mask tokens, on every position and on t
 ones; each `fp8_impl` is run. The control, `matched_noise`: the bf16 weights that fp8 would
 quantise, each perturbed by Gaussian relative noise of its own fp8 rounding's relative RMS
 (no fp8 anywhere), through the same forward: random weights amplify any perturbation
-through the layers, and the control says how much of the fp8 error that explains. The
+through the layers, and the control says how much of the fp8 error that explains.
+`rounded_in_bf16`: fp8's weight values (dequantised to bf16) through the bf16 program, the
+rounding alone; `program_gap`: that against the fp8 `dequant` program on the same values.
+`--layers N` keeps each model's first N layers (how the errors grow with depth). The
 generation is the bench setting (`bench.common.SETTING`)
 (4 tokens per forward) on the same prompt, its answer tokens compared position by position.
 
@@ -72,6 +75,39 @@ def matched_noise(params: dict, key: jax.Array) -> tuple[dict, list[float]]:
     return out, epsilons
 
 
+def dequantized(params: dict, dtype) -> dict:
+    """The fp8 `params` (`fp8.quantize_params`' layout) as a params dict of `dtype`: each fp8
+    weight's values times its scale (`fp8.dequantize`), the scales dropped, the rest as
+    they are: the weights fp8 holds, for the bf16 program."""
+    out: dict = {}
+    for name, value in params.items():
+        if isinstance(value, dict):
+            out[name] = dequantized(value, dtype)
+        elif fp8.values_name(name) is None:
+            scale = params.get(fp8.scale_name(name))
+            if scale is None:
+                out[name] = value
+            else:
+                axes = fp8.contraction_axes(name, value.ndim)
+                out[name] = _dequantize(value, scale, axes, jnp.dtype(dtype))
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("axes", "dtype"))
+def _dequantize(values, scale, axes, dtype):
+    return fp8.dequantize(values, scale, axes, dtype)
+
+
+def with_layers(config, layers: int | None):
+    """`config` cut to its first `layers` layers (None: as it is)."""
+    if layers is None:
+        return config
+    if not 0 < layers <= config.n_layers:
+        raise SystemExit(f"bench: --layers {layers}; expected 1 to {config.n_layers}")
+    moe_layers = config.moe_layers[:layers] if config.moe_layers else ()
+    return dataclasses.replace(config, n_layers=layers, moe_layers=moe_layers)
+
+
 def compare(reference: np.ndarray, ours: np.ndarray, where: np.ndarray) -> dict:
     """Relative L2 error of `ours` against `reference` ([batch, seq, vocab] logits) and the
     share of equal argmaxes, over the positions `where` ([batch, seq] bool)."""
@@ -82,8 +118,8 @@ def compare(reference: np.ndarray, ours: np.ndarray, where: np.ndarray) -> dict:
     }
 
 
-def measure(name: str, tiny: bool, prompt_len: int, gen_len: int) -> dict:
-    config = model_config(name, tiny)
+def measure(name: str, tiny: bool, prompt_len: int, gen_len: int, layers=None) -> dict:
+    config = with_layers(model_config(name, tiny), layers)
     model, _ = bench_model(config)
     quantised = dataclasses.replace(model, params=fp8.quantize_params(model.params), weights="fp8")
     rng = np.random.default_rng(0)
@@ -92,13 +128,27 @@ def measure(name: str, tiny: bool, prompt_len: int, gen_len: int) -> dict:
     masked = ids == config.mask_token_id
     everywhere = np.ones_like(masked)
     reference = np.asarray(djax.forward_logits(model, ids))
-    row: dict = {"model": name, "prompt_len": prompt_len, "gen_len": gen_len}
+    row: dict = {"model": name, "layers": config.n_layers, "prompt_len": prompt_len}
+    row["gen_len"] = gen_len
+    by_impl = {}
     for impl in IMPLS:
         ours = np.asarray(djax.forward_logits(quantised.with_options(fp8_impl=impl), ids))
+        by_impl[impl] = ours
         row[impl] = {
             "all": compare(reference, ours, everywhere),
             "masked": compare(reference, ours, masked),
         }
+    # fp8's weight values through the bf16 program: the rounding alone, and the programs'
+    # own difference on the same values
+    rounded = dataclasses.replace(model, params=dequantized(quantised.params, model.dtype))
+    ours = np.asarray(djax.forward_logits(rounded, ids))
+    del rounded
+    row["rounded_in_bf16"] = {
+        "all": compare(reference, ours, everywhere),
+        "masked": compare(reference, ours, masked),
+    }
+    row["program_gap"] = {"all": compare(ours, by_impl["dequant"], everywhere)}
+    del by_impl
     noisy, epsilons = matched_noise(model.params, jax.random.key(1))
     ours = np.asarray(djax.forward_logits(dataclasses.replace(model, params=noisy), ids))
     del noisy
@@ -124,11 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="+", default=["dense", "moe"])
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     p.add_argument("--gen", type=int, default=SETTING.gen_length, help="mask tokens after it")
+    p.add_argument("--layers", type=int, default=None, help="only the first N layers")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = p.parse_args(argv)
     rows = []
     for name in args.models:
-        rows.append(measure(name, args.tiny, args.prompt, args.gen))
+        rows.append(measure(name, args.tiny, args.prompt, args.gen, args.layers))
         print({k: v for k, v in rows[-1].items() if k != "fp8_kernels"}, flush=True)
         # after every model: a run cut short keeps its rows
         save("fp8_error", {"options": vars(args), "results": rows})

@@ -32,9 +32,24 @@ def test_fp8_error_rows_carry_the_control(tmp_path, monkeypatch):
     fp8_error.main(["--tiny", "--models", "dense"])
     (path,) = tmp_path.glob("fp8_error_*.json")
     (row,) = json.loads(path.read_text())["results"]
-    for part in ("dequant", "scaled", "matched_noise"):
+    assert row["layers"] == 2
+    for part in ("dequant", "scaled", "rounded_in_bf16", "matched_noise"):
         for where in ("all", "masked"):
             assert 0 < row[part][where]["logits_rel_l2"] < 0.5, (part, where)
             assert 0 <= row[part][where]["argmax_equal"] <= 1
     assert 0.015 < row["matched_noise"]["weight_rel_rms"] < 0.04
+    # the same weight values through both programs: far closer than either to bf16
+    gap = row["program_gap"]["all"]["logits_rel_l2"]
+    assert gap < 0.5 * row["rounded_in_bf16"]["all"]["logits_rel_l2"]
     assert 0 <= row["generation_tokens_equal"] <= 1
+
+
+def test_layers_cut_a_model_to_its_first_layers():
+    from bench.common import model_config
+
+    moe = model_config("moe", tiny=True)
+    cut = fp8_error.with_layers(moe, 1)
+    assert cut.n_layers == 1 and cut.moe_layers == moe.moe_layers[:1]
+    assert fp8_error.with_layers(moe, None) is moe
+    with pytest.raises(SystemExit, match="--layers 9"):
+        fp8_error.with_layers(moe, 9)
