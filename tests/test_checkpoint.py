@@ -206,3 +206,18 @@ def test_fingerprints_are_checked_through_widening_loads(dense_folder, tmp_path)
                 djax.load(out, dtype)
         for dtype in unchecked:
             assert djax.load(out, dtype).params["embed"].dtype == dtype
+
+
+def test_abstract_params_trace_once_and_hand_out_trees_of_their_own():
+    import jax.numpy as jnp
+
+    from bench.common import model_config
+    from djax.models import _abstract_params, abstract_params
+
+    config = model_config("dense", tiny=True)
+    _abstract_params.cache_clear()
+    first = abstract_params(config, jnp.float32)
+    first.pop(next(iter(first)))  # a caller's change stays its own
+    second = abstract_params(config, "float32")
+    assert len(second) == len(first) + 1
+    assert _abstract_params.cache_info().hits == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -59,8 +60,15 @@ def _init(config: ModelConfig, dtype: Any, key: jax.Array, weights: str = "dtype
 
 def abstract_params(config: ModelConfig, dtype: Any, weights: str = "dtype") -> dict:
     """The params pytree as `jax.ShapeDtypeStruct`s (no memory), for weights of the format
-    `weights` (`djax.models.fp8.WEIGHTS`)."""
-    weights = fp8.check_weights(weights)
+    `weights` (`djax.models.fp8.WEIGHTS`). Each (config, dtype, weights) traces the model's
+    init once per process (a load asks for the same tree more than once); every call
+    returns a tree of its own."""
+    tree = _abstract_params(config, jnp.dtype(dtype), fp8.check_weights(weights))
+    return jax.tree.map(lambda leaf: leaf, tree)
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_params(config: ModelConfig, dtype: Any, weights: str) -> dict:
     return jax.eval_shape(lambda: _init(config, dtype, jax.random.key(0), weights))
 
 
