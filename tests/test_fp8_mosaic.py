@@ -17,6 +17,7 @@ from djax.kernel_options import KernelOptions
 from djax.kernels import fp8_matmul_mosaic, tma_ring
 from djax.kernels.handoff import QuantizedRows, finish
 from djax.models import abstract_params, build_module, fp8
+from djax.models import layers as layers_module
 from djax.models.kernel_choice import Device, ForwardKernels, Kernels, Shapes, resolve
 from djax.models.layers import GatedMLP, RMSNorm, project
 from djax.sharding import make_mesh
@@ -35,7 +36,10 @@ def test_block_forwards_take_the_kernel_refreshes_scaled():
     assert choice.k_major
     assert choice.explain().endswith("\nweights: fp8, values K-major")
     for forward in (choice.block.layers, choice.block.last):
-        assert (forward.qkv, forward.out, forward.mlp, forward.down) == ("fp8_mosaic",) * 4
+        # q/k/v inside the RoPE kernel (LLaDA-8B's 96 head slots fill the GPU)
+        assert (forward.qkv, forward.out, forward.mlp, forward.down) == (
+            "rope", *("fp8_mosaic",) * 3,
+        )  # fmt: skip
         assert forward.fp8 == "scaled"  # what XLA's products (none here) would take
         assert forward.norm_into_mlp == "no"
         assert forward.rope == "mosaic" and forward.attention == "split_kv"  # read no weights
@@ -45,7 +49,7 @@ def test_block_forwards_take_the_kernel_refreshes_scaled():
     batched = _choice(shapes=Shapes(batch=2, window=32, seq=384, kept=32)).block.layers
     assert (batched.qkv, batched.mlp, batched.fp8) == ("xla", "xla", "scaled")  # 64 rows
     moe = _choice(LLADA_MOE)
-    assert moe.block.layers.qkv == "fp8_mosaic" and moe.block.layers.fp8 == "scaled"
+    assert moe.block.layers.qkv == "rope" and moe.block.layers.fp8 == "scaled"
     # the experts by fp8 x fp8 WGMMA in every forward (their tiles take any rows)
     for forward in (moe.block.layers, moe.refresh.layers, moe.refresh.last):
         assert forward.moe == "fp8_mosaic"
@@ -150,6 +154,44 @@ def test_norms_hand_the_kernel_quantised_rows(monkeypatch):
         assert rel_error(fused, ref) <= 1e-2
     else:
         np.testing.assert_array_equal(fused, ref)
+
+
+def test_attention_takes_the_fp8_qkv_product_inside_the_rope_kernel():
+    """An attention layer's block window (16 rows, K-major fp8 weights; Mosaic GPU's
+    interpreter off GPUs) with the q/k/v product inside the RoPE kernel (`qkv="rope"`: fp8
+    x fp8 WGMMA there), on bf16 rows or on rows the norm quantised (`QuantizedRows`), writes
+    the window's K/V and attends as the fp8 product made apart does (`fp8_mosaic`, then the
+    RoPE kernel on its partials), to bf16 rounding."""
+    config = ModelConfig(DENSE, 64, 128, 1, 2, 1, 64, 128, 1e4, 1e-5, 64, 1, 2, 3)
+    plain = layers_module.Attention(config, jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((1, 16, 128)), jnp.bfloat16)
+    positions = 8 + jnp.arange(16)[None]
+    rng = np.random.default_rng(7)
+    kv = tuple(jnp.asarray(rng.standard_normal((1, 32, 1, 64)), jnp.bfloat16) for _ in "kv")
+    key_valid = jnp.ones((1, 32), bool)
+    window = layers_module.Window(8)
+    params = plain.init(jax.random.key(9), x, positions, key_valid, kv, window)["params"]
+    params = {"params": fp8.to_layout(fp8.quantize_params(params), True)}
+    attention = layers_module.Attention(config, jnp.bfloat16, weights="fp8", k_major=True)
+    outs = {}
+    for qkv in ("rope", "fp8_mosaic"):
+        kernels = Kernels(qkv=qkv, rope="mosaic", fp8="scaled")
+        for quantised in (False, True):
+            rows = QuantizedRows(*fp8_matmul_mosaic.quantize_rows(x), x.dtype) if quantised else x
+            # jitted: op by op, the interpreter's callbacks and the next ops can deadlock
+            apply = jax.jit(
+                lambda p, r, kv, k=kernels: attention.apply(
+                    p, r, positions, key_valid, kv, window, None, k
+                )
+            )
+            out, new_kv, _ = apply(params, rows, kv)
+            outs[qkv, quantised] = [np.asarray(a, np.float32) for a in (out, *new_kv)]
+    for quantised in (False, True):
+        for ours, ref in zip(outs["rope", quantised], outs["fp8_mosaic", quantised], strict=True):
+            assert rel_error(ours, ref) <= 1e-2
+    # the same rows either way: the layer quantises bf16 rows by `quantize_rows`
+    for a, b in zip(outs["rope", False], outs["rope", True], strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_kernel_choice_errors():

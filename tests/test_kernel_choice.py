@@ -164,7 +164,7 @@ def test_kernels_only_where_their_shapes_fit():
     assert _choice(config=LLADA_8B, shapes=short).refresh.layers.rope == "mosaic"
     assert _choice(config=LLADA_MOE).block.layers.mlp == "xla"  # experts in every layer
     fp8 = _choice(KernelOptions(fp8_impl="mosaic"), config=LLADA_MOE, weights="fp8").block
-    assert (fp8.layers.qkv, fp8.layers.mlp, fp8.layers.down) == ("fp8_mosaic", "xla", "xla")
+    assert (fp8.layers.qkv, fp8.layers.mlp, fp8.layers.down) == ("rope", "xla", "xla")
 
 
 def test_moe_choice():

@@ -1,6 +1,8 @@
 """The q/k/v product of a denoising block with the q/k norm, clip, RoPE and K/V buffer writes in
 its epilogue, as a Pallas Mosaic GPU kernel (Hopper: TMA copies, WGMMA):
-`project_rope_and_write` (`rope_impl="mosaic"`); and that epilogue alone on a product made
+`project_rope_and_write` (`rope_impl="mosaic"`), or with an fp8 weight by fp8 x fp8 WGMMA
+(`project_rope_and_write_fp8`: e4m3 rows and K-major weight, their row and column scales
+applied to the fp32 product before the epilogue); and that epilogue alone on a product made
 elsewhere (`rope_and_write`: split-K partial products, `handoff.Partials`, are summed as
 `Partials.total()` sums them). Semantics are those of `layers.Attention`'s XLA path:
 `rms_norm` with the q/k scales, the clip, rotate-half RoPE in fp32 from the given cos/sin
@@ -31,7 +33,8 @@ static row count, so the CTA reads the buffer's rows under the window at its sta
 those outside the write range `[write_lo, write_hi)`, then writes the window's whole run of
 rows. Rules: the window's rows `t` a multiple of 8 and at most 64 (a row tile holds
 `64 // t` sequences), the model width a multiple of 64, head_dim 64 or 128 with a rotary
-half (and any unrotated rest) a multiple of 8, and 16-bit activations and weights.
+half (and any unrotated rest) a multiple of 8, and 16-bit activations and weights (the fp8
+form: e4m3 rows and weight, a model width a multiple of 128, and a 16-bit epilogue).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.kernels import tma_ring
+from djax.kernels import fp8_matmul_mosaic, tma_ring
 from djax.kernels.handoff import Partials
 from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, Tiles
 
@@ -162,6 +165,7 @@ def _kernel(
     splits: int | None,
     buffered: bool,
     interpreting: bool,
+    fp8: bool = False,
 ):
     """One CTA (row tile, kv head, slot). Refs: bounds [3] int32; the product's source: with
     `splits` None x [m, model] (m = b * t) and w [model, kv * (group + 2) * d], multiplied
@@ -171,10 +175,16 @@ def _kernel(
     (updated in place), then the output q [b * t, kv * group * d]; else the outputs q, keys
     and values [b * t, kv * d]; then scratch: the source's (the ring, or the partials' tiles
     and their barriers), the output tile, the buffer's rows, cos, sin, the scales, and
-    barriers. `half`: the features of a rotary half (rotary / 2)."""
+    barriers. `half`: the features of a rotary half (rotary / 2). `fp8`: x [m, model] and
+    w [kv * (group + 2) * d, model] (K-major) e4m3, followed by their scales, x's [1, m] per
+    row and w's [1, kv * (group + 2) * d] per column, applied to the fp32 product; the
+    source's scratch ends with the two scales' tiles and their barriers (and, in Mosaic
+    GPU's interpreter, `fp8_matmul_mosaic.k_major_multiply`'s untransposed tile)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if splits is None:
+    if splits is None and fp8:
+        (x_gmem, w_gmem, x_scale_gmem, w_scale_gmem), refs = refs[:4], refs[4:]
+    elif splits is None:
         (x_gmem, w_gmem), refs = refs[:2], refs[2:]
     else:
         (partials_gmem,), refs = refs[:1], refs[1:]
@@ -295,7 +305,26 @@ def _kernel(
             if buffered:
                 keep_cached()
 
-    if splits is None:
+    if splits is None and fp8:
+        untransposed = source.pop() if interpreting else None
+        *ring, x_scale_smem, w_scale_smem, scale_bars = source
+        plgpu.copy_gmem_to_smem(x_scale_gmem.at[:, rows], x_scale_smem, scale_bars.at[0])
+        plgpu.copy_gmem_to_smem(w_scale_gmem.at[:, slot_cols], w_scale_smem, scale_bars.at[1])
+
+        def finish_scaled(product):
+            plgpu.barrier_wait(scale_bars.at[0])
+            plgpu.barrier_wait(scale_bars.at[1])
+            (scaled,) = fp8_matmul_mosaic.scale_products(
+                [product], w_scale_smem, x_scale_smem, interpreting
+            )
+            finish(scaled)
+
+        w_tile = lambda ks: w_gmem.at[slot_cols, ks]  # noqa: E731
+        multiply = fp8_matmul_mosaic.k_major_multiply(untransposed)
+        tma_ring.stream(
+            x_gmem, [w_tile], ring, tiles, 0, steps, rows, finish_scaled, multiply=multiply
+        )
+    elif splits is None:
         w_tile = lambda ks: w_gmem.at[ks, slot_cols]  # noqa: E731
         tma_ring.stream(x_gmem, [w_tile], source, tiles, 0, steps, rows, finish)
     else:  # summed in order, as `handoff.add_slices` sums them
@@ -469,6 +498,93 @@ def project_rope_and_write(
         tiles=tiles,
         steps=model // tiles.block_k,
         splits=None,
+        interpret=interpret,
+    )
+
+
+def fp8_tiles_for(head_dim: int) -> Tiles:
+    """`tiles_for`'s ring at one byte a value: 128-wide contraction steps (the 8-bit
+    swizzled row), as many bytes a step as the 16-bit ring's 64."""
+    return dataclasses.replace(tiles_for(head_dim), block_k=fp8_matmul_mosaic.K_TILE)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "ops", "tiles", "interpret"))
+def project_rope_and_write_fp8(
+    xq: Array,
+    x_scale: Array,
+    w_t: Array,
+    w_scale: Array,
+    cos: Array,
+    sin: Array,
+    buffers: tuple[Array, Array] | None,
+    bounds: Array,
+    scales: tuple[Array, Array] | None = None,
+    ops: HeadOps = PLAIN_HEADS,
+    dtype=jnp.bfloat16,
+    tiles: Tiles | None = None,
+    interpret: bool | None = None,
+) -> tuple[Array, Array, Array]:
+    """`project_rope_and_write` with an fp8 q/k/v weight: the product by fp8 x fp8 WGMMA
+    (`fp8_matmul_mosaic`'s rule: both operands e4m3, the row and column scales applied to
+    the fp32 product), then the same epilogue in `dtype`.
+
+    xq: [b, t, model] e4m3 window rows, x_scale [b, t] fp32 (`fp8_matmul_mosaic.
+    quantize_rows`, or the norm kernel's `handoff.QuantizedRows`); w_t: [kv_heads, group + 2,
+    head_dim, model] e4m3 (a K-major q/k/v `Fp8Weight`'s values), w_scale [kv_heads, group
+    + 2, head_dim] fp32; model a multiple of 128; the rest as `rope_and_write`, with
+    buffers and q/k scales of `dtype` (bf16 or fp16). Returns (q, keys, values) of `dtype`.
+    `tiles`: the ring (default `fp8_tiles_for`; `block_n` must be head_dim); `interpret`
+    as `project_rope_and_write`'s.
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    name = "rope_write_mosaic.project_rope_and_write_fp8"
+    fp8_matmul_mosaic.check_operands(name, xq, x_scale, w_t, w_scale, dtype)
+    if xq.ndim != 3 or w_t.ndim != 4 or w_t.shape[1] < 3 or jnp.dtype(dtype).itemsize != 2:
+        raise ValueError(
+            f"{name}: xq {xq.shape}, w_t {w_t.shape}, dtype {jnp.dtype(dtype).name}; "
+            "expected xq [b, t, model], w_t [kv_heads, group + 2, d, model] with group >= 1 "
+            "and a 16-bit dtype"
+        )
+    (b, t, model), (kv_heads, slots, d, _) = xq.shape, w_t.shape
+    _check(name, (b, t), kv_heads, d, cos, sin, buffers, scales, ops, jnp.dtype(dtype), [])
+    tiles = tiles or fp8_tiles_for(d)
+    if tiles.block_n != d or tiles.splits != 1:
+        raise ValueError(f"{tiles}: the q/k/v product takes block_n = head_dim = {d}, splits=1")
+    interpreting = tma_ring.interpret_params(interpret) is not None
+    scale_bytes = (ROW_TILE + d) * 4 + (tiles.block_k * d if interpreting else 0)
+    extra = _epilogue_bytes(d, 2 * cos.shape[-1], dtype) + scale_bytes
+    tiles.check(model, d, weights=1, out_bytes=0, extra=extra, itemsize=1)
+    source_scratch = [
+        *tma_ring.ring_scratch(tiles, fp8_matmul_mosaic.FP8, weights=1, k_major=True),
+        plgpu.SMEM((1, ROW_TILE), jnp.float32),  # x's scales, by row
+        plgpu.SMEM((1, d), jnp.float32),  # the slot's column scales
+        plgpu.Barrier(num_barriers=2),
+    ]
+    if interpreting:  # `fp8_matmul_mosaic.k_major_multiply`'s untransposed weight tile
+        source_scratch.append(plgpu.SMEM((tiles.block_k, d), fp8_matmul_mosaic.FP8))
+    m = b * t
+    source = [
+        xq.reshape(m, model),
+        w_t.reshape(-1, model),
+        x_scale.reshape(1, m),
+        w_scale.reshape(1, -1),
+    ]
+    return _run(
+        source,
+        source_scratch,
+        (b, t, kv_heads, slots - 2, d),
+        jnp.dtype(dtype),
+        cos,
+        sin,
+        buffers,
+        bounds,
+        scales,
+        ops,
+        tiles=tiles,
+        steps=model // tiles.block_k,
+        splits=None,
+        fp8=True,
         interpret=interpret,
     )
 

@@ -16,9 +16,10 @@ WGMMA). Rules of `auto`:
   sequence): each CTA holds one 64-row tile, so more rows would read every weight once per
   row tile; longer forwards (refreshes) take XLA's GEMMs.
 - The q/k/v product runs inside the RoPE kernel (`qkv="rope"`,
-  `rope_write_mosaic.project_rope_and_write`) where both would run and the heads make at
-  least `MIN_FUSED_PROGRAMS` CTAs per row tile; elsewhere the RoPE kernel finishes the
-  product made apart (`rope_write_mosaic.rope_and_write`, fp8 products included). It takes
+  `rope_write_mosaic.project_rope_and_write`, or `project_rope_and_write_fp8` for an fp8
+  weight under `fp8_impl="mosaic"`) where both would run and the heads make at least
+  `MIN_FUSED_PROGRAMS` CTAs per row tile; elsewhere the RoPE kernel finishes the product
+  made apart (`rope_write_mosaic.rope_and_write`, fp8 products included). It takes
   windows of a multiple of 8 positions up to 64 (`rope_write_mosaic.fits`: block windows,
   and whole sequences that short, but for block diffusion, whose whole-sequence choice
   runs on windows of other lengths); longer windows run XLA's RoPE.
@@ -56,7 +57,8 @@ limits (the products, RoPE and the norms moved into products run only in block f
 asked for, on one device, with every dense product's contraction a multiple of 128 and its
 output a multiple of 64: block forwards of at most `KERNEL_MAX_ROWS` token rows run the
 q/k/v, attention-output and down products and the SwiGLU gate/up path in the fp8 x fp8
-Mosaic GPU kernel (`fp8_mosaic`), their partials handed on as the split-K kernel's are;
+Mosaic GPU kernel (`fp8_mosaic`; the q/k/v product inside the RoPE kernel where the rule
+above puts it), their partials handed on as the split-K kernel's are;
 refreshes and longer forwards run XLA's `scaled` products. There the per-row norms
 (`norm="mosaic"`) before the q/k/v product and a dense MLP's gate/up path also quantise
 their rows for them (`norm_into_fp8`: `handoff.QuantizedRows`), so no XLA quantisation runs
@@ -152,7 +154,8 @@ class Kernels:
 
     attention: `xla`, `split_kv` (`flash_attention_mosaic`) or `cudnn`. qkv: the q/k/v
     product, `xla`, `mosaic` (split-K, `split_k_mosaic`), `fp8_mosaic` (fp8 weights:
-    `fp8_matmul_mosaic`) or `rope` (inside the RoPE kernel). rope: the q/k norm, RoPE and
+    `fp8_matmul_mosaic`) or `rope` (inside the RoPE kernel; by fp8 x fp8 WGMMA for an
+    fp8 weight). rope: the q/k norm, RoPE and
     K/V writes, `xla` or `mosaic` (`rope_write_mosaic`: in the q/k/v product's epilogue where
     qkv is `rope`, else on the product made apart).
     out, mlp, down: the attention-output product, the SwiGLU gate/up path and the down
@@ -419,10 +422,10 @@ class _Rule:
             down = "fp8_mosaic" if w.mlp_hidden else "xla"
         if (
             rope == "mosaic"
-            and qkv == "mosaic"
+            and qkv in ("mosaic", "fp8_mosaic")
             and w.kv_heads * (w.group + 2) >= MIN_FUSED_PROGRAMS
         ):
-            qkv = "rope"
+            qkv = "rope"  # an fp8 weight's product by fp8 x fp8 WGMMA there
         into_mlp = self._norm_fusion(few)
         if not (
             out == "mosaic"

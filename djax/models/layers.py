@@ -81,6 +81,22 @@ def project(
     return Partials(y.parts.reshape(y.parts.shape[:-1] + out_shape), y.dtype)
 
 
+def _project_rope_and_write(x, w: fp8.Weight, cos, sin, kv, bounds, scales, ops):
+    """The q/k/v product inside the RoPE kernel (`rope_write_mosaic`): bf16/fp16 rows and
+    weight, or an fp8 weight (K-major) by fp8 x fp8 WGMMA on rows the norm quantised
+    (`QuantizedRows`) or quantised here."""
+    if not isinstance(w, Fp8Weight):
+        return rope_write_mosaic.project_rope_and_write(x, w, cos, sin, kv, bounds, scales, ops)
+    values, scale = _k_major(w)
+    if isinstance(x, QuantizedRows):
+        xq, x_scale, dtype = x.values, x.scale, x.dtype
+    else:
+        (xq, x_scale), dtype = fp8_matmul_mosaic.quantize_rows(x), x.dtype
+    return rope_write_mosaic.project_rope_and_write_fp8(
+        xq, x_scale, values, scale, cos, sin, kv, bounds, scales, ops, dtype
+    )
+
+
 def _k_major(w: fp8.Weight) -> tuple[Array, Array]:
     """A K-major `Fp8Weight`'s values and scale, as `fp8_matmul_mosaic` takes them; a
     ValueError for any other weight."""
@@ -353,7 +369,7 @@ class Attention(nn.Module):
         groups: tuple[AttentionGroup, ...] | None = None,
     ) -> tuple[Array | Partials | Product, LayerKV, Array | KeptKV | None]:
         """x: [b, W, model] normed window rows (`QuantizedRows` where the q/k/v product is
-        `fp8_mosaic`) -> the attention output [b, W,
+        an fp8 kernel's: `fp8_mosaic`, or `rope` with an fp8 weight) -> the attention output [b, W,
         model] (or `Partials`, or with `defer_output` the output `Product` still to run) and
         the layer's K/V with the window's written (as given, with `kept_kv`).
         `query_rows=(start, n)`: attend and project only window rows `[start, start + n)`
@@ -372,10 +388,10 @@ class Attention(nn.Module):
         on all T rows, RoPE and the K/V write per group in XLA, attention per group as the
         group says. Returns the output [1, T, model] and each group's K/V."""
         cfg = self.config
-        if isinstance(x, QuantizedRows) and kernels.qkv != "fp8_mosaic":
+        if isinstance(x, QuantizedRows) and kernels.qkv not in ("fp8_mosaic", "rope"):
             raise ValueError(
-                "Attention: rows quantised by the norm (QuantizedRows) need qkv 'fp8_mosaic'; "
-                f"got {kernels.qkv!r}"
+                "Attention: rows quantised by the norm (QuantizedRows) need qkv 'fp8_mosaic' "
+                f"or 'rope' (with an fp8 weight); got {kernels.qkv!r}"
             )
         group = cfg.n_heads // cfg.n_kv_heads
         kv_heads = cfg.n_kv_heads // self.shards
@@ -418,7 +434,7 @@ class Attention(nn.Module):
         if kernels.rope == "mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
             cos, sin, bounds = self._rope_inputs(positions, window, x.shape[1])
         if kernels.rope == "mosaic" and kernels.qkv == "rope":
-            q, keys, values = rope_write_mosaic.project_rope_and_write(
+            q, keys, values = _project_rope_and_write(
                 x, qkv_kernel, cos, sin, kv, bounds, scales, ops
             )
         elif kernels.rope == "mosaic":

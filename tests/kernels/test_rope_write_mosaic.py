@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from djax.config import DENSE, ModelConfig
-from djax.kernels import rope_write_mosaic, split_k_mosaic
+from djax.kernels import fp8_matmul_mosaic, rope_write_mosaic, split_k_mosaic
 from djax.kernels.handoff import Partials
 from djax.kernels.rope_write_mosaic import HeadOps
 from djax.kernels.tma_ring import Tiles
@@ -196,6 +196,92 @@ def test_errors():
         rope_write_mosaic.rope_and_write(qkv.astype(jnp.float32), cos, sin, None, bounds)
 
 
+FP8_CASES = {
+    # as CASES: the model width a multiple of 128, as 8-bit products take it
+    "fp8: GQA, two sequences in one row tile, window at the cache's start": (
+        2, 16, 128, 1, 2, 64, 64, 48, layers.Window(0), HeadOps(),
+    ),
+    "fp8: whole sequence, 128-wide heads, partial rotary, q/k norm": (
+        1, 8, 256, 1, 1, 128, 64, None, layers.Window(3), HeadOps(True, 1e-5),
+    ),
+}  # fmt: skip
+
+
+def _fp8_problem(case):
+    """`_problem`'s window with its rows and weight quantised as the fp8 products take
+    them: rows by `quantize_rows`, the weight per output column, K-major."""
+    x, w, *rest = _problem(case)
+    xq, x_scale = fp8_matmul_mosaic.quantize_rows(x)
+    w_values, w_scale = fp8_matmul_mosaic.quantize(w, (0,))  # [model, kv, g + 2, d]
+    return xq, x_scale, jnp.moveaxis(w_values, 0, -1), w_scale, *rest
+
+
+@pytest.mark.parametrize("name", list(FP8_CASES))
+def test_fp8_product_matches_xla(name):
+    """The fp8 q/k/v product inside the kernel (e4m3 rows and K-major weight, their scales
+    on the fp32 product) against the same product in XLA (fp32, scaled, rounded to bf16)
+    and XLA's head ops; the buffer rows outside the write range are the old buffer's."""
+    case = FP8_CASES[name]
+    xq, x_scale, w_t, w_scale, positions, buffers, scales, bounds, cos, sin = _fp8_problem(case)
+    ops, window, rotary = case[-1], case[-2], case[6]
+    ours = rope_write_mosaic.project_rope_and_write_fp8(
+        xq, x_scale, w_t, w_scale, cos, sin, buffers, bounds, scales, ops
+    )
+    f32 = jnp.float32
+    qkv = jnp.einsum("btm,kgdm->btkgd", xq.astype(f32), w_t.astype(f32))
+    qkv = (qkv * x_scale[:, :, None, None, None] * w_scale).astype(BF16)
+    want = layers.rope_and_write_xla(qkv, positions, buffers, window, scales, ops, 1e4, rotary)
+    for label, o, ref in zip(("q", "keys", "values"), ours, want, strict=True):
+        assert o.shape == ref.shape and o.dtype == ref.dtype, label
+        np.testing.assert_allclose(o.astype(f32), ref.astype(f32), atol=2e-2, rtol=2e-2)
+    if buffers is not None:
+        t, s = xq.shape[1], buffers[0].shape[1]
+        lo, hi = int(bounds[1]), int(bounds[2])
+        base = min(max(window.start, 0), s - t)
+        untouched = ~np.isin(np.arange(s), [base + i for i in range(t) if lo <= i + base < hi])
+        np.testing.assert_array_equal(ours[1][:, untouched], buffers[0][:, untouched])
+
+
+def test_fp8_kernel_lowers_for_hopper():
+    """At LLaDA-8B's block (32 kv heads of 128 features, 4096 wide, 32 rows into a
+    384-position cache) and LLaDA-MoE's (q/k norms, the clip, 2048 wide, two sequences),
+    the fp8 kernel lowers to Mosaic GPU's custom call for CUDA, the buffers aliased."""
+    shape = jax.ShapeDtypeStruct
+    fp8 = fp8_matmul_mosaic.FP8
+    for b, model, kv, ops in ((1, 4096, 32, HeadOps()), (2, 2048, 16, HeadOps(True, 1e-6, 8.0))):
+        args = [
+            shape((b, 32, model), fp8),
+            shape((b, 32), jnp.float32),
+            shape((kv, 3, 128, model), fp8),
+            shape((kv, 3, 128), jnp.float32),
+            shape((b, 32, 64), jnp.float32),
+            shape((b, 32, 64), jnp.float32),
+            (shape((b, 384, kv, 128), BF16),) * 2,
+            shape((3,), jnp.int32),
+            (shape((128,), BF16),) * 2 if ops.qk_norm else None,
+        ]
+
+        def run(*args, ops=ops):
+            return rope_write_mosaic.project_rope_and_write_fp8(*args, ops=ops, interpret=False)
+
+        text = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and "output_operand_alias" in text
+
+
+def test_fp8_errors():
+    """16-bit rows, a model width that is not a multiple of 128, or an 8-bit output dtype
+    are refused by name."""
+    case = FP8_CASES["fp8: GQA, two sequences in one row tile, window at the cache's start"]
+    xq, x_scale, w_t, w_scale, _, buffers, scales, bounds, cos, sin = _fp8_problem(case)
+    run = rope_write_mosaic.project_rope_and_write_fp8
+    with pytest.raises(ValueError, match="project_rope_and_write_fp8: xq bfloat16"):
+        run(xq.astype(BF16), x_scale, w_t, w_scale, cos, sin, buffers, bounds)
+    with pytest.raises(ValueError, match="a multiple of 128"):
+        run(xq[..., :64], x_scale, w_t[..., :64], w_scale, cos, sin, buffers, bounds)
+    with pytest.raises(ValueError, match="dtype float32"):
+        run(xq, x_scale, w_t, w_scale, cos, sin, buffers, bounds, dtype=jnp.float32)
+
+
 def test_lowers_for_hopper():
     """At LLaDA-8B's block (32 kv heads of 128 features, 4096 wide, 32 rows into a
     384-position cache), LLaDA-MoE's (q/k norms and the clip, 2048 wide, two sequences),
@@ -293,3 +379,26 @@ def test_compiled_kernel_on_gpu():
             for o, ref in zip(ours, want, strict=True):
                 o, ref = o.astype(jnp.float32), ref.astype(jnp.float32)
                 np.testing.assert_allclose(o, ref, atol=0.05, rtol=0.01)
+
+
+@needs_gpu
+def test_compiled_fp8_kernel_on_gpu():
+    """On a Hopper GPU: the compiled fp8 kernel at LLaDA-8B's block and LLaDA-MoE's (q/k
+    norms, the clip, two sequences) against XLA's fp8 product (fp32, scaled, rounded) and
+    head ops."""
+    cases = [
+        (1, 32, 4096, 32, 1, 128, 128, 384, layers.Window(128), HeadOps()),
+        (2, 32, 2048, 16, 1, 128, 128, 384, layers.Window(352, 360, 384), HeadOps(True, 1e-6)),
+    ]
+    for case in cases:
+        xq, x_scale, w_t, w_scale, positions, buffers, scales, bounds, cos, sin = _fp8_problem(case)
+        ops, window, rotary = case[-1], case[-2], case[6]
+        ours = rope_write_mosaic.project_rope_and_write_fp8(
+            xq, x_scale, w_t, w_scale, cos, sin, buffers, bounds, scales, ops
+        )
+        f32 = jnp.float32
+        qkv = jnp.einsum("btm,kgdm->btkgd", xq.astype(f32), w_t.astype(f32))
+        qkv = (qkv * x_scale[:, :, None, None, None] * w_scale).astype(BF16)
+        want = layers.rope_and_write_xla(qkv, positions, buffers, window, scales, ops, 1e4, rotary)
+        for o, ref in zip(ours, want, strict=True):
+            np.testing.assert_allclose(o.astype(f32), ref.astype(f32), atol=0.1, rtol=0.02)
