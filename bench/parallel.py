@@ -8,19 +8,28 @@ refreshes and 64 more block forwards, so block ms = (t_128 − t_64) / 64. `--di
 dInfer's LLaDA-MoE setting (gen 1024, block 64, vicinity 16/16 with 4 warm-up steps, 4
 tokens per forward).
 
-    python -m bench.parallel [--sizes 1 2] [--models dense moe] [--dinfer] [--tiny]
+    python -m bench.parallel [--sizes 1 2] [--models dense moe] [--weights dtype fp8]
+        [--routing model|spread] [--dinfer] [--tiny]
+
+`--weights`: each model under each weight form (`fp8`: projections and experts in e4m3,
+split as the bf16 ones are; under a mesh `auto` runs their products `scaled`).
+`--routing spread`: LLaDA-MoE's tokens spread as a trained router's (`bench.common.
+use_routing`; the headline MoE setting). Each row carries `weights`, `routing` and
+`kernels` (what `auto` resolved for the setting's programs).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
 
-from bench.common import SETTING, bench_model, model_config, save
-from djax import GenerationConfig, Model, generate
+from bench.common import ROUTINGS, SETTING, bench_model, model_config, save, use_routing
+from djax import GenerationConfig, Model, engine, generate
+from djax.config import WEIGHTS
 
 DINFER = GenerationConfig(
     gen_length=1024,
@@ -53,7 +62,9 @@ def measure(model: Model, prompt: list[int], base: GenerationConfig, repeats: in
     short = timed(model, prompt, base, repeats)
     longer = timed(model, prompt, dataclasses.replace(base, steps=2 * base.steps), repeats)
     extra = longer["forwards"] - short["forwards"]
+    plan, _ = engine.make_plan(model, base, 1, len(prompt))
     return {
+        "kernels": engine.kernel_choice(model, plan).explain(),
         "tokens_per_s": base.gen_length / short["seconds"],
         "tokens_per_forward": base.gen_length / short["forwards"],
         "ms_per_forward": 1e3 * short["seconds"] / short["forwards"],
@@ -66,26 +77,30 @@ def measure(model: Model, prompt: list[int], base: GenerationConfig, repeats: in
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--models", nargs="+", default=["dense", "moe"])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dinfer", action="store_true")
+    parser.add_argument("--weights", nargs="+", choices=WEIGHTS, default=["dtype"])
+    parser.add_argument("--routing", choices=ROUTINGS, default="model", help="see use_routing")
     parser.add_argument("--tiny", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    use_routing(args.routing)
     prompt = np.arange(10, 10 + args.prompt_len).tolist()
     rows = []
-    for name in args.models:
+    for name, weights in itertools.product(args.models, args.weights):
         config = model_config(name, args.tiny)
         settings = [("bench", SETTING)]
         if args.dinfer and config.is_moe:
             settings.append(("dinfer", DINFER))
         for n in args.sizes:
-            model, split = bench_model(config, n)
+            model, split = bench_model(config, n, weights=weights)
             for label, base in settings:
-                row = {"model": name, "setting": label, "devices": n, **split}
+                row = {"model": name, "weights": weights, "routing": args.routing}
+                row.update({"setting": label, "devices": n, **split})
                 try:
                     row.update(measure(model, prompt, base, args.repeats))
                     row.pop("answer_ids")
@@ -95,19 +110,23 @@ def main() -> None:
                 rows.append(row)
             del model
     for row in rows:
-        key = (row["model"], row["setting"])
-        one = [r for r in rows if (r["model"], r["setting"]) == key and r["devices"] == 1]
+        key = (row["model"], row["weights"], row["setting"])
+        one = [
+            r for r in rows if (r["model"], r["weights"], r["setting"]) == key and r["devices"] == 1
+        ]
         if one and "tokens_per_s" in one[0] and "tokens_per_s" in row:
             row["speedup_vs_1"] = row["tokens_per_s"] / one[0]["tokens_per_s"]
     save(
-        "parallel",
+        "parallel" + ("_spread" if args.routing == "spread" else ""),
         {
+            "options": vars(args),
             "devices_used": max(args.sizes),
             "setting": dataclasses.asdict(SETTING),
             "dinfer_setting": dataclasses.asdict(DINFER),
             "results": rows,
             "visible_devices": len(jax.devices()),
         },
+        "fp8" if "fp8" in args.weights else None,
     )
 
 
