@@ -216,6 +216,16 @@ def _fp8_problem(case):
     return xq, x_scale, jnp.moveaxis(w_values, 0, -1), w_scale, *rest
 
 
+def _fp8_xla(case, xq, x_scale, w_t, w_scale, positions, buffers, scales):
+    """XLA's fp8 product (fp32 of the e4m3 values, both scales, rounded to bf16) and XLA's
+    head ops and buffer writes."""
+    *_, rotary, _, window, ops = case
+    f32 = jnp.float32
+    qkv = jnp.einsum("btm,kgdm->btkgd", xq.astype(f32), w_t.astype(f32))
+    qkv = (qkv * x_scale[:, :, None, None, None] * w_scale).astype(BF16)
+    return layers.rope_and_write_xla(qkv, positions, buffers, window, scales, ops, 1e4, rotary)
+
+
 @pytest.mark.parametrize("name", list(FP8_CASES))
 def test_fp8_product_matches_xla(name):
     """The fp8 q/k/v product inside the kernel (e4m3 rows and K-major weight, their scales
@@ -223,14 +233,11 @@ def test_fp8_product_matches_xla(name):
     and XLA's head ops; the buffer rows outside the write range are the old buffer's."""
     case = FP8_CASES[name]
     xq, x_scale, w_t, w_scale, positions, buffers, scales, bounds, cos, sin = _fp8_problem(case)
-    ops, window, rotary = case[-1], case[-2], case[6]
+    ops, window, f32 = case[-1], case[-2], jnp.float32
     ours = rope_write_mosaic.project_rope_and_write_fp8(
         xq, x_scale, w_t, w_scale, cos, sin, buffers, bounds, scales, ops
     )
-    f32 = jnp.float32
-    qkv = jnp.einsum("btm,kgdm->btkgd", xq.astype(f32), w_t.astype(f32))
-    qkv = (qkv * x_scale[:, :, None, None, None] * w_scale).astype(BF16)
-    want = layers.rope_and_write_xla(qkv, positions, buffers, window, scales, ops, 1e4, rotary)
+    want = _fp8_xla(case, xq, x_scale, w_t, w_scale, positions, buffers, scales)
     for label, o, ref in zip(("q", "keys", "values"), ours, want, strict=True):
         assert o.shape == ref.shape and o.dtype == ref.dtype, label
         np.testing.assert_allclose(o.astype(f32), ref.astype(f32), atol=2e-2, rtol=2e-2)
@@ -392,13 +399,10 @@ def test_compiled_fp8_kernel_on_gpu():
     ]
     for case in cases:
         xq, x_scale, w_t, w_scale, positions, buffers, scales, bounds, cos, sin = _fp8_problem(case)
-        ops, window, rotary = case[-1], case[-2], case[6]
         ours = rope_write_mosaic.project_rope_and_write_fp8(
-            xq, x_scale, w_t, w_scale, cos, sin, buffers, bounds, scales, ops
+            xq, x_scale, w_t, w_scale, cos, sin, buffers, bounds, scales, case[-1]
         )
-        f32 = jnp.float32
-        qkv = jnp.einsum("btm,kgdm->btkgd", xq.astype(f32), w_t.astype(f32))
-        qkv = (qkv * x_scale[:, :, None, None, None] * w_scale).astype(BF16)
-        want = layers.rope_and_write_xla(qkv, positions, buffers, window, scales, ops, 1e4, rotary)
+        want = _fp8_xla(case, xq, x_scale, w_t, w_scale, positions, buffers, scales)
         for o, ref in zip(ours, want, strict=True):
-            np.testing.assert_allclose(o.astype(f32), ref.astype(f32), atol=0.1, rtol=0.02)
+            o, ref = (a.astype(jnp.float32) for a in (o, ref))
+            np.testing.assert_allclose(o, ref, atol=0.1, rtol=0.02)
