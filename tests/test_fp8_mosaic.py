@@ -192,6 +192,13 @@ def test_attention_takes_the_fp8_qkv_product_inside_the_rope_kernel():
     # the same rows either way: the layer quantises bf16 rows by `quantize_rows`
     for a, b in zip(outs["rope", False], outs["rope", True], strict=True):
         np.testing.assert_array_equal(a, b)
+    # rows the norm quantised, for a bf16 weight: refused by name
+    rows = QuantizedRows(*fp8_matmul_mosaic.quantize_rows(x), x.dtype)
+    params = plain.init(jax.random.key(9), x, positions, key_valid, kv, window)
+    with pytest.raises(ValueError, match="need an fp8 q/k/v weight in the RoPE kernel"):
+        plain.apply(
+            params, rows, positions, key_valid, kv, window, None, Kernels(qkv="rope", rope="mosaic")
+        )
 
 
 def test_kernel_choice_errors():

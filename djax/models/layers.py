@@ -86,6 +86,11 @@ def _project_rope_and_write(x, w: fp8.Weight, cos, sin, kv, bounds, scales, ops)
     weight, or an fp8 weight (K-major) by fp8 x fp8 WGMMA on rows the norm quantised
     (`QuantizedRows`) or quantised here."""
     if not isinstance(w, Fp8Weight):
+        if isinstance(x, QuantizedRows):
+            raise ValueError(
+                "Attention: rows quantised by the norm (QuantizedRows) need an fp8 q/k/v "
+                f"weight in the RoPE kernel; got a {w.dtype} weight"
+            )
         return rope_write_mosaic.project_rope_and_write(x, w, cos, sin, kv, bounds, scales, ops)
     values, scale = _k_major(w)
     if isinstance(x, QuantizedRows):
