@@ -73,7 +73,8 @@ case "$stage" in
     # -v names every test as it ends, so a run cut short still says which failed.
     python3 -m pytest -v -rs -p no:cacheprovider "${workers[@]}" tests/kernels \
       tests/test_kernel_choice.py tests/test_fp8.py tests/test_fp8_mosaic.py \
-      tests/test_llada.py tests/test_llada_moe.py "$@" 2>&1 | tee "$log" ;;
+      tests/test_llada.py tests/test_llada_moe.py tests/test_sparse_attention.py "$@" 2>&1 \
+      | tee "$log" ;;
   train)
     python3 -m djax.demo.train "$@" 2>&1 | tee "$log" ;;
   *)
