@@ -32,12 +32,14 @@ experts by `spread_grouped_routing`, keeping each token's groups. Results:
 `generate_llada2[_spread]_<device>.json`.
 
     python -m bench.generate [--models dense moe llada2_mini] [--batch 1 8] [--variants
-        default norm_impl=xla] [--steps 64 32] [--routing model|spread] [--tiny]
+        default norm_impl=xla] [--steps 64 32] [--routing model|spread] [--no-threshold]
+        [--tiny]
 
 Each `--variants` entry is a set of module options (`default`: the engine's own choices),
 run in turn on the same weights. The threshold decoder runs with the dual cache at the first
-`--steps` count. With two `--steps` counts the dual-cache runs also split their time
-between the two kinds of forward, inside the generation: both counts do the same refreshes
+`--steps` count (`--no-threshold`: not at all, a program less to compile per variant).
+With two `--steps` counts the dual-cache runs also split their time between the two kinds
+of forward, inside the generation: both counts do the same refreshes
 (one per block), so the time difference over the forward-count difference is one block
 forward, and what is left of a run over its refreshes is one refresh (`splits`; under
 block diffusion both do the same prefill and first steps, and the split is the block forward
@@ -228,6 +230,12 @@ def main() -> None:
     parser.add_argument("--routing", choices=ROUTINGS, default="model", help="see use_routing")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     parser.add_argument(
+        "--threshold",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the threshold decoder's row (--no-threshold: the setting's rows alone)",
+    )
+    parser.add_argument(
         "--weights",
         nargs="+",
         choices=WEIGHTS,
@@ -256,7 +264,7 @@ def main() -> None:
             variant = model.with_options(**options)
             for prompt_len in args.prompts:
                 for batch in args.batch:
-                    for case in cases(config, base, args.caches, args.steps):
+                    for case in cases(config, base, args.caches, args.steps, args.threshold):
                         row = run_case(variant, prompt_len, batch, case, ceilings, args.repeats)
                         labels = {"model": model_name, "weights": weights, "options": options}
                         rows.append(labels | row)
@@ -272,17 +280,24 @@ def main() -> None:
 
 
 def cases(
-    config: ModelConfig, base: GenerationConfig, caches: list[str], steps: list[int]
+    config: ModelConfig,
+    base: GenerationConfig,
+    caches: list[str],
+    steps: list[int],
+    threshold: bool = True,
 ) -> list[GenerationConfig]:
-    """The runs of one model: `base` under each cache at each step count, then the threshold
-    decoder with the dual cache at the first step count. Block diffusion runs the caches it
-    has (`dual`, its append-only block cache, and `none`); the others are skipped."""
+    """The runs of one model: `base` under each cache at each step count, then (with
+    `threshold`) the threshold decoder with the dual cache at the first step count. Block
+    diffusion runs the caches it has (`dual`, its append-only block cache, and `none`); the
+    others are skipped."""
     if config.block_diffusion:
         skipped = [c for c in caches if c not in block_diffusion.CACHES]
         if skipped:
             print(f"block diffusion ({config.family}) has no cache {skipped}: skipped")
         caches = [c for c in caches if c in block_diffusion.CACHES]
     runs = [dataclasses.replace(base, cache=c, steps=n) for c in caches for n in steps]
+    if not threshold:
+        return runs
     return [*runs, dataclasses.replace(base, decoder="threshold", cache="dual", steps=steps[0])]
 
 

@@ -777,3 +777,15 @@ def test_fp8_limit_runs_the_products_at_the_fp8_rate():
             fp8 = {**ceilings, "fp8_matmul_flops_per_s": 2.0}
             seconds = forward_seconds(model, 2, fp8, 32, 96, None, 32)
             assert math.isclose(seconds, 2 * (products / 2 + flops - products))
+
+
+def test_generate_cases_leave_the_threshold_row_out_when_asked():
+    from bench.common import SETTING, model_config
+    from bench.generate import cases
+
+    config = model_config("dense", tiny=True)
+    runs = cases(config, SETTING, ["dual", "none"], [64])
+    assert [(r.decoder, r.cache) for r in runs] == [
+        ("low_confidence", "dual"), ("low_confidence", "none"), ("threshold", "dual"),
+    ]  # fmt: skip
+    assert cases(config, SETTING, ["dual", "none"], [64], threshold=False) == runs[:2]
