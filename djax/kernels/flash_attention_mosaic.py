@@ -359,13 +359,6 @@ def split_kv_attention(
     past the keys, masked); `interpret`: run in Mosaic GPU's interpreter (default: exactly
     off GPUs, as the CPU tests do).
     """
-    out = _attention(q, keys, values, key_valid, tiles, interpret)
-    return merge_slices(*out, q.dtype) if isinstance(out, tuple) else out
-
-
-def _attention(q, keys, values, key_valid, tiles, interpret):
-    """The kernel over `split_kv_attention`'s arguments: its output, or where it writes
-    several slices their fp32 outputs and log-sum-exps [b, splits, t, n]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, t, n, d = q.shape
@@ -479,7 +472,7 @@ def _attention(q, keys, values, key_valid, tiles, interpret):
     if not split_out:
         return kernel(*inputs)
     partial, lse = kernel(*inputs)
-    return partial, lse[..., :t].transpose(0, 1, 3, 2)
+    return merge_slices(partial, lse[..., :t].transpose(0, 1, 3, 2), q.dtype)
 
 
 def merge_slices(partial: Array, lse: Array, dtype) -> Array:

@@ -64,11 +64,10 @@ def project(
             f"got {impl!r}"
         )
     if impl == "fp8_mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
-        if isinstance(x, QuantizedRows):
-            values, scale = _k_major(flat)
-            y = fp8_matmul_mosaic.matmul_partials(x.values, x.scale, values, scale, dtype=x.dtype)
-        else:
-            y = fp8_matmul_mosaic.matmul(x, *_k_major(flat))
+        rows, (values, scale) = _fp8_rows(x), _k_major(flat)
+        y = fp8_matmul_mosaic.matmul_partials(
+            rows.values, rows.scale, values, scale, dtype=rows.dtype
+        )
         return Partials(y.parts.reshape(y.parts.shape[:-1] + out_shape), y.dtype)
     if isinstance(w, Fp8Weight):
         y = fp8.einsum("...k,kn->...n", x, flat, fp8_impl)
@@ -92,14 +91,18 @@ def _project_rope_and_write(x, w: fp8.Weight, cos, sin, kv, bounds, scales, ops)
                 f"weight in the RoPE kernel; got a {w.dtype} weight"
             )
         return rope_write_mosaic.project_rope_and_write(x, w, cos, sin, kv, bounds, scales, ops)
-    values, scale = _k_major(w)
-    if isinstance(x, QuantizedRows):
-        xq, x_scale, dtype = x.values, x.scale, x.dtype
-    else:
-        (xq, x_scale), dtype = fp8_matmul_mosaic.quantize_rows(x), x.dtype
+    rows, (values, scale) = _fp8_rows(x), _k_major(w)
     return rope_write_mosaic.project_rope_and_write_fp8(
-        xq, x_scale, values, scale, cos, sin, kv, bounds, scales, ops, dtype
+        rows.values, rows.scale, values, scale, cos, sin, kv, bounds, scales, ops, rows.dtype
     )
+
+
+def _fp8_rows(x: Array | QuantizedRows) -> QuantizedRows:
+    """x's rows as the fp8 Mosaic GPU kernels take them: as the norm kernel quantised them,
+    or quantised here (`fp8_matmul_mosaic.quantize_rows`)."""
+    if isinstance(x, QuantizedRows):
+        return x
+    return QuantizedRows(*fp8_matmul_mosaic.quantize_rows(x), x.dtype)
 
 
 def _k_major(w: fp8.Weight) -> tuple[Array, Array]:
@@ -559,14 +562,10 @@ class GatedMLP(nn.Module):
             self, "down", init_normal(), (hidden, d_model), self.dtype, weights, k_major
         )
         if kernels.mlp == "fp8_mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
-            rows = x.reshape(b * t, d_model)
-            if isinstance(rows, QuantizedRows):  # quantised by the norm kernel
-                values, scale = _k_major(gate_up)
-                act = fp8_matmul_mosaic.swiglu_matmul(
-                    rows.values, rows.scale, values, scale, dtype=rows.dtype
-                )
-            else:
-                act = fp8_matmul_mosaic.swiglu(rows, *_k_major(gate_up))
+            rows, (values, scale) = _fp8_rows(x.reshape(b * t, d_model)), _k_major(gate_up)
+            act = fp8_matmul_mosaic.swiglu_matmul(
+                rows.values, rows.scale, values, scale, dtype=rows.dtype
+            )
             act = act.reshape(b, t, hidden)
         elif kernels.mlp == "mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
             rows = x.reshape(b * t, d_model)
