@@ -361,24 +361,39 @@ def commit() -> str:
 
 
 def time_in_program(
-    step, state, iters: int, *operands, repeats: int = 5, options: dict | None = None
+    step,
+    state,
+    iters: int,
+    *operands,
+    repeats: int = 5,
+    options: dict | None = None,
+    donate: bool = False,
 ) -> float:
     """Median seconds per call of `step(state, *operands) -> state`, run `iters` times inside
     one compiled `fori_loop` (as the engine runs forwards: no host round trip in between).
     Weights go in `operands`, never in a closure (they would be baked into the program).
-    `options`: XLA compiler options (default: the engine's, `djax.xla_options`)."""
+    `options`: XLA compiler options (default: the engine's, `djax.xla_options`). `donate`:
+    the program takes `state`'s buffers and each call the last one's state, as the engine
+    does with its K/V buffers (a state of tens of GB then needs no second copy); the caller's
+    `state` is consumed."""
 
     def loop(state, *operands):
         return jax.lax.fori_loop(0, iters, lambda _, c: step(c, *operands), state)
 
     if options is None:
         options = compiler_options(jax.default_backend())
-    compiled = jax.jit(loop).lower(state, *operands).compile(options)
-    jax.block_until_ready(compiled(state, *operands))
+    program = jax.jit(loop, donate_argnums=0 if donate else ())
+    compiled = program.lower(state, *operands).compile(options)
+
+    def call(state):  # the state for the next call, once this one has ended
+        out = jax.block_until_ready(compiled(state, *operands))
+        return out if donate else state
+
+    state = call(state)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(compiled(state, *operands))
+        state = call(state)
         times.append((time.perf_counter() - start) / iters)
     return float(np.median(times))
 

@@ -102,7 +102,7 @@ def time_block(
         logits = module.apply({"params": params}, hidden, method="logits")
         return x + (1e-6 * jnp.mean(logits)).astype(x.dtype), kv, kept
 
-    return time_in_program(step, (x, kv, kept), iters, params)
+    return time_in_program(step, (x, kv, kept), iters, params, donate=True)
 
 
 def time_refresh(module, params, config, seq: int, block_row: int, rule, iters: int) -> float:

@@ -1,6 +1,7 @@
 """The profile summary the benchmark notes quote: categories, idle gaps, idle time bordering
 collectives, per device."""
 
+import numpy as np
 import pytest
 
 from bench.profile import categorize, device_events, event_category, summarize
@@ -789,3 +790,19 @@ def test_generate_cases_leave_the_threshold_row_out_when_asked():
         ("low_confidence", "dual"), ("low_confidence", "none"), ("threshold", "dual"),
     ]  # fmt: skip
     assert cases(config, SETTING, ["dual", "none"], [64], threshold=False) == runs[:2]
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_time_in_program_threads_a_donated_state(donate):
+    """With `donate` each call takes the last call's state (the caller's is consumed);
+    without it every call starts from the caller's state, which stays usable."""
+    import jax.numpy as jnp
+
+    from bench.common import time_in_program
+
+    state = jnp.zeros(4)
+    seconds = time_in_program(lambda s, one: s + one, state, 3, jnp.float32(1), donate=donate)
+    assert seconds > 0
+    assert state.is_deleted() == donate
+    if not donate:
+        np.testing.assert_array_equal(state, 0)

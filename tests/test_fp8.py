@@ -238,7 +238,10 @@ def test_fp8_expert_paths_agree(moe_model, impl):
     grouped = experts_grouped(
         x, weights, experts, gate_up, down, 0, mlp=partial(ragged_mlp, fp8_impl=impl)
     )
-    assert rel_error(np.asarray(grouped), np.asarray(dense)) <= 1e-5
+    # the same products summed in other orders; under `scaled` on a Hopper GPU, e4m3
+    # products whose tensor-core accumulator keeps fewer bits than fp32 (3.7e-5 measured)
+    bound = 1e-4 if impl == "scaled" else 1e-5
+    assert rel_error(np.asarray(grouped), np.asarray(dense)) <= bound
     # and both are the dequantised experts' products, within the rows' own rounding (e4m3
     # rows in both products under `scaled`: 5.5% measured)
     full = experts_dense(
