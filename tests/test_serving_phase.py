@@ -9,6 +9,7 @@ import itertools
 import re
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +181,28 @@ def _block_call_blocks(model, continuous, rows, sampling):
         program, _ = executable(model, plan, args, run_block_call)
         blocks += list(np.asarray(program(*args)["block"]))
     return blocks
+
+
+def test_block_calls_donate_no_tokens(dense_model, continuous, monkeypatch):
+    """A block call's outputs hold no [batch, seq] buffer, so it donates nothing (a
+    donated tokens buffer would go unused and XLA would warn at every compile, 42 times
+    in a server's warm-up); a whole generation donates its tokens, which its output reuses."""
+    from djax import engine as djax_engine
+    from djax.diffusion import run_generation
+
+    plan = continuous._block_plan(2, 32, False)
+    args = continuous._block_args([], 2, 32)
+
+    def donation_warnings():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            djax_engine.lower(dense_model, plan, args, run_block_call)
+        return [w for w in caught if "donated buffers were not usable" in str(w.message)]
+
+    assert programs.donated(run_block_call) == () and not donation_warnings()
+    assert programs.donated(run_generation) == (1,)
+    monkeypatch.setattr(programs, "donated", lambda run: (1,))  # as before: warned
+    assert donation_warnings()
 
 
 def _phase_blocks(model, engine, rows, sampling, streams, per_call=2):
