@@ -584,6 +584,11 @@ def check_orbax(folder: str | Path, abstract: dict) -> None:
     }
     if stored != expected:
         diff = sorted(set(stored.items()) ^ set(expected.items()))
+        if [name for name, _ in diff] == [fp8.scale_name("lm_head")]:
+            raise CheckpointError(
+                f"{path}: an fp8 folder converted before djax stored the output head in "
+                "fp8 (it holds no lm_head_scale); convert the model again"
+            )
         raise CheckpointError(
             f"{path}: holds params that differ from what config.json describes, e.g. "
             f"{diff[:3]} (name, shape); convert the model again"

@@ -44,7 +44,7 @@ E4M3_SUBNORMAL_ABS = 2.0**-10
 # leave ~1.5x; the agreement bounds a few points.
 DEMO_LOGITS_BOUND = {"dequant": 0.03, "scaled": 0.045}
 MOE_BOUNDS = {"dequant": (0.12, 0.9), "scaled": (0.15, 0.85)}
-FP8_NAMES = {"qkv", "attn_out", "gate_up", "down"}
+FP8_NAMES = {"qkv", "attn_out", "gate_up", "down", "lm_head"}
 
 
 def _weights(shape, axes, seed=0):
@@ -80,17 +80,19 @@ def test_round_trip_is_within_e4m3_precision(shape, axes):
     assert np.all(back[np.broadcast_to(np.expand_dims(zero, axes), w.shape)] == 0)
 
 
-def test_quantize_params_keeps_embeddings_norms_router_and_head(moe_model):
+def test_quantize_params_keeps_embeddings_norms_and_router(moe_model):
     params = fp8.quantize_params(moe_model.params)
     flat = {
         jax.tree_util.keystr(k, simple=True, separator="/"): a
         for k, a in jax.tree_util.tree_flatten_with_path(params)[0]
     }
     quantised = {name for name, a in flat.items() if a.dtype == jnp.float8_e4m3fn}
-    assert quantised and {name.rsplit("/", 1)[1] for name in quantised} == FP8_NAMES
+    assert quantised and {name.rsplit("/", 1)[-1] for name in quantised} == FP8_NAMES
     for name in quantised:
         assert flat[name + "_scale"].dtype == jnp.float32
-    for kept in ("embed", "lm_head", "final_norm/scale", "ff_1/router", "attn_0/q_norm/scale"):
+    # the head: a scale per vocabulary entry
+    assert flat["lm_head_scale"].shape == (moe_model.config.vocab_size,)
+    for kept in ("embed", "final_norm/scale", "ff_1/router", "attn_0/q_norm/scale"):
         assert flat[kept].dtype == jnp.float32
 
 
@@ -253,6 +255,30 @@ def test_fp8_expert_paths_agree(moe_model, impl):
         0,
     )
     assert rel_error(np.asarray(dense), np.asarray(full)) <= (0.08 if impl == "scaled" else 1e-5)
+
+
+def test_fp8_folder_from_before_the_fp8_head_is_refused(dense_folder, tmp_path, monkeypatch):
+    """A folder converted while the head stayed in the model's dtype holds no lm_head_scale:
+    loading it says to convert again."""
+    from djax import models
+
+    axes, param = fp8.contraction_axes, fp8.param
+
+    def old_param(module, name, init, shape, dtype, *args, **kwargs):
+        if name == "lm_head":
+            return module.param(name, init, shape, dtype)
+        return param(module, name, init, shape, dtype, *args, **kwargs)
+
+    monkeypatch.setattr(
+        fp8, "contraction_axes", lambda name, ndim: None if name == "lm_head" else axes(name, ndim)
+    )
+    monkeypatch.setattr(fp8, "param", old_param)
+    models._abstract_params.cache_clear()
+    djax.convert(dense_folder[0], tmp_path / "old", jnp.float32, progress=False, weights="fp8")
+    monkeypatch.undo()
+    models._abstract_params.cache_clear()
+    with pytest.raises(CheckpointError, match="before djax stored the output head in fp8"):
+        djax.load(tmp_path / "old", jnp.float32)
 
 
 def test_convert_round_trip_is_bit_exact_and_recorded(dense_folder, tmp_path):

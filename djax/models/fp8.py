@@ -10,8 +10,9 @@ weight's own name and the scale beside it under `<name>_scale`; the layers read 
 one `Fp8Weight`.
 
 Which weights: the attention's `qkv` and `attn_out`, the dense and shared MLPs' `gate_up`
-and `down`, and the experts' stacked `gate_up` and `down`. The embedding, norms, router,
-expert bias and the output head stay in the model's dtype.
+and `down`, the experts' stacked `gate_up` and `down`, and the output head `lm_head`
+[model, vocab] (a scale per vocabulary entry). The embedding, norms, router and expert
+bias stay in the model's dtype.
 
 Products (`Kernels.fp8`): `dequant` converts the values to the rows' dtype inside XLA's
 dot (whose result is in the rows' dtype, as with weights of the model's dtype) and scales
@@ -21,6 +22,9 @@ fp32, scaled by both. Outside XLA: the parts a kernel choice marks `fp8_mosaic` 
 `scaled` product in `djax.kernels.fp8_matmul_mosaic` (the experts under `moe="fp8_mosaic"`
 in `djax.kernels.expert_tiles_mosaic.expert_mlp_fp8`), and `moe="mosaic"` converts the
 experts' e4m3 tiles inside `djax.kernels.expert_tiles_mosaic`.
+
+The head's product is XLA's (`einsum`, in fp32: the logits), by the block forward's
+`Kernels.fp8`.
 
 Layout: fp8 x fp8 WGMMA reads the values K-major, so under `fp8_impl="mosaic"`
 (`k_major`) a model holds the dense products' and the experts' values output axes first
@@ -125,8 +129,9 @@ def contraction_axes(name: str, ndim: int) -> tuple[int, ...] | None:
     stored in fp8, else None: `qkv` [model, kv_heads, group + 2, head_dim] over model,
     `attn_out` [kv_heads, group, head_dim, model] over all but model, `gate_up`
     [model, 2, hidden] and `down` [hidden, model] over their first axis, the experts'
-    `gate_up` [experts, model, 2, ffn] and `down` [experts, ffn, model] over their second."""
-    if name == "qkv":
+    `gate_up` [experts, model, 2, ffn] and `down` [experts, ffn, model] over their second,
+    `lm_head` [model, vocab] over model."""
+    if name in ("qkv", "lm_head"):
         return (0,)
     if name == "attn_out":
         return (0, 1, 2)
@@ -141,9 +146,10 @@ def k_major_order(name: str, ndim: int) -> tuple[int, ...] | None:
     """The axis order that makes the values of the fp8 param `name` of `ndim` axes K-major
     (`Fp8Weight.k_major`: its output axes, then its contraction axes), as the Mosaic GPU
     kernels read them: the dense products' and the experts' (`gate_up` [experts, 2, ffn,
-    model], `down` [experts, model, ffn]); None for every other param."""
+    model], `down` [experts, model, ffn]); None for every other param, the head's
+    included (XLA's product reads it as stored)."""
     axes = contraction_axes(name, ndim)
-    if axes is None:
+    if axes is None or name == "lm_head":
         return None
     return tuple(i for i in range(ndim) if i not in axes) + axes
 
@@ -246,8 +252,11 @@ def scale_spec(values_spec: PartitionSpec, axes: tuple[int, ...], ndim: int) -> 
     return PartitionSpec(*(s for i, s in enumerate(full) if i not in axes))
 
 
-def einsum(subscripts: str, x: Array, w: Weight, impl: str = "no") -> Array:
-    """`jnp.einsum(subscripts, x, w)` in x's dtype, where `w` may be an `Fp8Weight`.
+def einsum(
+    subscripts: str, x: Array, w: Weight, impl: str = "no", out_dtype: Any = None
+) -> Array:
+    """`jnp.einsum(subscripts, x, w)` in `out_dtype` (default x's dtype; a wider one is
+    accumulated in), where `w` may be an `Fp8Weight`.
 
     The product's rule for an `Fp8Weight`: x's contraction axis is its last; the output
     holds x's other axes first, in order, and ends with the scale's axes, in order (every
@@ -255,7 +264,10 @@ def einsum(subscripts: str, x: Array, w: Weight, impl: str = "no") -> Array:
     (see the module's docstring).
     """
     if not isinstance(w, Fp8Weight):
-        return jnp.einsum(subscripts, x, w)
+        if out_dtype is None:
+            return jnp.einsum(subscripts, x, w)
+        return jnp.einsum(subscripts, x, w, preferred_element_type=out_dtype)
+    out_dtype = out_dtype or x.dtype
     inputs, result = subscripts.split("->")
     x_subscripts, w_subscripts = inputs.split(",")
     subscripts = f"{x_subscripts},{w.operand(w_subscripts)}->{result}"
@@ -263,11 +275,12 @@ def einsum(subscripts: str, x: Array, w: Weight, impl: str = "no") -> Array:
         rows, x_scale = quantize(x, (x.ndim - 1,))
         y = jnp.einsum(subscripts, rows, w.values, preferred_element_type=jnp.float32)
         x_scale = x_scale.reshape(x_scale.shape + (1,) * (y.ndim - x_scale.ndim))
-        return (y * x_scale * w.scale).astype(x.dtype)
+        return (y * x_scale * w.scale).astype(out_dtype)
     if impl != "dequant":
         raise ValueError(f"an Fp8Weight's product takes fp8='dequant' or 'scaled'; got {impl!r}")
-    y = jnp.einsum(subscripts, x, w.values.astype(x.dtype))
-    return (y.astype(jnp.float32) * w.scale).astype(x.dtype)
+    wider = None if out_dtype == x.dtype else out_dtype
+    y = jnp.einsum(subscripts, x, w.values.astype(x.dtype), preferred_element_type=wider)
+    return (y.astype(jnp.float32) * w.scale).astype(out_dtype)
 
 
 def ragged_dot(x: Array, w: Weight, group_sizes: Array, impl: str = "no") -> Array:

@@ -577,6 +577,16 @@ class GatedMLP(nn.Module):
         return _sum_over(project(act, down, kernels.down, kernels.fp8), self.axis_name)
 
 
+def _vocab_slice(head: fp8.Weight, start: Any, width: int) -> fp8.Weight:
+    """The head's [model, width] columns from `start` (traced or not): an fp8 head's
+    values and scales alike."""
+    if isinstance(head, Fp8Weight):
+        values = jax.lax.dynamic_slice_in_dim(head.values, start, width, axis=1)
+        scale = jax.lax.dynamic_slice_in_dim(head.scale, start, width, axis=0)
+        return Fp8Weight(values, scale)
+    return jax.lax.dynamic_slice_in_dim(head, start, width, axis=1)
+
+
 def _sum_over(x: Array | Partials, axis_name: str | None) -> Array | Partials:
     """A product summed over the mesh axis `axis_name` (its partials summed first)."""
     return x if axis_name is None else jax.lax.psum(finish(x), axis_name)
@@ -639,8 +649,13 @@ class TransformerLM(nn.Module):
         self.ff_norms = [RMSNorm(eps, self.dtype, name=f"ff_norm_{i}") for i in range(cfg.n_layers)]
         self.ffs = [self.feed_forward(i) for i in range(cfg.n_layers)]
         self.final_norm = RMSNorm(eps, self.dtype, name="final_norm")
-        self.lm_head = self.param(
-            "lm_head", init_normal(), (cfg.d_model, cfg.vocab_size // self.shards), self.dtype
+        self.lm_head = fp8.param(
+            self,
+            "lm_head",
+            init_normal(),
+            (cfg.d_model, cfg.vocab_size // self.shards),
+            self.dtype,
+            self.kernels.weights,
         )
 
     def __call__(
@@ -795,9 +810,11 @@ class TransformerLM(nn.Module):
 
     def logits(self, hidden: Array, start: Any = 0, width: int | None = None) -> Array:
         """hidden: [batch, t, model] -> fp32 logits [batch, t, width] of the local vocabulary
-        ids [start, start + width) (`start` may be traced), all of them by default."""
+        ids [start, start + width) (`start` may be traced), all of them by default. An fp8
+        head (`weights="fp8"`) runs the block forward's fp8 product (`Kernels.fp8`)."""
         head = self.lm_head
         if width is not None:
-            head = jax.lax.dynamic_slice_in_dim(head, start, width, axis=1)
+            head = _vocab_slice(head, start, width)
         with jax.named_scope("head"):
-            return jnp.einsum("btm,mv->btv", hidden, head, preferred_element_type=jnp.float32)
+            impl = self.kernels.block.last.fp8
+            return fp8.einsum("btm,mv->btv", hidden, head, impl, out_dtype=jnp.float32)
