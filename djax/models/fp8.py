@@ -252,9 +252,7 @@ def scale_spec(values_spec: PartitionSpec, axes: tuple[int, ...], ndim: int) -> 
     return PartitionSpec(*(s for i, s in enumerate(full) if i not in axes))
 
 
-def einsum(
-    subscripts: str, x: Array, w: Weight, impl: str = "no", out_dtype: Any = None
-) -> Array:
+def einsum(subscripts: str, x: Array, w: Weight, impl: str = "no", out_dtype: Any = None) -> Array:
     """`jnp.einsum(subscripts, x, w)` in `out_dtype` (default x's dtype; a wider one is
     accumulated in), where `w` may be an `Fp8Weight`.
 
