@@ -360,22 +360,17 @@ def commit() -> str:
         return "unknown"
 
 
-def time_in_program(
-    step,
-    state,
-    iters: int,
-    *operands,
-    repeats: int = 5,
-    options: dict | None = None,
-    donate: bool = False,
-) -> float:
-    """Median seconds per call of `step(state, *operands) -> state`, run `iters` times inside
-    one compiled `fori_loop` (as the engine runs forwards: no host round trip in between).
-    Weights go in `operands`, never in a closure (they would be baked into the program).
-    `options`: XLA compiler options (default: the engine's, `djax.xla_options`). `donate`:
-    the program takes `state`'s buffers and each call the last one's state, as the engine
-    does with its K/V buffers (a state of tens of GB then needs no second copy); the caller's
-    `state` is consumed."""
+def compile_loop(
+    step, state, iters: int, *operands, options: dict | None = None, donate: bool = False
+):
+    """`step(state, *operands) -> state` run `iters` times inside one compiled `fori_loop`
+    (as the engine runs forwards: no host round trip in between), as `call(state) -> the
+    state for the next call`, returned once the call has ended. Weights go in `operands`,
+    never in a closure (they would be baked into the program). `options`: XLA compiler
+    options (default: the engine's, `djax.xla_options`). `donate`: the program takes
+    `state`'s buffers and each call the last one's state, as the engine does with its K/V
+    buffers (a state of tens of GB then needs no second copy); the caller's `state` is
+    consumed by the first call. Without it every call starts from the caller's `state`."""
 
     def loop(state, *operands):
         return jax.lax.fori_loop(0, iters, lambda _, c: step(c, *operands), state)
@@ -385,10 +380,25 @@ def time_in_program(
     program = jax.jit(loop, donate_argnums=0 if donate else ())
     compiled = program.lower(state, *operands).compile(options)
 
-    def call(state):  # the state for the next call, once this one has ended
+    def call(state):
         out = jax.block_until_ready(compiled(state, *operands))
         return out if donate else state
 
+    return call
+
+
+def time_in_program(
+    step,
+    state,
+    iters: int,
+    *operands,
+    repeats: int = 5,
+    options: dict | None = None,
+    donate: bool = False,
+) -> float:
+    """Median seconds per step of `compile_loop`'s program (`iters` steps a call), over
+    `repeats` calls after a first one."""
+    call = compile_loop(step, state, iters, *operands, options=options, donate=donate)
     state = call(state)
     times = []
     for _ in range(repeats):

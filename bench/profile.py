@@ -25,7 +25,9 @@ import gzip
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from bench.common import (
     SETTING,
     bench_model,
     commit,
+    compile_loop,
     model_config,
     parse_options,
     save,
@@ -180,6 +183,36 @@ def trace_summaries(trace_dir: Path) -> dict[str, dict]:
         print(name)
         print_table(summary)
     return summaries
+
+
+def profile_in_program(step, state, iters: int, *operands, donate: bool = False) -> dict:
+    """Where one call of `compile_loop`'s program (`iters` steps of `step`) spends its
+    device time: `summarize` of the first device in its trace, with the busy time of each
+    category and of each of the most costly kernels per step (`busy_us_per_step`,
+    `kernels_us_per_step`). On a GPU the loop compiles with `TRACED_COMMAND_BUFFERS`, so the
+    loop body's kernels show one by one; a trace without device events (a CPU's) gives
+    `summarize`'s error."""
+    options = xla_options.compiler_options(jax.default_backend())
+    if jax.default_backend() == "gpu":
+        options = {**options, "xla_gpu_enable_command_buffer": TRACED_COMMAND_BUFFERS}
+    call = compile_loop(step, state, iters, *operands, options=options, donate=donate)
+    state = call(state)  # compiled and warm outside the trace
+    folder = Path(tempfile.mkdtemp(prefix="djax_loop_trace_"))
+    try:
+        with jax.profiler.trace(str(folder), create_perfetto_trace=True):
+            call(state)
+        per_device = newest_trace_events(folder) or {}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    events = next(iter(per_device.values()), [])
+    summary = summarize(events)
+    if "error" in summary:
+        return summary
+    summary["busy_us_per_step"] = {k: v / iters for k, v in summary["busy_us"].items()}
+    summary["kernels_us_per_step"] = {
+        name: us / iters for name, us in summary["top_kernels_us"].items()
+    }
+    return summary
 
 
 def resummarize(trace_dir: Path, result: Path) -> None:

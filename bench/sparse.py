@@ -2,7 +2,8 @@
 the demo model's accuracy, against dense attention.
 
     python -m bench.sparse [--parts speed accuracy] [--prompt-lens 1024 4096 8192] [--batches 1]
-                           [--keep 0.25] [--keeps 1.0 0.5 0.25 0.1] [--window 8] [--tiny]
+                           [--keep 0.25] [--profile] [--keeps 1.0 0.5 0.25 0.1] [--window 8]
+                           [--tiny]
 
 speed: random bf16 LLaDA-8B weights built on the device; for each prompt length P, a
 32-token dual-cache block forward (the block at position P, gen 256: P + 256 keys) with
@@ -11,7 +12,9 @@ positions (block, the 64 before it, the rest drawn at random: the speed does not
 which), their rows outside the block gathered once before the timed loop, as the engine
 gathers them once a block (`sparse_attention.compact`). Medians of forwards run back to
 back in one compiled loop (`time_in_program`); `speedup` = dense ms / sparse ms.
-`--batches`: rows a block forward (the K/V of every row is held twice by the timing loop).
+`--batches`: rows a block forward. `--profile`: each row also holds where a dense and a
+sparse block forward spend their device time, per forward (`bench.profile.profile_in_program`:
+busy µs per category and per costly kernel, from a trace of one timed loop).
 `attention`: the block forwards' attention path, dense and sparse alike (`split_kv` on a
 Hopper GPU: the sparse forward's kept rows and its window's in one kernel call,
 `sparse_attention.attend_kept`). Also the
@@ -37,6 +40,7 @@ import jax.numpy as jnp
 from bench.common import model_config, save, time_in_program
 from bench.decoders import add_demo_arguments, demo_payload, demo_problems, evaluate
 from bench.forward import random_kv
+from bench.profile import profile_in_program
 from djax import programs
 from djax.kernel_options import KernelOptions
 from djax.models import init_params
@@ -60,10 +64,9 @@ def random_choice(
     return jnp.sort(jax.lax.top_k(score, rule.keys)[1], axis=-1).astype(jnp.int32)
 
 
-def time_block(
-    module, params, config, batch: int, seq: int, block_row: int, chosen, iters: int
-) -> float:
-    """A dual-cache block forward of `batch` rows at `block_row` over `seq` keys; `chosen`
+def block_loop(module, config, batch: int, seq: int, block_row: int, chosen) -> tuple:
+    """(step, state) of a dual-cache block forward of `batch` rows at `block_row` over `seq`
+    keys, for `compile_loop` (`step(state, params) -> state`, the state donated); `chosen`
     None is dense, else each layer's kept rows are gathered once (outside the timed loop)
     for the block's window and carried by the loop, as the engine carries them (each
     forward writes its window's K/V into their window slots)."""
@@ -102,7 +105,7 @@ def time_block(
         logits = module.apply({"params": params}, hidden, method="logits")
         return x + (1e-6 * jnp.mean(logits)).astype(x.dtype), kv, kept
 
-    return time_in_program(step, (x, kv, kept), iters, params, donate=True)
+    return step, (x, kv, kept)
 
 
 def time_refresh(module, params, config, seq: int, block_row: int, rule, iters: int) -> float:
@@ -131,8 +134,17 @@ def speed_row(args, config, params, dtype, batch: int, prompt_len: int) -> dict:
     module = programs.local_module(config, dtype, kernels, None)
     rule = SparseAttention(args.keep, RECENT, kept_keys(args.keep, RECENT, seq, BLOCK))
     chosen = random_choice(rule, config.n_layers, batch, config.n_kv_heads, seq, prompt_len)
-    dense_ms = 1e3 * time_block(module, params, config, batch, seq, prompt_len, None, args.iters)
-    sparse_ms = 1e3 * time_block(module, params, config, batch, seq, prompt_len, chosen, args.iters)
+    forms = {"dense": None, "sparse": chosen}
+    ms, profiles = {}, {}
+    for name, kept in forms.items():
+        step, state = block_loop(module, config, batch, seq, prompt_len, kept)
+        ms[name] = 1e3 * time_in_program(step, state, args.iters, params, donate=True)
+        if args.profile:  # a fresh state: the timing consumed the last one
+            step, state = block_loop(module, config, batch, seq, prompt_len, kept)
+            profiles[f"{name}_profile"] = profile_in_program(
+                step, state, args.iters, params, donate=True
+            )
+    dense_ms, sparse_ms = ms["dense"], ms["sparse"]
     refresh = {}
     if args.refresh_iters and batch == 1:  # the refresh is timed for one row
         for name, r in (("dense", None), ("sparse", rule)):
@@ -149,6 +161,7 @@ def speed_row(args, config, params, dtype, batch: int, prompt_len: int) -> dict:
         "sparse_ms": sparse_ms,
         "speedup": dense_ms / sparse_ms,
         **refresh,
+        **profiles,
     }
     print(row, flush=True)
     return row
@@ -216,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", nargs="+", type=int, default=[1], help="speed: rows a forward")
     p.add_argument("--keep", type=float, default=0.25, help="speed: the keep fraction")
     p.add_argument("--iters", type=int, default=20, help="speed: block forwards per timing")
+    p.add_argument(
+        "--profile", action="store_true", help="speed: where each forward's device time goes"
+    )
     p.add_argument(
         "--refresh-iters", type=int, default=2, help="speed: refreshes per timing (0: skip)"
     )

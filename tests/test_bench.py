@@ -806,3 +806,26 @@ def test_time_in_program_threads_a_donated_state(donate):
     assert state.is_deleted() == donate
     if not donate:
         np.testing.assert_array_equal(state, 0)
+
+
+def test_profile_in_program_gives_each_step_its_share(monkeypatch):
+    """The trace of one call of `iters` steps, divided per step: each kernel's and each
+    category's busy time, the idle gaps too. Off GPUs the trace holds no device events:
+    `summarize`'s error."""
+    import jax.numpy as jnp
+
+    from bench import profile
+
+    def add(state, one):
+        return state + one
+
+    assert "error" in profile.profile_in_program(add, jnp.zeros(2), 10, jnp.float32(1))
+    events = [
+        {"name": "loop_add_fusion", "ts": 0, "dur": 30, "args": {}},
+        {"name": "nvjet_gemm", "ts": 40, "dur": 60, "args": {}},
+    ]
+    monkeypatch.setattr(profile, "newest_trace_events", lambda folder: {"/device:GPU:0": events})
+    summary = profile.profile_in_program(add, jnp.zeros(2), 10, jnp.float32(1))
+    assert summary["kernels_us_per_step"] == {"nvjet_gemm": 6.0, "loop_add_fusion": 3.0}
+    assert summary["busy_us_per_step"]["matmul"] == 6.0
+    assert summary["busy_us_per_step"]["idle gaps"] == 1.0
