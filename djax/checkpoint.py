@@ -584,10 +584,13 @@ def check_orbax(folder: str | Path, abstract: dict) -> None:
     }
     if stored != expected:
         diff = sorted(set(stored.items()) ^ set(expected.items()))
-        if [name for name, _ in diff] == [fp8.scale_name("lm_head")]:
+        # only scales missing: converted when djax kept those weights in the model's dtype
+        missing = [name for name, _ in diff if name not in stored]
+        if len(missing) == len(diff) and all(fp8.values_name(n) for n in missing):
+            weights = ", ".join(fp8.values_name(n) for n in missing)
             raise CheckpointError(
-                f"{path}: an fp8 folder converted before djax stored the output head in "
-                "fp8 (it holds no lm_head_scale); convert the model again"
+                f"{path}: an fp8 folder converted before djax stored {weights} in fp8 (it "
+                f"holds no {', '.join(missing)}); convert the model again"
             )
         raise CheckpointError(
             f"{path}: holds params that differ from what config.json describes, e.g. "
