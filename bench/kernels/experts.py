@@ -74,9 +74,10 @@ SWEEP = tuple(
 )
 # djax's expert-tile kernels (`expert_tiles_mosaic`): (gate/up, down) tiles; None is `tiles_for`
 # (128 columns, 64-wide steps, 4 stages, row tiles of `row_tile_for`: 32 rows at a block's
-# 32 tokens, 64 at a refresh's). `r64` reads x 64 rows at a time whatever the experts' rows,
-# `r16` 16 (an expert of more rows is read in several tiles); two stages leave room for two
-# CTAs per SM; 64-column gate/up tiles make twice the CTAs.
+# 32 tokens, 64 at a refresh's), for fp8 weights `converted_tiles_for` (2 stages at 32 rows).
+# `r64` reads x 64 rows at a time whatever the experts' rows, `r16` 16 (an expert of more
+# rows is read in several tiles); two stages leave room for two CTAs per SM; 64-column
+# gate/up tiles make twice the CTAs.
 MOSAIC_TILES = (
     None,
     (Tiles(block_n=128, stages=4), Tiles(block_n=128, stages=4)),
@@ -84,6 +85,7 @@ MOSAIC_TILES = (
     (Tiles(block_n=128, stages=6, rows=16), Tiles(block_n=128, stages=6, rows=16)),
     (Tiles(block_n=64, stages=4, rows=16), Tiles(block_n=128, stages=4, rows=16)),
     (Tiles(block_n=128, stages=4, rows=32), Tiles(block_n=128, stages=4, rows=32)),
+    (Tiles(block_n=128, stages=2, rows=32), Tiles(block_n=128, stages=2, rows=32)),
     (
         Tiles(block_n=128, block_k=128, stages=2, rows=16),
         Tiles(block_n=128, block_k=128, stages=3, rows=16),
@@ -93,6 +95,14 @@ MOSAIC_TILES = (
 # 4 stages); 256-wide steps in 2 stages halve the steps.
 FP8_MOSAIC_TILES = (
     None,
+    (
+        Tiles(block_n=128, block_k=128, stages=2, rows=32),
+        Tiles(block_n=128, block_k=128, stages=2, rows=32),
+    ),
+    (
+        Tiles(block_n=128, block_k=256, stages=2, rows=32),
+        Tiles(block_n=128, block_k=256, stages=2, rows=32),
+    ),
     (
         Tiles(block_n=128, block_k=256, stages=2, rows=16),
         Tiles(block_n=128, block_k=256, stages=2, rows=16),
@@ -152,7 +162,8 @@ def mosaic_paths() -> list[tuple[str, object, dict, str]]:
         )
     for weights in ("bf16", "fp8"):
         for tiles in MOSAIC_TILES:
-            label = "tiles_for" if tiles is None else _mosaic_label(tiles)
+            default = "converted_tiles_for" if weights == "fp8" else "tiles_for"
+            label = default if tiles is None else _mosaic_label(tiles)
             mlp = functools.partial(mosaic_mlp, tiles=tiles)
             run = functools.partial(experts_grouped, mlp=mlp)
             form = "fp8 converted" if weights == "fp8" else weights

@@ -83,6 +83,16 @@ def tiles_for(group_rows: int, k: int, n: int) -> Tiles:
     return Tiles(block_n=block_n, block_k=tma_ring.TILE, splits=1, stages=4, rows=rows)
 
 
+def converted_tiles_for(group_rows: int, k: int, n: int) -> Tiles:
+    """`tiles_for`'s tiles for e4m3 weights converted in the kernel: 2 stages where the row
+    tiles take at most 32 rows (a block forward), so two CTAs share an SM and one converts
+    its tiles while the other multiplies (the gate/up product's ring, converted slots and
+    output tile take 97 KB of shared memory at 2 stages, 145 KB at 4); `tiles_for`'s 4
+    stages where they take more (a refresh)."""
+    base = tiles_for(group_rows, k, n)
+    return dataclasses.replace(base, stages=2) if base.rows <= 32 else base
+
+
 def fp8_tiles_for(group_rows: int, k: int, n: int) -> Tiles:
     """`tiles_for`'s tiles with block_k 128 (the same bytes a step at one byte a value; a
     multiple of 128 as 8-bit K-major slots need)."""
@@ -292,13 +302,15 @@ def grouped_matmul(
     to at most `pairs`. Returns [pairs, n] in x's dtype; rows past sum(group_sizes) may
     hold anything (the caller masks them). The rows go to the kernel in the aligned layout
     (`aligned_layout`: a gather of x and one of the result). `tiles`: the program shape
-    (default `tiles_for`; `splits` must be 1); `interpret`: run in Mosaic GPU's interpreter
-    (default: exactly off GPUs, as the CPU tests do).
+    (default `tiles_for`, `converted_tiles_for` for e4m3 weights; `splits` must be 1);
+    `interpret`: run in Mosaic GPU's interpreter (default: exactly off GPUs, as the CPU
+    tests do).
     """
     if x.ndim != 2:
         raise ValueError(f"expert_tiles_mosaic.grouped_matmul: x {x.shape}; expected [pairs, k]")
     position, source, aligned = aligned_layout(group_sizes, x.shape[0])
-    tiles = tiles or tiles_for(x.shape[0], x.shape[1], w.shape[-1])
+    default = tiles_for if scale is None else converted_tiles_for
+    tiles = tiles or default(x.shape[0], x.shape[1], w.shape[-1])
     return _aligned_product(x[source], w, aligned, scale, tiles, interpret)[position]
 
 
@@ -504,7 +516,8 @@ def expert_mlp(
     down: [experts, ffn, model]; group_sizes: [experts] int32; with fp8 weights their scales
     gate_up_scale [experts, 2, ffn] and down_scale [experts, model] (`grouped_matmul`).
     Returns [pairs, model]; rows past sum(group_sizes) may hold anything. `tiles`:
-    (gate/up, down) program shapes, default `tiles_for` each.
+    (gate/up, down) program shapes, default `tiles_for` each (`converted_tiles_for` for
+    e4m3 weights).
     """
     if source_rows.ndim != 1:
         raise ValueError(
@@ -512,8 +525,9 @@ def expert_mlp(
         )
     tokens, model = x.shape[0], gate_up.shape[1]
     up_tiles, down_tiles = tiles or (None, None)
-    up_tiles = up_tiles or tiles_for(tokens, model, gate_up.shape[-1])
-    down_tiles = down_tiles or tiles_for(tokens, down.shape[1], model)
+    default = tiles_for if gate_up_scale is None else converted_tiles_for
+    up_tiles = up_tiles or default(tokens, model, gate_up.shape[-1])
+    down_tiles = down_tiles or default(tokens, down.shape[1], model)
     position, source, aligned = aligned_layout(group_sizes, source_rows.shape[0])
     rows = x[source_rows[source]]
     act = _aligned_product(rows, gate_up, aligned, gate_up_scale, up_tiles, interpret)

@@ -147,6 +147,10 @@ def test_row_tiles_hold_the_most_rows_an_expert_can_take():
     assert [row_tile_for(t) for t in (1, 5, 16, 17, 32, 33, 384)] == [16, 16, 16, 32, 32, 64, 64]
     assert expert_tiles_mosaic.tiles_for(32, 2048, 1024).rows == 32
     assert expert_tiles_mosaic.fp8_tiles_for(32, 2048, 1024).rows == 32
+    # e4m3 weights converted in the kernel: a block's tiles in 2 stages, a refresh's in 4
+    converted = expert_tiles_mosaic.converted_tiles_for
+    assert (converted(32, 2048, 1024).stages, converted(384, 2048, 1024).stages) == (2, 4)
+    assert converted(384, 2048, 1024) == expert_tiles_mosaic.tiles_for(384, 2048, 1024)
     for rows in (0, 12, 128):
         with pytest.raises(ValueError, match="rows 64 .a multiple of 8 up to 64"):
             Tiles(rows=rows).check(128, 128, weights=1, out_bytes=2, row_tiled=True)
