@@ -57,9 +57,12 @@ CATEGORIES = [
     ("collectives", r"nccl|psum|all-?reduce|all_reduce|allreduce|all-?gather|collective"),
     ("copies", r"memcpy|memset|\bcopy|dynamic[-_]update[-_]slice|transpose"),
     ("decoder", r"decoder"),
-    ("moe", r"ragged|grouped|experts?_?|router|\bsort|top_?k|scatter|argsort|mosaic_gpu"),
+    ("moe", r"ragged|grouped|experts?_?|router|\bsort|top_?k|scatter|argsort"),
     ("attention", r"fmha|flash|cudnn|attention|softmax"),
     ("matmul", r"gemm|cublas|cutlass|nvjet|xmma|wgmma|\bdot|matmul|triton_gemm|residual_product"),
+    # a Mosaic GPU kernel without a name (`anonymous_mosaic_gpu_kernel`) whose scopes name no
+    # category above
+    ("mosaic (unnamed)", r"mosaic_gpu"),
 ]
 
 
@@ -73,9 +76,10 @@ def categorize(text: str) -> str:
 def event_category(event: dict) -> str:
     """A kernel's category from its own name where that names one (`matmul_partials` inside
     the attention module is a matmul), else from its name with the op and scope names in
-    its args (`loop_reduce_fusion` inside the decoder)."""
+    its args (`loop_reduce_fusion` inside the decoder; an anonymous Mosaic GPU kernel inside
+    the attention module)."""
     name = event.get("name", "")
-    if categorize(name) != "norms/elementwise":
+    if categorize(name) not in ("norms/elementwise", "mosaic (unnamed)"):
         return categorize(name)
     return categorize(" ".join([name] + [str(v) for v in event.get("args", {}).values()]))
 

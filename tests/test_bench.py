@@ -36,6 +36,12 @@ def test_event_category_prefers_the_kernel_name():
     decoder = {"long_name": "jit(generate)/while/body/decoder/reduce_max"}
     assert event_category({"name": "input_reduce_fusion_9", "args": decoder}) == "decoder"
     assert event_category({"name": "loop_add_fusion_2"}) == "norms/elementwise"
+    # Mosaic GPU kernels without a name: by their scope, else a bucket of their own
+    mosaic = "anonymous_mosaic_gpu_kernel"
+    assert event_category({"name": mosaic, "args": scope}) == "attention"
+    experts = {"long_name": "jit(generate)/while/body/moe_2/experts/custom_call"}
+    assert event_category({"name": mosaic, "args": experts}) == "moe"
+    assert event_category({"name": mosaic}) == "mosaic (unnamed)"
 
 
 def _kernel(name, start, duration, tid=1, pid=7):

@@ -94,9 +94,14 @@ def converted_tiles_for(group_rows: int, k: int, n: int) -> Tiles:
 
 
 def fp8_tiles_for(group_rows: int, k: int, n: int) -> Tiles:
-    """`tiles_for`'s tiles with block_k 128 (the same bytes a step at one byte a value; a
-    multiple of 128 as 8-bit K-major slots need)."""
+    """`tiles_for`'s tiles at one byte a value: block_k 128 (the bytes of a 16-bit step; a
+    multiple of 128 as 8-bit K-major slots need) in 4 stages, or 256 in 2 where the row
+    tiles take at most 32 rows (a block forward) and 256 divides k: half the steps, in the
+    same shared memory."""
     base = tiles_for(group_rows, k, n)
+    wide = 2 * fp8_matmul_mosaic.K_TILE
+    if base.rows <= 32 and k % wide == 0:
+        return dataclasses.replace(base, block_k=wide, stages=2)
     return dataclasses.replace(base, block_k=fp8_matmul_mosaic.K_TILE)
 
 

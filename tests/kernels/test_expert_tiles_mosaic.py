@@ -112,6 +112,7 @@ def test_grouped_matmul_matches_numpy(gated, weights, tiles):
     [
         (True, None),  # row tiles of 64 (`row_tile_for` of 79 rows): 70 rows make 2
         (False, Tiles(block_n=64, block_k=128, stages=2, rows=64)),  # 70 rows: 2 tiles
+        (True, Tiles(block_n=128, block_k=256, stages=2, rows=32)),  # a block's: 1 step, 3 tiles
     ],
 )
 def test_fp8_grouped_matmul_matches_numpy(gated, tiles):
@@ -151,6 +152,10 @@ def test_row_tiles_hold_the_most_rows_an_expert_can_take():
     converted = expert_tiles_mosaic.converted_tiles_for
     assert (converted(32, 2048, 1024).stages, converted(384, 2048, 1024).stages) == (2, 4)
     assert converted(384, 2048, 1024) == expert_tiles_mosaic.tiles_for(384, 2048, 1024)
+    # fp8 x fp8: a block's steps 256 wide in 2 stages where 256 divides k, else 128 in 4
+    fp8_tiles = expert_tiles_mosaic.fp8_tiles_for
+    assert (fp8_tiles(32, 2048, 1024).block_k, fp8_tiles(32, 2048, 1024).stages) == (256, 2)
+    assert (fp8_tiles(32, 384, 1024).block_k, fp8_tiles(384, 2048, 1024).block_k) == (128, 128)
     for rows in (0, 12, 128):
         with pytest.raises(ValueError, match="rows 64 .a multiple of 8 up to 64"):
             Tiles(rows=rows).check(128, 128, weights=1, out_bytes=2, row_tiled=True)
