@@ -298,10 +298,14 @@ def test_generation_is_scaled_token_for_token(wide_folder):
     choice = mosaic.kernel_choice(Shapes(batch=1, window=8, seq=12, kept=8))
     assert choice.block.layers.qkv == "fp8_mosaic" and choice.refresh.layers.qkv == "xla"
     prompts = [[0, 10, 20, 30]]
-    np.testing.assert_array_equal(
-        djax.generate(mosaic, prompts, config).answer_ids,
-        djax.generate(scaled, prompts, config).answer_ids,
-    )
+    ours = djax.generate(mosaic, prompts, config).answer_ids
+    reference = djax.generate(scaled, prompts, config).answer_ids
+    if jax.default_backend() == "cpu":  # the interpreter: the same tokens
+        np.testing.assert_array_equal(ours, reference)
+    else:  # the compiled kernel sums in its own order, and the fp8 head quantises each
+        # path's last rows on its own: near ties may flip (2 of 8 tokens on an H100 at
+        # 2bd7fa9); a wrong layout or scale gives other tokens nearly everywhere
+        assert np.mean(ours == reference) >= 0.75
 
 
 def test_fp8_weights_with_the_kernels_that_read_none(wide_folder):
@@ -393,9 +397,10 @@ def test_moe_model_runs_its_experts_in_the_fp8_kernels(tmp_path):
     `fp8_impl="mosaic"`: its experts held K-major and run by fp8 x fp8 WGMMA (Mosaic GPU's
     interpreter) in a whole-sequence forward. Its logits are `dequant`'s within the rows'
     e4m3 quantisation (XLA's `scaled` path, which quantises the same rows, is 7% of the
-    norm from `dequant` here: a bound of 10%) and `scaled`'s within 4% (the kernels round
-    the activation once from fp32 before quantising it, `scaled` in bf16, and a GPU's
-    products sum in another order than the interpreter's); a lost scale or wrong expert
+    norm from `dequant` here: a bound of 10%) and `scaled`'s within 6% (the kernels round
+    the activation once from fp32 before quantising it, `scaled` in bf16, a GPU's products
+    sum in another order than the interpreter's, and the fp8 head quantises each path's
+    last rows on its own: 2.6% on a CPU, 4.8% on an H100); a lost scale or wrong expert
     moves them by about their norm."""
 
     from torch_reference import make_llada_moe
@@ -414,4 +419,4 @@ def test_moe_model_runs_its_experts_in_the_fp8_kernels(tmp_path):
     ref = np.asarray(djax.forward_logits(dequant, ids), np.float32)
     scaled = djax.forward_logits(dequant.with_options(fp8_impl="scaled"), ids)
     assert np.isfinite(ours).all() and rel_error(ours, ref) <= 1e-1
-    assert rel_error(ours, np.asarray(scaled, np.float32)) <= 4e-2
+    assert rel_error(ours, np.asarray(scaled, np.float32)) <= 6e-2
