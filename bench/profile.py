@@ -79,8 +79,9 @@ def event_category(event: dict) -> str:
     its args (`loop_reduce_fusion` inside the decoder; an anonymous Mosaic GPU kernel inside
     the attention module)."""
     name = event.get("name", "")
-    if categorize(name) not in ("norms/elementwise", "mosaic (unnamed)"):
-        return categorize(name)
+    own = categorize(name)
+    if own not in ("norms/elementwise", "mosaic (unnamed)"):
+        return own
     return categorize(" ".join([name] + [str(v) for v in event.get("args", {}).values()]))
 
 

@@ -73,6 +73,7 @@ Array = jax.Array
 
 FP8 = jnp.float8_e4m3fn
 SCALE_BYTES = 4  # a column's fp32 scale
+BLOCK_ROWS = 32  # row tiles of at most this many rows are a block forward's (its tokens)
 
 
 def tiles_for(group_rows: int, k: int, n: int) -> Tiles:
@@ -85,22 +86,22 @@ def tiles_for(group_rows: int, k: int, n: int) -> Tiles:
 
 def converted_tiles_for(group_rows: int, k: int, n: int) -> Tiles:
     """`tiles_for`'s tiles for e4m3 weights converted in the kernel: 2 stages where the row
-    tiles take at most 32 rows (a block forward), so two CTAs share an SM and one converts
+    tiles take at most `BLOCK_ROWS` rows (a block forward), so two CTAs share an SM and one converts
     its tiles while the other multiplies (the gate/up product's ring, converted slots and
     output tile take 97 KB of shared memory at 2 stages, 145 KB at 4); `tiles_for`'s 4
     stages where they take more (a refresh)."""
     base = tiles_for(group_rows, k, n)
-    return dataclasses.replace(base, stages=2) if base.rows <= 32 else base
+    return dataclasses.replace(base, stages=2) if base.rows <= BLOCK_ROWS else base
 
 
 def fp8_tiles_for(group_rows: int, k: int, n: int) -> Tiles:
     """`tiles_for`'s tiles at one byte a value: block_k 128 (the bytes of a 16-bit step; a
     multiple of 128 as 8-bit K-major slots need) in 4 stages, or 256 in 2 where the row
-    tiles take at most 32 rows (a block forward) and 256 divides k: half the steps, in the
+    tiles take at most `BLOCK_ROWS` rows (a block forward) and 256 divides k: half the steps, in the
     same shared memory."""
     base = tiles_for(group_rows, k, n)
     wide = 2 * fp8_matmul_mosaic.K_TILE
-    if base.rows <= 32 and k % wide == 0:
+    if base.rows <= BLOCK_ROWS and k % wide == 0:
         return dataclasses.replace(base, block_k=wide, stages=2)
     return dataclasses.replace(base, block_k=fp8_matmul_mosaic.K_TILE)
 
