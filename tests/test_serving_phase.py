@@ -64,10 +64,12 @@ def continuous(dense_model):
 
 
 def _serve_all(engine, requests):
-    """Submit every request at once and wait: each one's answer tokens and last event."""
+    """Submit every request at once (one admission sees them all, whatever the engine's
+    thread is doing) and wait: each one's answer tokens and last event."""
     got = Collector()
-    for request in requests:
-        engine.submit(request, got.sink(request.request_id))
+    with engine._lock:
+        for request in requests:
+            engine.submit(request, got.sink(request.request_id))
     got.wait(len(requests))
     return [(got.tokens(r.request_id), got.events[r.request_id][-1]) for r in requests]
 
@@ -424,16 +426,19 @@ def test_a_call_failing_on_the_device_resets_the_pool(phased, continuous, monkey
     with the pool), the pool starts anew, and the next requests get the continuous
     engine's tokens."""
     real = phase_serving.jax.device_get
-    reads = iter(range(100))
+    bad = _requests(0.0)[:2]
+    reads = []
 
-    def flaky(arrays):
-        if threading.current_thread() is phased._thread and next(reads) == 3:
-            raise RuntimeError("injected device fault")
+    def flaky(arrays):  # the third read on the engine's thread fails
+        if threading.current_thread() is phased._thread and len(reads) < 3:
+            reads.append(sorted(row.request.request_id for row in phased._running))
+            if len(reads) == 3:
+                raise RuntimeError("injected device fault")
         return real(arrays)
 
     monkeypatch.setattr(phase_serving.jax, "device_get", flaky)
-    bad = _requests(0.0)[:2]
     got = _serve_all(phased, bad)
+    assert reads == [["r0", "r1"]] * 3
     assert all(isinstance(event, Failed) for _, event in got)
     assert any("injected device fault" in event.message for _, event in got)
     monkeypatch.undo()
@@ -458,12 +463,9 @@ def test_a_call_failing_when_queued_fails_the_rows_it_carries(phased, continuous
 
     for key, program in list(phased._programs.items()):
         monkeypatch.setitem(phased._programs, key, broken(program))
-    got = Collector()
-    for request in _requests(0.0)[:2]:
-        phased.submit(request, got.sink(request.request_id))
-    got.wait(2, timeout=20)
-    assert [type(events[-1]) for events in got.events.values()] == [Failed, Failed]
-    assert all("injected fault" in events[-1].message for events in got.events.values())
+    got = _serve_all(phased, _requests(0.0)[:2])
+    assert [type(event) for _, event in got] == [Failed, Failed]
+    assert all("injected fault" in event.message for _, event in got)
     monkeypatch.undo()
     requests = _requests(0.0)[2:]
     want = _serve_all(continuous, requests)
