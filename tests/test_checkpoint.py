@@ -221,3 +221,23 @@ def test_abstract_params_trace_once_and_hand_out_trees_of_their_own():
     second = abstract_params(config, "float32")
     assert len(second) == len(first) + 1
     assert _abstract_params.cache_info().hits == 1
+
+
+@pytest.mark.parametrize("name", ["dense", "moe", "llada2_mini"])
+@pytest.mark.parametrize("weights", ["dtype", "fp8"])
+def test_abstract_params_from_one_layer_of_each_kind_are_the_whole_model_s(name, weights):
+    """Repeating one traced layer of each kind gives the tree the whole model's init
+    traces, names, shapes and dtypes, at the full-size shapes (LLaDA2.0-mini: a dense
+    first layer, then MoE layers)."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench.common import model_config
+    from djax.models import _init, abstract_params
+
+    config = model_config(name)
+    got = abstract_params(config, jnp.bfloat16, weights)
+    full = jax.eval_shape(lambda: _init(config, jnp.bfloat16, jax.random.key(0), weights))
+    assert sorted(got) == sorted(full) and len(got) > 4 * config.n_layers
+    described = jax.tree.map(lambda a: (a.shape, a.dtype), got)
+    assert described == jax.tree.map(lambda a: (a.shape, a.dtype), full)
