@@ -9,10 +9,12 @@ dInfer's LLaDA-MoE setting (gen 1024, block 64, vicinity 16/16 with 4 warm-up st
 tokens per forward).
 
     python -m bench.parallel [--sizes 1 2] [--models dense moe] [--weights dtype fp8]
-        [--routing model|spread] [--dinfer] [--tiny]
+        [--variants default fp8_impl=mosaic] [--routing model|spread] [--dinfer] [--tiny]
 
 `--weights`: each model under each weight form (`fp8`: projections and experts in e4m3,
-split as the bf16 ones are; under a mesh `auto` runs their products `scaled`).
+split as the bf16 ones are; `auto` runs their products `scaled`). `--variants`: each a set
+of kernel options (`bench.common.parse_options`; `default`: none) run at every size, each
+row carrying its `options` and its speedup over one device under the same options.
 `--routing spread`: LLaDA-MoE's tokens spread as a trained router's (`bench.common.
 use_routing`; the headline MoE setting). Each row carries `weights`, `routing` and
 `kernels` (what `auto` resolved for the setting's programs).
@@ -27,7 +29,15 @@ import itertools
 import jax
 import numpy as np
 
-from bench.common import ROUTINGS, SETTING, bench_model, model_config, save, use_routing
+from bench.common import (
+    ROUTINGS,
+    SETTING,
+    bench_model,
+    model_config,
+    parse_options,
+    save,
+    use_routing,
+)
 from djax import GenerationConfig, Model, engine, generate
 from djax.config import WEIGHTS
 
@@ -85,22 +95,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dinfer", action="store_true")
     parser.add_argument("--weights", nargs="+", choices=WEIGHTS, default=["dtype"])
+    parser.add_argument("--variants", nargs="+", default=["default"])
     parser.add_argument("--routing", choices=ROUTINGS, default="model", help="see use_routing")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args(argv)
     use_routing(args.routing)
     prompt = np.arange(10, 10 + args.prompt_len).tolist()
+    variants = [parse_options(text) for text in args.variants]
     rows = []
-    for name, weights in itertools.product(args.models, args.weights):
+    for name, weights, options in itertools.product(args.models, args.weights, variants):
         config = model_config(name, args.tiny)
         settings = [("bench", SETTING)]
         if args.dinfer and config.is_moe:
             settings.append(("dinfer", DINFER))
         for n in args.sizes:
-            model, split = bench_model(config, n, weights=weights)
+            model, split = bench_model(config, n, options, weights)
             for label, base in settings:
-                row = {"model": name, "weights": weights, "routing": args.routing}
-                row.update({"setting": label, "devices": n, **split})
+                row = {"model": name, "weights": weights, "options": options}
+                row.update({"routing": args.routing, "setting": label, "devices": n, **split})
                 try:
                     row.update(measure(model, prompt, base, args.repeats))
                     row.pop("answer_ids")
@@ -109,11 +121,12 @@ def main(argv: list[str] | None = None) -> None:
                 print(row)
                 rows.append(row)
             del model
+
+    def case(row: dict) -> tuple:
+        return row["model"], row["weights"], row["setting"], sorted(row["options"].items())
+
     for row in rows:
-        key = (row["model"], row["weights"], row["setting"])
-        one = [
-            r for r in rows if (r["model"], r["weights"], r["setting"]) == key and r["devices"] == 1
-        ]
+        one = [r for r in rows if case(r) == case(row) and r["devices"] == 1]
         if one and "tokens_per_s" in one[0] and "tokens_per_s" in row:
             row["speedup_vs_1"] = row["tokens_per_s"] / one[0]["tokens_per_s"]
     save(

@@ -66,8 +66,8 @@ class Model:
         wanted = fp8.k_major(self.weights, new.fp8_impl)
         params = self.params
         if wanted != held:
-            _check_layout_device(new, self.mesh)
-            params = fp8.to_layout(params, wanted)
+            placed = _shardings(self.config, self.dtype, self.mesh, self.weights, wanted)
+            params = fp8.to_layout(params, wanted, placed)
         return dataclasses.replace(self, options=new, params=params)
 
     def kernel_choice(self, shapes: Shapes) -> KernelChoice:
@@ -151,7 +151,6 @@ def load(
     ValueError naming them, before anything is read.
     """
     kernel_options = KernelOptions.from_keywords(options)
-    _check_layout_device(kernel_options, mesh)
     if weights is not None:
         fp8.check_weights(weights)
     folder = Path(path)
@@ -183,21 +182,14 @@ def load(
         if weights == "fp8":
             params = fp8.quantize_params(params, _shardings(config, dtype, mesh, weights))
     if fp8.k_major(weights, kernel_options.fp8_impl):
-        params = fp8.to_layout(params, True)
+        params = fp8.to_layout(params, True, _shardings(config, dtype, mesh, weights, True))
     return Model(config, params, tokenizer, dtype, str(folder), mesh, kernel_options, weights)
 
 
-def _check_layout_device(options: KernelOptions, mesh: Any) -> None:
-    """`fp8_impl="mosaic"` (K-major fp8 values, which have no sharded layout) on one device
-    only: a ValueError under a mesh."""
-    if options.fp8_impl == "mosaic" and mesh is not None:
-        raise ValueError(
-            "fp8_impl='mosaic' runs on one device; under a mesh give 'auto', 'dequant' or 'scaled'"
-        )
-
-
-def _shardings(config: ModelConfig, dtype: Any, mesh: Any, weights: str) -> dict | None:
-    return None if mesh is None else sharding.param_shardings(config, dtype, mesh, weights)
+def _shardings(
+    config: ModelConfig, dtype: Any, mesh: Any, weights: str, k_major: bool = False
+) -> dict | None:
+    return None if mesh is None else sharding.param_shardings(config, dtype, mesh, weights, k_major)
 
 
 def _progress_bar(description: str):

@@ -459,7 +459,10 @@ def phase_program(model: Any, plan: PhasePlan, kernels: PhaseKernels) -> Any:
         return jax.jit(program, donate_argnums=(1,))
     mesh = model.mesh
     axis = sharding.model_axis(mesh)
-    params = sharding.param_specs(model.config, model.dtype, mesh, kernels.products.weights)
+    products = kernels.products
+    params = sharding.param_specs(
+        model.config, model.dtype, mesh, products.weights, products.k_major
+    )
     pool = pool_specs(model.config.n_layers, mesh)
     outputs = {"pool": pool, "block": P(), "step_in_block": P()}
 

@@ -113,10 +113,11 @@ def forward_program(
     logits = functools.partial(sequence_logits, module, block_length=block_length)
     if mesh is None:
         return jax.jit(logits)
+    specs = sharding.param_specs(config, dtype, mesh, kernels.weights, kernels.k_major)
     program = jax.shard_map(
         logits,
         mesh=mesh,
-        in_specs=(sharding.param_specs(config, dtype, mesh, kernels.weights), P(), P()),
+        in_specs=(specs, P(), P()),
         out_specs=P(None, None, sharding.model_axis(mesh)),
         check_vma=False,
     )
@@ -149,7 +150,9 @@ def row_program(model: Any, plan: Plan, run: Any, kernels: KernelChoice) -> Any:
     else:
         mesh = model.mesh
         axis = sharding.model_axis(mesh)
-        specs = sharding.param_specs(model.config, model.dtype, mesh, kernels.weights)
+        specs = sharding.param_specs(
+            model.config, model.dtype, mesh, kernels.weights, kernels.k_major
+        )
 
         def local(params, tokens, key_valid, positions, rows):
             out = run(module, params, plan, tokens, key_valid, positions, rows, axis)

@@ -134,19 +134,28 @@ def param_spec(path: tuple[str, ...], ndim: int, axis: str) -> P:
     return P()  # embedding, norms, router, expert bias: replicated
 
 
-def param_specs(config: ModelConfig, dtype: Any, mesh: Mesh, weights: str = "dtype") -> dict:
+def param_specs(
+    config: ModelConfig, dtype: Any, mesh: Mesh, weights: str = "dtype", k_major: bool = False
+) -> dict:
     """The `PartitionSpec` of every param of weights of the format `weights`: an fp8
-    weight's values as the weight, its scales as the values' output axes
+    weight's values as the weight (with `k_major`, the values `fp8.k_major_order` moves
+    take its spec in their order), its scales as the values' output axes
     (`fp8.scale_spec`)."""
     check_divisible(config, mesh)
     axis = model_axis(mesh)
     abstract = abstract_params(config, dtype, weights)
+    moved = k_major and weights == "fp8"
 
     def spec(path: tuple, leaf: Any) -> P:
         keys = tuple(k.key for k in path)
         values = fp8.values_name(keys[-1])
         if values is None:
-            return param_spec(keys, leaf.ndim, axis)
+            spec = param_spec(keys, leaf.ndim, axis)
+            order = fp8.k_major_order(keys[-1], leaf.ndim) if moved else None
+            if order is None:
+                return spec
+            full = tuple(spec) + (None,) * (leaf.ndim - len(spec))
+            return P(*(full[i] for i in order))
         parent = abstract
         for key in keys[:-1]:
             parent = parent[key]
@@ -157,11 +166,13 @@ def param_specs(config: ModelConfig, dtype: Any, mesh: Mesh, weights: str = "dty
     return jax.tree_util.tree_map_with_path(spec, abstract)
 
 
-def param_shardings(config: ModelConfig, dtype: Any, mesh: Mesh, weights: str = "dtype") -> dict:
-    """`NamedSharding`s for loading params straight into their shards."""
+def param_shardings(
+    config: ModelConfig, dtype: Any, mesh: Mesh, weights: str = "dtype", k_major: bool = False
+) -> dict:
+    """`NamedSharding`s for loading params straight into their shards (`param_specs`)."""
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec),
-        param_specs(config, dtype, mesh, weights),
+        param_specs(config, dtype, mesh, weights, k_major),
         is_leaf=lambda x: isinstance(x, P),
     )
 

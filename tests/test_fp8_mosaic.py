@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_devices
+from jax.sharding import NamedSharding
 from test_kernel_choice import GENERATION, HOPPER, LLADA_8B, LLADA_MOE
 
 import djax
@@ -20,7 +22,7 @@ from djax.models import abstract_params, build_module, fp8
 from djax.models import layers as layers_module
 from djax.models.kernel_choice import Device, ForwardKernels, Kernels, Shapes, resolve
 from djax.models.layers import GatedMLP, RMSNorm, project
-from djax.sharding import make_mesh
+from djax.sharding import make_mesh, param_specs
 
 from torch_reference import make_llada_dense, rel_error
 
@@ -207,8 +209,11 @@ def test_kernel_choice_errors():
         match="fp8_impl='mosaic' takes .* 128 .* gate/up \\(1000\\) product 4096 -> 1000",
     ):
         _choice(LLADA_8B.replace(mlp_hidden=1000))
-    with pytest.raises(ValueError, match="fp8_impl='mosaic' runs on one device"):
-        _choice(sharded=True)
+    # under a mesh, each device's share: LLaDA-8B's split in two fits, LLaDA-MoE's
+    # experts split by their ffn in 16 (64 each) do not
+    assert _choice(shards=2, sharded=True).block.layers.out == "fp8_mosaic"
+    with pytest.raises(ValueError, match="local expert ffn 64"):
+        _choice(LLADA_MOE, shards=16, sharded=True)
     with pytest.raises(
         ValueError,
         match="expert widths that are multiples of 128 .* model 2048, local expert ffn 960",
@@ -322,13 +327,138 @@ def test_fp8_weights_with_the_kernels_that_read_none(wide_folder):
     assert rel_error(ours, ref) <= 1e-2
 
 
-def test_a_mesh_is_refused(wide_folder):
-    mesh = make_mesh()
-    with pytest.raises(ValueError, match="fp8_impl='mosaic' runs on one device"):
-        djax.load(wide_folder, jnp.float32, mesh=mesh, weights="fp8", fp8_impl="mosaic")
-    sharded = djax.load(wide_folder, jnp.float32, mesh=mesh, weights="fp8")
-    with pytest.raises(ValueError, match="fp8_impl='mosaic' runs on one device"):
-        sharded.with_options(fp8_impl="mosaic")
+def _stand_ins(monkeypatch):
+    """Stand-ins for the fp8 Mosaic GPU kernels with their contracts (fp32 products of the
+    e4m3 values, scaled by rows and columns), recording the K-major weights each gets:
+    Mosaic GPU's interpreter does not run inside `shard_map` on CPU devices."""
+    from djax.kernels import expert_tiles_mosaic
+    from djax.kernels.handoff import Partials
+
+    f32, got = jnp.float32, []
+
+    def product(xq, x_scale, w_t, w_scale):  # [..., k] x [..., n, k] -> [..., n]
+        y = jnp.einsum("...k,...nk->...n", xq.astype(f32), w_t.astype(f32))
+        return y * x_scale[..., None] * w_scale
+
+    def matmul_partials(xq, x_scale, w_t, w_scale, tiles=None, dtype=jnp.bfloat16, **_):
+        got.append(("matmul", w_t.shape))
+        return Partials(product(xq, x_scale, w_t, w_scale)[None], jnp.dtype(dtype))
+
+    def swiglu_matmul(xq, x_scale, w_t, w_scale, tiles=None, dtype=jnp.bfloat16, **_):
+        got.append(("swiglu", w_t.shape))
+        gate, up = (product(xq, x_scale, w_t[i], w_scale[i]) for i in (0, 1))
+        return (jax.nn.silu(gate) * up).astype(dtype)
+
+    def expert_mlp_fp8(x, source_rows, gate_up_t, gate_up_scale, down_t, down_scale, sizes, **_):
+        got.append(("experts", gate_up_t.shape, down_t.shape))
+        pairs = source_rows.shape[0]
+        expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(pairs), side="right")
+        expert = jnp.minimum(expert, sizes.shape[0] - 1)  # rows past the pairs: anything
+
+        def each(rows, w_t, w_scale):  # every pair's row by its expert's weight
+            xq, x_scale = fp8_matmul_mosaic.quantize_rows(rows)
+            y = jnp.einsum("pk,pnk->pn", xq.astype(f32), w_t[expert].astype(f32))
+            return y * x_scale[:, None] * w_scale[expert]
+
+        gate, up = (each(x[source_rows], gate_up_t[:, i], gate_up_scale[:, i]) for i in (0, 1))
+        act = (jax.nn.silu(gate) * up).astype(x.dtype)
+        return each(act, down_t, down_scale).astype(x.dtype)
+
+    monkeypatch.setattr(fp8_matmul_mosaic, "matmul_partials", matmul_partials)
+    monkeypatch.setattr(fp8_matmul_mosaic, "swiglu_matmul", swiglu_matmul)
+    monkeypatch.setattr(expert_tiles_mosaic, "expert_mlp_fp8", expert_mlp_fp8)
+    return got
+
+
+def _check_placed(model, mesh, reference):
+    """Every param of `model` lies as `param_specs` (K-major) says and holds `reference`'s
+    bits (the same model on one device)."""
+    specs = param_specs(model.config, model.dtype, mesh, "fp8", k_major=True)
+    for path, a in jax.tree_util.tree_leaves_with_path(model.params):
+        spec, b = specs, reference.params
+        for key in path:
+            spec, b = spec[key.key], b[key.key]
+        assert a.sharding.is_equivalent_to(NamedSharding(mesh, spec), a.ndim), path
+        np.testing.assert_array_equal(
+            np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8), err_msg=str(path)
+        )
+
+
+@needs_devices
+def test_k_major_values_under_tensor_parallel(tmp_path, monkeypatch):
+    """Under a mesh `fp8_impl="mosaic"` holds each device's share of the values K-major
+    (loaded so, or moved by `with_options`): the q/k/v and gate/up values split by their
+    outputs, now their first axes, the attention-output and down values by their
+    contractions, now their last. Each device's block forwards hand the fp8 kernels
+    (stand-ins, `_stand_ins`) its own K-major slices, and give the tokens of the sharded
+    `scaled` model, whose XLA products quantise the same rows."""
+    got = _stand_ins(monkeypatch)
+    make_llada_dense(
+        tmp_path, d_model=256, n_heads=4, n_kv_heads=2, mlp_hidden=256, head_scale=6.0, seed=5
+    )
+    mesh = make_mesh(tensor_parallel=2)
+    axis = mesh.axis_names[1]
+    scaled = djax.load(tmp_path, jnp.float32, mesh=mesh, weights="fp8", fp8_impl="scaled")
+    mosaic = djax.load(tmp_path, jnp.float32, mesh=mesh, weights="fp8", fp8_impl="mosaic")
+    one_device = djax.load(tmp_path, jnp.float32, weights="fp8", fp8_impl="mosaic")
+    specs = param_specs(mosaic.config, jnp.float32, mesh, "fp8", k_major=True)
+    assert tuple(specs["attn_0"]["qkv"]) == (axis, None, None, None)  # [kv, g + 2, d, model]
+    assert tuple(specs["attn_0"]["attn_out"]) == (None, axis, None, None)  # [model, kv, g, d]
+    assert tuple(specs["ff_0"]["gate_up"]) == (None, axis, None)  # [2, hidden, model]
+    assert tuple(specs["ff_0"]["down"]) == (None, axis)  # [model, hidden]
+    _check_placed(mosaic, mesh, one_device)
+    _check_placed(scaled.with_options(fp8_impl="mosaic"), mesh, one_device)
+    back = mosaic.with_options(fp8_impl="scaled")
+    for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(scaled.params), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    config = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+    prompts = [[5, 6, 7], [9, 10, 11]]
+    np.testing.assert_array_equal(
+        djax.generate(mosaic, prompts, config).answer_ids,
+        djax.generate(scaled, prompts, config).answer_ids,
+    )
+    head_dim = 256 // 4
+    assert set(got) == {
+        ("matmul", (4 * head_dim, 256)),  # q/k/v of 1 kv head a device: 2 queries, k, v
+        ("matmul", (256, 2 * head_dim)),  # attention output and down, contracting 128
+        ("swiglu", (2, 128, 256)),  # gate/up: 128 of the 256 hidden a device
+    }
+
+
+@needs_devices
+@pytest.mark.parametrize("mesh_kind", ["tensor", "expert"])
+def test_k_major_experts_under_a_mesh(tmp_path, monkeypatch, mesh_kind):
+    """A one-layer LLaDA-MoE under tensor or expert parallelism with `fp8_impl="mosaic"`:
+    each device holds its experts (or their ffn halves) K-major and hands them to the fp8
+    expert kernel (a stand-in) in every forward; the logits and tokens are the sharded
+    `scaled` model's. (One layer: with two under tensor parallelism, fp32 sums in another
+    order before the second layer quantises its rows flip an e4m3 rounding for some inputs,
+    moving one position's logits of 24, whatever the experts' path.)"""
+    from torch_reference import make_llada_moe
+
+    got = _stand_ins(monkeypatch)
+    make_llada_moe(
+        tmp_path, d_model=256, n_layers=1, n_heads=2, n_kv_heads=2, n_experts=4,
+        expert_hidden=256, head_scale=6.0, seed=7,
+    )  # fmt: skip
+    mesh = make_mesh(**{f"{mesh_kind}_parallel": 2})
+    scaled = djax.load(tmp_path, jnp.float32, mesh=mesh, weights="fp8", fp8_impl="scaled")
+    mosaic = scaled.with_options(fp8_impl="mosaic")
+    _check_placed(mosaic, mesh, djax.load(tmp_path, jnp.float32, weights="fp8", fp8_impl="mosaic"))
+    ids = np.random.default_rng(8).integers(4, 100, (2, 12))
+    ours = np.asarray(djax.forward_logits(mosaic, ids))
+    assert rel_error(ours, np.asarray(djax.forward_logits(scaled, ids))) <= 1e-5
+    experts = {item[1:] for item in got if item[0] == "experts"}
+    if mesh_kind == "tensor":  # every expert, 128 of its 256 ffn a device
+        assert experts == {((4, 2, 128, 256), (4, 256, 128))}
+    else:  # 2 of the 4 experts a device
+        assert experts == {((2, 2, 256, 256), (2, 256, 256))}
+    config = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+    np.testing.assert_array_equal(
+        djax.generate(mosaic, [[5, 6, 7]], config).answer_ids,
+        djax.generate(scaled, [[5, 6, 7]], config).answer_ids,
+    )
 
 
 def test_block_layer_lowers_for_hopper(monkeypatch):

@@ -161,17 +161,19 @@ def k_major(weights: str, fp8_impl: str) -> bool:
     return weights == "fp8" and fp8_impl == "mosaic"
 
 
-def to_layout(params: dict, k_major: bool) -> dict:
+def to_layout(params: dict, k_major: bool, shardings: dict | None = None) -> dict:
     """fp8 params (`quantize_params`' layout, or K-major) with the fp8 values
     (`k_major_order`: the dense products' and the experts') K-major (`k_major`) or in
     their own layout; every other param as it is. Each weight is moved by its own jitted
-    call into a new array (the old ones are freed once `params` is dropped). The dict
-    does not record its layout: the caller (`djax.load`, `Model.with_options`) knows the
-    layout it holds."""
+    call into a new array (the old ones are freed once `params` is dropped), placed per
+    `shardings` (a pytree like the result, in the new layout: `sharding.param_shardings`)
+    when given. The dict does not record its layout: the caller (`djax.load`,
+    `Model.with_options`) knows the layout it holds."""
     out: dict = {}
     for key, value in params.items():
+        placed = None if shardings is None else shardings[key]
         if isinstance(value, dict):
-            out[key] = to_layout(value, k_major)
+            out[key] = to_layout(value, k_major, placed)
             continue
         order = k_major_order(key, value.ndim) if scale_name(key) in params else None
         if order is None:
@@ -179,17 +181,18 @@ def to_layout(params: dict, k_major: bool) -> dict:
             continue
         if not k_major:
             order = tuple(order.index(i) for i in range(value.ndim))  # the inverse
-        out[key] = _transposer(order)(value)
+        out[key] = _transposer(order, placed)(value)
     return out
 
 
 _TRANSPOSERS: dict = {}
 
 
-def _transposer(order: tuple[int, ...]) -> Any:
-    if order not in _TRANSPOSERS:
-        _TRANSPOSERS[order] = jax.jit(lambda w: jnp.transpose(w, order))
-    return _TRANSPOSERS[order]
+def _transposer(order: tuple[int, ...], sharding: Any) -> Any:
+    key = (order, sharding)
+    if key not in _TRANSPOSERS:
+        _TRANSPOSERS[key] = jax.jit(lambda w: jnp.transpose(w, order), out_shardings=sharding)
+    return _TRANSPOSERS[key]
 
 
 def scale_name(name: str) -> str:

@@ -54,19 +54,19 @@ Mosaic GPU's interpreter) wherever its kernel fits: a ValueError names the misfi
 heads, dtype, fp8 weights) otherwise. The forms `auto` limits by rows and windows keep those
 limits (the products, RoPE and the norms moved into products run only in block forwards).
 `fp8_impl="mosaic"` (fp8 weights, `djax.kernels.fp8_matmul_mosaic`) is taken only when
-asked for, on one device, with every dense product's contraction a multiple of 128 and its
-output a multiple of 64: block forwards of at most `KERNEL_MAX_ROWS` token rows run the
-q/k/v, attention-output and down products and the SwiGLU gate/up path in the fp8 x fp8
-Mosaic GPU kernel (`fp8_mosaic`; the q/k/v product inside the RoPE kernel where the rule
-above puts it), their partials handed on as the split-K kernel's are;
-refreshes and longer forwards run XLA's `scaled` products. There the per-row norms
-(`norm="mosaic"`) before the q/k/v product and a dense MLP's gate/up path also quantise
-their rows for them (`norm_into_fp8`: `handoff.QuantizedRows`), so no XLA quantisation runs
-between them. A MoE model's experts run by
-fp8 x fp8 WGMMA in their tiles (`moe="fp8_mosaic"`, `expert_tiles_mosaic.expert_mlp_fp8`)
-in every forward, under `moe_impl` `auto` or `mosaic` (`xla` is refused: XLA's grouped
-product reads no K-major experts), their model and local ffn widths multiples of 128. The
-model then holds those weights K-major (`KernelChoice.k_major`, `djax.models.fp8`).
+asked for, with every dense product's contraction (a device's share under a mesh) a
+multiple of 128 and its output a multiple of 64: block forwards of at most
+`KERNEL_MAX_ROWS` token rows run the q/k/v, attention-output and down products and the
+SwiGLU gate/up path in the fp8 x fp8 Mosaic GPU kernel (`fp8_mosaic`; the q/k/v product
+inside the RoPE kernel where the rule above puts it), their partials handed on as the
+split-K kernel's are; refreshes and longer forwards run XLA's `scaled` products. There the
+per-row norms (`norm="mosaic"`) before the q/k/v product and a dense MLP's gate/up path
+also quantise their rows for them (`norm_into_fp8`: `handoff.QuantizedRows`), so no XLA
+quantisation runs between them. A MoE model's experts run by fp8 x fp8 WGMMA in their
+tiles (`moe="fp8_mosaic"`, `expert_tiles_mosaic.expert_mlp_fp8`) in every forward, under
+`moe_impl` `auto` or `mosaic` (`xla` is refused: XLA's grouped product reads no K-major
+experts), their model and local ffn widths multiples of 128. The model then holds those
+weights K-major (`KernelChoice.k_major`, `djax.models.fp8`).
 """
 
 from __future__ import annotations
@@ -536,15 +536,10 @@ class _Rule:
         return "scaled" if self.fp8_tensor_cores else "dequant"
 
     def _check_fp8_mosaic(self) -> None:
-        """`fp8_impl="mosaic"`: a ValueError unless it runs on one device and the kernels
-        take every dense product and, for a MoE model, the experts' (`fp8_matmul_mosaic.fits`:
-        the model and local expert ffn widths multiples of 128) under a `moe_impl` that
-        reads K-major experts (`auto` or `mosaic`)."""
-        if self.sharded:
-            raise ValueError(
-                "fp8_impl='mosaic' runs on one device (its K-major weights have no sharded "
-                "layout); under a mesh give 'auto', 'dequant' or 'scaled'"
-            )
+        """`fp8_impl="mosaic"`: a ValueError unless the kernels take every dense product (a
+        device's share of it under a mesh) and, for a MoE model, the experts'
+        (`fp8_matmul_mosaic.fits`: the model and local expert ffn widths multiples of 128)
+        under a `moe_impl` that reads K-major experts (`auto` or `mosaic`)."""
         w, cfg = self.widths, self.widths.config
         products = {"q/k/v": w.qkv, "attention output": w.out}
         for h in w.mlp_hidden:
