@@ -67,6 +67,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from djax.kernels import fp8_matmul_mosaic, tma_ring
+from djax.kernels.handoff import QuantizedRows
 from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, Tiles
 
 Array = jax.Array
@@ -542,7 +543,7 @@ def expert_mlp(
 
 
 def expert_mlp_fp8(
-    x: Array,
+    x: Array | QuantizedRows,
     source_rows: Array,
     gate_up_t: Array,
     gate_up_scale: Array,
@@ -557,13 +558,14 @@ def expert_mlp_fp8(
     aligned layout with their scales, the gate/up product with the activation fused, its
     output quantised per row, then the down product, and the result gathered back.
 
-    x: [tokens, model] bf16 or fp16; source_rows: [pairs] int32; gate_up_t: [experts, 2,
+    x: [tokens, model] bf16 or fp16, or its rows already quantised (`QuantizedRows`, as the
+    norm before the experts hands them on); source_rows: [pairs] int32; gate_up_t: [experts, 2,
     ffn, model] e4m3, gate_up_scale [experts, 2, ffn] fp32; down_t: [experts, model, ffn]
     e4m3, down_scale [experts, model] fp32; model and ffn multiples of 128; group_sizes:
     [experts] int32. Returns [pairs, model] in x's dtype; rows past sum(group_sizes) may
     hold anything. `tiles`: (gate/up, down) program shapes, default `fp8_tiles_for` each.
     """
-    if source_rows.ndim != 1 or x.ndim != 2:
+    if source_rows.ndim != 1 or len(x.shape) != 2:
         raise ValueError(
             f"expert_tiles_mosaic.expert_mlp_fp8: x {x.shape}, source_rows "
             f"{source_rows.shape}; expected [tokens, model] and [pairs]"
@@ -573,7 +575,11 @@ def expert_mlp_fp8(
     up_tiles = up_tiles or fp8_tiles_for(tokens, model, gate_up_t.shape[-2])
     down_tiles = down_tiles or fp8_tiles_for(tokens, down_t.shape[-1], model)
     position, source, aligned = aligned_layout(group_sizes, source_rows.shape[0])
-    xq, x_scale = fp8_matmul_mosaic.quantize_rows(x)  # per token: the pairs share its rows
+    # per token: the pairs share its rows
+    if isinstance(x, QuantizedRows):
+        xq, x_scale = x.values, x.scale
+    else:
+        xq, x_scale = fp8_matmul_mosaic.quantize_rows(x)
     token = source_rows[source]
     act = _aligned_fp8_product(
         xq[token], x_scale[token], gate_up_t, gate_up_scale, aligned, up_tiles, x.dtype, interpret

@@ -86,11 +86,14 @@ class QuantizedRows:
     """Rows quantised for an fp8 x fp8 product by the kernel that made them (the norm,
     `residual_norm_mosaic.add_rms_norm(..., into_fp8=True)`): `values` [..., d] e4m3 and
     `scale` [...] fp32, the rows' `fp8_matmul_mosaic.quantize_rows`; `dtype` is the rows'
-    own dtype before quantisation, the dtype of the products made of them."""
+    own dtype before quantisation, the dtype of the products made of them. `rows`: the rows
+    themselves [..., d] in `dtype`, where the kernel also kept them for a consumer that
+    reads them unquantised (a MoE layer's router, `keep_rows=True`), else None."""
 
     values: Array
     scale: Array
     dtype: Any = dataclasses.field(metadata={"static": True})
+    rows: Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -100,7 +103,8 @@ class QuantizedRows:
     def reshape(self, *shape: int) -> QuantizedRows:
         """The same rows as [*shape] (the last dim stays d)."""
         lead = _lead(self, shape)
-        return QuantizedRows(self.values.reshape(shape), self.scale.reshape(lead), self.dtype)
+        rows = None if self.rows is None else self.rows.reshape(shape)
+        return QuantizedRows(self.values.reshape(shape), self.scale.reshape(lead), self.dtype, rows)
 
 
 def _lead(rows: ScaledRows | QuantizedRows, shape: tuple[int, ...]) -> tuple[int, ...]:

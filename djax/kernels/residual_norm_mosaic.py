@@ -21,7 +21,8 @@ quantises the normed row for the fp8 product after it (`handoff.QuantizedRows`, 
 of `fp8_matmul_mosaic.quantize_rows`): the row's max |value| is a second reduction over
 the block, the e4m3 block leaves by TMA as the normed block does, and the row's scale, one
 fp32 (less than a TMA copy's 16 bytes), is stored by the CTA's threads straight into
-global memory.
+global memory. With `keep_rows` as well, the normed block in x's dtype leaves beside them
+(a MoE layer's router reads it, its experts the e4m3 rows).
 """
 
 from __future__ import annotations
@@ -196,16 +197,19 @@ def row_fits(d: int) -> bool:
 
 
 def _row_kernel(
-    x_gmem, y_gmem, scale_gmem, h_gmem, normed_gmem, *refs, eps, width, into_fp8, interpreting,
+    x_gmem, y_gmem, scale_gmem, h_gmem, normed_gmem, *refs, eps, width, into_fp8, keep_rows,
+    interpreting,
 ):  # fmt: skip
     """One CTA per row. x, h [m, d / 256, 256]; y [splits, m, d / 256, 256] (fp32 partial
     products, or x's dtype with one split); scale [d / 256, 256]; normed [m, d / 256, 256]
     in x's dtype, or with `into_fp8` its e4m3 values, and then the next output (before the
-    scratch refs) is the rows' fp32 scales [m]."""
+    scratch refs) is the rows' fp32 scales [m], and with `keep_rows` the one after it the
+    normed rows in x's dtype [m, d / 256, 256] (its scratch block last)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     row_scale_gmem, *refs = refs if into_fp8 else (None, *refs)
-    x_smem, y_smem, scale_smem, bars, h_smem, normed_smem = refs
+    rows_gmem, *refs = refs if keep_rows else (None, *refs)
+    x_smem, y_smem, scale_smem, bars, h_smem, normed_smem, *rows_smem = refs
     splits = y_gmem.shape[0]
     row = jax.lax.axis_index("row")
     plgpu.copy_gmem_to_smem(x_gmem.at[row], x_smem, bars.at[0])
@@ -230,6 +234,8 @@ def _row_kernel(
     inv_rms = jax.lax.rsqrt(jnp.sum(hf * hf) / width + eps)
     normed = ((hf * inv_rms).astype(dtype).astype(jnp.float32) * load(scale_smem)).astype(dtype)
     h_smem[...] = h
+    if keep_rows:
+        rows_smem[0][...] = normed
     if into_fp8:  # `quantize_rows` of the rounded row: the block is the whole row
         normed = normed.astype(jnp.float32)
         row_scale = fp8_matmul_mosaic.scale_of(jnp.max(jnp.abs(normed)))
@@ -240,16 +246,19 @@ def _row_kernel(
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(h_smem, h_gmem.at[row])
     plgpu.copy_smem_to_gmem(normed_smem, normed_gmem.at[row])
+    if keep_rows:
+        plgpu.copy_smem_to_gmem(rows_smem[0], rows_gmem.at[row])
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "into_fp8", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "into_fp8", "keep_rows", "interpret"))
 def add_rms_norm(
     x: Array,
     y: Array | Partials,
     scale: Array,
     eps: float,
     into_fp8: bool = False,
+    keep_rows: bool = False,
     interpret: bool | None = None,
 ) -> tuple[Array, Array | QuantizedRows]:
     """`h = x + y` and `rms_norm(h, scale, eps)` (`layers.rms_norm`'s rounding) in one
@@ -261,13 +270,16 @@ def add_rms_norm(
     the next fp8 product takes it, `QuantizedRows` (values [..., d] e4m3, scale [...] fp32:
     `fp8_matmul_mosaic.quantize_rows` of the normed rows as rounded to x's dtype; the same
     scales, and on a GPU values that may differ by one e4m3 step where the kernel's
-    approximate division and XLA's exact one round a value at a midpoint apart).
-    `interpret`: run in Mosaic GPU's interpreter (default: exactly off GPUs, as the CPU
-    tests do).
+    approximate division and XLA's exact one round a value at a midpoint apart);
+    `keep_rows` (with `into_fp8`): the `QuantizedRows` also hold the normed rows in x's
+    dtype (`rows`), as the kernel writes them without `into_fp8`. `interpret`: run in
+    Mosaic GPU's interpreter (default: exactly off GPUs, as the CPU tests do).
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     name = "residual_norm_mosaic.add_rms_norm"
+    if keep_rows and not into_fp8:
+        raise ValueError(f"{name}: keep_rows keeps rows beside their e4m3 values; give into_fp8")
     d = x.shape[-1]
     parts = y.parts if isinstance(y, Partials) else y[None]
     if parts.shape[1:] != x.shape or y.dtype != x.dtype or scale.shape != (d,):
@@ -292,10 +304,17 @@ def add_rms_norm(
     ]
     if into_fp8:
         out_type.append(jax.ShapeDtypeStruct((m,), jnp.float32))  # the rows' scales
+    if keep_rows:
+        out_type.append(jax.ShapeDtypeStruct(rows.shape, x.dtype))  # the normed rows
     params = tma_ring.interpret_params(interpret)
     kernel = plgpu.kernel(
         functools.partial(
-            _row_kernel, eps=eps, width=d, into_fp8=into_fp8, interpreting=params is not None
+            _row_kernel,
+            eps=eps,
+            width=d,
+            into_fp8=into_fp8,
+            keep_rows=keep_rows,
+            interpreting=params is not None,
         ),
         out_type=tuple(out_type),
         grid=(m,),
@@ -307,13 +326,15 @@ def add_rms_norm(
             plgpu.Barrier(num_barriers=2 + splits),  # x, scale, each slice of y
             plgpu.SMEM(block, x.dtype),  # h
             plgpu.SMEM(block, normed_dtype),  # normed, or its e4m3 values
+            *([plgpu.SMEM(block, x.dtype)] if keep_rows else []),  # the normed rows kept
         ],
         interpret=params,
     )
-    h, normed, *row_scale = kernel(rows, parts.reshape(splits, m, *block), scale.reshape(block))
+    h, normed, *more = kernel(rows, parts.reshape(splits, m, *block), scale.reshape(block))
     lead = x.shape[:-1]
     if into_fp8:
+        kept = more[1].reshape(x.shape) if keep_rows else None
         return h.reshape(x.shape), QuantizedRows(
-            normed.reshape(x.shape), row_scale[0].reshape(lead), x.dtype
+            normed.reshape(x.shape), more[0].reshape(lead), x.dtype, kept
         )
     return h.reshape(x.shape), normed.reshape(x.shape)

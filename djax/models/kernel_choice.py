@@ -60,13 +60,14 @@ multiple of 128 and its output a multiple of 64: block forwards of at most
 SwiGLU gate/up path in the fp8 x fp8 Mosaic GPU kernel (`fp8_mosaic`; the q/k/v product
 inside the RoPE kernel where the rule above puts it), their partials handed on as the
 split-K kernel's are; refreshes and longer forwards run XLA's `scaled` products. There the
-per-row norms (`norm="mosaic"`) before the q/k/v product and a dense MLP's gate/up path
-also quantise their rows for them (`norm_into_fp8`: `handoff.QuantizedRows`), so no XLA
-quantisation runs between them. A MoE model's experts run by fp8 x fp8 WGMMA in their
-tiles (`moe="fp8_mosaic"`, `expert_tiles_mosaic.expert_mlp_fp8`) in every forward, under
-`moe_impl` `auto` or `mosaic` (`xla` is refused: XLA's grouped product reads no K-major
-experts), their model and local ffn widths multiples of 128. The model then holds those
-weights K-major (`KernelChoice.k_major`, `djax.models.fp8`).
+per-row norms (`norm="mosaic"`) before the q/k/v product, a dense MLP's gate/up path and a
+MoE layer's fp8 experts also quantise their rows for them (`norm_into_fp8`:
+`handoff.QuantizedRows`), so no XLA quantisation runs between them. A MoE model's experts
+run by fp8 x fp8 WGMMA in their tiles (`moe="fp8_mosaic"`,
+`expert_tiles_mosaic.expert_mlp_fp8`) in every forward, under `moe_impl` `auto` or
+`mosaic` (`xla` is refused: XLA's grouped product reads no K-major experts), their model
+and local ffn widths multiples of 128. The model then holds those weights K-major
+(`KernelChoice.k_major`, `djax.models.fp8`).
 """
 
 from __future__ import annotations
@@ -166,7 +167,9 @@ class Kernels:
     output product's epilogue), `tiled` (in a kernel after it) or `no`. norm_into_fp8: the
     per-row norms (`norm="mosaic"`) before the q/k/v product and a dense MLP's gate/up
     path, both `fp8_mosaic`, hand them rows already quantised to e4m3 with a scale per row
-    (`residual_norm_mosaic.add_rms_norm(..., into_fp8=True)`, `handoff.QuantizedRows`).
+    (`residual_norm_mosaic.add_rms_norm(..., into_fp8=True)`, `handoff.QuantizedRows`), as
+    the norm before a MoE layer does where its experts are `fp8_mosaic` (the rows kept
+    beside them for the router, `keep_rows=True`).
     moe: the routed
     experts, `dense`, `grouped`, `mosaic` (`expert_tiles_mosaic`, 16-bit weights or fp8
     ones converted in the kernel) or `fp8_mosaic` (K-major fp8 weights by fp8 x fp8 WGMMA,

@@ -297,7 +297,8 @@ class RMSNorm(nn.Module):
     kernel after the split-K product (`"tiled"`, `residual_norm_mosaic.add_scaled`), and the
     norm is returned as `ScaledRows` for the next product's kernel to apply. `into_fp8`
     (with `"mosaic"` only, `Kernels.norm_into_fp8`): the norm is returned quantised for the
-    fp8 product after it, `QuantizedRows`."""
+    fp8 product after it, `QuantizedRows`, with `keep_rows` holding the rows too (for a MoE
+    layer, whose router reads them)."""
 
     eps: float
     dtype: Any
@@ -309,6 +310,7 @@ class RMSNorm(nn.Module):
         residual: Array | None = None,
         impl: str = "xla",
         into_fp8: bool = False,
+        keep_rows: bool = False,
     ) -> Array | tuple[Array, Array | ScaledRows | QuantizedRows]:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if into_fp8 and (impl != "mosaic" or residual is None or isinstance(x, Product)):
@@ -326,7 +328,9 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(finish(x), scale, self.eps)
         if impl == "mosaic":
-            return residual_norm_mosaic.add_rms_norm(residual, x, scale, self.eps, into_fp8)
+            return residual_norm_mosaic.add_rms_norm(
+                residual, x, scale, self.eps, into_fp8, keep_rows
+            )
         h = residual + finish(x)
         return h, rms_norm(h, scale, self.eps)
 
@@ -723,10 +727,18 @@ class TransformerLM(nn.Module):
                 if last_trimmed:
                     x = jax.lax.dynamic_slice_in_dim(x, hidden_start, hidden_len, axis=1)
                 impl = kept.norm if into_mlp == "no" else into_mlp
-                # `norm_into_fp8`: the norms before a dense MLP's gate/up product (the
-                # kept rows') and the next layer's q/k/v product hand them e4m3 rows
-                ff_fp8 = kept.norm_into_fp8 and dense_ff
-                h, normed = self.ff_norms[i](attn_out, residual=x, impl=impl, into_fp8=ff_fp8)
+                # `norm_into_fp8`: the norms before a dense MLP's gate/up product or a MoE
+                # layer's fp8 x fp8 experts (the kept rows', kept unquantised too for the
+                # router) and the next layer's q/k/v product hand them e4m3 rows
+                experts_fp8 = not dense_ff and kept.moe == "fp8_mosaic"
+                ff_fp8 = kept.norm_into_fp8 and (dense_ff or experts_fp8)
+                h, normed = self.ff_norms[i](
+                    attn_out,
+                    residual=x,
+                    impl=impl,
+                    into_fp8=ff_fp8,
+                    keep_rows=ff_fp8 and not dense_ff,
+                )
                 with jax.named_scope("mlp"):
                     mlp_out = self.ffs[i](normed, kept)
                 next_attention = i + 1 < n_layers

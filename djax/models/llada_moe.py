@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from djax.config import ModelConfig
 from djax.kernels import expert_tiles_mosaic
-from djax.kernels.handoff import finish
+from djax.kernels.handoff import QuantizedRows, finish
 from djax.models import fp8
 from djax.models.kernel_choice import XLA_KERNELS, Kernels
 from djax.models.layers import GatedMLP, TransformerLM, _sum_over, init_normal
@@ -187,7 +187,7 @@ def mosaic_mlp(
 
 
 def fp8_mosaic_mlp(
-    x: Array,
+    x: Array | QuantizedRows,
     source_rows: Array,
     gate_up: fp8.Weight,
     down: fp8.Weight,
@@ -196,7 +196,8 @@ def fp8_mosaic_mlp(
 ) -> Array:
     """`ragged_mlp`'s contract by fp8 x fp8 WGMMA (`expert_tiles_mosaic.expert_mlp_fp8`, at
     its (gate/up, down) `tiles`, default `fp8_tiles_for`): K-major `Fp8Weight`s (a model
-    loaded with `fp8_impl="mosaic"`), the rows quantised per row; a ValueError for others."""
+    loaded with `fp8_impl="mosaic"`), the rows quantised per row (or as the norm quantised
+    them, `QuantizedRows`); a ValueError for other weights."""
     for w in (gate_up, down):
         if not isinstance(w, fp8.Fp8Weight) or not w.k_major:
             raise ValueError(
@@ -217,7 +218,7 @@ def fp8_mosaic_mlp(
 
 
 def experts_grouped(
-    x: Array,
+    x: Array | QuantizedRows,
     weights: Array,
     experts: Array,
     gate_up: Array,
@@ -229,8 +230,9 @@ def experts_grouped(
     (`ragged_mlp`'s arguments and result: the tokens and the token of each sorted pair),
     and the outputs weighted back per token.
 
-    Same arguments and result as `experts_dense`; pairs routed to experts on other devices
-    sort last, outside every group, and get zero weight.
+    Same arguments and result as `experts_dense` (x as `QuantizedRows` where `mlp` takes
+    them, `fp8_mosaic_mlp`); pairs routed to experts on other devices sort last, outside
+    every group, and get zero weight.
     """
     n, top_k = experts.shape
     n_local, d_model = gate_up.shape[:2]
@@ -265,9 +267,19 @@ class MoEBlock(nn.Module):
     k_major: bool = False  # fp8 values K-major, experts' and shared (`KernelChoice.k_major`)
 
     @nn.compact
-    def __call__(self, x: Array, kernels: Kernels = XLA_KERNELS) -> Array:
+    def __call__(self, x: Array | QuantizedRows, kernels: Kernels = XLA_KERNELS) -> Array:
         """x: [b, t, model] normed rows -> [b, t, model]; `kernels.moe` chooses the expert
-        path, `kernels.mlp` and `kernels.down` the shared expert's."""
+        path, `kernels.mlp` and `kernels.down` the shared expert's. x may come quantised
+        by the norm with its rows kept (`QuantizedRows` with `rows`) where the experts run
+        `fp8_mosaic`: the router reads the rows, the experts (and a shared expert whose
+        gate/up path is `fp8_mosaic`) the e4m3 values."""
+        quantised = x if isinstance(x, QuantizedRows) else None
+        if quantised is not None and (quantised.rows is None or kernels.moe != "fp8_mosaic"):
+            raise ValueError(
+                "MoEBlock: rows quantised by the norm (QuantizedRows) need their rows kept "
+                f"(keep_rows) and moe 'fp8_mosaic'; got moe {kernels.moe!r}"
+            )
+        x = x if quantised is None else quantised.rows
         cfg = self.config
         e, m, f = cfg.n_experts, cfg.d_model, cfg.expert_hidden
         local_e = e // self.shards if self.split_experts else e
@@ -288,6 +300,7 @@ class MoEBlock(nn.Module):
         flat = x.reshape(b * t, m)
         with jax.named_scope("router"):
             weights, experts = self.route(flat, router, bias)
+        tokens = flat if quantised is None else quantised.reshape(b * t, m)
         first = 0 if local_e == e else jax.lax.axis_index(self.axis_name) * local_e
         ragged = functools.partial(ragged_mlp, fp8_impl=kernels.fp8)
         run = {
@@ -297,7 +310,7 @@ class MoEBlock(nn.Module):
             "fp8_mosaic": functools.partial(experts_grouped, mlp=fp8_mosaic_mlp),
         }[kernels.moe]
         with jax.named_scope(f"experts_{kernels.moe}"):
-            y = run(flat, weights, experts, gate_up, down, first).reshape(b, t, m)
+            y = run(tokens, weights, experts, gate_up, down, first).reshape(b, t, m)
         y = _sum_over(y, self.axis_name)
         if cfg.shared_expert_hidden:
             shared = GatedMLP(
@@ -309,7 +322,8 @@ class MoEBlock(nn.Module):
                 k_major=self.k_major,
                 name="shared",
             )
-            y = y + finish(shared(x, kernels))
+            taken = quantised if quantised is not None and kernels.mlp == "fp8_mosaic" else x
+            y = y + finish(shared(taken, kernels))
         return y
 
     def route(self, x: Array, router: Array, expert_bias: Array | None) -> tuple[Array, Array]:

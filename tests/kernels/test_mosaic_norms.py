@@ -368,30 +368,44 @@ def test_add_rms_norm_into_fp8_is_quantize_rows(splits):
     assert float(rows.scale[0]) == 1 and not values[0].any()
     assert values[1, 100] == -448 and np.abs(values[1]).max() == 448
     assert np.median(np.abs(values[1])) < 0.1 * np.median(np.abs(values[2]))
+    assert rows.rows is None
+    # keep_rows: the same values and scales, and the normed rows beside them
+    kept_h, kept = residual_norm_mosaic.add_rms_norm(
+        x, y, scale, EPS, into_fp8=True, keep_rows=True
+    )
+    np.testing.assert_array_equal(_f32(kept_h), _f32(want_h))
+    np.testing.assert_array_equal(_f32(kept.rows), _f32(normed))
+    np.testing.assert_array_equal(kept.scale, rows.scale)
+    np.testing.assert_array_equal(_f32(kept.values), values)
+    assert kept.reshape(1, 3, 512).rows.shape == (1, 3, 512)
+    with pytest.raises(ValueError, match="keep_rows keeps rows beside their e4m3 values"):
+        residual_norm_mosaic.add_rms_norm(x, y, scale, EPS, keep_rows=True)
 
 
 @pytest.mark.parametrize("d", [4096, 2048])  # LLaDA-8B's and LLaDA-MoE's widths
 def test_add_rms_norm_into_fp8_lowers_for_hopper(d):
     """The quantising kernel at a block's 32 rows after a split-K product of 2 slices:
     Mosaic GPU's lowering for CUDA (the e4m3 conversion and block, the scale's store)."""
-    fn = lambda x, p, s: residual_norm_mosaic.add_rms_norm(  # noqa: E731
-        x, Partials(p, BF16), s, EPS, into_fp8=True, interpret=False
-    )
     shapes = (((1, 32, d), BF16), ((2, 1, 32, d), jnp.float32), ((d,), BF16))
-    assert _lowers(fn, *shapes)
+    for keep_rows in (False, True):  # the rows kept too: a MoE layer's norm
+        fn = lambda x, p, s, k=keep_rows: residual_norm_mosaic.add_rms_norm(  # noqa: E731
+            x, Partials(p, BF16), s, EPS, into_fp8=True, keep_rows=k, interpret=False
+        )
+        assert _lowers(fn, *shapes)
 
 
 @needs_gpu
 def test_compiled_add_rms_norm_into_fp8_on_gpu():
     """On a Hopper GPU: the compiled quantising kernel at LLaDA-8B's and LLaDA-MoE's widths
     (32 rows) against numpy's quantisation of the compiled kernel's normed rows, within
-    the kernel's division (`_assert_quantized`)."""
+    the kernel's division (`_assert_quantized`); the rows it keeps are those normed rows."""
     for d, splits in ((4096, 2), (2048, 1), (4096, 4)):
         x, parts, scale = _norm_problem(32, d, splits, seed=9)
         y = Partials(parts, BF16)
-        h, rows = residual_norm_mosaic.add_rms_norm(x, y, scale, EPS, into_fp8=True)
+        h, rows = residual_norm_mosaic.add_rms_norm(x, y, scale, EPS, into_fp8=True, keep_rows=True)
         want_h, normed = residual_norm_mosaic.add_rms_norm(x, y, scale, EPS)
         np.testing.assert_array_equal(_f32(h), _f32(want_h))
+        np.testing.assert_array_equal(_f32(rows.rows), _f32(normed))
         _assert_quantized(rows, normed, exact=False)
 
 
