@@ -7,12 +7,14 @@ programs) found fp8's weight values moving the logits as much as matched relativ
 two agreed at 2-4 layers of full width and at 32 layers of width 512. Is the gap in the
 arithmetic of rounding at full width and full depth, or in the GPU run?
 
-Answer (CPU, fp32 compute, `bench/results/fp8_depth_float32_cpu.json`, the table in
-bench/NOTES.md): at LLaDA-8B's width the rounding and the noise move the logits alike at
-every depth up to 32 layers (27.6% against 26.8% at 32), and both grow with depth (16% at 8
-layers, 21% at 16), where the GPU's noise control barely grew (14.9% at 8, 16.3% at 32). So
-the GPU's 4x is not rounding compounding with depth in exact arithmetic. `--dtype bfloat16`
-runs the same layers with bf16 activations, the GPU programs' precision (not run yet).
+Answer (CPU, 88ea472, `bench/results/fp8_depth_float32_cpu.json` and
+`fp8_depth_bfloat16_cpu.json`, the table in bench/NOTES.md): at LLaDA-8B's width the
+rounding moves the logits at most 1.1x as much as the noise at every depth up to 32 layers,
+with fp32 or bf16 activations alike (32 layers: 27.4% against 25.0%; bf16 27.6% against
+25.2%), and both grow with depth (~17% at 8 layers, ~21% at 16), where the GPU run's noise
+control barely grew (14.9% at 8 layers, 16.3% at 32). So the GPU's 4x is not e4m3
+rounding compounding with depth, in either precision: this replica and the GPU run differ
+in more than the rounding. Next: this probe on a GPU (both dtypes).
 
 The model is LLaDA-8B's decoder layer written out here (pre-norm RMSNorm with unit scales,
 fused q/k/v, RoPE with theta 500000 on every head dim, bidirectional softmax attention,
