@@ -102,96 +102,46 @@ def test_quantised_rows_are_refused_elsewhere():
 FP8_NORMED = ModelConfig(DENSE, 256, 512, 2, 2, 1, 64, 128, 5e5, 1e-5, 64, 1, 2, 3)
 
 
-def test_norms_hand_the_kernel_quantised_rows(monkeypatch):
-    """A block forward of 8 rows (bf16, K-major fp8 weights; Mosaic GPU's interpreter off
-    GPUs) under `fp8_impl="mosaic"` and `norm_impl="mosaic"`: the norms after layer 0's
-    attention and MLP and after layer 1's attention quantise the rows of the products
-    after them, so XLA quantises only 5 row sets (layer 0's q/k/v after the first norm,
-    which has no residual add, and each layer's attention outputs and activations) where
-    the same choice with `norm_into_fp8=False` quantises 8; the hidden states are the
-    same bit for bit (the same arithmetic; on a GPU the compilers' divisions may round a
-    value at an e4m3 midpoint apart: to 1%)."""
-    choice = resolve(
-        KernelOptions(fp8_impl="mosaic", norm_impl="mosaic"),
-        Device("cpu"),
-        FP8_NORMED,
-        jnp.bfloat16,
-        Shapes(batch=1, window=8, seq=8, kept=8),
-        weights="fp8",
-    )
-    layers = choice.block.layers
-    assert (layers.qkv, layers.mlp, layers.norm, layers.norm_into_fp8) == (
-        "fp8_mosaic", "fp8_mosaic", "mosaic", True,
-    )  # fmt: skip
-    unfused = dataclasses.replace(layers, norm_into_fp8=False)
-    in_xla = dataclasses.replace(choice, block=ForwardKernels(unfused, unfused))
-    rng = np.random.default_rng(3)
-    shapes = abstract_params(FP8_NORMED, jnp.bfloat16)
-    params = jax.tree.map(
-        lambda a: jnp.asarray(0.05 * rng.standard_normal(a.shape), a.dtype), shapes
-    )
-    params = fp8.to_layout(fp8.quantize_params(params), True)
-    x = jnp.asarray(rng.standard_normal((1, 8, 512)), jnp.bfloat16)
-    quantised = []
-    real = fp8_matmul_mosaic.quantize_rows
-    monkeypatch.setattr(
-        fp8_matmul_mosaic, "quantize_rows", lambda rows: quantised.append(rows.shape) or real(rows)
-    )
-    hidden = []
-    for kernels in (choice, in_xla):
-        quantised.clear()
-        module = build_module(FP8_NORMED, jnp.bfloat16, kernels=kernels)
-        # jitted: op by op, the interpreter's callbacks and the next ops can deadlock
-        forward = jax.jit(
-            lambda p, x, m=module: m.apply(
-                {"params": p}, x, jnp.arange(8)[None], jnp.ones((1, 8), bool), block_forward=True
-            )
-        )
-        out, _ = forward(params, x)
-        hidden.append((np.asarray(out, np.float32), len(quantised)))
-    (fused, fused_calls), (ref, ref_calls) = hidden
-    assert (fused_calls, ref_calls) == (5, 8)
-    assert np.isfinite(fused).all() and np.abs(fused).max() > 0
-    if jax.default_backend() == "gpu":
-        assert rel_error(fused, ref) <= 1e-2
-    else:
-        np.testing.assert_array_equal(fused, ref)
-
-
 # FP8_NORMED's attention and norms over two LLaDA-MoE layers of 4 experts (ffn 128, top 2).
 FP8_NORMED_MOE = FP8_NORMED.replace(
     family=MOE, n_experts=4, experts_per_token=2, expert_hidden=128, moe_layers=(True, True)
 )
 
 
-def test_moe_norms_hand_the_experts_quantised_rows(monkeypatch):
-    """A LLaDA-MoE block forward under `fp8_impl="mosaic"` and `norm_impl="mosaic"`: the
-    norm before each layer's experts quantises their rows and keeps them for the router
-    (`keep_rows`), so XLA quantises 5 row sets (layer 0's q/k/v, each layer's attention
-    output and expert activations) where `norm_into_fp8=False` quantises 8 (the token rows
-    inside the experts too); the hidden states are the same bit for bit (on a GPU the
-    divisions may round a value at an e4m3 midpoint apart: to 1%)."""
+@pytest.mark.parametrize("config", [FP8_NORMED, FP8_NORMED_MOE], ids=["dense", "moe"])
+def test_norms_hand_the_kernels_quantised_rows(config, monkeypatch):
+    """A block forward of 8 rows (bf16, K-major fp8 weights; Mosaic GPU's interpreter off
+    GPUs) under `fp8_impl="mosaic"` and `norm_impl="mosaic"`: the norms after layer 0's
+    attention and feed-forward and after layer 1's attention quantise the rows of the
+    products after them (a MoE layer's experts' rows too, the norm keeping its rows for the
+    router: `keep_rows`), so XLA quantises only 5 row sets (layer 0's q/k/v after the first
+    norm, which has no residual add, and each layer's attention outputs and activations)
+    where the same choice with `norm_into_fp8=False` quantises 8; the hidden states are the
+    same bit for bit (the same arithmetic; on a GPU the compilers' divisions may round a
+    value at an e4m3 midpoint apart: to 1%)."""
     choice = resolve(
         KernelOptions(fp8_impl="mosaic", norm_impl="mosaic"),
         Device("cpu"),
-        FP8_NORMED_MOE,
+        config,
         jnp.bfloat16,
         Shapes(batch=1, window=8, seq=8, kept=8),
         weights="fp8",
     )
     layers = choice.block.layers
-    assert (layers.qkv, layers.moe, layers.norm, layers.norm_into_fp8) == (
+    feed_forward = layers.moe if config.is_moe else layers.mlp
+    assert (layers.qkv, feed_forward, layers.norm, layers.norm_into_fp8) == (
         "fp8_mosaic", "fp8_mosaic", "mosaic", True,
     )  # fmt: skip
     unfused = dataclasses.replace(layers, norm_into_fp8=False)
     in_xla = dataclasses.replace(choice, block=ForwardKernels(unfused, unfused))
-    rng = np.random.default_rng(4)
-    shapes = abstract_params(FP8_NORMED_MOE, jnp.bfloat16)
+    rng = np.random.default_rng(3)
+    shapes = abstract_params(config, jnp.bfloat16)
     params = jax.tree.map(
         lambda a: jnp.asarray(0.05 * rng.standard_normal(a.shape), a.dtype), shapes
     )
     params = fp8.to_layout(fp8.quantize_params(params), True)
     x = jnp.asarray(rng.standard_normal((1, 8, 512)), jnp.bfloat16)
+    positions, valid = jnp.arange(8)[None], jnp.ones((1, 8), bool)
     quantised = []
     real = fp8_matmul_mosaic.quantize_rows
     monkeypatch.setattr(
@@ -200,11 +150,10 @@ def test_moe_norms_hand_the_experts_quantised_rows(monkeypatch):
     hidden = []
     for kernels in (choice, in_xla):
         quantised.clear()
-        module = build_module(FP8_NORMED_MOE, jnp.bfloat16, kernels=kernels)
-        forward = jax.jit(  # jitted, as `test_norms_hand_the_kernel_quantised_rows`
-            lambda p, x, m=module: m.apply(
-                {"params": p}, x, jnp.arange(8)[None], jnp.ones((1, 8), bool), block_forward=True
-            )
+        module = build_module(config, jnp.bfloat16, kernels=kernels)
+        # jitted: op by op, the interpreter's callbacks and the next ops can deadlock
+        forward = jax.jit(
+            lambda p, x, m=module: m.apply({"params": p}, x, positions, valid, block_forward=True)
         )
         out, _ = forward(params, x)
         hidden.append((np.asarray(out, np.float32), len(quantised)))
@@ -215,15 +164,12 @@ def test_moe_norms_hand_the_experts_quantised_rows(monkeypatch):
         assert rel_error(fused, ref) <= 1e-2
     else:
         np.testing.assert_array_equal(fused, ref)
-    with pytest.raises(ValueError, match="need their rows kept \\(keep_rows\\) and moe"):
+    if config.is_moe:  # e4m3 rows without their rows kept: the router has nothing to read
         rows = QuantizedRows(jnp.zeros((1, 8, 512), fp8.FP8), jnp.ones((1, 8)), jnp.bfloat16)
-        module.apply(
-            {"params": params},
-            x,
-            jnp.arange(8)[None],
-            jnp.ones((1, 8), bool),
-            method=lambda m, *a: m.ffs[0](rows, layers),
-        )
+        with pytest.raises(ValueError, match="need their rows kept \\(keep_rows\\) and moe"):
+            module.apply(
+                {"params": params}, x, positions, valid, method=lambda m, *_: m.ffs[0](rows, layers)
+            )
 
 
 def test_attention_takes_the_fp8_qkv_product_inside_the_rope_kernel():
