@@ -601,6 +601,35 @@ def test_a_tensor_parallel_engine_gives_the_single_device_tokens_and_drains(dens
     assert [got.events[r.request_id][-1] for r in requests] == [e for _, e in want]
 
 
+@needs_devices
+def test_k_major_fp8_values_serve_under_tensor_parallel(tmp_path):
+    """fp8 weights held K-major (`fp8_impl="mosaic"`) on a 2-way model axis: the phase
+    program's `shard_map` takes each device's K-major shares (whole-row forwards: XLA's
+    `scaled` products on them) and serves the tokens of the same weights in their own
+    layout. Fixed-steps requests only: the two layouts' products sum in other orders (logits
+    1e-7 apart), which can flip a threshold decoder's near tie between two positions."""
+    from torch_reference import make_llada_dense
+
+    # widths the fp8 kernels take, a device's share too
+    make_llada_dense(tmp_path, d_model=256, n_heads=4, n_kv_heads=2, mlp_hidden=256, seed=5)
+    mesh = make_mesh(tensor_parallel=2)
+    scaled = djax.load(tmp_path, jnp.float32, mesh=mesh, weights="fp8", fp8_impl="scaled")
+    mosaic = scaled.with_options(fp8_impl="mosaic")
+    plan = phase.PhasePlan(
+        slots=2, pool_len=32, stream=16, refresh_rows=1, block_len=8, steps_per_block=8,
+        decoder=GENERATION.decoder_spec(), mask_id=mosaic.config.mask_token_id, sampling=False,
+    )  # fmt: skip
+    assert phase.phase_kernels(mosaic, plan).products.k_major
+    requests = [r for r in _requests(0.0) if r.threshold is None]
+    answers = []
+    for model in (scaled, mosaic):
+        engine = _engine(model, "phase", phase_tokens=48)
+        answers.append(_serve_all(engine, requests))
+        engine.stop()
+    assert answers[1] == answers[0]
+    assert all(len(tokens) > 0 for tokens, _ in answers[0])
+
+
 def test_the_serve_command_takes_the_phase_options(monkeypatch, capsys):
     from djax.cli import build_parser
     from djax.serving import cli
