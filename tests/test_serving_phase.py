@@ -429,16 +429,20 @@ def test_a_call_failing_on_the_device_resets_the_pool(phased, continuous, monkey
     bad = _requests(0.0)[:2]
     reads = []
 
-    def flaky(arrays):  # the third read on the engine's thread fails
+    def flaky(arrays):
+        # the third read of a call running both rows fails (a read of an earlier test's
+        # last call, with its own rows, may come first)
         if threading.current_thread() is phased._thread and len(reads) < 3:
-            reads.append(sorted(row.request.request_id for row in phased._running))
-            if len(reads) == 3:
-                raise RuntimeError("injected device fault")
+            running = {id(row.request) for row in phased._running}
+            if running == {id(request) for request in bad}:
+                reads.append(running)
+                if len(reads) == 3:
+                    raise RuntimeError("injected device fault")
         return real(arrays)
 
     monkeypatch.setattr(phase_serving.jax, "device_get", flaky)
     got = _serve_all(phased, bad)
-    assert reads == [["r0", "r1"]] * 3
+    assert len(reads) == 3  # the fault was injected
     assert all(isinstance(event, Failed) for _, event in got)
     assert any("injected device fault" in event.message for _, event in got)
     monkeypatch.undo()
