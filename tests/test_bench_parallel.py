@@ -1,6 +1,6 @@
 """`bench.parallel` on the tiny dense model over fake CPU devices: one device against TP=2,
-fp8 weights, two kernel-option variants, each row with its options and what they resolved
-to, its speedup against one device under the same options."""
+fp8 weights under a kernel-option variant, each row with its options and what they
+resolved to, its speedup against one device under the same options."""
 
 import json
 
@@ -14,20 +14,19 @@ from bench import parallel
 def test_parallel_rows_carry_the_weights_and_the_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     args = ["--tiny", "--sizes", "1", "2", "--models", "dense", "--weights", "fp8"]
-    parallel.main([*args, "--variants", "default", "fp8_impl=dequant", "--repeats", "1"])
+    parallel.main([*args, "--variants", "fp8_impl=scaled", "--repeats", "1"])
     (path,) = tmp_path.glob("parallel_fp8_*.json")
     record = json.loads(path.read_text())
     rows = record["results"]
-    assert [(row["devices"], row["options"]) for row in rows] == [
-        (1, {}), (2, {}), (1, {"fp8_impl": "dequant"}), (2, {"fp8_impl": "dequant"})
-    ]  # fmt: skip
+    options = {"fp8_impl": "scaled"}  # auto takes `dequant` on a CPU
+    assert [(row["devices"], row["options"]) for row in rows] == [(1, options), (2, options)]
     for row in rows:
         assert "error" not in row, row.get("error")
         assert (row["weights"], row["routing"]) == ("fp8", "model")
         assert row["tokens_per_s"] > 0 and row["block_forward_ms"] > 0
         assert row["kernels"].endswith("weights: fp8, as stored")
-    assert "fp8=dequant" in rows[3]["kernels"]
-    for one, two in (rows[:2], rows[2:]):
-        assert two["tensor_parallel"] == 2
-        assert two["speedup_vs_1"] == pytest.approx(two["tokens_per_s"] / one["tokens_per_s"])
+        assert "fp8=scaled" in row["kernels"]
+    one, two = rows
+    assert two["tensor_parallel"] == 2
+    assert two["speedup_vs_1"] == pytest.approx(two["tokens_per_s"] / one["tokens_per_s"])
     assert record["options"]["weights"] == ["fp8"]

@@ -102,23 +102,26 @@ def test_quantised_rows_are_refused_elsewhere():
 FP8_NORMED = ModelConfig(DENSE, 256, 512, 2, 2, 1, 64, 128, 5e5, 1e-5, 64, 1, 2, 3)
 
 
-# FP8_NORMED's attention and norms over two LLaDA-MoE layers of 4 experts (ffn 128, top 2).
+# FP8_NORMED's attention and norms over one LLaDA-MoE layer of 4 experts (ffn 128, top 2).
 FP8_NORMED_MOE = FP8_NORMED.replace(
-    family=MOE, n_experts=4, experts_per_token=2, expert_hidden=128, moe_layers=(True, True)
+    family=MOE, n_layers=1, n_experts=4, experts_per_token=2, expert_hidden=128, moe_layers=(True,)
 )
 
 
-@pytest.mark.parametrize("config", [FP8_NORMED, FP8_NORMED_MOE], ids=["dense", "moe"])
-def test_norms_hand_the_kernels_quantised_rows(config, monkeypatch):
+@pytest.mark.parametrize(
+    "config, in_xla_rows", [(FP8_NORMED, (5, 8)), (FP8_NORMED_MOE, (3, 4))], ids=["dense", "moe"]
+)
+def test_norms_hand_the_kernels_quantised_rows(config, in_xla_rows, monkeypatch):
     """A block forward of 8 rows (bf16, K-major fp8 weights; Mosaic GPU's interpreter off
     GPUs) under `fp8_impl="mosaic"` and `norm_impl="mosaic"`: the norms after layer 0's
     attention and feed-forward and after layer 1's attention quantise the rows of the
     products after them (a MoE layer's experts' rows too, the norm keeping its rows for the
-    router: `keep_rows`), so XLA quantises only 5 row sets (layer 0's q/k/v after the first
-    norm, which has no residual add, and each layer's attention outputs and activations)
-    where the same choice with `norm_into_fp8=False` quantises 8; the hidden states are the
-    same bit for bit (the same arithmetic; on a GPU the compilers' divisions may round a
-    value at an e4m3 midpoint apart: to 1%)."""
+    router: `keep_rows`), so XLA quantises only layer 0's q/k/v rows (after the first norm,
+    which has no residual add) and each layer's attention outputs and activations: 5 row
+    sets of the two dense layers where the same choice with `norm_into_fp8=False` quantises
+    8, and 3 of the MoE layer where it quantises 4 (the experts' token rows); the hidden
+    states are the same bit for bit (the same arithmetic; on a GPU the compilers' divisions
+    may round a value at an e4m3 midpoint apart: to 1%)."""
     choice = resolve(
         KernelOptions(fp8_impl="mosaic", norm_impl="mosaic"),
         Device("cpu"),
@@ -158,7 +161,7 @@ def test_norms_hand_the_kernels_quantised_rows(config, monkeypatch):
         out, _ = forward(params, x)
         hidden.append((np.asarray(out, np.float32), len(quantised)))
     (fused, fused_calls), (ref, ref_calls) = hidden
-    assert (fused_calls, ref_calls) == (5, 8)
+    assert (fused_calls, ref_calls) == in_xla_rows
     assert np.isfinite(fused).all() and np.abs(fused).max() > 0
     if jax.default_backend() == "gpu":
         assert rel_error(fused, ref) <= 1e-2
