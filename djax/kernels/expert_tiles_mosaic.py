@@ -95,6 +95,12 @@ def converted_tiles_for(group_rows: int, k: int, n: int) -> Tiles:
     return dataclasses.replace(base, stages=2) if base.rows <= BLOCK_ROWS else base
 
 
+def default_tiles_for(converted: bool):
+    """The tile rule of a product of 16-bit weights (`tiles_for`) or of e4m3 ones converted
+    in the kernel (`converted_tiles_for`)."""
+    return converted_tiles_for if converted else tiles_for
+
+
 def fp8_tiles_for(group_rows: int, k: int, n: int) -> Tiles:
     """`tiles_for`'s tiles at one byte a value: block_k 128 (the bytes of a 16-bit step; a
     multiple of 128 as 8-bit K-major slots need) in 4 stages, or 256 in 2 where the row
@@ -316,8 +322,7 @@ def grouped_matmul(
     if x.ndim != 2:
         raise ValueError(f"expert_tiles_mosaic.grouped_matmul: x {x.shape}; expected [pairs, k]")
     position, source, aligned = aligned_layout(group_sizes, x.shape[0])
-    default = tiles_for if scale is None else converted_tiles_for
-    tiles = tiles or default(x.shape[0], x.shape[1], w.shape[-1])
+    tiles = tiles or default_tiles_for(scale is not None)(x.shape[0], x.shape[1], w.shape[-1])
     return _aligned_product(x[source], w, aligned, scale, tiles, interpret)[position]
 
 
@@ -532,7 +537,7 @@ def expert_mlp(
         )
     tokens, model = x.shape[0], gate_up.shape[1]
     up_tiles, down_tiles = tiles or (None, None)
-    default = tiles_for if gate_up_scale is None else converted_tiles_for
+    default = default_tiles_for(gate_up_scale is not None)
     up_tiles = up_tiles or default(tokens, model, gate_up.shape[-1])
     down_tiles = down_tiles or default(tokens, down.shape[1], model)
     position, source, aligned = aligned_layout(group_sizes, source_rows.shape[0])
@@ -575,14 +580,17 @@ def expert_mlp_fp8(
     up_tiles = up_tiles or fp8_tiles_for(tokens, model, gate_up_t.shape[-2])
     down_tiles = down_tiles or fp8_tiles_for(tokens, down_t.shape[-1], model)
     position, source, aligned = aligned_layout(group_sizes, source_rows.shape[0])
-    # per token: the pairs share its rows
-    if isinstance(x, QuantizedRows):
-        xq, x_scale = x.values, x.scale
-    else:
-        xq, x_scale = fp8_matmul_mosaic.quantize_rows(x)
+    rows = fp8_matmul_mosaic.quantized(x)  # per token: the pairs share its rows
     token = source_rows[source]
     act = _aligned_fp8_product(
-        xq[token], x_scale[token], gate_up_t, gate_up_scale, aligned, up_tiles, x.dtype, interpret
+        rows.values[token],
+        rows.scale[token],
+        gate_up_t,
+        gate_up_scale,
+        aligned,
+        up_tiles,
+        rows.dtype,
+        interpret,
     )
     aq, a_scale = fp8_matmul_mosaic.quantize_rows(act)
     out = _aligned_fp8_product(

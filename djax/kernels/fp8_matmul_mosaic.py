@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from djax.kernels import split_k_mosaic, swiglu_mosaic, tma_ring
-from djax.kernels.handoff import Partials
+from djax.kernels.handoff import Partials, QuantizedRows
 from djax.kernels.tma_ring import ROW_TILE, Tiles
 
 Array = jax.Array
@@ -75,6 +75,14 @@ def e4m3_values(wf: Array, scale: Array) -> Array:
 def quantize_rows(x: Array) -> tuple[Array, Array]:
     """x [..., k] -> (e4m3 values [..., k], fp32 scale [...]): `quantize` over each row."""
     return quantize(x, (x.ndim - 1,))
+
+
+def quantized(x: Array | QuantizedRows) -> QuantizedRows:
+    """x's rows as the fp8 kernels take them: as a kernel already quantised them, or
+    quantised here (`quantize_rows`)."""
+    if isinstance(x, QuantizedRows):
+        return x
+    return QuantizedRows(*quantize_rows(x), x.dtype)
 
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:

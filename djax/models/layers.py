@@ -64,7 +64,7 @@ def project(
             f"got {impl!r}"
         )
     if impl == "fp8_mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
-        rows, (values, scale) = _fp8_rows(x), _k_major(flat)
+        rows, (values, scale) = fp8_matmul_mosaic.quantized(x), _k_major(flat)
         y = fp8_matmul_mosaic.matmul_partials(
             rows.values, rows.scale, values, scale, dtype=rows.dtype
         )
@@ -91,18 +91,10 @@ def _project_rope_and_write(x, w: fp8.Weight, cos, sin, kv, bounds, scales, ops)
                 f"weight in the RoPE kernel; got a {w.dtype} weight"
             )
         return rope_write_mosaic.project_rope_and_write(x, w, cos, sin, kv, bounds, scales, ops)
-    rows, (values, scale) = _fp8_rows(x), _k_major(w)
+    rows, (values, scale) = fp8_matmul_mosaic.quantized(x), _k_major(w)
     return rope_write_mosaic.project_rope_and_write_fp8(
         rows.values, rows.scale, values, scale, cos, sin, kv, bounds, scales, ops, rows.dtype
     )
-
-
-def _fp8_rows(x: Array | QuantizedRows) -> QuantizedRows:
-    """x's rows as the fp8 Mosaic GPU kernels take them: as the norm kernel quantised them,
-    or quantised here (`fp8_matmul_mosaic.quantize_rows`)."""
-    if isinstance(x, QuantizedRows):
-        return x
-    return QuantizedRows(*fp8_matmul_mosaic.quantize_rows(x), x.dtype)
 
 
 def _k_major(w: fp8.Weight) -> tuple[Array, Array]:
@@ -566,7 +558,8 @@ class GatedMLP(nn.Module):
             self, "down", init_normal(), (hidden, d_model), self.dtype, weights, k_major
         )
         if kernels.mlp == "fp8_mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
-            rows, (values, scale) = _fp8_rows(x.reshape(b * t, d_model)), _k_major(gate_up)
+            rows = fp8_matmul_mosaic.quantized(x.reshape(b * t, d_model))
+            values, scale = _k_major(gate_up)
             act = fp8_matmul_mosaic.swiglu_matmul(
                 rows.values, rows.scale, values, scale, dtype=rows.dtype
             )
