@@ -71,11 +71,18 @@ def _layer(x, qkv, out, gate_up, down):
     return x + (jax.nn.silu(gate) * up) @ down
 
 
-@jax.jit
+_quantize = jax.jit(lambda w: fp8.quantize(w, (0,)))
+
+
 def _streams(w, key):
     """(the weight, its fp8 rounding, matched relative noise), each in bf16 values, and the
-    rounding's relative RMS."""
-    values, scale = fp8.quantize(w, (0,))
+    rounding's relative RMS. The e4m3 values come out of a program of their own: inside one
+    program a GPU compiler may drop the round trip (`xla_allow_excess_precision`)."""
+    return _rounded_and_noise(w, *_quantize(w), key)
+
+
+@jax.jit
+def _rounded_and_noise(w, values, scale, key):
     rounded = fp8.dequantize(values, scale, (0,), jnp.float32)
     wf = w.astype(jnp.float32)
     eps = jnp.linalg.norm(rounded - wf) / jnp.linalg.norm(wf)
