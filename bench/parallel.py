@@ -17,7 +17,10 @@ of kernel options (`bench.common.parse_options`; `default`: none) run at every s
 row carrying its `options` and its speedup over one device under the same options.
 `--routing spread`: LLaDA-MoE's tokens spread as a trained router's (`bench.common.
 use_routing`; the headline MoE setting). Each row carries `weights`, `routing` and
-`kernels` (what `auto` resolved for the setting's programs).
+`kernels` (what `auto` resolved for the setting's programs); a row on several devices carries
+`tokens_equal_vs_1`, the fraction of its generated tokens equal to one device's under the
+same options (sums split across devices round differently, so random weights may flip a
+few).
 """
 
 from __future__ import annotations
@@ -115,7 +118,6 @@ def main(argv: list[str] | None = None) -> None:
                 row.update({"routing": args.routing, "setting": label, "devices": n, **split})
                 try:
                     row.update(measure(model, prompt, base, args.repeats))
-                    row.pop("answer_ids")
                 except Exception as err:  # keep the other cases of a costly run
                     row["error"] = f"{type(err).__name__}: {err}"[:2000]
                 print(row)
@@ -129,6 +131,11 @@ def main(argv: list[str] | None = None) -> None:
         one = [r for r in rows if case(r) == case(row) and r["devices"] == 1]
         if one and "tokens_per_s" in one[0] and "tokens_per_s" in row:
             row["speedup_vs_1"] = row["tokens_per_s"] / one[0]["tokens_per_s"]
+        if one and "answer_ids" in one[0] and "answer_ids" in row and row["devices"] > 1:
+            ours, theirs = np.asarray(row["answer_ids"]), np.asarray(one[0]["answer_ids"])
+            row["tokens_equal_vs_1"] = float(np.mean(ours == theirs))
+    for row in rows:
+        row.pop("answer_ids", None)
     save(
         "parallel" + ("_spread" if args.routing == "spread" else ""),
         {

@@ -1,6 +1,7 @@
 """`bench.parallel` on the tiny dense model over fake CPU devices: one device against TP=2,
 fp8 weights under a kernel-option variant, each row with its options and what they
-resolved to, its speedup against one device under the same options."""
+resolved to, its speedup against one device under the same options and the share of its tokens
+equal to one device's."""
 
 import json
 
@@ -29,4 +30,6 @@ def test_parallel_rows_carry_the_weights_and_the_kernels(tmp_path, monkeypatch):
     one, two = rows
     assert two["tensor_parallel"] == 2
     assert two["speedup_vs_1"] == pytest.approx(two["tokens_per_s"] / one["tokens_per_s"])
+    assert 0.0 <= two["tokens_equal_vs_1"] <= 1.0 and "tokens_equal_vs_1" not in one
+    assert not any("answer_ids" in row for row in rows)
     assert record["options"]["weights"] == ["fp8"]
