@@ -567,3 +567,41 @@ def test_moe_model_runs_its_experts_in_the_fp8_kernels(tmp_path):
     scaled = djax.forward_logits(dequant.with_options(fp8_impl="scaled"), ids)
     assert np.isfinite(ours).all() and rel_error(ours, ref) <= 1e-1
     assert rel_error(ours, np.asarray(scaled, np.float32)) <= 6e-2
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize(
+    "family, mesh_kind", [("dense", "tensor"), ("moe", "tensor"), ("moe", "expert")]
+)
+def test_the_kernels_under_a_mesh_of_gpus(tmp_path, family, mesh_kind):
+    """The compiled fp8 kernels under a mesh of 2 GPUs (the CPU tests above run stand-ins):
+    with `fp8_impl="mosaic"` a one-layer model's logits (LLaDA-MoE's experts run in the
+    kernels there) and its tokens (every block forward's products run in them) are the
+    mesh's `scaled` ones within rounding, the bounds of the one-GPU tests. The reference is
+    `scaled` on the same mesh, not one GPU: where a product's contraction is split, each
+    device quantises its share of a row with a scale of its own (on a CPU, 7% of these
+    one-layer logits' norm between the mesh and one device, in `scaled` as in `mosaic`). A
+    device handed another device's slice, or a lost scale, moves them by about their norm."""
+    from torch_reference import make_llada_moe
+
+    if family == "dense":
+        make_llada_dense(
+            tmp_path, d_model=256, n_layers=1, n_heads=4, n_kv_heads=2, mlp_hidden=256,
+            head_scale=6.0, seed=5,
+        )  # fmt: skip
+    else:
+        make_llada_moe(
+            tmp_path, d_model=256, n_layers=1, n_heads=2, n_kv_heads=2, n_experts=4,
+            expert_hidden=256, head_scale=6.0, seed=7,
+        )  # fmt: skip
+    mesh = make_mesh(**{f"{mesh_kind}_parallel": 2})
+    mosaic = djax.load(tmp_path, jnp.float32, mesh=mesh, weights="fp8", fp8_impl="mosaic")
+    scaled = mosaic.with_options(fp8_impl="scaled")
+    ids = np.random.default_rng(8).integers(4, 100, (2, 16))
+    ours = np.asarray(djax.forward_logits(mosaic, ids), np.float32)
+    assert np.isfinite(ours).all()
+    assert rel_error(ours, np.asarray(djax.forward_logits(scaled, ids), np.float32)) <= 6e-2
+    config = djax.GenerationConfig(gen_length=16, block_length=8, steps=8, cache="dual")
+    prompts = [[5, 6, 7], [9, 10, 11]]
+    tokens = djax.generate(mosaic, prompts, config).answer_ids
+    assert np.mean(tokens == djax.generate(scaled, prompts, config).answer_ids) >= 0.75

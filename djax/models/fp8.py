@@ -18,7 +18,12 @@ Products (`Kernels.fp8`): `dequant` converts the values to the rows' dtype insid
 dot (whose result is in the rows' dtype, as with weights of the model's dtype) and scales
 it per output channel in fp32; `scaled` also quantises the rows to e4m3
 (one scale per row, over the contraction axis) and runs an fp8 x fp8 dot accumulating in
-fp32, scaled by both. Outside XLA: the parts a kernel choice marks `fp8_mosaic` run the
+fp32, scaled by both. Under a mesh a row is quantised where its product runs: where the
+contraction is split over devices (the attention output and `down` under tensor
+parallelism, the attention output wherever the heads are split), each device's share of a
+row takes a scale of its own, and the partial products, each scaled by its own, are
+summed; so `scaled` on a mesh rounds the rows otherwise than on one device. Outside XLA:
+the parts a kernel choice marks `fp8_mosaic` run the
 `scaled` product in `djax.kernels.fp8_matmul_mosaic` (the experts under `moe="fp8_mosaic"`
 in `djax.kernels.expert_tiles_mosaic.expert_mlp_fp8`), and `moe="mosaic"` converts the
 experts' e4m3 tiles inside `djax.kernels.expert_tiles_mosaic`.
