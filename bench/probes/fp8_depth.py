@@ -14,7 +14,15 @@ with fp32 or bf16 activations alike (32 layers: 27.4% against 25.0%; bf16 27.6% 
 25.2%), and both grow with depth (~17% at 8 layers, ~21% at 16), where the GPU run's noise
 control barely grew (14.9% at 8 layers, 16.3% at 32). So the GPU's 4x is not e4m3
 rounding compounding with depth, in either precision: this replica and the GPU run differ
-in more than the rounding. Next: this probe on a GPU (both dtypes).
+in more than the rounding.
+
+On an H100 (a7d1c9d, `--dtype bfloat16`, `fp8_depth_bfloat16_NVIDIA_H100_80GB_HBM3_x2.json`)
+the replica gives what the CPU gave: 27.7% against 25.2% at 32 layers (16: 21.7% against
+20.2%). A first GPU run (4087e2b) measured no rounding at all (relative RMS 4e-8): the
+quantisation and its inverse ran in one program, whose round trip the GPU compiler dropped;
+they run as two programs since. So neither the GPU's arithmetic nor depth by itself sets
+e4m3's rounding apart from noise of its size: the gap `bench.fp8_error` measures lies in
+djax's model or in that bench's setup (at 16 layers there: rounding 25.8%, noise 17.8%).
 
 The model is LLaDA-8B's decoder layer written out here (pre-norm RMSNorm with unit scales,
 fused q/k/v, RoPE with theta 500000 on every head dim, bidirectional softmax attention,
