@@ -25,14 +25,20 @@ cache). Each repeat runs every case once, the order rotated by one case per repe
 no case always runs first or last. A case's figure is the median of its samples; all
 samples are kept.
 
-The folders were just written, so their files are read from the OS page cache: the load
-figures are deserialisation and host-to-device copies, not a cold disk, the same for every
-case. The figure of merit is `fp8_over_bf16`, the converted fp8 load's median over the
+Before every load (timed or profiled) the bench reads each file of the case's folder through
+once (`read_through`), so the load finds them in the OS page cache: the load figures are
+deserialisation and host-to-device copies, not a cold or partly cold disk, the same for
+every case. (A run without it spread its bf16 loads over 8.3–13.7 s: the bench's folders,
+41 GB at the LLaDA-8B shape, and the loads' host copies need not all stay cached, so a load
+could find part of its folder on disk.) Each sample keeps `warm_s`, the read-through's
+seconds, beside the load.
+
+The figure of merit is `fp8_over_bf16`, the converted fp8 load's median over the
 converted bf16 load's. A model's row: `seconds` (`write_hf`, `convert_bf16`, `convert_fp8`),
 `folder_bytes` (each folder's bytes on disk), per case `loads` (`median_s`, `samples_s`,
-`import_s`, `backend_s`, the `weights` loaded; with `--profile`, `profiled`: one more load
-under cProfile, after the timed ones and not among them, with its slowest functions by
-cumulative time), `fp8_over_bf16` and `hf_fp8_over_hf_bf16`.
+`import_s`, `backend_s`, `warm_s`, the `weights` loaded; with `--profile`, `profiled`: one
+more load under cProfile, after the timed ones and not among them, with its slowest
+functions by cumulative time), `fp8_over_bf16` and `hf_fp8_over_hf_bf16`.
 
 Disk: the folders live under a fresh folder made inside `--scratch` (default: the system's
 temporary folder), one model at a time, and are deleted when the model is done and, on any
@@ -153,6 +159,17 @@ def run_child(program: str, *args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def read_through(folder: Path, chunk: int = 64 << 20) -> int:
+    """Read every file under `folder` once, in `chunk`-byte pieces (so they lie in the
+    page cache when a load reads them); the bytes read."""
+    total = 0
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        with path.open("rb") as file:
+            while piece := file.read(chunk):
+                total += len(piece)
+    return total
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
@@ -173,7 +190,10 @@ def measure(name: str, tiny: bool, repeats: int, work: Path, profile: bool = Fal
     for repeat in range(repeats):
         for case in rotated(list(CASES), repeat):
             folder, weights = CASES[case]
-            sample = run_child(LOAD, str(work / folder), weights)
+            start = time.perf_counter()
+            read_through(work / folder)
+            warm = time.perf_counter() - start
+            sample = {**run_child(LOAD, str(work / folder), weights), "warm_s": round(warm, 3)}
             samples[case].append(sample)
             print(f"{name} {case} (repeat {repeat + 1}): {sample}", flush=True)
     row["loads"] = {}
@@ -184,6 +204,7 @@ def measure(name: str, tiny: bool, repeats: int, work: Path, profile: bool = Fal
             "samples_s": loads,
             "import_s": [run["import_s"] for run in runs],
             "backend_s": [run["backend_s"] for run in runs],
+            "warm_s": [run["warm_s"] for run in runs],
             "weights": runs[0]["weights"],
         }
     medians = {case: row["loads"][case]["median_s"] for case in CASES}
@@ -191,6 +212,7 @@ def measure(name: str, tiny: bool, repeats: int, work: Path, profile: bool = Fal
     row["hf_fp8_over_hf_bf16"] = round(medians["hf_fp8"] / medians["hf_bf16"], 4)
     if profile:  # after the timed loads: cProfile slows what it watches
         for case, (folder, weights) in CASES.items():
+            read_through(work / folder)
             sample = run_child(LOAD, str(work / folder), weights, "1")
             row["loads"][case]["profiled"] = sample
             print(f"{name} {case} (profiled): {sample}", flush=True)

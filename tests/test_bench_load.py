@@ -30,12 +30,20 @@ def test_load_bench_times_every_case_and_deletes_only_its_folders(tmp_path, monk
     assert set(row["loads"]) == {"converted_bf16", "converted_fp8", "hf_bf16", "hf_fp8"}
     for case, load in row["loads"].items():
         assert len(load["samples_s"]) == 1 and load["median_s"] == load["samples_s"][0] > 0
-        assert load["import_s"][0] > 0, case
+        assert load["import_s"][0] > 0 and load["warm_s"][0] >= 0, case
         assert load["weights"] == ("fp8" if case.endswith("fp8") else "dtype"), case
     medians = {case: load["median_s"] for case, load in row["loads"].items()}
     ratio = medians["converted_fp8"] / medians["converted_bf16"]
     assert row["fp8_over_bf16"] == pytest.approx(ratio, abs=1e-4)
     assert "dense converted_fp8 (repeat 1)" in capsys.readouterr().out
+
+
+def test_read_through_reads_every_file_of_a_folder(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.bin").write_bytes(b"\x01" * 1000)
+    (tmp_path / "y.json").write_text("{}")
+    assert bench_load.read_through(tmp_path, chunk=64) == 1002
+    assert bench_load.read_through(tmp_path) == bench_load.folder_bytes(tmp_path)
 
 
 def test_load_bench_rotates_the_cases_and_checks_its_arguments(tmp_path):
