@@ -443,6 +443,17 @@ def test_k_major_values_under_tensor_parallel(tmp_path, monkeypatch):
     }
 
 
+def _one_layer_moe(folder):
+    """A one-layer LLaDA-MoE (4 experts of ffn 256, model 256) whose widths split in two
+    still fit the fp8 kernels."""
+    from torch_reference import make_llada_moe
+
+    make_llada_moe(
+        folder, d_model=256, n_layers=1, n_heads=2, n_kv_heads=2, n_experts=4,
+        expert_hidden=256, head_scale=6.0, seed=7,
+    )  # fmt: skip
+
+
 @needs_devices
 @pytest.mark.parametrize("mesh_kind", ["tensor", "expert"])
 def test_k_major_experts_under_a_mesh(tmp_path, monkeypatch, mesh_kind):
@@ -452,13 +463,8 @@ def test_k_major_experts_under_a_mesh(tmp_path, monkeypatch, mesh_kind):
     `scaled` model's. (One layer: with two under tensor parallelism, fp32 sums in another
     order before the second layer quantises its rows flip an e4m3 rounding for some inputs,
     moving one position's logits of 24, whatever the experts' path.)"""
-    from torch_reference import make_llada_moe
-
     got = _stand_ins(monkeypatch)
-    make_llada_moe(
-        tmp_path, d_model=256, n_layers=1, n_heads=2, n_kv_heads=2, n_experts=4,
-        expert_hidden=256, head_scale=6.0, seed=7,
-    )  # fmt: skip
+    _one_layer_moe(tmp_path)
     mesh = make_mesh(**{f"{mesh_kind}_parallel": 2})
     scaled = djax.load(tmp_path, jnp.float32, mesh=mesh, weights="fp8", fp8_impl="scaled")
     mosaic = scaled.with_options(fp8_impl="mosaic")
@@ -582,18 +588,13 @@ def test_the_kernels_under_a_mesh_of_gpus(tmp_path, family, mesh_kind):
     device quantises its share of a row with a scale of its own (on a CPU, 7% of these
     one-layer logits' norm between the mesh and one device, in `scaled` as in `mosaic`). A
     device handed another device's slice, or a lost scale, moves them by about their norm."""
-    from torch_reference import make_llada_moe
-
     if family == "dense":
         make_llada_dense(
             tmp_path, d_model=256, n_layers=1, n_heads=4, n_kv_heads=2, mlp_hidden=256,
             head_scale=6.0, seed=5,
         )  # fmt: skip
     else:
-        make_llada_moe(
-            tmp_path, d_model=256, n_layers=1, n_heads=2, n_kv_heads=2, n_experts=4,
-            expert_hidden=256, head_scale=6.0, seed=7,
-        )  # fmt: skip
+        _one_layer_moe(tmp_path)
     mesh = make_mesh(**{f"{mesh_kind}_parallel": 2})
     mosaic = djax.load(tmp_path, jnp.float32, mesh=mesh, weights="fp8", fp8_impl="mosaic")
     scaled = mosaic.with_options(fp8_impl="scaled")
