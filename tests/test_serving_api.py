@@ -215,6 +215,43 @@ def test_prompt_token_ids_and_djax_extensions(url, engine):
     assert response.json()["usage"]["prompt_tokens"] == 3
 
 
+def test_n_choices_run_as_rows_of_their_own(client, engine, model):
+    """n=3: three engine requests of one prompt, seeds seed, seed + 1, seed + 2 (wrapping at
+    SEED_LIMIT), three choices by index; usage counts the prompt once and every answer."""
+    out = client.completions.create(model=NAME, prompt="347+2958=", n=3, seed=2**32 - 2)
+    assert [(c.index, c.text, c.finish_reason) for c in out.choices] == [
+        (i, ANSWER, "stop") for i in range(3)
+    ]
+    assert [r.request_id for r in engine.submitted] == [f"{out.id}-{i}" for i in range(3)]
+    assert [r.seed for r in engine.submitted] == [2**32 - 2, 2**32 - 1, 0]
+    assert len({r.prompt_ids for r in engine.submitted}) == 1
+    prompt = len(engine.submitted[0].prompt_ids)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (prompt, 3 * len(ANSWER))
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=8
+    )
+    assert [(c.index, c.message.content, c.finish_reason) for c in chat.choices] == [
+        (0, ANSWER[:8], "length"),
+        (1, ANSWER[:8], "length"),
+    ]
+
+
+def test_a_full_queue_takes_back_the_choices_it_admitted(url, engine, monkeypatch):
+    """The queue refuses the third of 3 choices: 429, and the two admitted are cancelled."""
+    submit = engine.submit
+
+    def third_refused(request, on_event):
+        if len(engine.submitted) == 2:
+            engine.full = True
+        submit(request, on_event)
+
+    engine.release.clear()  # the admitted choices wait, so nothing answers before the 429
+    monkeypatch.setattr(engine, "submit", third_refused)
+    response = post(url, "/v1/completions", {"prompt": "x", "n": 3})
+    assert response.status_code == 429 and response.json()["error"]["code"] == "queue_full"
+    assert engine.cancelled == [r.request_id for r in engine.submitted] and engine.cancelled
+
+
 # --- streaming ------------------------------------------------------------------------------
 
 
@@ -247,6 +284,29 @@ def test_stream_include_usage_and_chat_chunks(client, engine):
     assert chunks[-2].choices[0].finish_reason == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ANSWER)
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + len(ANSWER)
+
+
+def test_stream_of_n_choices_sends_each_by_index(client, engine, model):
+    """n=2 streamed: every chunk names its choice; each choice's first chunk carries the
+    role, its pieces make its answer, it ends with its own finish_reason; then the usage."""
+    engine.interval = 0.01
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * len(ANSWER)
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks[:-1] if c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert all(choice.delta.role is None for choice in mine[1:])
+        assert "".join(choice.delta.content or "" for choice in mine) == ANSWER
+        assert [choice.finish_reason for choice in mine][-1] == "stop"
+        assert all(choice.finish_reason is None for choice in mine[:-1])
+    assert all(len(c.choices) == 1 for c in chunks[:-1])
 
 
 @pytest.mark.parametrize("max_tokens", [5, 32])
@@ -313,7 +373,10 @@ def test_stop_string_held_back_then_released(client, engine):
         ("/v1/completions", {}, "prompt", "required"),
         ("/v1/completions", {"prompt": "x", "stop": ["a"] * 5}, "stop", "at most 4"),
         ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop", "empty"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n", "n is not supported"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n", "n=0; expected an integer from 1 to 16"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, "n", "n=17"),
+        ("/v1/completions", {"prompt": "x", "n": 2.0}, "n", "n=2.0"),
+        ("/v1/completions", {"prompt": "x", "n": True}, "n", "n=true"),
         ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs", "not supported"),
         ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "not supported"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
@@ -377,8 +440,8 @@ def test_malformed_bodies_are_400(url, engine, raw):
 
 
 def test_the_openai_client_sees_bad_requests(client):
-    with pytest.raises(openai.BadRequestError, match="n is not supported"):
-        client.completions.create(model=NAME, prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
+        client.completions.create(model=NAME, prompt="x", logprobs=2)
 
 
 def test_context_length_exceeded(url, engine, client):
@@ -473,6 +536,20 @@ def test_disconnect_mid_stream_cancels(url, engine, server, model):
         assert first.startswith("data: ")
     wait_for(lambda: engine.cancelled == [engine.submitted[0].request_id])
     assert metrics.aborted._value.get() == aborted + 1
+
+
+def test_disconnect_cancels_every_choice(url, engine, server, model):
+    metrics = server[3]
+    aborted = metrics.aborted._value.get()
+    engine.script = scripted(model.tokenizer, "x" * 64)
+    engine.interval = 0.05
+    body = {"prompt": "x", "stream": True, "max_tokens": 64, "n": 3}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as response:
+        first = next(response.iter_lines())
+        assert first.startswith("data: ")
+    wait_for(lambda: sorted(engine.cancelled) == sorted(r.request_id for r in engine.submitted))
+    assert len(engine.cancelled) == 3
+    wait_for(lambda: metrics.aborted._value.get() == aborted + 3)
 
 
 def test_disconnect_while_queued_cancels(url, engine, server):

@@ -54,6 +54,15 @@ def test_stream_equals_whole_answer(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_n_choices_each_answer(client):
+    """n=3 of one prompt run as three rows (2 at a time here): greedy, each is the answer."""
+    out = ask(client, "sort 3,9,1,4,1,7", n=3)
+    assert [(c.index, c.message.content, c.finish_reason) for c in out.choices] == [
+        (i, "1,1,3,4,7,9", "stop") for i in range(3)
+    ]
+    assert out.usage.completion_tokens >= 3 * len("1,1,3,4,7,9")
+
+
 def test_stop_string_and_length(client):
     assert ask(client, "347+2958=", stop=["0"]).choices[0].message.content == "33"
     out = ask(client, "reverse diffusion", max_tokens=3)

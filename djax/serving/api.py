@@ -1,10 +1,11 @@
 """The HTTP endpoints of `djax serve` (FastAPI): OpenAI's completions and chat completions,
 streamed as server-sent events or whole, plus `/v1/models`, `/health` and `/metrics`.
 
-Each request is validated and tokenised here, submitted to the engine, and fed by the
-engine's events: they arrive on the engine's thread and are handed to the request's
-asyncio queue with `loop.call_soon_threadsafe`. A stop string, a client that goes away or a
-`Failed` event ends only that request; the server keeps serving.
+Each request is validated and tokenised here, submitted to the engine (one engine request
+per choice: `n` of them), and fed by the engine's events: they arrive on the engine's thread
+and are handed to each choice's asyncio queue with `loop.call_soon_threadsafe`. A stop
+string ends only its choice; a client that goes away ends every choice of its request, and
+a `Failed` event ends the request with an error; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class _EngineFailed(Exception):
 
 
 class _Generation:
-    """One submitted request: its events (put on `queue` from the engine's thread), its
-    detokenizer, and how it ended (`finish_reason`, `completion_tokens`)."""
+    """One submitted choice: its events (put on `queue` from the engine's thread), its
+    detokenizer, and how it ended (`finish_reason`, `completion_tokens`). `times_ttft`: its
+    first text is the request's time to first token (choice 0's)."""
 
     def __init__(
         self,
@@ -60,12 +62,14 @@ class _Generation:
         request: EngineRequest,
         detokenizer: Detokenizer,
         arrival: float,
+        times_ttft: bool = True,
     ):
         self.engine = engine
         self.metrics = metrics
         self.request = request
         self.detokenizer = detokenizer
         self.arrival = arrival
+        self.times_ttft = times_ttft
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.finish_reason: p.FinishReason | None = None
         self.completion_tokens = 0
@@ -80,12 +84,11 @@ class _Generation:
     def submit(self) -> None:
         self.engine.submit(self.request, self.on_event)
 
-    async def texts(self, http_request: Request) -> AsyncIterator[str]:
+    async def texts(self, watcher: asyncio.Future) -> AsyncIterator[str]:
         """The answer's new text, one piece per committed block that made some; then sets
-        `finish_reason` and `completion_tokens`. Raises _ClientGone when the client leaves,
-        _EngineFailed on a `Failed` event. Unless the answer ended, the engine is told to
-        drop the request and it counts as aborted."""
-        watcher = asyncio.ensure_future(_disconnected(http_request))
+        `finish_reason` and `completion_tokens`. Raises _ClientGone once `watcher` (the
+        request's disconnect watch) is done, _EngineFailed on a `Failed` event. Unless the
+        answer ended, the engine is told to drop the choice and it counts as aborted."""
         try:
             while self.finish_reason is None:
                 event = await _next(self.queue, watcher)
@@ -96,11 +99,10 @@ class _Generation:
                 first = not self.detokenizer.text
                 text = self._take(event)
                 if text:
-                    if first:
+                    if first and self.times_ttft:
                         self.metrics.ttft.observe(time.perf_counter() - self.arrival)
                     yield text
         finally:
-            watcher.cancel()
             if not self.ended:
                 self.engine.cancel(self.request.request_id)
                 self.metrics.aborted.inc()
@@ -124,8 +126,61 @@ class _Generation:
         self.ended = True
         self.metrics.requests.labels(reason).inc()
 
-    def usage(self) -> p.Usage:
-        return p.Usage.of(len(self.request.prompt_ids), self.completion_tokens)
+
+def _usage(generations: list[_Generation]) -> p.Usage:
+    """The prompt once, every choice's answer tokens."""
+    prompt = len(generations[0].request.prompt_ids)
+    return p.Usage.of(prompt, sum(g.completion_tokens for g in generations))
+
+
+async def _drain(generation: _Generation, watcher: asyncio.Future) -> None:
+    async with contextlib.aclosing(generation.texts(watcher)) as texts:
+        async for _ in texts:
+            pass
+
+
+async def _all_of(generations: list[_Generation], watcher: asyncio.Future) -> None:
+    """Every choice to its end; the first choice's _ClientGone or _EngineFailed cancels the
+    others (each tells the engine to drop its row) and is raised."""
+    tasks = [asyncio.ensure_future(_drain(g, watcher)) for g in generations]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merged(
+    generations: list[_Generation], watcher: asyncio.Future
+) -> AsyncIterator[tuple[int, str | None]]:
+    """(choice index, new text) as the choices make it, and (index, None) as each ends;
+    _ClientGone or _EngineFailed from any choice ends it (the others are cancelled)."""
+    queue: asyncio.Queue[tuple[int, str | None | Exception]] = asyncio.Queue()
+
+    async def feed(index: int, generation: _Generation) -> None:
+        try:
+            async with contextlib.aclosing(generation.texts(watcher)) as texts:
+                async for text in texts:
+                    queue.put_nowait((index, text))
+            queue.put_nowait((index, None))
+        except (_ClientGone, _EngineFailed) as err:
+            queue.put_nowait((index, err))
+
+    tasks = [asyncio.ensure_future(feed(i, g)) for i, g in enumerate(generations)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                running -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _next(queue: asyncio.Queue[Event], watcher: asyncio.Future) -> Event:
@@ -156,47 +211,58 @@ def _sse(payload: BaseModel | dict | str) -> str:
 
 
 class _Format:
-    """How one endpoint writes chunks and whole answers."""
+    """How one endpoint writes chunks and whole answers; a choice is (text, finish reason)."""
 
     prefix: str
 
     def __init__(self, request_id: str, created: int, model: str):
         self.id, self.created, self.model = request_id, created, model
 
-    def chunk(self, text: str, finish_reason: p.FinishReason | None) -> BaseModel: ...
+    def chunk(self, index: int, text: str, finish_reason: p.FinishReason | None) -> BaseModel: ...
 
     def usage_chunk(self, usage: p.Usage) -> BaseModel: ...
 
-    def whole(self, text: str, finish_reason: p.FinishReason, usage: p.Usage) -> BaseModel: ...
+    def whole(self, choices: list[tuple[str, p.FinishReason]], usage: p.Usage) -> BaseModel: ...
 
 
 class _CompletionFormat(_Format):
     prefix = "cmpl"
 
-    def chunk(self, text: str, finish_reason: p.FinishReason | None) -> BaseModel:
-        choice = p.CompletionChoice(text=text, finish_reason=finish_reason)
-        return p.Completion(id=self.id, created=self.created, model=self.model, choices=[choice])
-
-    def usage_chunk(self, usage: p.Usage) -> BaseModel:
+    def _of(self, choices: list[p.CompletionChoice], usage: p.Usage | None) -> BaseModel:
         return p.Completion(
-            id=self.id, created=self.created, model=self.model, choices=[], usage=usage
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def whole(self, text: str, finish_reason: p.FinishReason, usage: p.Usage) -> BaseModel:
-        chunk = self.chunk(text, finish_reason)
-        chunk.usage = usage
-        return chunk
+    def chunk(self, index: int, text: str, finish_reason: p.FinishReason | None) -> BaseModel:
+        choice = p.CompletionChoice(index=index, text=text, finish_reason=finish_reason)
+        return self._of([choice], None)
+
+    def usage_chunk(self, usage: p.Usage) -> BaseModel:
+        return self._of([], usage)
+
+    def whole(self, choices: list[tuple[str, p.FinishReason]], usage: p.Usage) -> BaseModel:
+        return self._of(
+            [
+                p.CompletionChoice(index=i, text=text, finish_reason=reason)
+                for i, (text, reason) in enumerate(choices)
+            ],
+            usage,
+        )
 
 
 class _ChatFormat(_Format):
     prefix = "chatcmpl"
-    _role_sent = False
 
-    def chunk(self, text: str, finish_reason: p.FinishReason | None) -> BaseModel:
+    def __init__(self, request_id: str, created: int, model: str):
+        super().__init__(request_id, created, model)
+        self._role_sent: set[int] = set()  # the choices whose first chunk went out
+
+    def chunk(self, index: int, text: str, finish_reason: p.FinishReason | None) -> BaseModel:
         delta = p.Delta(content=text)
-        if not self._role_sent:
-            delta.role, self._role_sent = "assistant", True
-        choice = p.ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+        if index not in self._role_sent:
+            delta.role = "assistant"
+            self._role_sent.add(index)
+        choice = p.ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
         return p.ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=[choice]
         )
@@ -206,10 +272,18 @@ class _ChatFormat(_Format):
             id=self.id, created=self.created, model=self.model, choices=[], usage=usage
         )
 
-    def whole(self, text: str, finish_reason: p.FinishReason, usage: p.Usage) -> BaseModel:
-        choice = p.ChatChoice(message=p.AssistantMessage(content=text), finish_reason=finish_reason)
+    def whole(self, choices: list[tuple[str, p.FinishReason]], usage: p.Usage) -> BaseModel:
         return p.ChatCompletion(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[
+                p.ChatChoice(
+                    index=i, message=p.AssistantMessage(content=text), finish_reason=reason
+                )
+                for i, (text, reason) in enumerate(choices)
+            ],
+            usage=usage,
         )
 
 
@@ -300,21 +374,57 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
         max_tokens = body.answer_tokens or defaults.gen_length
         check_length(prompt_ids, max_tokens, param)
         temperature = defaults.temperature if body.temperature is None else body.temperature
-        request = EngineRequest(
-            request_id=f"{format_.prefix}-{uuid.uuid4().hex}",
-            prompt_ids=tuple(prompt_ids),
-            max_tokens=max_tokens,
-            temperature=temperature,
-            seed=secrets.randbelow(p.SEED_LIMIT) if body.seed is None else body.seed,
-            threshold=body.threshold,
-            ignore_eos=body.ignore_eos,
-        )
-        generation = _Generation(
-            engine, metrics, request, Detokenizer(model.tokenizer, body.stop), arrival
-        )
+        seed = secrets.randbelow(p.SEED_LIMIT) if body.seed is None else body.seed
+        request_id = f"{format_.prefix}-{uuid.uuid4().hex}"
+        generations = [
+            _Generation(
+                engine,
+                metrics,
+                EngineRequest(
+                    request_id=request_id if body.n == 1 else f"{request_id}-{i}",
+                    prompt_ids=tuple(prompt_ids),
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    seed=(seed + i) % p.SEED_LIMIT,
+                    threshold=body.threshold,
+                    ignore_eos=body.ignore_eos,
+                ),
+                Detokenizer(model.tokenizer, body.stop),
+                arrival,
+                times_ttft=i == 0,
+            )
+            for i in range(body.n)
+        ]
+        submit_all(generations)
+        out = format_(request_id, int(time.time()), model_name)
+        if body.stream:
+            return StreamingResponse(
+                _stream(generations, out, http_request, body.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        watcher = asyncio.ensure_future(_disconnected(http_request))
         try:
-            generation.submit()
+            await _all_of(generations, watcher)
+        except _ClientGone:
+            return Response(status_code=499)
+        except _EngineFailed as err:
+            raise _failure(str(err)) from None
+        finally:
+            watcher.cancel()
+        metrics.e2e.observe(time.perf_counter() - arrival)
+        choices = [(g.detokenizer.text, g.finish_reason) for g in generations]
+        return JSONResponse(out.whole(choices, _usage(generations)).model_dump())
+
+    def submit_all(generations: list[_Generation]) -> None:
+        """Every choice into the engine, or none: a refusal takes back those submitted."""
+        submitted: list[_Generation] = []
+        try:
+            for generation in generations:
+                generation.submit()
+                submitted.append(generation)
         except QueueFull as err:
+            cancel(submitted)
             raise p.ProtocolError(
                 str(err),
                 status=429,
@@ -323,43 +433,37 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
                 headers={"Retry-After": str(max(1, math.ceil(err.retry_after)))},
             ) from None
         except EngineStopped as err:
+            cancel(submitted)
             raise p.ProtocolError(str(err), status=503, kind="server_error") from None
         except ValueError as err:
+            cancel(submitted)
             raise p.ProtocolError(str(err), code=getattr(err, "code", None)) from None
-        out = format_(request.request_id, int(time.time()), model_name)
-        if body.stream:
-            return StreamingResponse(
-                _stream(generation, out, http_request, body.include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        try:
-            async with contextlib.aclosing(generation.texts(http_request)) as texts:
-                async for _ in texts:
-                    pass
-        except _ClientGone:
-            return Response(status_code=499)
-        except _EngineFailed as err:
-            raise _failure(str(err)) from None
-        metrics.e2e.observe(time.perf_counter() - arrival)
-        whole = out.whole(generation.detokenizer.text, generation.finish_reason, generation.usage())
-        return JSONResponse(whole.model_dump())
+
+    def cancel(generations: list[_Generation]) -> None:
+        for generation in generations:
+            generation.ended = True
+            engine.cancel(generation.request.request_id)
 
     async def _stream(
-        generation: _Generation, out: _Format, http_request: Request, include_usage: bool
+        generations: list[_Generation], out: _Format, http_request: Request, include_usage: bool
     ) -> AsyncIterator[str]:
+        watcher = asyncio.ensure_future(_disconnected(http_request))
         try:
-            async with contextlib.aclosing(generation.texts(http_request)) as texts:
-                async for text in texts:
-                    yield _sse(out.chunk(text, None))
-            yield _sse(out.chunk("", generation.finish_reason))
-            metrics.e2e.observe(time.perf_counter() - generation.arrival)
+            async with contextlib.aclosing(_merged(generations, watcher)) as pieces:
+                async for index, text in pieces:
+                    if text is None:  # the choice ended
+                        yield _sse(out.chunk(index, "", generations[index].finish_reason))
+                    else:
+                        yield _sse(out.chunk(index, text, None))
+            metrics.e2e.observe(time.perf_counter() - generations[0].arrival)
             if include_usage:
-                yield _sse(out.usage_chunk(generation.usage()))
+                yield _sse(out.usage_chunk(_usage(generations)))
         except _ClientGone:
             return
         except _EngineFailed as err:
             yield _sse(_failure(str(err)).body())
+        finally:
+            watcher.cancel()
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")

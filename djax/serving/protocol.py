@@ -2,14 +2,17 @@
 bodies (validated strictly: a wrong type is refused, never coerced), responses, stream
 chunks and error bodies.
 
-Fields OpenAI defines that djax cannot honour (`n` > 1, `logprobs`, `best_of` > 1,
-`echo`, `suffix`, tools and functions) are refused with a 400 naming the field; fields it
-does not know are ignored. djax's own fields: `threshold` (τ of the threshold decoder) and
-`ignore_eos` (keep denoising past stop tokens up to max_tokens).
+`n` asks for up to `MAX_CHOICES` answers to one prompt: each runs as a row of its own, choice
+i with the seed `seed + i` (mod `SEED_LIMIT`). Fields OpenAI defines that djax cannot honour
+(`logprobs`, `best_of` > 1, `echo`, `suffix`, tools and functions) are refused with a 400
+naming the field; fields it does not know are ignored. djax's own fields: `threshold` (τ
+of the threshold decoder) and `ignore_eos` (keep denoising past stop tokens up to
+max_tokens).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import (
@@ -23,6 +26,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 16  # `n`
 SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT)
 
 FinishReason = Literal["stop", "length"]
@@ -112,11 +116,18 @@ class _GenerationRequest(BaseModel):
             raise _refuse("stop_empty", "holds an empty string; stop strings must be non-empty")
         return tuple(strings)
 
-    @field_validator("n")
+    @field_validator("n", mode="plain")
     @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise _unsupported("n", "djax returns one choice per request (n=1)")
+    def _choices(cls, value: Any) -> int:
+        if value is None:
+            return 1
+        if type(value) is not int or not 1 <= value <= MAX_CHOICES:
+            raise _refuse(
+                "choices",
+                "n={n}; expected an integer from 1 to {limit}",
+                n=json.dumps(value, default=str),  # as the client wrote it
+                limit=MAX_CHOICES,
+            )
         return value
 
     @field_validator("logprobs", "top_logprobs", mode="plain")
