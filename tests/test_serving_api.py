@@ -1,6 +1,7 @@
 """The HTTP half of `djax serve` against a scripted FakeEngine: a real uvicorn server on
 127.0.0.1, the official `openai` client, and httpx for the raw cases."""
 
+import dataclasses
 import json
 import math
 import time
@@ -234,6 +235,13 @@ def test_n_choices_run_as_rows_of_their_own(client, engine, model):
         (0, ANSWER[:8], "length"),
         (1, ANSWER[:8], "length"),
     ]
+
+
+def test_more_choices_than_the_queue_holds_are_400(url, engine, monkeypatch):
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_queue=2))
+    response = post(url, "/v1/completions", {"prompt": "x", "n": 3})
+    assert_error(response, 400, param="n", mentions="n=3 choices exceed this server's queue of 2")
+    assert engine.submitted == []
 
 
 def test_a_full_queue_takes_back_the_choices_it_admitted(url, engine, monkeypatch):

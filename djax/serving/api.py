@@ -371,6 +371,12 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
                 kind="server_error",
             )
         check_prompt(prompt_ids, param)
+        if body.n > engine.config.max_queue:  # never admitted whole: not worth a retry
+            raise p.ProtocolError(
+                f"n={body.n} choices exceed this server's queue of {engine.config.max_queue} "
+                "requests (djax serve --max-queue)",
+                param="n",
+            )
         max_tokens = body.answer_tokens or defaults.gen_length
         check_length(prompt_ids, max_tokens, param)
         temperature = defaults.temperature if body.temperature is None else body.temperature
