@@ -237,10 +237,31 @@ def test_n_choices_run_as_rows_of_their_own(client, engine, model):
     ]
 
 
+def test_a_batch_of_prompts_gets_n_choices_each(url, engine, model):
+    """Two prompts (text and ids), n=2: choices 0-1 answer the first, 2-3 the second, with
+    seeds seed .. seed + 3; usage counts each prompt once."""
+    body = {"prompt": ["347+2958=", [0, 62, 63]], "n": 2, "seed": 10, "max_tokens": 8}
+    response = post(url, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    out = response.json()
+    assert [(c["index"], c["text"]) for c in out["choices"]] == [(i, ANSWER[:8]) for i in range(4)]
+    first, second = tokenize(model, ["347+2958="], chat=False)[0], [0, 62, 63]
+    want = [first, first, second, second]
+    assert [list(r.prompt_ids) for r in engine.submitted] == want
+    assert [r.seed for r in engine.submitted] == [10, 11, 12, 13]
+    assert out["usage"] == {"prompt_tokens": len(first) + 3, "completion_tokens": 32,
+                            "total_tokens": len(first) + 3 + 32}  # fmt: skip
+    # a prompt of the batch too long for the server: 400 naming it
+    response = post(url, "/v1/completions", {"prompt": ["x", [5] * 125], "max_tokens": 8})
+    assert_error(response, 400, param="prompt.1", code="context_length_exceeded")
+
+
 def test_more_choices_than_the_queue_holds_are_400(url, engine, monkeypatch):
     monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_queue=2))
     response = post(url, "/v1/completions", {"prompt": "x", "n": 3})
-    assert_error(response, 400, param="n", mentions="n=3 choices exceed this server's queue of 2")
+    assert_error(
+        response, 400, param="n", mentions="n=3 = 3 choices exceed this server's queue of 2"
+    )
     assert engine.submitted == []
 
 
@@ -376,7 +397,10 @@ def test_stop_string_held_back_then_released(client, engine):
         ("/v1/completions", {"prompt": "x", "threshold": 1.5}, "threshold", "less"),
         ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
         ("/v1/completions", {"prompt": []}, "prompt", "empty"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", "2 prompts"),
+        ("/v1/completions", {"prompt": ["a"] * 65}, "prompt", "65 prompts; expected at most 64"),
+        ("/v1/completions", {"prompt": ["a", ""]}, "prompt", "empty"),
+        ("/v1/completions", {"prompt": ["a", [5, 128]]}, "prompt.1", "token id 128"),
+        ("/v1/completions", {"prompt": 5}, "prompt", "a list of those"),
         ("/v1/completions", {"prompt": [1, "a"]}, "prompt", "expected"),
         ("/v1/completions", {}, "prompt", "required"),
         ("/v1/completions", {"prompt": "x", "stop": ["a"] * 5}, "stop", "at most 4"),

@@ -127,10 +127,9 @@ class _Generation:
         self.metrics.requests.labels(reason).inc()
 
 
-def _usage(generations: list[_Generation]) -> p.Usage:
-    """The prompt once, every choice's answer tokens."""
-    prompt = len(generations[0].request.prompt_ids)
-    return p.Usage.of(prompt, sum(g.completion_tokens for g in generations))
+def _usage(generations: list[_Generation], prompt_tokens: int) -> p.Usage:
+    """`prompt_tokens` (each prompt once), every choice's answer tokens."""
+    return p.Usage.of(prompt_tokens, sum(g.completion_tokens for g in generations))
 
 
 async def _drain(generation: _Generation, watcher: asyncio.Future) -> None:
@@ -357,11 +356,13 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
     async def generate(
         http_request: Request,
         body: p.CompletionRequest | p.ChatCompletionRequest,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         param: str,
         format_: type[_Format],
         arrival: float,
     ) -> Response:
+        """`n` choices of each prompt in `prompts` (completions may send a batch), choice
+        `k * n + j` the j-th of prompt k, with the seed `seed + k * n + j`."""
         if app.state.draining:
             raise p.ProtocolError("the server is shutting down", status=503, kind="server_error")
         if not engine.ready:
@@ -370,15 +371,18 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
                 status=503,
                 kind="server_error",
             )
-        check_prompt(prompt_ids, param)
-        if body.n > engine.config.max_queue:  # never admitted whole: not worth a retry
+        max_tokens = body.answer_tokens or defaults.gen_length
+        for k, ids in enumerate(prompts):
+            named = param if len(prompts) == 1 else f"{param}.{k}"
+            check_prompt(ids, named)
+            check_length(ids, max_tokens, named)
+        count = len(prompts) * body.n
+        if count > engine.config.max_queue:  # never admitted whole: not worth a retry
             raise p.ProtocolError(
-                f"n={body.n} choices exceed this server's queue of {engine.config.max_queue} "
-                "requests (djax serve --max-queue)",
+                f"{len(prompts)} prompt(s) x n={body.n} = {count} choices exceed this server's "
+                f"queue of {engine.config.max_queue} requests (djax serve --max-queue)",
                 param="n",
             )
-        max_tokens = body.answer_tokens or defaults.gen_length
-        check_length(prompt_ids, max_tokens, param)
         temperature = defaults.temperature if body.temperature is None else body.temperature
         seed = secrets.randbelow(p.SEED_LIMIT) if body.seed is None else body.seed
         request_id = f"{format_.prefix}-{uuid.uuid4().hex}"
@@ -387,8 +391,8 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
                 engine,
                 metrics,
                 EngineRequest(
-                    request_id=request_id if body.n == 1 else f"{request_id}-{i}",
-                    prompt_ids=tuple(prompt_ids),
+                    request_id=request_id if count == 1 else f"{request_id}-{i}",
+                    prompt_ids=tuple(prompts[i // body.n]),
                     max_tokens=max_tokens,
                     temperature=temperature,
                     seed=(seed + i) % p.SEED_LIMIT,
@@ -399,13 +403,14 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
                 arrival,
                 times_ttft=i == 0,
             )
-            for i in range(body.n)
+            for i in range(count)
         ]
+        prompt_tokens = sum(len(ids) for ids in prompts)
         submit_all(generations)
         out = format_(request_id, int(time.time()), model_name)
         if body.stream:
             return StreamingResponse(
-                _stream(generations, out, http_request, body.include_usage),
+                _stream(generations, out, http_request, body.include_usage, prompt_tokens),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -420,7 +425,8 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
             watcher.cancel()
         metrics.e2e.observe(time.perf_counter() - arrival)
         choices = [(g.detokenizer.text, g.finish_reason) for g in generations]
-        return JSONResponse(out.whole(choices, _usage(generations)).model_dump())
+        usage = _usage(generations, prompt_tokens)
+        return JSONResponse(out.whole(choices, usage).model_dump())
 
     def submit_all(generations: list[_Generation]) -> None:
         """Every choice into the engine, or none: a refusal takes back those submitted."""
@@ -451,7 +457,11 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
             engine.cancel(generation.request.request_id)
 
     async def _stream(
-        generations: list[_Generation], out: _Format, http_request: Request, include_usage: bool
+        generations: list[_Generation],
+        out: _Format,
+        http_request: Request,
+        include_usage: bool,
+        prompt_tokens: int,
     ) -> AsyncIterator[str]:
         watcher = asyncio.ensure_future(_disconnected(http_request))
         try:
@@ -463,7 +473,7 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
                         yield _sse(out.chunk(index, text, None))
             metrics.e2e.observe(time.perf_counter() - generations[0].arrival)
             if include_usage:
-                yield _sse(out.usage_chunk(_usage(generations)))
+                yield _sse(out.usage_chunk(_usage(generations, prompt_tokens)))
         except _ClientGone:
             return
         except _EngineFailed as err:
@@ -478,10 +488,10 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
         body = p.parse(p.CompletionRequest, await request.body())
         check_model(body.model)
         try:
-            ids = tokenize(model, [body.prompt], chat=False)[0]
+            prompts = tokenize(model, list(body.prompt), chat=False)
         except ValueError as err:
             raise p.ProtocolError(str(err), param="prompt") from None
-        return await generate(request, body, ids, "prompt", _CompletionFormat, arrival)
+        return await generate(request, body, prompts, "prompt", _CompletionFormat, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -489,7 +499,7 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
         body = p.parse(p.ChatCompletionRequest, await request.body())
         check_model(body.model)
         ids = _chat_ids(model, [m.template_turn() for m in body.messages])
-        return await generate(request, body, ids, "messages", _ChatFormat, arrival)
+        return await generate(request, body, [ids], "messages", _ChatFormat, arrival)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -2,8 +2,9 @@
 bodies (validated strictly: a wrong type is refused, never coerced), responses, stream
 chunks and error bodies.
 
-`n` asks for up to `MAX_CHOICES` answers to one prompt: each runs as a row of its own, choice
-i with the seed `seed + i` (mod `SEED_LIMIT`). Fields OpenAI defines that djax cannot honour
+`n` asks for up to `MAX_CHOICES` answers to each prompt (completions take a batch of up to
+`MAX_PROMPTS`): each runs as a row of its own, choice i with the seed `seed + i` (mod
+`SEED_LIMIT`). Fields OpenAI defines that djax cannot honour
 (`logprobs`, `best_of` > 1, `echo`, `suffix`, tools and functions) are refused with a 400
 naming the field; fields it does not know are ignored. djax's own fields: `threshold` (τ
 of the threshold decoder) and `ignore_eos` (keep denoising past stop tokens up to
@@ -27,6 +28,8 @@ from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16  # `n`
+MAX_PROMPTS = 64  # a completions request's batch
+PROMPT_TYPES = "expected a string, a list of token ids, or a list of those"
 SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT)
 
 FinishReason = Literal["stop", "length"]
@@ -162,33 +165,33 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    """`POST /v1/completions`: `prompt` is one string or one list of token ids (a batch of
-    one is unwrapped; larger batches are refused)."""
+    """`POST /v1/completions`: `prompt` is a string, a list of token ids, or a batch of up to
+    `MAX_PROMPTS` of them (held as the batch: a single prompt is a batch of one), each
+    answered `n` times."""
 
-    prompt: str | list[int]
+    prompt: tuple[str | list[int], ...]
     suffix: Any = None
 
     @field_validator("prompt", mode="plain")
     @classmethod
-    def _one_prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and value and not _is_ids(value):
-            if not all(isinstance(p, str) or _is_ids(p) for p in value):
-                raise _refuse(
-                    "prompt_type", "expected a string, a list of token ids, or a list of one"
-                )
-            if len(value) != 1:
-                raise _refuse(
-                    "prompt_batch",
-                    "holds {n} prompts; djax serves one prompt per request (send one "
-                    "request per prompt)",
-                    n=len(value),
-                )
-            value = value[0]
-        if not isinstance(value, str) and not _is_ids(value):
-            raise _refuse("prompt_type", "expected a string or a list of token ids")
-        if not value:
-            raise _refuse("prompt_empty", "is empty; expected at least one token")
-        return value
+    def _prompts(cls, value: Any) -> tuple[str | list[int], ...]:
+        if isinstance(value, str) or _is_ids(value):
+            value = [value]  # one prompt
+        if not isinstance(value, list):
+            raise _refuse("prompt_type", PROMPT_TYPES)
+        if len(value) > MAX_PROMPTS:
+            raise _refuse(
+                "prompt_batch",
+                "holds {n} prompts; expected at most {limit} (send more requests)",
+                n=len(value),
+                limit=MAX_PROMPTS,
+            )
+        for prompt in value or [[]]:
+            if not isinstance(prompt, str) and not _is_ids(prompt):
+                raise _refuse("prompt_type", PROMPT_TYPES)
+            if not prompt:
+                raise _refuse("prompt_empty", "is empty; expected at least one token")
+        return tuple(value)
 
     @field_validator("suffix", mode="plain")
     @classmethod
