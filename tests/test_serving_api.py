@@ -570,6 +570,31 @@ def test_disconnect_mid_stream_cancels(url, engine, server, model):
     assert metrics.aborted._value.get() == aborted + 1
 
 
+def test_an_api_key_guards_the_v1_routes(model):
+    """With `api_key`, a /v1/ request without the key or with another is a 401 (the openai
+    client's AuthenticationError) and reaches no engine; with it, it is served; /health
+    and /metrics stay open. An empty key is refused."""
+    config = ServeConfig(GenerationConfig(gen_length=32, block_length=8))
+    engine = FakeEngine(config, scripted(model.tokenizer, ANSWER))
+    app = create_app(engine, model, model_name=NAME, metrics=ServerMetrics(), api_key="s3cret")
+    with running_app(app, engine) as url:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            response = post(url, "/v1/completions", {"prompt": "x"}, headers=headers)
+            assert response.status_code == 401, headers
+            assert response.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.get(url + "/v1/models", headers=headers).status_code == 401
+        assert engine.submitted == []
+        wrong = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0, timeout=10)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model=NAME, prompt="x")
+        right = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0, timeout=10)
+        assert right.completions.create(model=NAME, prompt="x").choices[0].text == ANSWER
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/metrics").status_code == 200
+    with pytest.raises(ValueError, match="api_key is empty"):
+        create_app(engine, model, model_name=NAME, metrics=ServerMetrics(), api_key="")
+
+
 def test_disconnect_cancels_every_choice(url, engine, server, model):
     metrics = server[3]
     aborted = metrics.aborted._value.get()

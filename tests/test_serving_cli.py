@@ -55,6 +55,7 @@ def test_demo_model_with_its_generation_defaults(served):
         "port": 8000,
         "model_name": "djax-demo",
         "log_level": "info",
+        "api_key": None,
     }
 
 
@@ -74,6 +75,15 @@ def test_options_reach_the_config(served):
         96,
     )
     assert (kw["model_name"], kw["port"], kw["log_level"]) == ("tiny", 0, "debug")
+
+
+def test_the_api_key_comes_from_the_option_or_the_environment(served, monkeypatch, capsys):
+    monkeypatch.setenv("DJAX_API_KEY", "from-env")
+    assert cli.run(parse([])) == 0
+    assert cli.run(parse(["--api-key", "from-option"])) == 0
+    assert [kw["api_key"] for _, _, kw in served] == ["from-env", "from-option"]
+    monkeypatch.delenv("DJAX_API_KEY")
+    assert cli.run(parse([])) == 0 and served[-1][2]["api_key"] is None
 
 
 def test_bad_memory_fraction_is_refused(served, capsys):

@@ -286,11 +286,22 @@ class _ChatFormat(_Format):
         )
 
 
-def create_app(engine: Engine, model: Model, *, model_name: str, metrics: ServerMetrics) -> FastAPI:
+def create_app(
+    engine: Engine,
+    model: Model,
+    *,
+    model_name: str,
+    metrics: ServerMetrics,
+    api_key: str | None = None,
+) -> FastAPI:
     """The server's ASGI app. engine: started by the caller (it also has `config`, the
     server's `ServeConfig`, whose generation settings give the request defaults); model:
-    its tokenizer and config; model_name: the one model id clients name.
+    its tokenizer and config; model_name: the one model id clients name; api_key: when
+    set, every `/v1/` request must carry `Authorization: Bearer <api_key>` (401 otherwise;
+    `/health` and `/metrics` stay open).
     `app.state.draining = True` makes `/health` answer 503 and new requests be refused."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key is empty; expected a key, or None for an open server")
     if model.tokenizer is None:
         raise ValueError(
             f"{model.path}: has no tokenizer; djax serve needs one to read prompts and "
@@ -300,6 +311,22 @@ def create_app(engine: Engine, model: Model, *, model_name: str, metrics: Server
     created = int(time.time())
     app = FastAPI(title="djax", description="OpenAI-compatible serving of diffusion LMs")
     app.state.draining = False
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def _authorised(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path.startswith("/v1/") and not secrets.compare_digest(given, expected):
+                error = p.ProtocolError(
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                    "with the key this server was started with (djax serve --api-key)",
+                    status=401,
+                    code="invalid_api_key",
+                )
+                return JSONResponse(error.body(), status_code=401)
+            return await call_next(request)
 
     @app.exception_handler(p.ProtocolError)
     async def _refused(request: Request, err: p.ProtocolError) -> JSONResponse:

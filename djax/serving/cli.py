@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -86,6 +87,12 @@ def add_parser(
         "halves the warm-up (default: on)",
     )
     serve.add_argument(
+        "--api-key",
+        default=os.environ.get("DJAX_API_KEY"),
+        help="serve only /v1/ requests with the header 'Authorization: Bearer <key>' "
+        "(default: $DJAX_API_KEY; unset: an open server)",
+    )
+    serve.add_argument(
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -131,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             model_name=name,
             log_level=args.log_level,
+            api_key=args.api_key,
         )
     except (ValueError, FileNotFoundError, OSError, TypeError) as err:
         print(f"djax: error: {err}", file=sys.stderr)

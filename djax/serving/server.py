@@ -52,12 +52,15 @@ def default_model_name(model: Model) -> str:
     return Path(model.path).name if model.path else "djax"
 
 
-def _build(model: Model, config: ServeConfig, model_name: str) -> tuple[ServingEngine, FastAPI]:
+def _build(
+    model: Model, config: ServeConfig, model_name: str, api_key: str | None = None
+) -> tuple[ServingEngine, FastAPI]:
     from djax.serving.engine import make_engine
 
     metrics = ServerMetrics()
     engine = make_engine(model, config, metrics)
-    return engine, create_app(engine, model, model_name=model_name, metrics=metrics)
+    app = create_app(engine, model, model_name=model_name, metrics=metrics, api_key=api_key)
+    return engine, app
 
 
 def freeze_when_ready(engine: ServingEngine) -> None:
@@ -88,23 +91,26 @@ def serve(
     port: int = 8000,
     model_name: str | None = None,
     log_level: str = "info",
+    api_key: str | None = None,
 ) -> None:
     """Serve `model` on http://host:port until SIGINT or SIGTERM, then drain and return.
     The engine compiles its programs in the background; `/health` is 503 until it is
-    ready. model_name: the id clients use (default: the model folder's name)."""
+    ready. model_name: the id clients use (default: the model folder's name); api_key:
+    the key `/v1/` requests must bear (`create_app`; None: open)."""
     sock = listen(host, port)
     name = model_name or default_model_name(model)
-    engine, app = _build(model, config, name)
+    engine, app = _build(model, config, name, api_key)
     server = _Server(app, log_level)
     engine.start()
     threading.Thread(
         target=freeze_when_ready, args=(engine,), name="djax-freeze", daemon=True
     ).start()
     logging.getLogger("uvicorn.error").info(
-        "serving %r on http://%s:%d/v1 (GET /health answers 503 until the engine is ready)",
+        "serving %r on http://%s:%d/v1%s (GET /health answers 503 until the engine is ready)",
         name,
         _url_host(host),
         sock.getsockname()[1],
+        " to requests bearing the API key" if api_key else "",
     )
     try:
         server.run(sockets=[sock])
