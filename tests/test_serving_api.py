@@ -101,6 +101,26 @@ def test_models_lists_the_one_model(client):
     assert models[0].object == "model" and models[0].owned_by == "djax"
 
 
+def test_tokenize_and_detokenize_as_the_endpoints_do(url, engine, model):
+    """`/tokenize` gives the ids the completions endpoint makes of a prompt, or the chat
+    endpoint of messages, with their count and the server's longest sequence;
+    `/detokenize` gives the text back; bad bodies are 400s naming the field."""
+    response = post(url, "/tokenize", {"prompt": "347+2958="})
+    want = tokenize(model, ["347+2958="], chat=False)[0]
+    assert response.json() == {"tokens": want, "count": len(want), "max_model_len": 128}
+    chat = post(url, "/tokenize", {"model": NAME, "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.json()["tokens"] == tokenize(model, ["hi"], chat=True)[0]
+    back = post(url, "/detokenize", {"tokens": want}).json()["prompt"]
+    assert back == model.tokenizer.decode(want) and "347+2958=" in back
+    assert_error(post(url, "/tokenize", {}), 400, mentions="exactly one of prompt and messages")
+    body = {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}
+    assert_error(post(url, "/tokenize", body), 400, mentions="exactly one")
+    assert_error(post(url, "/detokenize", {"tokens": [1, 10**6]}), 400, param="tokens")
+    assert_error(post(url, "/detokenize", {"tokens": "abc"}), 400, param="tokens")
+    response = post(url, "/tokenize", {"model": "other", "prompt": "x"})
+    assert_error(response, 404, param="model", code="model_not_found")
+
+
 def test_health_follows_readiness_and_draining(url, engine, server):
     app = server[2]
     engine.ready = False
@@ -571,7 +591,7 @@ def test_disconnect_mid_stream_cancels(url, engine, server, model):
 
 
 def test_an_api_key_guards_the_v1_routes(model):
-    """With `api_key`, a /v1/ request without the key or with another is a 401 (the openai
+    """With `api_key`, a request without the key or with another is a 401 (the openai
     client's AuthenticationError) and reaches no engine; with it, it is served; /health
     and /metrics stay open. An empty key is refused."""
     config = ServeConfig(GenerationConfig(gen_length=32, block_length=8))
@@ -583,6 +603,10 @@ def test_an_api_key_guards_the_v1_routes(model):
             assert response.status_code == 401, headers
             assert response.json()["error"]["code"] == "invalid_api_key"
             assert httpx.get(url + "/v1/models", headers=headers).status_code == 401
+            assert (
+                httpx.post(url + "/tokenize", json={"prompt": "x"}, headers=headers).status_code
+                == 401
+            )
         assert engine.submitted == []
         wrong = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0, timeout=10)
         with pytest.raises(openai.AuthenticationError):

@@ -1,5 +1,6 @@
 """The HTTP endpoints of `djax serve` (FastAPI): OpenAI's completions and chat completions,
-streamed as server-sent events or whole, plus `/v1/models`, `/health` and `/metrics`.
+streamed as server-sent events or whole, plus `/v1/models`, `/tokenize` and `/detokenize`,
+`/health` and `/metrics`.
 
 Each request is validated and tokenised here, submitted to the engine (one engine request
 per choice: `n` of them), and fed by the engine's events: they arrive on the engine's thread
@@ -40,6 +41,8 @@ from djax.serving.requests import (
     Finished,
     QueueFull,
 )
+
+OPEN_PATHS = ("/health", "/metrics")  # served without the API key
 
 
 class _ClientGone(Exception):
@@ -297,8 +300,8 @@ def create_app(
     """The server's ASGI app. engine: started by the caller (it also has `config`, the
     server's `ServeConfig`, whose generation settings give the request defaults); model:
     its tokenizer and config; model_name: the one model id clients name; api_key: when
-    set, every `/v1/` request must carry `Authorization: Bearer <api_key>` (401 otherwise;
-    `/health` and `/metrics` stay open).
+    set, every request but `/health` and `/metrics` must carry `Authorization: Bearer
+    <api_key>` (401 otherwise).
     `app.state.draining = True` makes `/health` answer 503 and new requests be refused."""
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty; expected a key, or None for an open server")
@@ -318,7 +321,7 @@ def create_app(
         @app.middleware("http")
         async def _authorised(request: Request, call_next):
             given = request.headers.get("authorization", "").encode()
-            if request.url.path.startswith("/v1/") and not secrets.compare_digest(given, expected):
+            if request.url.path not in OPEN_PATHS and not secrets.compare_digest(given, expected):
                 error = p.ProtocolError(
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
                     "with the key this server was started with (djax serve --api-key)",
@@ -527,6 +530,30 @@ def create_app(
         check_model(body.model)
         ids = _chat_ids(model, [m.template_turn() for m in body.messages])
         return await generate(request, body, [ids], "messages", _ChatFormat, arrival)
+
+    @app.post("/tokenize")
+    async def tokenize_prompt(request: Request) -> JSONResponse:
+        body = p.parse(p.TokenizeRequest, await request.body())
+        check_model(body.model)
+        if body.messages is not None:
+            ids = _chat_ids(model, [m.template_turn() for m in body.messages])
+        else:
+            ids = tokenize(model, [body.prompt], chat=False)[0]
+        return JSONResponse(
+            {"tokens": ids, "count": len(ids), "max_model_len": engine.max_sequence}
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body = p.parse(p.DetokenizeRequest, await request.body())
+        check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < len(model.tokenizer)]
+        if bad:
+            raise p.ProtocolError(
+                f"tokens holds id {bad[0]}; expected ids in [0, {len(model.tokenizer)})",
+                param="tokens",
+            )
+        return JSONResponse({"prompt": model.tokenizer.decode(body.tokens)})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

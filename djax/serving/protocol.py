@@ -23,6 +23,7 @@ from pydantic import (
     ValidationError,
     field_validator,
     model_serializer,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -266,7 +267,33 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_completion_tokens or self.max_tokens
 
 
-def parse(kind: type[_GenerationRequest], body: bytes) -> _GenerationRequest:
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize`: the token ids a prompt becomes, as the completions endpoint
+    tokenises `prompt` (a string) or the chat endpoint `messages`; exactly one of them."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise _refuse("tokenize_source", "expected exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize`: the text of token ids."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
     """The request `body` (JSON) validated as `kind`; raises ProtocolError (400) naming the
     first field at fault."""
     try:
