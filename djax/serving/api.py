@@ -135,29 +135,12 @@ def _usage(generations: list[_Generation], prompt_tokens: int) -> p.Usage:
     return p.Usage.of(prompt_tokens, sum(g.completion_tokens for g in generations))
 
 
-async def _drain(generation: _Generation, watcher: asyncio.Future) -> None:
-    async with contextlib.aclosing(generation.texts(watcher)) as texts:
-        async for _ in texts:
-            pass
-
-
-async def _all_of(generations: list[_Generation], watcher: asyncio.Future) -> None:
-    """Every choice to its end; the first choice's _ClientGone or _EngineFailed cancels the
-    others (each tells the engine to drop its row) and is raised."""
-    tasks = [asyncio.ensure_future(_drain(g, watcher)) for g in generations]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 async def _merged(
     generations: list[_Generation], watcher: asyncio.Future
 ) -> AsyncIterator[tuple[int, str | None]]:
     """(choice index, new text) as the choices make it, and (index, None) as each ends;
-    _ClientGone or _EngineFailed from any choice ends it (the others are cancelled)."""
+    _ClientGone or _EngineFailed from any choice ends it, and the others are cancelled (each
+    tells the engine to drop its row)."""
     queue: asyncio.Queue[tuple[int, str | None | Exception]] = asyncio.Queue()
 
     async def feed(index: int, generation: _Generation) -> None:
@@ -446,7 +429,9 @@ def create_app(
             )
         watcher = asyncio.ensure_future(_disconnected(http_request))
         try:
-            await _all_of(generations, watcher)
+            async with contextlib.aclosing(_merged(generations, watcher)) as pieces:
+                async for _ in pieces:  # the detokenizers keep each choice's text
+                    pass
         except _ClientGone:
             return Response(status_code=499)
         except _EngineFailed as err:
@@ -465,26 +450,11 @@ def create_app(
             for generation in generations:
                 generation.submit()
                 submitted.append(generation)
-        except QueueFull as err:
-            cancel(submitted)
-            raise p.ProtocolError(
-                str(err),
-                status=429,
-                kind="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(max(1, math.ceil(err.retry_after)))},
-            ) from None
-        except EngineStopped as err:
-            cancel(submitted)
-            raise p.ProtocolError(str(err), status=503, kind="server_error") from None
-        except ValueError as err:
-            cancel(submitted)
-            raise p.ProtocolError(str(err), code=getattr(err, "code", None)) from None
-
-    def cancel(generations: list[_Generation]) -> None:
-        for generation in generations:
-            generation.ended = True
-            engine.cancel(generation.request.request_id)
+        except (QueueFull, EngineStopped, ValueError) as err:
+            for generation in submitted:
+                generation.ended = True
+                engine.cancel(generation.request.request_id)
+            raise _refusal(err) from None
 
     async def _stream(
         generations: list[_Generation],
@@ -587,6 +557,21 @@ def _chat_ids(model: Model, turns: list[dict[str, str]]) -> list[int]:
             f"the model's chat template refused these messages: {err}", param="messages"
         ) from None
     return model.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _refusal(err: QueueFull | EngineStopped | ValueError) -> p.ProtocolError:
+    """The engine's refusal of a submission, as the client sees it."""
+    if isinstance(err, QueueFull):
+        return p.ProtocolError(
+            str(err),
+            status=429,
+            kind="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(max(1, math.ceil(err.retry_after)))},
+        )
+    if isinstance(err, EngineStopped):
+        return p.ProtocolError(str(err), status=503, kind="server_error")
+    return p.ProtocolError(str(err), code=getattr(err, "code", None))
 
 
 def _failure(message: str) -> p.ProtocolError:

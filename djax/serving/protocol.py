@@ -70,6 +70,10 @@ def _refuse(kind: str, message: str, **context: Any) -> PydanticCustomError:
     return PydanticCustomError(kind, message, context)
 
 
+def _too_many(kind: str, n: int, what: str, limit: int) -> PydanticCustomError:
+    return _refuse(kind, "holds {n} {what}; expected at most {limit}", n=n, what=what, limit=limit)
+
+
 def _unsupported(field: str, what: str) -> PydanticCustomError:
     return _refuse("unsupported", f"{field} is not supported: {what}")
 
@@ -110,12 +114,7 @@ class _GenerationRequest(BaseModel):
         if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
             raise _refuse("stop_type", "expected a string or a list of strings")
         if len(strings) > MAX_STOP_STRINGS:
-            raise _refuse(
-                "stop_count",
-                "holds {n} strings; expected at most {limit}",
-                n=len(strings),
-                limit=MAX_STOP_STRINGS,
-            )
+            raise _too_many("stop_count", len(strings), "strings", MAX_STOP_STRINGS)
         if not all(strings):
             raise _refuse("stop_empty", "holds an empty string; stop strings must be non-empty")
         return tuple(strings)
@@ -181,12 +180,7 @@ class CompletionRequest(_GenerationRequest):
         if not isinstance(value, list):
             raise _refuse("prompt_type", PROMPT_TYPES)
         if len(value) > MAX_PROMPTS:
-            raise _refuse(
-                "prompt_batch",
-                "holds {n} prompts; expected at most {limit} (send more requests)",
-                n=len(value),
-                limit=MAX_PROMPTS,
-            )
+            raise _too_many("prompt_batch", len(value), "prompts", MAX_PROMPTS)
         for prompt in value or [[]]:
             if not isinstance(prompt, str) and not _is_ids(prompt):
                 raise _refuse("prompt_type", PROMPT_TYPES)
