@@ -16,14 +16,13 @@ from djax.checkpoint import CheckpointError
 from djax.config import from_hf_dict
 from djax.models.kernel_choice import Shapes
 from djax.models.llada_moe import (
-    PAIRWISE_SORT_MAX,
-    SORT_CHUNK,
+    COUNT_CHUNK,
     MoEBlock,
     experts_dense,
     experts_grouped,
+    group_layout,
     ragged_mlp,
     route,
-    sort_by_group,
 )
 
 from torch_reference import MASK_ID, rel_error, torch_logits
@@ -103,19 +102,32 @@ def test_routing_and_expert_paths_match_numpy(bias, normalise):
         assert rel_error(np.asarray(out), ref) < 1e-5, run.__name__
 
 
-@pytest.mark.parametrize("p, n_groups", [(1, 1), (40, 5), (3072, 64), (4500, 7), (5120, 64)])
-def test_sort_by_group_is_a_stable_sort(p, n_groups):
-    """`sort_by_group` against numpy's stable argsort, in one chunk and in several (4,500
-    items: a padded last chunk), with keys in every group and in the past-the-end group
-    n_groups (pairs on other devices); some groups stay empty."""
-    assert PAIRWISE_SORT_MAX == 4096 and SORT_CHUNK == 512
-    group = np.random.default_rng(p).integers(0, n_groups + 1, p)
-    group[group == n_groups // 2] = n_groups  # one group empty (all of them at n_groups=1)
-    order, rank, sizes = jax.jit(sort_by_group, static_argnums=1)(jnp.asarray(group), n_groups)
-    expected = np.argsort(group, kind="stable")
-    np.testing.assert_array_equal(order, expected)
-    np.testing.assert_array_equal(rank, np.argsort(expected))
-    np.testing.assert_array_equal(sizes, np.bincount(group, minlength=n_groups + 1)[:n_groups])
+@pytest.mark.parametrize("p, n_groups", [(1, 1), (40, 5), (1024, 64), (3072, 64), (4500, 7)])
+@pytest.mark.parametrize("align", [1, 8])
+def test_group_layout_is_a_stable_sort_into_aligned_groups(p, n_groups, align):
+    """`group_layout` against numpy's stable argsort, in one pass and in chunks (3,072 and
+    4,500 items: a padded last chunk), with keys in every group and in the past-the-end
+    group n_groups (pairs on other devices); some groups stay empty. At `align=1` it is the
+    sort; at 8 each group starts at a multiple of 8 and its padding rows hold item 0."""
+    assert COUNT_CHUNK == 1024
+    key = np.random.default_rng(p).integers(0, n_groups + 1, p)
+    key[key == n_groups // 2] = n_groups  # one group empty (all of them at n_groups=1)
+    layout = jax.jit(group_layout, static_argnums=(1, 2))(jnp.asarray(key), n_groups, align)
+    position, item, sizes = map(np.asarray, layout)
+    counts = np.bincount(key, minlength=n_groups + 1)
+    padded = -(-counts // align) * align
+    np.testing.assert_array_equal(sizes, padded[:n_groups])
+    starts = np.cumsum(padded) - padded
+    order = np.argsort(key, kind="stable")
+    expected = np.zeros(item.shape, int)
+    for g in range(n_groups + 1):
+        members = order[key[order] == g]
+        expected[starts[g] : starts[g] + len(members)] = members
+    np.testing.assert_array_equal(item, expected)
+    np.testing.assert_array_equal(item[position], np.arange(p))
+    assert item.shape[0] == p + n_groups * (align - 1) + (-(p + n_groups * (align - 1)) % align)
+    if align == 1:
+        np.testing.assert_array_equal(item, order)
 
 
 def _routed_experts(seed, n=10, m=8, e=6, f=4, k=2, dtype=jnp.float32):

@@ -21,7 +21,7 @@ counts the e4m3 values' bytes.
 block's tokens reach every expert, as a trained router spreads them).
 `--permutation` times only the sort of the token-expert pairs by expert (device µs of each
 kernel from a profiler trace): XLA's sort (`argsort`, and again to invert it), the engine's
-counting sort (`sort_by_group`), and a pairwise compare-and-sum.
+running count (`group_layout` at `align=1`, no sort), and a pairwise compare-and-sum.
 
     python -m bench.kernels.experts [--tokens 32 384 1280] [--sweep | --permutation | --mosaic]
         [--routing model|spread] [--tiny]
@@ -45,16 +45,16 @@ from bench.common import (
     time_in_program,
 )
 from bench.kernels.timing import kernel_us
-from djax.kernels.tma_ring import Tiles
+from djax.kernels.tma_ring import ROW_ALIGN, Tiles
 from djax.models import fp8
 from djax.models.llada_moe import (
     experts_dense,
     experts_grouped,
     fp8_mosaic_mlp,
+    group_layout,
     mosaic_mlp,
     ragged_mlp,
     route,
-    sort_by_group,
 )
 
 HOPPER_TILES = (
@@ -141,7 +141,7 @@ def paths(sweep: bool = False) -> list[tuple[str, object, dict]]:
     for tiles in MOSAIC_TILES:
         label = "mosaic " + ("tiles_for" if tiles is None else _mosaic_label(tiles))
         mlp = functools.partial(mosaic_mlp, tiles=tiles)
-        out.append((label, functools.partial(experts_grouped, mlp=mlp), {}))
+        out.append((label, functools.partial(experts_grouped, mlp=mlp, align=ROW_ALIGN), {}))
     return out
 
 
@@ -165,12 +165,13 @@ def mosaic_paths() -> list[tuple[str, object, dict, str]]:
             default = "converted_tiles_for" if weights == "fp8" else "tiles_for"
             label = default if tiles is None else _mosaic_label(tiles)
             mlp = functools.partial(mosaic_mlp, tiles=tiles)
-            run = functools.partial(experts_grouped, mlp=mlp)
+            run = functools.partial(experts_grouped, mlp=mlp, align=ROW_ALIGN)
             form = "fp8 converted" if weights == "fp8" else weights
             out.append((f"mosaic {form} {label}", run, {}, weights))
     for tiles in FP8_MOSAIC_TILES:
         label = "fp8_tiles_for" if tiles is None else _mosaic_label(tiles)
-        run = functools.partial(experts_grouped, mlp=functools.partial(fp8_mosaic_mlp, tiles=tiles))
+        mlp = functools.partial(fp8_mosaic_mlp, tiles=tiles)
+        run = functools.partial(experts_grouped, mlp=mlp, align=ROW_ALIGN)
         out.append((f"mosaic fp8 x fp8 k-major {label}", run, {}, "fp8_k_major"))
     return out
 
@@ -179,15 +180,21 @@ def _mosaic_label(tiles) -> str:
     return " / ".join(f"n{t.block_n} k{t.block_k} s{t.stages} r{t.rows}" for t in tiles)
 
 
+def sort_by_layout(group, n_groups: int):
+    """The engine's way: `group_layout` at `align=1` as (order, rank, sizes)."""
+    rank, order, sizes = group_layout(group, n_groups)
+    return order, rank, sizes
+
+
 def sort_by_xla(group, n_groups: int):
-    """`sort_by_group`'s results from XLA's sort: the engine's way before the counting sort."""
+    """(order, rank, sizes) of a stable sort by group from XLA's sort and its inverse."""
     order = jnp.argsort(group, stable=True)
     sizes = jnp.sum(group[:, None] == jnp.arange(n_groups), axis=0, dtype=jnp.int32)
     return order, jnp.argsort(order), sizes
 
 
 def sort_by_pairs(group, n_groups: int):
-    """`sort_by_group`'s results from a compare-and-sum over every pair of items (p² work)."""
+    """(order, rank, sizes) from a compare-and-sum over every pair of items (p² work)."""
     index = jnp.arange(group.shape[0])
     earlier = (group[None, :] < group[:, None]) | (
         (group[None, :] == group[:, None]) & (index[None, :] < index[:, None])
@@ -207,7 +214,7 @@ def permutation_rows(tokens: list[int], n_experts: int, top_k: int, calls: int) 
         expected = None
         for label, sort in (
             ("xla sort", sort_by_xla),
-            ("counting sort (engine)", sort_by_group),
+            ("running count (engine)", sort_by_layout),
             ("pairwise", sort_by_pairs),
         ):
             fn = jax.jit(sort, static_argnums=1)

@@ -32,9 +32,13 @@ import numpy as np
 
 from bench.common import model_config, spread_routing
 from bench.kernels.timing import kernel_us
+from djax.kernels.tma_ring import ROW_ALIGN
 from djax.models.llada_moe import experts_grouped, mosaic_mlp, route
 
-PATHS = {"mosaic": functools.partial(experts_grouped, mlp=mosaic_mlp), "xla": experts_grouped}
+PATHS = {
+    "mosaic": functools.partial(experts_grouped, mlp=mosaic_mlp, align=ROW_ALIGN),
+    "xla": experts_grouped,
+}
 
 
 def main() -> None:

@@ -54,7 +54,8 @@ tile, `block_n` columns) and streams its expert's weight tiles through the ring 
 
 `expert_mlp` runs both products: the gate/up product with `silu(gate) * up` fused (gate and
 up weight tiles side by side in two accumulators), then the down product, both in the
-aligned layout (one gather into it, one back).
+aligned layout, which its caller makes (`djax.models.llada_moe.group_layout`) and reads
+back.
 """
 
 from __future__ import annotations
@@ -153,11 +154,11 @@ def _silu_times(gate: Array, up: Array) -> Array:
     return gate / (1.0 + jnp.exp(-gate)) * up
 
 
-def aligned_rows(pairs: int, groups: int) -> int:
-    """Rows of the aligned layout of `pairs` sorted rows in `groups` groups: each group
-    padded to a multiple of 8 adds at most 7 rows; a multiple of 8 itself."""
-    rows = pairs + groups * (ROW_ALIGN - 1)
-    return -(-rows // ROW_ALIGN) * ROW_ALIGN
+def aligned_rows(pairs: int, groups: int, align: int = ROW_ALIGN) -> int:
+    """Rows of an aligned layout of `pairs` rows in `groups` groups: each group padded to a
+    multiple of `align` adds at most `align - 1` rows; a multiple of `align` itself."""
+    rows = pairs + groups * (align - 1)
+    return -(-rows // align) * align
 
 
 def aligned_layout(group_sizes: Array, pairs: int) -> tuple[Array, Array, Array]:
@@ -519,32 +520,36 @@ def expert_mlp(
     tiles: tuple[Tiles, Tiles] | None = None,
     interpret: bool | None = None,
 ) -> Array:
-    """The experts' SwiGLU MLP on the rows `x[source_rows]` (sorted by expert): the rows
-    gathered by XLA into the aligned layout (`aligned_layout`), `grouped_matmul`'s product
-    with the activation fused, then the down product on its output in the same layout, and
-    the result gathered back to the sorted rows.
+    """The experts' SwiGLU MLP on rows in the aligned layout: row `i` holds token
+    `source_rows[i]` (gathered by XLA), `grouped_matmul`'s product with the activation
+    fused, then the down product on its output in the same layout.
 
-    x: [tokens, model]; source_rows: [pairs] int32; gate_up: [experts, model, 2, ffn];
-    down: [experts, ffn, model]; group_sizes: [experts] int32; with fp8 weights their scales
-    gate_up_scale [experts, 2, ffn] and down_scale [experts, model] (`grouped_matmul`).
-    Returns [pairs, model]; rows past sum(group_sizes) may hold anything. `tiles`:
-    (gate/up, down) program shapes, default `tiles_for` each (`converted_tiles_for` for
-    e4m3 weights).
+    x: [tokens, model]; source_rows: [rows] int32, rows a multiple of 8, each expert's rows
+    from a multiple of 8 (the layout `djax.models.llada_moe.group_layout` makes at
+    `align=ROW_ALIGN`: padding rows hold any token); gate_up: [experts, model, 2, ffn];
+    down: [experts, ffn, model]; group_sizes: [experts] int32, multiples of 8 (padding
+    included); with fp8 weights their scales gate_up_scale [experts, 2, ffn] and
+    down_scale [experts, model] (`grouped_matmul`). Returns [rows, model]; padding rows and
+    rows past sum(group_sizes) may hold anything. `tiles`: (gate/up, down) program shapes,
+    default `tiles_for` each (`converted_tiles_for` for e4m3 weights).
     """
-    if source_rows.ndim != 1:
-        raise ValueError(
-            f"expert_tiles_mosaic.expert_mlp: source_rows {source_rows.shape}; expected [pairs]"
-        )
+    _check_layout("expert_tiles_mosaic.expert_mlp", source_rows)
     tokens, model = x.shape[0], gate_up.shape[1]
     up_tiles, down_tiles = tiles or (None, None)
     default = default_tiles_for(gate_up_scale is not None)
     up_tiles = up_tiles or default(tokens, model, gate_up.shape[-1])
     down_tiles = down_tiles or default(tokens, down.shape[1], model)
-    position, source, aligned = aligned_layout(group_sizes, source_rows.shape[0])
-    rows = x[source_rows[source]]
-    act = _aligned_product(rows, gate_up, aligned, gate_up_scale, up_tiles, interpret)
-    out = _aligned_product(act, down, aligned, down_scale, down_tiles, interpret)
-    return out[position]
+    rows = x[source_rows]
+    act = _aligned_product(rows, gate_up, group_sizes, gate_up_scale, up_tiles, interpret)
+    return _aligned_product(act, down, group_sizes, down_scale, down_tiles, interpret)
+
+
+def _check_layout(name: str, source_rows: Array) -> None:
+    if source_rows.ndim != 1 or source_rows.shape[0] % ROW_ALIGN:
+        raise ValueError(
+            f"{name}: source_rows {source_rows.shape}; expected [rows], rows a multiple of "
+            f"{ROW_ALIGN} (the aligned layout)"
+        )
 
 
 def expert_mlp_fp8(
@@ -561,39 +566,37 @@ def expert_mlp_fp8(
     """`expert_mlp` by fp8 x fp8 WGMMA (`grouped_matmul_fp8`) on K-major e4m3 weights: the
     token rows quantised per row (`fp8_matmul_mosaic.quantize_rows`) and gathered into the
     aligned layout with their scales, the gate/up product with the activation fused, its
-    output quantised per row, then the down product, and the result gathered back.
+    output quantised per row, then the down product.
 
     x: [tokens, model] bf16 or fp16, or its rows already quantised (`QuantizedRows`, as the
-    norm before the experts hands them on); source_rows: [pairs] int32; gate_up_t: [experts, 2,
-    ffn, model] e4m3, gate_up_scale [experts, 2, ffn] fp32; down_t: [experts, model, ffn]
-    e4m3, down_scale [experts, model] fp32; model and ffn multiples of 128; group_sizes:
-    [experts] int32. Returns [pairs, model] in x's dtype; rows past sum(group_sizes) may
-    hold anything. `tiles`: (gate/up, down) program shapes, default `fp8_tiles_for` each.
+    norm before the experts hands them on); source_rows and group_sizes as `expert_mlp`'s
+    (the aligned layout); gate_up_t: [experts, 2, ffn, model] e4m3, gate_up_scale
+    [experts, 2, ffn] fp32; down_t: [experts, model, ffn] e4m3, down_scale [experts, model]
+    fp32; model and ffn multiples of 128. Returns [rows, model] in x's dtype; padding rows
+    and rows past sum(group_sizes) may hold anything. `tiles`: (gate/up, down) program
+    shapes, default `fp8_tiles_for` each.
     """
-    if source_rows.ndim != 1 or len(x.shape) != 2:
+    _check_layout("expert_tiles_mosaic.expert_mlp_fp8", source_rows)
+    if len(x.shape) != 2:
         raise ValueError(
-            f"expert_tiles_mosaic.expert_mlp_fp8: x {x.shape}, source_rows "
-            f"{source_rows.shape}; expected [tokens, model] and [pairs]"
+            f"expert_tiles_mosaic.expert_mlp_fp8: x {x.shape}; expected [tokens, model]"
         )
     tokens, model = x.shape
     up_tiles, down_tiles = tiles or (None, None)
     up_tiles = up_tiles or fp8_tiles_for(tokens, model, gate_up_t.shape[-2])
     down_tiles = down_tiles or fp8_tiles_for(tokens, down_t.shape[-1], model)
-    position, source, aligned = aligned_layout(group_sizes, source_rows.shape[0])
     rows = fp8_matmul_mosaic.quantized(x)  # per token: the pairs share its rows
-    token = source_rows[source]
     act = _aligned_fp8_product(
-        rows.values[token],
-        rows.scale[token],
+        rows.values[source_rows],
+        rows.scale[source_rows],
         gate_up_t,
         gate_up_scale,
-        aligned,
+        group_sizes,
         up_tiles,
         rows.dtype,
         interpret,
     )
     aq, a_scale = fp8_matmul_mosaic.quantize_rows(act)
-    out = _aligned_fp8_product(
-        aq, a_scale, down_t, down_scale, aligned, down_tiles, x.dtype, interpret
+    return _aligned_fp8_product(
+        aq, a_scale, down_t, down_scale, group_sizes, down_tiles, x.dtype, interpret
     )
-    return out[position]

@@ -6,10 +6,11 @@ optional per-expert bias added to the probabilities, top-k of the (biased) proba
 as the weights, renormalised only when `norm_topk_prob`, cast to the activation dtype.
 Experts are stored stacked: `gate_up` [experts, model, 2, ffn], `down` [experts, ffn, model]
 (`Fp8Weight`s under `weights="fp8"`: `djax.models.fp8`). Three expert paths compute the same
-function (`Kernels.moe`): `grouped` sorts the token-expert pairs by expert and runs
-`jax.lax.ragged_dot`; `mosaic` runs the same sorted pairs through djax's expert-tile
-kernels (`djax.kernels.expert_tiles_mosaic`, 16-bit or fp8 weights), and `fp8_mosaic` runs
-them by fp8 x fp8 WGMMA on K-major fp8 weights (`fp8_impl="mosaic"`); `dense` runs every
+function (`Kernels.moe`): `grouped` lays the token-expert pairs out by expert
+(`group_layout`, no sort) and runs `jax.lax.ragged_dot`; `mosaic` runs them, each
+expert's rows from a multiple of 8, through djax's expert-tile kernels
+(`djax.kernels.expert_tiles_mosaic`, 16-bit or fp8 weights), and `fp8_mosaic` runs them
+by fp8 x fp8 WGMMA on K-major fp8 weights (`fp8_impl="mosaic"`); `dense` runs every
 local expert on every token and weights the outputs (zero weight where not routed).
 
 HF layout: `model.embed_tokens`, `model.layers.{i}.self_attn.{q,k,v,o}_proj`,
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from djax.config import ModelConfig
 from djax.kernels import expert_tiles_mosaic
 from djax.kernels.handoff import QuantizedRows, finish
+from djax.kernels.tma_ring import ROW_ALIGN
 from djax.models import fp8
 from djax.models.kernel_choice import XLA_KERNELS, Kernels
 from djax.models.layers import GatedMLP, TransformerLM, _sum_over, init_normal
@@ -46,10 +48,8 @@ from djax.models.sources import (
 )
 
 Array = jax.Array
-# `sort_by_group` compares every pair of up to PAIRWISE_SORT_MAX items at once (a block's
-# and a refresh's pairs at batch 1); more it cuts into chunks of SORT_CHUNK items.
-PAIRWISE_SORT_MAX = 4096
-SORT_CHUNK = 512
+# `group_layout` counts up to COUNT_CHUNK items in one pass, more in chunks of that many.
+COUNT_CHUNK = 1024
 
 
 def route(
@@ -94,39 +94,44 @@ def experts_dense(
     return jnp.einsum("nem,ne->nm", y, combine)
 
 
-def sort_by_group(group: Array, n_groups: int) -> tuple[Array, Array, Array]:
-    """A stable sort of items by a small integer key, without a sort kernel.
+def group_layout(key: Array, n_groups: int, align: int = 1) -> tuple[Array, Array, Array]:
+    """Rows for items grouped by a small integer key, without sorting them: group `g`'s
+    items, in their order, from row `A_g` = the sum of the earlier groups' sizes, each
+    rounded up to a multiple of `align` (so every group starts at a multiple of `align`);
+    items of key `n_groups` (outside every group) after the last group, in order.
 
-    group: [p] int32 in [0, n_groups] (n_groups itself sorts last, outside every group).
-    Returns (order [p]: the item at each sorted position, rank [p]: each item's sorted
-    position, so `order[rank] == arange(p)`, group_sizes [n_groups] int32).
+    key: [p] int32 in [0, n_groups]. Returns (position [p]: each item's row; item [rows]:
+    the item each row holds, 0 for a padding row; sizes [n_groups]: the groups' sizes
+    rounded up to `align`, padding rows included), int32, `rows =
+    expert_tiles_mosaic.aligned_rows(p, n_groups, align)`. With `align=1` this is a stable
+    sort by key: `item` the order, `position` each item's rank.
 
-    An item's rank is the number of items that sort before it: those of lower keys, and
-    the earlier ones of its own key. Up to PAIRWISE_SORT_MAX items every pair is compared
-    (p² work). More items are cut into chunks of SORT_CHUNK: inside its chunk an item is
-    compared with every other, and the other chunks count by key ([chunks, keys] counts).
-    Either is faster than XLA's sort and its inverse at a generation's sizes.
+    An item's row is its group's start plus the number of earlier items of its key, a
+    running count over a [p, n_groups + 1] one-hot table: up to `COUNT_CHUNK` items in one
+    pass, more in chunks of `COUNT_CHUNK` (a count within each chunk plus the earlier
+    chunks' totals), so the work stays linear in p.
     """
-    p = group.shape[0]
-    chunk = p if p <= PAIRWISE_SORT_MAX else SORT_CHUNK
-    n_chunks = -(-p // chunk)
-    # Padding takes a key past every real one: it sorts after every real item.
-    keys = jnp.pad(group, (0, n_chunks * chunk - p), constant_values=n_groups + 1)
-    keys = keys.reshape(n_chunks, chunk)
-    at = jnp.arange(chunk)
-    lower = keys[:, None, :] < keys[:, :, None]  # [chunks, item, other item]
-    earlier = (keys[:, None, :] == keys[:, :, None]) & (at[None, :] < at[:, None])
-    rank = jnp.sum(lower | earlier, axis=2, dtype=jnp.int32)  # within the chunk
-    if n_chunks > 1:
-        counts = jnp.sum(keys[..., None] == jnp.arange(n_groups + 2), axis=1, dtype=jnp.int32)
-        below = jnp.cumsum(counts, axis=1) - counts  # [chunks, key]: items of lower keys
-        in_earlier_chunks = jnp.cumsum(counts, axis=0) - counts  # [chunks, key]
-        other_lower = jnp.sum(below, axis=0)[keys] - jnp.take_along_axis(below, keys, axis=1)
-        rank = rank + other_lower + jnp.take_along_axis(in_earlier_chunks, keys, axis=1)
-    rank = rank.reshape(-1)[:p]
-    order = jnp.zeros_like(rank).at[rank].set(jnp.arange(p), unique_indices=True)
-    sizes = jnp.sum(group[:, None] == jnp.arange(n_groups), axis=0, dtype=jnp.int32)
-    return order, rank, sizes
+    p = key.shape[0]
+    onehot = (key[:, None] == jnp.arange(n_groups + 1)).astype(jnp.int32)  # [p, groups + 1]
+    if p <= COUNT_CHUNK:
+        earlier = jnp.cumsum(onehot, axis=0) - onehot
+    else:
+        chunks = -(-p // COUNT_CHUNK)
+        table = jnp.pad(onehot, ((0, chunks * COUNT_CHUNK - p), (0, 0)))
+        table = table.reshape(chunks, COUNT_CHUNK, n_groups + 1)
+        totals = jnp.sum(table, axis=1)  # [chunks, groups + 1]
+        earlier = jnp.cumsum(table, axis=1) - table + (jnp.cumsum(totals, axis=0) - totals)[:, None]
+        earlier = earlier.reshape(-1, n_groups + 1)[:p]
+    within = jnp.sum(earlier * onehot, axis=1)  # earlier items of the item's own key
+    sizes = jnp.sum(onehot, axis=0)
+    padded = (sizes + align - 1) // align * align
+    starts = jnp.cumsum(padded) - padded
+    position = starts[key] + within
+    rows = expert_tiles_mosaic.aligned_rows(p, n_groups, align)
+    item = jnp.zeros(rows, jnp.int32).at[position].set(jnp.arange(p), unique_indices=True)
+    # Materialised once: fused into the gathers that take them, XLA may recompute the
+    # counts for every gathered value.
+    return jax.lax.optimization_barrier((position, item, padded[:n_groups]))
 
 
 def ragged_mlp(
@@ -137,12 +142,13 @@ def ragged_mlp(
     group_sizes: Array,
     fp8_impl: str = "no",
 ) -> Array:
-    """The experts' SwiGLU MLP on the rows `x[source_rows]` (sorted by expert), as two
-    grouped matmuls (`jax.lax.ragged_dot`) with the activation between them.
+    """The experts' SwiGLU MLP on the rows `x[source_rows]` (grouped by expert: group g's
+    rows after the earlier groups', `group_layout`), as two grouped matmuls
+    (`jax.lax.ragged_dot`) with the activation between them.
 
-    x: [tokens, model]; source_rows: [pairs] int32; gate_up: [experts, model, 2, ffn];
+    x: [tokens, model]; source_rows: [rows] int32; gate_up: [experts, model, 2, ffn];
     down: [experts, ffn, model] (`Fp8Weight`s through `fp8_impl`); group_sizes: [experts]
-    int32. Returns [pairs, model]; rows past sum(group_sizes) may hold anything.
+    int32. Returns [rows, model]; rows past sum(group_sizes) may hold anything.
     """
     n_local, d_model, _, ffn = gate_up.shape
     shape = (n_local, d_model, 2 * ffn)
@@ -163,7 +169,8 @@ def mosaic_mlp(
     group_sizes: Array,
     tiles: Any = None,
 ) -> Array:
-    """`ragged_mlp`'s contract through the Mosaic GPU expert-tile kernels
+    """`ragged_mlp`'s contract, on rows in the kernels' aligned layout (`group_layout` at
+    `align=ROW_ALIGN`), through the Mosaic GPU expert-tile kernels
     (`expert_tiles_mosaic.expert_mlp`, at its (gate/up, down) `tiles`, default `tiles_for`),
     `Fp8Weight`s given to them as values and scales (in their own layout: K-major ones,
     as `fp8_impl="mosaic"` holds them, run in `fp8_mosaic_mlp`; a ValueError here)."""
@@ -194,7 +201,7 @@ def fp8_mosaic_mlp(
     group_sizes: Array,
     tiles: Any = None,
 ) -> Array:
-    """`ragged_mlp`'s contract by fp8 x fp8 WGMMA (`expert_tiles_mosaic.expert_mlp_fp8`, at
+    """`mosaic_mlp`'s contract by fp8 x fp8 WGMMA (`expert_tiles_mosaic.expert_mlp_fp8`, at
     its (gate/up, down) `tiles`, default `fp8_tiles_for`): K-major `Fp8Weight`s (a model
     loaded with `fp8_impl="mosaic"`), the rows quantised per row (or as the norm quantised
     them, `QuantizedRows`); a ValueError for other weights."""
@@ -225,24 +232,27 @@ def experts_grouped(
     down: Array,
     first_expert: Any,
     mlp: Callable[[Array, Array, Array, Array, Array], Array] = ragged_mlp,
+    align: int = 1,
 ) -> Array:
-    """Token-expert pairs sorted by local expert, the experts' MLP run on them by `mlp`
-    (`ragged_mlp`'s arguments and result: the tokens and the token of each sorted pair),
-    and the outputs weighted back per token.
+    """Token-expert pairs laid out by local expert (`group_layout`, each expert's rows from
+    a multiple of `align`), the experts' MLP run on them by `mlp` (`ragged_mlp`'s arguments
+    and result: the tokens, the token of each row, the weights and the groups' sizes), and
+    the outputs weighted back per token.
 
     Same arguments and result as `experts_dense` (x as `QuantizedRows` where `mlp` takes
-    them, `fp8_mosaic_mlp`); pairs routed to experts on other devices sort last, outside
-    every group, and get zero weight.
+    them, `fp8_mosaic_mlp`); pairs routed to experts on other devices go past every group
+    and get zero weight. `align`: the row alignment `mlp` needs (`ROW_ALIGN` for the
+    expert-tile kernels; 1, a plain sort by expert, for `ragged_mlp`).
     """
     n, top_k = experts.shape
     n_local, d_model = gate_up.shape[:2]
     local = experts - first_expert
     is_local = (local >= 0) & (local < n_local)  # [n, top_k]
-    sort_key = jnp.where(is_local, local, n_local).reshape(-1)
-    order, rank, group_sizes = sort_by_group(sort_key, n_local)
-    # The way back is a gather through `rank`: XLA's scatter-adds (a bincount, an
+    key = jnp.where(is_local, local, n_local).reshape(-1)
+    position, pair, group_sizes = group_layout(key, n_local, align)
+    # The way back is a gather through `position`: XLA's scatter-adds (a bincount, an
     # `.at[token].add`) are slower.
-    y = mlp(x, order // top_k, gate_up, down, group_sizes)[rank].reshape(n, top_k, d_model)
+    y = mlp(x, pair // top_k, gate_up, down, group_sizes)[position].reshape(n, top_k, d_model)
     y = jnp.where(is_local[..., None], y, 0)  # rows outside every group may hold anything
     pair_weight = jnp.where(is_local, weights, 0.0).astype(x.dtype)
     return jnp.einsum("nk,nkm->nm", pair_weight, y, preferred_element_type=jnp.float32).astype(
@@ -306,8 +316,8 @@ class MoEBlock(nn.Module):
         run = {
             "dense": functools.partial(experts_dense, fp8_impl=kernels.fp8),
             "grouped": functools.partial(experts_grouped, mlp=ragged),
-            "mosaic": functools.partial(experts_grouped, mlp=mosaic_mlp),
-            "fp8_mosaic": functools.partial(experts_grouped, mlp=fp8_mosaic_mlp),
+            "mosaic": functools.partial(experts_grouped, mlp=mosaic_mlp, align=ROW_ALIGN),
+            "fp8_mosaic": functools.partial(experts_grouped, mlp=fp8_mosaic_mlp, align=ROW_ALIGN),
         }[kernels.moe]
         with jax.named_scope(f"experts_{kernels.moe}"):
             y = run(tokens, weights, experts, gate_up, down, first).reshape(b, t, m)

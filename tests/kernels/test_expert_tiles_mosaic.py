@@ -5,6 +5,7 @@ their errors, and their lowering for a Hopper GPU at LLaDA-MoE's shapes; on a GP
 compiled kernels."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from test_llada_moe import _routed_experts
 from djax.config import MOE, ModelConfig
 from djax.kernels import expert_tiles_mosaic
 from djax.kernels.expert_tiles_mosaic import FP8, grouped_matmul
+from djax.kernels.tma_ring import ROW_ALIGN as ALIGN
 from djax.kernels.tma_ring import Tiles
 from djax.models import fp8
 from djax.models.kernel_choice import Kernels
@@ -217,7 +219,7 @@ def test_experts_through_the_kernels_match_dense(first_expert, n_local):
     x, gate_up, down = (a.astype(BF16) for a in (x, gate_up, down))
     mine = slice(first_expert, first_expert + n_local)
     local = (gate_up[mine], down[mine])
-    out = experts_grouped(x, weights, experts, *local, first_expert, mlp=mosaic_mlp)
+    out = experts_grouped(x, weights, experts, *local, first_expert, mlp=mosaic_mlp, align=ALIGN)
     assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
     f32 = [a.astype(jnp.float32) for a in (x, *local)]
     expected = experts_dense(f32[0], weights, experts, *f32[1:], first_expert)
@@ -308,10 +310,10 @@ def test_shape_dtype_and_tile_errors():
         grouped_matmul(x, w.astype(FP8), sizes, jnp.ones((2, 64)))
     with pytest.raises(ValueError, match="splits=1"):
         grouped_matmul(x, w, sizes, tiles=Tiles(block_n=64, splits=2))
-    with pytest.raises(ValueError, match=r"source_rows \(8, 1\); expected \[pairs\]"):
-        expert_tiles_mosaic.expert_mlp(
-            x, jnp.zeros((8, 1), jnp.int32), w, jnp.zeros((2, 64, 64), BF16), sizes
-        )
+    down = jnp.zeros((2, 64, 64), BF16)
+    for rows in [(8, 1), (12,)]:
+        with pytest.raises(ValueError, match=re.escape(f"source_rows {rows}; expected [rows]")):
+            expert_tiles_mosaic.expert_mlp(x, jnp.zeros(rows, jnp.int32), w, down, sizes)
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp8", "fp8_k_major"])
@@ -337,7 +339,7 @@ def test_lowers_for_hopper(weights):
     for tokens in (32, 384):
         shapes = [
             ((tokens, model), BF16),
-            ((tokens * 8,), jnp.int32),
+            ((expert_tiles_mosaic.aligned_rows(tokens * 8, experts),), jnp.int32),
             ((experts, 2, ffn, model) if k_major else (experts, model, 2, ffn), w_dtype),
             ((experts, model, ffn) if k_major else (experts, ffn, model), w_dtype),
             ((experts,), jnp.int32),
@@ -364,7 +366,7 @@ def test_compiled_kernels_on_gpu(tokens):
             w = tuple(fp8.Fp8Weight(*fp8.quantize(a, (1,))) for a in w)
             ragged = functools.partial(ragged_mlp, fp8_impl="dequant")
         expected = jax.jit(functools.partial(experts_grouped, mlp=ragged))(*args, *w, 0)
-        run = jax.jit(functools.partial(experts_grouped, mlp=mosaic_mlp))
+        run = jax.jit(functools.partial(experts_grouped, mlp=mosaic_mlp, align=ALIGN))
         out = np.asarray(run(*args, *w, 0), np.float32)
         assert np.isfinite(out).all()
         ref = np.asarray(expected, np.float32)
@@ -391,7 +393,7 @@ def test_compiled_fp8_products_on_gpu(tokens):
     )
     ragged = functools.partial(ragged_mlp, fp8_impl="scaled")
     expected = jax.jit(functools.partial(experts_grouped, mlp=ragged))(*args, *stored, 0)
-    run = jax.jit(functools.partial(experts_grouped, mlp=fp8_mosaic_mlp))
+    run = jax.jit(functools.partial(experts_grouped, mlp=fp8_mosaic_mlp, align=ALIGN))
     out = np.asarray(run(*args, *k_major, 0), np.float32)
     assert np.isfinite(out).all()
     ref = np.asarray(expected, np.float32)
