@@ -113,16 +113,19 @@ def group_layout(key: Array, n_groups: int, align: int = 1) -> tuple[Array, Arra
     """
     p = key.shape[0]
     onehot = (key[:, None] == jnp.arange(n_groups + 1)).astype(jnp.int32)  # [p, groups + 1]
+    # The running counts are materialised (an optimization barrier): fused into the
+    # reduction or gather that reads them, XLA recomputes a prefix sum per value read.
     if p <= COUNT_CHUNK:
-        earlier = jnp.cumsum(onehot, axis=0) - onehot
+        counts = jax.lax.optimization_barrier(jnp.cumsum(onehot, axis=0))
     else:
         chunks = -(-p // COUNT_CHUNK)
         table = jnp.pad(onehot, ((0, chunks * COUNT_CHUNK - p), (0, 0)))
         table = table.reshape(chunks, COUNT_CHUNK, n_groups + 1)
         totals = jnp.sum(table, axis=1)  # [chunks, groups + 1]
-        earlier = jnp.cumsum(table, axis=1) - table + (jnp.cumsum(totals, axis=0) - totals)[:, None]
-        earlier = earlier.reshape(-1, n_groups + 1)[:p]
-    within = jnp.sum(earlier * onehot, axis=1)  # earlier items of the item's own key
+        counts = jnp.cumsum(table, axis=1) + (jnp.cumsum(totals, axis=0) - totals)[:, None]
+        counts = jax.lax.optimization_barrier(counts).reshape(-1, n_groups + 1)[:p]
+    # the items of the item's own key up to it, less itself
+    within = jnp.take_along_axis(counts, key[:, None], axis=1)[:, 0] - 1
     sizes = jnp.sum(onehot, axis=0)
     padded = (sizes + align - 1) // align * align
     starts = jnp.cumsum(padded) - padded
