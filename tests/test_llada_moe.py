@@ -17,6 +17,7 @@ from djax.config import from_hf_dict
 from djax.models.kernel_choice import Shapes
 from djax.models.llada_moe import (
     COUNT_CHUNK,
+    PAIRWISE_MAX,
     MoEBlock,
     experts_dense,
     experts_grouped,
@@ -102,14 +103,14 @@ def test_routing_and_expert_paths_match_numpy(bias, normalise):
         assert rel_error(np.asarray(out), ref) < 1e-5, run.__name__
 
 
-@pytest.mark.parametrize("p, n_groups", [(1, 1), (40, 5), (1024, 64), (3072, 64), (4500, 7)])
+@pytest.mark.parametrize("p, n_groups", [(1, 1), (40, 5), (3072, 64), (4500, 7), (5120, 64)])
 @pytest.mark.parametrize("align", [1, 8])
 def test_group_layout_is_a_stable_sort_into_aligned_groups(p, n_groups, align):
-    """`group_layout` against numpy's stable argsort, in one pass and in chunks (3,072 and
-    4,500 items: a padded last chunk), with keys in every group and in the past-the-end
+    """`group_layout` against numpy's stable argsort, in one pass and in chunks (4,500 items:
+    a padded last chunk; 5,120), with keys in every group and in the past-the-end
     group n_groups (pairs on other devices); some groups stay empty. At `align=1` it is the
     sort; at 8 each group starts at a multiple of 8 and its padding rows hold item 0."""
-    assert COUNT_CHUNK == 1024
+    assert PAIRWISE_MAX == 4096 and COUNT_CHUNK == 512
     key = np.random.default_rng(p).integers(0, n_groups + 1, p)
     key[key == n_groups // 2] = n_groups  # one group empty (all of them at n_groups=1)
     layout = jax.jit(group_layout, static_argnums=(1, 2))(jnp.asarray(key), n_groups, align)

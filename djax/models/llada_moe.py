@@ -48,8 +48,10 @@ from djax.models.sources import (
 )
 
 Array = jax.Array
-# `group_layout` counts up to COUNT_CHUNK items in one pass, more in chunks of that many.
-COUNT_CHUNK = 1024
+# `group_layout` compares every pair of up to PAIRWISE_MAX items at once (a block's and a
+# refresh's pairs at batch 1); more it cuts into chunks of COUNT_CHUNK items.
+PAIRWISE_MAX = 4096
+COUNT_CHUNK = 512
 
 
 def route(
@@ -106,27 +108,28 @@ def group_layout(key: Array, n_groups: int, align: int = 1) -> tuple[Array, Arra
     expert_tiles_mosaic.aligned_rows(p, n_groups, align)`. With `align=1` this is a stable
     sort by key: `item` the order, `position` each item's rank.
 
-    An item's row is its group's start plus the number of earlier items of its key, a
-    running count over a [p, n_groups + 1] one-hot table: up to `COUNT_CHUNK` items in one
-    pass, more in chunks of `COUNT_CHUNK` (a count within each chunk plus the earlier
-    chunks' totals), so the work stays linear in p.
+    An item's row is its group's start plus the number of earlier items of its key: up to
+    `PAIRWISE_MAX` items every pair is compared (p² work in one fused reduction; a running
+    count, XLA's prefix sum along p, took an H100 26 us at p = 256), more are cut into
+    chunks of `COUNT_CHUNK` compared within the chunk, plus the earlier chunks' counts of
+    the key.
     """
     p = key.shape[0]
-    onehot = (key[:, None] == jnp.arange(n_groups + 1)).astype(jnp.int32)  # [p, groups + 1]
-    # The running counts are materialised (an optimization barrier): fused into the
-    # reduction or gather that reads them, XLA recomputes a prefix sum per value read.
-    if p <= COUNT_CHUNK:
-        counts = jax.lax.optimization_barrier(jnp.cumsum(onehot, axis=0))
-    else:
-        chunks = -(-p // COUNT_CHUNK)
-        table = jnp.pad(onehot, ((0, chunks * COUNT_CHUNK - p), (0, 0)))
-        table = table.reshape(chunks, COUNT_CHUNK, n_groups + 1)
-        totals = jnp.sum(table, axis=1)  # [chunks, groups + 1]
-        counts = jnp.cumsum(table, axis=1) + (jnp.cumsum(totals, axis=0) - totals)[:, None]
-        counts = jax.lax.optimization_barrier(counts).reshape(-1, n_groups + 1)[:p]
-    # the items of the item's own key up to it, less itself
-    within = jnp.take_along_axis(counts, key[:, None], axis=1)[:, 0] - 1
-    sizes = jnp.sum(onehot, axis=0)
+    chunk = p if p <= PAIRWISE_MAX else COUNT_CHUNK
+    n_chunks = -(-p // chunk)
+    # Padding takes a key past every real one.
+    keys = jnp.pad(key, (0, n_chunks * chunk - p), constant_values=n_groups + 1)
+    keys = keys.reshape(n_chunks, chunk)
+    at = jnp.arange(chunk)
+    same_earlier = (keys[:, None, :] == keys[:, :, None]) & (at[None, :] < at[:, None])
+    within = jnp.sum(same_earlier, axis=2, dtype=jnp.int32)  # [chunks, item]
+    if n_chunks > 1:  # plus the earlier chunks' items of the same key
+        counts = jnp.sum(keys[..., None] == jnp.arange(n_groups + 2), axis=1, dtype=jnp.int32)
+        before = jnp.cumsum(counts, axis=0) - counts  # [chunks, key]
+        within = within + jnp.take_along_axis(before, keys, axis=1)
+    within = within.reshape(-1)[:p]
+    onehot = key[:, None] == jnp.arange(n_groups + 1)
+    sizes = jnp.sum(onehot, axis=0, dtype=jnp.int32)
     padded = (sizes + align - 1) // align * align
     starts = jnp.cumsum(padded) - padded
     position = starts[key] + within
