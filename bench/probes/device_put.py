@@ -6,6 +6,16 @@ copies ran at 2.4 GB/s for the bf16 folder's 16 GB and at 1.5 GB/s for the fp8 f
 took 0.65x the bf16 one where half the bytes would give ~0.5x. Is the slow part the e4m3
 dtype (a conversion path in `jax.device_put`), the number of arrays, or orbax's restore?
 
+Answer (H100, a414cd5, `bench/results/device_put_NVIDIA_H100_80GB_HBM3.json`): not the
+dtype. One 1 GiB array copies at 17.3 GB/s as bf16, 13.8 as e4m3 and 15.1 as uint8; one
+layer's arrays at 17.6 GB/s in e4m3 (with their scales) and 19.1 as uint8 (bf16's 2.0 was
+the first multi-array copy of the run); an orbax restore of 8 layers at 5.1 GB/s in bf16,
+5.2 in e4m3 and 4.8 as uint8. So restoring the values as bytes would gain nothing, and an
+orbax restore from the page cache runs at ~5 GB/s per byte in either dtype. The loads'
+1.5-2.4 GB/s is the disk: in the next `bench.load` run on that machine kind, reading each
+folder once before its load took 9.3-10.7 s for the bf16 folder's 16 GB and 5.2 s for the
+fp8 folder's 8.5 GB (~1.6 GB/s), the loads after it 12.3-12.6 s and 9.1 s (bench/NOTES.md).
+
 Method. The same bytes, placed three ways, each timed as the median of `--repeats` runs:
 `jax.device_put` of one 1 GiB host array as e4m3, bf16 and uint8; of one layer of LLaDA-8B's
 weights (q/k/v/o [4096, 4096], gate/up [4096, 12288] each, down [12288, 4096]) in bf16, in
