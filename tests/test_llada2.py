@@ -438,23 +438,34 @@ def _served(model, config, scheduler):
     return events
 
 
+@pytest.fixture(scope="module")
+def tokens_alone(llada2_model):
+    """The tokens `djax.generate` gives each of `SERVED` alone (4 steps a block; the first
+    block holds the prompt's tail), with the dual cache: without a cache block diffusion
+    gives the same tokens (`test_generation_matches_the_reference`)."""
+    config = _config(decoder="low_confidence", stop_ids=(EOS_ID,), cache="dual")
+    tokens = []
+    for prompt, max_tokens, temperature, seed in SERVED:
+        blocks = -(-(len(prompt) % 8 + max_tokens) // 8)  # generate caps steps at gen_length
+        alone = dataclasses.replace(
+            config, gen_length=max_tokens, steps=4 * blocks, temperature=temperature, seed=seed
+        )
+        tokens.append(djax.generate(llada2_model, [prompt], alone).token_ids[0])
+    return tokens
+
+
 @pytest.mark.parametrize("scheduler, cache", [("continuous", "dual"), ("static", "none")])
-def test_the_server_gives_each_request_its_tokens_alone(llada2_model, scheduler, cache):
+def test_the_server_gives_each_request_its_tokens_alone(
+    llada2_model, tokens_alone, scheduler, cache
+):
     """`djax serve` decodes a block-diffusion family by block diffusion: requests whose
     prompts end inside a block, at a boundary or short of one, with mixed max_tokens and
     one sampled, arriving while others run, get the tokens `djax.generate` gives each alone
-    (4 steps a block; the first block holds the prompt's tail)."""
+    (`tokens_alone`)."""
     config = _config(decoder="low_confidence", steps=12, stop_ids=(EOS_ID,), cache=cache)
     events = _served(llada2_model, config, scheduler)
-    for i, (prompt, max_tokens, temperature, seed) in enumerate(SERVED):
-        blocks = -(-(len(prompt) % 8 + max_tokens) // 8)  # generate caps steps at gen_length
-        alone = djax.generate(
-            llada2_model,
-            [prompt],
-            dataclasses.replace(
-                config, gen_length=max_tokens, steps=4 * blocks, temperature=temperature, seed=seed
-            ),
-        ).token_ids[0]
+    for i, (prompt, max_tokens, _, _) in enumerate(SERVED):
+        alone = tokens_alone[i]
         got = [t for e in events[f"r{i}"][:-1] for t in e.token_ids]
         assert got == alone, (i, got, alone)
         assert events[f"r{i}"][-1].reason == ("length" if len(alone) == max_tokens else "stop")

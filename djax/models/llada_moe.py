@@ -109,10 +109,9 @@ def group_layout(key: Array, n_groups: int, align: int = 1) -> tuple[Array, Arra
     sort by key: `item` the order, `position` each item's rank.
 
     An item's row is its group's start plus the number of earlier items of its key: up to
-    `PAIRWISE_MAX` items every pair is compared (p² work in one fused reduction; a running
-    count, XLA's prefix sum along p, took an H100 26 us at p = 256), more are cut into
-    chunks of `COUNT_CHUNK` compared within the chunk, plus the earlier chunks' counts of
-    the key.
+    `PAIRWISE_MAX` items every pair is compared (p² work in one fused reduction, which XLA
+    runs faster at these sizes than a prefix sum along p), more are cut into chunks of
+    `COUNT_CHUNK` compared within the chunk, plus the earlier chunks' counts of the key.
     """
     p = key.shape[0]
     chunk = p if p <= PAIRWISE_MAX else COUNT_CHUNK
