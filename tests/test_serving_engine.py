@@ -272,6 +272,46 @@ def test_a_call_failing_on_the_device_fails_its_rows_only(demo_model, generation
     assert got.tokens("good") == _alone(demo_model, generation, ids, 24)
 
 
+def test_a_device_fault_reruns_the_calls_queued_behind_it(demo_model, generation, monkeypatch):
+    """A call queued behind one that fails on the device took its carried table, so its
+    outputs are errors too (the fake raises for them, as a GPU's would): only the failed
+    call's rows fail; a request whose block was queued behind it runs that block again and
+    gets the tokens generate gives it alone."""
+    engine = _engine(demo_model, generation, sampling=False)
+    real = engine._fetch
+    poisoned: set[int] = set()
+    faults = []
+
+    def good_row():
+        rows = [r for c in engine._queued for r in c.rows if r.request.request_id == "good"]
+        return rows[0] if rows else None
+
+    def flaky(out):
+        if id(out) in poisoned:
+            raise RuntimeError("poisoned by the failed call")
+        row = good_row()  # queued behind this call and not in it (one block in flight)
+        if not faults and row is not None and row.in_flight == 1:
+            faults.append(len(row.committed))
+            poisoned.update(id(c.out) for c in engine._queued)
+            raise RuntimeError("injected device fault")
+        return real(out)
+
+    monkeypatch.setattr(engine, "_fetch", flaky)
+    ids = _ids(demo_model, "347+2958=")
+    got = Collector()
+    engine.submit(EngineRequest("bad", ids, 32, ignore_eos=True), got.sink("bad"))
+    deadline = time.monotonic() + 60
+    while not got.tokens_so_far("bad") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    engine.submit(EngineRequest("good", ids, 24), got.sink("good"))
+    assert got.wait(2) == {"bad", "good"}
+    engine.stop()
+    assert faults == [0]  # good's first block rode behind the failed call
+    assert "injected device fault" in got.events["bad"][-1].message
+    assert isinstance(got.events["good"][-1], Finished)
+    assert got.tokens("good") == _alone(demo_model, generation, ids, 24)
+
+
 def test_the_next_call_is_queued_before_the_last_ends(demo_model, generation):
     """The device never waits for the host between block calls: each call is queued while
     the one before runs (its rows' last blocks carried on the device), so the host time

@@ -772,15 +772,31 @@ class ServingEngine:
         self._queued.append(_Call(rows, out, queued, started, seen_running=queued))
 
     def _read_calls(self, n: int) -> None:
-        """Read the first `n` queued calls, in order. A call that failed on the device
-        fed its carried table to every call queued after it: those are read too, and the
-        table starts anew."""
+        """Read the first `n` queued calls, in order. A call that failed on the device fails
+        its rows (`_read`) and fed its carried table to every call queued after it, whose
+        outputs are then errors too: those calls are dropped unread and their rows run
+        again from what the host holds (`_rerun`), and the table starts anew."""
         failed = False
         while self._queued and (n > 0 or failed):
             n -= 1
-            failed = not self._read(self._queued.popleft()) or failed
+            call = self._queued.popleft()
+            if failed:
+                self._rerun(call)
+            else:
+                failed = not self._read(call)
         if failed:
             self._carried = self._empty_table()
+
+    def _rerun(self, call: _Call) -> None:
+        """Drop a call queued behind a failed one: its rows' blocks are not in flight any
+        more, so the next round dispatches them again from their committed tokens and their
+        keys as last read (the same tokens the dropped call would have given)."""
+        rerun = 0
+        for row in call.rows:
+            row.in_flight -= 1
+            rerun += not row.done
+        if rerun:
+            log.warning("%d rows run their block again: the call before theirs failed", rerun)
 
     def _fetch(self, out: dict) -> tuple[np.ndarray, np.ndarray]:
         """A call's blocks and keys on the host, once the device has them."""
