@@ -11,7 +11,10 @@ was not: 55 µs at 32 tokens, 190 at 384, most of it one fusion that recomputed 
 layout's compare-and-sum for every gathered value. With the layout materialised once
 (`expert_tiles_mosaic.aligned_layout`), 298.6 µs in all at 32 tokens and 338.1 at 384,
 against the Triton path's 289.5 and 328.3 (the Triton kernels are deleted since; the probe
-now prints the Mosaic path and XLA's grouped path). Output of both runs:
+now prints the Mosaic path and XLA's grouped path). With the pairs laid out by expert
+without a sort (`group_layout`, 6c77181): 295.4 µs at 32 tokens, of which the kernels 273.1,
+and 333.1 at 384; its first version, a prefix sum along the pairs, cost one 26.5 µs kernel
+by itself (73c10b8). Output of the runs:
 `bench/results/logs/expert_glue_NVIDIA_H100_80GB_HBM3.log`.
 
 Prints, per token count, each path's device µs per call summed over its kernels and its
