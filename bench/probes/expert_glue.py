@@ -19,9 +19,12 @@ by itself (73c10b8). Output of the runs:
 
 Prints, per token count, each path's device µs per call summed over its kernels and its
 largest kernels (`kernel_us`: a profiler trace of 20 calls), LLaDA-MoE's expert shapes,
-spread routing, bf16.
+spread routing: the expert tiles and XLA's grouped path on bf16 weights, the fp8 x fp8
+expert tiles on e4m3 weights held K-major (`fp8 mosaic`: what sets its glue apart from
+bf16's), and with `--paths router` the router alone.
 
-    python -m bench.probes.expert_glue [--tokens 32 384]
+    python -m bench.probes.expert_glue [--tokens 32 384] [--paths mosaic xla "fp8 mosaic"
+        router] [--tiny]
 """
 
 from __future__ import annotations
@@ -36,31 +39,63 @@ import numpy as np
 from bench.common import model_config, spread_routing
 from bench.kernels.timing import kernel_us
 from djax.kernels.tma_ring import ROW_ALIGN
-from djax.models.llada_moe import experts_grouped, mosaic_mlp, route
+from djax.models import fp8
+from djax.models.llada_moe import experts_grouped, fp8_mosaic_mlp, mosaic_mlp, route
 
+# name: (the routed-expert path, the weights it takes: bf16, or fp8 held K-major)
 PATHS = {
-    "mosaic": functools.partial(experts_grouped, mlp=mosaic_mlp, align=ROW_ALIGN),
-    "xla": experts_grouped,
+    "mosaic": (functools.partial(experts_grouped, mlp=mosaic_mlp, align=ROW_ALIGN), "bf16"),
+    "xla": (experts_grouped, "bf16"),
+    "fp8 mosaic": (
+        functools.partial(experts_grouped, mlp=fp8_mosaic_mlp, align=ROW_ALIGN),
+        "fp8_k_major",
+    ),
 }
+
+
+def k_major_fp8(gate_up, down) -> tuple:
+    """The experts in e4m3, K-major, as a model loaded with `fp8_impl="mosaic"` holds them."""
+    moved = fp8.to_layout(fp8.quantize_params({"gate_up": gate_up, "down": down}), True)
+    return tuple(
+        fp8.Fp8Weight(moved[name], moved[f"{name}_scale"], True, leading=1)
+        for name in ("gate_up", "down")
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[32, 384])
     parser.add_argument("--top", type=int, default=8, help="kernels listed per path")
+    parser.add_argument("--paths", nargs="+", choices=[*PATHS, "router"], default=[*PATHS])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = parser.parse_args()
-    cfg = model_config("moe", False)
+    cfg = model_config("moe", args.tiny)
     e, m, f, k = cfg.n_experts, cfg.d_model, cfg.expert_hidden, cfg.experts_per_token
     keys = jax.random.split(jax.random.key(0), 4)
     gate_up = (jax.random.normal(keys[0], (e, m, 2, f)) / np.sqrt(m)).astype(jnp.bfloat16)
     down = (jax.random.normal(keys[1], (e, f, m)) / np.sqrt(f)).astype(jnp.bfloat16)
+    weights_by_form = {"bf16": (gate_up, down)}
+    if "fp8 mosaic" in args.paths:
+        if m % 128 or f % 128:
+            raise SystemExit(
+                f"bench: 'fp8 mosaic' takes model and expert widths that are multiples of 128; "
+                f"got {m} and {f}{' (--tiny)' if args.tiny else ''}"
+            )
+        weights_by_form["fp8_k_major"] = k_major_fp8(gate_up, down)
     router = jax.random.normal(keys[2], (m, e), jnp.bfloat16)
     routing = jax.jit(spread_routing(route), static_argnums=(3, 4))
     for n in args.tokens:
         x = jax.random.normal(keys[3], (n, m), jnp.bfloat16)
         weights, experts = routing(x, router, None, k, False)
-        for name, path in PATHS.items():
-            us = kernel_us(jax.jit(path), (x, weights, experts, gate_up, down, 0), 20)
+        runs = {}
+        if "router" in args.paths:  # the router alone: its product, softmax and top-k
+            runs["router"] = (routing, (x, router, None, k, False))
+        for name in args.paths:
+            if name in PATHS:
+                path, form = PATHS[name]
+                runs[name] = (jax.jit(path), (x, weights, experts, *weights_by_form[form], 0))
+        for name, (fn, fn_args) in runs.items():
+            us = kernel_us(fn, fn_args, 20)
             print(f"{n} tokens, {name}: {sum(us.values()):.1f} us", flush=True)
             for kernel, t in sorted(us.items(), key=lambda kv: -kv[1])[: args.top]:
                 print(f"  {t:8.1f}  {kernel[:90]}", flush=True)
