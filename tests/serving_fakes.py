@@ -118,10 +118,6 @@ class Collector:
     def wait(self, n, timeout=120):
         return {self.ended.get(timeout=timeout) for _ in range(n)}
 
-    def tokens_so_far(self, request_id):
-        """The tokens of `request_id`'s blocks committed so far (none before its first)."""
-        return self.tokens(request_id) if request_id in self.events else []
-
     def tokens(self, request_id):
         events = self.events[request_id]
         return [t for e in events if isinstance(e, BlockCommitted) for t in e.token_ids]

@@ -5,6 +5,7 @@ queue bounds, bad requests and failing calls touch only the requests they concer
 import dataclasses
 import itertools
 import re
+import threading
 import time
 
 import numpy as np
@@ -276,9 +277,11 @@ def test_a_device_fault_reruns_the_calls_queued_behind_it(demo_model, generation
     """A call queued behind one that fails on the device took its carried table, so its
     outputs are errors too (the fake raises for them, as a GPU's would): only the failed
     call's rows fail; a request whose block was queued behind it runs that block again and
-    gets the tokens generate gives it alone."""
+    gets the tokens generate gives it alone. The first read waits for the second request,
+    so its first block rides in the call behind the one that fails (bad's second)."""
     engine = _engine(demo_model, generation, sampling=False)
     real = engine._fetch
+    reading, submitted = threading.Event(), threading.Event()
     poisoned: set[int] = set()
     faults = []
 
@@ -287,6 +290,9 @@ def test_a_device_fault_reruns_the_calls_queued_behind_it(demo_model, generation
         return rows[0] if rows else None
 
     def flaky(out):
+        if not reading.is_set():
+            reading.set()
+            assert submitted.wait(60)
         if id(out) in poisoned:
             raise RuntimeError("poisoned by the failed call")
         row = good_row()  # queued behind this call and not in it (one block in flight)
@@ -300,13 +306,13 @@ def test_a_device_fault_reruns_the_calls_queued_behind_it(demo_model, generation
     ids = _ids(demo_model, "347+2958=")
     got = Collector()
     engine.submit(EngineRequest("bad", ids, 32, ignore_eos=True), got.sink("bad"))
-    deadline = time.monotonic() + 60
-    while not got.tokens_so_far("bad") and time.monotonic() < deadline:
-        time.sleep(0.005)
+    assert reading.wait(60)
     engine.submit(EngineRequest("good", ids, 24), got.sink("good"))
+    submitted.set()
     assert got.wait(2) == {"bad", "good"}
     engine.stop()
     assert faults == [0]  # good's first block rode behind the failed call
+    assert len(got.tokens("bad")) == 8  # its first block, read before the fault
     assert "injected device fault" in got.events["bad"][-1].message
     assert isinstance(got.events["good"][-1], Finished)
     assert got.tokens("good") == _alone(demo_model, generation, ids, 24)
