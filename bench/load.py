@@ -26,12 +26,12 @@ no case always runs first or last. A case's figure is the median of its samples;
 samples are kept.
 
 Before every load (timed or profiled) the bench reads each file of the case's folder through
-once (`read_through`), so the load finds them in the OS page cache: the load figures are
-deserialisation and host-to-device copies, not a cold or partly cold disk, the same for
-every case. (A run without it spread its bf16 loads over 8.3–13.7 s: the bench's folders,
-41 GB at the LLaDA-8B shape, and the loads' host copies need not all stay cached, so a load
-could find part of its folder on disk.) Each sample keeps `warm_s`, the read-through's
-seconds, beside the load.
+once (`read_through`), so that the load finds them in the OS page cache where the host
+keeps them: then the load figures are deserialisation and host-to-device copies, the same
+for every case. Whether the cache held them is not checked (the bench's folders and the
+loads' host copies need not all fit): each sample keeps `warm_s`, the read-through's
+seconds, beside the load, and a read-through as slow as the disk says the cache did not
+keep the files (bench/NOTES.md, "Load copies").
 
 The figure of merit is `fp8_over_bf16`, the converted fp8 load's median over the
 converted bf16 load's. A model's row: `seconds` (`write_hf`, `convert_bf16`, `convert_fp8`),

@@ -89,8 +89,8 @@ def add_parser(
     serve.add_argument(
         "--api-key",
         default=os.environ.get("DJAX_API_KEY"),
-        help="serve only /v1/ requests with the header 'Authorization: Bearer <key>' "
-        "(default: $DJAX_API_KEY; unset: an open server)",
+        help="serve only requests with the header 'Authorization: Bearer <key>' (all but "
+        "/health and /metrics; default: $DJAX_API_KEY; unset: an open server)",
     )
     serve.add_argument(
         "--log-level",

@@ -96,7 +96,8 @@ def serve(
     """Serve `model` on http://host:port until SIGINT or SIGTERM, then drain and return.
     The engine compiles its programs in the background; `/health` is 503 until it is
     ready. model_name: the id clients use (default: the model folder's name); api_key:
-    the key `/v1/` requests must bear (`create_app`; None: open)."""
+    the key every request but `/health` and `/metrics` must bear (`create_app`;
+    None: open)."""
     sock = listen(host, port)
     name = model_name or default_model_name(model)
     engine, app = _build(model, config, name, api_key)
