@@ -23,14 +23,21 @@ spread routing: the expert tiles and XLA's grouped path on bf16 weights, the fp8
 expert tiles on e4m3 weights held K-major (`fp8 mosaic`: what sets its glue apart from
 bf16's), and with `--paths router` the router alone.
 
+With `--loop N` it also prints each path's wall µs per call inside one compiled loop of N
+calls (djax's XLA options: the loop runs as a CUDA graph, as a generation's does, so the
+figure holds the gaps between kernels that the kernels' sum leaves out); with `--hlo DIR`
+it writes each path's compiled program to DIR, naming the fusions the trace lists.
+
     python -m bench.probes.expert_glue [--tokens 32 384] [--paths mosaic xla "fp8 mosaic"
-        router] [--tiny]
+        router] [--top 8] [--loop 50] [--hlo DIR] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +48,7 @@ from bench.kernels.timing import kernel_us
 from djax.kernels.tma_ring import ROW_ALIGN
 from djax.models import fp8
 from djax.models.llada_moe import experts_grouped, fp8_mosaic_mlp, mosaic_mlp, route
+from djax.xla_options import compiler_options
 
 # name: (the routed-expert path, the weights it takes: bf16, or fp8 held K-major)
 PATHS = {
@@ -62,11 +70,32 @@ def k_major_fp8(gate_up, down) -> tuple:
     )
 
 
+def loop_us(fn, args: tuple, calls: int) -> float:
+    """Wall µs per call of `fn(*args)` run `calls` times inside one compiled loop, each call
+    taking the last one's output into its first argument (so XLA cannot hoist it), with
+    djax's XLA options; the median of 5 timings of the loop."""
+
+    def body(_, x):
+        return x + 1e-3 * fn(x, *args[1:])[: x.shape[0]].astype(x.dtype)
+
+    looped = jax.jit(lambda x: jax.lax.fori_loop(0, calls, body, x))
+    compiled = looped.lower(args[0]).compile(compiler_options(jax.default_backend()))
+    jax.block_until_ready(compiled(args[0]))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(args[0]))
+        times.append(time.perf_counter() - start)
+    return 1e6 * float(np.median(times)) / calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[32, 384])
     parser.add_argument("--top", type=int, default=8, help="kernels listed per path")
     parser.add_argument("--paths", nargs="+", choices=[*PATHS, "router"], default=[*PATHS])
+    parser.add_argument("--loop", type=int, default=0, help="calls in one compiled loop")
+    parser.add_argument("--hlo", type=Path, help="write each path's compiled program here")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = parser.parse_args()
     cfg = model_config("moe", args.tiny)
@@ -99,6 +128,12 @@ def main() -> None:
             print(f"{n} tokens, {name}: {sum(us.values()):.1f} us", flush=True)
             for kernel, t in sorted(us.items(), key=lambda kv: -kv[1])[: args.top]:
                 print(f"  {t:8.1f}  {kernel[:90]}", flush=True)
+            if args.loop and name != "router":
+                print(f"  in a loop: {loop_us(fn, fn_args, args.loop):.1f} us a call", flush=True)
+            if args.hlo:
+                args.hlo.mkdir(parents=True, exist_ok=True)
+                text = fn.lower(*fn_args).compile().as_text()
+                (args.hlo / f"{name.replace(' ', '_')}_{n}.hlo").write_text(text)
 
 
 if __name__ == "__main__":
