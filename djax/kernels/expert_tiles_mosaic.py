@@ -44,13 +44,19 @@ tile, `block_n` columns) and streams its expert's weight tiles through the ring 
 - fp8 x fp8 (`grouped_matmul_fp8`, `expert_mlp_fp8`; `moe="fp8_mosaic"`): Hopper's WGMMA
   takes 8-bit operands only K-major, so the weights come K-major ([experts, 2, ffn, model]
   and [experts, model, ffn], as a model loaded with `fp8_impl="mosaic"` holds them) and the
-  rows as e4m3 with a scale per row (`fp8_matmul_mosaic.quantize_rows`: the token rows
-  before the gather, the activation between the products). Both e4m3 tiles go from the
-  ring's K-major form to the tensor cores as they are (`fp8_matmul_mosaic.k_major_multiply`,
-  which in the interpreter copies the weight tile transposed first), `block_k` a multiple
-  of 128 (`fp8_tiles_for`); the fp32 product is multiplied by its rows' scales (the slot's
-  64, read by TMA from the tile's first row) and its columns' before the activation and
-  the store (`fp8_matmul_mosaic.scale_products`). Rows, tile table and stores as above.
+  rows as e4m3: the token rows with a scale per row (`fp8_matmul_mosaic.quantize_rows`,
+  before the gather), the activation with a scale per row of each 128-column tile
+  (`fp8_matmul_mosaic.quantize_slices`), which the gate/up kernel writes itself: each CTA
+  holds its rows' whole 128 columns of `silu(gate) * up` in fp32, so it quantises them
+  before the store and stores their scales beside them, and no pass over the activation
+  is left between the two products. Both e4m3 tiles go from the ring's K-major form to the
+  tensor cores as they are (`fp8_matmul_mosaic.k_major_multiply`, which in the interpreter
+  copies the weight tile transposed first), `block_k` a multiple of 128 (`fp8_tiles_for`);
+  the fp32 product is multiplied by its rows' scales (the slot's 64, read by TMA from the
+  tile's first row) and its columns' before the activation and the store
+  (`fp8_matmul_mosaic.scale_products`). The down product takes its rows' scales per
+  128-column slice of the contraction (`tma_ring.SliceScales`): each slice's product is
+  scaled by them as it is added. Rows, tile table and stores as above.
 
 `expert_mlp` runs both products: the gate/up product with `silu(gate) * up` fused (gate and
 up weight tiles side by side in two accumulators), then the down product, both in the
@@ -189,11 +195,12 @@ def aligned_layout(group_sizes: Array, pairs: int) -> tuple[Array, Array, Array]
     return jax.lax.optimization_barrier((position, source, aligned))
 
 
-def _store_tile(out_smem, out_gmem, first, n_rows, cols) -> None:
-    """Inside a kernel: the first `n_rows` (8 to 64, a multiple of 8) rows of `out_smem`
-    [64, block_n] to `out_gmem`'s rows from `first` (a multiple of 8) at columns `cols`, by
-    one TMA copy per set bit of `n_rows` (copies of 64, 32, 16 and 8 rows), each from and
-    to a multiple of 8 rows."""
+def _store_tile(first, n_rows, *tiles) -> None:
+    """Inside a kernel: the first `n_rows` (8 to 64, a multiple of 8) rows of each of
+    `tiles`, pairs (smem, dst) of a shared-memory tile [64, ...] and a callable taking an
+    indexer of GMEM rows and giving where they go, to the rows from `first` (a multiple of
+    8), by one TMA copy per set bit of `n_rows` (copies of 64, 32, 16 and 8 rows), each from
+    and to a multiple of 8 rows."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     plgpu.commit_smem()
@@ -203,9 +210,8 @@ def _store_tile(out_smem, out_gmem, first, n_rows, cols) -> None:
 
         @pl.when(n_rows & size != 0)
         def _copy(size=size, done=done):
-            plgpu.copy_smem_to_gmem(
-                out_smem.at[pl.ds(done, size)], out_gmem.at[pl.ds(first + done, size), cols]
-            )
+            for smem, dst in tiles:
+                plgpu.copy_smem_to_gmem(smem.at[pl.ds(done, size)], dst(pl.ds(first + done, size)))
 
         done = done + (n_rows & size)
         size //= 2
@@ -217,25 +223,33 @@ def _store_tile(out_smem, out_gmem, first, n_rows, cols) -> None:
 DTYPE, CONVERTED, FP8_PRODUCT = "dtype", "converted", "fp8"
 
 
-def _kernel(*refs, tiles, steps, n, n_tiles, column_tiles, gated, form, interpreting):
+def _kernel(
+    *refs, tiles, steps, n, n_tiles, column_tiles, gated, form, out_fp8, x_slices, interpreting
+):
     """One CTA: one (row tile, column tile). Refs in order: the tile table [3 n_tiles]
     int32 of the aligned layout (each tile's group, then first rows, then rows); x [rows, k]
     (aligned rows; e4m3 under `FP8_PRODUCT`); w [groups, k, 2n] (`gated`: gate columns,
     then up columns) or [groups, k, n], K-major under `FP8_PRODUCT` ([groups, 2n or n, k]);
-    under `FP8_PRODUCT` the rows' scales [1, rows] fp32; under `CONVERTED` and
-    `FP8_PRODUCT` the columns' scales [groups, 2n or n] fp32; out [rows, n]. Scratch: the
-    ring's, the output tile, then under `CONVERTED` the converted weight slots, under
-    `FP8_PRODUCT` the rows' scale tile [1, 64]; with scales the columns' scale tile
-    [weights, block_n] and the scales' barriers; in the interpreter under `FP8_PRODUCT` the
-    untransposed weight tile (`fp8_matmul_mosaic.k_major_multiply`)."""
+    under `FP8_PRODUCT` the rows' scales, [1, rows] fp32, or with `x_slices` one row of
+    scales per slice of `fp8_matmul_mosaic.SLICE` columns [x_slices, rows]; under
+    `CONVERTED` and `FP8_PRODUCT` the columns' scales [groups, 2n or n] fp32; out [rows, n]
+    (with `out_fp8` e4m3, then its scales [n / block_n, rows] fp32: each column tile's rows
+    quantised on their own). Scratch: the ring's, the output tile, then under `CONVERTED`
+    the converted weight slots, under `FP8_PRODUCT` the rows' scale tile [1 or x_slices,
+    64]; with scales the columns' scale tile [weights, block_n] and the scales' barriers; in
+    the interpreter under `FP8_PRODUCT` the untransposed weight tile
+    (`fp8_matmul_mosaic.k_major_multiply`); with `out_fp8` the output's scale tile [64]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     table_gmem, x_gmem, w_gmem, *refs = refs
     row_scale_gmem = refs.pop(0) if form == FP8_PRODUCT else None
     scale_gmem = refs.pop(0) if form != DTYPE else None
-    out_gmem, *scratch = refs
+    out_gmem, *refs = refs
+    out_scale_gmem = refs.pop(0) if out_fp8 else None
+    scratch = refs
     weights = 2 if gated else 1
     ring, (out_smem, *rest) = scratch[: 2 * weights + 2], scratch[2 * weights + 2 :]
+    out_scale_smem = rest.pop() if out_fp8 else None
     cta = jax.lax.axis_index("cta")
     tile, column_tile = cta // column_tiles, cta % column_tiles
     group, n_rows = table_gmem[tile], table_gmem[2 * n_tiles + tile]
@@ -252,7 +266,7 @@ def _kernel(*refs, tiles, steps, n, n_tiles, column_tiles, gated, form, interpre
 
     @pl.when(n_rows > 0)
     def _tile():
-        converted = row_scale_smem = multiply = None
+        converted = row_scale_smem = multiply = slice_scales = None
         scales = rest
         if form == CONVERTED:
             converted, scales = rest[:weights], rest[weights:]
@@ -271,15 +285,28 @@ def _kernel(*refs, tiles, steps, n, n_tiles, column_tiles, gated, form, interpre
             plgpu.copy_gmem_to_smem(
                 row_scale_gmem.at[:, pl.ds(first, ROW_TILE)], row_scale_smem, scale_bar.at[weights]
             )
+        if x_slices:
+            slice_scales = tma_ring.SliceScales(
+                fp8_matmul_mosaic.SLICE,
+                lambda j: tma_ring.accumulator_rows(row_scale_smem[j], interpreting),
+                lambda: plgpu.barrier_wait(scale_bar.at[weights]),
+                interpreting,
+            )
 
         def finish(*products):
             if form != DTYPE:
-                for bar in range(weights + (form == FP8_PRODUCT)):
+                waited = weights + (form == FP8_PRODUCT and not x_slices)
+                for bar in range(waited):
                     plgpu.barrier_wait(scale_bar.at[bar])
                 products = fp8_matmul_mosaic.scale_products(
-                    products, scale_smem, row_scale_smem, interpreting
+                    products, scale_smem, None if x_slices else row_scale_smem, interpreting
                 )
             out = _silu_times(*products) if gated else products[0]
+            if out_fp8:  # each row of the tile quantised on its own
+                scale = fp8_matmul_mosaic.scale_of(jnp.max(jnp.abs(out), axis=1))
+                out_scale_smem[...] = scale
+                scale = jax.lax.broadcast_in_dim(scale, out.shape, [0])
+                out = fp8_matmul_mosaic.e4m3_values(out, scale)
             out_smem[...] = out.astype(out_smem.dtype)
 
         tma_ring.stream(
@@ -293,8 +320,12 @@ def _kernel(*refs, tiles, steps, n, n_tiles, column_tiles, gated, form, interpre
             finish,
             converted,
             multiply,
+            slice_scales,
         )
-        _store_tile(out_smem, out_gmem, first, n_rows, cols)
+        stored = [(out_smem, lambda rows: out_gmem.at[rows, cols])]
+        if out_fp8:
+            stored.append((out_scale_smem, lambda rows: out_scale_gmem.at[column_tile, rows]))
+        _store_tile(first, n_rows, *stored)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
@@ -433,14 +464,27 @@ def _aligned_fp8_product(
     tiles: Tiles,
     dtype,
     interpret: bool | None,
-) -> Array:
-    """`grouped_matmul_fp8` on rows xq [rows, k], x_scale [rows] in the aligned layout of
-    groups of `aligned_sizes` (as `_aligned_product`)."""
+) -> Array | tuple[Array, Array]:
+    """`grouped_matmul_fp8` on rows xq [rows, k] in the aligned layout of groups of
+    `aligned_sizes` (as `_aligned_product`), their scales x_scale [rows] (per row) or
+    [k / SLICE, rows] (per slice of `fp8_matmul_mosaic.SLICE` columns,
+    `fp8_matmul_mosaic.quantize_slices`). `dtype` e4m3 (a gated product, 128-column
+    tiles): the output quantised per row of each column tile, as (values [rows, n] e4m3,
+    scales [n / SLICE, rows] fp32), the form x takes per slice."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     name = "expert_tiles_mosaic.grouped_matmul_fp8"
-    fp8_matmul_mosaic.check_operands(name, xq, x_scale, w_t, w_scale, dtype)
     rows, k = xq.shape
+    x_slices = k // fp8_matmul_mosaic.SLICE if x_scale.ndim == 2 else 0
+    if x_slices and x_scale.shape != (x_slices, rows):
+        raise ValueError(
+            f"{name}: x_scale {x_scale.shape}; expected [{rows}] or [{x_slices}, {rows}] (per "
+            f"slice of {fp8_matmul_mosaic.SLICE} columns)"
+        )
+    out_fp8 = jnp.dtype(dtype) == FP8
+    row_scale = x_scale[0] if x_slices else x_scale  # checked as [rows]
+    out_dtype = jnp.float32 if out_fp8 else dtype  # checked among the 16/32-bit outputs
+    fp8_matmul_mosaic.check_operands(name, xq, row_scale, w_t, w_scale, out_dtype)
     groups, n, gated = w_t.shape[0], w_t.shape[-2], w_t.ndim == 4
     expected = (groups, 2, n, k) if gated else (groups, n, k)
     if w_t.shape != expected or aligned_sizes.shape != (groups,):
@@ -450,33 +494,56 @@ def _aligned_fp8_product(
         )
     if tiles.splits != 1:
         raise ValueError(f"{tiles}: the expert products take splits=1")
+    if out_fp8 and (not gated or tiles.block_n != fp8_matmul_mosaic.SLICE):
+        raise ValueError(
+            f"{name}: an e4m3 output takes a gated product of {fp8_matmul_mosaic.SLICE}-column "
+            f"tiles; got w_t {w_t.shape}, {tiles}"
+        )
     out_bytes = jnp.dtype(dtype).itemsize
-    fp8_matmul_mosaic.check_tiles(tiles, k, n, gated=gated, out_bytes=out_bytes, row_tiled=True)
+    extra = (max(x_slices, 1) - 1 + out_fp8) * ROW_TILE * SCALE_BYTES
+    fp8_matmul_mosaic.check_tiles(
+        tiles, k, n, gated=gated, out_bytes=out_bytes, row_tiled=True, extra=extra
+    )
     weights = 2 if gated else 1
     width = weights * n
     inputs = [
         xq,
         w_t.reshape(groups, width, k),
-        x_scale.reshape(1, rows),
+        x_scale.reshape(max(x_slices, 1), rows),
         w_scale.reshape(groups, width),
     ]
     scratch = [
-        plgpu.SMEM((1, ROW_TILE), jnp.float32),
+        plgpu.SMEM((max(x_slices, 1), ROW_TILE), jnp.float32),
         plgpu.SMEM((weights, tiles.block_n), jnp.float32),
         plgpu.Barrier(num_barriers=weights + 1),
     ]
     if tma_ring.interpret_params(interpret) is not None:  # `k_major_multiply`'s tile
         scratch.append(plgpu.SMEM((tiles.block_k, tiles.block_n), FP8))
+    if out_fp8:  # the output tile's row scales
+        scratch.append(plgpu.SMEM((ROW_TILE,), jnp.float32))
     ring = tma_ring.ring_scratch(tiles, FP8, weights, k_major=True)
     return _launch(
-        FP8_PRODUCT, inputs, aligned_sizes, ring, scratch, tiles, n, gated, dtype, interpret
+        FP8_PRODUCT,
+        inputs,
+        aligned_sizes,
+        ring,
+        scratch,
+        tiles,
+        n,
+        gated,
+        dtype,
+        interpret,
+        x_slices=x_slices,
     )
 
 
-def _launch(form, inputs, aligned_sizes, ring, scratch, tiles, n, gated, dtype, interpret):
+def _launch(
+    form, inputs, aligned_sizes, ring, scratch, tiles, n, gated, dtype, interpret, x_slices=0
+):
     """The kernel of `form` on `inputs` (x, w, then the scales `_kernel` takes) over the
     tile table of `aligned_sizes`, its scratch the `ring`, the output tile and `scratch`;
-    returns [rows, n] in `dtype`."""
+    returns [rows, n] in `dtype`, or for e4m3 (values, their scales [n / block_n, rows]).
+    `x_slices`: x's scales per contraction slice (`_kernel`)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rows, k = inputs[0].shape
@@ -485,6 +552,10 @@ def _launch(form, inputs, aligned_sizes, ring, scratch, tiles, n, gated, dtype, 
     # one operand: the tile's group, first row and rows at tile, n_tiles + tile, 2 n_tiles + tile
     table = jnp.concatenate(row_tiles(aligned_sizes, tiles.rows, n_tiles))
     column_tiles = n // tiles.block_n
+    out_fp8 = jnp.dtype(dtype) == FP8
+    out_type = jax.ShapeDtypeStruct((rows, n), dtype)
+    if out_fp8:
+        out_type = (out_type, jax.ShapeDtypeStruct((column_tiles, rows), jnp.float32))
     params = tma_ring.interpret_params(interpret)
     kernel = plgpu.kernel(
         functools.partial(
@@ -496,9 +567,11 @@ def _launch(form, inputs, aligned_sizes, ring, scratch, tiles, n, gated, dtype, 
             column_tiles=column_tiles,
             gated=gated,
             form=form,
+            out_fp8=out_fp8,
+            x_slices=x_slices,
             interpreting=params is not None,
         ),
-        out_type=jax.ShapeDtypeStruct((rows, n), dtype),
+        out_type=out_type,
         grid=(n_tiles * column_tiles,),
         grid_names=("cta",),
         scratch_types=[*ring, plgpu.SMEM((ROW_TILE, tiles.block_n), dtype), *scratch],
@@ -565,8 +638,10 @@ def expert_mlp_fp8(
 ) -> Array:
     """`expert_mlp` by fp8 x fp8 WGMMA (`grouped_matmul_fp8`) on K-major e4m3 weights: the
     token rows quantised per row (`fp8_matmul_mosaic.quantize_rows`) and gathered into the
-    aligned layout with their scales, the gate/up product with the activation fused, its
-    output quantised per row, then the down product.
+    aligned layout with their scales, the gate/up product with the activation fused and
+    quantised per row of each 128-column tile in the kernel
+    (`fp8_matmul_mosaic.quantize_slices` of the fp32 activation), then the down product,
+    each contraction slice's product times its rows' scales.
 
     x: [tokens, model] bf16 or fp16, or its rows already quantised (`QuantizedRows`, as the
     norm before the experts hands them on); source_rows and group_sizes as `expert_mlp`'s
@@ -593,10 +668,9 @@ def expert_mlp_fp8(
         gate_up_scale,
         group_sizes,
         up_tiles,
-        rows.dtype,
+        FP8,  # quantised per row of each 128-column tile, as the down product takes it
         interpret,
     )
-    aq, a_scale = fp8_matmul_mosaic.quantize_rows(act)
     return _aligned_fp8_product(
-        aq, a_scale, down_t, down_scale, group_sizes, down_tiles, x.dtype, interpret
+        *act, down_t, down_scale, group_sizes, down_tiles, x.dtype, interpret
     )

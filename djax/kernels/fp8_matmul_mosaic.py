@@ -40,6 +40,7 @@ FP8 = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(FP8).max)  # 448
 K_TILE = tma_ring.SWIZZLE  # e4m3 values in a swizzled row: block_k is a multiple of this
 MAX_BLOCK_N = 256  # WGMMA's widest N
+SLICE = K_TILE  # columns a row's scale covers where rows are quantised per slice
 OUT_DTYPES = tuple(map(jnp.dtype, (jnp.bfloat16, jnp.float16, jnp.float32)))
 
 
@@ -77,6 +78,16 @@ def quantize_rows(x: Array) -> tuple[Array, Array]:
     return quantize(x, (x.ndim - 1,))
 
 
+def quantize_slices(x: Array) -> tuple[Array, Array]:
+    """x [rows, k] (k a multiple of `SLICE`) -> (e4m3 values [rows, k], fp32 scales
+    [k / SLICE, rows]): `quantize` over each row's slices of `SLICE` columns, the scales
+    slice-major, as `expert_tiles_mosaic`'s gate/up product writes its activation and its
+    down product reads it."""
+    rows, k = x.shape
+    values, scale = quantize(x.reshape(rows, k // SLICE, SLICE), (2,))
+    return values.reshape(rows, k), scale.T
+
+
 def quantized(x: Array | QuantizedRows) -> QuantizedRows:
     """x's rows as the fp8 kernels take them: as a kernel already quantised them, or
     quantised here (`quantize_rows`)."""
@@ -110,16 +121,17 @@ def check_tiles(
     gated: bool = False,
     out_bytes: int = 4,
     row_tiled: bool = False,
+    extra: int = 0,
 ) -> None:
     """Raise a ValueError naming `tiles` unless they take a `k -> n` fp8 product (`gated`: n
     columns a side, two weight tiles a slot): the ring's rules at one byte a value
     (`Tiles.check`; `row_tiled` for kernels whose row tiles may take fewer than 64 rows),
-    the output tile (`out_bytes` a value) and scales in shared memory, and block_n at most
-    `MAX_BLOCK_N`."""
+    the output tile (`out_bytes` a value), scales and `extra` bytes in shared memory, and
+    block_n at most `MAX_BLOCK_N`."""
     if tiles.block_n > MAX_BLOCK_N:
         raise ValueError(f"{tiles}: block_n must be at most {MAX_BLOCK_N} (WGMMA's widest N)")
     weights = 2 if gated else 1
-    scales = (ROW_TILE + weights * tiles.block_n) * 4
+    scales = (ROW_TILE + weights * tiles.block_n) * 4 + extra
     tiles.check(
         k, n, weights=weights, out_bytes=out_bytes, extra=scales, itemsize=1, row_tiled=row_tiled
     )
@@ -129,15 +141,17 @@ def k_major_multiply(untransposed=None):
     """A step's product into an accumulator ref: fp8 x fp8 WGMMA of an x slot [64, block_k]
     and a weight slot [block_n, block_k] read transposed. Mosaic GPU's interpreter has no
     transposed WGMMA operand: given `untransposed`, a [block_k, block_n] scratch ref, the
-    slot's tile is copied into it transposed and multiplied from there."""
+    slot's tile (or the contraction slice of it that `w_slot` is) is copied into its first
+    rows transposed and multiplied from there."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     def multiply(acc, x_slot, w_slot):
         if untransposed is None:
             plgpu.wgmma(acc, x_slot, plgpu.transpose_ref(w_slot, (1, 0)))
             return
-        untransposed[...] = w_slot[...].T
-        plgpu.wgmma(acc, x_slot, untransposed)
+        into = untransposed.at[pl.ds(0, w_slot.shape[1])]  # a slice of the step: its rows
+        into[...] = w_slot[...].T
+        plgpu.wgmma(acc, x_slot, into)
 
     return multiply
 

@@ -23,6 +23,11 @@ rows, the row tile of one warpgroup. Rules:
   weight tiles [block_n, block_k] (the weight stored [n, k]) and swizzles every slot at
   128 bytes = 128 values, so `block_k` is a multiple of 128 (`Tiles.check`'s
   `itemsize=1`).
+- Rows scaled per contraction slice (`SliceScales`: 8-bit rows whose scale changes every
+  `width` values along k, as `expert_tiles_mosaic`'s down product takes the activation the
+  gate/up product quantised per column tile): each step's product runs one WGMMA per slice
+  into a fresh accumulator, which is waited for and added to the step's accumulator times
+  its rows' scales for that slice.
 """
 
 from __future__ import annotations
@@ -213,6 +218,20 @@ def ring_scratch(
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class SliceScales:
+    """x's rows scaled per contraction slice of `width` values (a multiple of 128, dividing
+    block_k; K-major weight slots only): `of(j)` is the scales [64] of the slot's rows for
+    slice `j` (counted from k = 0), laid out as an accumulator's rows; `ready()` waits for
+    them, once, after the ring's first fetches are issued; `interpreting`: in Mosaic GPU's
+    interpreter (no layouts)."""
+
+    width: int
+    of: Callable[[Array], Array]
+    ready: Callable[[], None]
+    interpreting: bool
+
+
 def stream(
     x_gmem,
     w_tiles: Sequence[Callable[[Any], Any]],
@@ -224,6 +243,7 @@ def stream(
     finish: Callable[..., None],
     converted: Sequence | None = None,
     multiply: Callable[[Any, Any, Any], None] | None = None,
+    slice_scales: SliceScales | None = None,
 ) -> None:
     """Inside a kernel: multiply x's rows by each weight over `steps` contraction steps from
     `first_step` through the ring, then call `finish` with the fp32 products [64, block_n]
@@ -234,10 +254,12 @@ def stream(
     [block_k, block_n] of x's dtype per weight, into which each step's weight tile (of
     another dtype, as fp8) is converted before its WGMMA. `multiply(acc, x_slot, w_slot)`
     issues a step's product into an accumulator ref (default `plgpu.wgmma`; K-major weight
-    slots need theirs read transposed)."""
+    slots need theirs read transposed). `slice_scales`: x's rows scaled per contraction
+    slice (`SliceScales`), applied to each slice's product before it is accumulated."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     multiply = multiply or plgpu.wgmma
+    acc_shape = (ROW_TILE, tiles.block_n)
 
     count = len(w_tiles)
     x_slots, w_slots = ring[0], ring[1 : 1 + count]
@@ -254,31 +276,82 @@ def stream(
 
     for step in range(min(tiles.stages, steps)):
         fetch(step, step)
+    if slice_scales is not None:
+        slice_scales.ready()
     targets = [None] * count if converted is None else list(converted)
+
+    def operands(i, slot):
+        """Step i's (x slot, weight operands), once their copies (and conversions) are in."""
+        plgpu.barrier_wait(x_bars.at[slot])
+        operands = []
+        for slots, bars, into in zip(w_slots, w_bars, targets, strict=True):
+            plgpu.barrier_wait(bars.at[slot])
+            operand = slots.at[slot]
+            if into is not None:  # its WGMMA of the last step is done (waited below)
+                into[...] = converted_values(operand[...], into.dtype)
+                plgpu.commit_smem()
+                operand = into
+            operands.append(operand)
+        return x_slots.at[slot], operands
+
+    def refill(i, slot):
+        @pl.when(i + tiles.stages < steps)
+        def _refill():
+            fetch(i + tiles.stages, slot)
+
+    if slice_scales is not None:
+        # Each slice's product into a fresh accumulator, read and added to the step's
+        # carried sums times its rows' scales.
+        width = slice_scales.width
+        per_step = tiles.block_k // width
+
+        def sliced_step(i, sums):
+            slot = jax.lax.rem(i, tiles.stages)
+            x_slot, w_operands = operands(i, slot)
+            sums = list(sums)
+            for j in range(per_step):
+                cols = pl.ds(j * width, width)
+                scale = jax.lax.broadcast_in_dim(
+                    slice_scales.of((first_step + i) * per_step + j), acc_shape, [0]
+                )
+                for side, operand in enumerate(w_operands):
+                    x_part, w_part = x_slot.at[:, cols], operand.at[:, cols]
+
+                    def product(acc, x_part=x_part, w_part=w_part):
+                        multiply(acc, x_part, w_part)
+                        return acc[...]  # waits for the product
+
+                    part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
+                    sums[side] = sums[side] + part * scale
+            refill(i, slot)
+            return tuple(sums)
+
+        zeros = accumulator(jnp.zeros(acc_shape, jnp.float32), slice_scales.interpreting)
+        finish(*jax.lax.fori_loop(0, steps, sliced_step, (zeros,) * count))
+        return
 
     def scope(*accs):
         @pl.loop(0, steps)
         def _step(i):
             slot = jax.lax.rem(i, tiles.stages)
-            plgpu.barrier_wait(x_bars.at[slot])
-            for acc, slots, bars, into in zip(accs, w_slots, w_bars, targets, strict=True):
-                plgpu.barrier_wait(bars.at[slot])
-                operand = slots.at[slot]
-                if into is not None:  # its WGMMA of the last step is done (waited below)
-                    into[...] = converted_values(operand[...], into.dtype)
-                    plgpu.commit_smem()
-                    operand = into
-                multiply(acc, x_slots.at[slot], operand)
+            x_slot, w_operands = operands(i, slot)
+            for acc, operand in zip(accs, w_operands, strict=True):
+                multiply(acc, x_slot, operand)
             plgpu.wgmma_wait(0)  # this step's products are done: its slot may be refilled
-
-            @pl.when(i + tiles.stages < steps)
-            def _refill():
-                fetch(i + tiles.stages, slot)
+            refill(i, slot)
 
         finish(*(acc[...] for acc in accs))
 
-    acc = plgpu.ACC((ROW_TILE, tiles.block_n), jnp.float32)
+    acc = plgpu.ACC(acc_shape, jnp.float32)
     pl.run_scoped(scope, *([acc] * count))
+
+
+def accumulator(value: Array, interpreting: bool) -> Array:
+    """Inside a kernel: `value` [64, n] laid out as a WGMMA accumulator (the identity on
+    values; as `accumulator_rows`)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return value if interpreting else plgpu.layout_cast(value, plgpu.Layout.WGMMA)
 
 
 def converted_values(values: Array, dtype: Any) -> Array:
