@@ -309,20 +309,18 @@ def stream(
             slot = jax.lax.rem(i, tiles.stages)
             x_slot, w_operands = operands(i, slot)
             sums = list(sums)
-            for j in range(per_step):
-                cols = pl.ds(j * width, width)
-                scale = jax.lax.broadcast_in_dim(
-                    slice_scales.of((first_step + i) * per_step + j), acc_shape, [0]
-                )
-                for side, operand in enumerate(w_operands):
-                    x_part, w_part = x_slot.at[:, cols], operand.at[:, cols]
+            for side, operand in enumerate(w_operands):
 
-                    def product(acc, x_part=x_part, w_part=w_part):
-                        multiply(acc, x_part, w_part)
-                        return acc[...]  # waits for the product
+                def products(*parts, operand=operand):
+                    for j, part in enumerate(parts):  # issued together, then read
+                        cols = pl.ds(j * width, width)
+                        multiply(part, x_slot.at[:, cols], operand.at[:, cols])
+                    return [part[...] for part in parts]  # the first read waits for all
 
-                    part = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
-                    sums[side] = sums[side] + part * scale
+                parts = pl.run_scoped(products, *[plgpu.ACC(acc_shape, jnp.float32)] * per_step)
+                for j, part in enumerate(parts):
+                    scale = slice_scales.of((first_step + i) * per_step + j)
+                    sums[side] = sums[side] + part * jax.lax.broadcast_in_dim(scale, acc_shape, [0])
             refill(i, slot)
             return tuple(sums)
 
