@@ -25,7 +25,9 @@ row takes a scale of its own, and the partial products, each scaled by its own, 
 summed; so `scaled` on a mesh rounds the rows otherwise than on one device. Outside XLA:
 the parts a kernel choice marks `fp8_mosaic` run the
 `scaled` product in `djax.kernels.fp8_matmul_mosaic` (the experts under `moe="fp8_mosaic"`
-in `djax.kernels.expert_tiles_mosaic.expert_mlp_fp8`), and `moe="mosaic"` converts the
+in `djax.kernels.expert_tiles_mosaic.expert_mlp_fp8`, whose activation takes a scale per
+row of each 128 columns, `quantize_slices`, where `scaled` takes one per row), and
+`moe="mosaic"` converts the
 experts' e4m3 tiles inside `djax.kernels.expert_tiles_mosaic`.
 
 The head's product is XLA's (`einsum`, in fp32: the logits), by the block forward's
