@@ -280,19 +280,20 @@ def stream(
         slice_scales.ready()
     targets = [None] * count if converted is None else list(converted)
 
-    def operands(i, slot):
-        """Step i's (x slot, weight operands), once their copies (and conversions) are in."""
+    def x_operand(slot):
+        """The step's x slot, once its copy is in."""
         plgpu.barrier_wait(x_bars.at[slot])
-        operands = []
-        for slots, bars, into in zip(w_slots, w_bars, targets, strict=True):
-            plgpu.barrier_wait(bars.at[slot])
-            operand = slots.at[slot]
-            if into is not None:  # its WGMMA of the last step is done (waited below)
-                into[...] = converted_values(operand[...], into.dtype)
-                plgpu.commit_smem()
-                operand = into
-            operands.append(operand)
-        return x_slots.at[slot], operands
+        return x_slots.at[slot]
+
+    def w_operand(slot, side):
+        """Weight `side`'s operand of the step, once its copy (and conversion) is in."""
+        plgpu.barrier_wait(w_bars[side].at[slot])
+        operand, into = w_slots[side].at[slot], targets[side]
+        if into is not None:  # its WGMMA of the last step is done (waited below)
+            into[...] = converted_values(operand[...], into.dtype)
+            plgpu.commit_smem()
+            operand = into
+        return operand
 
     def refill(i, slot):
         @pl.when(i + tiles.stages < steps)
@@ -307,9 +308,10 @@ def stream(
 
         def sliced_step(i, sums):
             slot = jax.lax.rem(i, tiles.stages)
-            x_slot, w_operands = operands(i, slot)
+            x_slot = x_operand(slot)
             sums = list(sums)
-            for side, operand in enumerate(w_operands):
+            for side in range(count):
+                operand = w_operand(slot, side)
 
                 def products(*parts, operand=operand):
                     for j, part in enumerate(parts):  # issued together, then read
@@ -332,9 +334,9 @@ def stream(
         @pl.loop(0, steps)
         def _step(i):
             slot = jax.lax.rem(i, tiles.stages)
-            x_slot, w_operands = operands(i, slot)
-            for acc, operand in zip(accs, w_operands, strict=True):
-                multiply(acc, x_slot, operand)
+            x_slot = x_operand(slot)
+            for side, acc in enumerate(accs):  # each issued as soon as its weight is in
+                multiply(acc, x_slot, w_operand(slot, side))
             plgpu.wgmma_wait(0)  # this step's products are done: its slot may be refilled
             refill(i, slot)
 
