@@ -378,9 +378,10 @@ def grouped_matmul_fp8(
     ...] K-major), w_scale [groups, 2, n] or [groups, n] fp32; k a multiple of 128, n of
     64; group_sizes as `grouped_matmul`'s. Returns [pairs, n] in `dtype`; rows past
     sum(group_sizes) may hold anything. `tiles`: default `fp8_tiles_for`."""
-    if xq.ndim != 2:
+    if xq.ndim != 2 or jnp.dtype(dtype) not in fp8_matmul_mosaic.OUT_DTYPES:
         raise ValueError(
-            f"expert_tiles_mosaic.grouped_matmul_fp8: xq {xq.shape}; expected [pairs, k]"
+            f"expert_tiles_mosaic.grouped_matmul_fp8: xq {xq.shape}, dtype {jnp.dtype(dtype)}; "
+            "expected xq [pairs, k] and dtype bfloat16, float16 or float32"
         )
     position, source, aligned = aligned_layout(group_sizes, xq.shape[0])
     tiles = tiles or fp8_tiles_for(xq.shape[0], xq.shape[1], w_t.shape[-2])

@@ -371,6 +371,19 @@ def test_shape_dtype_and_tile_errors():
         grouped_matmul(x, w.astype(FP8), sizes, jnp.ones((2, 64)))
     with pytest.raises(ValueError, match="splits=1"):
         grouped_matmul(x, w, sizes, tiles=Tiles(block_n=64, splits=2))
+    xq, x_scale = jnp.zeros((8, 128), FP8), jnp.ones((8,), jnp.float32)
+    w_t, w_scale = jnp.zeros((2, 2, 128, 128), FP8), jnp.ones((2, 2, 128), jnp.float32)
+    with pytest.raises(ValueError, match="dtype float8_e4m3fn; expected xq"):
+        expert_tiles_mosaic.grouped_matmul_fp8(xq, x_scale, w_t, w_scale, sizes, dtype=FP8)
+    fp8_tiles = expert_tiles_mosaic.fp8_tiles_for(8, 128, 128)
+    with pytest.raises(ValueError, match=r"x_scale \(3, 8\); expected \[8\] or \[1, 8\]"):
+        expert_tiles_mosaic._aligned_fp8_product(
+            xq, jnp.ones((3, 8)), w_t, w_scale, sizes, fp8_tiles, BF16, None
+        )
+    with pytest.raises(ValueError, match="an e4m3 output takes a gated product"):
+        expert_tiles_mosaic._aligned_fp8_product(
+            xq, x_scale, w_t[:, 0], w_scale[:, 0], sizes, fp8_tiles, FP8, None
+        )
     down = jnp.zeros((2, 64, 64), BF16)
     for rows in [(8, 1), (12,)]:
         with pytest.raises(ValueError, match=re.escape(f"source_rows {rows}; expected [rows]")):
