@@ -441,8 +441,11 @@ def test_generation_with_every_mosaic_kernel_is_xlas(tmp_path):
         rope_impl="mosaic",
         norm_impl="tiled",
     )
-    # two blocks of 2 steps: the interpreted kernels' runtime is most of this test's
-    config = djax.GenerationConfig(gen_length=16, block_length=8, steps=4, cache="dual")
+    # two blocks of 2 steps (a fixed-steps decoder: `threshold`, the default, would take a
+    # step a token here): the interpreted kernels' runtime is most of this test's
+    config = djax.GenerationConfig(
+        gen_length=16, block_length=8, steps=4, decoder="low_confidence", cache="dual"
+    )
     prompts = [[0, 10, 20, 30, 40, 50], [0, 11, 12]]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the interpreted kernels' export

@@ -36,6 +36,19 @@ def llada2_model(llada2_folder):
     return djax.load(llada2_folder[0], dtype=jnp.float32)
 
 
+@pytest.fixture(scope="module")
+def llada2_small(tmp_path_factory):
+    """`TINY` with two layers, the dense one and an MoE one: the model of the tests of
+    decoding, sampling and serving, which do not depend on the depth (the reference's tokens
+    are checked on `llada2_model`'s three layers); each of the many programs they compile
+    is a third cheaper. Seed 5: as `llada2_model` does, it runs one request of `SERVED` to
+    a stop token (here after its first block) and the others to max_tokens (checked in
+    `tokens_alone`)."""
+    folder = tmp_path_factory.mktemp("llada2_small")
+    make_llada2(folder, {**TINY, "num_hidden_layers": 2}, seed=5)
+    return djax.load(folder, dtype=jnp.float32)
+
+
 def test_config_keys():
     cfg = from_hf_dict(TINY)
     assert cfg.family == "llada2" and cfg.block_diffusion and cfg.is_moe
@@ -257,16 +270,16 @@ def test_batch_rows_are_generated_as_alone(llada2_model, llada2_folder):
         assert together.token_ids[row] == reference.generate(prompt, 12, 4, 4), prompt
 
 
-def test_block_cache_counts_and_stop(llada2_model):
+def test_block_cache_counts_and_stop(llada2_small):
     """The cache prefills the prompt's whole blocks once; each block's steps feed only the
     block, and the next block's first step writes its final K/V; a row stops after the
     block holding its first stop token."""
     prompt = PROMPTS[1]  # 20 tokens: blocks 0 and 1 prefilled, block 2 holds 4 prompt tokens
     config = _config(decoder="low_confidence", steps=12, stop_ids=(999,), gen_length=20)
     with pytest.raises(ValueError, match="stop_ids"):
-        djax.generate(llada2_model, [prompt], config)
+        djax.generate(llada2_small, [prompt], config)
     config = dataclasses.replace(config, stop_ids=(127,))  # never produced here
-    out = djax.generate(llada2_model, [prompt], config)
+    out = djax.generate(llada2_small, [prompt], config)
     # 3 generated blocks of 4 steps (8 / 4 = 2 commits a step; the first block has 4
     # masks, so 2 steps) and the prefill
     assert out.stats.forwards == 2 + 4 + 4 + 1 and out.stats.refreshes == 1
@@ -275,7 +288,7 @@ def test_block_cache_counts_and_stop(llada2_model):
     # a token first met in the second generated block (answer positions 4..11)
     at = next(i for i in range(4, 12) if answer[i] not in answer[:i])
     stopped = djax.generate(
-        llada2_model, [prompt], dataclasses.replace(config, stop_ids=(answer[at],))
+        llada2_small, [prompt], dataclasses.replace(config, stop_ids=(answer[at],))
     )
     assert stopped.stats.blocks == 2
     assert stopped.token_ids[0] == answer[:at]
@@ -296,34 +309,34 @@ def test_a_predicted_mask_token_keeps_the_position_masked(tmp_path):
         assert MASK_ID in out.token_ids[0] and "kept the mask id" in out.notes[0]
 
 
-def test_sampling_follows_the_seed(llada2_model):
+def test_sampling_follows_the_seed(llada2_small):
     config = _config(decoder="threshold", temperature=1.5, stop_ids=(127,))
-    a = djax.generate(llada2_model, PROMPTS[:2], config)
-    b = djax.generate(llada2_model, PROMPTS[:2], config)
-    c = djax.generate(llada2_model, PROMPTS[:2], dataclasses.replace(config, seed=1))
-    greedy = djax.generate(llada2_model, PROMPTS[:2], dataclasses.replace(config, temperature=0))
+    a = djax.generate(llada2_small, PROMPTS[:2], config)
+    b = djax.generate(llada2_small, PROMPTS[:2], config)
+    c = djax.generate(llada2_small, PROMPTS[:2], dataclasses.replace(config, seed=1))
+    greedy = djax.generate(llada2_small, PROMPTS[:2], dataclasses.replace(config, temperature=0))
     np.testing.assert_array_equal(a.answer_ids, b.answer_ids)
     assert (a.answer_ids != c.answer_ids).any() and (a.answer_ids != greedy.answer_ids).any()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.5])
-def test_chunked_logits_give_the_same_tokens(llada2_model, temperature):
+def test_chunked_logits_give_the_same_tokens(llada2_small, temperature):
     """Block diffusion's logits made 40 ids at a time: the whole vocabulary's tokens."""
     config = _config(decoder="threshold", temperature=temperature, stop_ids=(127,))
     whole, chunked = (
-        djax.generate(llada2_model, PROMPTS[:2], dataclasses.replace(config, logits_chunk=c))
+        djax.generate(llada2_small, PROMPTS[:2], dataclasses.replace(config, logits_chunk=c))
         for c in (0, 40)
     )
     np.testing.assert_array_equal(chunked.answer_ids, whole.answer_ids)
 
 
 @pytest.mark.parametrize("decoder", ["random", "factor", "hierarchy"])
-def test_other_decoders_fill_every_block(llada2_model, decoder):
+def test_other_decoders_fill_every_block(llada2_small, decoder):
     """Each decoder under the block cache; `random` also without it (a decoder reads only
     the logits, whichever forwards made them)."""
     config = _config(decoder=decoder, stop_ids=(127,), factor=2.0, threshold=0.5)
     for cache in ("dual", "none") if decoder == "random" else ("dual",):
-        out = djax.generate(llada2_model, PROMPTS[:2], dataclasses.replace(config, cache=cache))
+        out = djax.generate(llada2_small, PROMPTS[:2], dataclasses.replace(config, cache=cache))
         assert out.answer_ids.shape == (2, 20) and not out.notes
         if cache == "none":  # whole-sequence forwards
             assert out.stats.refreshes == out.stats.forwards
@@ -347,10 +360,12 @@ def test_generation_refusals(llada2_model, change, message):
 
 @pytest.fixture(scope="module")
 def llada2_tp_folder(tmp_path_factory):
-    """8 heads over 4 kv heads, with the attention output bias."""
+    """8 heads over 4 kv heads, with the attention output bias; two layers (the dense one
+    and an MoE one: each kind split over the mesh, a third layer would only lengthen each
+    compile)."""
     folder = tmp_path_factory.mktemp("llada2_tp")
     config = {**TINY, "num_attention_heads": 8, "num_key_value_heads": 4, "use_bias": True}
-    make_llada2(folder, config, seed=6)
+    make_llada2(folder, config | {"num_hidden_layers": 2}, seed=6)
     return folder
 
 
@@ -439,10 +454,10 @@ def _served(model, config, scheduler):
 
 
 @pytest.fixture(scope="module")
-def tokens_alone(llada2_model):
+def tokens_alone(llada2_small):
     """The tokens `djax.generate` gives each of `SERVED` alone (4 steps a block; the first
     block holds the prompt's tail), with the dual cache: without a cache block diffusion
-    gives the same tokens (`test_generation_matches_the_reference`)."""
+    gives the same tokens (`test_generation_matches_the_reference`, on the three layers)."""
     config = _config(decoder="low_confidence", stop_ids=(EOS_ID,), cache="dual")
     tokens = []
     for prompt, max_tokens, temperature, seed in SERVED:
@@ -450,20 +465,22 @@ def tokens_alone(llada2_model):
         alone = dataclasses.replace(
             config, gen_length=max_tokens, steps=4 * blocks, temperature=temperature, seed=seed
         )
-        tokens.append(djax.generate(llada2_model, [prompt], alone).token_ids[0])
+        tokens.append(djax.generate(llada2_small, [prompt], alone).token_ids[0])
+    ends = {len(t) < n for t, (_, n, _, _) in zip(tokens, SERVED, strict=True)}
+    assert ends == {True, False}  # requests that stop early and that run to max_tokens
     return tokens
 
 
 @pytest.mark.parametrize("scheduler, cache", [("continuous", "dual"), ("static", "none")])
 def test_the_server_gives_each_request_its_tokens_alone(
-    llada2_model, tokens_alone, scheduler, cache
+    llada2_small, tokens_alone, scheduler, cache
 ):
     """`djax serve` decodes a block-diffusion family by block diffusion: requests whose
     prompts end inside a block, at a boundary or short of one, with mixed max_tokens and
     one sampled, arriving while others run, get the tokens `djax.generate` gives each alone
     (`tokens_alone`)."""
     config = _config(decoder="low_confidence", steps=12, stop_ids=(EOS_ID,), cache=cache)
-    events = _served(llada2_model, config, scheduler)
+    events = _served(llada2_small, config, scheduler)
     for i, (prompt, max_tokens, _, _) in enumerate(SERVED):
         alone = tokens_alone[i]
         got = [t for e in events[f"r{i}"][:-1] for t in e.token_ids]

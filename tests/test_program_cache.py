@@ -26,8 +26,8 @@ def _setup(model, rows=ROWS, config=CONFIG):
     )
 
 
-def _tokens(lowered, model, plan, rows=ROWS):
-    args = engine.program_args(model, plan, rows, CONFIG)  # fresh: the program donates rows
+def _tokens(lowered, model, plan, rows=ROWS, config=CONFIG):
+    args = engine.program_args(model, plan, rows, config)  # fresh: the program donates rows
     return np.asarray(lowered.compile()(*args)["tokens"])
 
 
@@ -77,16 +77,21 @@ def test_engine_keys_programs_by_module_options(tmp_path, monkeypatch):
     make_llada_moe(tmp_path / "moe", expert_hidden=64, dense_layers=(0,), seed=2)
     moe_model = djax.load(tmp_path / "moe", dtype=jnp.bfloat16)
     monkeypatch.setattr(engine, "programs_folder", lambda: str(tmp_path / "programs"))
-    plan, _ = _setup(moe_model)
+    # one block of 2 steps (a refresh, then a block forward): the interpreted expert tiles'
+    # runtime is most of this test's
+    config = djax.GenerationConfig(
+        gen_length=8, block_length=8, steps=2, decoder="low_confidence", cache="dual"
+    )
+    plan, _ = _setup(moe_model, config=config)
     tokens, texts = [], []
     for impl in ("xla", "mosaic"):
         model = moe_model.with_options(moe_impl=impl)
-        args = engine.program_args(model, plan, ROWS, CONFIG)
+        args = engine.program_args(model, plan, ROWS, config)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the interpreted kernels' export
             lowered = engine.lower(model, plan, args)
         texts.append(lowered.as_text())
-        tokens.append(_tokens(lowered, model, plan))
+        tokens.append(_tokens(lowered, model, plan, config=config))
     assert texts[0] != texts[1]  # the second did not read the first's saved program
     programs_saved = tmp_path / "programs" / program_cache.FOLDER
     assert len(list(programs_saved.glob("*.jax_exported"))) == 1

@@ -45,6 +45,18 @@ def dense4(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def moe2(tmp_path_factory):
+    """LLaDA-MoE (8 heads, 8 experts top-2) of two layers: the dense layer 0 and an MoE
+    layer, each split over the mesh (conftest's third layer, another MoE one, would only
+    lengthen each compile). Returns the folder and the single-device model."""
+    from torch_reference import make_llada_moe
+
+    folder = tmp_path_factory.mktemp("moe2")
+    make_llada_moe(folder, dense_layers=(0,), n_layers=2, head_scale=6.0, seed=2)
+    return folder, djax.load(folder, dtype=jnp.float32)
+
+
 def _ids():
     ids = np.random.default_rng(0).integers(4, 100, (2, 14))
     valid = np.ones_like(ids, bool)
@@ -99,13 +111,14 @@ def test_chunked_logits_under_tensor_parallel(dense4, temperature):
 
 
 @pytest.mark.parametrize("tp, ep", [(1, 2), (1, 8), (2, 1)])
-def test_expert_and_tensor_parallel_moe(moe_folder, moe_model, tp, ep):
+def test_expert_and_tensor_parallel_moe(moe2, tp, ep):
     """Logits, then tokens: one decoder per cache mode at EP 2; at EP 8 and TP 2 the dual
     cache's (its whole-sequence refresh and block forwards reach the experts as every mode's
     forwards do; the other modes differ in attention, which EP 2 and the dense TP test
     cover)."""
+    folder, moe_model = moe2
     mesh = make_mesh(tensor_parallel=tp, expert_parallel=ep)
-    sharded = djax.load(moe_folder[0], dtype=jnp.float32, mesh=mesh)
+    sharded = djax.load(folder, dtype=jnp.float32, mesh=mesh)
     gate_up = sharded.params["ff_1"]["gate_up"].addressable_shards[0].data.shape
     assert gate_up == ((8 // ep, 64, 2, 32) if ep > 1 else (8, 64, 2, 32 // tp))
     ids, valid = _ids()
