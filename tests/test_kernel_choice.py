@@ -174,11 +174,21 @@ def test_moe_choice():
     for weights in ("dtype", "fp8"):
         choice = _choice(config=LLADA_MOE, weights=weights)
         assert choice.block.layers.moe == choice.refresh.layers.moe == "mosaic"
+        # a block's 32 tokens fit one row tile: every token through each routed expert
+        assert (choice.block.layers.expert_rows, choice.refresh.layers.expert_rows) == (
+            "tokens",
+            "pairs",
+        )
+    fp8_mosaic = _choice(KernelOptions(fp8_impl="mosaic"), config=LLADA_MOE, weights="fp8")
+    assert fp8_mosaic.block.layers.moe == "fp8_mosaic"
+    assert fp8_mosaic.block.layers.expert_rows == "tokens"
+    assert fp8_mosaic.refresh.layers.expert_rows == "pairs"
     assert _choice(config=LLADA_MOE).block.layers.qkv == "rope"  # 16 kv heads x 3 CTAs
     blackwell = Device("gpu", (10, 0), 227 * 1024)  # no WGMMA
     for device in (AMPERE, CPU, blackwell):
         choice = _choice(config=LLADA_MOE, device=device)
         assert (choice.block.layers.moe, choice.refresh.layers.moe) == ("grouped", "dense")
+        assert choice.block.layers.expert_rows == "pairs"  # a layout of the tiles only
     narrow = _choice(config=LLADA_MOE.replace(expert_hidden=48)).block.layers
     assert narrow.moe == "grouped"
     mosaic = KernelOptions(moe_impl="mosaic")

@@ -21,7 +21,8 @@ Prints, per token count, each path's device µs per call summed over its kernels
 largest kernels (`kernel_us`: a profiler trace of 20 calls), LLaDA-MoE's expert shapes,
 spread routing: the expert tiles and XLA's grouped path on bf16 weights, the fp8 x fp8
 expert tiles on e4m3 weights held K-major (`fp8 mosaic`: what sets its glue apart from
-bf16's), and with `--paths router` the router alone.
+bf16's), both tiles' paths in the every-token layout of a block forward (`... tokens`:
+`experts_by_token`, at most 64 tokens), and with `--paths router` the router alone.
 
 With `--loop N` it also prints each path's wall µs per call inside one compiled loop of N
 calls (djax's XLA options: the loop runs as a CUDA graph, as a generation's does, so the
@@ -29,7 +30,7 @@ figure holds the gaps between kernels that the kernels' sum leaves out); with `-
 it writes each path's compiled program to DIR, naming the fusions the trace lists.
 
     python -m bench.probes.expert_glue [--tokens 32 384] [--paths mosaic xla "fp8 mosaic"
-        router] [--top 8] [--loop 50] [--hlo DIR] [--tiny]
+        "mosaic tokens" "fp8 mosaic tokens" router] [--top 8] [--loop 50] [--hlo DIR] [--tiny]
 """
 
 from __future__ import annotations
@@ -47,7 +48,13 @@ from bench.common import model_config, spread_routing
 from bench.kernels.timing import kernel_us
 from djax.kernels.tma_ring import ROW_ALIGN
 from djax.models import fp8
-from djax.models.llada_moe import experts_grouped, fp8_mosaic_mlp, mosaic_mlp, route
+from djax.models.llada_moe import (
+    experts_by_token,
+    experts_grouped,
+    fp8_mosaic_mlp,
+    mosaic_mlp,
+    route,
+)
 from djax.xla_options import compiler_options
 
 # name: (the routed-expert path, the weights it takes: bf16, or fp8 held K-major)
@@ -58,7 +65,11 @@ PATHS = {
         functools.partial(experts_grouped, mlp=fp8_mosaic_mlp, align=ROW_ALIGN),
         "fp8_k_major",
     ),
+    # every token through each routed expert (a block's layout: at most 64 tokens)
+    "mosaic tokens": (functools.partial(experts_by_token, mlp=mosaic_mlp), "bf16"),
+    "fp8 mosaic tokens": (functools.partial(experts_by_token, mlp=fp8_mosaic_mlp), "fp8_k_major"),
 }
+TOKEN_PATHS_MAX = 64  # the most tokens the every-token paths take (one row tile)
 
 
 def k_major_fp8(gate_up, down) -> tuple:
@@ -104,7 +115,7 @@ def main() -> None:
     gate_up = (jax.random.normal(keys[0], (e, m, 2, f)) / np.sqrt(m)).astype(jnp.bfloat16)
     down = (jax.random.normal(keys[1], (e, f, m)) / np.sqrt(f)).astype(jnp.bfloat16)
     weights_by_form = {"bf16": (gate_up, down)}
-    if "fp8 mosaic" in args.paths:
+    if any(PATHS[p][1] == "fp8_k_major" for p in args.paths if p in PATHS):
         if m % 128 or f % 128:
             raise SystemExit(
                 f"bench: 'fp8 mosaic' takes model and expert widths that are multiples of 128; "
@@ -120,7 +131,7 @@ def main() -> None:
         if "router" in args.paths:  # the router alone: its product, softmax and top-k
             runs["router"] = (routing, (x, router, None, k, False))
         for name in args.paths:
-            if name in PATHS:
+            if name in PATHS and not (name.endswith(" tokens") and n > TOKEN_PATHS_MAX):
                 path, form = PATHS[name]
                 runs[name] = (jax.jit(path), (x, weights, experts, *weights_by_form[form], 0))
         for name, (fn, fn_args) in runs.items():

@@ -155,6 +155,35 @@ def row_tiles(group_sizes: Array, block_m: int, n_tiles: int) -> tuple[Array, Ar
     return group, jnp.where(used, first_row, 0), jnp.where(used, rows, 0)
 
 
+def pair_table(aligned_sizes: Array, block_m: int, rows: int) -> Array:
+    """The tile table [4 n_tiles] int32 of `rows` rows in the aligned layout of groups of
+    `aligned_sizes` [groups] (multiples of 8): `row_tiles`' tiles (`max_tiles` of them),
+    each reading x from its first row and writing the output from the same row. Rows:
+    each tile's group, then its first row of x, its first row of the output, its rows."""
+    n_tiles = max_tiles(rows, aligned_sizes.shape[0], block_m)
+    group, first, n_rows = row_tiles(aligned_sizes, block_m, n_tiles)
+    return jnp.concatenate([group, first, first, n_rows])
+
+
+def token_table(routed: Array, tokens: int, block_m: int, from_tokens: bool) -> Array:
+    """The tile table [4 groups] int32 (as `pair_table`'s) of the every-token layout: one
+    tile a group, holding all `tokens` rows (rounded up to 8, at most `block_m`) from output
+    row `g * block_m`, where `routed[g]` (no rows elsewhere). x is read `from_tokens` (row
+    0: the tokens themselves) or from the tile's output row (a product in this layout).
+
+    routed: [groups] bool, whether any token goes to each group."""
+    if tokens > block_m:
+        raise ValueError(
+            f"expert_tiles_mosaic: {tokens} tokens in row tiles of {block_m}; the every-token "
+            "layout holds a group's tokens in one tile"
+        )
+    group = jnp.arange(routed.shape[0], dtype=jnp.int32)
+    first = group * block_m
+    x_row = jnp.zeros_like(first) if from_tokens else first
+    n_rows = jnp.where(routed, -(-tokens // ROW_ALIGN) * ROW_ALIGN, 0).astype(jnp.int32)
+    return jnp.concatenate([group, x_row, first, n_rows])
+
+
 def _silu_times(gate: Array, up: Array) -> Array:
     """`silu(gate) * up` in fp32, written with the ops Mosaic GPU lowers."""
     return gate / (1.0 + jnp.exp(-gate)) * up
@@ -226,13 +255,14 @@ DTYPE, CONVERTED, FP8_PRODUCT = "dtype", "converted", "fp8"
 def _kernel(
     *refs, tiles, steps, n, n_tiles, column_tiles, gated, form, out_fp8, x_slices, interpreting
 ):
-    """One CTA: one (row tile, column tile). Refs in order: the tile table [3 n_tiles]
-    int32 of the aligned layout (each tile's group, then first rows, then rows); x [rows, k]
-    (aligned rows; e4m3 under `FP8_PRODUCT`); w [groups, k, 2n] (`gated`: gate columns,
-    then up columns) or [groups, k, n], K-major under `FP8_PRODUCT` ([groups, 2n or n, k]);
+    """One CTA: one (row tile, column tile). Refs in order: the tile table [4 n_tiles]
+    int32 (each tile's group, then its first row of x, its first row of the output, its
+    rows: `pair_table`, `token_table`); x [rows, k] (e4m3 under `FP8_PRODUCT`); w [groups,
+    k, 2n] (`gated`: gate columns, then up columns) or [groups, k, n], K-major under
+    `FP8_PRODUCT` ([groups, 2n or n, k]);
     under `FP8_PRODUCT` the rows' scales, [1, rows] fp32, or with `x_slices` one row of
     scales per slice of `fp8_matmul_mosaic.SLICE` columns [x_slices, rows]; under
-    `CONVERTED` and `FP8_PRODUCT` the columns' scales [groups, 2n or n] fp32; out [rows, n]
+    `CONVERTED` and `FP8_PRODUCT` the columns' scales [groups, 2n or n] fp32; out [out rows, n]
     (with `out_fp8` e4m3, then its scales [n / block_n, rows] fp32: each column tile's rows
     quantised on their own). Scratch: the ring's, the output tile, then under `CONVERTED`
     the converted weight slots, under `FP8_PRODUCT` the rows' scale tile [1 or x_slices,
@@ -252,12 +282,14 @@ def _kernel(
     out_scale_smem = rest.pop() if out_fp8 else None
     cta = jax.lax.axis_index("cta")
     tile, column_tile = cta // column_tiles, cta % column_tiles
-    group, n_rows = table_gmem[tile], table_gmem[2 * n_tiles + tile]
-    first = pl.multiple_of(table_gmem[n_tiles + tile], ROW_ALIGN)  # true in the aligned layout
+    group, n_rows = table_gmem[tile], table_gmem[3 * n_tiles + tile]
+    # multiples of 8 in both layouts (`pair_table`, `token_table`)
+    x_row = pl.multiple_of(table_gmem[n_tiles + tile], ROW_ALIGN)
+    first = pl.multiple_of(table_gmem[2 * n_tiles + tile], ROW_ALIGN)
     start = column_tile * tiles.block_n
     cols = pl.ds(start, tiles.block_n)
     offsets = [start, n + start] if gated else [start]
-    rows = pl.ds(first, tiles.rows)
+    rows = pl.ds(x_row, tiles.rows)
 
     def w_tile(ks, offset):
         if form == FP8_PRODUCT:
@@ -283,7 +315,7 @@ def _kernel(
                 )
         if form == FP8_PRODUCT:  # the scales of the slot's 64 rows (past the end: zeros)
             plgpu.copy_gmem_to_smem(
-                row_scale_gmem.at[:, pl.ds(first, ROW_TILE)], row_scale_smem, scale_bar.at[weights]
+                row_scale_gmem.at[:, pl.ds(x_row, ROW_TILE)], row_scale_smem, scale_bar.at[weights]
             )
         if x_slices:
             slice_scales = tma_ring.SliceScales(
@@ -355,7 +387,9 @@ def grouped_matmul(
         raise ValueError(f"expert_tiles_mosaic.grouped_matmul: x {x.shape}; expected [pairs, k]")
     position, source, aligned = aligned_layout(group_sizes, x.shape[0])
     tiles = tiles or default_tiles_for(scale is not None)(x.shape[0], x.shape[1], w.shape[-1])
-    return _aligned_product(x[source], w, aligned, scale, tiles, interpret)[position]
+    rows = source.shape[0]
+    table = pair_table(aligned, tiles.rows, rows)
+    return _product(x[source], w, table, rows, scale, tiles, interpret)[position]
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "dtype", "interpret"))
@@ -385,35 +419,36 @@ def grouped_matmul_fp8(
         )
     position, source, aligned = aligned_layout(group_sizes, xq.shape[0])
     tiles = tiles or fp8_tiles_for(xq.shape[0], xq.shape[1], w_t.shape[-2])
-    out = _aligned_fp8_product(
-        xq[source], x_scale[source], w_t, w_scale, aligned, tiles, dtype, interpret
+    rows = source.shape[0]
+    table = pair_table(aligned, tiles.rows, rows)
+    out = _fp8_product(
+        xq[source], x_scale[source], w_t, w_scale, table, rows, tiles, dtype, interpret
     )
     return out[position]
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def _aligned_product(
+@functools.partial(jax.jit, static_argnames=("out_rows", "tiles", "interpret"))
+def _product(
     x: Array,
     w: Array,
-    aligned_sizes: Array,
+    table: Array,
+    out_rows: int,
     scale: Array | None,
     tiles: Tiles,
     interpret: bool | None,
 ) -> Array:
-    """`grouped_matmul` on rows x [rows, k] in the aligned layout (`aligned_layout`) of
-    groups of `aligned_sizes` [groups] (multiples of 8); returns [rows, n] in that layout,
-    the padding rows and the rows past the groups holding anything."""
+    """`grouped_matmul` on rows x [rows, k] over the tile table `table` (`pair_table`,
+    `token_table`) into [out_rows, n], the rows no tile writes holding anything."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     name = "expert_tiles_mosaic.grouped_matmul"
     rows, k = x.shape
     groups, n, gated = w.shape[0], w.shape[-1], w.ndim == 4
     expected = (groups, k, 2, n) if gated else (groups, k, n)
-    if w.shape != expected or aligned_sizes.shape != (groups,) or not tma_ring.fits(k, n):
+    if w.shape != expected or not tma_ring.fits(k, n):
         raise ValueError(
-            f"{name}: x {x.shape}, w {w.shape}, group_sizes {aligned_sizes.shape}; expected w "
-            f"[groups, {k}, 2, n] or [groups, {k}, n], group_sizes [groups] and {k} and n "
-            "multiples of 64"
+            f"{name}: x {x.shape}, w {w.shape}; expected w [groups, {k}, 2, n] or "
+            f"[groups, {k}, n] and {k} and n multiples of 64"
         )
     scaled = scale is not None
     if scaled:
@@ -452,22 +487,25 @@ def _aligned_product(
         ]
     ring = tma_ring.ring_scratch(tiles, x.dtype, weights, w.dtype)
     form = CONVERTED if scaled else DTYPE
-    return _launch(form, inputs, aligned_sizes, ring, scratch, tiles, n, gated, x.dtype, interpret)
+    return _launch(
+        form, inputs, table, out_rows, ring, scratch, tiles, n, gated, x.dtype, interpret
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "dtype", "interpret"))
-def _aligned_fp8_product(
+@functools.partial(jax.jit, static_argnames=("out_rows", "tiles", "dtype", "interpret"))
+def _fp8_product(
     xq: Array,
     x_scale: Array,
     w_t: Array,
     w_scale: Array,
-    aligned_sizes: Array,
+    table: Array,
+    out_rows: int,
     tiles: Tiles,
     dtype,
     interpret: bool | None,
 ) -> Array | tuple[Array, Array]:
-    """`grouped_matmul_fp8` on rows xq [rows, k] in the aligned layout of groups of
-    `aligned_sizes` (as `_aligned_product`), their scales x_scale [rows] (per row) or
+    """`grouped_matmul_fp8` on rows xq [rows, k] over the tile table `table` into
+    `out_rows` rows (as `_product`), their scales x_scale [rows] (per row) or
     [k / SLICE, rows] (per slice of `fp8_matmul_mosaic.SLICE` columns,
     `fp8_matmul_mosaic.quantize_slices`). `dtype` e4m3 (a gated product, 128-column
     tiles): the output quantised per row of each column tile, as (values [rows, n] e4m3,
@@ -488,10 +526,10 @@ def _aligned_fp8_product(
     fp8_matmul_mosaic.check_operands(name, xq, row_scale, w_t, w_scale, out_dtype)
     groups, n, gated = w_t.shape[0], w_t.shape[-2], w_t.ndim == 4
     expected = (groups, 2, n, k) if gated else (groups, n, k)
-    if w_t.shape != expected or aligned_sizes.shape != (groups,):
+    if w_t.shape != expected:
         raise ValueError(
-            f"{name}: xq {xq.shape}, w_t {w_t.shape}, group_sizes {aligned_sizes.shape}; "
-            f"expected w_t [groups, 2, n, {k}] or [groups, n, {k}] and group_sizes [groups]"
+            f"{name}: xq {xq.shape}, w_t {w_t.shape}; expected w_t [groups, 2, n, {k}] or "
+            f"[groups, n, {k}]"
         )
     if tiles.splits != 1:
         raise ValueError(f"{tiles}: the expert products take splits=1")
@@ -526,7 +564,8 @@ def _aligned_fp8_product(
     return _launch(
         FP8_PRODUCT,
         inputs,
-        aligned_sizes,
+        table,
+        out_rows,
         ring,
         scratch,
         tiles,
@@ -539,19 +578,18 @@ def _aligned_fp8_product(
 
 
 def _launch(
-    form, inputs, aligned_sizes, ring, scratch, tiles, n, gated, dtype, interpret, x_slices=0
+    form, inputs, table, rows, ring, scratch, tiles, n, gated, dtype, interpret, x_slices=0
 ):
     """The kernel of `form` on `inputs` (x, w, then the scales `_kernel` takes) over the
-    tile table of `aligned_sizes`, its scratch the `ring`, the output tile and `scratch`;
+    tile table `table` [4 n_tiles], its scratch the `ring`, the output tile and `scratch`;
     returns [rows, n] in `dtype`, or for e4m3 (values, their scales [n / block_n, rows]).
     `x_slices`: x's scales per contraction slice (`_kernel`)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    rows, k = inputs[0].shape
-    groups = aligned_sizes.shape[0]
-    n_tiles = max_tiles(rows, groups, tiles.rows)
-    # one operand: the tile's group, first row and rows at tile, n_tiles + tile, 2 n_tiles + tile
-    table = jnp.concatenate(row_tiles(aligned_sizes, tiles.rows, n_tiles))
+    k = inputs[0].shape[1]
+    if table.ndim != 1 or table.shape[0] % 4:
+        raise ValueError(f"expert_tiles_mosaic: tile table {table.shape}; expected [4 n_tiles]")
+    n_tiles = table.shape[0] // 4
     column_tiles = n // tiles.block_n
     out_fp8 = jnp.dtype(dtype) == FP8
     out_type = jax.ShapeDtypeStruct((rows, n), dtype)
@@ -608,14 +646,54 @@ def expert_mlp(
     default `tiles_for` each (`converted_tiles_for` for e4m3 weights).
     """
     _check_layout("expert_tiles_mosaic.expert_mlp", source_rows)
-    tokens, model = x.shape[0], gate_up.shape[1]
+    up_tiles, down_tiles = _mlp_tiles(
+        tiles, default_tiles_for(gate_up_scale is not None), x.shape[0], gate_up, down, False
+    )
+    rows = source_rows.shape[0]
+    tables = [pair_table(group_sizes, t.rows, rows) for t in (up_tiles, down_tiles)]
+    act = _product(x[source_rows], gate_up, tables[0], rows, gate_up_scale, up_tiles, interpret)
+    return _product(act, down, tables[1], rows, down_scale, down_tiles, interpret)
+
+
+def expert_mlp_every_token(
+    x: Array,
+    routed: Array,
+    gate_up: Array,
+    down: Array,
+    gate_up_scale: Array | None = None,
+    down_scale: Array | None = None,
+    tiles: tuple[Tiles, Tiles] | None = None,
+    interpret: bool | None = None,
+) -> Array:
+    """`expert_mlp`'s products in the every-token layout (`token_table`): each expert that
+    any token goes to runs all the tokens, read as they are (no gather), one row tile an
+    expert; its tokens' outputs land in rows of their own.
+
+    x: [tokens, model], tokens at most the tiles' rows (64 at most); routed: [experts] bool;
+    weights and `tiles` as `expert_mlp`'s, both tilings of the same rows. Returns [experts,
+    R, model], R the tiles' rows (`row_tile_for(tokens)` by default): expert e's output of
+    token t at [e, t]; the rest (t >= tokens, experts not routed) may hold anything.
+    """
+    up_tiles, down_tiles = _mlp_tiles(
+        tiles, default_tiles_for(gate_up_scale is not None), x.shape[0], gate_up, down, True
+    )
+    experts, block_m = gate_up.shape[0], up_tiles.rows
+    tokens, rows = x.shape[0], experts * block_m
+    tables = [token_table(routed, tokens, block_m, first) for first in (True, False)]
+    x = tma_ring.aligned_rows(x)
+    act = _product(x, gate_up, tables[0], rows, gate_up_scale, up_tiles, interpret)
+    out = _product(act, down, tables[1], rows, down_scale, down_tiles, interpret)
+    return out.reshape(experts, block_m, -1)
+
+
+def _mlp_tiles(tiles, default, tokens: int, gate_up: Array, down: Array, k_major: bool):
+    """The (gate/up, down) tiles: those given, else `default(tokens, k, n)` each, for
+    weights [experts, model, 2, ffn] and [experts, ffn, model], or `k_major` ones
+    [experts, 2, ffn, model] and [experts, model, ffn]."""
+    model = gate_up.shape[-1] if k_major else gate_up.shape[1]
+    ffn = gate_up.shape[-2] if k_major else gate_up.shape[-1]
     up_tiles, down_tiles = tiles or (None, None)
-    default = default_tiles_for(gate_up_scale is not None)
-    up_tiles = up_tiles or default(tokens, model, gate_up.shape[-1])
-    down_tiles = down_tiles or default(tokens, down.shape[1], model)
-    rows = x[source_rows]
-    act = _aligned_product(rows, gate_up, group_sizes, gate_up_scale, up_tiles, interpret)
-    return _aligned_product(act, down, group_sizes, down_scale, down_tiles, interpret)
+    return up_tiles or default(tokens, model, ffn), down_tiles or default(tokens, ffn, model)
 
 
 def _check_layout(name: str, source_rows: Array) -> None:
@@ -653,25 +731,56 @@ def expert_mlp_fp8(
     shapes, default `fp8_tiles_for` each.
     """
     _check_layout("expert_tiles_mosaic.expert_mlp_fp8", source_rows)
-    if len(x.shape) != 2:
-        raise ValueError(
-            f"expert_tiles_mosaic.expert_mlp_fp8: x {x.shape}; expected [tokens, model]"
-        )
-    tokens, model = x.shape
-    up_tiles, down_tiles = tiles or (None, None)
-    up_tiles = up_tiles or fp8_tiles_for(tokens, model, gate_up_t.shape[-2])
-    down_tiles = down_tiles or fp8_tiles_for(tokens, down_t.shape[-1], model)
-    rows = fp8_matmul_mosaic.quantized(x)  # per token: the pairs share its rows
-    act = _aligned_fp8_product(
-        rows.values[source_rows],
-        rows.scale[source_rows],
+    rows = source_rows.shape[0]
+    tokens = _fp8_rows("expert_tiles_mosaic.expert_mlp_fp8", x)
+    up_tiles, down_tiles = _mlp_tiles(
+        tiles, fp8_tiles_for, tokens.shape[0], gate_up_t, down_t, True
+    )
+    tables = [pair_table(group_sizes, t.rows, rows) for t in (up_tiles, down_tiles)]
+    act = _fp8_product(
+        tokens.values[source_rows],
+        tokens.scale[source_rows],
         gate_up_t,
         gate_up_scale,
-        group_sizes,
+        tables[0],
+        rows,
         up_tiles,
         FP8,  # quantised per row of each 128-column tile, as the down product takes it
         interpret,
     )
-    return _aligned_fp8_product(
-        *act, down_t, down_scale, group_sizes, down_tiles, x.dtype, interpret
+    return _fp8_product(*act, down_t, down_scale, tables[1], rows, down_tiles, x.dtype, interpret)
+
+
+def expert_mlp_fp8_every_token(
+    x: Array | QuantizedRows,
+    routed: Array,
+    gate_up_t: Array,
+    gate_up_scale: Array,
+    down_t: Array,
+    down_scale: Array,
+    tiles: tuple[Tiles, Tiles] | None = None,
+    interpret: bool | None = None,
+) -> Array:
+    """`expert_mlp_fp8`'s products in the every-token layout of `expert_mlp_every_token`
+    (its arguments and result; the weights and x as `expert_mlp_fp8`'s)."""
+    tokens = _fp8_rows("expert_tiles_mosaic.expert_mlp_fp8_every_token", x)
+    up_tiles, down_tiles = _mlp_tiles(
+        tiles, fp8_tiles_for, tokens.shape[0], gate_up_t, down_t, True
     )
+    experts, block_m = gate_up_t.shape[0], up_tiles.rows
+    rows = experts * block_m
+    tables = [token_table(routed, tokens.shape[0], block_m, first) for first in (True, False)]
+    values = tma_ring.aligned_rows(tokens.values)
+    scale = tma_ring.aligned_rows(tokens.scale[:, None])[:, 0]
+    act = _fp8_product(
+        values, scale, gate_up_t, gate_up_scale, tables[0], rows, up_tiles, FP8, interpret
+    )
+    out = _fp8_product(*act, down_t, down_scale, tables[1], rows, down_tiles, x.dtype, interpret)
+    return out.reshape(experts, block_m, -1)
+
+
+def _fp8_rows(name: str, x: Array | QuantizedRows) -> QuantizedRows:
+    """x [tokens, model] as e4m3 rows with a scale per row (as they are where quantised)."""
+    if len(x.shape) != 2:
+        raise ValueError(f"{name}: x {x.shape}; expected [tokens, model]")
+    return fp8_matmul_mosaic.quantized(x)  # per token: the pairs share its rows

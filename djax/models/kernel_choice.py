@@ -44,7 +44,11 @@ WGMMA). Rules of `auto`:
   (`sparse_attention.attend_kept`).
 - The MoE experts: the expert tiles (`moe="mosaic"`, `expert_tiles_mosaic`; 16-bit or fp8
   weights) where the model and local expert widths are multiples of 64, in every forward
-  (their row tiles follow the experts: no row limit); else XLA's path, which sorts
+  (their row tiles follow the experts: no row limit); in forwards of at most
+  `tma_ring.ROW_TILE` token rows every token runs through each expert any of them goes to
+  (`expert_rows="tokens"`: one row tile an expert, which costs what its pairs' rows cost,
+  with no layout of the pairs around the kernels), in longer ones the pairs laid out by
+  expert (`pairs`); else XLA's path, which sorts
   token-expert pairs into groups (`ragged_dot`) up to `GROUPED_EXPERTS_MAX_TOKENS` tokens
   per forward and runs every expert on every token above it (XLA lowers `ragged_dot` to a
   dense product over every group).
@@ -174,7 +178,9 @@ class Kernels:
     experts, `dense`, `grouped`, `mosaic` (`expert_tiles_mosaic`, 16-bit weights or fp8
     ones converted in the kernel) or `fp8_mosaic` (K-major fp8 weights by fp8 x fp8 WGMMA,
     `expert_tiles_mosaic.expert_mlp_fp8`); `resolve` says `none` for a model without
-    experts.
+    experts. expert_rows: the rows the expert tiles (`mosaic`, `fp8_mosaic`) run, `pairs`
+    (the token-expert pairs laid out by expert, `llada_moe.experts_grouped`) or `tokens`
+    (every token through each expert any token goes to, `llada_moe.experts_by_token`).
     fp8: how XLA's products take fp8 weights, `dequant` or `scaled` (`djax.models.fp8`),
     `no` for weights in the model's dtype; the parts above that say `fp8_mosaic` or
     `mosaic` (moe), take them in Mosaic GPU instead."""
@@ -189,6 +195,7 @@ class Kernels:
     norm_into_mlp: str = "no"
     norm_into_fp8: bool = False
     moe: str = "dense"
+    expert_rows: str = "pairs"
     fp8: str = "no"
 
 
@@ -442,6 +449,11 @@ class _Rule:
         ):
             into_mlp = "no"
         norm = self._norm()
+        moe = self._moe(rows) if cfg.is_moe else "none"
+        # The expert tiles hold up to ROW_TILE rows: forwards of as many tokens run each
+        # expert's tile on all of them (the same products, no layout of the pairs).
+        tiled = moe in ("mosaic", "fp8_mosaic") and rows <= tma_ring.ROW_TILE
+        expert_rows = "tokens" if tiled else "pairs"
         return Kernels(
             attention=self._attention(refresh),
             qkv=qkv,
@@ -453,7 +465,8 @@ class _Rule:
             norm_into_mlp=into_mlp,
             # the products after the per-row norms (q/k/v, a dense MLP's gate/up) are fp8
             norm_into_fp8=fp8_mosaic and norm == "mosaic",
-            moe=self._moe(rows) if cfg.is_moe else "none",
+            moe=moe,
+            expert_rows=expert_rows,
             fp8=self._fp8(),
         )
 

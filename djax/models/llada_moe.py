@@ -168,7 +168,7 @@ def ragged_mlp(
 
 def mosaic_mlp(
     x: Array,
-    source_rows: Array,
+    source_rows: Array | None,
     gate_up: fp8.Weight,
     down: fp8.Weight,
     group_sizes: Array,
@@ -178,29 +178,30 @@ def mosaic_mlp(
     `align=ROW_ALIGN`), through the Mosaic GPU expert-tile kernels
     (`expert_tiles_mosaic.expert_mlp`, at its (gate/up, down) `tiles`, default `tiles_for`),
     `Fp8Weight`s given to them as values and scales (in their own layout: K-major ones,
-    as `fp8_impl="mosaic"` holds them, run in `fp8_mosaic_mlp`; a ValueError here)."""
+    as `fp8_impl="mosaic"` holds them, run in `fp8_mosaic_mlp`; a ValueError here).
+    `source_rows` None: every token through each expert whose group size is not 0, in
+    the every-token layout (`expert_tiles_mosaic.expert_mlp_every_token`: [experts, R,
+    model])."""
     if any(isinstance(w, fp8.Fp8Weight) and w.k_major for w in (gate_up, down)):
         raise ValueError(
             "moe='mosaic' takes fp8 expert weights in their own layout; got K-major ones (a "
             "model loaded with fp8_impl='mosaic' runs its experts in moe='fp8_mosaic')"
         )
+    scales = ()
     if isinstance(gate_up, fp8.Fp8Weight) and isinstance(down, fp8.Fp8Weight):
-        return expert_tiles_mosaic.expert_mlp(
-            x,
-            source_rows,
-            gate_up.values,
-            down.values,
-            group_sizes,
-            gate_up.scale,
-            down.scale,
-            tiles=tiles,
+        gate_up, down, scales = gate_up.values, down.values, (gate_up.scale, down.scale)
+    if source_rows is None:
+        return expert_tiles_mosaic.expert_mlp_every_token(
+            x, group_sizes > 0, gate_up, down, *scales, tiles=tiles
         )
-    return expert_tiles_mosaic.expert_mlp(x, source_rows, gate_up, down, group_sizes, tiles=tiles)
+    return expert_tiles_mosaic.expert_mlp(
+        x, source_rows, gate_up, down, group_sizes, *scales, tiles=tiles
+    )
 
 
 def fp8_mosaic_mlp(
     x: Array | QuantizedRows,
-    source_rows: Array,
+    source_rows: Array | None,
     gate_up: fp8.Weight,
     down: fp8.Weight,
     group_sizes: Array,
@@ -209,7 +210,9 @@ def fp8_mosaic_mlp(
     """`mosaic_mlp`'s contract by fp8 x fp8 WGMMA (`expert_tiles_mosaic.expert_mlp_fp8`, at
     its (gate/up, down) `tiles`, default `fp8_tiles_for`): K-major `Fp8Weight`s (a model
     loaded with `fp8_impl="mosaic"`), the rows quantised per row (or as the norm quantised
-    them, `QuantizedRows`); a ValueError for other weights."""
+    them, `QuantizedRows`); a ValueError for other weights. `source_rows` None: the
+    every-token layout (`expert_tiles_mosaic.expert_mlp_fp8_every_token`), as
+    `mosaic_mlp`'s."""
     for w in (gate_up, down):
         if not isinstance(w, fp8.Fp8Weight) or not w.k_major:
             raise ValueError(
@@ -217,16 +220,12 @@ def fp8_mosaic_mlp(
                 f"fp8_impl='mosaic'); got {type(w).__name__} {w.shape}"
                 + (" in its own layout" if isinstance(w, fp8.Fp8Weight) else "")
             )
-    return expert_tiles_mosaic.expert_mlp_fp8(
-        x,
-        source_rows,
-        gate_up.values,
-        gate_up.scale,
-        down.values,
-        down.scale,
-        group_sizes,
-        tiles=tiles,
-    )
+    weights = (gate_up.values, gate_up.scale, down.values, down.scale)
+    if source_rows is None:
+        return expert_tiles_mosaic.expert_mlp_fp8_every_token(
+            x, group_sizes > 0, *weights, tiles=tiles
+        )
+    return expert_tiles_mosaic.expert_mlp_fp8(x, source_rows, *weights, group_sizes, tiles=tiles)
 
 
 def experts_grouped(
@@ -259,6 +258,39 @@ def experts_grouped(
     # `.at[token].add`) are slower.
     y = mlp(x, pair // top_k, gate_up, down, group_sizes)[position].reshape(n, top_k, d_model)
     y = jnp.where(is_local[..., None], y, 0)  # rows outside every group may hold anything
+    pair_weight = jnp.where(is_local, weights, 0.0).astype(x.dtype)
+    return jnp.einsum("nk,nkm->nm", pair_weight, y, preferred_element_type=jnp.float32).astype(
+        x.dtype
+    )
+
+
+def experts_by_token(
+    x: Array | QuantizedRows,
+    weights: Array,
+    experts: Array,
+    gate_up: Array,
+    down: Array,
+    first_expert: Any,
+    mlp: Callable[..., Array] = mosaic_mlp,
+) -> Array:
+    """`experts_grouped`'s result with no layout of the pairs: each local expert that any
+    token goes to runs every token (`mlp` with `source_rows` None and each expert's count
+    of pairs as its group size: `mosaic_mlp`, `fp8_mosaic_mlp`), and each pair's output is
+    read back at (its expert, its token). For forwards whose tokens fit one row tile of
+    the kernels (a block's): the tile's products cost what the expert's pairs alone cost.
+
+    Same arguments and result as `experts_grouped`; pairs routed to experts on other
+    devices get zero weight.
+    """
+    n, top_k = experts.shape
+    n_local, d_model = gate_up.shape[0], x.shape[-1]
+    local = experts - first_expert
+    is_local = (local >= 0) & (local < n_local)  # [n, top_k]
+    counts = jnp.sum(local.reshape(-1, 1) == jnp.arange(n_local), axis=0, dtype=jnp.int32)
+    y = mlp(x, None, gate_up, down, counts)  # [n_local, R, model]
+    row = jnp.where(is_local, local, 0) * y.shape[1] + jnp.arange(n)[:, None]
+    y = y.reshape(-1, d_model)[row]  # [n, top_k, model]
+    y = jnp.where(is_local[..., None], y, 0)  # rows of experts no token reached hold anything
     pair_weight = jnp.where(is_local, weights, 0.0).astype(x.dtype)
     return jnp.einsum("nk,nkm->nm", pair_weight, y, preferred_element_type=jnp.float32).astype(
         x.dtype
@@ -318,12 +350,16 @@ class MoEBlock(nn.Module):
         tokens = flat if quantised is None else quantised.reshape(b * t, m)
         first = 0 if local_e == e else jax.lax.axis_index(self.axis_name) * local_e
         ragged = functools.partial(ragged_mlp, fp8_impl=kernels.fp8)
-        run = {
-            "dense": functools.partial(experts_dense, fp8_impl=kernels.fp8),
-            "grouped": functools.partial(experts_grouped, mlp=ragged),
-            "mosaic": functools.partial(experts_grouped, mlp=mosaic_mlp, align=ROW_ALIGN),
-            "fp8_mosaic": functools.partial(experts_grouped, mlp=fp8_mosaic_mlp, align=ROW_ALIGN),
-        }[kernels.moe]
+        tiled = {"mosaic": mosaic_mlp, "fp8_mosaic": fp8_mosaic_mlp}
+        if kernels.moe in tiled and kernels.expert_rows == "tokens":
+            run = functools.partial(experts_by_token, mlp=tiled[kernels.moe])
+        elif kernels.moe in tiled:
+            run = functools.partial(experts_grouped, mlp=tiled[kernels.moe], align=ROW_ALIGN)
+        else:
+            run = {
+                "dense": functools.partial(experts_dense, fp8_impl=kernels.fp8),
+                "grouped": functools.partial(experts_grouped, mlp=ragged),
+            }[kernels.moe]
         with jax.named_scope(f"experts_{kernels.moe}"):
             y = run(tokens, weights, experts, gate_up, down, first).reshape(b, t, m)
         y = _sum_over(y, self.axis_name)

@@ -22,6 +22,7 @@ from djax.models import fp8
 from djax.models.kernel_choice import Kernels
 from djax.models.llada_moe import (
     MoEBlock,
+    experts_by_token,
     experts_dense,
     experts_grouped,
     fp8_mosaic_mlp,
@@ -191,8 +192,9 @@ def test_fp8_expert_mlp_quantises_the_activation_per_column_tile(tiles):
     ours = _f64(ours)[used]
     assert np.linalg.norm(ours - ref[used]) / np.linalg.norm(ref[used]) < 5e-3
     up_tiles = (tiles or (None,))[0] or expert_tiles_mosaic.fp8_tiles_for(tokens, model, ffn)
-    _, scales = expert_tiles_mosaic._aligned_fp8_product(
-        xq[source], x_scale[source], gate_up_t, gate_up_scale, jnp.asarray(sizes), up_tiles,
+    table = expert_tiles_mosaic.pair_table(jnp.asarray(sizes), up_tiles.rows, len(source))
+    _, scales = expert_tiles_mosaic._fp8_product(
+        xq[source], x_scale[source], gate_up_t, gate_up_scale, table, len(source), up_tiles,
         FP8, None,
     )  # fmt: skip
     assert scales.shape == (ffn // 128, len(source))
@@ -288,6 +290,52 @@ def test_experts_through_the_kernels_match_dense(first_expert, n_local):
     assert err / np.linalg.norm(np.asarray(expected, np.float32)) < 1e-2
 
 
+def test_token_table_holds_each_routed_expert_in_one_tile():
+    """The every-token layout: expert g's tile writes the tokens' rows (rounded up to 8)
+    from row g * block_m, reading x from row 0 (the tokens) or from its own rows (the
+    gate/up product's output); experts no token goes to have no rows; more tokens than a
+    tile are refused."""
+    routed = jnp.array([True, False, True])
+    table = np.asarray(expert_tiles_mosaic.token_table(routed, 20, 32, True)).reshape(4, 3)
+    np.testing.assert_array_equal(table, [[0, 1, 2], [0, 0, 0], [0, 32, 64], [24, 0, 24]])
+    table = np.asarray(expert_tiles_mosaic.token_table(routed, 32, 32, False)).reshape(4, 3)
+    np.testing.assert_array_equal(table[1], table[2])
+    np.testing.assert_array_equal(table[3], [32, 0, 32])
+    with pytest.raises(ValueError, match="33 tokens in row tiles of 32"):
+        expert_tiles_mosaic.token_table(routed, 33, 32, True)
+
+
+@pytest.mark.parametrize("weights, first_expert, n_local", [("bf16", 1, 2), ("fp8", 0, 4)])
+def test_every_token_layout_gives_the_pairs_results(weights, first_expert, n_local):
+    """`experts_by_token` (each routed expert's tile runs every token, no layout of the
+    pairs) gives `experts_grouped`'s result bit for bit through the same kernels: a row's
+    products do not depend on the other rows of its tile. bf16 weights with half the
+    experts local (the other half's pairs get zero weight), K-major fp8 weights by fp8 x
+    fp8 WGMMA with all of them; 20 tokens, fewer than the 32-row tiles hold."""
+    x, weights_, experts, gate_up, down = _routed_experts(4, n=20, m=128, e=4, f=128, k=2)
+    x = x.astype(BF16)
+    mine = slice(first_expert, first_expert + n_local)
+    if weights == "bf16":
+        local, mlp = (gate_up[mine].astype(BF16), down[mine].astype(BF16)), mosaic_mlp
+    else:
+        orders = ((0, 2, 3, 1), (0, 2, 1))
+        local = tuple(
+            fp8.Fp8Weight(jnp.transpose(v, order), s, True, leading=1)
+            for (v, s), order in zip(
+                (fp8.quantize(gate_up[mine], (1,)), fp8.quantize(down[mine], (1,))),
+                orders,
+                strict=True,
+            )
+        )
+        mlp = fp8_mosaic_mlp
+    args = (x, weights_, experts, *local, first_expert)
+    pairs = experts_grouped(*args, mlp=mlp, align=ALIGN)
+    tokens = experts_by_token(*args, mlp=mlp)
+    pairs, tokens = (np.asarray(a, np.float32) for a in (pairs, tokens))
+    assert np.isfinite(tokens).all() and np.abs(tokens).max() > 0
+    np.testing.assert_array_equal(tokens, pairs)
+
+
 def _moe_config():
     return ModelConfig(
         MOE, 16, 64, 1, 2, 2, 32, 64, 1e4, 1e-6, 64, 1, 2, 3,
@@ -343,6 +391,9 @@ def test_moe_layer_takes_the_fp8_products():
     assert k_major["gate_up"].shape == (4, 2, 128, 128) and k_major["down"].shape == (4, 128, 128)
     block = MoEBlock(cfg, BF16, weights="fp8", k_major=True)
     ours = block.apply({"params": k_major}, x, Kernels(moe="fp8_mosaic", fp8="scaled"))
+    # a block's layout: every token through each routed expert, the same products
+    by_token = Kernels(moe="fp8_mosaic", expert_rows="tokens", fp8="scaled")
+    np.testing.assert_array_equal(block.apply({"params": k_major}, x, by_token), ours)
     ours, ref, scaled = (np.asarray(a, np.float32) for a in (ours, ref, scaled))
     assert np.isfinite(ours).all()
     assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 6e-2
@@ -376,13 +427,22 @@ def test_shape_dtype_and_tile_errors():
     with pytest.raises(ValueError, match="dtype float8_e4m3fn; expected xq"):
         expert_tiles_mosaic.grouped_matmul_fp8(xq, x_scale, w_t, w_scale, sizes, dtype=FP8)
     fp8_tiles = expert_tiles_mosaic.fp8_tiles_for(8, 128, 128)
+    table = expert_tiles_mosaic.pair_table(sizes, fp8_tiles.rows, 8)
     with pytest.raises(ValueError, match=r"x_scale \(3, 8\); expected \[8\] or \[1, 8\]"):
-        expert_tiles_mosaic._aligned_fp8_product(
-            xq, jnp.ones((3, 8)), w_t, w_scale, sizes, fp8_tiles, BF16, None
+        expert_tiles_mosaic._fp8_product(
+            xq, jnp.ones((3, 8)), w_t, w_scale, table, 8, fp8_tiles, BF16, None
         )
     with pytest.raises(ValueError, match="an e4m3 output takes a gated product"):
-        expert_tiles_mosaic._aligned_fp8_product(
-            xq, x_scale, w_t[:, 0], w_scale[:, 0], sizes, fp8_tiles, FP8, None
+        expert_tiles_mosaic._fp8_product(
+            xq, x_scale, w_t[:, 0], w_scale[:, 0], table, 8, fp8_tiles, FP8, None
+        )
+    with pytest.raises(ValueError, match=r"tile table \(5,\); expected \[4 n_tiles\]"):
+        expert_tiles_mosaic._fp8_product(
+            xq, x_scale, w_t, w_scale, table[:5], 8, fp8_tiles, FP8, None
+        )
+    with pytest.raises(ValueError, match="80 tokens in row tiles of 64; the every-token"):
+        expert_tiles_mosaic.expert_mlp_fp8_every_token(
+            jnp.zeros((80, 128), BF16), jnp.ones(2, bool), w_t, w_scale, w_t[:, 0], w_scale[:, 0]
         )
     down = jnp.zeros((2, 64, 64), BF16)
     for rows in [(8, 1), (12,)]:
@@ -394,33 +454,41 @@ def test_shape_dtype_and_tile_errors():
 def test_lowers_for_hopper(weights):
     """Both products at LLaDA-MoE's expert shapes (64 experts, model 2048, ffn 1024, top-8)
     lower to Mosaic GPU's custom call for CUDA, at a block's (32) and a refresh's (384)
-    tokens: bf16 weights, fp8 weights converted in the kernel, and K-major fp8 weights by
-    fp8 x fp8 WGMMA (`expert_mlp_fp8`)."""
+    tokens, and a block's in the every-token layout: bf16 weights, fp8 weights converted in
+    the kernel, and K-major fp8 weights by fp8 x fp8 WGMMA (`expert_mlp_fp8`)."""
     w_dtype = BF16 if weights == "bf16" else FP8
     experts, model, ffn = 64, 2048, 1024
 
     def mlp(x, source_rows, gate_up, down, sizes, *scales):
+        if source_rows is None:
+            return expert_tiles_mosaic.expert_mlp_every_token(
+                x, sizes > 0, gate_up, down, *scales, interpret=False
+            )
         return expert_tiles_mosaic.expert_mlp(
             x, source_rows, gate_up, down, sizes, *scales, interpret=False
         )
 
     def mlp_fp8(x, source_rows, gate_up_t, down_t, sizes, gate_up_scale, down_scale):
-        return expert_tiles_mosaic.expert_mlp_fp8(
-            x, source_rows, gate_up_t, gate_up_scale, down_t, down_scale, sizes, interpret=False
-        )
+        weights = (gate_up_t, gate_up_scale, down_t, down_scale)
+        if source_rows is None:
+            return expert_tiles_mosaic.expert_mlp_fp8_every_token(
+                x, sizes > 0, *weights, interpret=False
+            )
+        return expert_tiles_mosaic.expert_mlp_fp8(x, source_rows, *weights, sizes, interpret=False)
 
     k_major = weights == "fp8_k_major"
-    for tokens in (32, 384):
+    for tokens, by_token in ((32, False), (384, False), (32, True)):
+        rows = expert_tiles_mosaic.aligned_rows(tokens * 8, experts)
         shapes = [
             ((tokens, model), BF16),
-            ((expert_tiles_mosaic.aligned_rows(tokens * 8, experts),), jnp.int32),
+            (None if by_token else (rows,), jnp.int32),
             ((experts, 2, ffn, model) if k_major else (experts, model, 2, ffn), w_dtype),
             ((experts, model, ffn) if k_major else (experts, ffn, model), w_dtype),
             ((experts,), jnp.int32),
         ]
         if weights != "bf16":
             shapes += [((experts, 2, ffn), jnp.float32), ((experts, model), jnp.float32)]
-        args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+        args = [shape and jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
         traced = jax.jit(mlp_fp8 if k_major else mlp).trace(*args)
         lowered = traced.lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("mosaic_gpu") >= 2
@@ -430,7 +498,8 @@ def test_lowers_for_hopper(weights):
 @pytest.mark.parametrize("tokens", [32, 384])
 def test_compiled_kernels_on_gpu(tokens):
     """On a GPU: the compiled kernels at LLaDA-MoE's expert shapes against XLA's ragged_dot
-    path under jit, bf16 weights and fp8 weights (`dequant`)."""
+    path under jit, bf16 weights and fp8 weights (`dequant`); at a block's 32 tokens the
+    every-token layout gives the pairs' results bit for bit."""
     x, weights, experts, gate_up, down = _routed_experts(5, tokens, 2048, 64, 1024, 8, BF16)
     args = (x, weights, experts)
     for fp8_weights in (False, True):
@@ -446,6 +515,9 @@ def test_compiled_kernels_on_gpu(tokens):
         ref = np.asarray(expected, np.float32)
         err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
         assert err < 1e-2, (tokens, fp8_weights, err)
+        if tokens <= 64:
+            by_token = jax.jit(functools.partial(experts_by_token, mlp=mosaic_mlp))
+            np.testing.assert_array_equal(np.asarray(by_token(*args, *w, 0), np.float32), out)
 
 
 @needs_gpu
@@ -456,7 +528,8 @@ def test_compiled_fp8_products_on_gpu(tokens):
     quantised per row) under jit: within 5% of the norm (the kernel rounds the activation
     once from fp32, `scaled` in bf16, before both quantise it to e4m3, which moves the
     interpreted kernels 2.3% from `scaled` at a tiny shape; Hopper's fp8 WGMMA accumulates
-    in less than fp32); a lost scale or a wrong expert moves it by about its norm."""
+    in less than fp32); a lost scale or a wrong expert moves it by about its norm. At a
+    block's 32 tokens the every-token layout gives the pairs' results bit for bit."""
     x, weights, experts, gate_up, down = _routed_experts(5, tokens, 2048, 64, 1024, 8, BF16)
     args = (x, weights, experts)
     stored = tuple(fp8.Fp8Weight(*fp8.quantize(a, (1,))) for a in (gate_up, down))
@@ -473,3 +546,6 @@ def test_compiled_fp8_products_on_gpu(tokens):
     ref = np.asarray(expected, np.float32)
     err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
     assert err < 5e-2, (tokens, err)
+    if tokens <= 64:
+        by_token = jax.jit(functools.partial(experts_by_token, mlp=fp8_mosaic_mlp))
+        np.testing.assert_array_equal(np.asarray(by_token(*args, *k_major, 0), np.float32), out)
