@@ -156,32 +156,34 @@ def row_tiles(group_sizes: Array, block_m: int, n_tiles: int) -> tuple[Array, Ar
 
 
 def pair_table(aligned_sizes: Array, block_m: int, rows: int) -> Array:
-    """The tile table [4 n_tiles] int32 of `rows` rows in the aligned layout of groups of
+    """The tile table [3 n_tiles] int32 of `rows` rows in the aligned layout of groups of
     `aligned_sizes` [groups] (multiples of 8): `row_tiles`' tiles (`max_tiles` of them),
-    each reading x from its first row and writing the output from the same row. Rows:
-    each tile's group, then its first row of x, its first row of the output, its rows."""
+    each tile's group, then first rows (of x and of the output), then rows."""
     n_tiles = max_tiles(rows, aligned_sizes.shape[0], block_m)
-    group, first, n_rows = row_tiles(aligned_sizes, block_m, n_tiles)
-    return jnp.concatenate([group, first, first, n_rows])
+    return jnp.concatenate(row_tiles(aligned_sizes, block_m, n_tiles))
 
 
-def token_table(routed: Array, tokens: int, block_m: int, from_tokens: bool) -> Array:
-    """The tile table [4 groups] int32 (as `pair_table`'s) of the every-token layout: one
-    tile a group, holding all `tokens` rows (rounded up to 8, at most `block_m`) from output
-    row `g * block_m`, where `routed[g]` (no rows elsewhere). x is read `from_tokens` (row
-    0: the tokens themselves) or from the tile's output row (a product in this layout).
+@dataclasses.dataclass(frozen=True)
+class EveryToken:
+    """The every-token layout of a product (instead of a tile table): one row tile a
+    group, which, where the group's count of pairs (the kernel's table operand,
+    [groups] int32) is not 0, holds all the tokens, `rows` of them (rounded up to 8, at
+    most the tile's rows `block_m`), written from output row `g * block_m`; x read from
+    row 0 (`from_tokens`: the tokens themselves) or from the tile's output row (a product
+    in this layout)."""
 
-    routed: [groups] bool, whether any token goes to each group."""
-    if tokens > block_m:
-        raise ValueError(
-            f"expert_tiles_mosaic: {tokens} tokens in row tiles of {block_m}; the every-token "
-            "layout holds a group's tokens in one tile"
-        )
-    group = jnp.arange(routed.shape[0], dtype=jnp.int32)
-    first = group * block_m
-    x_row = jnp.zeros_like(first) if from_tokens else first
-    n_rows = jnp.where(routed, -(-tokens // ROW_ALIGN) * ROW_ALIGN, 0).astype(jnp.int32)
-    return jnp.concatenate([group, x_row, first, n_rows])
+    rows: int
+    from_tokens: bool
+
+    @classmethod
+    def of(cls, tokens: int, block_m: int, from_tokens: bool) -> EveryToken:
+        """The layout of `tokens` tokens in row tiles of `block_m` rows."""
+        if tokens > block_m:
+            raise ValueError(
+                f"expert_tiles_mosaic: {tokens} tokens in row tiles of {block_m}; the "
+                "every-token layout holds a group's tokens in one tile"
+            )
+        return cls(-(-tokens // ROW_ALIGN) * ROW_ALIGN, from_tokens)
 
 
 def _silu_times(gate: Array, up: Array) -> Array:
@@ -253,17 +255,28 @@ DTYPE, CONVERTED, FP8_PRODUCT = "dtype", "converted", "fp8"
 
 
 def _kernel(
-    *refs, tiles, steps, n, n_tiles, column_tiles, gated, form, out_fp8, x_slices, interpreting
+    *refs,
+    tiles,
+    steps,
+    n,
+    n_tiles,
+    column_tiles,
+    gated,
+    form,
+    out_fp8,
+    x_slices,
+    every_token,
+    interpreting,
 ):
-    """One CTA: one (row tile, column tile). Refs in order: the tile table [4 n_tiles]
-    int32 (each tile's group, then its first row of x, its first row of the output, its
-    rows: `pair_table`, `token_table`); x [rows, k] (e4m3 under `FP8_PRODUCT`); w [groups,
-    k, 2n] (`gated`: gate columns, then up columns) or [groups, k, n], K-major under
-    `FP8_PRODUCT` ([groups, 2n or n, k]);
-    under `FP8_PRODUCT` the rows' scales, [1, rows] fp32, or with `x_slices` one row of
-    scales per slice of `fp8_matmul_mosaic.SLICE` columns [x_slices, rows]; under
-    `CONVERTED` and `FP8_PRODUCT` the columns' scales [groups, 2n or n] fp32; out [out rows, n]
-    (with `out_fp8` e4m3, then its scales [n / block_n, rows] fp32: each column tile's rows
+    """One CTA: one (row tile, column tile). Refs in order: the tile table [3 n_tiles]
+    int32 of the aligned layout (each tile's group, then first rows, then rows), or with
+    `every_token` (`EveryToken`) each group's count of pairs [groups]; x [rows, k] (e4m3
+    under `FP8_PRODUCT`); w [groups, k, 2n] (`gated`: gate columns, then up columns) or
+    [groups, k, n], K-major under `FP8_PRODUCT` ([groups, 2n or n, k]); under
+    `FP8_PRODUCT` the rows' scales, [1, rows] fp32, or with `x_slices` one row of scales
+    per slice of `fp8_matmul_mosaic.SLICE` columns [x_slices, rows]; under `CONVERTED` and
+    `FP8_PRODUCT` the columns' scales [groups, 2n or n] fp32; out [out rows, n] (with
+    `out_fp8` e4m3, then its scales [n / block_n, out rows] fp32: each column tile's rows
     quantised on their own). Scratch: the ring's, the output tile, then under `CONVERTED`
     the converted weight slots, under `FP8_PRODUCT` the rows' scale tile [1 or x_slices,
     64]; with scales the columns' scale tile [weights, block_n] and the scales' barriers; in
@@ -282,10 +295,14 @@ def _kernel(
     out_scale_smem = rest.pop() if out_fp8 else None
     cta = jax.lax.axis_index("cta")
     tile, column_tile = cta // column_tiles, cta % column_tiles
-    group, n_rows = table_gmem[tile], table_gmem[3 * n_tiles + tile]
-    # multiples of 8 in both layouts (`pair_table`, `token_table`)
-    x_row = pl.multiple_of(table_gmem[n_tiles + tile], ROW_ALIGN)
-    first = pl.multiple_of(table_gmem[2 * n_tiles + tile], ROW_ALIGN)
+    if every_token is None:
+        group, n_rows = table_gmem[tile], table_gmem[2 * n_tiles + tile]
+        x_row = first = pl.multiple_of(table_gmem[n_tiles + tile], ROW_ALIGN)  # aligned layout
+    else:
+        group = tile
+        n_rows = jnp.where(table_gmem[tile] > 0, every_token.rows, 0)
+        first = pl.multiple_of(tile * tiles.rows, ROW_ALIGN)
+        x_row = 0 if every_token.from_tokens else first
     start = column_tile * tiles.block_n
     cols = pl.ds(start, tiles.block_n)
     offsets = [start, n + start] if gated else [start]
@@ -427,7 +444,7 @@ def grouped_matmul_fp8(
     return out[position]
 
 
-@functools.partial(jax.jit, static_argnames=("out_rows", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_rows", "tiles", "interpret", "every_token"))
 def _product(
     x: Array,
     w: Array,
@@ -436,9 +453,11 @@ def _product(
     scale: Array | None,
     tiles: Tiles,
     interpret: bool | None,
+    every_token: EveryToken | None = None,
 ) -> Array:
-    """`grouped_matmul` on rows x [rows, k] over the tile table `table` (`pair_table`,
-    `token_table`) into [out_rows, n], the rows no tile writes holding anything."""
+    """`grouped_matmul` on rows x [rows, k] over the tile table `table` (`pair_table`; with
+    `every_token`, the groups' counts of pairs) into [out_rows, n], the rows no tile writes
+    holding anything."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     name = "expert_tiles_mosaic.grouped_matmul"
@@ -488,11 +507,14 @@ def _product(
     ring = tma_ring.ring_scratch(tiles, x.dtype, weights, w.dtype)
     form = CONVERTED if scaled else DTYPE
     return _launch(
-        form, inputs, table, out_rows, ring, scratch, tiles, n, gated, x.dtype, interpret
-    )
+        form, inputs, table, out_rows, ring, scratch, tiles, n, gated, x.dtype, interpret,
+        every_token=every_token,
+    )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("out_rows", "tiles", "dtype", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("out_rows", "tiles", "dtype", "interpret", "every_token")
+)
 def _fp8_product(
     xq: Array,
     x_scale: Array,
@@ -503,6 +525,7 @@ def _fp8_product(
     tiles: Tiles,
     dtype,
     interpret: bool | None,
+    every_token: EveryToken | None = None,
 ) -> Array | tuple[Array, Array]:
     """`grouped_matmul_fp8` on rows xq [rows, k] over the tile table `table` into
     `out_rows` rows (as `_product`), their scales x_scale [rows] (per row) or
@@ -574,22 +597,39 @@ def _fp8_product(
         dtype,
         interpret,
         x_slices=x_slices,
+        every_token=every_token,
     )
 
 
 def _launch(
-    form, inputs, table, rows, ring, scratch, tiles, n, gated, dtype, interpret, x_slices=0
+    form,
+    inputs,
+    table,
+    rows,
+    ring,
+    scratch,
+    tiles,
+    n,
+    gated,
+    dtype,
+    interpret,
+    x_slices=0,
+    every_token=None,
 ):
     """The kernel of `form` on `inputs` (x, w, then the scales `_kernel` takes) over the
-    tile table `table` [4 n_tiles], its scratch the `ring`, the output tile and `scratch`;
-    returns [rows, n] in `dtype`, or for e4m3 (values, their scales [n / block_n, rows]).
-    `x_slices`: x's scales per contraction slice (`_kernel`)."""
+    tile table `table` (`pair_table`, or the groups' counts of pairs in the layout
+    `every_token`), its scratch the `ring`, the output tile and `scratch`; returns [rows,
+    n] in `dtype`, or for e4m3 (values, their scales [n / block_n, rows]). `x_slices`: x's
+    scales per contraction slice (`_kernel`)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     k = inputs[0].shape[1]
-    if table.ndim != 1 or table.shape[0] % 4:
-        raise ValueError(f"expert_tiles_mosaic: tile table {table.shape}; expected [4 n_tiles]")
-    n_tiles = table.shape[0] // 4
+    per_tile = 1 if every_token else 3
+    if table.ndim != 1 or table.shape[0] % per_tile:
+        raise ValueError(
+            f"expert_tiles_mosaic: tile table {table.shape}; expected [{per_tile} n_tiles]"
+        )
+    n_tiles = table.shape[0] // per_tile
     column_tiles = n // tiles.block_n
     out_fp8 = jnp.dtype(dtype) == FP8
     out_type = jax.ShapeDtypeStruct((rows, n), dtype)
@@ -608,6 +648,7 @@ def _launch(
             form=form,
             out_fp8=out_fp8,
             x_slices=x_slices,
+            every_token=every_token,
             interpreting=params is not None,
         ),
         out_type=out_type,
@@ -657,7 +698,7 @@ def expert_mlp(
 
 def expert_mlp_every_token(
     x: Array,
-    routed: Array,
+    counts: Array,
     gate_up: Array,
     down: Array,
     gate_up_scale: Array | None = None,
@@ -665,11 +706,12 @@ def expert_mlp_every_token(
     tiles: tuple[Tiles, Tiles] | None = None,
     interpret: bool | None = None,
 ) -> Array:
-    """`expert_mlp`'s products in the every-token layout (`token_table`): each expert that
+    """`expert_mlp`'s products in the every-token layout (`EveryToken`): each expert that
     any token goes to runs all the tokens, read as they are (no gather), one row tile an
     expert; its tokens' outputs land in rows of their own.
 
-    x: [tokens, model], tokens at most the tiles' rows (64 at most); routed: [experts] bool;
+    x: [tokens, model], tokens at most the tiles' rows (64 at most); counts: [experts]
+    int32, each expert's pairs (only whether it is 0 matters);
     weights and `tiles` as `expert_mlp`'s, both tilings of the same rows. Returns [experts,
     R, model], R the tiles' rows (`row_tile_for(tokens)` by default): expert e's output of
     token t at [e, t]; the rest (t >= tokens, experts not routed) may hold anything.
@@ -679,10 +721,10 @@ def expert_mlp_every_token(
     )
     experts, block_m = gate_up.shape[0], up_tiles.rows
     tokens, rows = x.shape[0], experts * block_m
-    tables = [token_table(routed, tokens, block_m, first) for first in (True, False)]
+    up, down_layout = (EveryToken.of(tokens, block_m, first) for first in (True, False))
     x = tma_ring.aligned_rows(x)
-    act = _product(x, gate_up, tables[0], rows, gate_up_scale, up_tiles, interpret)
-    out = _product(act, down, tables[1], rows, down_scale, down_tiles, interpret)
+    act = _product(x, gate_up, counts, rows, gate_up_scale, up_tiles, interpret, up)
+    out = _product(act, down, counts, rows, down_scale, down_tiles, interpret, down_layout)
     return out.reshape(experts, block_m, -1)
 
 
@@ -753,7 +795,7 @@ def expert_mlp_fp8(
 
 def expert_mlp_fp8_every_token(
     x: Array | QuantizedRows,
-    routed: Array,
+    counts: Array,
     gate_up_t: Array,
     gate_up_scale: Array,
     down_t: Array,
@@ -769,13 +811,13 @@ def expert_mlp_fp8_every_token(
     )
     experts, block_m = gate_up_t.shape[0], up_tiles.rows
     rows = experts * block_m
-    tables = [token_table(routed, tokens.shape[0], block_m, first) for first in (True, False)]
+    up, down = (EveryToken.of(tokens.shape[0], block_m, first) for first in (True, False))
     values = tma_ring.aligned_rows(tokens.values)
     scale = tma_ring.aligned_rows(tokens.scale[:, None])[:, 0]
     act = _fp8_product(
-        values, scale, gate_up_t, gate_up_scale, tables[0], rows, up_tiles, FP8, interpret
+        values, scale, gate_up_t, gate_up_scale, counts, rows, up_tiles, FP8, interpret, up
     )
-    out = _fp8_product(*act, down_t, down_scale, tables[1], rows, down_tiles, x.dtype, interpret)
+    out = _fp8_product(*act, down_t, down_scale, counts, rows, down_tiles, x.dtype, interpret, down)
     return out.reshape(experts, block_m, -1)
 
 

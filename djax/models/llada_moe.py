@@ -192,7 +192,7 @@ def mosaic_mlp(
         gate_up, down, scales = gate_up.values, down.values, (gate_up.scale, down.scale)
     if source_rows is None:
         return expert_tiles_mosaic.expert_mlp_every_token(
-            x, group_sizes > 0, gate_up, down, *scales, tiles=tiles
+            x, group_sizes, gate_up, down, *scales, tiles=tiles
         )
     return expert_tiles_mosaic.expert_mlp(
         x, source_rows, gate_up, down, group_sizes, *scales, tiles=tiles
@@ -222,9 +222,7 @@ def fp8_mosaic_mlp(
             )
     weights = (gate_up.values, gate_up.scale, down.values, down.scale)
     if source_rows is None:
-        return expert_tiles_mosaic.expert_mlp_fp8_every_token(
-            x, group_sizes > 0, *weights, tiles=tiles
-        )
+        return expert_tiles_mosaic.expert_mlp_fp8_every_token(x, group_sizes, *weights, tiles=tiles)
     return expert_tiles_mosaic.expert_mlp_fp8(x, source_rows, *weights, group_sizes, tiles=tiles)
 
 

@@ -290,19 +290,14 @@ def test_experts_through_the_kernels_match_dense(first_expert, n_local):
     assert err / np.linalg.norm(np.asarray(expected, np.float32)) < 1e-2
 
 
-def test_token_table_holds_each_routed_expert_in_one_tile():
-    """The every-token layout: expert g's tile writes the tokens' rows (rounded up to 8)
-    from row g * block_m, reading x from row 0 (the tokens) or from its own rows (the
-    gate/up product's output); experts no token goes to have no rows; more tokens than a
-    tile are refused."""
-    routed = jnp.array([True, False, True])
-    table = np.asarray(expert_tiles_mosaic.token_table(routed, 20, 32, True)).reshape(4, 3)
-    np.testing.assert_array_equal(table, [[0, 1, 2], [0, 0, 0], [0, 32, 64], [24, 0, 24]])
-    table = np.asarray(expert_tiles_mosaic.token_table(routed, 32, 32, False)).reshape(4, 3)
-    np.testing.assert_array_equal(table[1], table[2])
-    np.testing.assert_array_equal(table[3], [32, 0, 32])
+def test_every_token_layout_rounds_the_tokens_and_refuses_more_than_a_tile():
+    """The every-token layout stores the tokens' rows rounded up to 8 (a TMA copy's unit),
+    reads x from row 0 for the tokens themselves, and refuses more tokens than a tile."""
+    layout = expert_tiles_mosaic.EveryToken.of(20, 32, True)
+    assert (layout.rows, layout.from_tokens) == (24, True)
+    assert expert_tiles_mosaic.EveryToken.of(32, 32, False).rows == 32
     with pytest.raises(ValueError, match="33 tokens in row tiles of 32"):
-        expert_tiles_mosaic.token_table(routed, 33, 32, True)
+        expert_tiles_mosaic.EveryToken.of(33, 32, True)
 
 
 @pytest.mark.parametrize("weights, first_expert, n_local", [("bf16", 1, 2), ("fp8", 0, 4)])
@@ -436,13 +431,18 @@ def test_shape_dtype_and_tile_errors():
         expert_tiles_mosaic._fp8_product(
             xq, x_scale, w_t[:, 0], w_scale[:, 0], table, 8, fp8_tiles, FP8, None
         )
-    with pytest.raises(ValueError, match=r"tile table \(5,\); expected \[4 n_tiles\]"):
+    with pytest.raises(ValueError, match=r"tile table \(5,\); expected \[3 n_tiles\]"):
         expert_tiles_mosaic._fp8_product(
             xq, x_scale, w_t, w_scale, table[:5], 8, fp8_tiles, FP8, None
         )
     with pytest.raises(ValueError, match="80 tokens in row tiles of 64; the every-token"):
         expert_tiles_mosaic.expert_mlp_fp8_every_token(
-            jnp.zeros((80, 128), BF16), jnp.ones(2, bool), w_t, w_scale, w_t[:, 0], w_scale[:, 0]
+            jnp.zeros((80, 128), BF16),
+            jnp.ones(2, jnp.int32),
+            w_t,
+            w_scale,
+            w_t[:, 0],
+            w_scale[:, 0],
         )
     down = jnp.zeros((2, 64, 64), BF16)
     for rows in [(8, 1), (12,)]:
@@ -462,7 +462,7 @@ def test_lowers_for_hopper(weights):
     def mlp(x, source_rows, gate_up, down, sizes, *scales):
         if source_rows is None:
             return expert_tiles_mosaic.expert_mlp_every_token(
-                x, sizes > 0, gate_up, down, *scales, interpret=False
+                x, sizes, gate_up, down, *scales, interpret=False
             )
         return expert_tiles_mosaic.expert_mlp(
             x, source_rows, gate_up, down, sizes, *scales, interpret=False
@@ -472,7 +472,7 @@ def test_lowers_for_hopper(weights):
         weights = (gate_up_t, gate_up_scale, down_t, down_scale)
         if source_rows is None:
             return expert_tiles_mosaic.expert_mlp_fp8_every_token(
-                x, sizes > 0, *weights, interpret=False
+                x, sizes, *weights, interpret=False
             )
         return expert_tiles_mosaic.expert_mlp_fp8(x, source_rows, *weights, sizes, interpret=False)
 
