@@ -32,6 +32,11 @@ def suite_xla_flags() -> str:
 if "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = suite_xla_flags()
 os.environ.setdefault("DJAX_COMPILE_CACHE", "")  # tests must not depend on a warm cache
+# One OpenMP / BLAS thread a process (torch's references, numpy's, and the processes the
+# tests start inherit it): `pytest -n auto` already runs a process on every core, and more
+# threads a process make every parallel region wait for a core another process holds.
+# Set before torch or numpy is imported: here, in the process xdist's workers start from.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

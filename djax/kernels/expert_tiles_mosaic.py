@@ -62,6 +62,15 @@ tile, `block_n` columns) and streams its expert's weight tiles through the ring 
 up weight tiles side by side in two accumulators), then the down product, both in the
 aligned layout, which its caller makes (`djax.models.llada_moe.group_layout`) and reads
 back.
+
+The every-token layout (`EveryToken`; `expert_mlp_every_token`, `expert_mlp_fp8_every_token`)
+is for forwards whose tokens fit one row tile (at most 64: a block's). Each expert that any
+token goes to runs all the tokens in one tile, reading them by TMA as they are (row 0 on),
+and writes their outputs from row `e * r`; the down product reads those rows back in
+place. A tile's WGMMAs cost the same at 32 rows as at the ~4 an expert's pairs hold, so
+this computes no more than the aligned layout where it matters, and no layout, gather or
+tile table is built around the kernels: each CTA finds its tile from its expert's count of
+pairs. The caller reads each pair's output at (its expert, its token).
 """
 
 from __future__ import annotations

@@ -11,7 +11,11 @@ function (`Kernels.moe`): `grouped` lays the token-expert pairs out by expert
 expert's rows from a multiple of 8, through djax's expert-tile kernels
 (`djax.kernels.expert_tiles_mosaic`, 16-bit or fp8 weights), and `fp8_mosaic` runs them
 by fp8 x fp8 WGMMA on K-major fp8 weights (`fp8_impl="mosaic"`); `dense` runs every
-local expert on every token and weights the outputs (zero weight where not routed).
+local expert on every token and weights the outputs (zero weight where not routed). The
+expert tiles take the pairs laid out by expert (`experts_grouped`) or, in forwards whose
+tokens fit one row tile (`Kernels.expert_rows="tokens"`: a block's), every token through
+each expert any token goes to (`experts_by_token`): the same products with nothing to lay
+out, gather or scatter around the kernels.
 
 HF layout: `model.embed_tokens`, `model.layers.{i}.self_attn.{q,k,v,o}_proj`,
 `...self_attn.{q,k}_norm`, `...{input,post_attention}_layernorm`, `...mlp.gate`,
