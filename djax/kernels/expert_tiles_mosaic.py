@@ -726,7 +726,7 @@ def expert_mlp_every_token(
     token t at [e, t]; the rest (t >= tokens, experts not routed) may hold anything.
     """
     up_tiles, down_tiles = _mlp_tiles(
-        tiles, default_tiles_for(gate_up_scale is not None), x.shape[0], gate_up, down, True
+        tiles, default_tiles_for(gate_up_scale is not None), x.shape[0], gate_up, down, False
     )
     experts, block_m = gate_up.shape[0], up_tiles.rows
     tokens, rows = x.shape[0], experts * block_m

@@ -324,8 +324,21 @@ def test_every_token_layout_gives_the_pairs_results(weights, first_expert, n_loc
         )
         mlp = fp8_mosaic_mlp
     args = (x, weights_, experts, *local, first_expert)
-    pairs = experts_grouped(*args, mlp=mlp, align=ALIGN)
-    tokens = experts_by_token(*args, mlp=mlp)
+    tilings = []
+
+    def spy(product):
+        def run(*a, **kw):
+            tilings.append(next(t for t in a if isinstance(t, Tiles)))
+            return product(*a, **kw)
+
+        return run
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("_product", "_fp8_product"):
+            patch.setattr(expert_tiles_mosaic, name, spy(getattr(expert_tiles_mosaic, name)))
+        pairs = experts_grouped(*args, mlp=mlp, align=ALIGN)
+        tokens = experts_by_token(*args, mlp=mlp)
+    assert tilings[:2] == tilings[2:]  # the same programs: each layout's default tiles
     pairs, tokens = (np.asarray(a, np.float32) for a in (pairs, tokens))
     assert np.isfinite(tokens).all() and np.abs(tokens).max() > 0
     np.testing.assert_array_equal(tokens, pairs)
