@@ -16,9 +16,9 @@ without a sort (`group_layout`, 6c77181): 295.4 µs at 32 tokens, of which the k
 and 333.1 at 384; its first version, a prefix sum along the pairs, cost one 26.5 µs kernel
 by itself (73c10b8). At a block's 32 tokens the every-token layout (`... tokens` paths,
 3fe6e60) leaves no layout, gather or tile table around the kernels: fp8 x fp8 177.6 µs a
-call in a loop against 194.7 (159.5 against 172.6 µs of kernels), bf16 310.5 against 318.0
-(its two expert kernels 279.9 against 272.9 µs: every token's rows are stored). Output of
-the runs: `bench/results/logs/expert_glue_NVIDIA_H100_80GB_HBM3.log`.
+call in a loop against 194.7 (159.5 against 172.6 µs of kernels), bf16 302.4 against 315.5
+(a40eb34; its two expert kernels 277.2 against 272.7 µs: every token's rows are stored).
+Output of the runs: `bench/results/logs/expert_glue_NVIDIA_H100_80GB_HBM3.log`.
 
 Prints, per token count, each path's device µs per call summed over its kernels and its
 largest kernels (`kernel_us`: a profiler trace of 20 calls), LLaDA-MoE's expert shapes,
