@@ -384,9 +384,19 @@ def _stand_ins(monkeypatch):
         slices = aq.astype(f32).reshape(pairs, -1, fp8_matmul_mosaic.SLICE) * a_scale.T[..., None]
         return each(slices.reshape(aq.shape), down_t, down_scale).astype(x.dtype)
 
+    def expert_mlp_fp8_every_token(x, counts, gate_up_t, gate_up_scale, down_t, down_scale, **_):
+        tokens, experts = x.shape[0], counts.shape[0]
+        every_token = jnp.tile(jnp.arange(tokens), experts)  # expert e's rows: all the tokens
+        sizes = jnp.full(experts, tokens)
+        weights = (gate_up_t, gate_up_scale, down_t, down_scale)
+        return expert_mlp_fp8(x, every_token, *weights, sizes).reshape(experts, tokens, -1)
+
     monkeypatch.setattr(fp8_matmul_mosaic, "matmul_partials", matmul_partials)
     monkeypatch.setattr(fp8_matmul_mosaic, "swiglu_matmul", swiglu_matmul)
     monkeypatch.setattr(expert_tiles_mosaic, "expert_mlp_fp8", expert_mlp_fp8)
+    monkeypatch.setattr(
+        expert_tiles_mosaic, "expert_mlp_fp8_every_token", expert_mlp_fp8_every_token
+    )
     return got
 
 

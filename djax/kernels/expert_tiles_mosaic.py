@@ -194,6 +194,17 @@ class EveryToken:
             )
         return cls(-(-tokens // ROW_ALIGN) * ROW_ALIGN, from_tokens)
 
+    @classmethod
+    def pair(cls, tokens: int, up: Tiles, down: Tiles) -> tuple[EveryToken, EveryToken]:
+        """The layouts of an MLP's gate/up product (reading the tokens) and down product
+        (reading the gate/up output in place), whose tiles must hold the same rows."""
+        if up.rows != down.rows:
+            raise ValueError(
+                f"expert_tiles_mosaic: the every-token layout takes gate/up and down tiles of "
+                f"the same rows; got {up.rows} and {down.rows}"
+            )
+        return cls.of(tokens, up.rows, True), cls.of(tokens, down.rows, False)
+
 
 def _silu_times(gate: Array, up: Array) -> Array:
     """`silu(gate) * up` in fp32, written with the ops Mosaic GPU lowers."""
@@ -729,8 +740,8 @@ def expert_mlp_every_token(
         tiles, default_tiles_for(gate_up_scale is not None), x.shape[0], gate_up, down, False
     )
     experts, block_m = gate_up.shape[0], up_tiles.rows
-    tokens, rows = x.shape[0], experts * block_m
-    up, down_layout = (EveryToken.of(tokens, block_m, first) for first in (True, False))
+    rows = experts * block_m
+    up, down_layout = EveryToken.pair(x.shape[0], up_tiles, down_tiles)
     x = tma_ring.aligned_rows(x)
     act = _product(x, gate_up, counts, rows, gate_up_scale, up_tiles, interpret, up)
     out = _product(act, down, counts, rows, down_scale, down_tiles, interpret, down_layout)
@@ -820,7 +831,7 @@ def expert_mlp_fp8_every_token(
     )
     experts, block_m = gate_up_t.shape[0], up_tiles.rows
     rows = experts * block_m
-    up, down = (EveryToken.of(tokens.shape[0], block_m, first) for first in (True, False))
+    up, down = EveryToken.pair(tokens.shape[0], up_tiles, down_tiles)
     values = tma_ring.aligned_rows(tokens.values)
     scale = tma_ring.aligned_rows(tokens.scale[:, None])[:, 0]
     act = _fp8_product(

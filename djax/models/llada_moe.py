@@ -252,18 +252,30 @@ def experts_grouped(
     """
     n, top_k = experts.shape
     n_local, d_model = gate_up.shape[:2]
-    local = experts - first_expert
-    is_local = (local >= 0) & (local < n_local)  # [n, top_k]
+    local, is_local = _local_experts(experts, first_expert, n_local)
     key = jnp.where(is_local, local, n_local).reshape(-1)
     position, pair, group_sizes = group_layout(key, n_local, align)
     # The way back is a gather through `position`: XLA's scatter-adds (a bincount, an
     # `.at[token].add`) are slower.
     y = mlp(x, pair // top_k, gate_up, down, group_sizes)[position].reshape(n, top_k, d_model)
-    y = jnp.where(is_local[..., None], y, 0)  # rows outside every group may hold anything
-    pair_weight = jnp.where(is_local, weights, 0.0).astype(x.dtype)
-    return jnp.einsum("nk,nkm->nm", pair_weight, y, preferred_element_type=jnp.float32).astype(
-        x.dtype
-    )
+    return _weighted_sum(y, weights, is_local, x.dtype)  # rows past the groups: anything
+
+
+def _local_experts(experts: Array, first_expert: Any, n_local: int) -> tuple[Array, Array]:
+    """Each pair's local expert (`experts - first_expert`) and whether it is on this device
+    (`0 <= local < n_local`), both [n, top_k]."""
+    local = experts - first_expert
+    return local, (local >= 0) & (local < n_local)
+
+
+def _weighted_sum(y: Array, weights: Array, is_local: Array, dtype: Any) -> Array:
+    """Each token's pairs' outputs y [n, top_k, model] times their routing weights [n,
+    top_k], summed in fp32, as `dtype`; pairs not `is_local` count zero, whatever y holds
+    for them."""
+    y = jnp.where(is_local[..., None], y, 0)
+    pair_weight = jnp.where(is_local, weights, 0.0).astype(dtype)
+    out = jnp.einsum("nk,nkm->nm", pair_weight, y, preferred_element_type=jnp.float32)
+    return out.astype(dtype)
 
 
 def experts_by_token(
@@ -284,19 +296,14 @@ def experts_by_token(
     Same arguments and result as `experts_grouped`; pairs routed to experts on other
     devices get zero weight.
     """
-    n, top_k = experts.shape
+    n = experts.shape[0]
     n_local, d_model = gate_up.shape[0], x.shape[-1]
-    local = experts - first_expert
-    is_local = (local >= 0) & (local < n_local)  # [n, top_k]
+    local, is_local = _local_experts(experts, first_expert, n_local)
     counts = jnp.sum(local.reshape(-1, 1) == jnp.arange(n_local), axis=0, dtype=jnp.int32)
     y = mlp(x, None, gate_up, down, counts)  # [n_local, R, model]
     row = jnp.where(is_local, local, 0) * y.shape[1] + jnp.arange(n)[:, None]
     y = y.reshape(-1, d_model)[row]  # [n, top_k, model]
-    y = jnp.where(is_local[..., None], y, 0)  # rows of experts no token reached hold anything
-    pair_weight = jnp.where(is_local, weights, 0.0).astype(x.dtype)
-    return jnp.einsum("nk,nkm->nm", pair_weight, y, preferred_element_type=jnp.float32).astype(
-        x.dtype
-    )
+    return _weighted_sum(y, weights, is_local, x.dtype)
 
 
 class MoEBlock(nn.Module):

@@ -298,6 +298,10 @@ def test_every_token_layout_rounds_the_tokens_and_refuses_more_than_a_tile():
     assert expert_tiles_mosaic.EveryToken.of(32, 32, False).rows == 32
     with pytest.raises(ValueError, match="33 tokens in row tiles of 32"):
         expert_tiles_mosaic.EveryToken.of(33, 32, True)
+    up, down = expert_tiles_mosaic.EveryToken.pair(20, Tiles(rows=32), Tiles(rows=32))
+    assert (up.from_tokens, down.from_tokens, down.rows) == (True, False, 24)
+    with pytest.raises(ValueError, match="tiles of the same rows; got 32 and 64"):
+        expert_tiles_mosaic.EveryToken.pair(20, Tiles(rows=32), Tiles(rows=64))
 
 
 @pytest.mark.parametrize("weights, first_expert, n_local", [("bf16", 1, 2), ("fp8", 0, 4)])
