@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download into .whl/ the wheels `python -m bench.serve` needs on the GPU machine beyond its
 # image (the server: fastapi, uvicorn and their needs; the client: openai and its needs), and
-# pytest-xdist for `run_device.sh gputests` (8 workers), for
+# pytest-xdist and pytest-timeout for `run_device.sh gputests` (8 workers), for
 # Python 3.12 on x86-64 Linux, at the versions the tests run with. Run it in the repository
 # root; .whl/ is kept out of git through .git/info/exclude. bench/run_device.sh serve
 # installs them there. The image has httpx, h11, idna, anyio, click and prometheus_client,
@@ -18,5 +18,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   typing-inspection==0.4.5 typing_extensions==4.16.0 anyio==4.16.0 sniffio==1.3.1 \
   h11==0.16.0 idna==3.20 prometheus_client==0.26.0 \
   openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 \
-  pytest-xdist==3.8.0 execnet==2.1.2
+  pytest-xdist==3.8.0 execnet==2.1.2 pytest-timeout==2.4.0
 du -ch .whl/*.whl | tail -1
