@@ -708,7 +708,11 @@ def expert_mlp(
     """
     _check_layout("expert_tiles_mosaic.expert_mlp", source_rows)
     up_tiles, down_tiles = _mlp_tiles(
-        tiles, default_tiles_for(gate_up_scale is not None), x.shape[0], gate_up, down, False
+        tiles,
+        default_tiles_for(gate_up_scale is not None),
+        x.shape[0],
+        gate_up.shape[1],
+        gate_up.shape[-1],
     )
     rows = source_rows.shape[0]
     tables = [pair_table(group_sizes, t.rows, rows) for t in (up_tiles, down_tiles)]
@@ -737,7 +741,11 @@ def expert_mlp_every_token(
     token t at [e, t]; the rest (t >= tokens, experts not routed) may hold anything.
     """
     up_tiles, down_tiles = _mlp_tiles(
-        tiles, default_tiles_for(gate_up_scale is not None), x.shape[0], gate_up, down, False
+        tiles,
+        default_tiles_for(gate_up_scale is not None),
+        x.shape[0],
+        gate_up.shape[1],
+        gate_up.shape[-1],
     )
     experts, block_m = gate_up.shape[0], up_tiles.rows
     rows = experts * block_m
@@ -748,12 +756,9 @@ def expert_mlp_every_token(
     return out.reshape(experts, block_m, -1)
 
 
-def _mlp_tiles(tiles, default, tokens: int, gate_up: Array, down: Array, k_major: bool):
-    """The (gate/up, down) tiles: those given, else `default(tokens, k, n)` each, for
-    weights [experts, model, 2, ffn] and [experts, ffn, model], or `k_major` ones
-    [experts, 2, ffn, model] and [experts, model, ffn]."""
-    model = gate_up.shape[-1] if k_major else gate_up.shape[1]
-    ffn = gate_up.shape[-2] if k_major else gate_up.shape[-1]
+def _mlp_tiles(tiles, default, tokens: int, model: int, ffn: int):
+    """The (gate/up, down) tiles of an MLP of widths `model` -> `ffn` -> `model`: those
+    given, else `default(tokens, k, n)` each."""
     up_tiles, down_tiles = tiles or (None, None)
     return up_tiles or default(tokens, model, ffn), down_tiles or default(tokens, ffn, model)
 
@@ -796,7 +801,7 @@ def expert_mlp_fp8(
     rows = source_rows.shape[0]
     tokens = _fp8_rows("expert_tiles_mosaic.expert_mlp_fp8", x)
     up_tiles, down_tiles = _mlp_tiles(
-        tiles, fp8_tiles_for, tokens.shape[0], gate_up_t, down_t, True
+        tiles, fp8_tiles_for, tokens.shape[0], gate_up_t.shape[-1], gate_up_t.shape[-2]
     )
     tables = [pair_table(group_sizes, t.rows, rows) for t in (up_tiles, down_tiles)]
     act = _fp8_product(
@@ -827,7 +832,7 @@ def expert_mlp_fp8_every_token(
     (its arguments and result; the weights and x as `expert_mlp_fp8`'s)."""
     tokens = _fp8_rows("expert_tiles_mosaic.expert_mlp_fp8_every_token", x)
     up_tiles, down_tiles = _mlp_tiles(
-        tiles, fp8_tiles_for, tokens.shape[0], gate_up_t, down_t, True
+        tiles, fp8_tiles_for, tokens.shape[0], gate_up_t.shape[-1], gate_up_t.shape[-2]
     )
     experts, block_m = gate_up_t.shape[0], up_tiles.rows
     rows = experts * block_m
