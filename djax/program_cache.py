@@ -2,8 +2,8 @@
 
 JAX's persistent compilation cache (`engine.enable_compile_cache`) stores XLA's executables
 under a key computed from the lowered module, so every new process first traces and lowers
-the whole generation program again: on an H100 1.6 s for LLaDA-8B and 5.0 s for LLaDA-MoE,
-2.7 s of which lowers the Mosaic GPU expert kernels (bench/NOTES.md). Here a lowered program
+the whole generation program again, the Mosaic GPU kernels' lowering in Python most of it
+(figures in bench/README.md). Here a lowered program
 is saved as a `jax.export` artifact (serialized StableHLO) in a `programs/` folder inside
 the XLA cache folder. A new process reads it back, lowers only the call into it, and XLA's
 cache answers the compile.

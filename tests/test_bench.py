@@ -835,3 +835,21 @@ def test_profile_in_program_gives_each_step_its_share(monkeypatch):
     assert summary["kernels_us_per_step"] == {"nvjet_gemm": 6.0, "loop_add_fusion": 3.0}
     assert summary["busy_us_per_step"]["matmul"] == 6.0
     assert summary["busy_us_per_step"]["idle gaps"] == 1.0
+
+
+def test_compile_rows_name_where_the_lowering_went():
+    """`bench.compile --profile`: a tiny dense model's row holds the functions its lowering
+    spent the most time in, by cumulative seconds (none more than the lowering itself), the
+    lowering of the jitted program among them; without it the row has none."""
+    from bench import compile as compile_bench
+    from bench.common import bench_model, model_config
+
+    model, _ = bench_model(model_config("dense", True))
+    row = compile_bench.phases(model, 8, profile=True)
+    hot = row["lowering_profile"]
+    seconds = [entry["cumulative_s"] for entry in hot]
+    assert len(hot) == 30 and seconds == sorted(seconds, reverse=True)
+    assert seconds[0] <= row["lower_s"] + 1e-3
+    assert any("lower" in entry["function"] for entry in hot), hot
+    assert all(entry["calls"] >= 1 and entry["own_s"] <= entry["cumulative_s"] for entry in hot)
+    assert "lowering_profile" not in compile_bench.phases(model, 8)
