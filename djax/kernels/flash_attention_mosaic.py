@@ -10,9 +10,11 @@ head's row), as sparse attention's compact kept rows take it
 Each CTA owns one (batch row, query head, tile of 64 queries) and `splits` CTAs share its
 keys; within a CTA, each of its `warpgroups` warpgroups owns one key slice. A warpgroup's
 query tile is in shared memory (copied once per CTA); it steps through its slice `block_k`
-keys at a time: TMA brings each step's key and value tiles (read through strides from the
-engine's `[batch, seq, kv_heads, head_dim]` buffers, nothing transposed) and the keys'
-padding bias into the warpgroup's own ring of `stages` slots; WGMMA computes the scores
+keys at a time, and stops after the last step that holds a valid key of its row (or kv
+head), so right-padded rows (the server's layout) read none of their padding steps. TMA
+brings each step's key and value tiles (read through strides from the engine's `[batch,
+seq, kv_heads, head_dim]` buffers, nothing transposed) and the keys' padding bias into the
+warpgroup's own ring of `stages` slots; WGMMA computes the scores
 `Q K^T` into a 64-row fp32 accumulator, the bias is added per key, the online softmax runs
 in registers (base 2), and WGMMA adds the probabilities (cast to the value dtype) times the
 values into the output accumulator. A tile's query rows past the window's end are read by
@@ -49,9 +51,10 @@ from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, SHARED_MEMORY, SWIZZLE, T
 
 Array = jax.Array
 LOG2E = math.log2(math.e)
-# The additive score bias of a padding key: finite, so a slice of only padding keys stays
-# NaN-free (its log-sum-exp is ~-1e30 and it gets no weight in the merge). A query row whose
-# keys are all padding (a dummy row) gets an average over slices, not the einsums' uniform one.
+# The additive score bias of a padding key: finite, so a step of padding keys before a row's
+# last valid key stays NaN-free (a slice of them alone has a log-sum-exp of ~-1e30 and gets no
+# weight in the merge). A query row whose keys are all padding (a dummy row) runs no step and
+# gets zeros, not the einsums' uniform average.
 MASKED = -1e30
 # The fewest CTAs (query tiles x heads) `tiles_for` takes for a window of one key slice.
 MIN_CTAS = 96
@@ -59,6 +62,10 @@ MIN_CTAS = 96
 MAX_WARPGROUPS = 3
 # The most keys of one CTA in a block forward (`tiles_for`): more are cut across CTAs.
 KEYS_PER_CTA = 640
+# The softmax sum of a slice that ran no key step (wholly past its row's last valid key):
+# its output is then 0 / EMPTY_SUM = 0 and its log-sum-exp ~MASKED, weighted 0 by the merges.
+# Any slice with a step has a sum of at least 1 (its maximum's own term).
+EMPTY_SUM = 1e-30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +198,7 @@ def _kernel(
     k_gmem,
     v_gmem,
     bias_gmem,
+    key_steps_gmem,
     *refs,
     tiles,
     n_heads,
@@ -206,7 +214,9 @@ def _kernel(
     values [b, s, kv, d] with the bias [b, slices x steps x block_k], or with `per_head` each
     kv head's own [b, kv, slices x steps x block_k] (0, or `MASKED` on padding keys, added to
     the scores in base 2), its warpgroups each streaming the slice
-    `split x warpgroups + warpgroup`, into out [b, t, n, d] (one split) or, `split_out`,
+    `split x warpgroups + warpgroup` up to the row's (or kv head's) last key step holding a
+    valid key (`key_steps` [b] or [b, kv]; at least one step a slice), into out [b, t, n, d]
+    (one split) or, `split_out`,
     each split's normalised fp32 output [b, splits, t, n, d] and its rows' log-sum-exps
     [b, splits, n, 64 x q_tiles]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -227,6 +237,12 @@ def _kernel(
     kv_head = head // group
     rows = pl.ds(q_tile * ROW_TILE, ROW_TILE)
     first_key_step = (split * tiles.warpgroups + wg) * steps
+    # The steps after the row's last valid key hold padding only, whose probabilities are
+    # exactly 0 beside any valid key: they are skipped. A slice wholly past it runs none:
+    # its sum stays 0 (read as `EMPTY_SUM`), its maximum MASKED, and the merges give it no
+    # weight.
+    row_steps = key_steps_gmem[batch, kv_head] if per_head else key_steps_gmem[batch]
+    n_steps = jnp.minimum(jnp.maximum(row_steps - first_key_step, 0), steps)
     d = q_smem.shape[-1]
 
     @pl.when(wg == 0)
@@ -241,8 +257,8 @@ def _kernel(
         bias = bias_gmem.at[batch, kv_head, keys] if per_head else bias_gmem.at[batch, keys]
         plgpu.copy_gmem_to_smem(bias, bias_slots.at[ring], bias_bars.at[ring])
 
-    for step in range(min(tiles.stages, steps)):
-        fetch(step, step)
+    for first in range(min(tiles.stages, steps)):
+        pl.when(first < n_steps)(functools.partial(fetch, first, first))
     plgpu.barrier_wait(q_bar.at[0])
     scale = d**-0.5 * LOG2E  # scores in base 2: exp2 of them is exp of the true ones
 
@@ -264,7 +280,7 @@ def _kernel(
         pv = _weighted_values(p.astype(v_slots.dtype), v_slots.at[ring], interpreting)
         acc = acc * jax.lax.broadcast_in_dim(correction, acc.shape, [0]) + pv
 
-        @pl.when(i + tiles.stages < steps)
+        @pl.when(i + tiles.stages < n_steps)
         def _refill():
             fetch(i + tiles.stages, slot)
 
@@ -275,12 +291,13 @@ def _kernel(
         tma_ring.accumulator_rows(jnp.full((ROW_TILE,), MASKED, jnp.float32), interpreting),
         tma_ring.accumulator_rows(jnp.zeros((ROW_TILE,), jnp.float32), interpreting),
     )
-    acc, row_max, row_sum = jax.lax.fori_loop(0, steps, step, carry)
+    acc, row_max, row_sum = jax.lax.fori_loop(0, n_steps, step, carry)
     if merging:
         acc, row_max, row_sum = _merged(
             acc, row_max, row_sum, wg, tiles, (*merge, *sum_tile), interpreting
         )
     else:
+        row_sum = jnp.maximum(row_sum, EMPTY_SUM)
         acc = acc / jax.lax.broadcast_in_dim(row_sum, acc.shape, [0])
 
     @pl.when(wg == tiles.warpgroups - 1)
@@ -325,6 +342,7 @@ def _merged(acc, row_max, row_sum, wg, tiles, refs, interpreting):
     sums = [tma_ring.accumulator_rows(sum_smem[j], interpreting) for j in range(tiles.warpgroups)]
     total_max = functools.reduce(jnp.maximum, maxima)
     total = sum(s * jnp.exp2(m - total_max) for m, s in zip(maxima, sums, strict=True))
+    total = jnp.maximum(total, EMPTY_SUM)  # every slice of the CTA past the row's keys
     weight = jnp.exp2(row_max - total_max) / total
     share = acc * jax.lax.broadcast_in_dim(weight, acc.shape, [0])
     for j in range(tiles.warpgroups - 1):
@@ -405,6 +423,9 @@ def split_kv_attention(
     padded = splits * wgs * steps * tiles.block_k
     bias = jnp.where(key_valid, 0.0, MASKED).astype(jnp.float32)
     bias = jnp.pad(bias, [(0, 0)] * (bias.ndim - 1) + [(0, padded - s)], constant_values=MASKED)
+    # each row's (or kv head's) key steps up to its last valid key
+    last = jnp.max(jnp.where(key_valid, jnp.arange(1, s + 1, dtype=jnp.int32), 0), axis=-1)
+    key_steps = (last + tiles.block_k - 1) // tiles.block_k
     out_dtype = jnp.float32 if split_out else q.dtype
     if split_out:  # each split's output and its rows' log-sum-exps (TMA stores whole rows)
         out_type = (
@@ -468,7 +489,7 @@ def split_kv_attention(
         interpret=params,
         **threads,
     )
-    inputs = (_aligned(q, 1), _aligned(keys, 1), _aligned(values, 1), bias)
+    inputs = (_aligned(q, 1), _aligned(keys, 1), _aligned(values, 1), bias, key_steps)
     if not split_out:
         return kernel(*inputs)
     partial, lse = kernel(*inputs)

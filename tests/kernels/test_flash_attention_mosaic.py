@@ -157,6 +157,40 @@ def test_per_head_mask():
 
 
 @pytest.mark.parametrize(
+    "tiles, per_head",
+    [
+        (Tiles(splits=1, stages=2), False),  # one slice: its loop ends at the last valid step
+        # 4 slices of 64 keys (2 CTAs x 2 warpgroups): those wholly past a row's keys run one
+        # masked step each, weighted 0 in both merges
+        (Tiles(splits=2, stages=2, warpgroups=2), False),
+        (Tiles(splits=1, stages=1), True),  # each kv head stops at its own last valid key
+    ],
+)
+def test_steps_past_the_last_valid_key_are_not_read(tiles, per_head):
+    """Right-padded rows (the server's layout), one whose valid keys end in its first step:
+    every key and value of a 64-key step wholly past its row's (or kv head's) last valid key
+    is NaN, which any read would carry into the output; the output is the attention over
+    the valid keys. The steps the loop skips are padding, whose probabilities beside a valid
+    key are exactly 0, so skipping them changes no result."""
+    b, t, n, s = 2, 32, 4, 256
+    kv = 2 if per_head else 1
+    q, k, v = _problem(b, t, n, kv, 64, s, BF16, seed=7)
+    counts = jnp.array([[70, 250], [10, 129]] if per_head else [[70], [10]])  # [b, kv or 1]
+    ends = -(-counts // 64) * 64  # the end of each one's last step holding a valid key
+    position = jnp.arange(s)[None, :, None]  # [1, s, 1] against [b, 1, kv or 1]
+    unread = (position >= ends[:, None, :])[..., None]  # [b, s, kv or 1, 1]
+    valid = position[:, :, 0][:, None, :] < counts[:, :, None]  # [b, kv or 1, s]
+    valid = valid if per_head else valid[:, 0]
+    k_nan, v_nan = (jnp.where(unread, jnp.nan, x).astype(BF16) for x in (k, v))
+    ours = split_kv_attention(q, k_nan, v_nan, valid, tiles=tiles, interpret=True)
+    ref = (_per_head_reference if per_head else _einsum_attention)(
+        *(x.astype(jnp.float32) for x in (q, k, v)), valid
+    )
+    assert bool(jnp.isfinite(ours.astype(jnp.float32)).all())
+    assert _rel_error(ours, ref) < 1e-2
+
+
+@pytest.mark.parametrize(
     "b, t, heads, s, tiles",
     [
         (1, 32, 32, 384, None),  # LLaDA-8B block: one CTA of 128-key steps
@@ -239,6 +273,26 @@ def test_compiled_kernel_on_gpu(t, s):
     merged = (Tiles(stages=1, warpgroups=3), Tiles(splits=2, stages=2, warpgroups=2))
     for tiles in (None, Tiles(splits=1), Tiles(block_k=128, splits=3, stages=2), *merged):
         ours = split_kv_attention(q, k, v, key_valid, tiles=tiles)
+        assert _rel_error(ours, ref) <= 1e-2, (tiles, _rel_error(ours, ref))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_compiled_kernel_reads_no_step_past_a_rows_keys_on_gpu():
+    """On a Hopper GPU: a serving block call's rows (right-padded to 1,024 keys, of 1,000,
+    300, 64 and 5 valid keys; bf16, head dim 128, GQA group 2), NaN in every 128 keys wholly
+    past a row's last 128-key step holding a valid key, at `tiles_for` (2 CTAs of 128-key
+    steps), 3 CTAs of 128-key steps (some wholly past a row's keys) and 2 CTAs of 2
+    warpgroups of 64-key steps: the attention over the valid keys, no NaN."""
+    s, counts = 1024, jnp.array([1000, 300, 64, 5])
+    q, k, v = _problem(4, 32, 16, 8, 128, s, BF16, seed=9)
+    valid = jnp.arange(s)[None, :] < counts[:, None]
+    unread = (jnp.arange(s)[None, :] >= -(-counts[:, None] // 128) * 128)[:, :, None, None]
+    k_nan, v_nan = (jnp.where(unread, jnp.nan, x).astype(BF16) for x in (k, v))
+    ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k, v)), valid)
+    tilings = (None, Tiles(block_k=128, splits=3, stages=2), Tiles(splits=2, warpgroups=2))
+    for tiles in tilings:
+        ours = split_kv_attention(q, k_nan, v_nan, valid, tiles=tiles)
+        assert bool(jnp.isfinite(ours.astype(jnp.float32)).all()), tiles
         assert _rel_error(ours, ref) <= 1e-2, (tiles, _rel_error(ours, ref))
 
 
