@@ -289,7 +289,11 @@ def test_compiled_kernel_reads_no_step_past_a_rows_keys_on_gpu():
     unread = (jnp.arange(s)[None, :] >= -(-counts[:, None] // 128) * 128)[:, :, None, None]
     k_nan, v_nan = (jnp.where(unread, jnp.nan, x).astype(BF16) for x in (k, v))
     ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k, v)), valid)
-    tilings = (None, Tiles(block_k=128, splits=3, stages=2), Tiles(splits=2, warpgroups=2))
+    tilings = (
+        None,
+        Tiles(block_k=128, splits=3, stages=2),
+        Tiles(splits=2, stages=2, warpgroups=2),
+    )
     for tiles in tilings:
         ours = split_kv_attention(q, k_nan, v_nan, valid, tiles=tiles)
         assert bool(jnp.isfinite(ours.astype(jnp.float32)).all()), tiles
