@@ -707,13 +707,7 @@ def expert_mlp(
     default `tiles_for` each (`converted_tiles_for` for e4m3 weights).
     """
     _check_layout("expert_tiles_mosaic.expert_mlp", source_rows)
-    up_tiles, down_tiles = _mlp_tiles(
-        tiles,
-        default_tiles_for(gate_up_scale is not None),
-        x.shape[0],
-        gate_up.shape[1],
-        gate_up.shape[-1],
-    )
+    up_tiles, down_tiles = _mlp_tiles_16bit(tiles, x, gate_up, gate_up_scale)
     rows = source_rows.shape[0]
     tables = [pair_table(group_sizes, t.rows, rows) for t in (up_tiles, down_tiles)]
     act = _product(x[source_rows], gate_up, tables[0], rows, gate_up_scale, up_tiles, interpret)
@@ -740,13 +734,7 @@ def expert_mlp_every_token(
     R, model], R the tiles' rows (`row_tile_for(tokens)` by default): expert e's output of
     token t at [e, t]; the rest (t >= tokens, experts not routed) may hold anything.
     """
-    up_tiles, down_tiles = _mlp_tiles(
-        tiles,
-        default_tiles_for(gate_up_scale is not None),
-        x.shape[0],
-        gate_up.shape[1],
-        gate_up.shape[-1],
-    )
+    up_tiles, down_tiles = _mlp_tiles_16bit(tiles, x, gate_up, gate_up_scale)
     experts, block_m = gate_up.shape[0], up_tiles.rows
     rows = experts * block_m
     up, down_layout = EveryToken.pair(x.shape[0], up_tiles, down_tiles)
@@ -761,6 +749,13 @@ def _mlp_tiles(tiles, default, tokens: int, model: int, ffn: int):
     given, else `default(tokens, k, n)` each."""
     up_tiles, down_tiles = tiles or (None, None)
     return up_tiles or default(tokens, model, ffn), down_tiles or default(tokens, ffn, model)
+
+
+def _mlp_tiles_16bit(tiles, x: Array, gate_up: Array, gate_up_scale: Array | None):
+    """`_mlp_tiles` of the MLPs on 16-bit weights [experts, model, 2, ffn] or e4m3 ones
+    converted in the kernel (`gate_up_scale` given): `default_tiles_for` their form."""
+    default = default_tiles_for(gate_up_scale is not None)
+    return _mlp_tiles(tiles, default, x.shape[0], gate_up.shape[1], gate_up.shape[-1])
 
 
 def _check_layout(name: str, source_rows: Array) -> None:
