@@ -248,9 +248,14 @@ def run_phase_call(
         groups = (refresh_group, step_group)
         kv = tuple((None, layer) for layer in pool.kv)
     hidden, new_kv = apply(x, groups, kv, method="forward_groups")
+    pool_kv = tuple(layer[-1] for layer in new_kv)
+    if stream is not None:
+        # The stream's K/V are scattered into the pool after the forward. Tied to its
+        # output, the scatters follow every layer's reads of the pool, so XLA writes them in
+        # place; unordered with those reads, it copied each layer's pool K/V first.
+        hidden, pool_kv = jax.lax.optimization_barrier((hidden, pool_kv))
     hidden = hidden[0]
     step_hidden = hidden[-slots * block :].reshape(slots, block, -1)
-    pool_kv = tuple(layer[-1] for layer in new_kv)
 
     refreshing = jnp.zeros(slots, bool)
     rows = pool.rows

@@ -700,6 +700,38 @@ def test_the_phase_program_lowers_for_hopper(monkeypatch, config, slots, stream)
     assert "mosaic_gpu" in lowered.as_text()
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("config", [LLADA_8B, LLADA_MOE], ids=["dense", "moe"])
+def test_a_stream_is_scattered_into_the_pool_in_place_on_gpu(config):
+    """A call with refresh rows writes their K/V into the donated pool in place: the
+    program XLA compiles for the GPU (`auto`'s kernels, abstract weights) copies no layer's
+    pool keys or values, as it did while the scatters were unordered with the steps' reads."""
+    from djax.model import Model
+    from djax.models import init_params
+
+    params = jax.eval_shape(lambda: init_params(config, jnp.bfloat16, seed=0))
+    model = Model(config, params, None, jnp.bfloat16)
+    plan = phase.PhasePlan(
+        slots=8,
+        pool_len=512,
+        stream=512,
+        refresh_rows=2,
+        block_len=32,
+        steps_per_block=8,
+        decoder=GENERATION.decoder_spec(),
+        mask_id=2,
+    )
+    program = phase.phase_program(model, plan, phase.phase_kernels(model, plan))
+    shape_of = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype))
+    pool = phase.pool_shapes(config, plan.slots, plan.pool_len, 32, jnp.bfloat16)
+    stream = shape_of(phase.pack_stream(plan, [], 1))
+    text = program.lower(params, pool, stream).compile().as_text()
+    keys = pool.kv[0][0]
+    pool_shape = f"bf16[{','.join(map(str, keys.shape))}]"
+    copies = [line for line in text.splitlines() if pool_shape in line and " copy(" in line]
+    assert "scatter" in text and not copies, copies[:2]
+
+
 def test_auto_takes_phase_for_a_moe_model_it_serves_and_continuous_otherwise(
     dense_model, moe_model
 ):

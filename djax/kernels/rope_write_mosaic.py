@@ -285,25 +285,24 @@ def _kernel(
             ok = (position >= write_lo) & (position < write_hi)
             out_smem[...] = jnp.where(ok, head, cached)
 
-        q_row, k_row = (0, 1) if ops.qk_norm else (None, None)
+        # Each step written once for every kind of slot that takes it, not once per kind:
+        # a kernel's lowering time follows its program's size.
+        if ops.qk_norm:  # queries' scale row 0, keys' 1; values are not normed
 
-        @pl.when(slot < group)
-        def _query():
-            out_smem[...] = head_ops(q_row).astype(dtype)
-            rope()
+            @pl.when(slot <= group)
+            def _normed():
+                scale_row = (slot == group).astype(jnp.int32)
+                out_smem[...] = head_ops(scale_row).astype(dtype)
 
-        @pl.when(slot == group)
-        def _key():
-            out_smem[...] = head_ops(k_row).astype(dtype)
-            rope()
-            if buffered:
-                keep_cached()
+            @pl.when(slot == group + 1)
+            def _value():
+                out_smem[...] = head_ops(None).astype(dtype)
 
-        @pl.when(slot == group + 1)
-        def _value():
+        else:
             out_smem[...] = head_ops(None).astype(dtype)
-            if buffered:
-                keep_cached()
+        pl.when(slot <= group)(rope)
+        if buffered:  # keys and values
+            pl.when(slot >= group)(keep_cached)
 
     if splits is None and fp8:
         untransposed = source.pop() if interpreting else None
