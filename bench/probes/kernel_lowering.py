@@ -1,12 +1,20 @@
 """Probe: which Mosaic GPU kernels make a new shape's lowering slow?
 
 Question. `bench.compile --profile` (H100, jax 0.11.2, 6f98a3d) lowered LLaDA-8B's generation
-program at a new shape in 20.6 s, 16.3 s of it lowering its nine Mosaic GPU kernel calls and
-13.1 s of that in Mosaic GPU's layout inference (a constraint solver in Python). The same
-program lowers for CUDA in ~1.5 s on a CPU host with jax 0.10.2. Which kernels take the time,
-and is it the layout inference?
+program at a new shape in 20.6 s (under cProfile), 16.3 s of it lowering its nine Mosaic GPU
+kernel calls and 13.1 s of that in Mosaic GPU's layout inference (a constraint solver in
+Python). The same program lowers for CUDA in ~1.5 s on a CPU host with jax 0.10.2. Which
+kernels take the time, and is it the layout inference?
 
-Answer. Pending its first run.
+Answer (H100, jax 0.11.2; `bench/results/kernel_lowering_NVIDIA_H100_80GB_HBM3.json`, and
+`logs/kernel_lowering_af851bf_…` before the fixes). Two kernels were the time, both in
+layout inference: the SwiGLU gate/up product with the norm applied (6.83 s, 6.08 of it
+layout inference), which added its 128 row tiles' sums of squares one written-out add
+each, and the fused q/k/v + RoPE kernel (2.68 s; LLaDA-MoE's 2.70), whose epilogue was
+written out once per kind of slot. Every other kernel lowered in 0.1-0.4 s. With the adds
+in a loop and each epilogue step written once (19463bc, e01d2ba): 0.29 s and 0.76 s
+(LLaDA-MoE's 1.58 s), the whole dense program's lowering 11.95 -> 3.21 s, and a new
+shape's compile 33.7 -> 20.6 s (LLaDA-MoE 32.1 -> 27.5 s; `bench.compile`).
 
 Method. Builds the generation program at the compared setting (`SETTING`, prompt 128, batch
 1) with the kernels `auto` resolves on this device (abstract weights: nothing is allocated),

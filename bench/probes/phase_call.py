@@ -15,6 +15,11 @@ Mosaic GPU expert tiles (5.8 ms a call at 1,024 tokens, 14.4 at 3,072): the expe
 not bound by reading their weights once a call holds the refreshes' tokens too, so
 refreshes do not ride free on the steps' weight reads. Attending over 384 of the pool's
 1,024 positions was no faster (the slice is a copy): the pool spans were dropped.
+LLaDA-8B (H100, af851bf, `--model dense`): a steps-only call 28.3 ms, 75% cuBLAS products
+(compute-bound at 1,024 tokens); with 1,800 refresh tokens 93.8 ms, 11.2 ms of it copying
+every layer's pool K/V before the stream's scatters, which were unordered with the steps'
+reads of the pool. Tied to the forward's output (e01d2ba), the scatters write in place:
+84.9 ms.
 
 Prints, for each stream (refresh tokens a call), the median milliseconds of a call over
 `--calls` calls, the resolved kernel choice, and for `--profile` streams a profiler table
