@@ -52,8 +52,8 @@ def _inv_rms(squares_smem, barrier, width: int, eps: float, interpreting: bool) 
     def add(tile, total):
         return total + tma_ring.accumulator_rows(squares_smem[tile], interpreting)
 
-    # A loop, not one add per tile written out: the unrolled adds (128 tiles at LLaDA-8B's
-    # width) made the kernel's program large enough that lowering it took seconds.
+    # A loop, not one add per tile written out: Mosaic GPU's layout inference, run while
+    # lowering, grows with the kernel's written-out code (128 tiles at LLaDA-8B's width).
     total = tma_ring.accumulator_rows(squares_smem[0], interpreting)
     total = jax.lax.fori_loop(1, squares_smem.shape[0], add, total)
     return jax.lax.rsqrt(total / width + eps)
