@@ -160,8 +160,8 @@ def test_per_head_mask():
     "tiles, per_head",
     [
         (Tiles(splits=1, stages=2), False),  # one slice: its loop ends at the last valid step
-        # 4 slices of 64 keys (2 CTAs x 2 warpgroups): those wholly past a row's keys run one
-        # masked step each, weighted 0 in both merges
+        # 4 slices of 64 keys (2 CTAs x 2 warpgroups): those wholly past a row's keys run no
+        # step, weighted 0 in both merges
         (Tiles(splits=2, stages=2, warpgroups=2), False),
         (Tiles(splits=1, stages=1), True),  # each kv head stops at its own last valid key
     ],
