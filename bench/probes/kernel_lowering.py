@@ -46,23 +46,13 @@ from djax.models import init_params
 KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")
 
 
-def sub_jaxprs(params: dict) -> Iterator[Any]:
-    """The jaxprs an equation's params hold (a loop's body, a call's program, a branch)."""
-    for value in params.values():
-        for item in value if isinstance(value, tuple | list) else (value,):
-            if isinstance(item, jax.extend.core.ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, jax.extend.core.Jaxpr):
-                yield item
-
-
 def kernel_calls(jaxpr: Any) -> Iterator[Any]:
     """Every kernel call (`KERNEL_PRIMITIVES`) in `jaxpr` and the jaxprs inside it."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in KERNEL_PRIMITIVES:
             yield eqn
         else:
-            for sub in sub_jaxprs(eqn.params):
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 yield from kernel_calls(sub)
 
 

@@ -215,10 +215,9 @@ def _kernel(
     kv head's own [b, kv, slices x steps x block_k] (0, or `MASKED` on padding keys, added to
     the scores in base 2), its warpgroups each streaming the slice
     `split x warpgroups + warpgroup` up to the row's (or kv head's) last key step holding a
-    valid key (`key_steps` [b] or [b, kv]; a slice wholly past it runs none), into out [b, t, n, d]
-    (one split) or, `split_out`,
-    each split's normalised fp32 output [b, splits, t, n, d] and its rows' log-sum-exps
-    [b, splits, n, 64 x q_tiles]."""
+    valid key (`key_steps` [b] or [b, kv]; a slice wholly past it runs none), into out
+    [b, t, n, d] (one split) or, `split_out`, each split's normalised fp32 output
+    [b, splits, t, n, d] and its rows' log-sum-exps [b, splits, n, 64 x q_tiles]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if split_out:
