@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from djax import GenerationConfig, Model, block_diffusion, engine, generate
+from djax import GenerationConfig, Model, block_diffusion, engine, generate, xla_options
 from djax.config import LLADA2, ModelConfig, from_hf_dict
 from djax.models import init_params
 from djax.sharding import make_mesh, param_shardings
@@ -460,16 +460,19 @@ def save(name: str, payload: dict[str, Any], setting: str | None = None) -> Path
     """Write a result JSON as `<name>[_<setting>]_<device>.json` (`device_name`) under $OUT
     (the device machine's return folder) when set, else under bench/results/: one file per
     suite (and setting, where `name` or `setting` carries one) and device, replaced by the
-    next run. The record (benchmark `name`) holds the device, the commit, the command and the
-    date; git keeps the earlier runs."""
+    next run. The record (benchmark `name`) holds the device, the commit, the command, the
+    date and, where the user set any, the XLA options of `$DJAX_XLA_OPTIONS` (which change
+    every program the run compiles); git keeps the earlier runs."""
     info = device_info()
     now = datetime.datetime.now(datetime.timezone.utc)
+    user_options = os.environ.get(xla_options.ENV, "").strip()
     record = {
         "benchmark": name,
         **info,
         "commit": commit(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": now.isoformat(timespec="seconds"),
+        **({"xla_options_env": user_options} if user_options else {}),
         **payload,
     }
     folder = Path(os.environ.get("OUT") or RESULTS)

@@ -311,6 +311,11 @@ def test_save_keeps_one_file_per_suite_and_device(tmp_path, monkeypatch):
     assert {"benchmark", "device", "command", "date"} <= set(record)
     assert [p.name for p in tmp_path.iterdir()] == ["generate_NVIDIA_H200.json"]
     assert common.device_name({**info, "device_count": 2}) == "NVIDIA_H200_x2"
+    assert "xla_options_env" not in record
+    # XLA options a user set change every program of the run: the record says which
+    monkeypatch.setenv("DJAX_XLA_OPTIONS", "xla_gpu_graph_min_graph_size=2")
+    record = json.loads(common.save("generate", {"results": [3]}).read_text())
+    assert record["xla_options_env"] == "xla_gpu_graph_min_graph_size=2"
 
 
 def test_generate_rows_carry_the_batch_and_its_limit(dense_model):
