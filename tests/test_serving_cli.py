@@ -45,7 +45,7 @@ def test_demo_model_with_its_generation_defaults(served):
     assert model.config.max_seq_len == 128 and model.tokenizer is not None
     assert (config.generation.gen_length, config.generation.block_length) == (32, 8)
     assert (config.scheduler, config.max_batch, config.max_queue, config.max_seq_len) == (
-        "auto",  # the demo model is dense: continuous (`resolve_scheduler`)
+        "continuous",
         32,
         1024,
         None,
@@ -107,8 +107,23 @@ def test_user_errors_exit_2(served, capsys, tmp_path):
         assert cli.run(parse(["--port", str(port)])) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
     assert served == []
-    with pytest.raises(SystemExit):
-        parse(["--scheduler", "dynamic"])
+    for scheduler in ("dynamic", "auto"):
+        with pytest.raises(SystemExit):
+            parse(["--scheduler", scheduler])
+
+
+def test_the_scheduler_choices_are_the_engines():
+    """The option lists the engine's schedulers (written out, so `djax --help` imports no
+    jax), the engine's default first."""
+    from djax.serving.engine import SCHEDULERS, ServeConfig
+
+    (action,) = [
+        a
+        for command in build_parser()._subparsers._group_actions[0].choices.values()
+        for a in command._actions
+        if "--scheduler" in a.option_strings
+    ]
+    assert tuple(action.choices) == SCHEDULERS and action.default == ServeConfig().scheduler
 
 
 # The demo model on one row, greedy only, sequences up to 64: one program to compile.

@@ -41,13 +41,13 @@ def add_parser(
     )
     serve.add_argument(
         "--scheduler",
-        default="auto",
-        choices=("auto", "continuous", "phase", "static"),
-        help="continuous: requests join and leave the batch at block boundaries; phase: each "
-        "device call mixes some rows' refreshes with every other row's cached step, over "
-        "K/V kept on the device between calls; static: a batch runs until all its requests "
-        "finish; auto: phase for mixture-of-experts models where it serves the settings and "
-        "its pool fits the memory budget, else continuous (default: auto)",
+        default="continuous",
+        choices=("continuous", "phase", "static"),  # engine.SCHEDULERS, without importing jax
+        help="continuous: requests join and leave the batch at block boundaries, and answer "
+        "sooner below saturation; phase: each device call mixes some rows' refreshes with "
+        "every slot's cached step, over K/V kept on the device between calls, and serves more "
+        "at saturation (every slot steps in every call, busy or not); static: a batch runs "
+        "until all its requests finish (default: continuous)",
     )
     serve.add_argument(
         "--phase-tokens",

@@ -1,7 +1,7 @@
 """The serving engine: a thread that turns queued requests into device calls.
 
-Three schedulers share the queue, the events and the metrics (`auto` picks one by the
-model: `resolve_scheduler`):
+Three schedulers share the queue, the events and the metrics (`ServeConfig.scheduler`,
+default `continuous`):
 
 - `continuous`: one device call per block (`diffusion.run_block_call`, or
   `block_diffusion.run_causal_block_call` for a block-diffusion family). Every running row
@@ -68,7 +68,7 @@ log = logging.getLogger("djax.serve")
 # A wait of the device for the host this long is logged (INFO) with the queue it met.
 STALL_SECONDS = 0.02
 
-SCHEDULERS = ("auto", "continuous", "phase", "static")
+SCHEDULERS = ("continuous", "phase", "static")
 
 
 # How long an idle engine waits for requests arriving together to join the first one: up
@@ -98,7 +98,9 @@ class ServeConfig:
     generation: the server-wide decoding settings (decoder, block_length, cache, steps,
     threshold and temperature defaults; gen_length is the default max_tokens, and with
     `steps` it sets the fixed-steps decoders' steps per block). scheduler: one of
-    `SCHEDULERS` (`auto`: `resolve_scheduler`). max_batch: rows per device call;
+    `SCHEDULERS`: `continuous` (the default) answers sooner below saturation, `phase` serves
+    more at saturation, where every slot is busy (it steps all of its slots in every call,
+    idle or not). max_batch: rows per device call;
     max_queue: requests waiting beyond them.
     max_seq_len: the longest prompt + answer served (None: the model's maximum); it bounds
     the compiled shapes. sampling: whether temperature > 0 is served (its programs are
@@ -111,7 +113,7 @@ class ServeConfig:
     """
 
     generation: GenerationConfig = GenerationConfig()
-    scheduler: str = "auto"
+    scheduler: str = "continuous"
     max_batch: int = 32
     max_queue: int = 1024
     max_seq_len: int | None = None
@@ -130,7 +132,7 @@ class ServeConfig:
                 raise ValueError(f"{name}={value!r}; expected a positive int")
         if not isinstance(self.phase_tokens, int) or self.phase_tokens < 0:
             raise ValueError(f"phase_tokens={self.phase_tokens!r}; expected an int ≥ 0")
-        if self.phase_tokens and self.scheduler not in ("auto", "phase"):
+        if self.phase_tokens and self.scheduler != "phase":
             raise ValueError(
                 f"phase_tokens={self.phase_tokens} applies to scheduler='phase'; got "
                 f"scheduler={self.scheduler!r}"
@@ -215,8 +217,6 @@ class ServingEngine:
     `djax.serving.requests.Engine`."""
 
     def __init__(self, model: Model, config: ServeConfig, metrics: ServerMetrics):
-        if config.scheduler == "auto":
-            raise ValueError("scheduler='auto' is made concrete by make_engine; give a scheduler")
         cfg = model.config
         g = config.generation
         if cfg.block_diffusion:
@@ -1036,29 +1036,8 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
-def resolve_scheduler(model: Model, config: ServeConfig) -> str:
-    """`config.scheduler` with `auto` made concrete: `phase` for a mixture-of-experts model
-    where the phase scheduler serves the config and its pool fits the memory budget, else
-    `continuous`: on the serve benchmark the phase scheduler serves LLaDA-MoE faster than
-    the continuous one and LLaDA-8B slower (`bench/README.md`)."""
-    if config.scheduler != "auto":
-        return config.scheduler
-    from djax.serving.phase import pool_fits, refusal  # they build on this module
-
-    serves = model.config.is_moe and refusal(model, config) is None
-    return "phase" if serves and pool_fits(model, config) else "continuous"
-
-
 def make_engine(model: Model, config: ServeConfig, metrics: ServerMetrics) -> ServingEngine:
-    """The engine for `config.scheduler` (`auto` resolved: `resolve_scheduler`), not
-    started."""
-    scheduler = resolve_scheduler(model, config)
-    if config.phase_tokens and scheduler != "phase":
-        raise ValueError(
-            f"phase_tokens={config.phase_tokens} applies to the phase scheduler; "
-            f"scheduler={config.scheduler!r} runs {scheduler!r} for this model and settings"
-        )
-    config = dataclasses.replace(config, scheduler=scheduler)
+    """The engine for `config.scheduler`, not started."""
     if config.scheduler == "phase":
         from djax.serving.phase import PhaseEngine  # it builds on this module
 
