@@ -1,12 +1,12 @@
 """Phase-multiplexed denoising: one device program that runs, in a single forward, the
-refreshes of some rows and the cached steps of all the others.
+refreshes of some rows and the cached steps of the others.
 
 Diffusion decoding alternates two kinds of forward: a row's refresh (its whole sequence,
 rewriting every K/V: compute-bound) and its cached steps (only its block against the cached
 K/V: bound by reading the weights). Here the rows' K/V live in a `Pool` that outlives each
 call, so the two kinds need not wait for each other: every call is one forward whose
-products (q/k/v, output, MLP or experts) run over the refresh rows' tokens and every slot's
-block together, while each group attends in its own shape
+products (q/k/v, output, MLP or experts) run over the refresh rows' tokens and every
+stepping slot's block together, while each group attends in its own shape
 (`TransformerLM.forward_groups`). A refresh row then decodes its block's first step from
 its refresh, like a block call's first step (`djax.diffusion`); a stepping slot decodes its
 next step, and a slot whose block is decoded keeps it (and its keys) for its row's next
@@ -14,9 +14,11 @@ refresh to carry in. The host (`djax.serving.phase`) decides which rows refresh 
 call, under a budget of refresh tokens. How each group attends is chosen once, with the
 products' kernels (`PhaseKernels`).
 
-Shapes are fixed per `PhasePlan`: the pool holds `slots` rows of `pool_len` K/V positions;
-the refresh rows of a call are packed one after the other into a stream of `stream` tokens
-(`pack_stream`), each attending only to its own tokens. A slot's layout is the block
+Shapes are fixed per `PhasePlan`: the pool holds `slots` rows of `pool_len` K/V positions,
+of which the first `stepping` take a cached step (the host keeps every decoding row in
+them, so a call with few rows running steps few slots); the refresh rows of a call are
+packed one after the other into a stream of `stream` tokens (`pack_stream`), each
+attending only to its own tokens. A slot's layout is the block
 calls' (`djax.serving.layout`): its block at positions `[0, block_len)` of its pool row,
 its context and later answer positions after it, so a cached step writes its block's K/V
 at the front of the row.
@@ -51,12 +53,14 @@ PHASE_DECODERS = tuple(d for d in decoders.DECODERS if d != "credit")
 class PhasePlan:
     """Everything static about one phase program.
 
-    slots: the pool's rows (every slot takes a cached step each call); pool_len: K/V
+    slots: the pool's rows; stepping: the leading slots that take a cached step this call
+    (1 to `slots`: a slot past them keeps its block, keys and step count); pool_len: K/V
     positions per slot; stream: refresh tokens this call (0: cached steps only);
     refresh_rows: the most refresh rows a stream holds.
     """
 
     slots: int
+    stepping: int
     pool_len: int
     stream: int
     refresh_rows: int
@@ -72,6 +76,8 @@ class PhasePlan:
                 f"decoder={self.decoder.name!r} is not available to the phase scheduler; "
                 f"expected one of {PHASE_DECODERS}"
             )
+        if not 1 <= self.stepping <= self.slots:
+            raise ValueError(f"stepping={self.stepping}; expected 1 to slots={self.slots}")
         if self.stream and self.refresh_rows < 1:
             raise ValueError(f"refresh_rows={self.refresh_rows}; a stream needs at least 1")
         if self.pool_len <= self.block_len:
@@ -230,14 +236,17 @@ def run_phase_call(
     axis_name: str | None = None,
 ) -> dict[str, Any]:
     """One phase call: the stream's rows refresh into their slots and decode their block's
-    first step; every other slot with masks left takes a cached step. Returns the new
-    `pool` and, for the host, each slot's `block` [slots, block_len] and `step_in_block`
-    [slots] after the call."""
-    slots, block = plan.slots, plan.block_len
+    first step; every other slot of the first `plan.stepping` with masks left takes a
+    cached step. Returns the new `pool` and, for the host, each slot's `block` [slots,
+    block_len] and `step_in_block` [slots] after the call."""
+    slots, n, block = plan.slots, plan.stepping, plan.block_len
     apply = lambda *a, **k: module.apply({"params": params}, *a, **k)  # noqa: E731
-    step_group = AttentionGroup(pool.positions, pool.key_valid, Window(start=0), kernels.steps)
-    x = apply(pool.rows.block, method="embed").reshape(1, slots * block, -1)
-    # Every slot's block K/V are written at the front of its pool row, in place.
+    step_group = AttentionGroup(
+        pool.positions[:n], pool.key_valid[:n], Window(start=0), kernels.steps
+    )
+    x = apply(pool.rows.block[:n], method="embed").reshape(1, n * block, -1)
+    # The stepping slots' block K/V are written at the front of their pool rows, in place;
+    # they attend to the pool's leading rows where they lie.
     groups, kv = (step_group,), tuple((layer,) for layer in pool.kv)
     if stream is not None:
         stream = _carry_in(stream, pool, plan)
@@ -255,10 +264,10 @@ def run_phase_call(
         # place; unordered with those reads, it copied each layer's pool K/V first.
         hidden, pool_kv = jax.lax.optimization_barrier((hidden, pool_kv))
     hidden = hidden[0]
-    step_hidden = hidden[-slots * block :].reshape(slots, block, -1)
+    step_hidden = hidden[-n * block :].reshape(n, block, -1)
 
     refreshing = jnp.zeros(slots, bool)
-    rows = pool.rows
+    rows = Decoding(*(a[:n] for a in pool.rows))
     if stream is not None:
         within = stream.start[:, None] + jnp.arange(block)  # [r_max, block]
         refresh_hidden = hidden[within]
@@ -275,17 +284,19 @@ def run_phase_call(
     else:
         key_valid, positions = pool.key_valid, pool.positions
     active = jnp.any(rows.block == plan.mask_id, axis=1)
-    active = active.at[:slots].set(active[:slots] & ~refreshing)
+    active = active.at[:n].set(active[:n] & ~refreshing[:n])
     decoded = _decode(module, params, plan, step_hidden, rows, active, axis_name)
 
-    def merge(new: Array) -> Array:
-        """Per-slot values: the slots' rows, then each refresh row's in its slot."""
-        merged = new[:slots]
+    def merge(old: Array, new: Array) -> Array:
+        """Per-slot values: the stepping slots' new rows over the pool's, then each refresh
+        row's in its slot."""
+        merged = old.at[:n].set(new[:n])
         if stream is not None:
-            merged = merged.at[stream.slot].set(new[slots:], mode="drop")
+            merged = merged.at[stream.slot].set(new[n:], mode="drop")
         return merged
 
-    new_pool = Pool(pool_kv, key_valid, positions, Decoding(*(merge(a) for a in decoded)))
+    merged = Decoding(*(merge(old, new) for old, new in zip(pool.rows, decoded, strict=True)))
+    new_pool = Pool(pool_kv, key_valid, positions, merged)
     rows = new_pool.rows
     return {"pool": new_pool, "block": rows.block, "step_in_block": rows.step_in_block}
 
@@ -391,13 +402,16 @@ class PhaseKernels:
 
 def phase_kernels(model: Any, plan: PhasePlan) -> PhaseKernels:
     """The model's kernel options resolved for a phase program: its products as one forward
-    over every row of the call (the stream's tokens and every slot's block); the steps'
-    attention as a block forward of `slots` rows against the pool's positions; the stream's
+    over every row of the call (the stream's tokens and every stepping slot's block); the
+    steps' attention as a block forward of `stepping` rows against the pool's positions; the
+    stream's
     cuDNN's on a GPU in a 16-bit dtype unless `attention_impl` says `xla` (a per-query mask
     is what neither XLA's fused paths nor djax's kernel take), else XLA's."""
-    rows = plan.stream + plan.slots * plan.block_len
+    rows = plan.stream + plan.stepping * plan.block_len
     products = model.kernel_choice(Shapes.whole_sequence(1, rows))
-    steps = model.kernel_choice(Shapes(plan.slots, plan.block_len, plan.pool_len, plan.block_len))
+    steps = model.kernel_choice(
+        Shapes(plan.stepping, plan.block_len, plan.pool_len, plan.block_len)
+    )
     gpu = programs.device_of(model.mesh).platform == "gpu"
     half = jnp.dtype(model.dtype).itemsize == 2
     cudnn = gpu and half and model.options.attention_impl != "xla"

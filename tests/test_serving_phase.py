@@ -211,12 +211,15 @@ def _phase_blocks(model, engine, rows, sampling, streams, per_call=2):
     """Each row's next block from `engine`'s phase programs over a fresh pool of two
     slots: rows refresh as slots free, up to `per_call` a call (two: the first two
     together, in one stream), and every
-    call's blocks are read before the next (no idle steps). Returns the blocks, the first
-    call's pool K/V and valid keys (two rows packed), and how many refreshes ran beside a
-    slot still stepping."""
+    call's blocks are read before the next (no idle steps). A call steps the fewest leading
+    slots that hold its stepping rows, as the engine does (slot 0 alone when only it steps).
+    Returns the blocks, the first call's pool K/V and valid keys (two rows packed), how many
+    refreshes ran beside a slot still stepping, and how many calls stepped fewer slots
+    than the pool's."""
     mask_id = model.config.mask_token_id
     pool = engine._empty_pool()
     pending, owner, got, mixed, packed = list(range(len(rows))), {}, {}, 0, None
+    fewer = 0
     while len(got) < len(rows):
         refresh = []
         for slot in [slot for slot in range(2) if slot not in owner][: len(pending)][:per_call]:
@@ -225,14 +228,13 @@ def _phase_blocks(model, engine, rows, sampling, streams, per_call=2):
             refresh.append(rows[i])
         mixed += bool(refresh) and len(owner) > len(refresh)
         tokens = sum(row.sequence for row in refresh)
-        holds = [
-            s
-            for s in streams
-            if s >= tokens and engine._plans[s, sampling].refresh_rows >= len(refresh)
-        ]
+        holds = [s for s in streams if s >= tokens and engine._refresh_rows(s) >= len(refresh)]
         stream = holds[0] if refresh else 0
-        program = engine._programs[stream, sampling]
-        arrays = engine._stream_arrays(engine._plans[stream, sampling], refresh)
+        stepping = [slot for slot, i in owner.items() if rows[i] not in refresh]
+        n = next(n for n in engine.steppings if n > max(stepping, default=0))
+        fewer += n < 2
+        program = engine._programs[stream, n, sampling]
+        arrays = engine._stream_arrays(engine._plans[stream, n, sampling], refresh)
         out = program(model.params, pool, arrays if stream else None)
         pool = out["pool"]
         if len(refresh) == 2:  # read before the next call takes the pool
@@ -242,7 +244,7 @@ def _phase_blocks(model, engine, rows, sampling, streams, per_call=2):
             if not (block[slot] == mask_id).any():
                 got[i] = block[slot]
                 del owner[slot]
-    return [got[i] for i in range(len(rows))], packed, mixed
+    return [got[i] for i in range(len(rows))], packed, mixed, fewer
 
 
 def test_the_phase_program_decodes_each_block_as_a_block_call(dense_model, phased, continuous):
@@ -255,15 +257,16 @@ def test_the_phase_program_decodes_each_block_as_a_block_call(dense_model, phase
         for prompt, threshold in zip(PROMPTS[:4], (0.9, 0.5, 0.9, 0.7), strict=True)
     ]
     expected = _block_call_blocks(dense_model, continuous, rows, False)
-    got, packed, mixed = _phase_blocks(dense_model, phased, rows, False, phased.streams)
-    assert mixed >= 2  # refreshes beside a slot still stepping
+    got, packed, mixed, fewer = _phase_blocks(dense_model, phased, rows, False, phased.streams)
+    assert mixed >= 2 and fewer >= 1  # refreshes beside a slot still stepping; slot 0 alone
     for i, want in enumerate(expected):
         np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")
 
     assert packed is not None  # two rows in one stream
     packed_kv, packed_valid = packed
     pool_len = phased.pool_len
-    kernels = phase.phase_kernels(dense_model, phased._plans[phased.streams[-1], False])
+    largest = phased._plans[phased.streams[-1], phased.steppings[-1], False]
+    kernels = phase.phase_kernels(dense_model, largest)
     module = programs.local_module(dense_model.config, dense_model.dtype, kernels.products, None)
     refresh = jax.jit(
         lambda tokens, positions: module.apply(
@@ -293,7 +296,7 @@ def test_a_fixed_steps_decoder_samples_each_block_as_a_block_call(dense_model):
     continuous = make_engine(dense_model, ServeConfig(**config), ServerMetrics())
     continuous._carried = continuous._empty_table()
     engine = make_engine(dense_model, ServeConfig(scheduler="phase", **config), ServerMetrics())
-    for shape in ((0, True), (64, True)):
+    for shape in itertools.product((0, 64), engine.steppings, (True,)):
         plan = engine._plan(*shape)
         engine._plans[shape] = plan
         engine._programs[shape] = phase.phase_program(
@@ -303,8 +306,8 @@ def test_a_fixed_steps_decoder_samples_each_block_as_a_block_call(dense_model):
         _row(engine, prompt, 16, temperature=1.5, seed=i) for i, prompt in enumerate(PROMPTS[:4])
     ]
     expected = _block_call_blocks(dense_model, continuous, rows, True)
-    got, _, mixed = _phase_blocks(dense_model, engine, rows, True, (64,), per_call=1)
-    assert mixed >= 1
+    got, _, mixed, fewer = _phase_blocks(dense_model, engine, rows, True, (64,), per_call=1)
+    assert mixed >= 1 and fewer >= 1
     for i, want in enumerate(expected):
         np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")
 
@@ -349,8 +352,8 @@ def test_a_fixed_steps_decoder_refreshes_from_the_slot_and_gives_the_continuous_
     """Under low_confidence a block ends after a known number of calls, so a row's next
     block is refreshed in the very next call, its last block and keys carried from its
     slot before the host has read them: every request still gets the continuous engine's
-    tokens (greedy and sampled, stop tokens honoured), and no call steps a finished block
-    idly."""
+    tokens (greedy and sampled, stop tokens honoured), no call steps a finished block
+    idly, and a call whose only decoding row is in slot 0 steps that slot alone."""
     generation = dataclasses.replace(GENERATION, decoder="low_confidence", steps=6)
     requests = [
         dataclasses.replace(
@@ -359,10 +362,21 @@ def test_a_fixed_steps_decoder_refreshes_from_the_slot_and_gives_the_continuous_
         for t in (0.0, 1.5)
         for i, r in enumerate(_requests(t))
     ]
-    answers = {}
+    answers, stepped = {}, []
+
+    def spy(shape, program):
+        def call(*args):
+            stepped.append(shape[1])
+            return program(*args)
+
+        return call
+
     for scheduler in ("continuous", "phase"):
         budget = {"phase_tokens": 2 * 8 + 128} if scheduler == "phase" else {}
         engine = _engine(dense_model, scheduler, generation, **budget)
+        if scheduler == "phase":  # ready and idle: its programs are all compiled
+            assert engine.steppings == (1, 2)
+            engine._programs = {shape: spy(shape, p) for shape, p in engine._programs.items()}
         try:
             answers[scheduler] = _serve_all(engine, requests)
             calls = engine._calls
@@ -377,6 +391,7 @@ def test_a_fixed_steps_decoder_refreshes_from_the_slot_and_gives_the_continuous_
         if (n := end.completion_tokens) is not None
     )
     assert calls < 4 * blocks / 2
+    assert set(stepped) == {1, 2}, stepped
 
 
 def test_sampled_tokens_do_not_depend_on_a_slower_batch_mate(phased, continuous):
@@ -620,7 +635,8 @@ def test_k_major_fp8_values_serve_under_tensor_parallel(tmp_path):
     scaled = djax.load(tmp_path, jnp.float32, mesh=mesh, weights="fp8", fp8_impl="scaled")
     mosaic = scaled.with_options(fp8_impl="mosaic")
     plan = phase.PhasePlan(
-        slots=2, pool_len=32, stream=16, refresh_rows=1, block_len=8, steps_per_block=8,
+        slots=2, stepping=2, pool_len=32, stream=16, refresh_rows=1, block_len=8,
+        steps_per_block=8,
         decoder=GENERATION.decoder_spec(), mask_id=mosaic.config.mask_token_id, sampling=False,
     )  # fmt: skip
     assert phase.phase_kernels(mosaic, plan).products.k_major
@@ -659,16 +675,18 @@ LLADA_MOE = ModelConfig(
 
 
 @pytest.mark.parametrize("config", [LLADA_8B, LLADA_MOE], ids=["dense", "moe"])
-@pytest.mark.parametrize("slots, stream", [(4, 0), (4, 256), (32, 1024)])
-def test_the_phase_program_lowers_for_hopper(monkeypatch, config, slots, stream):
+@pytest.mark.parametrize("slots, stepping, stream", [(4, 4, 0), (4, 2, 256), (32, 8, 1024)])
+def test_the_phase_program_lowers_for_hopper(monkeypatch, config, slots, stepping, stream):
     """The whole phase call (the mixed forward with `auto`'s Hopper kernels for its rows,
     the decode, the pool's writes) at real shapes in bf16 lowers for CUDA, its Mosaic GPU
-    kernels compiled rather than interpreted (no GPU needed to lower)."""
+    kernels compiled rather than interpreted (no GPU needed to lower), also where fewer
+    slots step than the pool holds (the attention kernel reads the pool's leading rows)."""
     from djax.kernels import tma_ring
 
     monkeypatch.setattr(tma_ring, "interpret_params", lambda interpret: None)
     plan = phase.PhasePlan(
         slots=slots,
+        stepping=stepping,
         pool_len=512,
         stream=stream,
         refresh_rows=2 if stream else 0,
@@ -679,9 +697,10 @@ def test_the_phase_program_lowers_for_hopper(monkeypatch, config, slots, stream)
         sampling=True,
     )
     hopper = Device("gpu", (9, 0), 227 * 1024)
-    shapes = Shapes.whole_sequence(1, stream + slots * 32)
+    shapes = Shapes.whole_sequence(1, stream + stepping * 32)
     products = resolve(KernelOptions(), hopper, config, jnp.bfloat16, shapes)
-    steps = resolve(KernelOptions(), hopper, config, jnp.bfloat16, Shapes(slots, 32, 512, 32))
+    steps = resolve(KernelOptions(), hopper, config, jnp.bfloat16, Shapes(stepping, 32, 512, 32))
+    assert steps.block.layers.attention == "split_kv"
     # the stream's cuDNN attention lowers only where cuDNN is: XLA's here
     kernels = phase.PhaseKernels(products, steps.block.layers.attention, "xla")
     module = programs.local_module(config, jnp.bfloat16, products, None)
@@ -702,10 +721,12 @@ def test_the_phase_program_lowers_for_hopper(monkeypatch, config, slots, stream)
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("config", [LLADA_8B, LLADA_MOE], ids=["dense", "moe"])
-def test_a_stream_is_scattered_into_the_pool_in_place_on_gpu(config):
+@pytest.mark.parametrize("stepping", [8, 2])
+def test_a_stream_is_scattered_into_the_pool_in_place_on_gpu(config, stepping):
     """A call with refresh rows writes their K/V into the donated pool in place: the
     program XLA compiles for the GPU (`auto`'s kernels, abstract weights) copies no layer's
-    pool keys or values, as it did while the scatters were unordered with the steps' reads."""
+    pool keys or values, as it did while the scatters were unordered with the steps' reads;
+    nor when 2 of the 8 slots step (their attention reads the pool's leading rows in place)."""
     from djax.model import Model
     from djax.models import init_params
 
@@ -713,6 +734,7 @@ def test_a_stream_is_scattered_into_the_pool_in_place_on_gpu(config):
     model = Model(config, params, None, jnp.bfloat16)
     plan = phase.PhasePlan(
         slots=8,
+        stepping=stepping,
         pool_len=512,
         stream=512,
         refresh_rows=2,

@@ -21,18 +21,21 @@ every layer's pool K/V before the stream's scatters, which were unordered with t
 reads of the pool. Tied to the forward's output (e01d2ba), the scatters write in place:
 84.9 ms.
 
-Prints, for each stream (refresh tokens a call), the median milliseconds of a call over
-`--calls` calls, the resolved kernel choice, and for `--profile` streams a profiler table
-of device time per op category (`bench.profile.summarize`). The pool holds 32 rows of 300
-tokens in 1,024 positions; each timed call with a stream refreshes rows of 300 tokens.
+Prints, for each stream (refresh tokens a call) and each count of stepping slots (the
+leading slots that take a cached step: a server with few rows running steps few), the
+median milliseconds of a call over `--calls` calls, the resolved kernel choice, and for
+`--profile` streams (at the most stepping slots) a profiler table of device time per op
+category (`bench.profile.summarize`). The pool holds 32 rows of 300 tokens in 1,024
+positions; each timed call with a stream refreshes rows of 300 tokens.
 
-    python -m bench.probes.phase_call [--model moe] [--streams 0 1024 2048] [--calls 10]
-        [--profile 0 2048]
+    python -m bench.probes.phase_call [--model moe] [--streams 0 1024 2048]
+        [--stepping 32 16 8] [--calls 10] [--profile 0 2048]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -75,6 +78,9 @@ def main() -> None:
     parser.add_argument("--model", default="moe")
     parser.add_argument("--routing", choices=ROUTINGS, default="spread")
     parser.add_argument("--streams", type=int, nargs="+", default=[0, 1024, 2048])
+    parser.add_argument(
+        "--stepping", type=int, nargs="+", default=[SLOTS], help=f"stepping slots (≤ {SLOTS})"
+    )
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--profile", type=int, nargs="*", default=[0, 2048])
     parser.add_argument("--out", default="/tmp/djax_phase_profile")
@@ -85,9 +91,10 @@ def main() -> None:
     model, _ = bench_model(config)
     layout = RowLayout(BLOCK, config.mask_token_id, config.pad_token_id)
 
-    def plan(stream: int) -> phase.PhasePlan:
+    def plan(stream: int, stepping: int = SLOTS) -> phase.PhasePlan:
         return phase.PhasePlan(
             slots=SLOTS,
+            stepping=stepping,
             pool_len=POOL,
             stream=stream,
             refresh_rows=max(1, min(SLOTS, stream // (8 * BLOCK))),
@@ -112,8 +119,8 @@ def main() -> None:
         stream = phase.place_stream(model, phase.pack_stream(fill, refreshes(layout, slots), 0))
         pool = fill_program(model.params, pool, stream)["pool"]
     rows = []
-    for stream_len in args.streams:
-        p = plan(stream_len)
+    for stream_len, stepping in itertools.product(args.streams, args.stepping):
+        p = plan(stream_len, stepping)
         run = program(p)
         slots = list(range(min(stream_len // ROW, p.refresh_rows))) if stream_len else []
         stream = None
@@ -127,12 +134,13 @@ def main() -> None:
             times.append(1e3 * (time.perf_counter() - start))
         row = {
             "stream": stream_len,
+            "stepping": stepping,
             "refresh_rows": len(slots),
             "refresh_tokens": len(slots) * ROW,
             "ms_median": statistics.median(times),
             "kernels": phase.phase_kernels(model, p).explain(),
         }
-        if stream_len in args.profile:
+        if stream_len in args.profile and stepping == max(args.stepping):
             out = Path(args.out) / f"stream_{stream_len}"
             with jax.profiler.trace(str(out), create_perfetto_trace=True):
                 for _ in range(3):

@@ -368,9 +368,11 @@ def split_kv_attention(
 ) -> Array:
     """Bidirectional grouped-query attention with a key-padding mask, in Mosaic GPU.
 
-    q: [batch, t, heads, head_dim]; keys, values: [batch, s, kv_heads, head_dim], all bf16
-    or all fp16, head_dim a multiple of 64; key_valid: [batch, s] bool, or [batch, kv_heads,
-    s] (each kv head's own keys). Returns [batch, t, heads, head_dim] in q's dtype.
+    q: [batch, t, heads, head_dim]; keys, values: [rows, s, kv_heads, head_dim] with rows ≥
+    batch, of which the first `batch` are q's (the rest are not read: a pool's leading
+    slots attend in place), all bf16 or all fp16, head_dim a multiple of 64; key_valid:
+    [batch, s] bool, or [batch, kv_heads, s] (each kv head's own keys). Returns
+    [batch, t, heads, head_dim] in q's dtype.
     `tiles`: the program shape (default `tiles_for(t, s, batch * heads, ...)`; more splits
     than key slices need are clamped, and a CTA's last warpgroups may get slices wholly
     past the keys, masked); `interpret`: run in Mosaic GPU's interpreter (default: exactly
@@ -382,7 +384,8 @@ def split_kv_attention(
     s, kv_heads = keys.shape[1], keys.shape[2]
     name = "flash_attention_mosaic.split_kv_attention"
     if (
-        keys.shape != (b, s, kv_heads, d)
+        keys.shape[0] < b
+        or keys.shape[1:] != (s, kv_heads, d)
         or values.shape != keys.shape
         or key_valid.shape not in ((b, s), (b, kv_heads, s))
         or not fits(d)
@@ -390,7 +393,7 @@ def split_kv_attention(
     ):
         raise ValueError(
             f"{name}: q {q.shape}, keys {keys.shape}, values {values.shape}, key_valid "
-            f"{key_valid.shape}; expected keys and values [{b}, s, kv_heads, {d}], key_valid "
+            f"{key_valid.shape}; expected keys and values [≥ {b}, s, kv_heads, {d}], key_valid "
             f"[{b}, s] or [{b}, kv_heads, s], a head dim that is a multiple of {TILE} and "
             "heads a multiple of kv heads"
         )

@@ -207,8 +207,9 @@ def apply_rope(x: Array, positions: Array, theta: float, rotary_dim: int) -> Arr
 def write_window(buffer: Array | None, fresh: Array, window: Window) -> Array:
     """Put a window's fresh K or V into the buffer.
 
-    buffer: [batch, seq, kv_heads, head_dim] or None (the window is the whole sequence);
-    fresh: [batch, W, kv_heads, head_dim].
+    buffer: [rows, seq, kv_heads, head_dim] or None (the window is the whole sequence);
+    fresh: [batch, W, kv_heads, head_dim], written into the buffer's first `batch` rows
+    (rows ≥ batch: a pool whose leading slots step).
     """
     if buffer is None:
         return fresh
@@ -250,17 +251,19 @@ def rope_and_write_xla(
 def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "xla") -> Array:
     """Grouped-query attention with a key mask: bidirectional over the valid keys.
 
-    q: [batch, t, kv_heads, group, head_dim]; keys, values: [batch, s, kv_heads, head_dim];
-    key_valid: [batch, s] bool (the same keys for every query), or [batch, t, s] (each query's
-    own keys, as block-causal attention needs: XLA's or cuDNN's path). Returns
-    [batch, t, kv_heads, group, head_dim].
+    q: [batch, t, kv_heads, group, head_dim]; keys, values: [rows, s, kv_heads, head_dim],
+    rows ≥ batch, the first `batch` q's (a pool's leading slots: the kernel reads them in
+    place, XLA's and cuDNN's paths take them sliced); key_valid: [batch, s] bool (the same
+    keys for every query), or [batch, t, s] (each query's own keys, as block-causal
+    attention needs: XLA's or cuDNN's path). Returns [batch, t, kv_heads, group, head_dim].
     """
-    if impl == "cudnn":
-        return _attend_cudnn(q, keys, values, key_valid)
     if impl == "split_kv" and key_valid.ndim == 2:  # an interpreter off GPUs (for tests)
         b, t, k, g, d = q.shape
         run = flash_attention_mosaic.split_kv_attention
         return run(q.reshape(b, t, k * g, d), keys, values, key_valid).reshape(q.shape)
+    keys, values = keys[: q.shape[0]], values[: q.shape[0]]
+    if impl == "cudnn":
+        return _attend_cudnn(q, keys, values, key_valid)
     scale = q.shape[-1] ** -0.5
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, preferred_element_type=jnp.float32)
     mask = key_valid[:, None, None, None, :] if key_valid.ndim == 2 else key_valid[:, None, None]
@@ -760,11 +763,12 @@ class TransformerLM(nn.Module):
         shape (`Attention`'s `groups`).
 
         x: [1, T, model] input embeddings, each group's b·t rows in turn (T their sum); kv:
-        per layer, each group's buffers [b, seq, kv_heads, head_dim] (the window's K/V are
-        written into them) or None (the group is a whole sequence: its K/V are returned
-        fresh). Returns the final-norm hidden states [1, T, model] and per layer each
-        group's K/V. The forward takes `kernels.refresh`'s products; RoPE and the K/V
-        writes run in XLA, each group's attention as the group says.
+        per layer, each group's buffers [rows ≥ b, seq, kv_heads, head_dim] (the window's
+        K/V are written into their first b rows, which the group attends to) or None (the
+        group is a whole sequence: its K/V are returned fresh). Returns the final-norm
+        hidden states [1, T, model] and per layer each group's K/V. The forward takes
+        `kernels.refresh`'s products; RoPE and the K/V writes run in XLA, each group's
+        attention as the group says.
         """
         total = sum(g.rows for g in groups)
         if x.shape[:2] != (1, total):

@@ -43,11 +43,11 @@ def add_parser(
         "--scheduler",
         default="continuous",
         choices=("continuous", "phase", "static"),  # engine.SCHEDULERS, without importing jax
-        help="continuous: requests join and leave the batch at block boundaries, and answer "
-        "sooner below saturation; phase: each device call mixes some rows' refreshes with "
-        "every slot's cached step, over K/V kept on the device between calls, and serves more "
-        "at saturation (every slot steps in every call, busy or not); static: a batch runs "
-        "until all its requests finish (default: continuous)",
+        help="continuous: requests join and leave the batch at block boundaries (sooner "
+        "answers below saturation); phase: each device call mixes some rows' refreshes with "
+        "the decoding rows' cached steps, over K/V kept on the device between calls (more "
+        "answer tokens at saturation); static: a batch runs until all its requests finish "
+        "(default: continuous)",
     )
     serve.add_argument(
         "--phase-tokens",

@@ -98,9 +98,9 @@ class ServeConfig:
     generation: the server-wide decoding settings (decoder, block_length, cache, steps,
     threshold and temperature defaults; gen_length is the default max_tokens, and with
     `steps` it sets the fixed-steps decoders' steps per block). scheduler: one of
-    `SCHEDULERS`: `continuous` (the default) answers sooner below saturation, `phase` serves
-    more at saturation, where every slot is busy (it steps all of its slots in every call,
-    idle or not). max_batch: rows per device call;
+    `SCHEDULERS`: `continuous` (the default) answered sooner below saturation on the serve
+    benchmark, `phase` serves more at saturation (the README's serve figures). max_batch:
+    rows per device call;
     max_queue: requests waiting beyond them.
     max_seq_len: the longest prompt + answer served (None: the model's maximum); it bounds
     the compiled shapes. sampling: whether temperature > 0 is served (its programs are

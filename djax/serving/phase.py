@@ -11,14 +11,18 @@ step; the row then steps until its block holds no mask. A row's next refresh tak
 last block and keys from its slot (`phase.Stream.carry_at`), so it need not wait for the
 host to read them.
 
+A new row takes the lowest free slot, and a call steps only the leading slots that hold
+every decoding row (the smallest of `halvings(max_batch, 1)` that does), so a call with few
+rows running costs few rows' steps.
+
 The engine queues a call before it reads the one before, so the device never waits for
 the host. Under a fixed-steps decoder a block ends after a known number of calls, and
 the row is pending from the next one; under the others the host learns of the end when it
 reads the call, so the row steps idly once before its refresh. Every program (the
-steps-only call and each stream size of `halvings`, in each served sampling variant) is
-compiled before the engine reports ready; the pool (before it is allocated) and the
-largest call must fit the memory budget, or the engine refuses to start, naming the
-sizes.
+steps-only call and each stream size of `halvings`, each with each count of stepping
+slots, in each served sampling variant) is compiled before the engine reports ready; the
+pool (before it is allocated) and the largest call must fit the memory budget, or the
+engine refuses to start, naming the sizes.
 """
 
 from __future__ import annotations
@@ -42,21 +46,23 @@ from djax.serving.requests import Failed
 
 log = logging.getLogger("djax.serve")
 
-# Refresh streams compiled below the largest: the largest halved this many times (a call
-# takes the smallest stream that holds its refresh rows).
+# Refresh streams (and counts of stepping slots) compiled below the largest: the largest
+# halved this many times (a call takes the smallest that holds its refresh rows, or its
+# decoding slots).
 HALVINGS = 2
 # A stream of n tokens holds at most n / (this × block) rows (every one decodes a block,
 # padding rows too), at least one.
 REFRESH_ROW_BLOCKS = 8
 
 
-def halvings(largest: int, block_length: int) -> tuple[int, ...]:
-    """`largest` and its halves (`HALVINGS` of them, each rounded up to whole blocks and
-    at least two blocks), ascending: the refresh streams compiled."""
+def halvings(largest: int, unit: int, least: int = 2) -> tuple[int, ...]:
+    """`largest` and its halves (`HALVINGS` of them, each rounded up to whole `unit`s and
+    at least `least` of them), ascending: the refresh streams compiled (in blocks, at least
+    two) and the counts of stepping slots (in slots, at least one)."""
     sizes = {largest}
     size = largest
     for _ in range(HALVINGS):
-        size = max(2 * block_length, block_length * math.ceil(size / 2 / block_length))
+        size = max(least * unit, unit * math.ceil(size / 2 / unit))
         sizes.add(size)
     return tuple(sorted(sizes))
 
@@ -158,9 +164,11 @@ class PhaseEngine(ServingEngine):
                 f"{slots * block + self.pool_len}"
             )
         self.streams = halvings(largest, block)
+        self.steppings = halvings(slots, 1, least=1)
         self._pool: phase.Pool | None = None
-        self._plans: dict[tuple[int, bool], phase.PhasePlan] = {}
-        self._programs: dict[tuple[int, bool], Any] = {}
+        # by (stream, stepping slots, sampling)
+        self._plans: dict[tuple[int, int, bool], phase.PhasePlan] = {}
+        self._programs: dict[tuple[int, int, bool], Any] = {}
         self._pending: collections.deque[_Row] = collections.deque()  # to refresh, in order
         self._states: dict[int, _RowState] = {}  # id(row) -> where its blocks stand
         # Fixed-steps decoders finish a block in a known number of calls: its refresh's,
@@ -175,13 +183,19 @@ class PhaseEngine(ServingEngine):
 
     # ------------------------------------------------------------ programs
 
-    def _plan(self, stream: int, sampling: bool) -> phase.PhasePlan:
+    def _refresh_rows(self, stream: int) -> int:
+        """The most refresh rows a stream of `stream` tokens holds."""
+        block = self.block_length
+        return max(1, min(self.config.max_batch, stream // (REFRESH_ROW_BLOCKS * block)))
+
+    def _plan(self, stream: int, stepping: int, sampling: bool) -> phase.PhasePlan:
         g, cfg, block = self.config.generation, self.model.config, self.block_length
         return phase.PhasePlan(
             slots=self.config.max_batch,
+            stepping=stepping,
             pool_len=self.pool_len,
             stream=stream,
-            refresh_rows=max(1, min(self.config.max_batch, stream // (REFRESH_ROW_BLOCKS * block))),
+            refresh_rows=self._refresh_rows(stream),
             block_len=block,
             steps_per_block=self.config.steps_per_block,
             decoder=g.decoder_spec(),
@@ -237,10 +251,10 @@ class PhaseEngine(ServingEngine):
         )
 
     def _warm_up(self) -> None:
-        """Compile every phase program (stream 0 and each stream size, in each sampling
-        variant; several at a time: tracing holds the GIL, XLA's compiler does not) and
-        check that the pool (first, before it is allocated) and the largest call fit the
-        memory budget."""
+        """Compile every phase program (stream 0 and each stream size, each with each count
+        of stepping slots, in each sampling variant; several at a time: tracing holds the
+        GIL, XLA's compiler does not) and check that the pool (first, before it is
+        allocated) and the largest call fit the memory budget."""
         start = time.perf_counter()
         pool_bytes = phase.pool_bytes(self.model, phase.pool_shapes(*self._pool_size()))
         if self.memory.limit is not None and pool_bytes > self.memory.limit:
@@ -252,9 +266,14 @@ class PhaseEngine(ServingEngine):
                 "--memory-fraction"
             )
         self._pool = self._empty_pool()
-        shapes = [(stream, x) for x in self.memory.variants for stream in (0, *self.streams)]
+        shapes = [
+            (stream, stepping, x)
+            for x in self.memory.variants
+            for stream in (0, *self.streams)
+            for stepping in self.steppings
+        ]
 
-        def compile_one(shape: tuple[int, bool]) -> int | None:
+        def compile_one(shape: tuple[int, int, bool]) -> int | None:
             plan = self._plan(*shape)
             kernels = phase.phase_kernels(self.model, plan)
             program = phase.phase_program(self.model, plan, kernels)
@@ -280,9 +299,11 @@ class PhaseEngine(ServingEngine):
             )
         self.metrics.call_bytes.set(max(largest, pool_bytes))
         log.info(
-            "compiled %d phase programs (streams %s, pool %d × %d: %s) in %.1f s",
+            "compiled %d phase programs (streams %s, stepping slots %s, pool %d × %d: %s) in "
+            "%.1f s",
             len(self._programs),
             self.streams,
+            self.steppings,
             self.config.max_batch,
             self.pool_len,
             _mib(pool_bytes),
@@ -331,7 +352,8 @@ class PhaseEngine(ServingEngine):
             else:
                 running.append(row)
         for row in self._take_waiting(self.config.max_batch - len(running)):
-            row.slot = self._free_slots.pop()
+            row.slot = min(self._free_slots)  # the lowest: calls step the leading slots
+            self._free_slots.remove(row.slot)
             running.append(row)
             self._states[id(row)] = _RowState()
             self._pending.append(row)
@@ -350,8 +372,7 @@ class PhaseEngine(ServingEngine):
         """The pending rows this call refreshes, first come first served while they fit the
         largest stream and its rows, and the smallest stream that holds them (0: none)."""
         rows, tokens = [], 0
-        largest = self._plans[self.streams[-1], False]
-        while self._pending and len(rows) < largest.refresh_rows:
+        while self._pending and len(rows) < self._refresh_rows(self.streams[-1]):
             row = self._pending[0]
             if tokens + row.sequence > self.streams[-1]:
                 break
@@ -360,7 +381,7 @@ class PhaseEngine(ServingEngine):
         if not rows:
             return 0, []
         stream = next(s for s in self.streams if s >= tokens)
-        if len(rows) > self._plans[stream, False].refresh_rows:
+        if len(rows) > self._refresh_rows(stream):
             stream = self.streams[-1]
         return stream, rows
 
@@ -370,7 +391,10 @@ class PhaseEngine(ServingEngine):
             stream, rows = self._take_refreshes()
             stepping = [r for r in self._running if self._states[id(r)].decoding and r not in rows]
         sampling = any(r.request.temperature > 0 for r in [*rows, *stepping])
-        plan, program = self._plans[stream, sampling], self._programs[stream, sampling]
+        last_slot = max((r.slot for r in stepping), default=0)
+        slots = next(n for n in self.steppings if n > last_slot)
+        shape = (stream, slots, sampling)
+        plan, program = self._plans[shape], self._programs[shape]
         last = self._phase_calls[-1] if self._phase_calls else None
         try:
             packed = self._stream_arrays(plan, rows) if stream else None

@@ -156,6 +156,31 @@ def test_per_head_mask():
     assert _rel_error(shared, ref) > 0.1  # one mask per row is another attention
 
 
+def test_queries_attend_to_the_leading_rows_of_a_larger_buffer():
+    """A pool's leading slots step (`djax.phase`): q's 2 rows against keys and values of 5
+    rows attend to rows 0 and 1 as they lie, whatever the others hold (NaN here, never read),
+    in one slice and in 2 slices merged, per row and per head masks; the layer's `attend`
+    takes the same buffers on XLA's path. Fewer buffer rows than q's is refused."""
+    b, rows, t, n, kv, d, s = 2, 5, 32, 4, 2, 64, 200
+    q_all, k, v = _problem(rows, t, n, kv, d, s, BF16, seed=11)
+    q = q_all[:b]
+    k_nan, v_nan = (x.at[b:].set(jnp.nan) for x in (k, v))
+    valid = _padded_rows(s, 70)
+    ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k[:b], v[:b])), valid)
+    per_head = jax.random.bernoulli(jax.random.key(12), 0.5, (b, kv, s)).at[:, :, 0].set(True)
+    head_ref = _per_head_reference(q, k[:b], v[:b], per_head)
+    for tiles in (Tiles(splits=1, stages=2), Tiles(splits=2, stages=2)):
+        ours = split_kv_attention(q, k_nan, v_nan, valid, tiles=tiles, interpret=True)
+        assert ours.shape == q.shape and _rel_error(ours, ref) < 1e-2, tiles
+        ours = split_kv_attention(q, k_nan, v_nan, per_head, tiles=tiles, interpret=True)
+        assert _rel_error(ours, head_ref) < 1e-2, tiles
+    grouped = q.astype(jnp.float32).reshape(b, t, kv, n // kv, d)
+    xla = layers.attend(grouped, k_nan.astype(jnp.float32), v_nan.astype(jnp.float32), valid)
+    assert _rel_error(xla.reshape(q.shape), ref) < 1e-5
+    with pytest.raises(ValueError, match=r"expected keys and values \[≥ 5, s, kv_heads, 64\]"):
+        split_kv_attention(q_all, k[:b], v[:b], jnp.ones((rows, s), bool))
+
+
 @pytest.mark.parametrize(
     "tiles, per_head",
     [
@@ -298,6 +323,22 @@ def test_compiled_kernel_reads_no_step_past_a_rows_keys_on_gpu():
         ours = split_kv_attention(q, k_nan, v_nan, valid, tiles=tiles)
         assert bool(jnp.isfinite(ours.astype(jnp.float32)).all()), tiles
         assert _rel_error(ours, ref) <= 1e-2, (tiles, _rel_error(ours, ref))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_compiled_kernel_reads_the_leading_rows_of_a_pool_on_gpu():
+    """On a Hopper GPU: 8 of a 32-slot pool's rows step (the phase scheduler at low load;
+    bf16, head dim 128, GQA group 2, 1,024 keys, rows of 1,000 to 5 valid keys), the pool's
+    other rows NaN: the attention of the 8 over their own rows, no NaN, at `tiles_for`."""
+    s, counts = 1024, jnp.array([1000, 300, 64, 5, 1024, 512, 77, 640])
+    q, k, v = _problem(32, 32, 16, 8, 128, s, BF16, seed=13)
+    q = q[:8]
+    k_nan, v_nan = (x.at[8:].set(jnp.nan) for x in (k, v))
+    valid = jnp.arange(s)[None, :] < counts[:, None]
+    ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k[:8], v[:8])), valid)
+    ours = split_kv_attention(q, k_nan, v_nan, valid)
+    assert bool(jnp.isfinite(ours.astype(jnp.float32)).all())
+    assert _rel_error(ours, ref) <= 1e-2, _rel_error(ours, ref)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
