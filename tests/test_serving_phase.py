@@ -232,7 +232,7 @@ def _phase_blocks(model, engine, rows, sampling, streams, per_call=2):
         stream = holds[0] if refresh else 0
         stepping = [slot for slot, i in owner.items() if rows[i] not in refresh]
         n = next(n for n in engine.steppings if n > max(stepping, default=0))
-        fewer += n < 2
+        fewer += n < 2 and stepping == [0]  # slot 0 steps alone
         program = engine._programs[stream, n, sampling]
         arrays = engine._stream_arrays(engine._plans[stream, n, sampling], refresh)
         out = program(model.params, pool, arrays if stream else None)
@@ -285,6 +285,61 @@ def test_the_phase_program_decodes_each_block_as_a_block_call(dense_model, phase
             np.testing.assert_allclose(keys[slot, :length], want[0], rtol=2e-5, atol=2e-5)
     for row in rows:  # the shared engine keeps no state of rows it never ran
         del phased._states[id(row)]
+
+
+def test_slots_past_the_stepping_ones_keep_their_state(dense_model, phased):
+    """Two rows refreshed into a two-slot pool, both mid-block: a steps-only call stepping
+    one slot leaves slot 1 (masks left) as it was (block, keys, step count, K/V) and gives
+    slot 0 what a call stepping both gives it."""
+    rows = [_row(phased, prompt, 16, 0.9) for prompt in PROMPTS[:2]]
+    for slot, row in enumerate(rows):
+        row.slot = slot
+    stream = phased.streams[-1]
+    refresh = phased._programs[stream, 2, False]
+    arrays = phased._stream_arrays(phased._plans[stream, 2, False], rows)
+    pool = refresh(dense_model.params, phased._empty_pool(), arrays)["pool"]
+    mask_id = dense_model.config.mask_token_id
+    assert (np.asarray(pool.rows.block) == mask_id).any(axis=1).all()  # both mid-block
+    before = jax.tree.map(np.asarray, pool)
+    copy = lambda tree: jax.tree.map(jnp.array, tree)  # noqa: E731  (each call donates its pool)
+    one = jax.tree.map(
+        np.asarray, phased._programs[0, 1, False](dense_model.params, copy(pool), None)["pool"]
+    )
+    both = jax.tree.map(
+        np.asarray, phased._programs[0, 2, False](dense_model.params, pool, None)["pool"]
+    )
+    for name, field in zip(phase.Decoding._fields, one.rows, strict=True):
+        np.testing.assert_array_equal(field[1], getattr(before.rows, name)[1], err_msg=name)
+        np.testing.assert_array_equal(field[0], getattr(both.rows, name)[0], err_msg=name)
+    assert one.rows.step_in_block[0] == before.rows.step_in_block[0] + 1
+    for (keys, values), (keys_before, values_before), (keys_both, _) in zip(
+        one.kv, before.kv, both.kv, strict=True
+    ):
+        np.testing.assert_array_equal(keys[1], keys_before[1])
+        np.testing.assert_array_equal(values[1], values_before[1])
+        np.testing.assert_allclose(keys[0], keys_both[0], rtol=1e-5, atol=1e-6)
+    for row in rows:  # the shared engine keeps no state of rows it never ran
+        del phased._states[id(row)]
+
+
+def test_new_rows_take_the_lowest_free_slots_and_calls_step_the_fewest_that_hold_them(
+    dense_model,
+):
+    """Admission gives waiting rows the lowest free slots; a call steps the smallest of
+    `max_batch`, its half and its quarter that holds every decoding row's slot (never
+    started: nothing compiles)."""
+    config = ServeConfig(generation=GENERATION, scheduler="phase", max_batch=8, max_seq_len=32)
+    engine = make_engine(dense_model, config, ServerMetrics())
+    assert engine.steppings == (2, 4, 8)
+    engine._free_slots = [7, 3, 5]
+    for prompt in PROMPTS[:2]:
+        engine._waiting.append(_row(engine, prompt, 16))
+    with engine._lock:
+        engine._admit()
+    assert [row.slot for row in engine._running] == [3, 5] and engine._free_slots == [7]
+    cases = {(): 2, (0,): 2, (1,): 2, (2,): 4, (0, 3): 4, (5,): 8, (7, 1): 8}
+    for slots, want in cases.items():
+        assert engine._stepping_slots(list(slots)) == want, slots
 
 
 def test_a_fixed_steps_decoder_samples_each_block_as_a_block_call(dense_model):
@@ -748,9 +803,13 @@ def test_a_stream_is_scattered_into_the_pool_in_place_on_gpu(config, stepping):
     pool = phase.pool_shapes(config, plan.slots, plan.pool_len, 32, jnp.bfloat16)
     stream = shape_of(phase.pack_stream(plan, [], 1))
     text = program.lower(params, pool, stream).compile().as_text()
-    keys = pool.kv[0][0]
-    pool_shape = f"bf16[{','.join(map(str, keys.shape))}]"
-    copies = [line for line in text.splitlines() if pool_shape in line and " copy(" in line]
+    rows = pool.kv[0][0].shape[1:]
+    shapes = [f"bf16[{','.join(map(str, (n, *rows)))}]" for n in {plan.slots, stepping}]
+    copies = [
+        line
+        for line in text.splitlines()
+        if any(shape in line for shape in shapes) and (" copy(" in line or " pad(" in line)
+    ]
     assert "scatter" in text and not copies, copies[:2]
 
 

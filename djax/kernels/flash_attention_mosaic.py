@@ -491,6 +491,8 @@ def split_kv_attention(
         interpret=params,
         **threads,
     )
+    if s % ROW_ALIGN:  # padded, so copied: q's rows alone, not a whole pool's
+        keys, values = keys[:b], values[:b]
     inputs = (_aligned(q, 1), _aligned(keys, 1), _aligned(values, 1), bias, key_steps)
     if not split_out:
         return kernel(*inputs)

@@ -368,6 +368,11 @@ class PhaseEngine(ServingEngine):
             if not state.decoding and more and state.since is not None and row not in self._pending:
                 self._pending.append(row)
 
+    def _stepping_slots(self, slots: list[int]) -> int:
+        """The leading slots a call steps: the fewest of `steppings` that hold `slots`, the
+        decoding rows' (the smallest where none decodes)."""
+        return next(n for n in self.steppings if n > max(slots, default=0))
+
     def _take_refreshes(self) -> tuple[int, list[_Row]]:
         """The pending rows this call refreshes, first come first served while they fit the
         largest stream and its rows, and the smallest stream that holds them (0: none)."""
@@ -391,9 +396,7 @@ class PhaseEngine(ServingEngine):
             stream, rows = self._take_refreshes()
             stepping = [r for r in self._running if self._states[id(r)].decoding and r not in rows]
         sampling = any(r.request.temperature > 0 for r in [*rows, *stepping])
-        last_slot = max((r.slot for r in stepping), default=0)
-        slots = next(n for n in self.steppings if n > last_slot)
-        shape = (stream, slots, sampling)
+        shape = (stream, self._stepping_slots([r.slot for r in stepping]), sampling)
         plan, program = self._plans[shape], self._programs[shape]
         last = self._phase_calls[-1] if self._phase_calls else None
         try:

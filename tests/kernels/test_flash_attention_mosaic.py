@@ -156,12 +156,14 @@ def test_per_head_mask():
     assert _rel_error(shared, ref) > 0.1  # one mask per row is another attention
 
 
-def test_queries_attend_to_the_leading_rows_of_a_larger_buffer():
+@pytest.mark.parametrize("s", [200, 203])
+def test_queries_attend_to_the_leading_rows_of_a_larger_buffer(s):
     """A pool's leading slots step (`djax.phase`): q's 2 rows against keys and values of 5
     rows attend to rows 0 and 1 as they lie, whatever the others hold (NaN here, never read),
-    in one slice and in 2 slices merged, per row and per head masks; the layer's `attend`
-    takes the same buffers on XLA's path. Fewer buffer rows than q's is refused."""
-    b, rows, t, n, kv, d, s = 2, 5, 32, 4, 2, 64, 200
+    in one slice and in 2 slices merged, per row and per head masks, with keys a multiple
+    of 8 or padded to one (q's rows alone then); the layer's `attend` takes the same
+    buffers on XLA's path. Fewer buffer rows than q's is refused."""
+    b, rows, t, n, kv, d = 2, 5, 32, 4, 2, 64
     q_all, k, v = _problem(rows, t, n, kv, d, s, BF16, seed=11)
     q = q_all[:b]
     k_nan, v_nan = (x.at[b:].set(jnp.nan) for x in (k, v))
