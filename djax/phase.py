@@ -121,8 +121,10 @@ class Stream(NamedTuple):
     position in its slot's pool row; start: [refresh_rows] int32, where each row begins;
     slot: [refresh_rows] int32, its slot (≥ slots: no row); carry_at: [refresh_rows] int32,
     where in the stream the row's last decoded block goes, taken with the row's keys from
-    its slot (the host may not have read them yet), or -1 (a new row: the host's tokens and
-    keys); keys [refresh_rows, 2] uint32, threshold and temperature [refresh_rows] fp32."""
+    the slot `carry_from` [refresh_rows] int32 names (the one it decoded in, which the host
+    may move it from: the refresh rewrites every K/V of the row) before the call's writes
+    (the host may not have read them yet), or -1 (a new row: the host's tokens and keys);
+    keys [refresh_rows, 2] uint32, threshold and temperature [refresh_rows] fp32."""
 
     tokens: Array
     positions: Array
@@ -131,6 +133,7 @@ class Stream(NamedTuple):
     start: Array
     slot: Array
     carry_at: Array
+    carry_from: Array
     keys: Array
     threshold: Array
     temperature: Array
@@ -139,13 +142,14 @@ class Stream(NamedTuple):
 class Refresh(NamedTuple):
     """One row entering a block, on the host: its layout (`layout.RowLayout.fill` of one
     row: block first, then context and later answer positions), where in it the row's last
-    decoded block goes (-1: a new row; else the block and the keys come from its slot) and
-    per-row values."""
+    decoded block goes (-1: a new row; else the block and the keys come from the slot
+    `carry_from`, where it decoded them) and per-row values."""
 
     slot: int
     tokens: np.ndarray
     positions: np.ndarray
     carry_at: int
+    carry_from: int
     keys: np.ndarray
     threshold: float
     temperature: float
@@ -202,6 +206,7 @@ def pack_stream(plan: PhasePlan, rows: list[Refresh], pad_id: int) -> Stream:
     start = np.zeros(r_max, np.int32)
     slot = np.full(r_max, plan.slots, np.int32)
     carry_at = np.full(r_max, -1, np.int32)
+    carry_from = np.full(r_max, plan.slots, np.int32)
     keys = np.zeros((r_max, 2), np.uint32)
     threshold = np.ones(r_max, np.float32)
     temperature = np.zeros(r_max, np.float32)
@@ -219,10 +224,21 @@ def pack_stream(plan: PhasePlan, rows: list[Refresh], pad_id: int) -> Stream:
         column[at : at + length] = np.arange(length)
         start[i], slot[i], keys[i] = at, r.slot, r.keys
         carry_at[i] = -1 if r.carry_at < 0 else at + r.carry_at
+        carry_from[i] = r.carry_from
         threshold[i], temperature[i] = r.threshold, r.temperature
         at += length
     return Stream(
-        tokens, positions, row, column, start, slot, carry_at, keys, threshold, temperature
+        tokens,
+        positions,
+        row,
+        column,
+        start,
+        slot,
+        carry_at,
+        carry_from,
+        keys,
+        threshold,
+        temperature,
     )
 
 
@@ -302,10 +318,10 @@ def run_phase_call(
 
 
 def _carry_in(stream: Stream, pool: Pool, plan: PhasePlan) -> Stream:
-    """The stream with each carried row's last block (from its slot) written at its
-    `carry_at`, and its keys taken from its slot."""
+    """The stream with each carried row's last block (from its `carry_from` slot, as the
+    call found the pool) written at its `carry_at`, and its keys taken from that slot."""
     carried = stream.carry_at >= 0
-    slot = jnp.minimum(stream.slot, plan.slots - 1)
+    slot = jnp.minimum(stream.carry_from, plan.slots - 1)
     columns = stream.carry_at[:, None] + jnp.arange(plan.block_len, dtype=jnp.int32)
     columns = jnp.where(carried[:, None], columns, plan.stream)  # out of range: not written
     tokens = stream.tokens.at[columns].set(pool.rows.block[slot], mode="drop")

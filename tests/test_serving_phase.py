@@ -408,7 +408,9 @@ def test_a_fixed_steps_decoder_refreshes_from_the_slot_and_gives_the_continuous_
     block is refreshed in the very next call, its last block and keys carried from its
     slot before the host has read them: every request still gets the continuous engine's
     tokens (greedy and sampled, stop tokens honoured), no call steps a finished block
-    idly, and a call whose only decoding row is in slot 0 steps that slot alone."""
+    idly, a call whose only decoding row is in slot 0 steps that slot alone, and a row
+    entering a block moves down to a free slot below its own, carrying its last block from
+    the slot it leaves."""
     generation = dataclasses.replace(GENERATION, decoder="low_confidence", steps=6)
     requests = [
         dataclasses.replace(
@@ -417,7 +419,7 @@ def test_a_fixed_steps_decoder_refreshes_from_the_slot_and_gives_the_continuous_
         for t in (0.0, 1.5)
         for i, r in enumerate(_requests(t))
     ]
-    answers, stepped = {}, []
+    answers, stepped, moves = {}, [], []
 
     def spy(shape, program):
         def call(*args):
@@ -432,6 +434,14 @@ def test_a_fixed_steps_decoder_refreshes_from_the_slot_and_gives_the_continuous_
         if scheduler == "phase":  # ready and idle: its programs are all compiled
             assert engine.steppings == (1, 2)
             engine._programs = {shape: spy(shape, p) for shape, p in engine._programs.items()}
+            move_down = engine._move_down
+
+            def moving(row, move_down=move_down):
+                before = row.slot
+                move_down(row)
+                moves.append((before, row.slot))
+
+            engine._move_down = moving
         try:
             answers[scheduler] = _serve_all(engine, requests)
             calls = engine._calls
@@ -447,6 +457,7 @@ def test_a_fixed_steps_decoder_refreshes_from_the_slot_and_gives_the_continuous_
     )
     assert calls < 4 * blocks / 2
     assert set(stepped) == {1, 2}, stepped
+    assert (1, 0) in moves, moves
 
 
 def test_sampled_tokens_do_not_depend_on_a_slower_batch_mate(phased, continuous):

@@ -65,6 +65,7 @@ def refreshes(layout: RowLayout, slots: list[int]) -> list[phase.Refresh]:
                 arrays["tokens"][0],
                 arrays["positions"][0],
                 -1,
+                slot,
                 row_keys(slot, 1)[0],
                 0.9,
                 0.0,

@@ -11,9 +11,11 @@ step; the row then steps until its block holds no mask. A row's next refresh tak
 last block and keys from its slot (`phase.Stream.carry_at`), so it need not wait for the
 host to read them.
 
-A new row takes the lowest free slot, and a call steps only the leading slots that hold
-every decoding row (the smallest of `halvings(max_batch, 1)` that does), so a call with few
-rows running costs few rows' steps.
+A new row takes the lowest free slot, a row entering a block moves to the lowest free slot
+below its own (its refresh rewrites all of its K/V; its last block and keys are carried
+from the slot it leaves), and a call steps only the leading slots that hold every decoding
+row (the smallest of `halvings(max_batch, 1)` that does), so a call with few rows running
+costs few rows' steps.
 
 The engine queues a call before it reads the one before, so the device never waits for
 the host. Under a fixed-steps decoder a block ends after a known number of calls, and
@@ -71,15 +73,17 @@ def halvings(largest: int, unit: int, least: int = 2) -> tuple[int, ...]:
 class _RowState:
     """A running row's blocks on the device. started: blocks refreshed so far; since: the
     call that refreshed its current block (None before its first); ends: the calls whose
-    outputs hold a block of it that the host has not read, with that block's index, in
-    order (a fixed-steps block's end is known when it is refreshed; others' are found by
-    reading); decoding: its current block is still being decoded (as far as the host
-    knows)."""
+    outputs hold a block of it that the host has not read, with that block's index and the
+    slot it decoded in, in order (a fixed-steps block's end is known when it is refreshed;
+    others' are found by reading); decoding: its current block is still being decoded (as
+    far as the host knows); carry_from: the slot its last block and keys lie in, for its
+    next refresh."""
 
     started: int = 0
     since: int | None = None
     ends: collections.deque = dataclasses.field(default_factory=collections.deque)
     decoding: bool = False
+    carry_from: int = 0
 
 
 @dataclasses.dataclass
@@ -245,6 +249,7 @@ class PhaseEngine(ServingEngine):
             arrays["tokens"][0],
             arrays["positions"][0],
             carry_at,
+            state.carry_from,
             row.keys,
             row.threshold,
             row.request.temperature,
@@ -368,6 +373,17 @@ class PhaseEngine(ServingEngine):
             if not state.decoding and more and state.since is not None and row not in self._pending:
                 self._pending.append(row)
 
+    def _move_down(self, row: _Row) -> None:
+        """A row about to refresh: its last block and keys stay where they are for the
+        refresh to carry (`carry_from`), and the row moves to the lowest free slot if that
+        is below its own, freeing its own (lock held)."""
+        self._states[id(row)].carry_from = row.slot
+        lowest = min(self._free_slots, default=row.slot)
+        if lowest < row.slot:
+            self._free_slots.remove(lowest)
+            self._free_slots.append(row.slot)
+            row.slot = lowest
+
     def _stepping_slots(self, slots: list[int]) -> int:
         """The leading slots a call steps: the fewest of `steppings` that hold `slots`, the
         decoding rows' (the smallest where none decodes)."""
@@ -394,6 +410,8 @@ class PhaseEngine(ServingEngine):
         index = self._next_call
         with self._lock:
             stream, rows = self._take_refreshes()
+            for row in rows:
+                self._move_down(row)
             stepping = [r for r in self._running if self._states[id(r)].decoding and r not in rows]
         sampling = any(r.request.temperature > 0 for r in [*rows, *stepping])
         shape = (stream, self._stepping_slots([r.slot for r in stepping]), sampling)
@@ -418,7 +436,7 @@ class PhaseEngine(ServingEngine):
                 state.started += 1
                 state.since, state.decoding = index, True
                 if self._block_calls is not None:
-                    state.ends.append((index + self._block_calls - 1, state.started - 1))
+                    state.ends.append((index + self._block_calls - 1, state.started - 1, row.slot))
         if last is not None:  # the device waited at most since the host saw `last` running
             gap = 0.0 if last.running else queued - last.seen_running
             self.metrics.host_gap.observe(gap)
@@ -456,10 +474,10 @@ class PhaseEngine(ServingEngine):
                             events.append((row, Failed(STALLED)))
                         continue
                     state.decoding = False
-                    state.ends.append((call.index, state.started - 1))
+                    state.ends.append((call.index, state.started - 1, row.slot))
                 while state.ends and state.ends[0][0] == call.index and not row.done:
-                    state.ends.popleft()
-                    events += self._block_events(row, block[row.slot].tolist())
+                    _, _, slot = state.ends.popleft()  # the slot it decoded in then
+                    events += self._block_events(row, block[slot].tolist())
         self._send(events)
         self._note_memory()
 
