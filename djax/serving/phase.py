@@ -8,8 +8,8 @@ refresh in the next call, first come first served, as many as the call's budget 
 refresh tokens takes (a refresh row costs its sequence, and every slot's step its block:
 `ServeConfig.phase_tokens` bounds the two together). A refresh decodes its block's first
 step; the row then steps until its block holds no mask. A row's next refresh takes its
-last block and keys from its slot (`phase.Stream.carry_at`), so it need not wait for the
-host to read them.
+last block and keys from the slot it decoded them in (`phase.Stream.carry_at`,
+`carry_from`), so it need not wait for the host to read them.
 
 A new row takes the lowest free slot, a row entering a block moves to the lowest free slot
 below its own (its refresh rewrites all of its K/V; its last block and keys are carried
