@@ -186,6 +186,21 @@ def test_completion(client, engine, model):
     assert (request.threshold, request.ignore_eos) == (None, False)
 
 
+def test_the_readme_completion_prompt_is_the_chat_templates_text(client, engine, model):
+    """A completion takes its prompt as it is; the README's completions example for the
+    demo model (which answers in its chat format) sends the text the chat template writes,
+    so the engine gets the chat request's token ids."""
+    from pathlib import Path
+
+    turn = [{"role": "user", "content": "347+2958="}]
+    text = model.tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert f'"prompt": {json.dumps(text)}' in readme
+    client.completions.create(model=NAME, prompt=text, max_tokens=16)
+    (request,) = engine.submitted
+    assert list(request.prompt_ids) == tokenize(model, ["347+2958="], chat=True)[0]
+
+
 def test_chat_completion_uses_the_chat_template(client, engine, model):
     out = client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": "347+2958="}], max_tokens=16
