@@ -313,8 +313,7 @@ def run_phase_call(
 
     merged = Decoding(*(merge(old, new) for old, new in zip(pool.rows, decoded, strict=True)))
     new_pool = Pool(pool_kv, key_valid, positions, merged)
-    rows = new_pool.rows
-    return {"pool": new_pool, "block": rows.block, "step_in_block": rows.step_in_block}
+    return {"pool": new_pool, "block": merged.block, "step_in_block": merged.step_in_block}
 
 
 def _carry_in(stream: Stream, pool: Pool, plan: PhasePlan) -> Stream:
@@ -420,9 +419,8 @@ def phase_kernels(model: Any, plan: PhasePlan) -> PhaseKernels:
     """The model's kernel options resolved for a phase program: its products as one forward
     over every row of the call (the stream's tokens and every stepping slot's block); the
     steps' attention as a block forward of `stepping` rows against the pool's positions; the
-    stream's
-    cuDNN's on a GPU in a 16-bit dtype unless `attention_impl` says `xla` (a per-query mask
-    is what neither XLA's fused paths nor djax's kernel take), else XLA's."""
+    stream's cuDNN's on a GPU in a 16-bit dtype unless `attention_impl` says `xla` (a
+    per-query mask is what neither XLA's fused paths nor djax's kernel take), else XLA's."""
     rows = plan.stream + plan.stepping * plan.block_len
     products = model.kernel_choice(Shapes.whole_sequence(1, rows))
     steps = model.kernel_choice(

@@ -231,10 +231,11 @@ def _phase_blocks(model, engine, rows, sampling, streams, per_call=2):
         holds = [s for s in streams if s >= tokens and engine._refresh_rows(s) >= len(refresh)]
         stream = holds[0] if refresh else 0
         stepping = [slot for slot, i in owner.items() if rows[i] not in refresh]
-        n = next(n for n in engine.steppings if n > max(stepping, default=0))
+        n = engine._stepping_slots(stepping)
         fewer += n < 2 and stepping == [0]  # slot 0 steps alone
         program = engine._programs[stream, n, sampling]
-        arrays = engine._stream_arrays(engine._plans[stream, n, sampling], refresh)
+        plan = engine._plans[stream, n, sampling]
+        arrays = engine._stream_arrays(plan, refresh, [row.slot for row in refresh])
         out = program(model.params, pool, arrays if stream else None)
         pool = out["pool"]
         if len(refresh) == 2:  # read before the next call takes the pool
@@ -277,7 +278,7 @@ def test_the_phase_program_decodes_each_block_as_a_block_call(dense_model, phase
         )[1]
     )
     for slot, row in enumerate(rows[:2]):
-        row.slot, laid = slot, phased._refresh(row)
+        row.slot, laid = slot, phased._refresh(row, slot)
         alone = refresh(laid.tokens[None], laid.positions[None])
         length = len(laid.tokens)
         assert packed_valid[slot].tolist() == [True] * length + [False] * (pool_len - length)
@@ -296,7 +297,7 @@ def test_slots_past_the_stepping_ones_keep_their_state(dense_model, phased):
         row.slot = slot
     stream = phased.streams[-1]
     refresh = phased._programs[stream, 2, False]
-    arrays = phased._stream_arrays(phased._plans[stream, 2, False], rows)
+    arrays = phased._stream_arrays(phased._plans[stream, 2, False], rows, [0, 1])
     pool = refresh(dense_model.params, phased._empty_pool(), arrays)["pool"]
     mask_id = dense_model.config.mask_token_id
     assert (np.asarray(pool.rows.block) == mask_id).any(axis=1).all()  # both mid-block
@@ -437,9 +438,9 @@ def test_a_fixed_steps_decoder_refreshes_from_the_slot_and_gives_the_continuous_
             move_down = engine._move_down
 
             def moving(row, move_down=move_down):
-                before = row.slot
-                move_down(row)
-                moves.append((before, row.slot))
+                source = move_down(row)
+                moves.append((source, row.slot))
+                return source
 
             engine._move_down = moving
         try:

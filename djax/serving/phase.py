@@ -76,14 +76,12 @@ class _RowState:
     outputs hold a block of it that the host has not read, with that block's index and the
     slot it decoded in, in order (a fixed-steps block's end is known when it is refreshed;
     others' are found by reading); decoding: its current block is still being decoded (as
-    far as the host knows); carry_from: the slot its last block and keys lie in, for its
-    next refresh."""
+    far as the host knows)."""
 
     started: int = 0
     since: int | None = None
     ends: collections.deque = dataclasses.field(default_factory=collections.deque)
     decoding: bool = False
-    carry_from: int = 0
 
 
 @dataclasses.dataclass
@@ -215,13 +213,14 @@ class PhaseEngine(ServingEngine):
     def _empty_pool(self) -> phase.Pool:
         return phase.place_pool(self.model, phase.empty_pool(*self._pool_size()))
 
-    def _stream_arrays(self, plan: phase.PhasePlan, rows: list[_Row]) -> Any:
-        refreshes = [self._refresh(row) for row in rows]
+    def _stream_arrays(self, plan: phase.PhasePlan, rows: list[_Row], sources: list[int]) -> Any:
+        """The call's stream of `rows`, each carrying its last block from its `sources` slot."""
+        refreshes = [self._refresh(row, source) for row, source in zip(rows, sources, strict=True)]
         return phase.place_stream(
             self.model, phase.pack_stream(plan, refreshes, self.model.config.pad_token_id)
         )
 
-    def _refresh(self, row: _Row) -> phase.Refresh:
+    def _refresh(self, row: _Row, carry_from: int) -> phase.Refresh:
         """A row laid out at its next block: the block first, then its context and later
         answer positions. After its first block, the last block decoded comes from its slot
         with its keys (`phase.Stream.carry_at`): the host may not have read it yet."""
@@ -249,7 +248,7 @@ class PhaseEngine(ServingEngine):
             arrays["tokens"][0],
             arrays["positions"][0],
             carry_at,
-            state.carry_from,
+            carry_from,
             row.keys,
             row.threshold,
             row.request.temperature,
@@ -282,7 +281,7 @@ class PhaseEngine(ServingEngine):
             plan = self._plan(*shape)
             kernels = phase.phase_kernels(self.model, plan)
             program = phase.phase_program(self.model, plan, kernels)
-            stream = self._stream_arrays(plan, []) if plan.stream else None
+            stream = self._stream_arrays(plan, [], []) if plan.stream else None
             compiled = program.lower(self.model.params, self._pool, stream).compile()
             self.metrics.compiles.inc()
             self._plans[shape], self._programs[shape] = plan, compiled
@@ -373,16 +372,17 @@ class PhaseEngine(ServingEngine):
             if not state.decoding and more and state.since is not None and row not in self._pending:
                 self._pending.append(row)
 
-    def _move_down(self, row: _Row) -> None:
-        """A row about to refresh: its last block and keys stay where they are for the
-        refresh to carry (`carry_from`), and the row moves to the lowest free slot if that
-        is below its own, freeing its own (lock held)."""
-        self._states[id(row)].carry_from = row.slot
-        lowest = min(self._free_slots, default=row.slot)
-        if lowest < row.slot:
+    def _move_down(self, row: _Row) -> int:
+        """A row about to refresh moves to the lowest free slot if that is below its own,
+        freeing its own; returns the slot it leaves, where its last block and keys stay for
+        the refresh to carry (lock held)."""
+        source = row.slot
+        lowest = min(self._free_slots, default=source)
+        if lowest < source:
             self._free_slots.remove(lowest)
-            self._free_slots.append(row.slot)
+            self._free_slots.append(source)
             row.slot = lowest
+        return source
 
     def _stepping_slots(self, slots: list[int]) -> int:
         """The leading slots a call steps: the fewest of `steppings` that hold `slots`, the
@@ -410,15 +410,14 @@ class PhaseEngine(ServingEngine):
         index = self._next_call
         with self._lock:
             stream, rows = self._take_refreshes()
-            for row in rows:
-                self._move_down(row)
+            sources = [self._move_down(row) for row in rows]
             stepping = [r for r in self._running if self._states[id(r)].decoding and r not in rows]
         sampling = any(r.request.temperature > 0 for r in [*rows, *stepping])
         shape = (stream, self._stepping_slots([r.slot for r in stepping]), sampling)
         plan, program = self._plans[shape], self._programs[shape]
         last = self._phase_calls[-1] if self._phase_calls else None
         try:
-            packed = self._stream_arrays(plan, rows) if stream else None
+            packed = self._stream_arrays(plan, rows, sources) if stream else None
         except Exception as err:  # these rows cannot be laid out: they fail, the rest go on
             self._fail_rows(rows, err)
             return
