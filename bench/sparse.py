@@ -2,16 +2,19 @@
 the demo model's accuracy, against dense attention.
 
     python -m bench.sparse [--parts speed accuracy] [--prompt-lens 1024 4096 8192] [--batches 1]
-                           [--keep 0.25] [--profile] [--keeps 1.0 0.5 0.25 0.1] [--window 8]
+                           [--keep 0.25] [--recents 64] [--profile]
+                           [--keeps 1.0 0.5 0.25 0.1] [--window 8]
                            [--tiny]
 
 speed: random bf16 LLaDA-8B weights built on the device; for each prompt length P, a
 32-token dual-cache block forward (the block at position P, gen 256: P + 256 keys) with
-dense attention and with each head attending to its `keys = ceil(keep·S) + 32 + 64` chosen
-positions (block, the 64 before it, the rest drawn at random: the speed does not depend on
+dense attention and with each head attending to its `keys = ceil(keep·S) + 32 + R` chosen
+positions (block, the R before it, the rest drawn at random: the speed does not depend on
 which), their rows outside the block gathered once before the timed loop, as the engine
-gathers them once a block (`sparse_attention.compact`). Medians of forwards run back to
-back in one compiled loop (`time_in_program`); `speedup` = dense ms / sparse ms.
+gathers them once a block (`sparse_attention.compact`); one sparse row per recent window R
+in `--recents` (default 64, `attention_window`'s default), beside one dense timing. Medians
+of forwards run back to back in one compiled loop (`time_in_program`); `speedup` = dense ms
+/ sparse ms.
 `--batches`: rows a block forward. `--profile`: each row also holds where a dense and a
 sparse block forward spend their device time, per forward (`bench.profile.profile_in_program`:
 busy µs per category and per costly kernel, from a trace of one timed loop).
@@ -80,7 +83,8 @@ def block_loop(module, config, batch: int, seq: int, block_row: int, chosen) -> 
     if chosen is not None:
         gather = jax.jit(
             lambda chosen, kv: tuple(
-                compact(chosen[i], k, v, valid, block_row, BLOCK) for i, (k, v) in enumerate(kv)
+                compact(chosen[i], k, v, valid, block_row, BLOCK, BLOCK)
+                for i, (k, v) in enumerate(kv)
             )
         )
         kept = gather(chosen, kv)
@@ -126,45 +130,57 @@ def time_refresh(module, params, config, seq: int, block_row: int, rule, iters: 
     return time_in_program(step, x, iters, params)
 
 
-def speed_row(args, config, params, dtype, batch: int, prompt_len: int) -> dict:
-    """One row of the speed part: dense against sparse at `batch` rows and `prompt_len`."""
+def speed_rows(args, config, params, dtype, batch: int, prompt_len: int) -> list[dict]:
+    """The speed part's rows at `batch` rows and `prompt_len`: dense against sparse at each
+    recent window of `args.recents`, the dense forward timed once."""
     seq = prompt_len + GEN
     shapes = Shapes(batch, BLOCK, seq, BLOCK)
     kernels = programs.kernel_choice(KernelOptions(), config, dtype, shapes)
     module = programs.local_module(config, dtype, kernels, None)
-    rule = SparseAttention(args.keep, RECENT, kept_keys(args.keep, RECENT, seq, BLOCK))
-    chosen = random_choice(rule, config.n_layers, batch, config.n_kv_heads, seq, prompt_len)
-    forms = {"dense": None, "sparse": chosen}
+    rules = {
+        recent: SparseAttention(args.keep, recent, kept_keys(args.keep, recent, seq, BLOCK))
+        for recent in args.recents
+    }
+    forms = {"dense": None}
+    for recent, rule in rules.items():
+        forms[recent] = random_choice(
+            rule, config.n_layers, batch, config.n_kv_heads, seq, prompt_len
+        )
     ms, profiles = {}, {}
     for name, kept in forms.items():
         step, state = block_loop(module, config, batch, seq, prompt_len, kept)
         ms[name] = 1e3 * time_in_program(step, state, args.iters, params, donate=True)
         if args.profile:  # a fresh state: the timing consumed the last one
             step, state = block_loop(module, config, batch, seq, prompt_len, kept)
-            profiles[f"{name}_profile"] = profile_in_program(
-                step, state, args.iters, params, donate=True
-            )
-    dense_ms, sparse_ms = ms["dense"], ms["sparse"]
-    refresh = {}
-    if args.refresh_iters and batch == 1:  # the refresh is timed for one row
-        for name, r in (("dense", None), ("sparse", rule)):
-            seconds = time_refresh(module, params, config, seq, prompt_len, r, args.refresh_iters)
-            refresh[f"refresh_{name}_ms"] = 1e3 * seconds
-    row = {
-        "case": f"batch {batch}, block {BLOCK} at {prompt_len}, {seq} keys",
-        "batch": batch,
-        "sparse": dataclasses.asdict(rule),
-        "prompt_len": prompt_len,
-        "keys": seq,
-        "attention": kernels.block.layers.attention,
-        "dense_ms": dense_ms,
-        "sparse_ms": sparse_ms,
-        "speedup": dense_ms / sparse_ms,
-        **refresh,
-        **profiles,
-    }
-    print(row, flush=True)
-    return row
+            profiles[name] = profile_in_program(step, state, args.iters, params, donate=True)
+    rows = []
+    for recent, rule in rules.items():
+        refresh = {}
+        if args.refresh_iters and batch == 1:  # the refresh is timed for one row
+            for name, r in (("dense", None), ("sparse", rule)):
+                seconds = time_refresh(
+                    module, params, config, seq, prompt_len, r, args.refresh_iters
+                )
+                refresh[f"refresh_{name}_ms"] = 1e3 * seconds
+        profile = {}
+        if args.profile:
+            profile = {"dense_profile": profiles["dense"], "sparse_profile": profiles[recent]}
+        row = {
+            "case": f"batch {batch}, block {BLOCK} at {prompt_len}, {seq} keys, recent {recent}",
+            "batch": batch,
+            "sparse": dataclasses.asdict(rule),
+            "prompt_len": prompt_len,
+            "keys": seq,
+            "attention": kernels.block.layers.attention,
+            "dense_ms": ms["dense"],
+            "sparse_ms": ms[recent],
+            "speedup": ms["dense"] / ms[recent],
+            **refresh,
+            **profile,
+        }
+        print(row, flush=True)
+        rows.append(row)
+    return rows
 
 
 def speed(args) -> None:
@@ -174,7 +190,7 @@ def speed(args) -> None:
     rows = []
     for batch in args.batches:
         for prompt_len in args.prompt_lens:
-            rows.append(speed_row(args, config, params, dtype, batch, prompt_len))
+            rows.extend(speed_rows(args, config, params, dtype, batch, prompt_len))
             # saved after every row: a run cut short keeps the rows it measured
             save(
                 "sparse",
@@ -228,6 +244,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-lens", nargs="+", type=int, default=[1024, 4096, 8192])
     p.add_argument("--batches", nargs="+", type=int, default=[1], help="speed: rows a forward")
     p.add_argument("--keep", type=float, default=0.25, help="speed: the keep fraction")
+    p.add_argument(
+        "--recents",
+        nargs="+",
+        type=int,
+        default=[RECENT],
+        help="speed: the recent windows (positions before the block every head keeps)",
+    )
     p.add_argument("--iters", type=int, default=20, help="speed: block forwards per timing")
     p.add_argument(
         "--profile", action="store_true", help="speed: where each forward's device time goes"

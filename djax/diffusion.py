@@ -301,7 +301,9 @@ class _Generation:
         start = plan.cache.window(bs, plan.prompt_len, plan.block_len, plan.seq_len).start
         width = plan.forward_window
         return tuple(
-            sparse_attention.compact(chosen[i], keys, values, self.key_valid, start, width)
+            sparse_attention.compact(
+                chosen[i], keys, values, self.key_valid, start, plan.block_len, width
+            )
             for i, (keys, values) in enumerate(kv)
         )
 
@@ -431,7 +433,7 @@ def initial_state(
     kept = None
     if plan.sparse is not None:  # a cached policy: `kv` holds every layer's buffers
         n, width = plan.sparse.keys, plan.forward_window
-        kept = tuple(sparse_attention.no_kept(buffer, n, width) for buffer, _ in kv)
+        kept = tuple(sparse_attention.no_kept(buffer, n, plan.block_len, width) for buffer, _ in kv)
     return State(
         tokens=tokens,
         kv=kv,

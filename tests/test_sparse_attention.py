@@ -116,10 +116,10 @@ def test_each_row_keeps_its_own_count(keep, counts, expected):
             assert len(kept) == n_row and all(key_valid[r, kept]), (r, h)
             assert set(range(block_row, seq)) <= set(kept.tolist())  # the block
     kept = compact(
-        jnp.asarray(ours), jnp.asarray(keys), jnp.asarray(values), key_valid, block_row, 4
+        jnp.asarray(ours), jnp.asarray(keys), jnp.asarray(values), key_valid, block_row, 4, 4
     )
-    slots = kept_slots(rule.keys, 4)
-    assert kept.keys.shape == (b, slots, kv_heads, d) and slots - 8 < rule.keys + 4 <= slots
+    slots = kept_slots(rule.keys, 4, 4)
+    assert kept.keys.shape == (b, slots, kv_heads, d) and slots - 8 < rule.keys <= slots
     valid = np.asarray(kept.valid)
     outside = valid[..., : slots - 4].sum(axis=-1)  # kept rows outside the block's window
     np.testing.assert_array_equal(outside, np.array(expected)[:, None] - 4 + np.zeros(kv_heads))
@@ -148,7 +148,7 @@ def forwards(dense_model):
         its kept rows gathered outside that window."""
         width = inputs.shape[1]
         kept = tuple(
-            compact(chosen[i], k, v, valid, block_row, width) for i, (k, v) in enumerate(kv)
+            compact(chosen[i], k, v, valid, block_row, BLOCK, width) for i, (k, v) in enumerate(kv)
         )
         x = apply(inputs, method="embed")
         pos = jax.lax.dynamic_slice_in_dim(positions, block_row, width, axis=1)
@@ -279,7 +279,7 @@ def attend_gathered(q, keys, values, key_valid, chosen):
     b, kv_heads, _ = chosen.shape
     rows, heads = np.arange(b)[:, None, None], np.arange(kv_heads)[None, :, None]
     k_rows, v_rows = keys[rows, chosen, heads], values[rows, chosen, heads]  # [b, kv, n, d]
-    valid = key_valid[rows, chosen]
+    valid = key_valid[rows, chosen] & (chosen >= 0)
     scores = np.einsum("btkgd,bknd->bkgtn", q, k_rows) / math.sqrt(q.shape[-1])
     scores = np.where(valid[:, :, None, None, :], scores, -np.inf)
     return np.einsum("bkgtn,bknd->btkgd", softmax(scores), v_rows)
@@ -325,9 +325,9 @@ def test_compact_rows_and_window_equal_the_gathered_rows(window):
     inside = [set(np.intersect1d(c, window_rows).tolist()) for c in chosen.reshape(-1, n)]
     assert any(len(s - set(block.tolist())) for s in inside) == (window == "prefix")
     kept = compact(
-        jnp.asarray(chosen), jnp.asarray(keys), jnp.asarray(values), key_valid, start, width
+        jnp.asarray(chosen), jnp.asarray(keys), jnp.asarray(values), key_valid, start, 8, width
     )
-    assert kept.keys.shape == (b, kept_slots(n, width), kv_heads, d)
+    assert kept.keys.shape == (b, kept_slots(n, 8, width), kv_heads, d)
     fresh_keys, fresh_values = keys.copy(), values.copy()  # the step's rows
     lo = start if step_window.write_lo is None else step_window.write_lo
     fresh_keys[:, lo : start + width] = rng.normal(size=(b, start + width - lo, kv_heads, d))
@@ -345,12 +345,11 @@ def test_compact_rows_and_window_equal_the_gathered_rows(window):
     every_row = step._replace(valid=step.valid.at[..., -width:].set(True))
     unmasked = np.asarray(attend_kept(jnp.asarray(q), every_row))
     assert (np.abs(unmasked - expected).max() > 1e-2) == (window == "prefix")
-    # and no compact slot holds a window row (it would count twice)
-    gathered = key_valid[np.arange(b)[:, None, None], chosen]
-    gathered = np.pad(gathered, [(0, 0), (0, 0), (0, kept.keys.shape[1] - width - n)])
-    twice = step._replace(valid=step.valid.at[..., :-width].set(gathered))
-    doubled = np.asarray(attend_kept(jnp.asarray(q), twice))
-    assert np.abs(doubled - expected).max() > 1e-2
+    # and no compact slot holds a window row (it would count twice): a head's valid compact
+    # slots are its chosen valid keys outside the window
+    outside = (chosen < start) | (chosen >= start + width)
+    counts = (outside & key_valid[np.arange(b)[:, None, None], chosen]).sum(axis=-1)
+    np.testing.assert_array_equal(np.asarray(step.valid)[..., :-width].sum(axis=-1), counts)
 
 
 @needs_devices
@@ -394,10 +393,11 @@ def test_kernel_path_equals_the_einsums():
     """`attend_kept` with `split_kv` (one split-K/V kernel call over the kept rows' slots,
     run by Mosaic GPU's interpreter) against its XLA path and the gathered rows, in bf16,
     after a step wrote its window's rows from the block on (rows 32 and 33 keep the
-    refresh's): 13 kept keys per head and a 16-row window (32 slots, 3 invalid between), a
-    left-padded row, a wide window whose rows some heads kept, a head (row 1, kv head 1)
-    whose kept rows all lie in the window, so it has no valid compact row, and one (row 0,
-    kv head 1) that keeps no window row."""
+    refresh's): 13 kept keys per head, 8 of them the block's, and a 16-row window (24 slots:
+    5 outside the window, 3 invalid, the window's 16), a left-padded row, a wide window
+    whose rows some heads kept, a head (row 1, kv head 1) whose kept rows all lie in the
+    window, so it has no valid compact row, and one (row 0, kv head 1) that keeps no window
+    row (5 rows outside it, its other slots dropped)."""
     rng = np.random.default_rng(4)
     b, seq, kv_heads, group, d, t, n = 2, 48, 2, 2, 64, 8, 13
     start, width, block = 32, 16, np.arange(32, 40)
@@ -407,23 +407,24 @@ def test_kernel_path_equals_the_einsums():
     for r in range(b):
         for h in range(kv_heads):
             if (r, h) == (0, 1):
-                chosen[r, h] = np.sort(rng.choice(np.arange(3, start), n, replace=False))
+                outside = rng.choice(np.arange(3, start), n - len(block), replace=False)
+                chosen[r, h] = np.sort([*[-1] * len(block), *outside])
                 continue
             pool = np.arange(40, 48) if (r, h) == (1, 1) else np.setdiff1d(np.arange(3, seq), block)
             chosen[r, h] = np.sort([*block, *rng.choice(pool, n - len(block), replace=False)])
     keys, values = (rng.normal(size=(b, seq, kv_heads, d)) for _ in "kv")
     keys, values = (jnp.asarray(a, jnp.bfloat16) for a in (keys, values))
     q = jnp.asarray(rng.normal(size=(b, t, kv_heads, group, d)), jnp.bfloat16)
-    kept = compact(jnp.asarray(chosen), keys, values, key_valid, start, width)
-    assert kept.keys.shape == (b, kept_slots(n, width), kv_heads, d) == (b, 32, kv_heads, d)
+    kept = compact(jnp.asarray(chosen), keys, values, key_valid, start, len(block), width)
+    assert kept.keys.shape == (b, kept_slots(n, 8, width), kv_heads, d) == (b, 24, kv_heads, d)
     fresh_keys, fresh_values = (
         a.at[:, 34:].set(jnp.asarray(rng.normal(size=(b, 14, kv_heads, d)), jnp.bfloat16))
         for a in (keys, values)
     )
     kept = written(kept, fresh_keys, fresh_values, Window(start, 34, seq), width)
     valid = np.asarray(kept.valid)
-    assert not valid[1, 1, :16].any() and valid[0, :, :16].sum(axis=-1).min() > 0
-    assert not valid[0, 1, 16:].any() and valid[:, 0, 16:].sum(axis=-1).min() > 0
+    assert not valid[1, 1, :-width].any() and valid[0, :, :-width].sum(axis=-1).min() > 0
+    assert not valid[0, 1, -width:].any() and valid[:, 0, -width:].sum(axis=-1).min() > 0
     ours = attend_kept(q, kept, "split_kv")
     xla = attend_kept(q, kept, "xla")
     assert ours.shape == q.shape and ours.dtype == jnp.bfloat16
@@ -459,7 +460,7 @@ def test_sparse_layer_step_with_the_kernels():
     key_valid = jnp.ones((1, 32), bool)
     window = Window(8, 12, 24)
     chosen = np.sort(rng.choice(32, size=(1, 1, n), replace=False), axis=-1).astype(np.int32)
-    kept = compact(jnp.asarray(chosen), *kv, key_valid, 8, width)
+    kept = compact(jnp.asarray(chosen), *kv, key_valid, 8, 0, width)  # no block kept: 0
     attention = Attention(config, bf16)
     params = attention.init(jax.random.key(9), x, positions, key_valid, kv, window)
     kernels = Kernels(qkv="rope", rope="mosaic", attention="split_kv")
@@ -489,11 +490,11 @@ def test_sparse_layer_step_with_the_kernels():
 
 def test_sparse_layer_step_lowers_for_hopper(monkeypatch):
     """A LLaDA-8B layer's sparse cached step at batch 4, prompt 8,192 (a 32-row dual-cache
-    window at 8,192 of 8,448 keys, keep 0.25: 2,208 kept keys and the window's 32 rows, 2,240
-    slots) under `auto`'s Hopper choice lowers for CUDA, its kernels compiled rather than
-    interpreted: RoPE writing the window's K/V into the kept rows' buffers (seen as their
-    [4 x 2,240, 32 x 128] rows), one attention call over them, the two per-row norms; the
-    K/V buffers come back as they went in."""
+    window at 8,192 of 8,448 keys, keep 0.25: 2,208 kept keys, of which 2,176 outside the
+    block, and the window's 32 rows, 2,208 slots) under `auto`'s Hopper choice lowers for
+    CUDA, its kernels compiled rather than interpreted: RoPE writing the window's K/V into
+    the kept rows' buffers (seen as their [4 x 2,208, 32 x 128] rows), one attention call
+    over them, the two per-row norms; the K/V buffers come back as they went in."""
     from djax.config import DENSE, ModelConfig
     from djax.kernel_options import KernelOptions
     from djax.kernels import tma_ring
@@ -502,8 +503,8 @@ def test_sparse_layer_step_lowers_for_hopper(monkeypatch):
     monkeypatch.setattr(tma_ring, "interpret_params", lambda interpret: None)
     b, seq, heads, d, width = 4, 8448, 32, 128, 32
     n = kept_keys(0.25, 64, seq, width)
-    slots = kept_slots(n, width)
-    assert (n, slots) == (2208, 2240)
+    slots = kept_slots(n, width, width)
+    assert (n, slots) == (2208, 2208)
     bf16 = jnp.bfloat16
     config = ModelConfig(DENSE, 126464, 4096, 1, heads, heads, d, 12288, 5e5, 1e-5, 4096, 1, 2, 3)
     hopper = Device("gpu", (9, 0), 227 * 1024)
@@ -574,8 +575,9 @@ def test_generation_with_the_kernel_path(tmp_path, monkeypatch):
     prompts = [[0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 15, 25, 35, 45, 55], [0, *range(11, 22)]]
     assert engine.make_plan(xla, config, 2, 15)[0].sparse == SparseAttention(0.25, 4, 20)
     ours = djax.generate(kernel, prompts, config).answer_ids
-    # the refresh's kernel, and the block forward's over 20 keys and the 8-row window's
-    assert sorted(calls) == [((2, 32, 1, 64), 2), ((2, 32, 1, 64), 3)]
+    # the refresh's kernel over 32 keys, and the block forward's over 24 slots: the 12 kept
+    # keys outside the block and the 8-row window's, up to a multiple of 8
+    assert sorted(calls) == [((2, 24, 1, 64), 3), ((2, 32, 1, 64), 2)]
     reference = djax.generate(xla, prompts, config).answer_ids
     if jax.default_backend() == "cpu":  # the interpreter: XLA's sums, the same tokens
         np.testing.assert_array_equal(ours, reference)
@@ -607,7 +609,7 @@ def test_kernel_path_on_gpu(b):
     in_block = (chosen[0, 5] >= start) & (chosen[0, 5] < start + width)
     chosen = chosen.at[0, 5].set(jnp.where(in_block, -1, chosen[0, 5]))
     key_valid = jnp.ones((b, seq), bool)
-    kept = compact(chosen, keys, values, key_valid, start, width)
+    kept = compact(chosen, keys, values, key_valid, start, width, width)
     fresh = (jax.random.normal(k, (b, seq, heads, d), jnp.bfloat16) for k in rng[4:])
     kept = written(kept, *fresh, Window(start), width)
     assert not kept.valid[0, 3, :-width].any() and kept.valid[0, 3, -width:].all()

@@ -26,8 +26,9 @@ refresh wrote. So right after the refresh that chose them (`compact`), each head
 outside the window are gathered once into compact buffers [b, slots, kv_heads, d]
 (`KeptKV`, in the K/V buffers' layout), whose last `width` slots hold the window's rows
 (the refresh's, at first), with each slot's validity per head: a kept valid row outside the
-window, or a window row the head kept that is a valid key (`kept_slots`: the kept keys and
-the window's rows up to a multiple of 8). Every cached step of the block writes its
+window, or a window row the head kept that is a valid key (`kept_slots`: the kept keys
+other than the block's, which every window holds, then the window's rows, up to a multiple
+of 8). Every cached step of the block writes its
 window's fresh K/V into those window slots in place, in the policy's write range
 (`window_slots`: the step's K/V write goes there instead of into the K/V buffers, which
 keep the refresh's rows for the gather alone), and attends to the valid slots (`attend_kept`):
@@ -36,7 +37,8 @@ its rows a head attends to is too. A refresh later in the block chooses and gath
 
 Memory: the compact buffers hold, per layer, keys and values [b, slots, kv_heads, d] in the
 K/V dtype (`slots / seq` of the dense K/V buffers' size besides them; `slots` counts the
-window's `width` rows besides the kept keys), plus a mask [b, kv_heads, slots] bool.
+window's `width` rows besides the kept keys outside the block), plus a mask
+[b, kv_heads, slots] bool.
 
 The program's slot count `keys = min(seq, ceil(keep · seq) + block + recent)` (`kept_keys`, the
 rule at the largest count a row of `seq` positions can have) is static, so a program
@@ -172,8 +174,8 @@ def choose(
 
 class KeptKV(NamedTuple):
     """One layer's kept keys for a block's cached steps (`compact`). keys, values
-    [b, slots, kv_heads, d] (the K/V buffers' layout), `slots = kept_slots(n, width)`: the
-    last `width` slots hold the window's rows `[start, start + width)` in order (the
+    [b, slots, kv_heads, d] (the K/V buffers' layout), `slots = kept_slots(n, block_len,
+    width)`: the last `width` slots hold the window's rows `[start, start + width)` in order (the
     refresh's, until a cached step writes its own into them: `window_slots`); the slots
     before them hold each head's kept rows outside the window, in ascending position, then
     invalid ones. valid [b, kv_heads, slots] bool: which slots each head attends to (a kept
@@ -184,13 +186,15 @@ class KeptKV(NamedTuple):
     valid: Array
 
 
-def kept_slots(n: int, width: int) -> int:
-    """The slots of compact buffers for `n` kept keys per head and a `width`-row window:
-    `n + width` up to a multiple of `ROW_ALIGN` (8), the rows the split-K/V kernel's TMA
-    reads at a time, so its steps read the buffers as they are (a buffer of another length
-    would be copied, padded, at every step). The slots between the kept rows and the
-    window's are invalid."""
-    return -(-(n + width) // ROW_ALIGN) * ROW_ALIGN
+def kept_slots(n: int, block_len: int, width: int) -> int:
+    """The slots of compact buffers for `n` kept keys per head, `block_len` of them the
+    block's own positions (which every head keeps and every window holds), and a
+    `width`-row window: the `n − block_len` kept rows that may lie outside the window, then
+    the window's `width`, up to a multiple of `ROW_ALIGN` (8), the rows the split-K/V
+    kernel's TMA reads at a time, so its steps read the buffers as they are (a buffer of
+    another length would be copied, padded, at every step). The slots between the kept rows
+    and the window's are invalid."""
+    return -(-(n - block_len + width) // ROW_ALIGN) * ROW_ALIGN
 
 
 def window_slots(window: Any, slots: int, width: int) -> Any:
@@ -207,12 +211,12 @@ def window_slots(window: Any, slots: int, width: int) -> Any:
     )
 
 
-def no_kept(buffer: Array, n: int, width: int) -> KeptKV:
-    """A zeroed `KeptKV` of `n` kept keys and a `width`-row window (`kept_slots(n, width)`
-    slots) for a layer whose K/V buffers are like `buffer` [b, s, kv_heads, d] (a program's
-    carry before its first refresh)."""
+def no_kept(buffer: Array, n: int, block_len: int, width: int) -> KeptKV:
+    """A zeroed `KeptKV` of `n` kept keys, blocks of `block_len` and a `width`-row window
+    (`kept_slots(n, block_len, width)` slots) for a layer whose K/V buffers are like `buffer`
+    [b, s, kv_heads, d] (a program's carry before its first refresh)."""
     b, _, kv_heads, d = buffer.shape
-    slots = kept_slots(n, width)
+    slots = kept_slots(n, block_len, width)
     return KeptKV(
         keys=jnp.zeros((b, slots, kv_heads, d), buffer.dtype),
         values=jnp.zeros((b, slots, kv_heads, d), buffer.dtype),
@@ -221,27 +225,39 @@ def no_kept(buffer: Array, n: int, width: int) -> KeptKV:
 
 
 def compact(
-    chosen: Array, keys: Array, values: Array, key_valid: Array, start: Any, width: int
+    chosen: Array,
+    keys: Array,
+    values: Array,
+    key_valid: Array,
+    start: Any,
+    block_len: int,
+    width: int,
 ) -> KeptKV:
     """The kept rows of one layer, gathered once for a block's cached steps whose window is
     `[start, start + width)` (`start` ≥ 0, may be traced; the window lies inside the
-    buffers). chosen [b, kv_heads, n] (`choose`; a -1 slot is dropped), keys and values
-    [b, s, kv_heads, d] (the buffers as the refresh wrote them), key_valid [b, s] bool.
-    Returns `kept_slots(n, width)` slots per head: the kept rows outside the window, then
-    invalid slots, then the window's `width` rows, which each head attends to where it kept
-    them and they are valid keys."""
+    buffers and holds the block). chosen [b, kv_heads, n] (`choose`; a -1 slot is dropped),
+    which keeps, as `choose` does, every one of the block's `block_len` positions, so at
+    most `n − block_len` of a head's rows lie outside the window (more would not fit);
+    keys and values [b, s, kv_heads, d] (the buffers as the refresh wrote them), key_valid
+    [b, s] bool. Returns `kept_slots(n, block_len, width)` slots per head: the kept rows
+    outside the window in ascending position, then invalid slots, then the window's `width`
+    rows, which each head attends to where it kept them and they are valid keys."""
     b, kv_heads, n = chosen.shape
-    outside_slots = kept_slots(n, width) - width
-    chosen = jnp.pad(chosen, ((0, 0), (0, 0), (0, outside_slots - n)), constant_values=-1)
+    outside_slots = kept_slots(n, block_len, width) - width
     rows = jnp.arange(b)[:, None, None]
     heads = jnp.arange(kv_heads)[None, :, None]
-    kept = chosen >= 0
-    row = jnp.maximum(chosen, 0)  # a dropped slot reads row 0, masked below
-    inside = kept & (chosen >= start) & (chosen < start + width)
+    inside = (chosen >= start) & (chosen < start + width)
     window_row = jnp.where(inside, chosen - start, width)  # `width`: dropped below
     in_window = jnp.zeros((b, kv_heads, width), bool)
     in_window = in_window.at[rows, heads, window_row].set(True, mode="drop")
     window_valid = jax.lax.dynamic_slice_in_dim(key_valid, start, width, axis=1)
+    # the rows outside the window, ascending after the dropped ones: the last n − block_len
+    outside = jnp.sort(jnp.where(inside, -1, chosen), axis=-1)[..., block_len:]
+    outside = jnp.pad(
+        outside, ((0, 0), (0, 0), (0, outside_slots - outside.shape[-1])), constant_values=-1
+    )
+    kept = outside >= 0
+    row = jnp.maximum(outside, 0)  # a dropped slot reads row 0, masked below
     slot_rows = row.transpose(0, 2, 1)  # [b, slots, kv_heads]
     slot_heads = jnp.arange(kv_heads)[None, None, :]
 
@@ -253,7 +269,7 @@ def compact(
         keys=rows_of(keys),
         values=rows_of(values),
         valid=jnp.concatenate(
-            [kept & key_valid[rows, row] & ~inside, in_window & window_valid[:, None, :]], axis=-1
+            [kept & key_valid[rows, row], in_window & window_valid[:, None, :]], axis=-1
         ),
     )
 
