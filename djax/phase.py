@@ -513,8 +513,10 @@ def phase_program(model: Any, plan: PhasePlan, kernels: PhaseKernels) -> Any:
 
 
 def place_stream(model: Any, stream: Stream) -> Stream:
-    """A host stream on the model's devices (whole on every device of a mesh)."""
+    """A host stream as the phase program takes it: on one device the host arrays
+    themselves (the call sends them with its arguments, cheaper than a transfer of each);
+    on a mesh, whole on every device."""
     if model.mesh is None:
-        return jax.tree.map(jnp.asarray, stream)
+        return stream
     replicated = NamedSharding(model.mesh, P())
     return jax.tree.map(lambda a: jax.device_put(a, replicated), stream)

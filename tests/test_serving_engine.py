@@ -692,3 +692,16 @@ def test_sparse_attention_keeps_a_row_s_tokens_beside_a_long_batch_mate(dense_mo
         answers.append(got.tokens("s"))
     engine.stop()
     assert len(answers[0]) == 16 and answers[0] == answers[1]
+
+
+def test_rows_are_compared_by_identity():
+    """Admission and dispatch ask `row in ...` of queues every call: a row is itself, not a
+    field-by-field value (two requests with the same fields are two rows), and the
+    comparison reads no field."""
+    from djax.serving.engine import _Row
+
+    request = EngineRequest("same", (1, 2, 3), 8)
+    rows = [_Row(request, print, 8, np.zeros(2, np.uint32), 0.9) for _ in range(2)]
+    assert rows[0] == rows[0] and rows[0] != rows[1]
+    assert rows[1] not in [rows[0]] and rows[1] in [rows[0], rows[1]]
+    assert len({rows[0], rows[1]}) == 2  # hashable, by identity
