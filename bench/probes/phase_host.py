@@ -9,14 +9,16 @@ is the host's own work: admission, the refresh rows' layout and stream, the call
 dispatch, reading the block it ended?
 
 Answer (the 2-core CPU machine, the tiny dense model; figures in bench/NOTES.md,
-"Phase-multiplexed serving"). At 1d19f82: 0.84 ms a call at 32 slots, 0.67 at 8. A
-profile of it: a third comparing rows field by field (the `_Row` dataclass's generated
-`__eq__`, behind every `row in deque` of admission and dispatch), a quarter sending the
-stream's 11 arrays to the device one `jnp.asarray` at a time. With rows compared by
-identity and the stream's host arrays handed to the call, which sends them with its
-arguments (~35 µs here, not counted: the stand-in sends nothing): 0.39 and 0.38 ms. On
-the GPU machine's host these would be smaller; at ~1 ms they are not what left the
-device waiting 32% of that run (not located).
+"Phase-multiplexed serving"). At 1d19f82: 0.84 ms a call at 32 slots, 0.67 at 8 (a run
+of this probe on that code, not saved). A profile of it: a third comparing rows field by
+field (the `_Row` dataclass's generated `__eq__`, behind every `row in deque` of
+admission and dispatch), a quarter sending the stream's 11 arrays to the device one
+`jnp.asarray` at a time. With rows compared by identity and the stream's host arrays
+handed to the call, which sends them with its arguments (~35 µs here, not counted: the
+stand-in sends nothing): 0.42 and 0.39 ms (d9cf9f7, `bench/results/phase_host_cpu.json`).
+Either is well under a call's 9–10 ms, so the host's own work per call does not explain
+that run's waits (what does is not located: the API's request handling holding the
+interpreter while a call runs is the suspect).
 
 The engine runs as `djax serve` runs it (`PhaseEngine`, a fixed-steps decoder, so block
 ends are known from the calls' count), its compiled programs swapped after warm-up for a
