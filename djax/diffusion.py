@@ -168,12 +168,19 @@ def chained(block_call: Any) -> Any:
 
 
 def row_keys(seed: int, rows: int) -> np.ndarray:
-    """Key data [rows, 2] uint32 for rows 0..rows-1 of a batch seeded with `seed`: row i's
-    stream is `fold_in(key(seed), i)`, a function of the seed and its index alone. Drawn on
-    the host's CPU device, so it never waits behind a program running on an accelerator."""
+    """Key data [rows, 2] uint32 for rows 0..rows-1 of a batch seeded with `seed` (in
+    [0, 2**32)): row i's stream is `fold_in(key(seed), i)`, a function of the seed and its
+    index alone. Drawn on the host's CPU device, so it never waits behind a program running
+    on an accelerator, by one compiled program per row count (the server draws a row's
+    keys on the API's thread for every request it takes)."""
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        fold = jax.vmap(functools.partial(jax.random.fold_in, jax.random.key(seed)))
-        return np.asarray(jax.random.key_data(fold(jnp.arange(rows, dtype=jnp.uint32))))
+        return np.asarray(_row_keys(np.uint32(seed), rows))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _row_keys(seed: Array, rows: int) -> Array:
+    fold = jax.vmap(functools.partial(jax.random.fold_in, jax.random.key(seed)))
+    return jax.random.key_data(fold(jnp.arange(rows, dtype=jnp.uint32)))
 
 
 @jax.tree_util.register_dataclass

@@ -85,6 +85,22 @@ def test_rows_sample_from_their_own_keys():
     assert not np.array_equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("seed", [0, 7, 2**31 - 1, 2**31, 2**32 - 1])
+def test_row_keys_fold_each_row_index_into_the_seed(seed):
+    """Row i's key data is `fold_in(key(seed), i)`, drawn eagerly here, for seeds across
+    [0, 2**32) (the upper half does not fit an int32)."""
+    from djax.diffusion import row_keys
+
+    for rows in (1, 3):
+        expected = [
+            jax.random.key_data(jax.random.fold_in(jax.random.key(seed), i)) for i in range(rows)
+        ]
+        ours = row_keys(seed, rows)
+        assert ours.shape == (rows, 2) and ours.dtype == np.uint32
+        np.testing.assert_array_equal(ours, np.stack(expected))
+    assert not np.array_equal(row_keys(seed, 1), row_keys((seed + 1) % 2**32, 1))
+
+
 def test_credit_adds_at_the_top_token():
     """The credit decoder's p1 comes from the same pass: credit lands at the top-1 token
     (first of a tie) of masked positions only, as p1^γ."""
