@@ -153,15 +153,18 @@ def speed_rows(args, config, params, dtype, batch: int, prompt_len: int) -> list
         if args.profile:  # a fresh state: the timing consumed the last one
             step, state = block_loop(module, config, batch, seq, prompt_len, kept)
             profiles[name] = profile_in_program(step, state, args.iters, params, donate=True)
+    timed_refresh = args.refresh_iters and batch == 1  # the refresh is timed for one row
+
+    def refresh_ms(rule) -> float:
+        seconds = time_refresh(module, params, config, seq, prompt_len, rule, args.refresh_iters)
+        return 1e3 * seconds
+
+    dense_refresh = refresh_ms(None) if timed_refresh else None  # once, beside every rule
     rows = []
     for recent, rule in rules.items():
         refresh = {}
-        if args.refresh_iters and batch == 1:  # the refresh is timed for one row
-            for name, r in (("dense", None), ("sparse", rule)):
-                seconds = time_refresh(
-                    module, params, config, seq, prompt_len, r, args.refresh_iters
-                )
-                refresh[f"refresh_{name}_ms"] = 1e3 * seconds
+        if timed_refresh:
+            refresh = {"refresh_dense_ms": dense_refresh, "refresh_sparse_ms": refresh_ms(rule)}
         profile = {}
         if args.profile:
             profile = {"dense_profile": profiles["dense"], "sparse_profile": profiles[recent]}

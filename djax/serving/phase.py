@@ -73,8 +73,8 @@ def halvings(largest: int, unit: int, least: int = 2) -> tuple[int, ...]:
 class _RowState:
     """A running row's blocks on the device. started: blocks refreshed so far; since: the
     call that refreshed its current block (None before its first); ends: the calls whose
-    outputs hold a block of it that the host has not read, with that block's index and the
-    slot it decoded in, in order (a fixed-steps block's end is known when it is refreshed;
+    outputs hold a block of it that the host has not read, each with the slot the block
+    decoded in, in order (a fixed-steps block's end is known when it is refreshed;
     others' are found by reading); decoding: its current block is still being decoded (as
     far as the host knows)."""
 
@@ -435,7 +435,7 @@ class PhaseEngine(ServingEngine):
                 state.started += 1
                 state.since, state.decoding = index, True
                 if self._block_calls is not None:
-                    state.ends.append((index + self._block_calls - 1, state.started - 1, row.slot))
+                    state.ends.append((index + self._block_calls - 1, row.slot))
         if last is not None:  # the device waited at most since the host saw `last` running
             gap = 0.0 if last.running else queued - last.seen_running
             self.metrics.host_gap.observe(gap)
@@ -472,9 +472,9 @@ class PhaseEngine(ServingEngine):
                             events.append((row, Failed(STALLED)))
                         continue
                     state.decoding = False
-                    state.ends.append((call.index, state.started - 1, row.slot))
+                    state.ends.append((call.index, row.slot))
                 while state.ends and state.ends[0][0] == call.index and not row.done:
-                    _, _, slot = state.ends.popleft()  # the slot it decoded in then
+                    _, slot = state.ends.popleft()  # the slot it decoded in then
                     events += self._block_events(row, block[slot].tolist())
         self._send(events)
         self._note_memory()
