@@ -6,8 +6,9 @@ Compile only, nothing runs: the serving engine's own block-call programs (`djax 
 continuous scheduler, `SETTING`'s decoder and dual cache, blocks of 32, no sampling) for the
 model with random bf16 weights (`bench.common`), and each program's bytes beside the weights
 as the engine counts them (`djax.serving.memory`: the compiled program's memory analysis).
-The budget is the engine's: `--memory-fraction` of the device's memory (`bytes_limit`), or
-`--memory-bytes`, less the weights. Per variant the largest batch whose call fits is found
+The budget is the engine's: `--memory-fraction` of the device's memory (`bytes_limit`, with
+JAX's pool sized as `djax serve` sizes it: `memory.size_device_pool`), or `--memory-bytes`,
+less the weights. Per variant the largest batch whose call fits is found
 from the bytes of batches 1 and 2 (a call's bytes grow about linearly in its batch): the
 batch they predict, then its neighbours until a fitting batch and the one above it (over the
 budget) were both compiled, bisecting when the prediction was far off.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -172,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"bench.memory: --logits-chunk {args.logits_chunk}; expected an int in "
             f"(0, {config.vocab_size}) (the vocabulary)"
         )
+    memory.size_device_pool()  # before the backend starts, as `djax serve` does
     engine.enable_compile_cache()  # the folder comes from $DJAX_COMPILE_CACHE
     model, _ = bench_model(config)
     rows = [measure(model, seq, args) for seq in args.seqs]
@@ -182,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "setting": {**SETTING.__dict__, "block_length": BLOCK, "logits_chunk": None},
             "memory_fraction": args.memory_fraction,
             "memory_bytes": args.memory_bytes,
+            "pool": {name: os.environ.get(name) for name in memory.POOL_VARIABLES},
             "results": rows,
         },
     )

@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from djax import cli as djax_cli
 from djax.cli import build_parser
-from djax.serving import cli
+from djax.serving import cli, memory
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -95,6 +96,27 @@ def test_bad_memory_fraction_is_refused(served, capsys):
         parse(["--memory-fraction", "most"])
     assert "invalid float value: 'most'" in capsys.readouterr().err
     assert not served
+
+
+def test_jax_gets_most_of_each_gpu_before_loading_unless_the_environment_says(served, monkeypatch):
+    for name in memory.POOL_VARIABLES:
+        monkeypatch.setenv(name, "")  # unset for JAX; restored after the test
+    seen = []
+    load = djax_cli._load
+    monkeypatch.setattr(
+        djax_cli,
+        "_load",
+        lambda *a, **k: seen.append(os.environ[memory.POOL_VARIABLES[0]]) or load(*a, **k),
+    )
+    assert cli.run(parse(["--port", "0"])) == 0
+    assert seen == [str(memory.POOL_FRACTION)] and memory.POOL_FRACTION == 0.95
+    # A fraction the environment sets, under either name, is left as it is.
+    for name in memory.POOL_VARIABLES:
+        environ = {name: "0.5"}
+        assert memory.size_device_pool(environ) is None and environ == {name: "0.5"}
+    environ = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    assert memory.size_device_pool(environ) == "XLA_CLIENT_MEM_FRACTION"
+    assert environ["XLA_CLIENT_MEM_FRACTION"] == "0.95"
 
 
 def test_user_errors_exit_2(served, capsys, tmp_path):

@@ -74,10 +74,12 @@ def add_parser(
         "--memory-fraction",
         type=float,
         default=0.9,
-        help="share of each device's memory the server may use, weights included; a block "
-        "call (batch, sequence) runs only where its compiled program fits beside the weights, "
-        "otherwise requests wait, and one that cannot fit alone is refused (default: 0.9; "
-        "no budget where the device reports no memory, as on the CPU)",
+        help="share of the memory JAX may allocate on each device that the server may use, "
+        "weights included (djax serve gives JAX's allocator 95%% of each GPU unless "
+        "XLA_CLIENT_MEM_FRACTION sets it); a block call (batch, sequence) runs only where its "
+        "compiled program fits beside the weights, otherwise requests wait, and one that "
+        "cannot fit alone is refused (default: 0.9; no budget where the device reports no "
+        "memory, as on the CPU)",
     )
     serve.add_argument(
         "--sampling",
@@ -109,7 +111,10 @@ def run(args: argparse.Namespace) -> int:
     from djax.cli import _generation_config, _load
     from djax.generation import generation_defaults
     from djax.serving.engine import ServeConfig
+    from djax.serving.memory import size_device_pool
     from djax.serving.server import listen, serve
+
+    size_device_pool()  # before loading starts JAX's backend
 
     # The engine's progress (programs compiled, ready) is what a server's operator reads.
     logging.getLogger("djax.serve").setLevel(logging.ERROR if args.quiet else logging.INFO)

@@ -104,10 +104,11 @@ class ServeConfig:
     max_queue: requests waiting beyond them.
     max_seq_len: the longest prompt + answer served (None: the model's maximum); it bounds
     the compiled shapes. sampling: whether temperature > 0 is served (its programs are
-    compiled at warm-up too). memory_fraction: the share of each device's memory the
-    server may use, weights included (`djax.serving.memory`); memory_bytes: those bytes
-    given outright instead (None: from memory_fraction, where the device reports its
-    memory). The continuous scheduler runs only block calls that fit beside the weights.
+    compiled at warm-up too). memory_fraction: the share of the memory JAX may allocate
+    on each device that the server may use, weights included (`djax.serving.memory`);
+    memory_bytes: those bytes given outright instead (None: from memory_fraction, where
+    the device reports its memory). The continuous scheduler runs only block calls that fit
+    beside the weights.
     phase_tokens: the phase scheduler's tokens a call (every slot's block plus the rows
     refreshing in it; 0: room for two rows of the longest sequence beside the steps).
     """

@@ -2,7 +2,10 @@
 
 The budget is what a device may hold beside the weights: `memory_fraction` × the device's
 memory (`device.memory_stats()["bytes_limit"]`, the memory JAX may allocate) or the
-explicit `memory_bytes`, minus the weights' bytes on that device. A block call's bytes are
+explicit `memory_bytes`, minus the weights' bytes on that device. JAX's GPU allocator takes
+75% of a GPU by default; `size_device_pool` (which `djax serve` runs before JAX starts)
+raises that to `POOL_FRACTION`, leaving the rest to what CUDA holds outside the pool (its
+context, libraries' handles, communication buffers). A block call's bytes are
 its compiled program's own figures (`Compiled.memory_analysis()`): arguments + outputs +
 temporaries, less the weights among the arguments. The K/V buffers, the refresh's
 activations and the step's logits (one vocabulary chunk of them under `logits_chunk`) are
@@ -19,11 +22,29 @@ over the budget means every larger one is too (`MemoryBudget.never_fits`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
 
 from djax.model import Model
+
+# The share of each GPU that `size_device_pool` gives JAX's allocator.
+POOL_FRACTION = 0.95
+# The environment variables that size JAX's GPU pool (the second is the older name).
+POOL_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def size_device_pool(environ: dict[str, str] | None = None) -> str | None:
+    """Let JAX's GPU allocator take `POOL_FRACTION` of each GPU instead of its default 75%,
+    unless `environ` (default `os.environ`) sizes the pool already (`POOL_VARIABLES`). Takes
+    effect only before JAX starts its GPU backend; the CPU has no such pool. Returns the
+    variable it set, or None."""
+    environ = os.environ if environ is None else environ
+    if any(environ.get(name) for name in POOL_VARIABLES):
+        return None
+    environ[POOL_VARIABLES[0]] = str(POOL_FRACTION)
+    return POOL_VARIABLES[0]
 
 
 def device_memory(model: Model) -> int | None:
