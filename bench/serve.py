@@ -12,10 +12,14 @@ Three roles in one script:
 
 The client (the default role) starts one server per scheduler (`server` role, this Python, as
 a child process logging to `serve_<model>_<scheduler>.log` under $OUT or a temporary folder),
-waits for `GET /health` to answer 200 (programs compiled), runs the same trace at each rate,
-then stops the server with SIGTERM and records its exit status (0: drained and exited).
+waits for `GET /health` to answer 200 (programs compiled), records how long that took
+(`ready_s`) and the server's memory budget beside the weights (`memory_budget_bytes`, 0 on a
+CPU), runs the same trace at each rate, then stops the server with SIGTERM and records its
+exit status (0: drained and exited).
 
-The server: random bf16 weights built on the device (`bench.common`), LLaDA-MoE and
+The server: JAX's device pool sized as `djax serve` sizes it
+(`djax.serving.memory.size_device_pool`), random bf16 weights built on the device
+(`bench.common`), LLaDA-MoE and
 LLaDA2.0-mini (block diffusion) with spread routing unless `--routing model`, answers decoded to
 one word per token id (`IdTokenizer`: the random model has no text); the dual cache, blocks of
 32 and the fixed-steps `low_confidence` decoder with 8 steps a block, 4 tokens per forward as in
@@ -511,6 +515,9 @@ def run_client(args) -> None:
         servers[scheduler] = {"log": log.name}
         try:
             servers[scheduler]["ready_s"] = wait_ready(base_url, server, log, args.ready_timeout)
+            # The block calls' budget beside the weights (0: none, as on a CPU).
+            budget = scrape(base_url)["djax_memory_budget_bytes"]
+            servers[scheduler]["memory_budget_bytes"] = budget
             for i, run in enumerate(runs):
                 if not isinstance(run, tuple):  # a rate: its trace, drawn once
                     runs[i] = run = trace_at(run)
@@ -606,8 +613,10 @@ def special_ids(config) -> tuple[int, ...]:
 
 def run_server(args) -> None:
     from djax.serving.engine import ServeConfig
+    from djax.serving.memory import size_device_pool
     from djax.serving.server import serve
 
+    size_device_pool()  # JAX's pool as `djax serve` sizes it, before the backend starts
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = model_config(args.model, args.tiny)
     if config.is_moe:

@@ -607,6 +607,7 @@ def test_serve_end_to_end(tmp_path):
         assert r["samples"][-1]["queue_depth"] == 0 and r["samples"][-1]["running_rows"] == 0
         assert r["queue_depth_max"] == max(sample["queue_depth"] for sample in r["samples"])
     assert record["servers"]["continuous"]["clean_exit"], record["servers"]
+    assert record["servers"]["continuous"]["memory_budget_bytes"] == 0  # a CPU has no budget
     assert (tmp_path / "serve_dense_continuous.log").exists()
 
 
