@@ -3,8 +3,8 @@
 Question. A phase call is short (9–10 ms with 8 slots stepping on an H100, LLaDA-8B and
 LLaDA-MoE), and the host queues each call while the one before runs, so host work of
 about a call's length per call leaves the device waiting. At 8 requests/s the LLaDA-MoE
-phase server's device waited for the host up to 32% of the run (028f6de,
-`bench/results/logs/serve_moe_phase_rate8_phase_only_<device>.json`). How much of a call
+phase server's device waited for the host up to 32% of the run (028f6de; 1.6% after the
+fixes below, c3c1d05, `bench/results/serve_moe_phase_rate_<device>.json`). How much of a call
 is the host's own work: admission, the refresh rows' layout and stream, the call's
 dispatch, reading the block it ended?
 
@@ -17,8 +17,12 @@ admission and dispatch), a quarter sending the stream's 11 arrays to the device 
 handed to the call, which sends them with its arguments (~35 µs here, not counted: the
 stand-in sends nothing): 0.42 and 0.39 ms (d9cf9f7, `bench/results/phase_host_cpu.json`).
 Either is well under a call's 9–10 ms, so the host's own work per call does not explain
-that run's waits (what does is not located: the API's request handling holding the
-interpreter while a call runs is the suspect).
+that run's waits. On the H100 machine's host (38dc407, `phase_host_<device>.json`): 0.93
+and 0.90 ms. The LLaDA-MoE phase server at 8/s waited 0.8% and 1.6% in two later runs
+(38dc407, c3c1d05), not 32%, with 1 and 3 gaps over 10 ms against 307: the changes in
+between (d9cf9f7: these two and the host-gap bound noted after each wait; 039395c: each
+request's row keys from a compiled program instead of an eager vmap traced anew on the
+API's thread) took it there; which of them did is not separated.
 
 The engine runs as `djax serve` runs it (`PhaseEngine`, a fixed-steps decoder, so block
 ends are known from the calls' count), its compiled programs swapped after warm-up for a
