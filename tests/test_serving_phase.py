@@ -533,6 +533,53 @@ def test_a_call_failing_on_the_device_resets_the_pool(phased, continuous, monkey
     assert _serve_all(phased, requests) == want
 
 
+def test_a_row_first_refreshed_behind_a_failed_call_starts_again(phased, continuous, monkeypatch):
+    """A row whose first refresh was queued behind a call that fails when read had nothing
+    read and holds the host's keys: it starts again on the new pool and gets the
+    continuous engine's tokens, sampled ones included, while the row refreshed before the
+    fault fails with it. The first read waits for the second request, so its refresh is
+    queued behind the call whose read then fails."""
+    real, read = phase_serving.jax.device_get, phased._read_phase
+    early, late = _requests(1.5)[0], _requests(1.5)[1]
+    reading, submitted = threading.Event(), threading.Event()
+    faults, reads = [], []
+
+    def reading_call(call):
+        reads.append(call.index)
+        return read(call)
+
+    def late_state():
+        rows = [r for r in phased._running if r.request is late]
+        return phased._states.get(id(rows[0])) if rows else None
+
+    def flaky(arrays):
+        if threading.current_thread() is phased._thread and not faults:
+            if not reading.is_set():
+                reading.set()
+                assert submitted.wait(60)
+            elif (state := late_state()) is not None and state.since is not None:
+                faults.append((state.since, reads[-1]))  # its first refresh's call
+                raise RuntimeError("injected device fault")
+        return real(arrays)
+
+    monkeypatch.setattr(phase_serving.jax, "device_get", flaky)
+    monkeypatch.setattr(phased, "_read_phase", reading_call)
+    got = Collector()
+    phased.submit(early, got.sink(early.request_id))
+    assert reading.wait(60)
+    phased.submit(late, got.sink(late.request_id))
+    submitted.set()
+    assert got.wait(2) == {early.request_id, late.request_id}
+    monkeypatch.undo()
+    ((first, failed),) = faults
+    assert failed < first  # the failed call was read before the late row's first call
+    assert isinstance(got.events[early.request_id][-1], Failed)
+    assert "injected device fault" in got.events[early.request_id][-1].message
+    assert isinstance(got.events[late.request_id][-1], Finished)
+    ((want, _),) = _serve_all(continuous, [late])
+    assert got.tokens(late.request_id) == want and len(want) == late.max_tokens
+
+
 def test_a_call_failing_when_queued_fails_the_rows_it_carries(phased, continuous, monkeypatch):
     """A call that raises when queued may take the pool it was given with it (every later
     call would raise too): it fails its refreshing and stepping rows, the pool starts

@@ -71,14 +71,16 @@ def halvings(largest: int, unit: int, least: int = 2) -> tuple[int, ...]:
 
 @dataclasses.dataclass
 class _RowState:
-    """A running row's blocks on the device. started: blocks refreshed so far; since: the
-    call that refreshed its current block (None before its first); ends: the calls whose
+    """A running row's blocks on the device. started: blocks refreshed so far; first: the
+    call of its first refresh (None before it is taken for one); since: the call that
+    refreshed its current block (None before its first); ends: the calls whose
     outputs hold a block of it that the host has not read, each with the slot the block
     decoded in, in order (a fixed-steps block's end is known when it is refreshed;
     others' are found by reading); decoding: its current block is still being decoded (as
     far as the host knows)."""
 
     started: int = 0
+    first: int | None = None
     since: int | None = None
     ends: collections.deque = dataclasses.field(default_factory=collections.deque)
     decoding: bool = False
@@ -410,6 +412,9 @@ class PhaseEngine(ServingEngine):
         index = self._next_call
         with self._lock:
             stream, rows = self._take_refreshes()
+            for row in rows:
+                state = self._states[id(row)]
+                state.first = index if state.first is None else state.first
             sources = [self._move_down(row) for row in rows]
             stepping = [r for r in self._running if self._states[id(r)].decoding and r not in rows]
         sampling = any(r.request.temperature > 0 for r in [*rows, *stepping])
@@ -424,8 +429,8 @@ class PhaseEngine(ServingEngine):
         queued = time.perf_counter()
         try:
             out = program(self.model.params, self._pool, packed)
-        except Exception as err:  # the pool went with the call: every running row fails
-            self._restart(err)
+        except Exception as err:  # the pool may have gone with the call
+            self._restart(err, index)
             return
         self._pool = out["pool"]
         self._next_call += 1
@@ -449,7 +454,7 @@ class PhaseEngine(ServingEngine):
         try:
             block, steps = jax.device_get((call.out["block"], call.out["step_in_block"]))
         except Exception as err:
-            self._restart(err)
+            self._restart(err, call.index)
             return
         ended = time.perf_counter()  # the device ran it after the call before it ended
         self._see_running()  # a tighter bound on the device's wait for the next call
@@ -487,16 +492,29 @@ class PhaseEngine(ServingEngine):
             if later.running:
                 later.seen_running = now
 
-    def _restart(self, err: Exception) -> None:
-        """After a call failed on the device: every call queued after it fed on its pool,
-        so the pool starts anew and every running row fails (their K/V are gone)."""
+    def _restart(self, err: Exception, failed: int) -> None:
+        """After call `failed` failed on the device: every call queued after it fed on its
+        pool, so the pool starts anew and those calls are dropped unread. The rows refreshed
+        in or before the failed call fail (their K/V went with the pool, and their keys
+        with it). A row first refreshed in a call queued behind it starts again from its
+        prompt and the host's keys, as if it had just been admitted (none of its calls was
+        read), so it gets the tokens it would have had; rows not yet refreshed wait as
+        before, in their order."""
         log.exception("a device call failed")
         self._phase_calls.clear()
         with self._lock:
+            again = []
             for row in self._running:
-                if not row.done:
+                state = self._states[id(row)]
+                if row.done or state.first is None:
+                    continue
+                if state.first <= failed or row.committed:
                     self._finish(row, Failed(f"the device call failed: {err}"))
-            self._pending.clear()
+                else:
+                    self._states[id(row)] = _RowState()
+                    again.append(row)
+            waiting = [row for row in self._pending if not row.done and row not in again]
+            self._pending = collections.deque([*again, *waiting])
         self._pool = self._empty_pool()
 
 
