@@ -85,9 +85,11 @@ class BlockPlan:
 
     @property
     def forward_window(self) -> int:
-        """The positions a cached forward feeds: a block and the one before it (whose
-        final K/V it writes); the whole sequence without the cache."""
-        return 2 * self.block_len if self.cached else self.seq_len
+        """The positions a block forward feeds (the kernels' block shapes): a block under
+        the cache, whose steps after the block's first feed it alone; the whole sequence
+        without the cache. A block's first step also feeds the block before it (whose final
+        K/V it writes), a block-causal forward on the whole-sequence forwards' kernels."""
+        return self.block_len if self.cached else self.seq_len
 
 
 @jax.tree_util.register_dataclass
@@ -217,8 +219,9 @@ class _Blocks:
 
     def forward(self, state: State, start: Array, with_previous: bool) -> tuple[Array, Any]:
         """The current block's final hidden states [b, B, model] and the K/V buffers. With
-        the cache, only the block is fed, and `with_previous` feeds the finished block
-        before it too, so that its final K/V are written by the same forward."""
+        the cache, only the block is fed (a block forward: the kernels' block paths), and
+        `with_previous` feeds the finished block before it too, so that its final K/V are
+        written by the same forward (block-causal within it: the whole-sequence paths)."""
         plan, b = self.plan, self.plan.block_len
         if not plan.cached:
             x = self._apply(state.tokens, method="embed")
@@ -235,7 +238,7 @@ class _Blocks:
             visible = block_causal(self.key_valid, lo, width, b)
             return self._apply(x, pos, visible, state.kv, Window(lo), b, b)
         visible = self.key_valid & (jnp.arange(plan.seq_len) < start + b)[None, :]
-        return self._apply(x, pos, visible, state.kv, Window(start))
+        return self._apply(x, pos, visible, state.kv, Window(start), block_forward=True)
 
     def live(self, state: State) -> Array:
         """[b]: rows that decode in this step."""
@@ -374,19 +377,19 @@ def run_causal_block_call(
 ) -> dict[str, Array]:
     """The serving engine's block call for block diffusion: denoise one block of every row.
 
-    Layout (`djax.serving.layout`, block-causal rows): a row's current block at `[0, B)` (the
-    prompt's tail where the block holds one, then mask ids), then every whole block before
-    it (prompt and committed answer), then padding; positions are explicit, blocks aligned
-    at position 0. Attention is block-causal by position: a query sees the valid keys of its
-    own block and the earlier ones. The call's first forward feeds the whole row and writes
-    every K/V; under the cache the block's other steps feed the block alone against them
-    (exact: the earlier blocks' K/V do not depend on it), under `none` every step is a
-    whole-row forward. Steps follow `run_block_diffusion`'s rules with each row's
-    `rows.block_steps` steps a block (fixed-steps decoders; the others at most
-    `block_len`); a row whose block holds no mask (an empty slot) commits nothing, and a
-    row's keys advance only on the steps it decodes. `plan.prompt_len` is 0 and
-    `plan.gen_length` the sequence. Returns the block [batch, B], the keys after it
-    [batch, 2] and the call's forwards.
+    Layout (`djax.serving.layout`, block-causal rows): a row's current block at `[0, B)`
+    (the prompt's tail where the block holds one, then mask ids), then every whole block
+    before it (prompt and committed answer), then padding; positions are explicit, blocks
+    aligned at position 0. Attention is block-causal by position: a query sees the valid
+    keys of its own block and the earlier ones. The call's first forward feeds the whole row
+    and writes every K/V; under the cache the block's other steps feed the block alone
+    against them (exact: the earlier blocks' K/V do not depend on it), as block forwards
+    (the kernels' block paths), under `none` every step is a whole-row forward. Steps follow
+    `run_block_diffusion`'s rules with each row's `rows.block_steps` steps a block
+    (fixed-steps decoders; the others at most `block_len`); a row whose block holds no mask
+    (an empty slot) commits nothing, and a row's keys advance only on the steps it decodes.
+    `plan.prompt_len` is 0 and `plan.gen_length` the sequence. Returns the block [batch, B],
+    the keys after it [batch, 2] and the call's forwards.
     """
     b, seq = plan.block_len, plan.seq_len
     batch = tokens.shape[0]
@@ -428,7 +431,7 @@ def run_causal_block_call(
         tokens, kv, keys, step, forwards = carry
         if plan.cache.cached:
             x = apply(tokens[:, :b], method="embed")
-            hidden, kv = apply(x, positions[:, :b], key_valid, kv, Window(0))
+            hidden, kv = apply(x, positions[:, :b], key_valid, kv, Window(0), block_forward=True)
         else:
             hidden, _ = whole_row(tokens, None)
         tokens, keys = decode(tokens, hidden, keys, step)

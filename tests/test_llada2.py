@@ -502,3 +502,40 @@ def test_the_server_refuses_what_block_diffusion_does_not_run(llada2_model):
         config = ServeConfig(generation=_config(**change), max_batch=2, max_seq_len=48)
         with pytest.raises(ValueError, match=message):
             make_engine(llada2_model, config, ServerMetrics())
+
+
+def test_cached_steps_take_the_block_kernels_and_give_xlas_tokens(tmp_path):
+    """A block's cached steps after its first feed the block alone: block forwards, so
+    the kernels' block paths (the RoPE kernel writing the block's K/V, the expert tiles'
+    every-token layout), resolved for a block's rows. With every Mosaic GPU kernel asked
+    for (Mosaic GPU's interpreter here) the fp16 generation of two ragged rows gives XLA's
+    tokens and forward counts. The model: `TINY`'s layout at widths the kernels take."""
+    from djax import block_diffusion
+    from djax.kernels import rope_write_mosaic
+    from djax.models import layers
+
+    config = {**TINY, "hidden_size": 128, "intermediate_size": 128, "moe_intermediate_size": 64}
+    config |= {"head_dim": 64, "num_hidden_layers": 1, "first_k_dense_replace": 0}
+    make_llada2(tmp_path, config, seed=4)  # one MoE layer: the interpreter is slow
+    xla = djax.load(tmp_path, jnp.float16)
+    mosaic = xla.with_options(attention_impl="split_kv", rope_impl="mosaic", moe_impl="mosaic")
+    # rows of 10 and 3 prompt tokens: 3 generated blocks each, 2 steps a block
+    config = _config(gen_length=16, steps=6, cache="dual", decoder="low_confidence")
+    prompts = [[0, 10, 20, 30, 40, 50, 60, 70, 80, 90], [0, 11, 12]]
+    plan, _ = block_diffusion.make_plan(mosaic, config, prompts)
+    kernels = djax.engine.kernel_choice(mosaic, plan)
+    assert kernels.block.layers.rope == "mosaic" and kernels.block.layers.expert_rows == "tokens"
+    block_windows = []
+    rope = rope_write_mosaic.rope_and_write
+
+    def spy(*args, **kwargs):
+        block_windows.append(args[0].shape[1])
+        return rope(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layers.rope_write_mosaic, "rope_and_write", spy)
+        ours = djax.generate(mosaic, prompts, config)
+    ref = djax.generate(xla, prompts, config)
+    assert block_windows == [8]  # traced once: the block
+    np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
+    assert (ours.stats.forwards, ours.stats.refreshes) == (ref.stats.forwards, ref.stats.refreshes)
