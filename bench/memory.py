@@ -8,10 +8,10 @@ model with random bf16 weights (`bench.common`), and each program's bytes beside
 as the engine counts them (`djax.serving.memory`: the compiled program's memory analysis).
 The budget is the engine's: `--memory-fraction` of the device's memory (`bytes_limit`, with
 JAX's pool sized as `djax serve` sizes it: `memory.size_device_pool`), or `--memory-bytes`,
-less the weights. Per variant the largest batch whose call fits is found
-from the bytes of batches 1 and 2 (a call's bytes grow about linearly in its batch): the
-batch they predict, then its neighbours until a fitting batch and the one above it (over the
-budget) were both compiled, bisecting when the prediction was far off.
+less the weights. Per variant the largest batch whose call fits is found from the bytes of
+batches 1 and 2 (a call's bytes grow about linearly in its batch): the batch they predict,
+then its neighbours until a fitting batch and the one above it (over the budget) were both
+compiled, bisecting when the prediction was far off.
 
     python -m bench.memory [--model dense] [--seqs 4096] [--logits-chunk 16384]
         [--memory-fraction 0.9] [--memory-bytes N] [--max-batch 512] [--tiny]

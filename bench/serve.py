@@ -19,15 +19,14 @@ exit status (0: drained and exited).
 
 The server: JAX's device pool sized as `djax serve` sizes it
 (`djax.serving.memory.size_device_pool`), random bf16 weights built on the device
-(`bench.common`), LLaDA-MoE and
-LLaDA2.0-mini (block diffusion) with spread routing unless `--routing model`, answers decoded to
-one word per token id (`IdTokenizer`: the random model has no text); the dual cache, blocks of
-32 and the fixed-steps `low_confidence` decoder with 8 steps a block, 4 tokens per forward as in
-`SETTING`. The engine splits `GenerationConfig.steps` evenly over the blocks of `gen_length`, so
-the served config has gen_length = the longest answer of the trace (512) and steps = gen_length
-/ 4: every block of every request takes 8 steps, whatever the request's own length. (The
-threshold decoder would commit about one token per forward on random weights.) The server's
-longest sequence (max_seq_len) is the trace's longest prompt + answer.
+(`bench.common`), LLaDA-MoE and LLaDA2.0-mini (block diffusion) with spread routing unless
+`--routing model`, answers decoded to one word per token id (`IdTokenizer`: the random model has
+no text); the dual cache, blocks of 32 and the fixed-steps `low_confidence` decoder with 8 steps
+a block, 4 tokens per forward as in `SETTING`. The engine splits `GenerationConfig.steps` evenly
+over the blocks of `gen_length`, so the served config has gen_length = the longest answer of the
+trace (512) and steps = gen_length / 4: every block of every request takes 8 steps, whatever the
+request's own length. (The threshold decoder would commit about one token per forward on random
+weights.) The server's longest sequence (max_seq_len) is the trace's longest prompt + answer.
 
 The trace (`LENGTHS`): prompt and answer lengths lognormal with median 128 and σ 0.5 of the
 log, clipped to 16–512 prompt and 32–512 answer tokens; prompts of random token ids (never a
