@@ -10,12 +10,12 @@ Three roles in one script:
         --scheduler continuous|phase|static --port P [--max-batch N] [--routing spread|model]
     python -m bench.serve plot RESULT.json [RESULT.json ...]
 
-The client (the default role) starts one server per scheduler (`server` role, this Python, as
-a child process logging to `serve_<model>_<scheduler>.log` under $OUT or a temporary folder),
+The client (the default role) starts one server per scheduler (`server` role, this Python, as a
+child process logging to `serve_<model>_<scheduler>.log` under $OUT or a temporary folder),
 waits for `GET /health` to answer 200 (programs compiled), records how long that took
-(`ready_s`) and the server's memory budget beside the weights (`memory_budget_bytes`, 0 on a
-CPU), runs the same trace at each rate, then stops the server with SIGTERM and records its
-exit status (0: drained and exited).
+(`ready_s`), the programs compiled by then (`programs_at_ready`) and the server's memory budget
+beside the weights (`memory_budget_bytes`, 0 on a CPU), runs the same trace at each rate, then
+stops the server with SIGTERM and records its exit status (0: drained and exited).
 
 The server: JAX's device pool sized as `djax serve` sizes it
 (`djax.serving.memory.size_device_pool`), random bf16 weights built on the device
@@ -514,9 +514,11 @@ def run_client(args) -> None:
         servers[scheduler] = {"log": log.name}
         try:
             servers[scheduler]["ready_s"] = wait_ready(base_url, server, log, args.ready_timeout)
-            # The block calls' budget beside the weights (0: none, as on a CPU).
-            budget = scrape(base_url)["djax_memory_budget_bytes"]
-            servers[scheduler]["memory_budget_bytes"] = budget
+            # The block calls' budget beside the weights (0: none, as on a CPU), and the
+            # programs the warm-up compiled.
+            ready = scrape(base_url)
+            servers[scheduler]["memory_budget_bytes"] = ready["djax_memory_budget_bytes"]
+            servers[scheduler]["programs_at_ready"] = int(ready["djax_compiles_total"])
             for i, run in enumerate(runs):
                 if not isinstance(run, tuple):  # a rate: its trace, drawn once
                     runs[i] = run = trace_at(run)

@@ -607,7 +607,15 @@ def test_serve_end_to_end(tmp_path):
         assert r["samples"][-1]["queue_depth"] == 0 and r["samples"][-1]["running_rows"] == 0
         assert r["queue_depth_max"] == max(sample["queue_depth"] for sample in r["samples"])
     assert record["servers"]["continuous"]["clean_exit"], record["servers"]
-    assert record["servers"]["continuous"]["memory_budget_bytes"] == 0  # a CPU has no budget
+    server = record["servers"]["continuous"]
+    assert server["memory_budget_bytes"] == 0  # a CPU has no budget
+    # batches 1 and 2 (--max-batch 2) at each sequence bucket of the tiny trace, greedy only
+    from bench.common import SETTING
+    from bench.serve import TINY_LENGTHS
+    from djax.serving.layout import seq_buckets
+
+    buckets = seq_buckets(TINY_LENGTHS.max_sequence, SETTING.block_length)
+    assert server["programs_at_ready"] == 2 * len(buckets) == 4, server
     assert (tmp_path / "serve_dense_continuous.log").exists()
 
 
