@@ -413,8 +413,8 @@ class PhaseEngine(ServingEngine):
         with self._lock:
             stream, rows = self._take_refreshes()
             for row in rows:
-                state = self._states[id(row)]
-                state.first = index if state.first is None else state.first
+                if self._states[id(row)].first is None:
+                    self._states[id(row)].first = index
             sources = [self._move_down(row) for row in rows]
             stepping = [r for r in self._running if self._states[id(r)].decoding and r not in rows]
         sampling = any(r.request.temperature > 0 for r in [*rows, *stepping])
@@ -508,7 +508,7 @@ class PhaseEngine(ServingEngine):
                 state = self._states[id(row)]
                 if row.done or state.first is None:
                     continue
-                if state.first <= failed or row.committed:
+                if state.first <= failed:
                     self._finish(row, Failed(f"the device call failed: {err}"))
                 else:
                     self._states[id(row)] = _RowState()
