@@ -191,6 +191,22 @@ def test_cancel_frees_the_row(demo_model, continuous):
     assert not any(isinstance(e, (Finished, Failed)) for e in got.events.get("a", []))
 
 
+def test_a_finished_row_stops_counting_before_its_client_hears(demo_model, continuous):
+    """The running-rows gauge drops when a row finishes, not at the next round: a client
+    (or a scrape) that has the last event never sees its row still running."""
+    seen = []
+
+    def on_event(event):
+        if isinstance(event, Finished):
+            seen.append(continuous.metrics.running_rows._value.get())
+        got.sink("r0")(event)
+
+    got = Collector()
+    continuous.submit(EngineRequest("r0", _ids(demo_model, PROMPTS[0]), 16), on_event)
+    got.wait(1)
+    assert seen == [0]
+
+
 def test_bad_requests_are_refused_by_name(demo_model, continuous):
     ids = _ids(demo_model, "12+34=")
     cases = [

@@ -442,9 +442,12 @@ class ServingEngine:
             log.exception("event handler of %s failed", row.request.request_id)
 
     def _finish(self, row: _Row, event: Event) -> None:
-        """Forget a request, then send its last event (lock held): its id is free again by
-        the time the client hears it is done."""
+        """Forget a request, then send its last event (lock held): its id is free again,
+        and it no longer counts as running, by the time the client hears it is done (its
+        slot frees at the scheduler's next admission)."""
         row.done = True
+        running = sum(not (r.done or r.cancelled) for r in self._running)
+        self.metrics.running_rows.set(running)
         if self._by_id.get(row.request.request_id) is row:
             del self._by_id[row.request.request_id]
         self._emit(row, event)
