@@ -448,6 +448,24 @@ def test_stop_string_held_back_then_released(client, engine):
         ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "not supported"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0.9}, "top_p", "top_p=0.9; djax draws"),
+        ("/v1/completions", {"prompt": "x", "top_p": True}, "top_p", "expected 1 or no top_p"),
+        ("/v1/completions", {"prompt": "x", "top_k": 40}, "top_k", "expected 0 or -1"),
+        ("/v1/completions", {"prompt": "x", "min_p": 0.1}, "min_p", "not supported"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 1}, "presence_penalty", "=1;"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "frequency_penalty": -0.5},
+            "frequency_penalty",
+            "-0.5",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "repetition_penalty": 1.2},
+            "repetition_penalty",
+            "1.2",
+        ),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias", "no bias"),
         ("/v1/completions", {"prompt": [5, 128]}, "prompt", "token id 128"),
         ("/v1/completions", {"prompt": [5, -1]}, "prompt", "token id -1"),
         ("/v1/completions", {"prompt": [5, 2]}, "prompt", "mask id 2"),
@@ -476,6 +494,15 @@ def test_stop_string_held_back_then_released(client, engine):
             {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
             "tool_choice",
             "not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+            "free text",
         ),
         (
             "/v1/chat/completions",
@@ -509,6 +536,21 @@ def test_malformed_bodies_are_400(url, engine, raw):
 def test_the_openai_client_sees_bad_requests(client):
     with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
         client.completions.create(model=NAME, prompt="x", logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="top_p is not supported: top_p=0.5"):
+        client.completions.create(model=NAME, prompt="x", top_p=0.5)
+
+
+def test_neutral_sampling_controls_are_served(url, engine):
+    """A client that sends the sampling controls at their neutral values (as many do by
+    default) is served: they ask for nothing djax does not do."""
+    neutral = {"top_p": 1.0, "top_k": -1, "min_p": 0, "frequency_penalty": 0}
+    neutral |= {"presence_penalty": 0.0, "repetition_penalty": 1, "logit_bias": {}}
+    response = post(url, "/v1/completions", {"prompt": "x", **neutral})
+    assert response.status_code == 200, response.text
+    messages = [{"role": "user", "content": "x"}]
+    chat = {"messages": messages, "response_format": {"type": "text"}, **neutral}
+    assert post(url, "/v1/chat/completions", chat).status_code == 200
+    assert len(engine.submitted) == 2
 
 
 def test_context_length_exceeded(url, engine, client):

@@ -4,11 +4,15 @@ chunks and error bodies.
 
 `n` asks for up to `MAX_CHOICES` answers to each prompt (completions take a batch of up to
 `MAX_PROMPTS`): each runs as a row of its own, choice i with the seed `seed + i` (mod
-`SEED_LIMIT`). Fields OpenAI defines that djax cannot honour
-(`logprobs`, `best_of` > 1, `echo`, `suffix`, tools and functions) are refused with a 400
-naming the field; fields it does not know are ignored. djax's own fields: `threshold` (τ
-of the threshold decoder) and `ignore_eos` (keep denoising past stop tokens up to
-max_tokens).
+`SEED_LIMIT`). Fields OpenAI defines that djax cannot honour (`logprobs`, `best_of` > 1,
+`echo`, `suffix`, tools and functions, a `response_format` other than text) are refused
+with a 400 naming the field, as are the sampling controls djax does not apply (OpenAI's
+`top_p`, `frequency_penalty`, `presence_penalty`, `logit_bias`, and the `top_k`, `min_p`
+and `repetition_penalty` other servers take) unless they hold their neutral value
+(`SAMPLING_CONTROLS`): a sampled token is drawn from the whole distribution at
+`temperature`, and a request must not silently get other sampling than it asked for.
+Fields it does not know are ignored. djax's own fields: `threshold` (τ of the threshold
+decoder) and `ignore_eos` (keep denoising past stop tokens up to max_tokens).
 """
 
 from __future__ import annotations
@@ -34,6 +38,17 @@ PROMPT_TYPES = "expected a string, a list of token ids, or a list of those"
 SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT)
 
 FinishReason = Literal["stop", "length"]
+
+# Sampling controls djax does not apply, each with the values that leave sampling as it is
+# (None, the field left out, too): a request holding another value is refused.
+SAMPLING_CONTROLS: dict[str, tuple[float, ...]] = {
+    "top_p": (1,),
+    "top_k": (0, -1),
+    "min_p": (0,),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+}
 
 
 class ProtocolError(Exception):
@@ -104,6 +119,14 @@ class _GenerationRequest(BaseModel):
     top_logprobs: Any = None
     best_of: Any = None
     echo: Any = False
+    top_p: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -138,6 +161,39 @@ class _GenerationRequest(BaseModel):
     def _no_logprobs(cls, value: Any, info) -> Any:
         if value not in (None, False, 0):
             raise _unsupported(info.field_name, "djax returns no log-probabilities")
+        return None
+
+    @field_validator(*SAMPLING_CONTROLS, mode="plain")
+    @classmethod
+    def _neutral_sampling(cls, value: Any, info) -> None:
+        neutral = SAMPLING_CONTROLS[info.field_name]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is not None and not (number and value in neutral):
+            raise _refuse(
+                "unsupported",
+                "{field} is not supported: {field}={value}; djax draws each sampled token "
+                "from the whole distribution at `temperature`; expected {neutral} or no "
+                "{field}",
+                field=info.field_name,
+                value=json.dumps(value, default=str),  # as the client wrote it
+                neutral=" or ".join(str(v) for v in neutral),
+            )
+        return None
+
+    @field_validator("logit_bias", mode="plain")
+    @classmethod
+    def _no_logit_bias(cls, value: Any) -> None:
+        if value not in (None, {}):
+            raise _unsupported("logit_bias", "djax applies no bias to the logits")
+        return None
+
+    @field_validator("response_format", mode="plain")
+    @classmethod
+    def _text_only(cls, value: Any) -> None:
+        if value is not None and value != {"type": "text"}:
+            raise _unsupported(
+                "response_format", 'djax answers in free text; expected {"type": "text"}'
+            )
         return None
 
     @field_validator("best_of", mode="plain")
