@@ -192,8 +192,8 @@ def test_cancel_frees_the_row(demo_model, continuous):
 
 
 def test_a_finished_row_stops_counting_before_its_client_hears(demo_model, continuous):
-    """The running-rows gauge drops when a row finishes, not at the next round: a client
-    (or a scrape) that has the last event never sees its row still running."""
+    """The running-rows gauge drops when a row finishes or is cancelled, not at the next
+    round: a client (or a scrape) that has the last event never sees its row running."""
     seen = []
 
     def on_event(event):
@@ -205,6 +205,20 @@ def test_a_finished_row_stops_counting_before_its_client_hears(demo_model, conti
     continuous.submit(EngineRequest("r0", _ids(demo_model, PROMPTS[0]), 16), on_event)
     got.wait(1)
     assert seen == [0]
+    # a cancelled row stops counting at once too
+    left = []
+
+    def cancel_after_a_block(event):
+        if not left:
+            continuous.cancel("r1")
+            left.append(continuous.metrics.running_rows._value.get())
+
+    ids = _ids(demo_model, PROMPTS[1])
+    continuous.submit(EngineRequest("r1", ids, 24, ignore_eos=True), cancel_after_a_block)
+    deadline = time.monotonic() + 60
+    while not left and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert left == [0]
 
 
 def test_bad_requests_are_refused_by_name(demo_model, continuous):

@@ -493,8 +493,9 @@ def test_cancel_mid_generation_frees_the_slot(phased, continuous):
     got.wait(2)
     assert [got.tokens(r.request_id) for r in requests[1:]] == [t for t, _ in want]
     assert [type(e) for e in got.events["r0"]] == [BlockCommitted]
-    deadline = time.monotonic() + 10
-    while phased.metrics.running_rows._value.get() and time.monotonic() < deadline:
+    assert phased.metrics.running_rows._value.get() == 0  # both ended: neither counts
+    deadline = time.monotonic() + 10  # their slots free at the engine's next admission
+    while sorted(phased._free_slots) != [0, 1] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert sorted(phased._free_slots) == [0, 1]
     deadline = time.monotonic() + 10  # the engine forgets rows at its next admission

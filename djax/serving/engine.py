@@ -324,6 +324,7 @@ class ServingEngine:
             if row in self._waiting:
                 self._waiting.remove(row)
                 self.metrics.queue_depth.set(len(self._waiting))
+            self._count_running()
             self._lock.notify()
 
     # ------------------------------------------------------------ lifecycle
@@ -446,11 +447,17 @@ class ServingEngine:
         and it no longer counts as running, by the time the client hears it is done (its
         slot frees at the scheduler's next admission)."""
         row.done = True
-        running = sum(not (r.done or r.cancelled) for r in self._running)
-        self.metrics.running_rows.set(running)
+        self._count_running()
         if self._by_id.get(row.request.request_id) is row:
             del self._by_id[row.request.request_id]
         self._emit(row, event)
+
+    def _count_running(self) -> None:
+        """Set the running-rows gauge to the running rows neither finished nor cancelled
+        (lock held): a row stops counting when it ends, not when the scheduler next frees
+        its slot."""
+        running = sum(not (r.done or r.cancelled) for r in self._running)
+        self.metrics.running_rows.set(running)
 
     def _timed_call(self, program: Any, args: tuple) -> dict:
         """Run a static batch's call and wait for it; its host outputs."""
