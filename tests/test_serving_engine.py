@@ -19,6 +19,7 @@ from djax.serving import layout, memory
 from djax.serving.engine import ServeConfig, make_engine
 from djax.serving.metrics import ServerMetrics
 from djax.serving.requests import (
+    BlockCommitted,
     EngineRequest,
     EngineStopped,
     Failed,
@@ -511,6 +512,75 @@ def test_static_batches_only_rows_whose_longest_prompt_and_answer_fit(demo_model
         assert isinstance(got.events[name][-1], Finished), got.events[name][-1]
     assert got.tokens("short") == _alone(demo_model, generation, short, 32)
     assert engine.metrics.compiles._value.get() == 2  # two batches of one row
+
+
+def test_static_batches_share_one_answer_length(dense_model):
+    """A bidirectional row's tokens depend on its answer's length (its masks attend to each
+    other): a static batch holds rows of one answer length, unrounded, so a 3-block answer
+    (alone or arriving beside a 1-block one, which runs as a batch of its own) and the
+    1-block one each get `generate`'s tokens alone (a random model, unlike the demo's,
+    whose tokens move with the length)."""
+    generation = djax.GenerationConfig(gen_length=16, block_length=8)
+    engine = _engine(dense_model, generation, scheduler="static", max_batch=2)
+    got = Collector()
+    short, long = (0, 10, 20, 30, 40, 50), (0, 11, 12)
+    with engine._lock:  # one admission sees all three
+        engine.submit(EngineRequest("a", short, 8, ignore_eos=True), got.sink("a"))
+        engine.submit(EngineRequest("b", long, 24, ignore_eos=True), got.sink("b"))
+        engine.submit(EngineRequest("c", short, 8, ignore_eos=True), got.sink("c"))
+    got.wait(3)
+    engine.stop()
+    alone = {
+        n: djax.generate(dense_model, [list(ids)], dataclasses.replace(generation, gen_length=n))
+        for ids, n in ((short, 8), (long, 24))
+    }
+    assert got.tokens("a") == got.tokens("c") == alone[8].answer_ids[0].tolist()
+    assert got.tokens("b") == alone[24].answer_ids[0].tolist()
+    assert engine.metrics.compiles._value.get() == 2  # "a" with "c", then "b"
+
+
+def test_a_static_engine_whose_requests_all_left_waits_on(demo_model, generation, caplog):
+    """Requests cancelled while a static batch gathers leave it empty: the engine waits for
+    the next ones (no call, no error) and serves them."""
+    engine = _engine(demo_model, generation, scheduler="static", max_batch=2)
+    ids = _ids(demo_model, PROMPTS[0])
+    got = Collector()
+    engine.submit(EngineRequest("gone", ids, 8), got.sink("gone"))
+    time.sleep(0.01)  # the engine woke, and gathers arrivals for a batch
+    engine.cancel("gone")
+    time.sleep(0.6)  # past the arrival window
+    engine.submit(EngineRequest("next", ids, 8), got.sink("next"))
+    assert got.wait(1) == {"next"}
+    engine.stop()
+    assert "gone" not in got.events and not any(r.levelname == "ERROR" for r in caplog.records)
+
+
+def test_no_event_follows_a_row_s_last(demo_model, generation):
+    """`stop(drain=False)` from another thread while a consumer is slow with a block: each
+    row still gets its events in order and nothing after its `Failed` (events are sent
+    under the engine's lock, so the stop lands between two)."""
+    engine = _engine(demo_model, generation)
+    log, slow = [], threading.Event()
+
+    def sink(name):
+        def on_event(event):
+            log.append((name, type(event).__name__))
+            if name == "a" and isinstance(event, BlockCommitted) and not slow.is_set():
+                slow.set()
+                time.sleep(0.3)
+
+        return on_event
+
+    ids = _ids(demo_model, PROMPTS[0])
+    with engine._lock:  # one admission sees both
+        for name in "ab":
+            engine.submit(EngineRequest(name, ids, 32, ignore_eos=True), sink(name))
+    assert slow.wait(60)
+    engine.stop(drain=False)
+    time.sleep(0.3)
+    for name in "ab":
+        kinds = [kind for n, kind in log if n == name]
+        assert kinds[-1] == "Failed" and kinds.count("Failed") == 1, (name, kinds)
 
 
 def test_a_budget_the_weights_fill_is_refused(demo_model, generation):

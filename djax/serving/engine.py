@@ -914,12 +914,16 @@ class ServingEngine:
         return events
 
     def _send(self, events: list[tuple[_Row, Event]]) -> None:
-        for row, event in events:
-            if isinstance(event, (Finished, Failed)):
-                with self._lock:
-                    self._finish(row, event)
-            else:
-                self._emit(row, event)
+        """Deliver events under the lock, so none reaches a row after its last one (a
+        `stop` or `cancel` from another thread lands between two events, never inside
+        one) or after `cancel` returns."""
+        with self._lock:
+            for row, event in events:
+                if isinstance(event, (Finished, Failed)):
+                    if self._by_id.get(row.request.request_id) is row:  # not ended yet
+                        self._finish(row, event)
+                elif self._by_id.get(row.request.request_id) is row:
+                    self._emit(row, event)
         events.clear()
 
     # ------------------------------------------------------------ static
@@ -931,9 +935,11 @@ class ServingEngine:
                     self._last_ready = None
                 if not self._wait_for_work():
                     return
-                rows = self._take_waiting(self.config.max_batch, self._static_fits)
+                rows = self._static_batch()
                 self._running = rows
                 self.metrics.running_rows.set(len(rows))
+            if not rows:  # the requests that woke it were cancelled or failed meanwhile
+                continue
             try:
                 program, args, plan = self._generation_program(rows)
                 out = self._timed_call(program, args)
@@ -959,19 +965,38 @@ class ServingEngine:
                 self.metrics.running_rows.set(0)
             self._send(events)
 
+    def _static_batch(self) -> list[_Row]:
+        """The oldest waiting row and, in arrival order, the waiting rows that can share its
+        program (`_static_fits`), up to `max_batch` (lock held)."""
+        rows: list[_Row] = []
+        for row in list(self._waiting):
+            if len(rows) == self.config.max_batch:
+                break
+            if not rows or self._static_fits([*rows, row]):
+                self._waiting.remove(row)
+                rows.append(row)
+        self.metrics.queue_depth.set(len(self._waiting))
+        return rows
+
     def _static_fits(self, rows: list[_Row]) -> bool:
         """Whether rows can share one whole-generation program: their longest prompt and
-        longest answer together within the longest sequence (each fits alone: `submit`)."""
+        longest answer together within the longest sequence (each fits alone: `submit`),
+        and, for a bidirectional family, one answer length: there a row's masks attend to
+        each other, so its tokens depend on how many there are (block-causal rows' do
+        not)."""
         prompt = max(len(r.request.prompt_ids) for r in rows)
+        if not self.layout.causal and len({r.answer_length for r in rows}) > 1:
+            return False
         return prompt + max(r.answer_length for r in rows) <= self._max_sequence
 
     def _generation_program(self, rows: list[_Row]) -> tuple[Any, tuple, Plan]:
         """The whole-generation program for a static batch, its arguments and plan. The
         batch is padded to its bucket with copies of its first row (they stop with it); its
-        answer length is the longest request's, rounded up to a power of two blocks where
-        that fits; its prompt length is the longest prompt's, rounded up to a sequence bucket
-        (more left padding) where that fits beside the answer. Rounding keeps the number of
-        shapes, and so of compiles while serving, small."""
+        answer length is the longest request's (block-causal rows: rounded up to a power of
+        two blocks where that fits, which leaves their tokens as they are); its prompt
+        length is the longest prompt's, rounded up to a sequence bucket (more left padding)
+        where that fits beside the answer. Rounding keeps the number of shapes, and so of
+        compiles while serving, small."""
         n = len(rows)
         batch = layout.bucket(n, self.batch_buckets)
         padded = rows + [rows[0]] * (batch - n)
@@ -979,7 +1004,7 @@ class ServingEngine:
         answer = max(r.answer_length for r in rows)
         blocks = math.ceil(answer / self.block_length)
         rounded = self.block_length * 2 ** math.ceil(math.log2(blocks))
-        if prompt + rounded <= self._max_sequence:
+        if self.layout.causal and prompt + rounded <= self._max_sequence:
             answer = rounded
         bucketed = next((s for s in layout.SEQ_BUCKETS if s >= prompt), prompt)
         if bucketed + answer <= self._max_sequence:
