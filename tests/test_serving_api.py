@@ -14,6 +14,7 @@ from serving_fakes import FakeEngine, scripted
 import djax
 from djax import demo
 from djax.engine import GenerationConfig, tokenize
+from djax.serving import protocol as p
 from djax.serving.api import create_app
 from djax.serving.engine import ServeConfig
 from djax.serving.metrics import ServerMetrics
@@ -84,6 +85,7 @@ def assert_error(response, status, param=None, code=None, mentions=None):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     kinds = {400: "invalid_request_error", 404: "invalid_request_error", 503: "server_error"}
+    kinds[413] = "invalid_request_error"
     assert error["type"] == kinds[status]
     assert error["param"] == param
     assert error["code"] == code
@@ -119,6 +121,50 @@ def test_tokenize_and_detokenize_as_the_endpoints_do(url, engine, model):
     assert_error(post(url, "/detokenize", {"tokens": "abc"}), 400, param="tokens")
     response = post(url, "/tokenize", {"model": "other", "prompt": "x"})
     assert_error(response, 404, param="model", code="model_not_found")
+    empty = post(url, "/tokenize", {"prompt": ""})
+    assert empty.status_code == 200 and empty.json()["tokens"] == []
+    # ids past the tokenizer's but within the model's vocabulary: as a prompt may hold them
+    assert len(model.tokenizer) < 120 < model.config.vocab_size
+    assert post(url, "/detokenize", {"tokens": [120]}).status_code == 200
+    response = post(url, "/detokenize", {"tokens": [128]})
+    assert_error(response, 400, param="tokens", mentions="[0, 128)")
+
+
+def test_one_model_card(url, client):
+    assert client.models.retrieve(NAME).id == NAME
+    response = httpx.get(url + f"/v1/models/{NAME}")
+    assert response.json()["max_model_len"] == 128
+    assert_error(httpx.get(url + "/v1/models/other"), 404, "model", "model_not_found")
+
+
+def test_bodies_past_the_limit_are_413_unread(url, engine):
+    """A body past `body_limit` (1 MiB for this 128-token server) is refused by its declared
+    length, or once that much arrived when it declares none (chunked), before parsing."""
+    limit = p.body_limit(128)
+    assert limit == 2**20
+    big = json.dumps({"prompt": "a" * limit}).encode()
+    response = httpx.post(url + "/v1/completions", content=big, timeout=30)
+    assert_error(response, 413, code="request_too_large", mentions=f"{len(big)} bytes")
+
+    def chunks():
+        for i in range(0, len(big), 65536):
+            yield big[i : i + 65536]
+
+    response = httpx.post(url + "/v1/completions", content=chunks(), timeout=30)
+    assert_error(response, 413, code="request_too_large", mentions=f"over {limit} bytes")
+    assert engine.submitted == []
+    assert post(url, "/v1/completions", {"prompt": "x", "stream": None}).status_code == 200
+
+
+def test_a_greedy_server_names_temperature(url, engine):
+    config = engine.config
+    greedy = dataclasses.replace(config.generation, temperature=0.0)
+    engine.config = dataclasses.replace(config, generation=greedy, sampling=False)
+    try:
+        response = post(url, "/v1/completions", {"prompt": "x", "temperature": 0.5})
+    finally:
+        engine.config = config
+    assert_error(response, 400, param="temperature", mentions="greedily")
 
 
 def test_health_follows_readiness_and_draining(url, engine, server):
@@ -406,9 +452,28 @@ def test_stop_string_cuts_the_answer_and_cancels(client, engine, stream):
         finish = chunks[-1].choices[0].finish_reason
     else:
         text, finish = out.choices[0].text, out.choices[0].finish_reason
-        assert out.usage.completion_tokens == 16  # two blocks received
+        assert out.usage.completion_tokens == 16  # "The sum is 3305." ends the stop string
     assert (text, finish) == ("The sum is 33", "stop")
     assert engine.cancelled == [engine.submitted[0].request_id]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_counts_the_answer_up_to_the_stop_string(client, engine, server, stream):
+    """A stop string completed inside a block: usage and the tokens counter hold the tokens
+    up to the one that completed it ("The sum": 7 of the block's 8), not the whole block."""
+    registry = server[3].registry
+    before = registry.get_sample_value("djax_generated_tokens_total") or 0
+    usage_chunk = {"include_usage": True} if stream else None
+    out = client.completions.create(
+        model=NAME, prompt="x", stop="sum", stream=stream, stream_options=usage_chunk
+    )
+    if stream:
+        chunks = list(out)
+        text, usage = "".join(c.choices[0].text for c in chunks[:-1]), chunks[-1].usage
+    else:
+        text, usage = out.choices[0].text, out.usage
+    assert (text, usage.completion_tokens) == ("The ", 7)
+    assert registry.get_sample_value("djax_generated_tokens_total") - before == 7
 
 
 def test_stop_string_held_back_then_released(client, engine):

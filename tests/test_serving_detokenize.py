@@ -97,6 +97,23 @@ def test_stop_string_in_the_tail_at_finish():
     assert run(d, [ids("hi!"), ids("more")]) == (["hi", ""], "")
 
 
+def test_tokens_count_up_to_the_one_that_completes_the_stop_string():
+    d = Detokenizer(ByteTokenizer(), stop=["STOP"])
+    d.push(ids("abc ST"))
+    assert d.tokens == 6 and not d.stopped  # held back, still counted
+    d.push(ids("OP def"))
+    assert d.stopped and d.tokens == len("abc STOP")
+    d = Detokenizer(ByteTokenizer(), stop=["!"])
+    run(d, [ids("hé!"), ids("more")])  # "é" is two tokens
+    assert d.text == "hé" and d.tokens == 4
+    d = Detokenizer(WordTokenizer(["hello", "big", "world", "x"]), stop=["big w"])
+    run(d, [[0, 1], [2, 3]])  # the stop string needs the third word
+    assert d.text == "hello " and d.tokens == 3
+    d = Detokenizer(ByteTokenizer(), stop=["STOP"])
+    run(d, [ids("no stop"), ids(" here")])
+    assert not d.stopped and d.tokens == len("no stop here")
+
+
 def test_empty_stop_string_is_refused():
     with pytest.raises(ValueError, match="empty"):
         Detokenizer(ByteTokenizer(), stop=["a", ""])

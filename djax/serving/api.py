@@ -12,6 +12,7 @@ a `Failed` event ends the request with an error; the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import math
@@ -106,22 +107,25 @@ class _Generation:
                         self.metrics.ttft.observe(time.perf_counter() - self.arrival)
                     yield text
         finally:
+            self.metrics.generated_tokens.inc(self.completion_tokens)
             if not self.ended:
                 self.engine.cancel(self.request.request_id)
                 self.metrics.aborted.inc()
 
     def _take(self, event: BlockCommitted | Finished) -> str:
+        """The text an event makes final; the answer's tokens: under a stop string those up
+        to the one that completed it (`Detokenizer.tokens`), else the engine's count."""
         if isinstance(event, BlockCommitted):
-            self.completion_tokens += len(event.token_ids)
-            self.metrics.generated_tokens.inc(len(event.token_ids))
             text = self.detokenizer.push(event.token_ids)
+            self.completion_tokens = self.detokenizer.tokens
             if self.detokenizer.stopped:
                 self.engine.cancel(self.request.request_id)
                 self._end("stop")
             return text
-        self.completion_tokens = event.completion_tokens
         text = self.detokenizer.finish()
-        self._end("stop" if self.detokenizer.stopped else event.reason)
+        stopped = self.detokenizer.stopped
+        self.completion_tokens = self.detokenizer.tokens if stopped else event.completion_tokens
+        self._end("stop" if stopped else event.reason)
         return text
 
     def _end(self, reason: p.FinishReason) -> None:
@@ -295,6 +299,37 @@ def create_app(
         )
     defaults = engine.config.generation
     created = int(time.time())
+    body_limit = p.body_limit(engine.max_sequence)
+    # Tokenising (and chat templates) run here, one request at a time, off the event loop:
+    # a long prompt never holds up the streams of others.
+    tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="djax-tokenize")
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, fn, *args)
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with a 413 once it passes `body_limit` bytes (by its declared
+        length before reading anything, else as it arrives)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > body_limit:
+            raise too_large(f"{int(declared)} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > body_limit:
+                raise too_large(f"over {body_limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def too_large(size: str) -> p.ProtocolError:
+        return p.ProtocolError(
+            f"the request body holds {size}; this server reads at most {body_limit} bytes "
+            f"(room for {p.MAX_PROMPTS} prompts of its whole {engine.max_sequence}-token "
+            "sequence)",
+            status=413,
+            code="request_too_large",
+        )
+
     app = FastAPI(title="djax", description="OpenAI-compatible serving of diffusion LMs")
     app.state.draining = False
 
@@ -394,9 +429,15 @@ def create_app(
             raise p.ProtocolError(
                 f"{len(prompts)} prompt(s) x n={body.n} = {count} choices exceed this server's "
                 f"queue of {engine.config.max_queue} requests (djax serve --max-queue)",
-                param="n",
+                param="n" if body.n > 1 else param,
             )
         temperature = defaults.temperature if body.temperature is None else body.temperature
+        if temperature > 0 and not engine.config.sampling:
+            raise p.ProtocolError(
+                f"temperature={temperature}; this server decodes greedily only (started "
+                "without sampling): expected 0",
+                param="temperature",
+            )
         seed = secrets.randbelow(p.SEED_LIMIT) if body.seed is None else body.seed
         request_id = f"{format_.prefix}-{uuid.uuid4().hex}"
         generations = [
@@ -485,50 +526,63 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        body = p.parse(p.CompletionRequest, await request.body())
+        body = p.parse(p.CompletionRequest, await read_body(request))
         check_model(body.model)
+        prompts = await off_loop(completion_ids, list(body.prompt))
+        return await generate(request, body, prompts, "prompt", _CompletionFormat, arrival)
+
+    def completion_ids(prompts: list[str | list[int]]) -> list[list[int]]:
         try:
-            prompts = tokenize(model, list(body.prompt), chat=False)
+            return tokenize(model, prompts, chat=False)
         except ValueError as err:
             raise p.ProtocolError(str(err), param="prompt") from None
-        return await generate(request, body, prompts, "prompt", _CompletionFormat, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        body = p.parse(p.ChatCompletionRequest, await request.body())
+        body = p.parse(p.ChatCompletionRequest, await read_body(request))
         check_model(body.model)
-        ids = _chat_ids(model, [m.template_turn() for m in body.messages])
+        ids = await off_loop(_chat_ids, model, [m.template_turn() for m in body.messages])
         return await generate(request, body, [ids], "messages", _ChatFormat, arrival)
 
     @app.post("/tokenize")
     async def tokenize_prompt(request: Request) -> JSONResponse:
-        body = p.parse(p.TokenizeRequest, await request.body())
+        body = p.parse(p.TokenizeRequest, await read_body(request))
         check_model(body.model)
         if body.messages is not None:
-            ids = _chat_ids(model, [m.template_turn() for m in body.messages])
+            ids = await off_loop(_chat_ids, model, [m.template_turn() for m in body.messages])
+        elif body.prompt:
+            (ids,) = await off_loop(completion_ids, [body.prompt])
         else:
-            ids = tokenize(model, [body.prompt], chat=False)[0]
+            ids = []  # the empty prompt: no tokens (the completions endpoint refuses it)
         return JSONResponse(
             {"tokens": ids, "count": len(ids), "max_model_len": engine.max_sequence}
         )
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
-        body = p.parse(p.DetokenizeRequest, await request.body())
+        body = p.parse(p.DetokenizeRequest, await read_body(request))
         check_model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < len(model.tokenizer)]
+        vocab = model.config.vocab_size  # the ids a prompt may hold and the model may answer
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise p.ProtocolError(
-                f"tokens holds id {bad[0]}; expected ids in [0, {len(model.tokenizer)})",
-                param="tokens",
+                f"tokens holds id {bad[0]}; expected ids in [0, {vocab})", param="tokens"
             )
-        return JSONResponse({"prompt": model.tokenizer.decode(body.tokens)})
+        text = await off_loop(model.tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
+
+    def model_card() -> p.ModelCard:
+        return p.ModelCard(id=model_name, created=created, max_model_len=engine.max_sequence)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = p.ModelCard(id=model_name, created=created, max_model_len=engine.max_sequence)
-        return JSONResponse(p.ModelList(data=[card]).model_dump())
+        return JSONResponse(p.ModelList(data=[model_card()]).model_dump())
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str) -> JSONResponse:
+        check_model(name)
+        return JSONResponse(model_card().model_dump())
 
     @app.get("/health")
     async def health() -> JSONResponse:

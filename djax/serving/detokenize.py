@@ -20,6 +20,8 @@ class Detokenizer:
     tokenizer: anything with `decode(ids, skip_special_tokens=True) -> str`. stop: strings
     that end the answer: the text is cut before the first one to be completed reading left
     to right (the one a token-by-token stream would meet first), and `stopped` turns True.
+    `tokens`: the answer's tokens so far; once stopped, those up to the one that completed
+    the stop string (the answer a token-by-token stream would have generated).
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()):
@@ -31,6 +33,11 @@ class Detokenizer:
         self._ids: list[int] = []
         self.text = ""  # everything handed out so far
         self.stopped = False
+        self._stop_tokens = 0
+
+    @property
+    def tokens(self) -> int:
+        return self._stop_tokens if self.stopped else len(self._ids)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add a block's token ids; returns the text that became final (may be empty)."""
@@ -45,15 +52,16 @@ class Detokenizer:
             return ""
         return self._advance(self._decode(), final=True)
 
-    def _decode(self) -> str:
-        return self._tokenizer.decode(self._ids, skip_special_tokens=True)
+    def _decode(self, n: int | None = None) -> str:
+        return self._tokenizer.decode(self._ids[:n], skip_special_tokens=True)
 
     def _advance(self, decoded: str, final: bool) -> str:
         sent = len(self.text)
-        cut = self._first_stop(decoded, sent)
-        if cut is not None:
+        stop = self._first_stop(decoded, sent)
+        if stop is not None:
             self.stopped = True
-            end = cut
+            end = stop[0]
+            self._stop_tokens = self._tokens_through(stop[1])
         elif final:
             end = len(decoded)
         else:
@@ -62,16 +70,29 @@ class Detokenizer:
         self.text += new
         return new
 
-    def _first_stop(self, decoded: str, start: int) -> int | None:
+    def _first_stop(self, decoded: str, start: int) -> tuple[int, int] | None:
         """Where the stop string completed first (smallest end, then smallest start) begins
-        in `decoded[start:]`, or None. No stop string begins before `start`: a tail that
-        could begin one is never sent."""
+        and ends in `decoded[start:]`, or None. No stop string begins before `start`: a
+        tail that could begin one is never sent."""
         found = []
         for s in self._stop:
             i = decoded.find(s, start)
             if i >= 0:
                 found.append((i + len(s), i))
-        return min(found)[1] if found else None
+        return (min(found)[1], min(found)[0]) if found else None
+
+    def _tokens_through(self, end: int) -> int:
+        """The fewest leading tokens whose text reaches `end` characters (complete ones: a
+        trailing incomplete UTF-8 sequence does not count), by bisection: a prefix's text
+        grows with its tokens."""
+        low, high = 1, len(self._ids)
+        while low < high:
+            mid = (low + high) // 2
+            if len(self._decode(mid).rstrip(_INCOMPLETE)) >= end:
+                high = mid
+            else:
+                low = mid + 1
+        return high
 
     def _stop_prefix(self, decoded: str, start: int) -> int:
         """Length of the longest tail of `decoded[start:]` that a stop string begins with."""

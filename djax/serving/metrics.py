@@ -75,7 +75,10 @@ class ServerMetrics:
             "djax_aborted_requests", "requests dropped before finishing (disconnects)", registry=r
         )
         self.generated_tokens = Counter(
-            "djax_generated_tokens", "answer tokens sent to clients", registry=r
+            "djax_generated_tokens",
+            "answer tokens sent to clients, counted as each choice ends (under a stop string "
+            "up to the token that completed it, as usage counts them)",
+            registry=r,
         )
 
     def exposition(self) -> bytes:

@@ -36,6 +36,7 @@ MAX_CHOICES = 16  # `n`
 MAX_PROMPTS = 64  # a completions request's batch
 PROMPT_TYPES = "expected a string, a list of token ids, or a list of those"
 SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT)
+BODY_BYTES_PER_TOKEN = 32  # `body_limit`: generous for text (~4 bytes a token) and ids
 
 FinishReason = Literal["stop", "length"]
 
@@ -127,6 +128,11 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: Any = None
     logit_bias: Any = None
     response_format: Any = None
+
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _stream_null(cls, value: Any) -> Any:
+        return False if value is None else value  # null: OpenAI's default, no stream
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -341,6 +347,14 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+def body_limit(max_sequence: int) -> int:
+    """The largest request body a server of `max_sequence` tokens reads, in bytes: room for
+    a batch of `MAX_PROMPTS` prompts of the whole sequence at `BODY_BYTES_PER_TOKEN` a token
+    (as text or as ids), and at least 1 MiB. A larger body is refused unread (413), so no
+    request ties up the server parsing or tokenising what could never fit."""
+    return max(2**20, MAX_PROMPTS * max_sequence * BODY_BYTES_PER_TOKEN)
 
 
 def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
