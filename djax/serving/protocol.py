@@ -352,8 +352,8 @@ class DetokenizeRequest(BaseModel):
 def body_limit(max_sequence: int) -> int:
     """The largest request body a server of `max_sequence` tokens reads, in bytes: room for
     a batch of `MAX_PROMPTS` prompts of the whole sequence at `BODY_BYTES_PER_TOKEN` a token
-    (as text or as ids), and at least 1 MiB. A larger body is refused unread (413), so no
-    request ties up the server parsing or tokenising what could never fit."""
+    (as text or as ids), and at least 1 MiB. A larger body is refused unread (413): this
+    bounds what one request makes the server parse and tokenise."""
     return max(2**20, MAX_PROMPTS * max_sequence * BODY_BYTES_PER_TOKEN)
 
 
