@@ -1,4 +1,5 @@
-"""The `djax` command: `djax generate` (answers and stats) and `djax convert` (HF -> orbax).
+"""The `djax` command: `djax generate` (answers and stats), `djax serve` (an OpenAI-compatible
+server) and `djax convert` (HF -> orbax).
 
 Every `GenerationConfig` field is a `djax generate` option (`--gen-length`, `--decoder`, ...),
 generated from the dataclass, and every kernel option comes from `djax.kernel_options`, so
@@ -241,11 +242,19 @@ def _add_io_options(gen: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors, as djax's own: `PROG: error: MESSAGE` on stderr (no
+    usage block; `--help` lists the options) and exit status 2. Subcommands get it too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _logging_options()
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="djax",
-        description=__doc__.splitlines()[0],
+        description=" ".join(__doc__.split("\n\n")[0].split()),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

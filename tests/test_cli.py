@@ -221,6 +221,24 @@ def test_version():
     assert djax.__version__ == metadata.version("djax")
 
 
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["generate", "--decoder", "foo"], "djax generate: error: argument --decoder: invalid"),
+        (["convert", "a"], "djax convert: error: the following arguments are required: dst"),
+        (["serve", "--port", "x"], "djax serve: error: argument --port: invalid int value"),
+        (["nope"], "djax: error: argument COMMAND: invalid choice: 'nope'"),
+    ],
+)
+def test_a_bad_option_is_one_line(capsys, argv, says):
+    """argparse's refusals are one line on stderr, as djax's own errors, and exit 2."""
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith(says) and err.count("\n") == 1, err
+    assert "--help lists the options" in err
+
+
 def test_help_lists_choices_and_examples(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
