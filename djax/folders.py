@@ -15,6 +15,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def check_apart(src: Path, dst: Path) -> Path:
@@ -43,7 +44,7 @@ def staged(dst: Path) -> Iterator[Path]:
     here, before the block runs."""
     staging = dst.parent / f".{dst.name}.djax-staging-{secrets.token_hex(4)}"
     created = False
-    with _terminate_raises():
+    with _terminate_raises(), _stops_noted(staging):
         try:
             with _signals_deferred():  # no interrupt between creating and recording it
                 try:
@@ -65,8 +66,11 @@ def staged(dst: Path) -> Iterator[Path]:
 def replace(staging: Path, dst: Path) -> None:
     """Move `staging` to `dst`. An existing `dst` is renamed aside, the new folder renamed
     in, and only then the old one deleted; SIGINT and SIGTERM (main thread) take effect
-    once all that is done."""
+    once all that is done. A stop that reached `staged`'s block before, but whose exception
+    was lost (Python drops one raised inside a garbage-collector callback), is raised
+    again here instead: nothing is replaced after a stop."""
     with _signals_deferred():
+        _raise_lost_stop(staging)
         if not dst.exists():
             os.rename(staging, dst)
             return
@@ -78,6 +82,51 @@ def replace(staging: Path, dst: Path) -> None:
             os.rename(aside, dst)
             raise
         shutil.rmtree(aside)
+
+
+# Per staging folder, the stop signals seen during its block and the handlers they met.
+_STOPS: dict[Path, tuple[list[int], dict[int, Any]]] = {}
+
+
+@contextlib.contextmanager
+def _stops_noted(staging: Path) -> Iterator[None]:
+    """Note every SIGINT and SIGTERM (main thread) before the handler in place acts on it,
+    so `replace` can tell a stop happened even when its exception was lost."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen: list[int] = []
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def note(signum, frame):
+        handler = handlers[signum]
+        if handler == signal.SIG_IGN:
+            return
+        seen.append(signum)
+        if callable(handler):
+            handler(signum, frame)
+        raise SystemExit(128 + signum)
+
+    for signum in handlers:
+        signal.signal(signum, note)
+    _STOPS[staging] = seen, handlers
+    try:
+        yield
+    finally:
+        del _STOPS[staging]
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def _raise_lost_stop(staging: Path) -> None:
+    """Raise the first stop `_stops_noted` saw for `staging`, as its handler raised it."""
+    seen, handlers = _STOPS.get(staging, ([], {}))
+    if not seen:
+        return
+    handler = handlers[seen[0]]
+    if callable(handler):
+        handler(seen[0], None)
+    raise SystemExit(128 + seen[0])
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """Bad files and interrupted writes: every malformed model folder, unsafe `convert` and
 interrupt ends in one clear error (or exit status) and changes no user file."""
 
+import contextlib
 import hashlib
 import json
 import math
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 
 import djax
-from djax import checkpoint
+from djax import checkpoint, folders
 from djax.checkpoint import CheckpointError, SafetensorsStore
 from djax.cli import main
 from djax.config import ConfigError
@@ -415,6 +416,26 @@ def test_interrupted_convert_leaves_the_destination_as_it_was(root, signum, stat
     assert convert.returncode == status, err
     assert "Traceback" not in err and "Error" not in err
     assert tree_digest(root) == before  # no staging folder left, `old` untouched
+
+
+@pytest.mark.parametrize(
+    "signum, raised", [(signal.SIGTERM, SystemExit), (signal.SIGINT, KeyboardInterrupt)]
+)
+def test_a_stop_whose_exception_was_lost_still_stops_the_replace(tmp_path, signum, raised):
+    """Python drops an exception a signal handler raises inside a garbage-collector
+    callback (as jax's runs): the stop is noted all the same, and `folders.replace` raises
+    it instead of replacing the destination."""
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "old").write_text("kept")
+    with pytest.raises(raised), folders.staged(dst) as staging:
+        (staging / "new").write_text("half")
+        with contextlib.suppress(BaseException):  # as a callback that swallows it runs it
+            signal.getsignal(signum)(signum, None)
+        folders.replace(staging, dst)
+    assert [p.name for p in tmp_path.iterdir()] == ["dst"]  # no staging folder left
+    assert (dst / "old").read_text() == "kept" and not (dst / "new").exists()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handlers put back
 
 
 # Property tests: whatever bytes a file holds, loading ends in a clear error.
