@@ -305,7 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp8: store projection and expert weights as e4m3 with a scale per output "
         "channel (default: dtype, every weight in --dtype)",
     )
-    conv.add_argument("--overwrite", action="store_true", help="replace a non-empty dst")
+    conv.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty dst that djax convert wrote (one holding djax.json)",
+    )
     conv.add_argument(
         "--allow-pickle",
         action="store_true",

@@ -213,7 +213,8 @@ def convert(
 
     `src` is only read, and is checked whole (config, every tensor's header, dtype and
     shape) before anything is written. A `dst` that is, lies inside or holds `src` is
-    refused (symlinks resolved), and a non-empty one unless `overwrite`. The new folder is
+    refused (symlinks resolved), and a non-empty one unless `overwrite` and it is a folder
+    `convert` wrote (it holds `djax.json`): no other folder is ever deleted. The new folder is
     written beside `dst` and renamed into place once written and verified; an old `dst` is
     deleted only then. An error or interrupt (SIGINT, SIGTERM) leaves `dst` as it was.
     Copies `MODEL_FILES` (config, tokenizer, generation defaults) along.
@@ -227,11 +228,18 @@ def convert(
     target = folders.check_apart(src, dst)
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"output {str(dst)!r} is a file; expected a folder")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"output folder {str(dst)!r} is not empty; pass "
-            "overwrite=True (CLI: --overwrite) to replace it"
-        )
+    if target.is_dir() and any(target.iterdir()):
+        if not overwrite:
+            raise FileExistsError(
+                f"output folder {str(dst)!r} is not empty; pass "
+                "overwrite=True (CLI: --overwrite) to replace it"
+            )
+        if not checkpoint.is_converted(target):
+            raise FileExistsError(
+                f"output folder {str(dst)!r} holds files and no {checkpoint.MARKER}: it is not "
+                "a folder djax convert wrote, and overwrite replaces only those; empty it or "
+                "choose another"
+            )
     dtype = jnp.dtype(dtype)
     config = read_config(src, load_tokenizer(src))
     checkpoint.open_checked(src, config, dtype, allow_pickle)

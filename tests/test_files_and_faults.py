@@ -349,6 +349,18 @@ def test_unwritable_destination_is_refused_before_loading(root, monkeypatch):
             djax.convert(root / "model", root / "locked" / "out")
 
 
+def test_overwrite_replaces_only_a_folder_convert_wrote(root):
+    """--overwrite onto a folder of the user's own (no djax.json) is refused, untouched."""
+    mine = root / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    before = tree_digest(root)
+    with pytest.raises(FileExistsError, match="no djax.json: it is not a folder djax convert"):
+        djax.convert(root / "model", mine, overwrite=True, progress=False)
+    assert main(["convert", str(root / "model"), str(mine), "--overwrite", "-q"]) == 2
+    assert tree_digest(root) == before
+
+
 def test_overwrite_replaces_only_after_the_new_folder_is_complete(root, monkeypatch):
     before = tree_digest(root / "old")
 
