@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -150,9 +151,10 @@ def from_hf_dict(hf: dict[str, Any], source: str = "config.json") -> ModelConfig
         config = llada2_config(reader)
     else:
         config = _dense_config(reader) if family == DENSE else _moe_config(reader)
-    for field in _SIZES:
-        if getattr(config, field) <= 0:
-            raise ConfigError(f"{source}: {field}={getattr(config, field)}; expected > 0")
+    for field in (*_SIZES, "rope_theta", "rms_norm_eps"):
+        value = getattr(config, field)
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{source}: {field}={value}; expected a finite number > 0")
     return config
 
 
@@ -194,7 +196,7 @@ class _Reader:
         value = self.hf.get(key)
         if isinstance(value, list):
             value = value[0] if value else None
-        if value is not None and not isinstance(value, int):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise ConfigError(f"{self.source}: key '{key}'={value!r} should be an integer id")
         return value
 
@@ -430,4 +432,10 @@ def resolve_token_ids(config: ModelConfig, tokenizer: Any | None, source: str) -
             raise ConfigError(
                 f"{source}: {name}={value} is outside the vocabulary [0, {resolved.vocab_size})"
             )
+    if resolved.mask_token_id in (resolved.eos_token_id, resolved.pad_token_id):
+        raise ConfigError(
+            f"{source}: mask_token_id={resolved.mask_token_id} is also the EOS or padding id "
+            f"(eos {resolved.eos_token_id}, pad {resolved.pad_token_id}); expected an id of its "
+            "own (an answer's masks would read as finished or as padding)"
+        )
     return resolved

@@ -175,6 +175,12 @@ def _check_options(c: GenerationConfig) -> None:
         _is_int(c.attention_window) and c.attention_window >= 0,
         f"attention_window={c.attention_window!r}; expected an int ≥ 0",
     )
+    for field in dataclasses.fields(c):  # the device holds them as int32 (the seed: uint32)
+        value = getattr(c, field.name)
+        need(
+            field.name == "seed" or not _is_int(value) or value < 2**31,
+            f"{field.name}={value}; expected an int below 2**31",
+        )
 
 
 GENERATION_FILE = "generation_config.json"

@@ -15,6 +15,7 @@ import numpy as np
 
 from djax import checkpoint, folders, programs, sharding
 from djax.config import ConfigError, ModelConfig, from_hf_dict, load_hf_config, resolve_token_ids
+from djax.generation import generation_defaults
 from djax.kernel_options import KernelOptions
 from djax.models import abstract_params, fp8
 from djax.models.kernel_choice import KernelChoice, Shapes
@@ -85,23 +86,30 @@ def default_dtype() -> Any:
 
 
 def load_tokenizer(folder: str | Path) -> Any | None:
-    """The folder's HF tokenizer, or None when it has no tokenizer files."""
+    """The folder's HF tokenizer, or None when it has no tokenizer files; ConfigError naming
+    the folder when they cannot be read."""
     folder = Path(folder)
     if (
         not (folder / "tokenizer.json").is_file()
         and not (folder / "tokenizer_config.json").is_file()
     ):
         return None
-    if (folder / "tokenizer.json").is_file():
-        # Straight to the fast tokenizer: AutoTokenizer would consult config.json, whose
-        # `model_type: llada` transformers does not know, and importing it imports torch
-        # where torch is installed (seconds of start-up).
-        from transformers import PreTrainedTokenizerFast
+    try:
+        if (folder / "tokenizer.json").is_file():
+            # Straight to the fast tokenizer: AutoTokenizer would consult config.json, whose
+            # `model_type: llada` transformers does not know, and importing it imports torch
+            # where torch is installed (seconds of start-up).
+            from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(str(folder))
-    from transformers import AutoTokenizer
+            return PreTrainedTokenizerFast.from_pretrained(str(folder))
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder))
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as err:  # tokenizers and transformers raise many kinds on bad files
+        raise ConfigError(
+            f"{folder}: its tokenizer files (tokenizer.json, tokenizer_config.json) cannot be "
+            f"read: {type(err).__name__}: {err}"
+        ) from err
 
 
 def read_config(folder: str | Path, tokenizer: Any | None) -> ModelConfig:
@@ -242,6 +250,7 @@ def convert(
             )
     dtype = jnp.dtype(dtype)
     config = read_config(src, load_tokenizer(src))
+    generation_defaults(src)  # copied along: a bad one is refused now, not at every load
     checkpoint.open_checked(src, config, dtype, allow_pickle)
     with folders.staged(target) as staging:
         model = load(src, dtype, weights=weights, allow_pickle=allow_pickle, progress=progress)

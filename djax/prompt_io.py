@@ -42,10 +42,20 @@ def from_texts(texts: Sequence[str]) -> list[PromptRecord]:
     return [PromptRecord(i, text) for i, text in enumerate(texts)]
 
 
+def _text(path: str | Path) -> str:
+    """A file's UTF-8 text; ValueError naming the file where it is not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path}: byte {err.start} is not UTF-8 ({err.reason}); expected a UTF-8 text file"
+        ) from None
+
+
 def read_prompts_file(path: str | Path) -> list[PromptRecord]:
     """One prompt per non-blank line, its id the 1-based line number; raises ValueError when
     the file holds no prompt."""
-    lines = Path(path).read_text().splitlines()
+    lines = _text(path).splitlines()
     records = [PromptRecord(n, line) for n, line in enumerate(lines, 1) if line.strip()]
     if not records:
         raise ValueError(f"{path} holds no prompts; expected one prompt per line")
@@ -58,7 +68,7 @@ def read_jsonl(path: str | Path) -> list[PromptRecord]:
     1-based line number). Raises ValueError naming the file and line of a bad record, a
     repeated id, or a file without records."""
     records, seen = [], set()
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(_text(path).splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{n}"
@@ -103,9 +113,14 @@ def finished_ids(path: str | Path) -> set[str | int]:
     file that is not djax's output is never appended to."""
     path = Path(path)
     if not path.exists():
+        if not path.parent.is_dir():
+            raise ValueError(
+                f"{path}: its folder {str(path.parent)!r} does not exist; expected an output "
+                "file in an existing folder"
+            )
         return set()
     ids = set()
-    text = path.read_text()
+    text = _text(path)
     if text and not text.endswith("\n"):
         raise ValueError(f"{path}: the last line is cut short; remove it to resume")
     for n, line in enumerate(text.splitlines(), 1):

@@ -33,7 +33,10 @@ def files(tmp: Path) -> dict[str, str]:
     }
     for name, text in contents.items():
         (tmp / name).write_text(text)
-    return {name: str(tmp / name) for name in contents}
+    (tmp / "binary.txt").write_bytes(b"1+1=\n\xe7\x00\xff\n")
+    names = [*contents, "binary.txt"]
+    paths = {name: str(tmp / name) for name in names}
+    return paths | {"no_folder/out.jsonl": str(tmp / "no_folder" / "out.jsonl")}
 
 
 GEN = ["generate", "--prompt", "1+1="]
@@ -58,6 +61,7 @@ CLI_ROWS = [
     ([*GEN, "--temperature", "-0.5"], {}, 2, "temperature=-0.5; expected a finite number"),
     ([*GEN, "--threshold", "nan"], {}, 2, "threshold=nan; expected a finite number"),
     ([*GEN, "--gen-length", "0"], {}, 2, "gen_length=0; expected a positive int"),
+    ([*GEN, "--refresh-every", "99999999999"], {}, 2, "refresh_every=99999999999; expected"),
     ([*GEN, "--attention-sparsity", "0"], {}, 2, "attention_sparsity=0.0; expected the fraction"),
     ([*GEN, "--attention-sparsity", "0.5", "--cache", "none"], {}, 2, "cache='none' has none"),
     ([*GEN, "--gen-length", "256"], {}, 2, "exceeds the model's maximum sequence length 128"),
@@ -78,6 +82,10 @@ CLI_ROWS = [
     (["generate", "--input-jsonl", "{empty.jsonl}"], {}, 2, "holds no records"),
     ([*GEN, "--output-jsonl", "{not_ours.jsonl}"], {}, 2, "not_ours.jsonl:1: not a djax output"),
     ([*GEN, "--output-jsonl", "{cut_short.jsonl}"], {}, 2, "the last line is cut short"),
+    (["generate", "--prompts-file", "{binary.txt}"], {}, 2, "binary.txt: byte 5 is not UTF-8"),
+    (["generate", "--input-jsonl", "{binary.txt}"], {}, 2, "binary.txt: byte 5 is not UTF-8"),
+    ([*GEN, "--output-jsonl", "{binary.txt}"], {}, 2, "binary.txt: byte 5 is not UTF-8"),
+    ([*GEN, "--output-jsonl", "{no_folder/out.jsonl}"], {}, 2, "no_folder' does not exist"),
     (
         GEN,
         {"DJAX_XLA_OPTIONS": "xla_no_such_option=1"},
@@ -147,6 +155,16 @@ API_ROWS = [
     (lambda m: djax.load("/no/such/folder"), FileNotFoundError, "is not a folder"),
     (lambda m: djax.GenerationConfig(seed=2**32), ValueError, "seed=4294967296; expected"),
     (lambda m: djax.GenerationConfig(seed=-1), ValueError, "seed=-1; expected"),
+    (
+        lambda m: djax.GenerationConfig(refresh_every=2**31),
+        ValueError,
+        "refresh_every=2147483648; expected an int below 2**31",
+    ),
+    (
+        lambda m: djax.GenerationConfig(cache="vicinity", vicinity_before=10**11),
+        ValueError,
+        "vicinity_before=100000000000; expected an int below",
+    ),
     (lambda m: djax.GenerationConfig(seed=True), ValueError, "seed=True; expected"),
     (lambda m: djax.GenerationConfig(temperature=float("inf")), ValueError, "temperature=inf"),
     (lambda m: djax.GenerationConfig(temperature=float("nan")), ValueError, "temperature=nan"),

@@ -243,6 +243,16 @@ def bad_generation_config(root):
     return generate(root)
 
 
+def bad_generation_config_converted(root):
+    (root / "model" / "generation_config.json").write_text('{"gen_length": -4}')
+    return ["convert", root / "model", root / "new"]
+
+
+def damaged_tokenizer(root):
+    (root / "model" / "tokenizer.json").write_text("{}")
+    return generate(root)
+
+
 def bad_demo_record(root):
     (root / "model" / "demo.json").write_text("{")
     return generate(root)
@@ -282,6 +292,8 @@ ROWS = [
     (leftover_orbax_tmp, CheckpointError, "unfinished `djax convert` output"),
     (bad_generation_config, ConfigError, "generation_config.json: gen_length=-4"),
     (bad_demo_record, ConfigError, "demo.json: not valid JSON"),
+    (bad_generation_config_converted, ConfigError, "generation_config.json: gen_length=-4"),
+    (damaged_tokenizer, ConfigError, "its tokenizer files .* cannot be read: KeyError"),
 ]
 
 
@@ -478,6 +490,28 @@ def test_random_config_values_are_config_errors():
                 djax.config.from_hf_dict(DEMO_CONFIG | {key: value})
             except ConfigError as err:
                 assert "config.json" in str(err)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rope_theta": -1.0}, "rope_theta=-1.0; expected a finite number > 0"),
+        ({"rms_norm_eps": -5.0}, "rms_norm_eps=-5.0; expected a finite number > 0"),
+        ({"mask_token_id": True}, "'mask_token_id'=True should be an integer id"),
+    ],
+)
+def test_config_values_a_model_cannot_run_are_refused(change, message):
+    with pytest.raises(ConfigError, match=message):
+        djax.config.from_hf_dict(DEMO_CONFIG | change)
+
+
+def test_a_mask_id_that_is_the_eos_id_is_refused(tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(MODEL_DIR, folder)
+    eos = djax.load(MODEL_DIR).config.eos_token_id
+    (folder / "config.json").write_text(json.dumps(DEMO_CONFIG | {"mask_token_id": eos}))
+    with pytest.raises(ConfigError, match=f"mask_token_id={eos} is also the EOS or padding id"):
+        djax.load(folder)
 
 
 JSON = st.recursive(

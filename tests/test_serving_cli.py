@@ -128,6 +128,9 @@ def test_user_errors_exit_2(served, capsys, tmp_path):
         port = busy.getsockname()[1]
         assert cli.run(parse(["--port", str(port)])) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    for port in ("-1", "70000"):
+        assert cli.run(parse(["--port", port])) == 2
+        assert f"port={port}; expected 0 to 65535" in capsys.readouterr().err
     assert served == []
     for scheduler in ("dynamic", "auto"):
         with pytest.raises(SystemExit):
@@ -203,3 +206,23 @@ def test_a_signal_drains_the_requests_in_flight_and_exits_0(sig):
         process.kill()
     assert process.returncode == 0, err
     assert "Traceback" not in err
+
+
+def test_a_failed_engine_ends_the_server(monkeypatch):
+    """An engine whose warm-up fails ends `serve` (RuntimeError naming why), so `djax serve`
+    exits 1 instead of answering 503 for ever."""
+    import djax
+    from djax import demo
+    from djax.serving.engine import ServeConfig, ServingEngine
+    from djax.serving.server import serve
+
+    def fail(self):
+        raise OverflowError("a warm-up that cannot finish")
+
+    monkeypatch.setattr(ServingEngine, "_warm_up", fail)
+    model = djax.load(demo.default_model_path())
+    config = ServeConfig(djax.GenerationConfig(**demo.generation_defaults()))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="the engine stopped: a warm-up that cannot finish"):
+        serve(model, config, port=0, log_level="warning")
+    assert time.monotonic() - start < 30

@@ -106,7 +106,7 @@ def add_parser(
 
 def run(args: argparse.Namespace) -> int:
     """Load the model and serve it until SIGINT or SIGTERM; 0 on a requested shutdown, 2
-    on an error the user can fix (printed)."""
+    on an error the user can fix, 1 when the engine failed (both printed)."""
     from djax import demo
     from djax.cli import _generation_config, _load
     from djax.generation import generation_defaults
@@ -148,4 +148,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError, TypeError) as err:
         print(f"djax: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # the engine failed while serving or warming up
+        print(f"djax: error: {err}", file=sys.stderr)
+        return 1
     return 0

@@ -257,6 +257,18 @@ class ServingEngine:
         self.layout = layout.RowLayout(
             self.block_length, cfg.mask_token_id, cfg.pad_token_id, causal=cfg.block_diffusion
         )
+        default = config.generation.gen_length  # a request's max_tokens unless it sets one
+        if self.answer_length(default, 1) + 1 > self._max_sequence:
+            most = next(
+                n
+                for n in range(self._max_sequence - 1, 0, -1)
+                if self.answer_length(n, 1) + 1 <= self._max_sequence
+            )
+            raise ValueError(
+                f"gen_length={default} (the default max_tokens) leaves no room for a prompt "
+                f"in this server's maximum sequence of {self._max_sequence} tokens; expected "
+                f"at most {most}"
+            )
         # The block call, chosen once by the family: block-causal rows or bidirectional.
         self.run_block = (
             block_diffusion.run_causal_block_call if cfg.block_diffusion else run_block_call
@@ -278,6 +290,7 @@ class ServingEngine:
         self._stopping = False
         self._ready = False
         self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # why the engine's thread ended, if it failed
         self._last_ready: float | None = None  # static: when the device finished the last call
         self._queued: collections.deque[_Call] = collections.deque()  # continuous: unread calls
         self._free_slots = list(range(config.max_batch))
@@ -346,6 +359,11 @@ class ServingEngine:
                         self._finish(row, Failed("the server is shutting down"))
                 self._waiting.clear()
             self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the engine's thread to end (after `stop`, or when it fails: `failure`)."""
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -490,6 +508,7 @@ class ServingEngine:
             self._serve()
         except BaseException as err:  # noqa: BLE001 - the thread's last word: fail everyone
             log.exception("the engine stopped")
+            self.failure = err
             with self._lock:
                 self._stopping = True
                 for row in [*self._waiting, *self._running]:

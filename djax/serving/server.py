@@ -75,7 +75,10 @@ def freeze_when_ready(engine: ServingEngine) -> None:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (port 0: a free one); raises OSError naming them."""
+    """A listening socket on host:port (port 0: a free one); raises OSError naming them
+    (ValueError for a port outside 0 to 65535)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port={port}; expected 0 to 65535 (0: a free one)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         return socket.create_server((host, port), family=family)
@@ -95,9 +98,9 @@ def serve(
 ) -> None:
     """Serve `model` on http://host:port until SIGINT or SIGTERM, then drain and return.
     The engine compiles its programs in the background; `/health` is 503 until it is
-    ready. model_name: the id clients use (default: the model folder's name); api_key:
-    the key every request but `/health` and `/metrics` must bear (`create_app`;
-    None: open)."""
+    ready. An engine that fails (in its warm-up, say) ends the server: RuntimeError naming
+    why. model_name: the id clients use (default: the model folder's name); api_key: the
+    key every request but `/health` and `/metrics` must bear (`create_app`; None: open)."""
     sock = listen(host, port)
     name = model_name or default_model_name(model)
     engine, app = _build(model, config, name, api_key)
@@ -106,6 +109,14 @@ def serve(
     threading.Thread(
         target=freeze_when_ready, args=(engine,), name="djax-freeze", daemon=True
     ).start()
+
+    def end_with_the_engine() -> None:
+        engine.join()
+        if engine.failure is not None:
+            app.state.draining = True
+            server.should_exit = True
+
+    threading.Thread(target=end_with_the_engine, name="djax-watch", daemon=True).start()
     logging.getLogger("uvicorn.error").info(
         "serving %r on http://%s:%d/v1%s (GET /health answers 503 until the engine is ready)",
         name,
@@ -119,6 +130,8 @@ def serve(
         app.state.draining = True
         engine.stop(drain=True)
         sock.close()
+    if engine.failure is not None:
+        raise RuntimeError(f"the engine stopped: {engine.failure}") from engine.failure
 
 
 @contextlib.contextmanager
