@@ -63,6 +63,16 @@ def staged(dst: Path) -> Iterator[Path]:
             raise
 
 
+def leftovers(dst: Path) -> list[Path]:
+    """The staging and set-aside folders beside `dst` that a killed run left behind (a run
+    in progress holds one too)."""
+    return sorted(
+        p
+        for pattern in (f".{dst.name}.djax-staging-*", f".{dst.name}.djax-old-*")
+        for p in dst.parent.glob(pattern)
+    )
+
+
 def replace(staging: Path, dst: Path) -> None:
     """Move `staging` to `dst`. An existing `dst` is renamed aside, the new folder renamed
     in, and only then the old one deleted; SIGINT and SIGTERM (main thread) take effect

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -248,6 +249,15 @@ def convert(
                 "a folder djax convert wrote, and overwrite replaces only those; empty it or "
                 "choose another"
             )
+    left = folders.leftovers(target)
+    if left:
+        logging.getLogger("djax").warning(
+            "%d folder(s) beside %s were left by an interrupted convert (or one still "
+            "running): %s; delete them to free their space",
+            len(left),
+            dst,
+            ", ".join(p.name for p in left),
+        )
     dtype = jnp.dtype(dtype)
     config = read_config(src, load_tokenizer(src))
     generation_defaults(src)  # copied along: a bad one is refused now, not at every load

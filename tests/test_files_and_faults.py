@@ -361,6 +361,13 @@ def test_unwritable_destination_is_refused_before_loading(root, monkeypatch):
             djax.convert(root / "model", root / "locked" / "out")
 
 
+def test_convert_names_what_a_killed_convert_left(root, caplog):
+    (root / ".new.djax-staging-0a1b2c3d").mkdir()
+    djax.convert(root / "model", root / "new", jnp.float32, progress=False)
+    assert ".new.djax-staging-0a1b2c3d; delete them" in caplog.text
+    assert (root / ".new.djax-staging-0a1b2c3d").is_dir()  # named, never deleted
+
+
 def test_overwrite_replaces_only_a_folder_convert_wrote(root):
     """--overwrite onto a folder of the user's own (no djax.json) is refused, untouched."""
     mine = root / "mine"
