@@ -113,9 +113,9 @@ def _stops_noted(staging: Path) -> Iterator[None]:
         if handler == signal.SIG_IGN:
             return
         seen.append(signum)
-        if callable(handler):
-            handler(signum, frame)
-        raise SystemExit(128 + signum)
+        if not callable(handler):  # SIG_DFL: the process would end
+            raise SystemExit(128 + signum)
+        handler(signum, frame)  # raises the stop, or defers it as its owner asked
 
     for signum in handlers:
         signal.signal(signum, note)
@@ -129,14 +129,15 @@ def _stops_noted(staging: Path) -> Iterator[None]:
 
 
 def _raise_lost_stop(staging: Path) -> None:
-    """Raise the first stop `_stops_noted` saw for `staging`, as its handler raised it."""
+    """Raise the first stop `_stops_noted` saw for `staging` again, as its handler raises
+    it (a handler that defers it returns, and its owner stops after the block)."""
     seen, handlers = _STOPS.get(staging, ([], {}))
     if not seen:
         return
     handler = handlers[seen[0]]
-    if callable(handler):
-        handler(seen[0], None)
-    raise SystemExit(128 + seen[0])
+    if not callable(handler):
+        raise SystemExit(128 + seen[0])
+    handler(seen[0], None)
 
 
 @contextlib.contextmanager
