@@ -156,6 +156,13 @@ def test_bodies_past_the_limit_are_413_unread(url, engine):
     assert post(url, "/v1/completions", {"prompt": "x", "stream": None}).status_code == 200
 
 
+def test_a_default_answer_with_no_room_for_a_prompt_is_refused(model):
+    """Every request without max_tokens would be refused: the server is, at start."""
+    config = ServeConfig(GenerationConfig(gen_length=128, block_length=8))
+    with pytest.raises(ValueError, match="gen_length=128 .* of 128 tokens; expected at most 120"):
+        create_app(FakeEngine(config, None), model, model_name=NAME, metrics=ServerMetrics())
+
+
 def test_a_greedy_server_names_temperature(url, engine):
     config = engine.config
     greedy = dataclasses.replace(config.generation, temperature=0.0)

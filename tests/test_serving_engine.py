@@ -664,13 +664,6 @@ def test_serve_config_refuses_what_it_cannot_serve(generation):
             ServeConfig(**({"generation": generation} | options))
 
 
-def test_a_default_answer_with_no_room_for_a_prompt_is_refused(demo_model, generation):
-    """Every request without max_tokens would be refused: the server is, at start."""
-    too_long = dataclasses.replace(generation, gen_length=64)
-    with pytest.raises(ValueError, match="gen_length=64 .* of 64 tokens; expected at most 56"):
-        _engine(demo_model, too_long, max_seq_len=64)
-
-
 def test_short_and_long_rows_split_when_padding_costs_more(demo_model, generation):
     """Two short and two long rows: one call pads the short ones to the long bucket; two
     calls pay the weights twice. The engine takes the cheaper, by its cost model."""

@@ -289,7 +289,8 @@ def create_app(
     its tokenizer and config; model_name: the one model id clients name; api_key: when
     set, every request but `/health` and `/metrics` must carry `Authorization: Bearer
     <api_key>` (401 otherwise).
-    `app.state.draining = True` makes `/health` answer 503 and new requests be refused."""
+    `app.state.draining = True` makes `/health` answer 503 and new requests be refused.
+    Raises ValueError when the default answer (`gen_length`) leaves no room for a prompt."""
     if api_key is not None and not api_key:
         raise ValueError("api_key is empty; expected a key, or None for an open server")
     if model.tokenizer is None:
@@ -298,6 +299,13 @@ def create_app(
             "write answers"
         )
     defaults = engine.config.generation
+    limit = engine.max_sequence
+    if engine.answer_length(defaults.gen_length, 1) + 1 > limit:
+        most = next(n for n in range(limit - 1, 0, -1) if engine.answer_length(n, 1) < limit)
+        raise ValueError(
+            f"gen_length={defaults.gen_length} (the default max_tokens) leaves no room for a "
+            f"prompt in this server's maximum sequence of {limit} tokens; expected at most {most}"
+        )
     created = int(time.time())
     body_limit = p.body_limit(engine.max_sequence)
     # Tokenising (and chat templates) run here, one request at a time, off the event loop:

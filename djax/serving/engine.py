@@ -257,18 +257,6 @@ class ServingEngine:
         self.layout = layout.RowLayout(
             self.block_length, cfg.mask_token_id, cfg.pad_token_id, causal=cfg.block_diffusion
         )
-        default = config.generation.gen_length  # a request's max_tokens unless it sets one
-        if self.answer_length(default, 1) + 1 > self._max_sequence:
-            most = next(
-                n
-                for n in range(self._max_sequence - 1, 0, -1)
-                if self.answer_length(n, 1) + 1 <= self._max_sequence
-            )
-            raise ValueError(
-                f"gen_length={default} (the default max_tokens) leaves no room for a prompt "
-                f"in this server's maximum sequence of {self._max_sequence} tokens; expected "
-                f"at most {most}"
-            )
         # The block call, chosen once by the family: block-causal rows or bidirectional.
         self.run_block = (
             block_diffusion.run_causal_block_call if cfg.block_diffusion else run_block_call
