@@ -22,6 +22,7 @@ import signal
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from djax import __version__, prompt_io
@@ -405,6 +406,11 @@ def _unfinished(args: argparse.Namespace, records: list[prompt_io.PromptRecord])
     """`records` less those whose ids `--output-jsonl` already holds (a warning says so)."""
     if not args.output_jsonl:
         return records
+    source = args.input_jsonl or args.prompts_file
+    if source and Path(source).resolve() == Path(args.output_jsonl).resolve():
+        raise ValueError(
+            f"--output-jsonl {args.output_jsonl} is the prompts' own file; expected another file"
+        )
     done = prompt_io.finished_ids(args.output_jsonl)
     todo = [r for r in records if r.id not in done]
     if len(todo) < len(records):

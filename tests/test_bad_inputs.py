@@ -30,6 +30,7 @@ def files(tmp: Path) -> dict[str, str]:
         "empty.jsonl": "\n",
         "not_ours.jsonl": "some notes\n",
         "cut_short.jsonl": '{"id": 0, "answer": "2"}\n{"id": 1, "ans',
+        "good.jsonl": '{"id": "a", "prompt": "1+1="}\n',
     }
     for name, text in contents.items():
         (tmp / name).write_text(text)
@@ -86,6 +87,12 @@ CLI_ROWS = [
     (["generate", "--input-jsonl", "{binary.txt}"], {}, 2, "binary.txt: byte 5 is not UTF-8"),
     ([*GEN, "--output-jsonl", "{binary.txt}"], {}, 2, "binary.txt: byte 5 is not UTF-8"),
     ([*GEN, "--output-jsonl", "{no_folder/out.jsonl}"], {}, 2, "no_folder' does not exist"),
+    (
+        ["generate", "--input-jsonl", "{good.jsonl}", "--output-jsonl", "{good.jsonl}"],
+        {},
+        2,
+        "is the prompts' own file; expected another file",
+    ),
     (
         GEN,
         {"DJAX_XLA_OPTIONS": "xla_no_such_option=1"},
