@@ -508,8 +508,8 @@ def save_orbax(folder: str | Path, params: dict, metadata: dict) -> None:
     import orbax.checkpoint as ocp
 
     folder = Path(folder).absolute()
-    writer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
-    writer.save(folder / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as writer:
+        writer.save(folder / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
     marker = {
         "format_version": FORMAT_VERSION,
         **metadata,
@@ -571,7 +571,8 @@ def check_orbax(folder: str | Path, abstract: dict) -> None:
     describes: the same names and shapes (read from its metadata; no array is read)."""
     path = Path(folder).absolute() / PARAMS_DIR
     try:
-        tree = _checkpointer().metadata(path).item_metadata.tree
+        with _checkpointer() as reader:  # closed: no orbax thread outlives the call
+            tree = reader.metadata(path).item_metadata.tree
         stored = {
             _param_name(k): tuple(m.shape) for k, m in jax.tree_util.tree_flatten_with_path(tree)[0]
         }
@@ -648,7 +649,8 @@ def restore_orbax(
     stored = _stored_dtypes(target, as_stored)
     programs = compile_scans(target, stored)  # compiled while the params are read
     try:
-        params = _checkpointer().restore(folder / PARAMS_DIR, args=ocp.args.StandardRestore(target))
+        with _checkpointer() as reader:
+            params = reader.restore(folder / PARAMS_DIR, args=ocp.args.StandardRestore(target))
     except Exception as err:  # tensorstore reports a damaged file in many ways
         raise CheckpointError(
             f"{folder / PARAMS_DIR}: cannot be read ({type(err).__name__}); the checkpoint is "
