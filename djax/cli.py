@@ -180,7 +180,7 @@ def _add_model_options(gen: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=1,
         metavar="M",
-        help="split MoE experts over M devices (default: 1)",
+        help="split MoE experts over M devices (a dense model: as --tensor-parallel) (default: 1)",
     )
     kernels = gen.add_argument_group("kernels (djax.load options)")
     for option in KERNEL_OPTIONS.values():

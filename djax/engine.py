@@ -294,7 +294,7 @@ def lower(
         args,
         description,
         programs_folder(),
-        donate_argnums=programs.donated(run),
+        donate_argnums=programs.donated(run, model.mesh),
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from djax import sharding
@@ -124,24 +124,29 @@ def forward_program(
     return jax.jit(program)
 
 
-def donated(run: Any) -> tuple[int, ...]:
-    """The arguments a row program `run` donates: the tokens (argument 1) where its
-    outputs hold a buffer of their shape to reuse (a whole generation's tokens), none for
-    a block call (its outputs are the block, the keys and the table: a donated tokens
-    buffer would go unused, and XLA warns at every compile)."""
-    return () if getattr(run, "is_block_call", False) else (1,)
+def donated(run: Any, mesh: Mesh | None = None) -> tuple[int, ...]:
+    """The arguments a row program `run` on `mesh` donates: the tokens (argument 1) where
+    its outputs hold a buffer of their shape to reuse (a whole generation's tokens), none
+    for a block call (its outputs are the block, the keys and the table) or where the rows
+    are split over a data axis (the outputs are replicated, so the split tokens buffer
+    fits none of them): a donated buffer that goes unused makes XLA warn at every compile."""
+    if getattr(run, "is_block_call", False):
+        return ()
+    if mesh is not None and mesh.shape.get(sharding.DATA, 1) > 1:
+        return ()
+    return (1,)
 
 
 def row_program(model: Any, plan: Plan, run: Any, kernels: KernelChoice) -> Any:
     """A row program (`run_generation`, a block call, block diffusion's) for `model`
-    (config, dtype, mesh) and `plan`, following `kernels`, jitted, donating `donated(run)`. On a
+    (config, dtype, mesh) and `plan`, following `kernels`, jitted, donating `donated`'s. On a
     mesh it is one `shard_map` that takes host-shaped arrays like the single-device program
     and returns its row outputs replicated on every device and its counters as one value
     per data shard. Block calls (marked `diffusion.block_call`) are `diffusion.chained`:
     they also take the rows' `Slots` and the `Carried` table, and return the table
     updated."""
     module = local_module(model.config, model.dtype, kernels, model.mesh)
-    jit_options: dict[str, Any] = {"donate_argnums": donated(run)}
+    jit_options: dict[str, Any] = {"donate_argnums": donated(run, model.mesh)}
     if model.mesh is None:
 
         def program(params, tokens, key_valid, positions, rows):

@@ -203,7 +203,7 @@ def test_block_calls_donate_no_tokens(dense_model, continuous, monkeypatch):
 
     assert programs.donated(run_block_call) == () and not donation_warnings()
     assert programs.donated(run_generation) == (1,)
-    monkeypatch.setattr(programs, "donated", lambda run: (1,))  # as before: warned
+    monkeypatch.setattr(programs, "donated", lambda run, mesh=None: (1,))  # as before: warned
     assert donation_warnings()
 
 

@@ -2,6 +2,7 @@
 and generated tokens match the single-device run."""
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -140,10 +141,31 @@ def test_data_parallel_rows(dense4):
         dense4, dtype=jnp.float32, mesh=make_mesh(tensor_parallel=2, data_parallel=2)
     )
     a = djax.generate(single, PROMPTS, BASE)
-    b = djax.generate(sharded, PROMPTS, BASE)
+    with warnings.catch_warnings():  # the rows' split tokens are not donated (replicated out)
+        warnings.filterwarnings("error", message="Some donated buffers were not usable")
+        b = djax.generate(sharded, PROMPTS, BASE)
     np.testing.assert_array_equal(a.answer_ids, b.answer_ids)
     with pytest.raises(ValueError, match="batch=1 is not divisible by data_parallel=2"):
         djax.generate(sharded, PROMPTS[:1], BASE)
+
+
+def test_the_memory_estimate_counts_the_expert_axis_s_shards(moe_model, tmp_path):
+    """Each device holds 1/n of the kv heads and of the vocabulary under expert parallelism
+    as under tensor parallelism: the fallback estimate divides by either axis."""
+    from djax.serving.memory import estimate_call_bytes
+
+    by = {
+        kind: estimate_call_bytes(
+            djax.load(moe_model.path, dtype=jnp.float32, mesh=make_mesh(**{kind: 2})),
+            4,
+            256,
+            8,
+            None,
+        )
+        for kind in ("tensor_parallel", "expert_parallel")
+    }
+    alone = estimate_call_bytes(moe_model, 4, 256, 8, None)
+    assert by["tensor_parallel"] == by["expert_parallel"] < alone
 
 
 def test_mesh_errors(moe_model):

@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 
+from djax import sharding
 from djax.model import Model
 
 # The share of each GPU that `size_device_pool` gives JAX's allocator.
@@ -109,7 +110,7 @@ def estimate_call_bytes(
     being `logits_chunk` ids or this device's whole vocabulary when None). Other
     activations are not counted."""
     cfg = model.config
-    shards = 1 if model.mesh is None else model.mesh.shape.get("model", 1)
+    shards = 1 if model.mesh is None else model.mesh.shape[sharding.model_axis(model.mesh)]
     kv_heads = max(cfg.n_kv_heads // shards, 1)
     itemsize = jax.numpy.dtype(model.dtype).itemsize
     kv = 2 * cfg.n_layers * batch * seq * kv_heads * cfg.head_dim * itemsize
