@@ -122,9 +122,12 @@ def _check_options(c: GenerationConfig) -> None:
     for name in ("threshold", "low_threshold", "factor", "credit_alpha", "credit_gamma"):
         value = getattr(c, name)
         need(
-            isinstance(value, int | float) and math.isfinite(value),
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value),
             f"{name}={value!r}; expected a finite number",
         )
+    for name in ("early_stop", "smoothing"):
+        value = getattr(c, name)
+        need(isinstance(value, bool), f"{name}={value!r}; expected True or False")
     for name in ("threshold", "low_threshold"):
         value = getattr(c, name)
         need(0 < value <= 1, f"{name}={value}; expected a value in (0, 1]")
@@ -136,6 +139,7 @@ def _check_options(c: GenerationConfig) -> None:
     )
     need(
         isinstance(c.temperature, int | float)
+        and not isinstance(c.temperature, bool)
         and math.isfinite(c.temperature)
         and c.temperature >= 0,
         f"temperature={c.temperature!r}; expected a finite number ≥ 0",
@@ -157,10 +161,9 @@ def _check_options(c: GenerationConfig) -> None:
         _is_int(c.refresh_every) and c.refresh_every >= 0,
         f"refresh_every={c.refresh_every!r}; expected an int ≥ 0",
     )
-    need(
-        min(c.vicinity_before, c.vicinity_after, c.vicinity_warmup) >= 0,
-        "vicinity_before/after/warmup must be ≥ 0",
-    )
+    for name in ("vicinity_before", "vicinity_after", "vicinity_warmup"):
+        value = getattr(c, name)
+        need(_is_int(value) and value >= 0, f"{name}={value!r}; expected an int ≥ 0")
     keep = c.attention_sparsity
     need(
         isinstance(keep, int | float) and not isinstance(keep, bool) and 0 < keep <= 1,

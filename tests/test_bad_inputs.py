@@ -162,6 +162,11 @@ API_ROWS = [
     (lambda m: djax.load("/no/such/folder"), FileNotFoundError, "is not a folder"),
     (lambda m: djax.GenerationConfig(seed=2**32), ValueError, "seed=4294967296; expected"),
     (lambda m: djax.GenerationConfig(seed=-1), ValueError, "seed=-1; expected"),
+    (lambda m: djax.GenerationConfig(smoothing="no"), ValueError, "smoothing='no'; expected True"),
+    (lambda m: djax.GenerationConfig(early_stop="false"), ValueError, "early_stop='false'"),
+    (lambda m: djax.GenerationConfig(vicinity_before=2.5), ValueError, "vicinity_before=2.5"),
+    (lambda m: djax.GenerationConfig(threshold=True), ValueError, "threshold=True; expected"),
+    (lambda m: djax.GenerationConfig(temperature=True), ValueError, "temperature=True"),
     (
         lambda m: djax.GenerationConfig(refresh_every=2**31),
         ValueError,
