@@ -109,8 +109,9 @@ def _record(item: Any, line: int, where: str) -> PromptRecord:
 
 def finished_ids(path: str | Path) -> set[str | int]:
     """The ids of the records an output JSONL file already holds (none when it does not
-    exist). Raises ValueError naming the line of anything that is not such a record, so a
-    file that is not djax's output is never appended to."""
+    exist yet). Raises ValueError naming the line of anything that is not such a record, so
+    a file that is not djax's output is never appended to, and naming a folder the file
+    could not be created in because it does not exist (found before any work is done)."""
     path = Path(path)
     if not path.exists():
         if not path.parent.is_dir():

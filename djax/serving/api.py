@@ -531,6 +531,13 @@ def create_app(
             watcher.cancel()
         yield "data: [DONE]\n\n"
 
+    def completion_ids(prompts: list[str | list[int]]) -> list[list[int]]:
+        """The prompts as `djax generate` tokenises them (on the tokenising thread)."""
+        try:
+            return tokenize(model, prompts, chat=False)
+        except ValueError as err:
+            raise p.ProtocolError(str(err), param="prompt") from None
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.perf_counter()
@@ -538,12 +545,6 @@ def create_app(
         check_model(body.model)
         prompts = await off_loop(completion_ids, list(body.prompt))
         return await generate(request, body, prompts, "prompt", _CompletionFormat, arrival)
-
-    def completion_ids(prompts: list[str | list[int]]) -> list[list[int]]:
-        try:
-            return tokenize(model, prompts, chat=False)
-        except ValueError as err:
-            raise p.ProtocolError(str(err), param="prompt") from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
