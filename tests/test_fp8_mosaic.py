@@ -109,7 +109,7 @@ FP8_NORMED_MOE = FP8_NORMED.replace(
 
 
 @pytest.mark.parametrize(
-    "config, in_xla_rows", [(FP8_NORMED, (5, 8)), (FP8_NORMED_MOE, (2, 3))], ids=["dense", "moe"]
+    "config, in_xla_rows", [(FP8_NORMED, (3, 6)), (FP8_NORMED_MOE, (2, 3))], ids=["dense", "moe"]
 )
 def test_norms_hand_the_kernels_quantised_rows(config, in_xla_rows, monkeypatch):
     """A block forward of 8 rows (bf16, K-major fp8 weights; Mosaic GPU's interpreter off
@@ -117,10 +117,10 @@ def test_norms_hand_the_kernels_quantised_rows(config, in_xla_rows, monkeypatch)
     attention and feed-forward and after layer 1's attention quantise the rows of the
     products after them (a MoE layer's experts' rows too, the norm keeping its rows for the
     router: `keep_rows`), so XLA quantises only layer 0's q/k/v rows (after the first norm,
-    which has no residual add) and each layer's attention outputs and dense activations: 5
-    row sets of the two dense layers where the same choice with `norm_into_fp8=False`
-    quantises 8, and 2 of the MoE layer where it quantises 3 (the experts' token rows; their
-    activation their gate/up kernel quantises itself); the hidden
+    which has no residual add) and each layer's attention outputs: 3 row sets of the two
+    dense layers where the same choice with `norm_into_fp8=False` quantises 6, and 2 of the
+    MoE layer where it quantises 3 (the experts' token rows); a feed-forward's activation
+    its gate/up kernel quantises itself, per row and 128-column slice; the hidden
     states are the same bit for bit (the same arithmetic; on a GPU the compilers' divisions
     may round a value at an e4m3 midpoint apart: to 1%)."""
     choice = resolve(
@@ -355,6 +355,10 @@ def _stand_ins(monkeypatch):
     f32, got = jnp.float32, []
 
     def product(xq, x_scale, w_t, w_scale):  # [..., k] x [..., n, k] -> [..., n]
+        if x_scale.shape != xq.shape[:-1]:  # per row and slice: [k / SLICE, rows]
+            shape, slice_ = xq.shape, fp8_matmul_mosaic.SLICE
+            rows = xq.astype(f32).reshape(-1, shape[-1] // slice_, slice_) * x_scale.T[..., None]
+            xq, x_scale = rows.reshape(shape), jnp.ones(shape[:-1], f32)
         y = jnp.einsum("...k,...nk->...n", xq.astype(f32), w_t.astype(f32))
         return y * x_scale[..., None] * w_scale
 
@@ -362,9 +366,14 @@ def _stand_ins(monkeypatch):
         got.append(("matmul", w_t.shape))
         return Partials(product(xq, x_scale, w_t, w_scale)[None], jnp.dtype(dtype))
 
-    def swiglu_matmul(xq, x_scale, w_t, w_scale, tiles=None, dtype=jnp.bfloat16, **_):
+    def swiglu_matmul(
+        xq, x_scale, w_t, w_scale, tiles=None, dtype=jnp.bfloat16, out_fp8=False, **_
+    ):
         got.append(("swiglu", w_t.shape))
         gate, up = (product(xq, x_scale, w_t[i], w_scale[i]) for i in (0, 1))
+        if out_fp8:
+            values, scale = fp8_matmul_mosaic.quantize_slices(jax.nn.silu(gate) * up)
+            return QuantizedRows(values, scale, jnp.dtype(dtype))
         return (jax.nn.silu(gate) * up).astype(dtype)
 
     def expert_mlp_fp8(x, source_rows, gate_up_t, gate_up_scale, down_t, down_scale, sizes, **_):
@@ -536,6 +545,44 @@ def test_block_layer_lowers_for_hopper(monkeypatch):
     kernels = Kernels(mlp="fp8_mosaic", down="fp8_mosaic", fp8="scaled")
     ff = jax.jit(lambda p, x: mlp.apply({"params": p}, x, kernels).parts).trace(params, x)
     assert ff.lower(lowering_platforms=("cuda",)).as_text().count("mosaic_gpu") >= 2
+
+
+def test_the_dense_mlp_hands_its_activation_in_slices():
+    """A dense MLP under `fp8_mosaic` (Mosaic GPU's interpreter off GPUs) of two 128-column
+    slices of activation: the gate/up kernel quantises its fp32 activation per row and
+    slice and the down kernel scales each slice's product by its own rows' scales, as the
+    contract computed here in fp32 does; a scale applied to the wrong slice, or the rows'
+    per-row quantisation, gives another output."""
+    mlp = GatedMLP(256, jnp.float32, weights="fp8", k_major=True)
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((1, 8, 128)), jnp.float32)
+    w = {
+        "gate_up": jnp.asarray(0.1 * rng.standard_normal((128, 2, 256)), jnp.float32),
+        "down": jnp.asarray(0.1 * rng.standard_normal((256, 128)), jnp.float32),
+    }
+    w["down"] = w["down"].at[128:].multiply(30.0)  # the slices' scales far apart
+    params = fp8.to_layout(fp8.quantize_params({"ff": w}), True)["ff"]
+    kernels = Kernels(mlp="fp8_mosaic", down="fp8_mosaic", fp8="scaled")
+    ours = np.asarray(jax.jit(lambda p, x: finish(mlp.apply({"params": p}, x, kernels)))(params, x))
+
+    f32 = jnp.float32
+    xq, x_scale = fp8_matmul_mosaic.quantize_rows(x.reshape(8, 128))
+    rows = xq.astype(f32) * x_scale[:, None]
+    gate_up = params["gate_up"].astype(f32) * params["gate_up_scale"][..., None]  # [2, n, k]
+    gate, up = (rows @ gate_up[i].T for i in (0, 1))
+    act = jax.nn.silu(gate) * up
+    down = params["down"].astype(f32) * params["down_scale"][:, None]  # [model, hidden]
+
+    def down_of(values, scale):  # scale [hidden / 128, rows]
+        slices = values.astype(f32).reshape(8, 2, 128) * scale.T[..., None]
+        return np.asarray(slices.reshape(8, 256) @ down.T).reshape(1, 8, 128)
+
+    reference = down_of(*fp8_matmul_mosaic.quantize_slices(act))
+    per_row_q, per_row_scale = fp8_matmul_mosaic.quantize_rows(act)
+    per_row = down_of(per_row_q, jnp.stack([per_row_scale] * 2))
+    tolerance = 1e-5 if jax.default_backend() == "cpu" else 2e-2
+    assert rel_error(ours, reference) <= tolerance
+    assert rel_error(per_row, reference) > 10 * tolerance  # the case tells the two apart
 
 
 def test_expert_values_move_k_major_and_back():

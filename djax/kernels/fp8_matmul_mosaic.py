@@ -12,7 +12,11 @@ times `x_scale` (per row) and `w_scale` (per column) as an fp32 partial (`handof
 as `split_k_mosaic` leaves them; the slices' sum is the product). The SwiGLU form
 (`swiglu_matmul`, unsplit) holds the gate and up weight tiles of its columns side by side in
 each slot, scales both fp32 products and writes `silu(gate) * up`, as `swiglu_mosaic` does
-for 16-bit weights.
+for 16-bit weights; with `out_fp8` (128-column tiles) it quantises its tile of the
+activation itself, each row with a scale of its own (`quantize_slices`' rule), and the
+products take such rows: a scale per row and 128-column slice of the contraction, each
+slice's product scaled before it is added (`tma_ring.SliceScales`), so the down product
+needs no quantisation between the two kernels.
 
 Rules: k a multiple of 128 (`block_k` is), n a multiple of 64, `block_n` at most 256
 (WGMMA's widest N). Rows are quantised by `quantize_rows`: `quantize`, the rule of every
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +119,23 @@ def swiglu_tiles_for(m: int, k: int, n: int) -> Tiles:
     return dataclasses.replace(base, block_k=block_k if k % block_k == 0 else K_TILE)
 
 
+def x_slices(name: str, xq: Array, x_scale: Array) -> int:
+    """How `x_scale` scales xq [..., k]: 0 per row (x_scale [...], `quantize_rows`), else
+    the count of its slices (x_scale [k / SLICE, rows], rows all of xq's, `quantize_slices`);
+    a ValueError naming `name` for another shape. (Where k is one slice, both forms hold the
+    same values.)"""
+    rows, k = math.prod(xq.shape[:-1]), xq.shape[-1]
+    if x_scale.shape == xq.shape[:-1]:
+        return 0
+    if k % SLICE == 0 and x_scale.shape == (k // SLICE, rows):
+        return k // SLICE
+    raise ValueError(
+        f"{name}: xq {xq.shape}, x_scale {x_scale.shape}; expected x_scale {xq.shape[:-1]} "
+        f"(per row) or {(k // SLICE, rows) if k % SLICE == 0 else '[k / 128, rows]'} (per "
+        f"slice of {SLICE} columns)"
+    )
+
+
 def check_tiles(
     tiles: Tiles,
     k: int,
@@ -185,14 +207,22 @@ def _kernel(
     n,
     column_tiles,
     gated,
+    split_slices,
+    out_fp8,
     interpreting,
 ):
     """One CTA: one (row tile, column tile, slice) of xq [m8, k] @ w_t [n, k]^T, scaled by
-    x_scale [1, m8] per row and w_scale [1, n] per column, into out [splits, m, n] fp32;
-    `gated`: w_t [2n, k] (gate rows, then up rows), w_scale [1, 2n], into out [m, n] as
-    `silu(gate) * up` (unsplit)."""
+    x_scale [1, m8] per row (or, with `split_slices`, [k / SLICE, m8] per row and 128-column
+    slice: each CTA reads its own slice's `split_slices`) and w_scale [1, n] per column,
+    into out [splits, m, n] fp32; `gated`: w_t [2n, k] (gate rows, then up rows), w_scale
+    [1, 2n], into out [m, n] as `silu(gate) * up` (unsplit), with `out_fp8` as e4m3 values
+    and their scales out_scale [n / SLICE, m8] (one per row of each 128-column tile)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    if out_fp8:
+        out_scale_gmem, *refs = refs
+    if out_fp8:  # the scratch's last: the output tile's row scales
+        *refs, out_scale_smem = refs
     if interpreting:
         *refs, untransposed = refs
     *ring, out_smem, x_scale_smem, w_scale_smem, scale_bars = refs
@@ -205,19 +235,39 @@ def _kernel(
     offsets = [start, n + start] if gated else [start]
     rows = pl.ds(row_tile * ROW_TILE, ROW_TILE)
     # in flight while the tiles stream; rows past x's end read as zeros
-    plgpu.copy_gmem_to_smem(x_scale_gmem.at[:, rows], x_scale_smem, scale_bars.at[0])
+    x_scales = (
+        x_scale_gmem.at[pl.ds(split * split_slices, split_slices)]
+        if split_slices
+        else (x_scale_gmem)
+    )
+    plgpu.copy_gmem_to_smem(x_scales.at[:, rows], x_scale_smem, scale_bars.at[0])
     for side, offset in enumerate(offsets):
         plgpu.copy_gmem_to_smem(
             w_scale_gmem.at[:, pl.ds(offset, tiles.block_n)],
             w_scale_smem.at[pl.ds(side, 1)],
             scale_bars.at[1 + side],
         )
+    slice_scales = None
+    if split_slices:  # each slice's product scaled by its rows' scales as it is added
+        slice_scales = tma_ring.SliceScales(
+            SLICE,
+            lambda j: tma_ring.accumulator_rows(
+                x_scale_smem[j - split * split_slices], interpreting
+            ),
+            lambda: plgpu.barrier_wait(scale_bars.at[0]),
+            interpreting,
+        )
 
     def finish(*products):
-        for bar in range(1 + len(offsets)):
+        for bar in range(1 if split_slices else 0, 1 + len(offsets)):
             plgpu.barrier_wait(scale_bars.at[bar])
-        scaled = scale_products(products, w_scale_smem, x_scale_smem, interpreting)
+        row_scales = None if split_slices else x_scale_smem
+        scaled = scale_products(products, w_scale_smem, row_scales, interpreting)
         out = swiglu_mosaic.silu_times(*scaled) if gated else scaled[0]
+        if out_fp8:  # each row of the tile quantised on its own
+            scale = scale_of(jnp.max(jnp.abs(out), axis=1))
+            out_scale_smem[...] = scale
+            out = e4m3_values(out, jax.lax.broadcast_in_dim(scale, out.shape, [0]))
         out_smem[...] = out.astype(out_smem.dtype)
 
     tma_ring.stream(
@@ -233,13 +283,22 @@ def _kernel(
         rows,
         finish,
         multiply=k_major_multiply(untransposed if interpreting else None),
+        slice_scales=slice_scales,
     )
     out_at = (
         (lambda rows: out_gmem.at[rows, cols])
         if gated
         else (lambda rows: out_gmem.at[split, rows, cols])
     )
-    tma_ring.store_rows(out_smem, out_at, row_tile, m)
+    more = []
+    if out_fp8:  # the scales of all 64 rows: their buffer's rows are padded to 8
+        more.append((out_scale_smem, lambda rows: out_scale_gmem.at[column_tile, rows], m8(m)))
+    tma_ring.store_rows(out_smem, out_at, row_tile, m, *more)
+
+
+def m8(m: int) -> int:
+    """`m` rounded up to a multiple of `tma_ring.ROW_ALIGN` (8)."""
+    return -(-m // tma_ring.ROW_ALIGN) * tma_ring.ROW_ALIGN
 
 
 def check_operands(name: str, xq, x_scale, w_t, w_scale, dtype) -> None:
@@ -270,27 +329,41 @@ def check_operands(name: str, xq, x_scale, w_t, w_scale, dtype) -> None:
         )
 
 
-def _call(xq, x_scale, w_t, w_scale, tiles: Tiles, dtype, gated: bool, interpret) -> Array:
-    """The kernel on xq [m, k], x_scale [m], w_t [weights * n, k], w_scale [weights * n]:
-    out [splits, m, n] fp32, or `gated` [m, n] in `dtype`."""
+def _call(
+    xq, x_scale, w_t, w_scale, tiles: Tiles, dtype, gated: bool, interpret, out_fp8=False
+) -> Array | tuple[Array, Array]:
+    """The kernel on xq [m, k], x_scale [m] (or [k / SLICE, m] per slice), w_t
+    [weights * n, k], w_scale [weights * n]: out [splits, m, n] fp32, or `gated` [m, n] in
+    `dtype`, or with `out_fp8` (e4m3 values [m, n], scales [n / SLICE, m8])."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, k = xq.shape
     weights = 2 if gated else 1
     n = w_t.shape[0] // weights
     column_tiles = n // tiles.block_n
-    row_scale = tma_ring.aligned_rows(x_scale.reshape(m, 1)).reshape(1, -1)
+    slices = x_scale.shape[0] if x_scale.ndim == 2 else 0
+    split_slices = slices // tiles.splits
+    if slices:  # rows padded to 8 along the scales' last axis
+        missing = m8(m) - m
+        row_scale = jnp.pad(x_scale, ((0, 0), (0, missing))) if missing else x_scale
+    else:
+        row_scale = tma_ring.aligned_rows(x_scale.reshape(m, 1)).reshape(1, -1)
     params = tma_ring.interpret_params(interpret)
-    out_dtype = jnp.dtype(dtype) if gated else jnp.dtype(jnp.float32)
+    out_dtype = FP8 if out_fp8 else jnp.dtype(dtype) if gated else jnp.dtype(jnp.float32)
     scratch = [
         *tma_ring.ring_scratch(tiles, FP8, weights=weights, k_major=True),
         plgpu.SMEM((ROW_TILE, tiles.block_n), out_dtype),
-        plgpu.SMEM((1, ROW_TILE), jnp.float32),
+        plgpu.SMEM((max(split_slices, 1), ROW_TILE), jnp.float32),
         plgpu.SMEM((weights, tiles.block_n), jnp.float32),
         plgpu.Barrier(num_barriers=1 + weights),
     ]
     if params is not None:  # the interpreter's untransposed weight tile (`k_major_multiply`)
         scratch.append(plgpu.SMEM((tiles.block_k, tiles.block_n), FP8))
+    if out_fp8:  # the output tile's row scales
+        scratch.append(plgpu.SMEM((ROW_TILE,), jnp.float32))
+    out_type = jax.ShapeDtypeStruct((m, n) if gated else (tiles.splits, m, n), out_dtype)
+    if out_fp8:
+        out_type = (out_type, jax.ShapeDtypeStruct((n // SLICE, m8(m)), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,
@@ -300,9 +373,11 @@ def _call(xq, x_scale, w_t, w_scale, tiles: Tiles, dtype, gated: bool, interpret
             n=n,
             column_tiles=column_tiles,
             gated=gated,
+            split_slices=split_slices,
+            out_fp8=out_fp8,
             interpreting=params is not None,
         ),
-        out_type=jax.ShapeDtypeStruct((m, n) if gated else (tiles.splits, m, n), out_dtype),
+        out_type=out_type,
         grid=(pl.cdiv(m, ROW_TILE) * tiles.splits * column_tiles,),
         grid_names=("cta",),
         scratch_types=scratch,
@@ -310,6 +385,12 @@ def _call(xq, x_scale, w_t, w_scale, tiles: Tiles, dtype, gated: bool, interpret
     )
     rows = tma_ring.aligned_rows(xq)
     return kernel(rows, w_t, row_scale, w_scale.reshape(1, weights * n))
+
+
+def _scale_bytes(slices: int, splits: int, out_fp8: bool) -> int:
+    """Shared memory the scales take beyond `check_tiles`' one row-scale tile: a CTA's
+    slices' scale tiles past the first, and the output tile's row scales."""
+    return (max(slices // splits, 1) - 1 + out_fp8) * ROW_TILE * 4
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "dtype", "interpret"))
@@ -325,27 +406,32 @@ def matmul_partials(
     """`(xq * x_scale) @ (w_t * w_scale)^T` as `tiles.splits` fp32 partial products, by
     fp8 x fp8 WGMMA in Mosaic GPU.
 
-    xq: [..., k] e4m3 rows, x_scale [...] fp32 (`quantize_rows`); w_t: [n, k] e4m3 (an
-    `Fp8Weight`'s values transposed), w_scale [n] fp32; k a multiple of 128, n of 64.
-    Returns `Partials` with parts [splits, ..., n] fp32 and `dtype` (the product's dtype
-    once summed). Row counts that are not multiples of 8 are padded with zero rows for the
-    kernel (an extra copy of xq and x_scale). `tiles`: the program shape (default
-    `tiles_for`, checked by `check_tiles`); `interpret`: run in Mosaic GPU's interpreter
-    (default: exactly off GPUs, as the CPU tests do).
+    xq: [..., k] e4m3 rows; x_scale fp32, per row [...] (`quantize_rows`) or per row and
+    128-column slice [k / SLICE, rows] (`quantize_slices`, as `swiglu_matmul(...,
+    out_fp8=True)` writes them; rows all of xq's); w_t: [n, k] e4m3 (an `Fp8Weight`'s
+    values transposed), w_scale [n] fp32; k a multiple of 128, n of 64. Returns `Partials`
+    with parts [splits, ..., n] fp32 and `dtype` (the product's dtype once summed). Row
+    counts that are not multiples of 8 are padded with zero rows for the kernel (an extra
+    copy of xq and x_scale). `tiles`: the program shape (default `tiles_for`, checked by
+    `check_tiles`); `interpret`: run in Mosaic GPU's interpreter (default: exactly off
+    GPUs, as the CPU tests do).
     """
     name = "fp8_matmul_mosaic.matmul_partials"
-    check_operands(name, xq, x_scale, w_t, w_scale, dtype)
+    slices = x_slices(name, xq, x_scale)
+    row_scale = x_scale[0].reshape(xq.shape[:-1]) if slices else x_scale
+    check_operands(name, xq, row_scale, w_t, w_scale, dtype)
     if w_t.ndim != 2:
         raise ValueError(f"{name}: w_t {w_t.shape}; expected [n, k]")
     n, k = w_t.shape
     rows = xq.reshape(-1, k)
     tiles = tiles or tiles_for(rows.shape[0], k, n)
-    check_tiles(tiles, k, n)
-    parts = _call(rows, x_scale.reshape(-1), w_t, w_scale, tiles, dtype, False, interpret)
+    check_tiles(tiles, k, n, extra=_scale_bytes(slices, tiles.splits, False))
+    scale = x_scale if slices else x_scale.reshape(-1)
+    parts = _call(rows, scale, w_t, w_scale, tiles, dtype, False, interpret)
     return Partials(parts.reshape((tiles.splits, *xq.shape[:-1], n)), jnp.dtype(dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tiles", "dtype", "interpret", "out_fp8"))
 def swiglu_matmul(
     xq: Array,
     x_scale: Array,
@@ -354,27 +440,39 @@ def swiglu_matmul(
     tiles: Tiles | None = None,
     dtype=jnp.bfloat16,
     interpret: bool | None = None,
-) -> Array:
+    out_fp8: bool = False,
+) -> Array | QuantizedRows:
     """`silu(gate) * up` of gate = `(xq * x_scale) @ (w_t[0] * w_scale[0])^T` and up the
     same of `w_t[1]`, in one Mosaic GPU kernel (both products by fp8 x fp8 WGMMA into fp32
     accumulators, scaled, then the activation).
 
     xq: [m, k] e4m3, x_scale [m] fp32; w_t: [2, n, k] e4m3 (the gate/up `Fp8Weight`'s values
     [k, 2, n] transposed), w_scale [2, n] fp32; k a multiple of 128, n of 64. Returns
-    [m, n] in `dtype`. `tiles`: the program shape (default `swiglu_tiles_for`; `splits`
-    must be 1); `interpret` as `matmul_partials`.
+    [m, n] in `dtype`; with `out_fp8` the fp32 activation quantised per row of each
+    128-column tile as `quantize_slices` quantises it: `QuantizedRows` of e4m3 values
+    [m, n] and scales [n / SLICE, m], `dtype` the products' (`tiles.block_n` must be
+    `SLICE`). `tiles`: the program shape (default `swiglu_tiles_for`; `splits` must be 1);
+    `interpret` as `matmul_partials`.
     """
     name = "fp8_matmul_mosaic.swiglu_matmul"
     check_operands(name, xq, x_scale, w_t, w_scale, dtype)
     if xq.ndim != 2 or w_t.ndim != 3 or w_t.shape[0] != 2:
         raise ValueError(f"{name}: xq {xq.shape}, w_t {w_t.shape}; expected [m, k] and [2, n, k]")
-    _, n, k = w_t.shape
-    tiles = tiles or swiglu_tiles_for(xq.shape[0], k, n)
+    m, (_, n, k) = xq.shape[0], w_t.shape
+    tiles = tiles or swiglu_tiles_for(m, k, n)
     if tiles.splits != 1:
         raise ValueError(f"{tiles}: the SwiGLU product takes splits=1")
-    check_tiles(tiles, k, n, gated=True, out_bytes=jnp.dtype(dtype).itemsize)
+    if out_fp8 and tiles.block_n != SLICE:
+        raise ValueError(f"{name}: an e4m3 output takes {SLICE}-column tiles; got {tiles}")
+    out_bytes = 1 if out_fp8 else jnp.dtype(dtype).itemsize
+    extra = _scale_bytes(0, 1, out_fp8)
+    check_tiles(tiles, k, n, gated=True, out_bytes=out_bytes, extra=extra)
     w_t, w_scale = w_t.reshape(2 * n, k), w_scale.reshape(2 * n)
-    return _call(xq, x_scale, w_t, w_scale, tiles, dtype, True, interpret)
+    out = _call(xq, x_scale, w_t, w_scale, tiles, dtype, True, interpret, out_fp8)
+    if not out_fp8:
+        return out
+    values, scale = out
+    return QuantizedRows(values, scale[:, :m], jnp.dtype(dtype))
 
 
 def matmul(

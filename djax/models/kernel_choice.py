@@ -173,7 +173,9 @@ class Kernels:
     path, both `fp8_mosaic`, hand them rows already quantised to e4m3 with a scale per row
     (`residual_norm_mosaic.add_rms_norm(..., into_fp8=True)`, `handoff.QuantizedRows`), as
     the norm before a MoE layer does where its experts are `fp8_mosaic` (the rows kept
-    beside them for the router, `keep_rows=True`).
+    beside them for the router, `keep_rows=True`). Where mlp and down are both `fp8_mosaic`,
+    the gate/up kernel hands the down product its activation as e4m3 with a scale per row
+    and 128-column slice (`fp8_matmul_mosaic.swiglu_matmul(..., out_fp8=True)`).
     moe: the routed
     experts, `dense`, `grouped`, `mosaic` (`expert_tiles_mosaic`, 16-bit weights or fp8
     ones converted in the kernel) or `fp8_mosaic` (K-major fp8 weights by fp8 x fp8 WGMMA,

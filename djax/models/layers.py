@@ -563,10 +563,16 @@ class GatedMLP(nn.Module):
         if kernels.mlp == "fp8_mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
             rows = fp8_matmul_mosaic.quantized(x.reshape(b * t, d_model))
             values, scale = _k_major(gate_up)
+            # the down product in the fp8 kernel too: the activation leaves the gate/up
+            # kernel as e4m3 with a scale per row and 128-column slice, which it takes
+            out_fp8 = kernels.down == "fp8_mosaic"
             act = fp8_matmul_mosaic.swiglu_matmul(
-                rows.values, rows.scale, values, scale, dtype=rows.dtype
+                rows.values, rows.scale, values, scale, dtype=rows.dtype, out_fp8=out_fp8
             )
-            act = act.reshape(b, t, hidden)
+            if out_fp8:
+                act = QuantizedRows(act.values.reshape(b, t, hidden), act.scale, act.dtype)
+            else:
+                act = act.reshape(b, t, hidden)
         elif kernels.mlp == "mosaic":  # Mosaic GPU's interpreter off GPUs (for tests)
             rows = x.reshape(b * t, d_model)
             act = swiglu_mosaic.swiglu_matmul(rows, gate_up).reshape(b, t, hidden)

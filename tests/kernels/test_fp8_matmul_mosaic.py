@@ -111,6 +111,63 @@ def test_swiglu_matches_float64_activation():
     np.testing.assert_allclose(np.asarray(ours.astype(jnp.float32)), rounded, atol=2e-2)
 
 
+def _slices_reference(aq, a_scale) -> np.ndarray:
+    """Rows quantised per 128-column slice (values [m, k], scales [k / 128, m]) in float64."""
+    m, k = aq.shape
+    f64 = lambda a: np.asarray(a.astype(jnp.float32), np.float64)  # noqa: E731
+    slices = f64(aq).reshape(m, k // fp8_matmul_mosaic.SLICE, -1) * f64(a_scale).T[..., None]
+    return slices.reshape(m, k)
+
+
+def _activation_and_down(m, k, n, seed):
+    """Rows and a gate/up weight [2, n, k] as `_problem` makes them, and a down weight
+    (w_t [256, n] e4m3, w_scale [256])."""
+    x, w_t, w_scale = _problem((m,), k, 2 * n, seed=seed)
+    _, down_t, down_scale = _problem((1,), n, 256, seed=seed + 1)
+    return x, w_t.reshape(2, n, k), w_scale.reshape(2, n), down_t, down_scale
+
+
+def test_swiglu_hands_the_down_product_e4m3_slices():
+    """`out_fp8`: the gate/up kernel quantises its fp32 activation per row and 128-column
+    tile (`quantize_slices`' rule: on the CPU the same values and scales bit for bit), and
+    the product takes such rows, each contraction slice scaled by its own rows' scales
+    (2 splits: each CTA reads the scales of its half)."""
+    m, k, n = 20, 256, 256  # 20 rows: the scales padded to 24 inside, [2, 20] outside
+    x, w_t, w_scale, down_t, down_scale = _activation_and_down(m, k, n, seed=6)
+    xq, x_scale = fp8_matmul_mosaic.quantize_rows(x)
+    tiles = Tiles(block_n=128, block_k=128, splits=1, stages=2)
+    act = fp8_matmul_mosaic.swiglu_matmul(xq, x_scale, w_t, w_scale, tiles, out_fp8=True)
+    assert act.values.shape == (m, n) and act.values.dtype == FP8 and act.dtype == BF16
+    assert act.scale.shape == (n // 128, m) and act.scale.dtype == jnp.float32
+    fp32 = fp8_matmul_mosaic.swiglu_matmul(xq, x_scale, w_t, w_scale, tiles, jnp.float32)
+    values, scale = fp8_matmul_mosaic.quantize_slices(fp32)
+    if jax.default_backend() == "gpu":  # the compilers' divisions may round apart
+        assert (
+            _rel_error(_slices_reference(act.values, act.scale), _slices_reference(values, scale))
+            < 1e-2
+        )
+    else:
+        np.testing.assert_array_equal(act.scale, scale)
+        np.testing.assert_array_equal(act.values.astype(jnp.float32), values.astype(jnp.float32))
+    rows = _slices_reference(act.values, act.scale)
+    ref = (
+        rows
+        @ (np.asarray(down_t.astype(jnp.float32), np.float64) * np.asarray(down_scale)[:, None]).T
+    )
+    split = Tiles(block_n=64, block_k=128, splits=2, stages=2)
+    y = fp8_matmul_mosaic.matmul_partials(act.values, act.scale, down_t, down_scale, split)
+    assert y.parts.shape == (2, m, 256)
+    assert _rel_error(y.parts.sum(0), ref) < TOLERANCE
+    half = (
+        rows[:, 128:]
+        @ (
+            np.asarray(down_t[:, 128:].astype(jnp.float32), np.float64)
+            * np.asarray(down_scale)[:, None]
+        ).T
+    )
+    assert _rel_error(y.parts[1], half) < TOLERANCE
+
+
 def test_tiles_for_llada_8b():
     tiles = [fp8_matmul_mosaic.tiles_for(32, k, n) for k, n in LLADA_8B]
     assert tiles == [
@@ -141,8 +198,10 @@ def test_bad_inputs():
         run(xq, x_scale, w_t.T, w_scale)  # the weight as [k, n]
     with pytest.raises(ValueError, match="k a multiple of 128"):
         run(xq[:, :192], x_scale, w_t[:, :192], w_scale)
-    with pytest.raises(ValueError, match=r"expected \(8,\) and \(128,\)"):
+    with pytest.raises(ValueError, match=r"x_scale \(4,\); expected x_scale \(8,\) \(per row\)"):
         run(xq, x_scale[:4], w_t, w_scale)
+    with pytest.raises(ValueError, match=r"expected \(8,\) and \(128,\)"):
+        run(xq, x_scale, w_t, w_scale[:64])
     with pytest.raises(ValueError, match="block_k a multiple of 128"):
         run(xq, x_scale, w_t, w_scale, tiles=Tiles(block_n=64, block_k=64))
     swiglu = fp8_matmul_mosaic.swiglu_matmul
@@ -153,6 +212,10 @@ def test_bad_inputs():
         swiglu(xq, x_scale, w2, s2, tiles=Tiles(block_n=64, block_k=128, splits=2))
     with pytest.raises(ValueError, match=r"expected \(8,\) and \(2, 64\)"):
         swiglu(xq, x_scale, w2, w_scale)
+    with pytest.raises(ValueError, match=r"expected x_scale \(8,\) \(per row\) or \(2, 8\)"):
+        run(xq, jnp.ones((3, 8)), w_t, w_scale)  # per slice, but 3 slices of a 256-wide k
+    with pytest.raises(ValueError, match="an e4m3 output takes 128-column tiles"):
+        swiglu(xq, x_scale, w2, s2, tiles=Tiles(block_n=64, block_k=128), out_fp8=True)
     with pytest.raises(ValueError, match="at most 256"):
         fp8_matmul_mosaic.check_tiles(Tiles(block_n=512, block_k=128), 4096, 4096)
     with pytest.raises(ValueError, match="bytes of shared memory"):
@@ -188,9 +251,25 @@ def test_lowers_for_hopper():
             ((2, 12288), jnp.float32),
         )
     ]
-    gate_up = functools.partial(fp8_matmul_mosaic.swiglu_matmul, interpret=False)
-    text = jax.jit(gate_up).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    for out_fp8 in (False, True):  # bf16 out; e4m3 out with its scales
+        gate_up = functools.partial(
+            fp8_matmul_mosaic.swiglu_matmul, interpret=False, out_fp8=out_fp8
+        )
+        text = jax.jit(gate_up).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+    # the down product on rows scaled per slice (96 slices; 2 splits of 48)
+    args = [
+        jax.ShapeDtypeStruct(shape, dtype)
+        for shape, dtype in (
+            ((32, 12288), FP8),
+            ((96, 32), jnp.float32),
+            ((4096, 12288), FP8),
+            ((4096,), jnp.float32),
+        )
+    ]
+    down = functools.partial(fp8_matmul_mosaic.matmul_partials, interpret=False)
+    text = jax.jit(lambda *a: down(*a).parts).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in text.as_text()
 
 
 @needs_gpu
@@ -210,3 +289,11 @@ def test_compiled_kernel_on_gpu():
     ours = fp8_matmul_mosaic.swiglu_matmul(xq, x_scale, w_t, w_scale)
     ref = _swiglu_reference(xq, x_scale, w_t, w_scale)
     assert _rel_error(ours.astype(jnp.float32), ref) < 1e-2
+    # the activation in e4m3 slices, then the down product (12288 -> 4096) on them
+    act = fp8_matmul_mosaic.swiglu_matmul(xq, x_scale, w_t, w_scale, out_fp8=True)
+    rows = _slices_reference(act.values, act.scale)
+    assert _rel_error(rows, ref) < 0.05  # e4m3's rounding of the activation
+    _, down_t, down_scale = _problem((1,), 12288, 4096, seed=5)
+    y = fp8_matmul_mosaic.matmul_partials(act.values, act.scale, down_t, down_scale)
+    down = (np.asarray(down_t.astype(jnp.float32), np.float64) * np.asarray(down_scale)[:, None]).T
+    assert _rel_error(y.parts.sum(0), rows @ down) < TOLERANCE
