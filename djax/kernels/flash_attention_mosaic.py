@@ -46,7 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from djax.kernels import tma_ring
+from djax.kernels import fp8_matmul_mosaic, tma_ring
+from djax.kernels.handoff import QuantizedRows
 from djax.kernels.tma_ring import ROW_ALIGN, ROW_TILE, SHARED_MEMORY, SWIZZLE, TILE
 
 Array = jax.Array
@@ -208,6 +209,7 @@ def _kernel(
     t,
     split_out,
     per_head,
+    out_fp8,
     interpreting,
 ):
     """One CTA: one (batch x head, query tile, split) of q [b, t, n, d] against keys and
@@ -217,11 +219,15 @@ def _kernel(
     `split x warpgroups + warpgroup` up to the row's (or kv head's) last key step holding a
     valid key (`key_steps` [b] or [b, kv]; a slice wholly past it runs none), into out
     [b, t, n, d] (one split) or, `split_out`, each split's normalised fp32 output
-    [b, splits, t, n, d] and its rows' log-sum-exps [b, splits, n, 64 x q_tiles]."""
+    [b, splits, t, n, d] and its rows' log-sum-exps [b, splits, n, 64 x q_tiles]; with
+    `out_fp8` (one split) as e4m3 values [b, t, n, d] and their scales [n, b, t8], each row
+    of a head quantised on its own (`fp8_matmul_mosaic.quantize`'s rule)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if split_out:
         out_gmem, lse_gmem, *refs = refs
+    elif out_fp8:
+        out_gmem, scale_gmem, *refs = refs
     else:
         out_gmem, *refs = refs
     q_smem, (rings, tiles_out), q_bar, k_bars, v_bars, bias_bars, *merge = refs
@@ -304,9 +310,21 @@ def _kernel(
         out = acc
         if merging:  # the other warpgroups' shares
             out = _laid_out(sum_tile[0][...], interpreting) + acc
+        values_at = lambda rows: out_gmem.at[batch, rows, head]  # noqa: E731
+        if out_fp8:  # each row quantised on its own; its scale in the lse tile
+            scale = fp8_matmul_mosaic.scale_of(jnp.max(jnp.abs(out), axis=1))
+            lse_smem[...] = scale
+            out = fp8_matmul_mosaic.e4m3_values(
+                out, jax.lax.broadcast_in_dim(scale, out.shape, [0])
+            )
+            o_smem[...] = out.astype(o_smem.dtype)
+            scales_at = lambda rows: scale_gmem.at[head, batch, rows]  # noqa: E731
+            t8 = scale_gmem.shape[-1]
+            tma_ring.store_rows(o_smem, values_at, q_tile, t, (lse_smem, scales_at, t8))
+            return
         o_smem[...] = out.astype(o_smem.dtype)
         if not split_out:
-            tma_ring.store_rows(o_smem, lambda rows: out_gmem.at[batch, rows, head], q_tile, t)
+            tma_ring.store_rows(o_smem, values_at, q_tile, t)
             return
         lse_smem[...] = (row_max + jnp.log2(row_sum)) / LOG2E
         tma_ring.store_rows(
@@ -357,7 +375,7 @@ def _merged(acc, row_max, row_sum, wg, tiles, refs, interpreting):
     return share, total_max, total
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret", "out_fp8"))
 def split_kv_attention(
     q: Array,
     keys: Array,
@@ -365,7 +383,8 @@ def split_kv_attention(
     key_valid: Array,
     tiles: Tiles | None = None,
     interpret: bool | None = None,
-) -> Array:
+    out_fp8: bool = False,
+) -> Array | QuantizedRows:
     """Bidirectional grouped-query attention with a key-padding mask, in Mosaic GPU.
 
     q: [batch, t, heads, head_dim]; keys, values: [rows, s, kv_heads, head_dim] with rows ≥
@@ -376,7 +395,11 @@ def split_kv_attention(
     `tiles`: the program shape (default `tiles_for(t, s, batch * heads, ...)`; more splits
     than key slices need are clamped, and a CTA's last warpgroups may get slices wholly
     past the keys, masked); `interpret`: run in Mosaic GPU's interpreter (default: exactly
-    off GPUs, as the CPU tests do).
+    off GPUs, as the CPU tests do). `out_fp8` (head_dim `fp8_matmul_mosaic.SLICE`): the
+    output as an fp8 product takes it, `QuantizedRows` of e4m3 values [batch, t, heads ·
+    head_dim] and scales [heads, batch · t] (each row of each head quantised on its own,
+    `fp8_matmul_mosaic.quantize_slices`' rule), written by the kernel where one CTA holds
+    a head's keys, quantised after the merge where they are cut into slices.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -396,6 +419,11 @@ def split_kv_attention(
             f"{key_valid.shape}; expected keys and values [≥ {b}, s, kv_heads, {d}], key_valid "
             f"[{b}, s] or [{b}, kv_heads, s], a head dim that is a multiple of {TILE} and "
             "heads a multiple of kv heads"
+        )
+    if out_fp8 and d != fp8_matmul_mosaic.SLICE:
+        raise ValueError(
+            f"{name}: an e4m3 output takes heads of {fp8_matmul_mosaic.SLICE} features (a "
+            f"scale per head and row); got head_dim {d}"
         )
     if not tma_ring.takes_dtype(q.dtype) or keys.dtype != q.dtype or values.dtype != q.dtype:
         raise ValueError(
@@ -428,11 +456,18 @@ def split_kv_attention(
     # each row's (or kv head's) key steps up to its last valid key
     last = jnp.max(jnp.where(key_valid, jnp.arange(1, s + 1, dtype=jnp.int32), 0), axis=-1)
     key_steps = (last + tiles.block_k - 1) // tiles.block_k
-    out_dtype = jnp.float32 if split_out else q.dtype
+    kernel_fp8 = out_fp8 and not split_out
+    out_dtype = jnp.float32 if split_out else fp8_matmul_mosaic.FP8 if kernel_fp8 else q.dtype
+    t8 = fp8_matmul_mosaic.m8(t)
     if split_out:  # each split's output and its rows' log-sum-exps (TMA stores whole rows)
         out_type = (
             jax.ShapeDtypeStruct((b, splits, t, n, d), jnp.float32),
             jax.ShapeDtypeStruct((b, splits, n, q_tiles * ROW_TILE), jnp.float32),
+        )
+    elif kernel_fp8:  # e4m3 values and a scale per row of each head (rows padded to 8)
+        out_type = (
+            jax.ShapeDtypeStruct((b, t, n, d), out_dtype),
+            jax.ShapeDtypeStruct((n, b, t8), jnp.float32),
         )
     else:
         out_type = jax.ShapeDtypeStruct((b, t, n, d), q.dtype)
@@ -480,6 +515,7 @@ def split_kv_attention(
             t=t,
             split_out=split_out,
             per_head=key_valid.ndim == 3,
+            out_fp8=kernel_fp8,
             interpreting=params is not None,
         ),
         out_type=out_type,
@@ -494,10 +530,18 @@ def split_kv_attention(
     if s % ROW_ALIGN:  # padded, so copied: q's rows alone, not a whole pool's
         keys, values = keys[:b], values[:b]
     inputs = (_aligned(q, 1), _aligned(keys, 1), _aligned(values, 1), bias, key_steps)
+    if kernel_fp8:
+        values, scale = kernel(*inputs)
+        scale = scale if t8 == t else scale[..., :t]
+        return QuantizedRows(values.reshape(b, t, n * d), scale.reshape(n, b * t), q.dtype)
     if not split_out:
         return kernel(*inputs)
     partial, lse = kernel(*inputs)
-    return merge_slices(partial, lse[..., :t].transpose(0, 1, 3, 2), q.dtype)
+    lse = lse[..., :t].transpose(0, 1, 3, 2)
+    if not out_fp8:
+        return merge_slices(partial, lse, q.dtype)
+    rows = fp8_matmul_mosaic.quantize_heads(merge_slices(partial, lse, jnp.float32))
+    return dataclasses.replace(rows, dtype=q.dtype)
 
 
 def merge_slices(partial: Array, lse: Array, dtype) -> Array:

@@ -93,6 +93,16 @@ def quantize_slices(x: Array) -> tuple[Array, Array]:
     return values.reshape(rows, k), scale.T
 
 
+def quantize_heads(out: Array) -> QuantizedRows:
+    """An attention output out [b, t, ..., head_dim] (head_dim `SLICE`) as the output
+    product takes it per slice: `QuantizedRows` of e4m3 values [b, t, heads · head_dim] and
+    scales [heads, b · t] (`quantize_slices`: each row of each head on its own), in out's
+    dtype; what the split-K/V kernel writes itself under `out_fp8`."""
+    b, t = out.shape[:2]
+    values, scale = quantize_slices(out.reshape(b * t, -1))
+    return QuantizedRows(values.reshape(b, t, -1), scale, out.dtype)
+
+
 def quantized(x: Array | QuantizedRows) -> QuantizedRows:
     """x's rows as the fp8 kernels take them: as a kernel already quantised them, or
     quantised here (`quantize_rows`)."""

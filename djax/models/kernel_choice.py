@@ -66,7 +66,10 @@ inside the RoPE kernel where the rule above puts it), their partials handed on a
 split-K kernel's are; refreshes and longer forwards run XLA's `scaled` products. There the
 per-row norms (`norm="mosaic"`) before the q/k/v product, a dense MLP's gate/up path and a
 MoE layer's fp8 experts also quantise their rows for them (`norm_into_fp8`:
-`handoff.QuantizedRows`), so no XLA quantisation runs between them. A MoE model's experts
+`handoff.QuantizedRows`), and the kernels before the attention-output and down products
+hand them e4m3 rows with a scale per row and 128-column slice (`attention_into_fp8` for
+heads of 128 features; the gate/up kernel's activation), so no XLA quantisation runs
+between them. A MoE model's experts
 run by fp8 x fp8 WGMMA in their tiles (`moe="fp8_mosaic"`,
 `expert_tiles_mosaic.expert_mlp_fp8`) in every forward, under `moe_impl` `auto` or
 `mosaic` (`xla` is refused: XLA's grouped product reads no K-major experts), their model
@@ -176,6 +179,9 @@ class Kernels:
     beside them for the router, `keep_rows=True`). Where mlp and down are both `fp8_mosaic`,
     the gate/up kernel hands the down product its activation as e4m3 with a scale per row
     and 128-column slice (`fp8_matmul_mosaic.swiglu_matmul(..., out_fp8=True)`).
+    attention_into_fp8: the attention (`split_kv`, head_dim 128) hands an `fp8_mosaic`
+    output product its rows as e4m3 with a scale per row and head
+    (`split_kv_attention(..., out_fp8=True)`; XLA's attention quantises them the same way).
     moe: the routed
     experts, `dense`, `grouped`, `mosaic` (`expert_tiles_mosaic`, 16-bit weights or fp8
     ones converted in the kernel) or `fp8_mosaic` (K-major fp8 weights by fp8 x fp8 WGMMA,
@@ -196,6 +202,7 @@ class Kernels:
     norm: str = "xla"
     norm_into_mlp: str = "no"
     norm_into_fp8: bool = False
+    attention_into_fp8: bool = False
     moe: str = "dense"
     expert_rows: str = "pairs"
     fp8: str = "no"
@@ -456,8 +463,9 @@ class _Rule:
         # expert's tile on all of them (the same products, no layout of the pairs).
         tiled = moe in ("mosaic", "fp8_mosaic") and rows <= tma_ring.ROW_TILE
         expert_rows = "tokens" if tiled else "pairs"
+        attention = self._attention(refresh)
         return Kernels(
-            attention=self._attention(refresh),
+            attention=attention,
             qkv=qkv,
             rope=rope,
             out=out,
@@ -467,6 +475,12 @@ class _Rule:
             norm_into_mlp=into_mlp,
             # the products after the per-row norms (q/k/v, a dense MLP's gate/up) are fp8
             norm_into_fp8=fp8_mosaic and norm == "mosaic",
+            # a head is one 128-column slice of the output product's contraction
+            attention_into_fp8=(
+                out == "fp8_mosaic"
+                and attention == "split_kv"
+                and cfg.head_dim == fp8_matmul_mosaic.SLICE
+            ),
             moe=moe,
             expert_rows=expert_rows,
             fp8=self._fp8(),

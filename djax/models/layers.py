@@ -20,6 +20,7 @@ once after that refresh) writes its window's K/V into them and attends to those 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -248,19 +249,35 @@ def rope_and_write_xla(
     return q, keys, values
 
 
-def attend(q: Array, keys: Array, values: Array, key_valid: Array, impl: str = "xla") -> Array:
+def attend(
+    q: Array,
+    keys: Array,
+    values: Array,
+    key_valid: Array,
+    impl: str = "xla",
+    into_fp8: bool = False,
+) -> Array | QuantizedRows:
     """Grouped-query attention with a key mask: bidirectional over the valid keys.
 
     q: [batch, t, kv_heads, group, head_dim]; keys, values: [rows, s, kv_heads, head_dim],
     rows ≥ batch, the first `batch` q's (a pool's leading slots: the kernel reads them in
     place, XLA's and cuDNN's paths take them sliced); key_valid: [batch, s] bool (the same
     keys for every query), or [batch, t, s] (each query's own keys, as block-causal
-    attention needs: XLA's or cuDNN's path). Returns [batch, t, kv_heads, group, head_dim].
+    attention needs: XLA's or cuDNN's path). Returns [batch, t, kv_heads, group, head_dim],
+    or with `into_fp8` (`Kernels.attention_into_fp8`) the output as the fp8 output product
+    takes it (`fp8_matmul_mosaic.quantize_heads`).
     """
     if impl == "split_kv" and key_valid.ndim == 2:  # an interpreter off GPUs (for tests)
         b, t, k, g, d = q.shape
-        run = flash_attention_mosaic.split_kv_attention
-        return run(q.reshape(b, t, k * g, d), keys, values, key_valid).reshape(q.shape)
+        run = functools.partial(flash_attention_mosaic.split_kv_attention, out_fp8=into_fp8)
+        out = run(q.reshape(b, t, k * g, d), keys, values, key_valid)
+        return out if into_fp8 else out.reshape(q.shape)
+    out = _attend_xla(q, keys, values, key_valid, impl)
+    return fp8_matmul_mosaic.quantize_heads(out) if into_fp8 else out
+
+
+def _attend_xla(q: Array, keys: Array, values: Array, key_valid: Array, impl: str) -> Array:
+    """`attend`'s XLA and cuDNN paths."""
     keys, values = keys[: q.shape[0]], values[: q.shape[0]]
     if impl == "cudnn":
         return _attend_cudnn(q, keys, values, key_valid)
@@ -467,16 +484,16 @@ class Attention(nn.Module):
                 key_valid = jax.lax.dynamic_slice_in_dim(
                     key_valid, query_rows[0], query_rows[1], axis=1
                 )
+        into_fp8 = kernels.attention_into_fp8
         if kept_kv is not None:
             kept_kv = kept_kv._replace(keys=keys, values=values)
-            out = sparse_attention.attend_kept(q, kept_kv, kernels.attention)
+            out = sparse_attention.attend_kept(q, kept_kv, kernels.attention, into_fp8)
         else:
             layer_kv = (keys, values)
-            out = attend(q, keys, values, key_valid, kernels.attention)
-        b, t = out.shape[:2]
-        y = self._output(
-            out.reshape(b, t, -1), out_kernel, out_bias, out_impl, kernels, defer_output
-        )
+            out = attend(q, keys, values, key_valid, kernels.attention, into_fp8)
+        if not into_fp8:
+            out = out.reshape(*out.shape[:2], -1)
+        y = self._output(out, out_kernel, out_bias, out_impl, kernels, defer_output)
         return y, layer_kv, new_chosen if kept_kv is None else kept_kv
 
     def _attend_groups(self, x, qkv_kernel, kv, groups, scales, ops, kernels):

@@ -65,7 +65,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from djax.kernels import flash_attention_mosaic
+from djax.kernels import flash_attention_mosaic, fp8_matmul_mosaic
 from djax.kernels.flash_attention_mosaic import MASKED
 from djax.kernels.tma_ring import ROW_ALIGN
 
@@ -274,7 +274,7 @@ def compact(
     )
 
 
-def attend_kept(q: Array, kept: KeptKV, impl: str = "xla") -> Array:
+def attend_kept(q: Array, kept: KeptKV, impl: str = "xla", into_fp8: bool = False) -> Any:
     """Attention of a cached step's q [b, t, kv_heads, group, d] to each kv head's kept
     keys: the slots of `kept` it marks valid (its compact rows and its kept rows of the
     window, which the step has written into `kept`'s window slots, `window_slots`). Returns
@@ -283,15 +283,20 @@ def attend_kept(q: Array, kept: KeptKV, impl: str = "xla") -> Array:
     `impl` (`Kernels.attention`): `xla`, one softmax over the slots in XLA's einsums (the
     reference); `split_kv`, the split-K/V kernel over the slots
     (`flash_attention_mosaic.split_kv_attention`, each query head masked by its kv head's
-    validity row): one kernel call, its key slices merged as in a dense block forward."""
+    validity row): one kernel call, its key slices merged as in a dense block forward.
+    `into_fp8`: the output as `layers.attend` gives it then
+    (`fp8_matmul_mosaic.quantize_heads`)."""
     b, t, kv_heads, group, d = q.shape
     if impl == "split_kv":  # Mosaic GPU's interpreter off GPUs (for tests)
         heads = q.reshape(b, t, kv_heads * group, d)
-        out = flash_attention_mosaic.split_kv_attention(heads, kept.keys, kept.values, kept.valid)
-        return out.reshape(q.shape)
+        out = flash_attention_mosaic.split_kv_attention(
+            heads, kept.keys, kept.values, kept.valid, out_fp8=into_fp8
+        )
+        return out if into_fp8 else out.reshape(q.shape)
     if impl != "xla":
         raise ValueError(f"attend_kept: impl {impl!r}; expected 'xla' or 'split_kv'")
     scores = jnp.einsum("btkgd,bskd->bkgts", q, kept.keys, preferred_element_type=jnp.float32)
     scores = jnp.where(kept.valid[:, :, None, None, :], scores * d**-0.5, MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(kept.values.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, kept.values)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, kept.values)
+    return fp8_matmul_mosaic.quantize_heads(out) if into_fp8 else out

@@ -358,3 +358,80 @@ def test_compiled_per_head_masks_on_gpu(b):
     live = jnp.ones((b, 1, n, 1), bool).at[0, 0, 5].set(False)
     error = jnp.linalg.norm(jnp.where(live, ours - ref, 0)) / jnp.linalg.norm(ref)
     assert float(error) <= 1e-2
+
+
+def _dequantised(rows, shape):
+    """`QuantizedRows` of an attention output (values [b, t, n · d], scales [n, b · t]) back
+    to fp32 [b, t, n, d]."""
+    b, t, n, d = shape
+    values = rows.values.astype(jnp.float32).reshape(b * t, n, d)
+    return (values * rows.scale.T[..., None]).reshape(shape)
+
+
+def _check_e4m3_heads(rows, ref, dtype):
+    """`rows` (an `out_fp8` output) hold each row of each head of `ref` [b, t, n, d] fp32
+    quantised on its own: a scale of its largest |value| / 448 (to the kernel's own
+    rounding) and values within e4m3's half step."""
+    b, t, n, d = ref.shape
+    assert rows.values.shape == (b, t, n * d) and rows.values.dtype == jnp.float8_e4m3fn
+    assert rows.scale.shape == (n, b * t) and rows.dtype == dtype
+    peak = jnp.max(jnp.abs(ref), axis=-1).reshape(b * t, n).T
+    assert jnp.allclose(rows.scale, peak / 448, rtol=2e-2)
+    back = _dequantised(rows, ref.shape)
+    step = rows.scale.T.reshape(b, t, n, 1)
+    assert jnp.all(jnp.abs(back - ref) <= 2**-4 * jnp.abs(ref) + step * 2**-8 + 0.02 * step * 448)
+    assert _rel_error(back, ref) < 0.05
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        None,  # one CTA a head: the kernel writes the e4m3 rows and their scales
+        Tiles(block_k=64, splits=2, stages=2),  # 2 CTAs merged in XLA, then quantised
+        Tiles(stages=1, warpgroups=2),  # 2 warpgroups merged in the CTA, then quantised
+    ],
+)
+def test_e4m3_output_for_the_fp8_product(tiles):
+    """`out_fp8`: the output as the fp8 output product takes it, each row of each head (128
+    features) quantised on its own; 20 queries (their scales' rows padded to 24 inside);
+    a head 64x larger than the others gets a 64x scale and leaves theirs alone."""
+    q, k, v = _problem(2, 20, 4, 2, 128, 200, BF16, seed=4)
+    v = v.at[:, :, 1].multiply(64)  # kv head 1: query heads 2 and 3
+    key_valid = _padded_rows(200, 50)
+    rows = split_kv_attention(q, k, v, key_valid, tiles=tiles, interpret=True, out_fp8=True)
+    ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k, v)), key_valid)
+    _check_e4m3_heads(rows, ref, BF16)
+    assert jnp.all(rows.scale[2:] > 16 * jnp.max(rows.scale[:2]))
+    with pytest.raises(ValueError, match="an e4m3 output takes heads of 128 features"):
+        split_kv_attention(
+            *_problem(1, 8, 2, 2, 64, 64, BF16), jnp.ones((1, 64), bool), out_fp8=True
+        )
+
+
+def test_e4m3_output_lowers_for_hopper():
+    """LLaDA-8B's block (32 queries, 32 heads of 128, 384 keys) with an e4m3 output lowers
+    for CUDA: the fp32 -> e4m3 conversion and the scales' stores in the kernel."""
+    args = [
+        jax.ShapeDtypeStruct((1, 32, 32, 128), BF16),
+        *(jax.ShapeDtypeStruct((1, 384, 32, 128), BF16) for _ in range(2)),
+        jax.ShapeDtypeStruct((1, 384), jnp.bool_),
+    ]
+
+    def run(q, k, v, m):
+        rows = split_kv_attention(q, k, v, m, interpret=False, out_fp8=True)
+        return rows.values, rows.scale
+
+    assert "mosaic_gpu" in jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("b, s", [(1, 384), (8, 640), (1, 1280)])
+def test_compiled_e4m3_output_on_gpu(b, s):
+    """On a Hopper GPU: LLaDA-8B's block (32 queries, 32 heads of 128) with an e4m3 output,
+    one CTA a head (384 and 640 keys) and 2 CTAs merged in XLA (1,280), against fp32
+    einsums quantised per row and head."""
+    q, k, v = _problem(b, 32, 32, 32, 128, s, BF16, seed=5)
+    key_valid = jnp.ones((b, s), bool)
+    rows = split_kv_attention(q, k, v, key_valid, out_fp8=True)
+    ref = _einsum_attention(*(a.astype(jnp.float32) for a in (q, k, v)), key_valid)
+    _check_e4m3_heads(rows, ref, BF16)
