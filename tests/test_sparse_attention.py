@@ -16,6 +16,7 @@ from conftest import needs_devices
 
 import djax
 from djax import engine, programs
+from djax.kernels import fp8_matmul_mosaic
 from djax.models.kernel_choice import KernelChoice
 from djax.models.layers import Window, write_window
 from djax.models.sparse_attention import (
@@ -438,6 +439,34 @@ def test_kernel_path_equals_the_einsums():
     assert diff.max() < 0.05
     with pytest.raises(ValueError, match="impl 'cudnn'; expected 'xla' or 'split_kv'"):
         attend_kept(q, kept, "cudnn")
+
+
+def test_kernel_path_hands_e4m3_heads():
+    """`into_fp8` (an fp8 output product after sparse attention, heads of 128 features):
+    the kernel path writes each row of each head in e4m3 with its own scale, as XLA's path
+    quantises its output (`fp8_matmul_mosaic.quantize_heads`), each kv head masked by its
+    own slots."""
+    rng = np.random.default_rng(7)
+    b, slots, kv_heads, group, d, t = 2, 40, 2, 2, 128, 8
+    keys, values = (
+        jnp.asarray(rng.normal(size=(b, slots, kv_heads, d)), jnp.bfloat16) for _ in "kv"
+    )
+    valid = jnp.asarray(rng.random((b, kv_heads, slots)) < 0.6).at[..., -8:].set(True)
+    kept = KeptKV(keys, values, valid)
+    q = jnp.asarray(rng.normal(size=(b, t, kv_heads, group, d)), jnp.bfloat16)
+    ours = attend_kept(q, kept, "split_kv", into_fp8=True)
+    xla = fp8_matmul_mosaic.quantize_heads(attend_kept(q, kept, "xla"))
+    assert ours.values.shape == xla.values.shape == (b, t, kv_heads * group * d)
+    assert ours.scale.shape == xla.scale.shape == (kv_heads * group, b * t)
+    np.testing.assert_allclose(ours.scale, xla.scale, rtol=2e-2)
+
+    def back(rows):
+        values = np.asarray(rows.values.astype(jnp.float32)).reshape(b * t, -1, d)
+        return values * np.asarray(rows.scale).T[..., None]
+
+    error = np.linalg.norm(back(ours) - back(xla)) / np.linalg.norm(back(xla))
+    assert error < 3e-2  # e4m3's steps where the two outputs round apart (1.3% here)
+    assert attend_kept(q, kept, "xla", into_fp8=True).scale.shape == xla.scale.shape
 
 
 def test_sparse_layer_step_with_the_kernels():
