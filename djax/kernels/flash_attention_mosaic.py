@@ -25,6 +25,9 @@ sums, then each adds its output, weighted by its share of the softmax's total, i
 tile in turn, and the last one stores the sum. CTAs of several `splits` write fp32 partial
 outputs [b, splits, t, n, d] and their rows' log-sum-exps [b, splits, n, 64 x query tiles]
 (TMA stores whole rows of both), merged afterwards by their log-sum-exps (`merge_slices`).
+For an fp8 product after it (`out_fp8`, heads of 128 features), a CTA that holds all of a
+head's keys writes its output in e4m3, each row with a scale of its own; split outputs are
+quantised so after their merge.
 
 The kernel is lowered with Mosaic GPU's warpgroup semantics (its layouts and shared-memory
 transforms inferred), named explicitly so every jax version lowers it the same way.
