@@ -87,6 +87,29 @@ def test_the_norms_quantise_for_the_kernel_in_block_forwards_only():
     assert others[1].block.layers.norm == "mosaic"  # the norm kernel, rows left in bf16
 
 
+def _fp8_block_inputs(config: ModelConfig, seed: int) -> tuple:
+    """Random params of `config` (bf16, quantised to fp8, K-major) and the rows x [1, 8,
+    model] of a block forward."""
+    rng = np.random.default_rng(seed)
+    shapes = abstract_params(config, jnp.bfloat16)
+    params = jax.tree.map(
+        lambda a: jnp.asarray(0.05 * rng.standard_normal(a.shape), a.dtype), shapes
+    )
+    params = fp8.to_layout(fp8.quantize_params(params), True)
+    return params, jnp.asarray(rng.standard_normal((1, 8, config.d_model)), jnp.bfloat16)
+
+
+def _counted_quantisations(monkeypatch) -> list:
+    """The shapes of the row sets XLA quantises (`fp8_matmul_mosaic.quantize_rows`) from
+    now on, appended as they are traced."""
+    quantised = []
+    real = fp8_matmul_mosaic.quantize_rows
+    monkeypatch.setattr(
+        fp8_matmul_mosaic, "quantize_rows", lambda rows: quantised.append(rows.shape) or real(rows)
+    )
+    return quantised
+
+
 # One LLaDA dense layer of heads of 128 features (one 128-column slice of the attention
 # output product's contraction each).
 FP8_HEADS = ModelConfig(DENSE, 256, 256, 1, 2, 1, 128, 256, 5e5, 1e-5, 64, 1, 2, 3)
@@ -108,19 +131,9 @@ def test_attention_hands_the_output_product_e4m3_heads(monkeypatch):
     assert not choice.refresh.layers.attention_into_fp8
     narrow = resolve(options, Device("cpu"), FP8_NORMED, jnp.bfloat16, shapes, weights="fp8")
     assert not narrow.block.layers.attention_into_fp8  # heads of 64 features
-    rng = np.random.default_rng(9)
-    shapes_ = abstract_params(FP8_HEADS, jnp.bfloat16)
-    params = jax.tree.map(
-        lambda a: jnp.asarray(0.05 * rng.standard_normal(a.shape), a.dtype), shapes_
-    )
-    params = fp8.to_layout(fp8.quantize_params(params), True)
-    x = jnp.asarray(rng.standard_normal((1, 8, 256)), jnp.bfloat16)
+    params, x = _fp8_block_inputs(FP8_HEADS, seed=9)
     positions, valid = jnp.arange(8)[None], jnp.ones((1, 8), bool)
-    quantised = []
-    real = fp8_matmul_mosaic.quantize_rows
-    monkeypatch.setattr(
-        fp8_matmul_mosaic, "quantize_rows", lambda rows: quantised.append(rows.shape) or real(rows)
-    )
+    quantised = _counted_quantisations(monkeypatch)
     variants = {
         "kernel": layers,
         "xla": dataclasses.replace(layers, attention="xla"),
@@ -196,19 +209,9 @@ def test_norms_hand_the_kernels_quantised_rows(config, in_xla_rows, monkeypatch)
     )  # fmt: skip
     unfused = dataclasses.replace(layers, norm_into_fp8=False)
     in_xla = dataclasses.replace(choice, block=ForwardKernels(unfused, unfused))
-    rng = np.random.default_rng(3)
-    shapes = abstract_params(config, jnp.bfloat16)
-    params = jax.tree.map(
-        lambda a: jnp.asarray(0.05 * rng.standard_normal(a.shape), a.dtype), shapes
-    )
-    params = fp8.to_layout(fp8.quantize_params(params), True)
-    x = jnp.asarray(rng.standard_normal((1, 8, 512)), jnp.bfloat16)
+    params, x = _fp8_block_inputs(config, seed=3)
     positions, valid = jnp.arange(8)[None], jnp.ones((1, 8), bool)
-    quantised = []
-    real = fp8_matmul_mosaic.quantize_rows
-    monkeypatch.setattr(
-        fp8_matmul_mosaic, "quantize_rows", lambda rows: quantised.append(rows.shape) or real(rows)
-    )
+    quantised = _counted_quantisations(monkeypatch)
     hidden = []
     for kernels in (choice, in_xla):
         quantised.clear()
@@ -557,6 +560,8 @@ def test_k_major_experts_under_a_mesh(tmp_path, monkeypatch, mesh_kind):
     _check_placed(mosaic, mesh, djax.load(tmp_path, jnp.float32, weights="fp8", fp8_impl="mosaic"))
     ids = np.random.default_rng(8).integers(4, 100, (2, 12))
     ours = np.asarray(djax.forward_logits(mosaic, ids))
+    # the shapes this model's forward handed the kernel (before another model's traces)
+    experts = {item[1:] for item in got if item[0] == "experts"}
     bound = 1e-5 if mesh_kind == "tensor" else 5e-2
     assert rel_error(ours, np.asarray(djax.forward_logits(scaled, ids))) <= bound
     reference = scaled
@@ -564,7 +569,6 @@ def test_k_major_experts_under_a_mesh(tmp_path, monkeypatch, mesh_kind):
         tp = make_mesh(tensor_parallel=2)
         reference = djax.load(tmp_path, jnp.float32, mesh=tp, weights="fp8", fp8_impl="mosaic")
         assert rel_error(ours, np.asarray(djax.forward_logits(reference, ids))) <= 1e-5
-    experts = {item[1:] for item in got if item[0] == "experts"}
     if mesh_kind == "tensor":  # every expert, 128 of its 256 ffn a device
         assert experts == {((4, 2, 128, 256), (4, 256, 128))}
     else:  # 2 of the 4 experts a device
