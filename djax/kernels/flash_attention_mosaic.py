@@ -227,8 +227,6 @@ def _kernel(
     of a head quantised on its own (`fp8_matmul_mosaic.quantize`'s rule)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    tma_ring.release_dependents(interpreting)
-    tma_ring.await_inputs(interpreting)  # it reads other kernels' arrays from the start
     if split_out:
         out_gmem, lse_gmem, *refs = refs
     elif out_fp8:

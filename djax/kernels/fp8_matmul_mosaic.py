@@ -236,7 +236,6 @@ def _kernel(
     if interpreting:
         *refs, untransposed = refs
     *ring, out_smem, x_scale_smem, w_scale_smem, scale_bars = refs
-    tma_ring.release_dependents(interpreting)
     cta = jax.lax.axis_index("cta")
     per_row_tile = column_tiles * tiles.splits
     row_tile, rest = cta // per_row_tile, cta % per_row_tile
@@ -245,15 +244,13 @@ def _kernel(
     cols = pl.ds(start, tiles.block_n)
     offsets = [start, n + start] if gated else [start]
     rows = pl.ds(row_tile * ROW_TILE, ROW_TILE)
-
-    def inputs():  # once the first weight tiles are requested; rows past x's end read as 0
-        tma_ring.await_inputs(interpreting)
-        x_scales = x_scale_gmem
-        if split_slices:
-            x_scales = x_scale_gmem.at[pl.ds(split * split_slices, split_slices)]
-        plgpu.copy_gmem_to_smem(x_scales.at[:, rows], x_scale_smem, scale_bars.at[0])
-
-    # the weights' scales (parameters) in flight while the tiles stream
+    # in flight while the tiles stream; rows past x's end read as zeros
+    x_scales = (
+        x_scale_gmem.at[pl.ds(split * split_slices, split_slices)]
+        if split_slices
+        else (x_scale_gmem)
+    )
+    plgpu.copy_gmem_to_smem(x_scales.at[:, rows], x_scale_smem, scale_bars.at[0])
     for side, offset in enumerate(offsets):
         plgpu.copy_gmem_to_smem(
             w_scale_gmem.at[:, pl.ds(offset, tiles.block_n)],
@@ -297,7 +294,6 @@ def _kernel(
         finish,
         multiply=k_major_multiply(untransposed if interpreting else None),
         slice_scales=slice_scales,
-        inputs=inputs,
     )
     out_at = (
         (lambda rows: out_gmem.at[rows, cols])

@@ -77,8 +77,6 @@ def _kernel(
     [d // COLUMNS, COLUMNS], into h, scaled [m, d] and squares [d // COLUMNS, m8]."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    tma_ring.release_dependents(interpreting)
-    tma_ring.await_inputs(interpreting)  # it reads other kernels' arrays from the start
     splits = y_gmem.shape[0]
     cta = jax.lax.axis_index("cta")
     row_tile, column_tile = cta // column_tiles, cta % column_tiles
@@ -213,8 +211,6 @@ def _row_kernel(
     rows_gmem, *refs = refs if keep_rows else (None, *refs)
     x_smem, y_smem, scale_smem, bars, h_smem, normed_smem, *rows_smem = refs
     splits = y_gmem.shape[0]
-    tma_ring.release_dependents(interpreting)
-    tma_ring.await_inputs(interpreting)  # it reads other kernels' arrays from the start
     row = jax.lax.axis_index("row")
     plgpu.copy_gmem_to_smem(x_gmem.at[row], x_smem, bars.at[0])
     plgpu.copy_gmem_to_smem(scale_gmem, scale_smem, bars.at[1])

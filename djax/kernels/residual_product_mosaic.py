@@ -139,8 +139,6 @@ def _kernel(
     else:
         split = 0
     *ring, res_smem, scale_smem, inputs_bar, h_smem, scaled_smem, squares_smem = scratch
-    tma_ring.release_dependents(interpreting)
-    tma_ring.await_inputs(interpreting)  # it reads other kernels' arrays from the start
     cta = jax.lax.axis_index("cta")
     row_tile, column_tile = cta // column_tiles, cta % column_tiles
     start = column_tile * tiles.block_n

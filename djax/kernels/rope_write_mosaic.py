@@ -182,8 +182,6 @@ def _kernel(
     GPU's interpreter, `fp8_matmul_mosaic.k_major_multiply`'s untransposed tile)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    tma_ring.release_dependents(interpreting)
-    tma_ring.await_inputs(interpreting)  # it reads other kernels' arrays from the start
     if splits is None and fp8:
         (x_gmem, w_gmem, x_scale_gmem, w_scale_gmem), refs = refs[:4], refs[4:]
     elif splits is None:

@@ -48,12 +48,10 @@ def tiles_for(m: int, k: int, n: int) -> Tiles:
     return Tiles(block_n=block_n, block_k=block_k, splits=splits, stages=4)
 
 
-def _kernel(x_gmem, w_gmem, out_gmem, *ring_and_out, tiles, steps, m, column_tiles, interpreting):
+def _kernel(x_gmem, w_gmem, out_gmem, *ring_and_out, tiles, steps, m, column_tiles):
     """One CTA: one (row tile, column tile, slice) of x [m8, k] @ w [k, n] into out
-    [splits, m, n] fp32 (its first weight tiles requested before the kernel before it has
-    finished: `tma_ring.stream`'s `inputs`)."""
+    [splits, m, n] fp32."""
     *ring, out_smem = ring_and_out
-    tma_ring.release_dependents(interpreting)
     cta = jax.lax.axis_index("cta")
     per_row_tile = column_tiles * tiles.splits
     row_tile, rest = cta // per_row_tile, cta % per_row_tile
@@ -72,7 +70,6 @@ def _kernel(x_gmem, w_gmem, out_gmem, *ring_and_out, tiles, steps, m, column_til
         steps,
         pl.ds(row_tile * ROW_TILE, ROW_TILE),
         finish,
-        inputs=lambda: tma_ring.await_inputs(interpreting),
     )
     tma_ring.store_rows(out_smem, lambda rows: out_gmem.at[split, rows, cols], row_tile, m)
 
@@ -104,7 +101,6 @@ def matmul_partials(
     tiles.check(k, n, weights=1, out_bytes=4)
     column_tiles = n // tiles.block_n
     row_tiles = pl.cdiv(m, ROW_TILE)
-    params = tma_ring.interpret_params(interpret)
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,
@@ -112,7 +108,6 @@ def matmul_partials(
             steps=k // (tiles.splits * tiles.block_k),
             m=m,
             column_tiles=column_tiles,
-            interpreting=params is not None,
         ),
         out_type=jax.ShapeDtypeStruct((tiles.splits, m, n), jnp.float32),
         grid=(row_tiles * tiles.splits * column_tiles,),
@@ -121,7 +116,7 @@ def matmul_partials(
             *tma_ring.ring_scratch(tiles, x.dtype, weights=1),
             plgpu.SMEM((ROW_TILE, tiles.block_n), jnp.float32),
         ],
-        interpret=params,
+        interpret=tma_ring.interpret_params(interpret),
     )
     parts = kernel(tma_ring.aligned_rows(rows), w)
     return Partials(parts.reshape((tiles.splits, *x.shape[:-1], n)), x.dtype)

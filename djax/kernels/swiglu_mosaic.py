@@ -69,17 +69,13 @@ def _kernel(x_gmem, w_gmem, *refs, tiles, steps, m, n, column_tiles, eps, interp
         squares_gmem, (out_gmem, *ring, out_smem) = None, refs
     else:
         squares_gmem, out_gmem, *ring, out_smem, squares_smem, squares_bar = refs
-    tma_ring.release_dependents(interpreting)
     cta = jax.lax.axis_index("cta")
     row_tile, column_tile = cta // column_tiles, cta % column_tiles
     start = column_tile * tiles.block_n
     cols = pl.ds(start, tiles.block_n)
     rows = pl.ds(row_tile * ROW_TILE, ROW_TILE)
-
-    def inputs():  # once the first weight tiles are requested
-        tma_ring.await_inputs(interpreting)
-        if squares_gmem is not None:  # in flight while the weights stream
-            plgpu.copy_gmem_to_smem(squares_gmem.at[:, rows], squares_smem, squares_bar.at[0])
+    if squares_gmem is not None:  # in flight while the weights stream
+        plgpu.copy_gmem_to_smem(squares_gmem.at[:, rows], squares_smem, squares_bar.at[0])
 
     def finish(gate, up):
         if squares_gmem is not None:
@@ -101,7 +97,6 @@ def _kernel(x_gmem, w_gmem, *refs, tiles, steps, m, n, column_tiles, eps, interp
         steps,
         rows,
         finish,
-        inputs=inputs,
     )
     tma_ring.store_rows(out_smem, lambda rows: out_gmem.at[rows, cols], row_tile, m)
 

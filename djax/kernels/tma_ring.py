@@ -28,12 +28,6 @@ rows, the row tile of one warpgroup. Rules:
   gate/up product quantised per column tile): each step's product runs one WGMMA per slice
   into a fresh accumulator, which is waited for and added to the step's accumulator times
   its rows' scales for that slice.
-- Programmatic dependent launch: every kernel lets the kernel after it launch as soon as
-  its own CTAs have started (`release_dependents`), and reads nothing another kernel wrote
-  before `await_inputs` returns (which holds until the kernel before it has finished and
-  its writes are visible). A product that reads only parameters before its rows requests
-  its first `stages` weight tiles before it waits (`stream(..., inputs=...)`), so the
-  previous kernel's tail hides their latency. Off GPUs (the interpreter) both are no-ops.
 """
 
 from __future__ import annotations
@@ -238,25 +232,6 @@ class SliceScales:
     interpreting: bool
 
 
-def release_dependents(interpreting: bool) -> None:
-    """Inside a kernel: let the next kernel on the stream launch now (its CTAs then run up
-    to their `await_inputs`); a no-op in Mosaic GPU's interpreter."""
-    if not interpreting:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-
-        plgpu.griddepcontrol_launch_dependents()
-
-
-def await_inputs(interpreting: bool) -> None:
-    """Inside a kernel: hold until the kernel before it on the stream has finished and its
-    writes are visible (at once where it was not launched early); before any read of an
-    array another kernel wrote, and any write. A no-op in Mosaic GPU's interpreter."""
-    if not interpreting:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-
-        plgpu.griddepcontrol_wait()
-
-
 def stream(
     x_gmem,
     w_tiles: Sequence[Callable[[Any], Any]],
@@ -269,7 +244,6 @@ def stream(
     converted: Sequence | None = None,
     multiply: Callable[[Any, Any, Any], None] | None = None,
     slice_scales: SliceScales | None = None,
-    inputs: Callable[[], None] | None = None,
 ) -> None:
     """Inside a kernel: multiply x's rows by each weight over `steps` contraction steps from
     `first_step` through the ring, then call `finish` with the fp32 products [64, block_n]
@@ -281,10 +255,7 @@ def stream(
     another dtype, as fp8) is converted before its WGMMA. `multiply(acc, x_slot, w_slot)`
     issues a step's product into an accumulator ref (default `plgpu.wgmma`; K-major weight
     slots need theirs read transposed). `slice_scales`: x's rows scaled per contraction
-    slice (`SliceScales`), applied to each slice's product before it is accumulated.
-    `inputs`: the kernel has read nothing another kernel wrote yet: the first `stages`
-    steps' weight tiles are requested, then `inputs()` runs (the kernel's `await_inputs`,
-    then its own reads of other kernels' arrays, as row scales), then their x tiles."""
+    slice (`SliceScales`), applied to each slice's product before it is accumulated."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     multiply = multiply or plgpu.wgmma
@@ -294,32 +265,17 @@ def stream(
     x_slots, w_slots = ring[0], ring[1 : 1 + count]
     x_bars, w_bars = ring[1 + count], ring[2 + count : 2 + 2 * count]
 
-    def fetch_x(step, slot):
+    def fetch(step, slot):
         ks = pl.ds((first_step + step) * tiles.block_k, tiles.block_k)
         x_slot = x_slots.at[slot]
         if rows.size != ROW_TILE:
             x_slot = x_slots.at[slot, pl.ds(0, rows.size)]
         plgpu.copy_gmem_to_smem(x_gmem.at[rows, ks], x_slot, x_bars.at[slot])
-
-    def fetch_w(step, slot):
-        ks = pl.ds((first_step + step) * tiles.block_k, tiles.block_k)
         for w_tile, slots, bars in zip(w_tiles, w_slots, w_bars, strict=True):
             plgpu.copy_gmem_to_smem(w_tile(ks), slots.at[slot], bars.at[slot])
 
-    def fetch(step, slot):
-        fetch_x(step, slot)
-        fetch_w(step, slot)
-
-    first = range(min(tiles.stages, steps))
-    if inputs is None:
-        for step in first:
-            fetch(step, step)
-    else:  # the weights' first tiles while the kernel before still runs
-        for step in first:
-            fetch_w(step, step)
-        inputs()
-        for step in first:
-            fetch_x(step, step)
+    for step in range(min(tiles.stages, steps)):
+        fetch(step, step)
     if slice_scales is not None:
         slice_scales.ready()
     targets = [None] * count if converted is None else list(converted)
