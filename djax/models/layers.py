@@ -20,7 +20,6 @@ once after that refresh) writes its window's K/V into them and attends to those 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -264,13 +263,15 @@ def attend(
     place, XLA's and cuDNN's paths take them sliced); key_valid: [batch, s] bool (the same
     keys for every query), or [batch, t, s] (each query's own keys, as block-causal
     attention needs: XLA's or cuDNN's path). Returns [batch, t, kv_heads, group, head_dim],
-    or with `into_fp8` (`Kernels.attention_into_fp8`) the output as the fp8 output product
-    takes it (`fp8_matmul_mosaic.quantize_heads`).
+    or with `into_fp8` (`Kernels.attention_into_fp8`, head_dim 128) the output as the fp8
+    output product takes it: `QuantizedRows` of e4m3 values [batch, t, heads · head_dim]
+    and a scale per row and head [heads, batch · t] (`fp8_matmul_mosaic.quantize_heads`).
     """
     if impl == "split_kv" and key_valid.ndim == 2:  # an interpreter off GPUs (for tests)
         b, t, k, g, d = q.shape
-        run = functools.partial(flash_attention_mosaic.split_kv_attention, out_fp8=into_fp8)
-        out = run(q.reshape(b, t, k * g, d), keys, values, key_valid)
+        heads = q.reshape(b, t, k * g, d)
+        run = flash_attention_mosaic.split_kv_attention
+        out = run(heads, keys, values, key_valid, out_fp8=into_fp8)
         return out if into_fp8 else out.reshape(q.shape)
     out = _attend_xla(q, keys, values, key_valid, impl)
     return fp8_matmul_mosaic.quantize_heads(out) if into_fp8 else out

@@ -67,6 +67,7 @@ import jax.numpy as jnp
 
 from djax.kernels import flash_attention_mosaic, fp8_matmul_mosaic
 from djax.kernels.flash_attention_mosaic import MASKED
+from djax.kernels.handoff import QuantizedRows
 from djax.kernels.tma_ring import ROW_ALIGN
 
 Array = jax.Array
@@ -274,7 +275,9 @@ def compact(
     )
 
 
-def attend_kept(q: Array, kept: KeptKV, impl: str = "xla", into_fp8: bool = False) -> Any:
+def attend_kept(
+    q: Array, kept: KeptKV, impl: str = "xla", into_fp8: bool = False
+) -> Array | QuantizedRows:
     """Attention of a cached step's q [b, t, kv_heads, group, d] to each kv head's kept
     keys: the slots of `kept` it marks valid (its compact rows and its kept rows of the
     window, which the step has written into `kept`'s window slots, `window_slots`). Returns
