@@ -49,7 +49,7 @@ _HELP = {
     "refresh_every": "also refresh every k steps within a block (0: never)",
     "vicinity_before": "positions before the block that the vicinity cache feeds",
     "vicinity_after": "positions after the block that the vicinity cache feeds",
-    "vicinity_warmup": "first steps of each block that run without the vicinity cache",
+    "vicinity_warmup": "first steps of the generation that run without the vicinity cache",
     "temperature": "sampling temperature, finite and >= 0 (0: argmax)",
     "seed": "random seed, in [0, 2**32)",
     "stop_ids": "comma-separated token ids that end an answer",
