@@ -466,7 +466,6 @@ def test_kernel_path_hands_e4m3_heads():
 
     error = np.linalg.norm(back(ours) - back(xla)) / np.linalg.norm(back(xla))
     assert error < 3e-2  # e4m3's steps where the two outputs round apart (1.3% here)
-    assert attend_kept(q, kept, "xla", into_fp8=True).scale.shape == xla.scale.shape
 
 
 def test_sparse_layer_step_with_the_kernels():

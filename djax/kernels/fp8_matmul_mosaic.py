@@ -435,6 +435,11 @@ def matmul_partials(
     n, k = w_t.shape
     rows = xq.reshape(-1, k)
     tiles = tiles or tiles_for(rows.shape[0], k, n)
+    if slices // tiles.splits > MAX_BLOCK_N:  # a TMA box's dimension
+        raise ValueError(
+            f"{name}: {slices // tiles.splits} scale slices a CTA (k {k} in {tiles.splits} "
+            f"splits); rows scaled per slice take at most {MAX_BLOCK_N} a CTA"
+        )
     check_tiles(tiles, k, n, extra=_scale_bytes(slices, tiles.splits, False))
     scale = x_scale if slices else x_scale.reshape(-1)
     parts = _call(rows, scale, w_t, w_scale, tiles, dtype, False, interpret)

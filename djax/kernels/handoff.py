@@ -84,8 +84,10 @@ class ScaledRows:
 @dataclasses.dataclass(frozen=True)
 class QuantizedRows:
     """Rows quantised for an fp8 x fp8 product by the kernel that made them (the norm,
-    `residual_norm_mosaic.add_rms_norm(..., into_fp8=True)`): `values` [..., d] e4m3 and
-    `scale` [...] fp32, the rows' `fp8_matmul_mosaic.quantize_rows`; `dtype` is the rows'
+    `residual_norm_mosaic.add_rms_norm(..., into_fp8=True)`; the gate/up and attention
+    kernels, per slice): `values` [..., d] e4m3 and `scale` fp32, one a row [...] (the
+    rows' `fp8_matmul_mosaic.quantize_rows`) or one a row and 128-column slice
+    [d / 128, rows], rows all of the leading dims' (`quantize_slices`); `dtype` is the rows'
     own dtype before quantisation, the dtype of the products made of them. `rows`: the rows
     themselves [..., d] in `dtype`, where the kernel also kept them for a consumer that
     reads them unquantised (a MoE layer's router, `keep_rows=True`), else None."""
@@ -100,11 +102,18 @@ class QuantizedRows:
         """The rows' shape, [..., d]."""
         return self.values.shape
 
+    @property
+    def per_slice(self) -> bool:
+        """Whether `scale` is one a row and slice, [d / 128, rows] (with one slice of rows
+        [1, t] both forms are the same values)."""
+        return self.scale.shape != self.values.shape[:-1]
+
     def reshape(self, *shape: int) -> QuantizedRows:
-        """The same rows as [*shape] (the last dim stays d)."""
+        """The same rows as [*shape] (the last dim stays d; scales per slice as they are)."""
         lead = _lead(self, shape)
         rows = None if self.rows is None else self.rows.reshape(shape)
-        return QuantizedRows(self.values.reshape(shape), self.scale.reshape(lead), self.dtype, rows)
+        scale = self.scale if self.per_slice else self.scale.reshape(lead)
+        return QuantizedRows(self.values.reshape(shape), scale, self.dtype, rows)
 
 
 def _lead(rows: ScaledRows | QuantizedRows, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -394,9 +394,9 @@ def _check_e4m3_heads(rows, ref, dtype):
 def test_e4m3_output_for_the_fp8_product(tiles):
     """`out_fp8`: the output as the fp8 output product takes it, each row of each head (128
     features) quantised on its own (Mosaic GPU's interpreter off GPUs, compiled on them);
-    20 queries (their scales' rows padded to 24 inside);
+    70 queries (2 query tiles; their scales' rows padded to 72 inside);
     a head 64x larger than the others gets a 64x scale and leaves theirs alone."""
-    q, k, v = _problem(2, 20, 4, 2, 128, 200, BF16, seed=4)
+    q, k, v = _problem(2, 70, 4, 2, 128, 200, BF16, seed=4)  # 2 query tiles
     v = v.at[:, :, 1].multiply(64)  # kv head 1: query heads 2 and 3
     key_valid = _padded_rows(200, 50)
     # compiled on a GPU (Mosaic GPU's interpreter there has hung on warpgroups that wait)

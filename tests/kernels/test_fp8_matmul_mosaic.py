@@ -132,13 +132,14 @@ def test_swiglu_hands_the_down_product_e4m3_slices():
     tile (`quantize_slices`' rule: on the CPU the same values and scales bit for bit), and
     the product takes such rows, each contraction slice scaled by its own rows' scales
     (2 splits: each CTA reads the scales of its half)."""
-    m, k, n = 20, 256, 256  # 20 rows: the scales padded to 24 inside, [2, 20] outside
+    m, k, n = 70, 256, 256  # 2 row tiles; 70 rows: the scales padded to 72 inside
     x, w_t, w_scale, down_t, down_scale = _activation_and_down(m, k, n, seed=6)
     xq, x_scale = fp8_matmul_mosaic.quantize_rows(x)
     tiles = Tiles(block_n=128, block_k=128, splits=1, stages=2)
     act = fp8_matmul_mosaic.swiglu_matmul(xq, x_scale, w_t, w_scale, tiles, out_fp8=True)
     assert act.values.shape == (m, n) and act.values.dtype == FP8 and act.dtype == BF16
     assert act.scale.shape == (n // 128, m) and act.scale.dtype == jnp.float32
+    assert act.per_slice and act.reshape(2, 35, n).scale.shape == (n // 128, m)
     fp32 = fp8_matmul_mosaic.swiglu_matmul(xq, x_scale, w_t, w_scale, tiles, jnp.float32)
     values, scale = fp8_matmul_mosaic.quantize_slices(fp32)
     if jax.default_backend() == "gpu":  # the compilers' divisions may round apart
@@ -158,6 +159,9 @@ def test_swiglu_hands_the_down_product_e4m3_slices():
     y = fp8_matmul_mosaic.matmul_partials(act.values, act.scale, down_t, down_scale, split)
     assert y.parts.shape == (2, m, 256)
     assert _rel_error(y.parts.sum(0), ref) < TOLERANCE
+    wide = Tiles(block_n=64, block_k=256, splits=1, stages=1)  # two slices a step
+    y_wide = fp8_matmul_mosaic.matmul_partials(act.values, act.scale, down_t, down_scale, wide)
+    assert _rel_error(y_wide.parts[0], ref) < TOLERANCE
     half = (
         rows[:, 128:]
         @ (
@@ -202,6 +206,9 @@ def test_bad_inputs():
         run(xq, x_scale[:4], w_t, w_scale)
     with pytest.raises(ValueError, match=r"expected \(8,\) and \(128,\)"):
         run(xq, x_scale, w_t, w_scale[:64])
+    with pytest.raises(ValueError, match="take at most 256 a CTA"):
+        wide = jnp.zeros((8, 128 * 257), FP8)
+        run(wide, jnp.ones((257, 8)), jnp.zeros((64, 128 * 257), FP8), w_scale[:64])
     with pytest.raises(ValueError, match="block_k a multiple of 128"):
         run(xq, x_scale, w_t, w_scale, tiles=Tiles(block_n=64, block_k=64))
     swiglu = fp8_matmul_mosaic.swiglu_matmul
