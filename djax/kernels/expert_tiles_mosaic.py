@@ -133,7 +133,7 @@ def row_tile_for(group_rows: int) -> int:
     """The rows of a tile where a group holds at most `group_rows` rows (the experts' MLP:
     its tokens, as each token reaches an expert once): those rounded up to a multiple of 8
     and a power of two, 16 to 64, so no group of a block forward is read in two tiles."""
-    aligned = -(-max(1, group_rows) // ROW_ALIGN) * ROW_ALIGN
+    aligned = tma_ring.aligned(max(1, group_rows))
     return min(ROW_TILE, max(16, 1 << (aligned - 1).bit_length()))
 
 
@@ -192,7 +192,7 @@ class EveryToken:
                 f"expert_tiles_mosaic: {tokens} tokens in row tiles of {block_m}; the "
                 "every-token layout holds a group's tokens in one tile"
             )
-        return cls(-(-tokens // ROW_ALIGN) * ROW_ALIGN, from_tokens)
+        return cls(tma_ring.aligned(tokens), from_tokens)
 
     @classmethod
     def pair(cls, tokens: int, up: Tiles, down: Tiles) -> tuple[EveryToken, EveryToken]:

@@ -461,7 +461,7 @@ def split_kv_attention(
     key_steps = (last + tiles.block_k - 1) // tiles.block_k
     kernel_fp8 = out_fp8 and not split_out
     out_dtype = jnp.float32 if split_out else fp8_matmul_mosaic.FP8 if kernel_fp8 else q.dtype
-    t8 = fp8_matmul_mosaic.m8(t)
+    t8 = tma_ring.aligned(t)
     if split_out:  # each split's output and its rows' log-sum-exps (TMA stores whole rows)
         out_type = (
             jax.ShapeDtypeStruct((b, splits, t, n, d), jnp.float32),

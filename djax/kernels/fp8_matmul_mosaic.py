@@ -302,13 +302,10 @@ def _kernel(
     )
     more = []
     if out_fp8:  # the scales of all 64 rows: their buffer's rows are padded to 8
-        more.append((out_scale_smem, lambda rows: out_scale_gmem.at[column_tile, rows], m8(m)))
+        more.append(
+            (out_scale_smem, lambda rows: out_scale_gmem.at[column_tile, rows], tma_ring.aligned(m))
+        )
     tma_ring.store_rows(out_smem, out_at, row_tile, m, *more)
-
-
-def m8(m: int) -> int:
-    """`m` rounded up to a multiple of `tma_ring.ROW_ALIGN` (8)."""
-    return -(-m // tma_ring.ROW_ALIGN) * tma_ring.ROW_ALIGN
 
 
 def check_operands(name: str, xq, x_scale, w_t, w_scale, dtype) -> None:
@@ -354,7 +351,7 @@ def _call(
     slices = x_scale.shape[0] if x_scale.ndim == 2 else 0
     split_slices = slices // tiles.splits
     if slices:  # rows padded to 8 along the scales' last axis
-        missing = m8(m) - m
+        missing = tma_ring.aligned(m) - m
         row_scale = jnp.pad(x_scale, ((0, 0), (0, missing))) if missing else x_scale
     else:
         row_scale = tma_ring.aligned_rows(x_scale.reshape(m, 1)).reshape(1, -1)
@@ -373,7 +370,7 @@ def _call(
         scratch.append(plgpu.SMEM((ROW_TILE,), jnp.float32))
     out_type = jax.ShapeDtypeStruct((m, n) if gated else (tiles.splits, m, n), out_dtype)
     if out_fp8:
-        out_type = (out_type, jax.ShapeDtypeStruct((n // SLICE, m8(m)), jnp.float32))
+        out_type = (out_type, jax.ShapeDtypeStruct((n // SLICE, tma_ring.aligned(m)), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(
             _kernel,

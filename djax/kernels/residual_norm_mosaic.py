@@ -150,7 +150,7 @@ def add_scaled(
         )
     rows = x.reshape(-1, d)
     m = rows.shape[0]
-    m8 = m + -m % tma_ring.ROW_ALIGN
+    m8 = tma_ring.aligned(m)
     splits = parts.shape[0]
     parts = parts.reshape(splits, m, d)
     if m8 != m:

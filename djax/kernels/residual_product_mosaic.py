@@ -247,7 +247,7 @@ def residual_product(
         )
     rows = x.reshape(-1, k)
     m = rows.shape[0]
-    m8 = m + -m % tma_ring.ROW_ALIGN
+    m8 = tma_ring.aligned(m)
     tiles = tiles or tiles_for(m, k, n)
     check_tiles(tiles, k, n)
     column_tiles = n // tiles.block_n

@@ -139,9 +139,14 @@ def check_operands(name: str, x: Array, w: Array) -> None:
         )
 
 
+def aligned(m: int) -> int:
+    """`m` rounded up to a multiple of `ROW_ALIGN`, the rows TMA reads at a time."""
+    return -(-m // ROW_ALIGN) * ROW_ALIGN
+
+
 def aligned_rows(rows: Array) -> Array:
     """rows [m, k] with zero rows up to a multiple of `ROW_ALIGN` (itself when aligned)."""
-    missing = -rows.shape[0] % ROW_ALIGN
+    missing = aligned(rows.shape[0]) - rows.shape[0]
     return jnp.pad(rows, ((0, missing), (0, 0))) if missing else rows
 
 

@@ -347,8 +347,7 @@ class ServingEngine:
                         self._finish(row, Failed("the server is shutting down"))
                 self._waiting.clear()
             self._lock.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self.join(timeout)
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for the engine's thread to end (after `stop`, or when it fails: `failure`)."""
