@@ -5,9 +5,10 @@ Three roles in one script:
 
     python -m bench.serve --model dense|moe|llada2_mini [--tiny]
         [--schedulers continuous phase static] [--rates 2 4 8 inf] [--requests 500] [--seed 0]
-        [--max-batch 32] [--equal N]
+        [--max-batch 32] [--equal N] [--weights dtype|fp8]
     python -m bench.serve server --model dense|moe|llada2_mini [--tiny]
         --scheduler continuous|phase|static --port P [--max-batch N] [--routing spread|model]
+        [--weights dtype|fp8]
     python -m bench.serve plot RESULT.json [RESULT.json ...]
 
 The client (the default role) starts one server per scheduler (`server` role, this Python, as a
@@ -19,14 +20,16 @@ stops the server with SIGTERM and records its exit status (0: drained and exited
 
 The server: JAX's device pool sized as `djax serve` sizes it
 (`djax.serving.memory.size_device_pool`), random bf16 weights built on the device
-(`bench.common`), LLaDA-MoE and LLaDA2.0-mini (block diffusion) with spread routing unless
-`--routing model`, answers decoded to one word per token id (`IdTokenizer`: the random model has
-no text); the dual cache, blocks of 32 and the fixed-steps `low_confidence` decoder with 8 steps
-a block, 4 tokens per forward as in `SETTING`. The engine splits `GenerationConfig.steps` evenly
-over the blocks of `gen_length`, so the served config has gen_length = the longest answer of the
-trace (512) and steps = gen_length / 4: every block of every request takes 8 steps, whatever the
-request's own length. (The threshold decoder would commit about one token per forward on random
-weights.) The server's longest sequence (max_seq_len) is the trace's longest prompt + answer.
+(`bench.common`; with `--weights fp8` its projections and experts quantised to e4m3, the results
+then in `serve_<model>_fp8_<device>.json`), LLaDA-MoE and LLaDA2.0-mini (block diffusion) with
+spread routing unless `--routing model`, answers decoded to one word per token id
+(`IdTokenizer`: the random model has no text); the dual cache, blocks of 32 and the fixed-steps
+`low_confidence` decoder with 8 steps a block, 4 tokens per forward as in `SETTING`. The engine
+splits `GenerationConfig.steps` evenly over the blocks of `gen_length`, so the served config has
+gen_length = the longest answer of the trace (512) and steps = gen_length / 4: every block of
+every request takes 8 steps, whatever the request's own length. (The threshold decoder would
+commit about one token per forward on random weights.) The server's longest sequence
+(max_seq_len) is the trace's longest prompt + answer.
 
 The trace (`LENGTHS`): prompt and answer lengths lognormal with median 128 and σ 0.5 of the
 log, clipped to 16–512 prompt and 32–512 answer tokens; prompts of random token ids (never a
@@ -94,6 +97,7 @@ import numpy as np
 
 from bench.common import ROUTINGS, SETTING, bench_model, model_config, save, use_routing
 from djax import GenerationConfig, engine
+from djax.config import WEIGHTS
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEDULERS = ("continuous", "phase", "static")
@@ -401,6 +405,7 @@ def start_server(args, scheduler: str, port: int, log: Path) -> subprocess.Popen
     command = [sys.executable, "-m", "bench.serve", "server", "--model", args.model]
     command += ["--scheduler", scheduler, "--port", str(port)]
     command += ["--max-batch", str(args.max_batch), "--routing", args.routing]
+    command += ["--weights", args.weights]
     command += ["--tiny"] if args.tiny else []
     with log.open("w") as out:
         return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
@@ -499,11 +504,12 @@ def run_client(args) -> None:
                 "max_seq_len": lengths.max_sequence,
                 "max_batch": args.max_batch,
                 "routing": args.routing if config.is_moe else None,
+                "weights": args.weights,
                 "tiny": args.tiny,
                 "servers": servers,
                 "results": rows,
             },
-            setting=args.model,
+            setting=args.model if args.weights == "dtype" else f"{args.model}_{args.weights}",
         )
 
     for scheduler in args.schedulers:
@@ -623,7 +629,7 @@ def run_server(args) -> None:
     if config.is_moe:
         use_routing(args.routing)
     engine.enable_compile_cache()
-    model, _ = bench_model(config)
+    model, _ = bench_model(config, weights=args.weights)
     model = dataclasses.replace(model, tokenizer=IdTokenizer(special_ids(config)))
     lengths = trace_lengths(args.tiny)
     serve_config = ServeConfig(
@@ -742,6 +748,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     parser.add_argument("--max-batch", type=int, default=32, help="rows decoded together")
     parser.add_argument("--routing", choices=ROUTINGS, default="spread", help="MoE routing")
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default="dtype",
+        help="the served weights: dtype (bf16) or fp8 (e4m3 projections and experts, the fp8 "
+        "products auto picks)",
+    )
     if role == "server":
         parser.add_argument("--scheduler", choices=SCHEDULERS, required=True)
         parser.add_argument("--port", type=int, required=True)

@@ -50,12 +50,13 @@ class KernelOptions:
     )
     # `mosaic`: block forwards' dense products in the fp8 x fp8 Pallas Mosaic GPU (Hopper)
     # kernel, XLA's products elsewhere `scaled`, a MoE model's experts by fp8 x fp8 WGMMA in
-    # their tiles; taken only when asked for.
+    # their tiles; the fp8 values held K-major, a layout chosen at load.
     fp8_impl: str = _option(
         ("auto", "dequant", "scaled", "mosaic"),
-        "products of fp8 weights (weights='fp8'): scaled (fp8 x fp8, rows quantised per row) "
-        "on GPUs of compute capability >= 8.9, else dequant (weights converted "
-        "inside XLA's dot)",
+        "products of fp8 weights (weights='fp8'): mosaic on Hopper GPUs in bf16/fp16 where "
+        "every product's contraction is a multiple of 128 and output of 64 (and moe_impl is "
+        "not xla); else scaled (fp8 x fp8, rows quantised per row) on GPUs of compute "
+        "capability >= 8.9, else dequant (weights converted inside XLA's dot)",
         fallback="dequant",
     )
     # `mosaic`: the norm kernel of whole rows; `fused`: the add in the attention-output

@@ -45,9 +45,10 @@ class Model:
     are the kernel options (`KernelOptions`), resolved for each program it runs
     (`kernel_choice`); `weights` is the params' weight format (`djax.models.fp8.WEIGHTS`:
     `dtype`, every weight in `dtype`, or `fp8`, the projections and experts as e4m3 values
-    `<name>` beside fp32 scales `<name>_scale`; under `fp8_impl="mosaic"` the values
-    K-major, the dense products' and experts', `fp8.k_major`, which `load` and
-    `with_options` keep).
+    `<name>` beside fp32 scales `<name>_scale`); `k_major`: the fp8 values, the dense
+    products' and experts', are K-major, the layout of the fp8 x fp8 kernels, which `load`
+    and `with_options` give them where the options take those kernels on the model's
+    device (`kernel_choice.holds_k_major`).
     """
 
     config: ModelConfig
@@ -58,26 +59,32 @@ class Model:
     mesh: Any | None = None
     options: KernelOptions = KernelOptions()
     weights: str = "dtype"
+    k_major: bool = False
 
     def with_options(self, **options: Any) -> Model:
         """This model with kernel `options` replaced (checked as `load` checks them); where
-        `fp8_impl` changes the fp8 values' layout (`fp8.k_major`), with its params moved to
-        the new one (a copy of the fp8 values)."""
+        they change the fp8 values' layout (`kernel_choice.holds_k_major`), with its params
+        moved to the new one (a copy of the fp8 values)."""
         new = self.options.replace(**options)
-        held = fp8.k_major(self.weights, self.options.fp8_impl)
-        wanted = fp8.k_major(self.weights, new.fp8_impl)
+        wanted = programs.holds_k_major(new, self.config, self.dtype, self.mesh, self.weights)
         params = self.params
-        if wanted != held:
+        if wanted != self.k_major:
             placed = _shardings(self.config, self.dtype, self.mesh, self.weights, wanted)
             params = fp8.to_layout(params, wanted, placed)
-        return dataclasses.replace(self, options=new, params=params)
+        return dataclasses.replace(self, options=new, params=params, k_major=wanted)
 
     def kernel_choice(self, shapes: Shapes) -> KernelChoice:
         """What the kernel options resolve to on this model's device for forwards of
         `shapes` (`KernelChoice.explain()` prints it; `djax.engine.kernel_choice` gives a
         generation's)."""
         return programs.kernel_choice(
-            self.options, self.config, self.dtype, shapes, self.mesh, weights=self.weights
+            self.options,
+            self.config,
+            self.dtype,
+            shapes,
+            self.mesh,
+            weights=self.weights,
+            k_major=self.k_major,
         )
 
 
@@ -154,8 +161,9 @@ def load(
     "split_kv"`, `mlp_impl`, `matmul_impl` and `rope_impl`, each `"auto"|"xla"|"mosaic"`,
     `moe_impl="auto"|"xla"|"mosaic"`,
     `norm_impl="auto"|"xla"|"mosaic"|"fused"|"tiled"`,
-    `fp8_impl="auto"|"dequant"|"scaled"|"mosaic"`; its `mosaic` holds the fp8 values
-    K-major, `djax.models.fp8`). An unknown option name
+    `fp8_impl="auto"|"dequant"|"scaled"|"mosaic"`; where the fp8 x fp8 kernels run, under
+    `mosaic` or `auto`, the fp8 values are held K-major, `Model.k_major`). An unknown
+    option name
     raises a TypeError naming the closest valid one, and a value outside its choices a
     ValueError naming them, before anything is read.
     """
@@ -190,9 +198,12 @@ def load(
         params = checkpoint.load_hf_params(folder, config, dtype, shardings, allow_pickle, bar)
         if weights == "fp8":
             params = fp8.quantize_params(params, _shardings(config, dtype, mesh, weights))
-    if fp8.k_major(weights, kernel_options.fp8_impl):
+    k_major = programs.holds_k_major(kernel_options, config, dtype, mesh, weights)
+    if k_major:
         params = fp8.to_layout(params, True, _shardings(config, dtype, mesh, weights, True))
-    return Model(config, params, tokenizer, dtype, str(folder), mesh, kernel_options, weights)
+    return Model(
+        config, params, tokenizer, dtype, str(folder), mesh, kernel_options, weights, k_major
+    )
 
 
 def _shardings(

@@ -18,6 +18,7 @@ from djax.config import ModelConfig
 from djax.diffusion import Plan, chained
 from djax.kernel_options import KernelOptions
 from djax.models import build_module
+from djax.models import kernel_choice as choice
 from djax.models.kernel_choice import Device, KernelChoice, Shapes, describe, resolve
 from djax.models.layers import TransformerLM
 
@@ -43,35 +44,47 @@ def kernel_choice(
     mesh: Any = None,
     device: Device | None = None,
     weights: str = "dtype",
+    k_major: bool | None = None,
 ) -> KernelChoice:
     """`kernel_choice.resolve` for a model of `config` in `dtype` with weights of the format
-    `weights` on `mesh` (or one device): the device read from the mesh unless given."""
-    device = device or device_of(mesh)
-    if mesh is None:
-        return resolve(options, device, config, dtype, shapes, weights=weights)
-    axis = sharding.model_axis(mesh)
+    `weights` (fp8 values K-major where `k_major`; None: as the options place them) on
+    `mesh` (or one device): the device read from the mesh unless given."""
+    split = _split(mesh)
     return resolve(
         options,
-        device,
+        device or device_of(mesh),
         config,
         dtype,
         shapes,
-        shards=mesh.shape[axis],
-        split_experts=axis == sharding.EXPERT,
-        sharded=True,
         weights=weights,
+        k_major=k_major,
+        sharded=mesh is not None,
+        **split,
     )
+
+
+def holds_k_major(
+    options: KernelOptions, config: ModelConfig, dtype: Any, mesh: Any, weights: str
+) -> bool:
+    """`kernel_choice.holds_k_major` for a model of `config` in `dtype` with weights of the
+    format `weights` on `mesh` (or JAX's default device): the layout its params take."""
+    return choice.holds_k_major(options, device_of(mesh), config, dtype, weights, **_split(mesh))
+
+
+def _split(mesh: Any) -> dict:
+    """How a mesh splits a model's weights: `shards` ways over its model axis, experts by
+    expert under expert parallelism."""
+    if mesh is None:
+        return {"shards": 1, "split_experts": False}
+    axis = sharding.model_axis(mesh)
+    return {"shards": mesh.shape[axis], "split_experts": axis == sharding.EXPERT}
 
 
 def local_module(config: ModelConfig, dtype: Any, kernels: KernelChoice, mesh: Any) -> Any:
     """The module as one device runs it: the whole model without a mesh, else its weight
     shards, summed (`psum`) over the mesh's model axis."""
-    if mesh is None:
-        return build_module(config, dtype, None, kernels)
-    axis = sharding.model_axis(mesh)
-    return build_module(
-        config, dtype, axis, kernels, shards=mesh.shape[axis], split_experts=axis == sharding.EXPERT
-    )
+    axis = None if mesh is None else sharding.model_axis(mesh)
+    return build_module(config, dtype, axis, kernels, **_split(mesh))
 
 
 def block_causal(key_valid: jax.Array, positions: jax.Array, block_length: int) -> jax.Array:

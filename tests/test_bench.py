@@ -580,8 +580,9 @@ def test_serve_rate_as_a_fraction_of_capacity():
 
 
 def test_serve_end_to_end(tmp_path):
-    """The client against a real tiny server on the CPU: one scheduler, one rate, a few
-    requests, every one answered in full, no compile during the run, a clean exit."""
+    """The client against a real tiny server on the CPU serving fp8 weights: one
+    scheduler, one rate, a few requests, every one answered in full, no compile during the
+    run, a clean exit."""
     import json
     import os
     import subprocess
@@ -593,9 +594,12 @@ def test_serve_end_to_end(tmp_path):
     command = [sys.executable, "-m", "bench.serve", "--model", "dense", "--tiny"]
     command += ["--schedulers", "continuous", "--rates", "inf", "0.5x", "--requests", "3"]
     command += ["--max-batch", "2", "--ready-timeout", "120", "--sample-every", "0.2"]
+    command += ["--weights", "fp8"]
     subprocess.run(command, cwd=repo, env=env, check=True, timeout=300)
     (result,) = tmp_path.glob("serve_*.json")
+    assert result.name.startswith("serve_dense_fp8_")
     record = json.loads(result.read_text())
+    assert record["weights"] == "fp8"
     row, half = record["results"]
     assert (row["scheduler"], row["request_rate"], row["requests"]) == ("continuous", "inf", 3)
     assert half["request_rate"] == round(0.5 * row["requests_per_s"], 3)

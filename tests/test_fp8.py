@@ -97,7 +97,11 @@ def test_quantize_params_keeps_embeddings_norms_and_router(moe_model):
 
 
 def test_kernel_choice_takes_xla_products_under_fp8():
-    choice = resolve(KernelOptions(), HOPPER, LLADA_8B, jnp.bfloat16, GENERATION, weights="fp8")
+    """Under `fp8_impl="scaled"` (and `auto` where the fp8 kernels do not run,
+    `test_fp8_mosaic`) the dense products are XLA's, the kernels that read no weights
+    djax's, the experts the converted tiles."""
+    options = KernelOptions(fp8_impl="scaled")
+    choice = resolve(options, HOPPER, LLADA_8B, jnp.bfloat16, GENERATION, weights="fp8")
     assert choice.weights == "fp8"
     for forward in (choice.block.layers, choice.block.last, choice.refresh.last):
         assert (forward.qkv, forward.out, forward.mlp, forward.down) == ("xla",) * 4
@@ -105,11 +109,10 @@ def test_kernel_choice_takes_xla_products_under_fp8():
     block = choice.block.layers  # the kernels that read no weights: still djax's
     assert (block.attention, block.rope, block.norm) == ("split_kv", "mosaic", "mosaic")
     assert (choice.block.layers.fp8, choice.refresh.layers.fp8) == ("scaled", "scaled")
-    moe = resolve(KernelOptions(), HOPPER, LLADA_MOE, jnp.bfloat16, GENERATION, weights="fp8")
-    assert moe.block.layers.moe == "mosaic"  # the one expert kernel that reads fp8
+    moe = resolve(options, HOPPER, LLADA_MOE, jnp.bfloat16, GENERATION, weights="fp8")
+    assert moe.block.layers.moe == "mosaic"  # the expert kernel that converts e4m3 tiles
     cpu = resolve(KernelOptions(), Device("cpu"), LLADA_8B, jnp.float32, GENERATION, weights="fp8")
     assert cpu.refresh.layers.fp8 == "dequant"
-    options = KernelOptions(fp8_impl="scaled")
     forced = resolve(options, Device("cpu"), LLADA_8B, jnp.float32, GENERATION, weights="fp8")
     assert forced.block.layers.fp8 == forced.refresh.layers.fp8 == "scaled"
     plain = resolve(KernelOptions(), HOPPER, LLADA_8B, jnp.bfloat16, GENERATION)

@@ -20,7 +20,14 @@ from djax.kernels import fp8_matmul_mosaic, tma_ring
 from djax.kernels.handoff import QuantizedRows, finish
 from djax.models import abstract_params, build_module, fp8
 from djax.models import layers as layers_module
-from djax.models.kernel_choice import Device, ForwardKernels, Kernels, Shapes, resolve
+from djax.models.kernel_choice import (
+    Device,
+    ForwardKernels,
+    Kernels,
+    Shapes,
+    holds_k_major,
+    resolve,
+)
 from djax.models.layers import GatedMLP, RMSNorm, project
 from djax.sharding import make_mesh, param_specs
 
@@ -58,15 +65,51 @@ def test_block_forwards_take_the_kernel_refreshes_scaled():
     assert "moe=fp8_mosaic" in moe.explain()
     asked = _choice(LLADA_MOE, options=KernelOptions(fp8_impl="mosaic", moe_impl="mosaic"))
     assert asked.refresh.layers.moe == "fp8_mosaic"
-    # `auto` keeps the experts' converted tiles, as stored
-    auto_moe = resolve(KernelOptions(), HOPPER, LLADA_MOE, jnp.bfloat16, GENERATION, weights="fp8")
-    assert auto_moe.block.layers.moe == auto_moe.refresh.layers.moe == "mosaic"
-    # the option is only taken when asked, and says nothing without fp8 weights
-    auto = resolve(KernelOptions(), HOPPER, LLADA_8B, jnp.bfloat16, GENERATION, weights="fp8")
-    assert not auto.k_major and auto.block.layers.qkv == "xla"
-    assert auto.explain().endswith("\nweights: fp8, as stored")
+    # `auto` takes them on Hopper GPUs, as `mosaic` does, and says nothing without fp8
+    for config in (LLADA_8B, LLADA_MOE):
+        auto = resolve(KernelOptions(), HOPPER, config, jnp.bfloat16, GENERATION, weights="fp8")
+        assert auto == _choice(config)
+    assert auto.explain().endswith("\nweights: fp8, values K-major")
     plain = resolve(MOSAIC, HOPPER, LLADA_8B, jnp.bfloat16, GENERATION)
     assert not plain.k_major and plain.block.layers.qkv == "rope"
+
+
+def test_auto_takes_the_fp8_kernels_only_where_they_run_and_fit():
+    """`auto` holds the values as stored, with XLA's `scaled` products and the converted
+    expert tiles, where djax's kernels do not run (a GPU of another generation, fp32) or
+    do not take a product's widths or the experts (`moe_impl="xla"`); `mosaic` raises
+    there instead."""
+    ada = Device("gpu", (8, 9), 100 * 1024)
+    cases = (
+        (ada, LLADA_8B, jnp.bfloat16, KernelOptions()),
+        (HOPPER, LLADA_8B, jnp.float32, KernelOptions()),
+        (HOPPER, LLADA_8B.replace(mlp_hidden=1000), jnp.bfloat16, KernelOptions()),
+        (HOPPER, LLADA_MOE, jnp.bfloat16, KernelOptions(moe_impl="xla")),
+    )
+    for device, config, dtype, options in cases:
+        auto = resolve(options, device, config, dtype, GENERATION, weights="fp8")
+        assert not auto.k_major and auto.block.layers.qkv == "xla"
+        assert auto.block.layers.mlp != "fp8_mosaic" and auto.block.layers.fp8 == "scaled"
+        assert not holds_k_major(options, device, config, dtype, "fp8")
+    assert holds_k_major(KernelOptions(), HOPPER, LLADA_MOE, jnp.bfloat16, "fp8")
+    assert not holds_k_major(KernelOptions(), HOPPER, LLADA_MOE, jnp.bfloat16, "dtype")
+    with pytest.raises(ValueError, match="fp8_impl='mosaic' takes .* 1000"):
+        holds_k_major(MOSAIC, HOPPER, cases[2][1], jnp.bfloat16, "fp8")
+
+
+def test_params_held_k_major_under_other_options_run_xla_products():
+    """A fallback's options (`auto_as_xla`) over params held K-major: XLA's products (which
+    read that layout) and XLA's experts as `dense` (ragged_dot reads no K-major experts);
+    `mosaic` over params held as stored is refused."""
+    for config in (LLADA_8B, LLADA_MOE):
+        fallback = KernelOptions().auto_as_xla()
+        held = _choice(config, options=fallback, k_major=True)
+        assert held.k_major
+        for forward in (held.block.layers, held.refresh.layers):
+            assert (forward.qkv, forward.out, forward.fp8) == ("xla", "xla", "dequant")
+            assert forward.moe == ("dense" if config.is_moe else "none")
+    with pytest.raises(ValueError, match="reads K-major fp8 values; these params hold theirs"):
+        _choice(k_major=False)
 
 
 def test_the_norms_quantise_for_the_kernel_in_block_forwards_only():
@@ -712,6 +755,12 @@ def test_moe_model_runs_its_experts_in_the_fp8_kernels(tmp_path):
     scaled = djax.forward_logits(dequant.with_options(fp8_impl="scaled"), ids)
     assert np.isfinite(ours).all() and rel_error(ours, ref) <= 1e-1
     assert rel_error(ours, np.asarray(scaled, np.float32)) <= 6e-2
+    # the K-major params under a fallback's options (`auto_as_xla`: `dequant`, XLA's
+    # experts, `dense` over that layout) give the stored layout's `dequant` logits
+    fallback = dataclasses.replace(mosaic, options=KernelOptions().auto_as_xla())
+    assert fallback.kernel_choice(Shapes.whole_sequence(1, 16)).refresh.layers.moe == "dense"
+    held = np.asarray(djax.forward_logits(fallback, ids), np.float32)
+    np.testing.assert_allclose(held, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2, reason="needs 2 GPUs")

@@ -168,18 +168,20 @@ def test_kernels_only_where_their_shapes_fit():
 
 
 def test_moe_choice():
-    """The expert tiles (`mosaic`) run every forward's experts, 16-bit or fp8 weights, on
-    Hopper under `auto` and wherever asked; other devices take XLA's grouped path (dense
-    above 64 tokens); 16-bit activations and widths of 64s only."""
+    """The expert tiles (`mosaic`) run every forward's experts, 16-bit or fp8 weights
+    (fp8 ones where the fp8 x fp8 tiles do not run), on Hopper under `auto` and wherever
+    asked; other devices take XLA's grouped path (dense above 64 tokens); 16-bit
+    activations and widths of 64s only."""
+    scaled = KernelOptions(fp8_impl="scaled")
     for weights in ("dtype", "fp8"):
-        choice = _choice(config=LLADA_MOE, weights=weights)
+        choice = _choice(scaled, config=LLADA_MOE, weights=weights)
         assert choice.block.layers.moe == choice.refresh.layers.moe == "mosaic"
         # a block's 32 tokens fit one row tile: every token through each routed expert
         assert (choice.block.layers.expert_rows, choice.refresh.layers.expert_rows) == (
             "tokens",
             "pairs",
         )
-    fp8_mosaic = _choice(KernelOptions(fp8_impl="mosaic"), config=LLADA_MOE, weights="fp8")
+    fp8_mosaic = _choice(config=LLADA_MOE, weights="fp8")  # `auto`, as `mosaic`
     assert fp8_mosaic.block.layers.moe == "fp8_mosaic"
     assert fp8_mosaic.block.layers.expert_rows == "tokens"
     assert fp8_mosaic.refresh.layers.expert_rows == "pairs"
@@ -242,7 +244,7 @@ def test_explicit_options():
 def test_mosaic_rope():
     """`rope_impl="mosaic"` runs the q/k/v product with RoPE in its epilogue where the
     product runs djax's kernel (LLaDA-8B's and LLaDA-MoE's block forwards), RoPE on the
-    product made apart elsewhere in block windows (XLA's product, fp8 weights), XLA's product
+    product made apart elsewhere in block windows (XLA's product, `scaled` fp8), XLA's product
     and RoPE in refreshes (384-row windows)."""
     for config in (LLADA_8B, LLADA_MOE):
         choice = _choice(KernelOptions(rope_impl="mosaic"), CPU, config=config)
@@ -251,8 +253,8 @@ def test_mosaic_rope():
         assert (choice.block.layers.rope, choice.block.layers.qkv) == ("mosaic", "rope")
         assert (choice.block.last.rope, choice.block.last.qkv) == ("mosaic", "rope")
         assert (choice.refresh.layers.rope, choice.refresh.layers.qkv) == ("xla", "xla")
-    fp8 = _choice(KernelOptions(rope_impl="mosaic"), weights="fp8").block.layers
-    assert (fp8.rope, fp8.qkv) == ("mosaic", "xla")
+    fp8 = _choice(KernelOptions(rope_impl="mosaic", fp8_impl="scaled"), weights="fp8")
+    assert (fp8.block.layers.rope, fp8.block.layers.qkv) == ("mosaic", "xla")
     with pytest.raises(ValueError, match="rope_impl='mosaic' takes head_dim in .*got head_dim=96"):
         _choice(KernelOptions(rope_impl="mosaic"), config=LLADA_8B.replace(head_dim=96))
     odd = _choice(shapes=Shapes(1, 12, 384, 12)).block.layers  # 12 rows: not a multiple of 8

@@ -33,10 +33,10 @@ experts' e4m3 tiles inside `djax.kernels.expert_tiles_mosaic`.
 The head's product is XLA's (`einsum`, in fp32: the logits), by the block forward's
 `Kernels.fp8`.
 
-Layout: fp8 x fp8 WGMMA reads the values K-major, so under `fp8_impl="mosaic"`
-(`k_major`) a model holds the dense products' and the experts' values output axes first
-(`k_major_order`, moved by `to_layout`; `Fp8Weight.k_major`); checkpoints always hold the
-layout above.
+Layout: fp8 x fp8 WGMMA reads the values K-major, so where those kernels run
+(`Model.k_major`, `kernel_choice.holds_k_major`) a model holds the dense products' and the
+experts' values output axes first (`k_major_order`, moved by `to_layout`;
+`Fp8Weight.k_major`); checkpoints always hold the layout above.
 """
 
 from __future__ import annotations
@@ -159,13 +159,6 @@ def k_major_order(name: str, ndim: int) -> tuple[int, ...] | None:
     if axes is None or name == "lm_head":
         return None
     return tuple(i for i in range(ndim) if i not in axes) + axes
-
-
-def k_major(weights: str, fp8_impl: str) -> bool:
-    """Whether a model of the weight format `weights` loaded with the option `fp8_impl`
-    holds its fp8 values (dense products' and experts') K-major: under
-    `fp8_impl="mosaic"`."""
-    return weights == "fp8" and fp8_impl == "mosaic"
 
 
 def to_layout(params: dict, k_major: bool, shardings: dict | None = None) -> dict:

@@ -29,10 +29,11 @@ WGMMA). Rules of `auto`:
   `residual_product_mosaic`) where both products run djax's kernels, on one device (under a
   mesh the products are summed before any norm). The other norms run the per-row kernel
   (`norm="mosaic"`, `residual_norm_mosaic.add_rms_norm`) where the model width fits it.
-- With fp8 weights (`weights="fp8"`, `djax.models.fp8`) the dense products run in XLA (the
-  attention, RoPE and norm kernels, which read no weights, are chosen as above), and the
-  MoE experts in their tiles (`moe="mosaic"`, which convert e4m3 tiles in the kernel) as
-  below. XLA's fp8 path
+- With fp8 weights (`weights="fp8"`, `djax.models.fp8`) the fp8 x fp8 kernels take the
+  block forwards' products and the experts where djax's kernels run (below); elsewhere the
+  dense products run in XLA (the attention, RoPE and norm kernels, which read no weights,
+  are chosen as above), and the MoE experts in their tiles (`moe="mosaic"`, which convert
+  e4m3 tiles in the kernel) as below. XLA's fp8 path
   (`Kernels.fp8`): `scaled` (fp8 x fp8) for every forward on GPUs with fp8 tensor cores
   (`FP8_MIN_CAPABILITY`), `dequant` elsewhere. One path for the whole program: a program
   whose refreshes run `scaled` and block forwards `dequant` was measured slower than either
@@ -57,9 +58,11 @@ An option other than `auto` is taken as given on any device (off GPUs its kernel
 Mosaic GPU's interpreter) wherever its kernel fits: a ValueError names the misfit (widths,
 heads, dtype, fp8 weights) otherwise. The forms `auto` limits by rows and windows keep those
 limits (the products, RoPE and the norms moved into products run only in block forwards).
-`fp8_impl="mosaic"` (fp8 weights, `djax.kernels.fp8_matmul_mosaic`) is taken only when
-asked for, with every dense product's contraction (a device's share under a mesh) a
-multiple of 128 and its output a multiple of 64: block forwards of at most
+The fp8 x fp8 kernels (fp8 weights, `djax.kernels.fp8_matmul_mosaic`) are taken under
+`fp8_impl="mosaic"` on any device, and under `auto` where djax's kernels run, both with
+every dense product's contraction (a device's share under a mesh) a multiple of 128 and
+its output a multiple of 64 (`mosaic` raises a ValueError otherwise; `auto` takes XLA's
+`scaled` products): block forwards of at most
 `KERNEL_MAX_ROWS` token rows run the q/k/v, attention-output and down products and the
 SwiGLU gate/up path in the fp8 x fp8 Mosaic GPU kernel (`fp8_mosaic`; the q/k/v product
 inside the RoPE kernel where the rule above puts it), their partials handed on as the
@@ -72,9 +75,11 @@ heads of 128 features; the gate/up kernel's activation), so no XLA quantisation 
 between them. A MoE model's experts
 run by fp8 x fp8 WGMMA in their tiles (`moe="fp8_mosaic"`,
 `expert_tiles_mosaic.expert_mlp_fp8`) in every forward, under `moe_impl` `auto` or
-`mosaic` (`xla` is refused: XLA's grouped product reads no K-major experts), their model
-and local ffn widths multiples of 128. The model then holds those weights K-major
-(`KernelChoice.k_major`, `djax.models.fp8`).
+`mosaic` (`xla` is refused, and keeps `auto` from them: XLA's grouped product reads no
+K-major experts), their model and local ffn widths multiples of 128. The model then holds
+those weights K-major (`holds_k_major`, `Model.k_major`, `djax.models.fp8`), decided
+where it is loaded. Params held K-major under options that do not take the kernels (the
+fallback's) run XLA's products, which read that layout, and XLA's experts as `dense`.
 """
 
 from __future__ import annotations
@@ -226,8 +231,8 @@ class KernelChoice:
     """The resolved choice of a program: its block forwards' and its refreshes' (a
     whole-sequence forward takes `refresh`), for params of the weight format `weights`
     (`djax.models.fp8.WEIGHTS`), which the modules built with it hold; `k_major`: the
-    fp8 values (dense products' and experts') are held K-major (`fp8.k_major`, under
-    `fp8_impl="mosaic"`).
+    fp8 values (dense products' and experts') are held K-major (`holds_k_major`: where
+    the fp8 x fp8 kernels run them).
     The default is XLA's paths everywhere, weights in the model's dtype."""
 
     block: ForwardKernels = ForwardKernels()
@@ -245,7 +250,7 @@ class KernelChoice:
     def explain(self) -> str:
         """The choice as one line per forward (`part=path, ...`), and a line for the last
         layer's kept rows where they differ; with fp8 weights a last line names them and
-        their layout (K-major under `fp8_impl="mosaic"`)."""
+        their layout (K-major where the fp8 x fp8 kernels run them)."""
         lines = []
         for name, forward in (("block forward", self.block), ("refresh", self.refresh)):
             lines.append(f"{name}: {_listed(forward.layers)}")
@@ -336,20 +341,43 @@ def resolve(
     split_experts: bool = False,
     sharded: bool = False,
     weights: str = "dtype",
+    k_major: bool | None = None,
 ) -> KernelChoice:
     """The concrete choice for a program of `shapes` running `config` in `dtype` with
     weights of the format `weights` on `device`, its weights split `shards` ways (experts
     by expert where `split_experts`), `sharded` when it runs under a mesh (its products are
-    then summed over the model axis before any norm). Raises a ValueError where an option
-    other than `auto` names a kernel that does not take these shapes, dtype or weights."""
+    then summed over the model axis before any norm). `k_major`: whether the params hold
+    their fp8 values K-major (`Model.k_major`); None: as these options place them on this
+    device (`holds_k_major`). Raises a ValueError where an option other than `auto` names a
+    kernel that does not take these shapes, dtype, weights or layout."""
     widths = _Widths(config, shards, split_experts)
-    rule = _Rule(options, device, widths, dtype, sharded, fp8.check_weights(weights))
+    rule = _Rule(options, device, widths, dtype, sharded, fp8.check_weights(weights), k_major)
     return KernelChoice(
         block=rule.forward(shapes.batch, shapes.window, shapes.kept, refresh=False),
         refresh=rule.forward(shapes.batch, shapes.seq, shapes.kept, refresh=True),
         weights=weights,
-        k_major=fp8.k_major(weights, options.fp8_impl),
+        k_major=rule.k_major,
     )
+
+
+def holds_k_major(
+    options: KernelOptions,
+    device: Device,
+    config: ModelConfig,
+    dtype: Any,
+    weights: str = "dtype",
+    shards: int = 1,
+    split_experts: bool = False,
+) -> bool:
+    """Whether a model of `config` in `dtype` with weights of the format `weights`, split
+    as `resolve`'s `shards` and `split_experts` say, holds its fp8 values (the dense
+    products' and the experts') K-major on `device` under `options`: where the fp8 x fp8
+    kernels run its products (`fp8_impl="mosaic"`, and `auto` where djax's kernels run and
+    take every product), whose layout this is. Raises a ValueError as `resolve` does for
+    `fp8_impl="mosaic"` where they do not fit."""
+    widths = _Widths(config, shards, split_experts)
+    rule = _Rule(options, device, widths, dtype, shards > 1, fp8.check_weights(weights), None)
+    return rule.k_major
 
 
 class _Rule:
@@ -363,6 +391,7 @@ class _Rule:
         dtype: Any,
         sharded: bool,
         weights: str,
+        k_major: bool | None,
     ):
         self.options, self.widths, self.sharded = options, widths, sharded
         self.half = jnp.dtype(dtype).itemsize == 2
@@ -395,7 +424,24 @@ class _Rule:
                         "products run in XLA: give 'auto' or 'xla'"
                     )
         if self.fp8 and options.fp8_impl == "mosaic":
-            self._check_fp8_mosaic()
+            misfit = self._fp8_mosaic_misfit()
+            if misfit:
+                raise ValueError(f"fp8_impl='mosaic' {misfit}")
+        # The fp8 x fp8 kernels take the block forwards' products (and every forward's
+        # experts): asked for, or under `auto` where djax's kernels run and take them all.
+        wanted = self.fp8 and (
+            options.fp8_impl == "mosaic"
+            or (options.fp8_impl == "auto" and self.kernels_run and not self._fp8_mosaic_misfit())
+        )
+        # Their values are K-major (`Model.k_major`); params held so under other options (a
+        # fallback's) run XLA's products, which read either layout.
+        self.k_major = wanted if k_major is None else self.fp8 and k_major
+        if self.fp8 and options.fp8_impl == "mosaic" and not self.k_major:
+            raise ValueError(
+                "fp8_impl='mosaic' reads K-major fp8 values; these params hold theirs as "
+                "stored (djax.load and Model.with_options place them for the options given)"
+            )
+        self.fp8_kernels = wanted and self.k_major
         for name in ("matmul_impl", "mlp_impl", "rope_impl", "norm_impl", *moe):
             value = getattr(options, name)
             if value in ("mosaic", "fused", "tiled") and not tma_ring.takes_dtype(dtype):
@@ -415,14 +461,14 @@ class _Rule:
 
     def kernels(self, rows: int, positions: int, refresh: bool) -> Kernels:
         """The choice for `rows` token rows of windows of `positions` positions."""
-        o, w, cfg = self.options, self.widths, self.widths.config
+        w, cfg = self.widths, self.widths.config
         few = rows <= KERNEL_MAX_ROWS
         # Block diffusion runs its whole-sequence choice on windows of other lengths (a
         # block, two, the prompt), which the RoPE kernel may not take: XLA's RoPE there.
         rope = "xla" if refresh and cfg.block_diffusion else self._rope(positions)
         qkv = self._product(w.qkv, few)
         out = self._product(w.out, few)
-        fp8_mosaic = self.fp8 and o.fp8_impl == "mosaic" and few and not refresh
+        fp8_mosaic = self.fp8_kernels and few and not refresh
         if not w.mlp_hidden:  # no dense MLP (every layer's feed-forward is experts)
             mlp = "xla"
         elif fp8_mosaic:
@@ -557,21 +603,23 @@ class _Rule:
         return "xla"
 
     def _fp8(self) -> str:
-        """XLA's fp8 path; under `mosaic`, `scaled` for the products it leaves to XLA."""
+        """XLA's fp8 path; where the fp8 kernels run, `scaled` for the products they leave
+        to XLA."""
         if not self.fp8:
             return "no"
         impl = self.options.fp8_impl
-        if impl == "mosaic":
+        if self.fp8_kernels:
             return "scaled"
         if impl != "auto":
             return impl
         return "scaled" if self.fp8_tensor_cores else "dequant"
 
-    def _check_fp8_mosaic(self) -> None:
-        """`fp8_impl="mosaic"`: a ValueError unless the kernels take every dense product (a
-        device's share of it under a mesh) and, for a MoE model, the experts'
-        (`fp8_matmul_mosaic.fits`: the model and local expert ffn widths multiples of 128)
-        under a `moe_impl` that reads K-major experts (`auto` or `mosaic`)."""
+    def _fp8_mosaic_misfit(self) -> str:
+        """What keeps the fp8 x fp8 kernels from this model (completing "fp8_impl='mosaic'
+        ..."), or "" where they take every dense product (a device's share of it under a
+        mesh) and, for a MoE model, the experts (`fp8_matmul_mosaic.fits`: the model and
+        local expert ffn widths multiples of 128) under a `moe_impl` that reads K-major
+        experts (`auto` or `mosaic`)."""
         w, cfg = self.widths, self.widths.config
         products = {"q/k/v": w.qkv, "attention output": w.out}
         for h in w.mlp_hidden:
@@ -579,24 +627,25 @@ class _Rule:
             products[f"down ({h})"] = (h, cfg.d_model)
         if cfg.is_moe:
             if self.options.moe_impl == "xla":
-                raise ValueError(
-                    "fp8_impl='mosaic' holds the experts K-major, which moe_impl='xla' does "
-                    "not read; give moe_impl 'auto' or 'mosaic'"
+                return (
+                    "holds the experts K-major, which moe_impl='xla' does not read; give "
+                    "moe_impl 'auto' or 'mosaic'"
                 )
             k_tile = fp8_matmul_mosaic.K_TILE
             if cfg.d_model % k_tile or w.expert_hidden % k_tile:
-                raise ValueError(
-                    f"fp8_impl='mosaic' takes expert widths that are multiples of {k_tile} "
-                    f"(both contract an expert product); got model {cfg.d_model}, local "
-                    f"expert ffn {w.expert_hidden}"
+                return (
+                    f"takes expert widths that are multiples of {k_tile} (both contract an "
+                    f"expert product); got model {cfg.d_model}, local expert ffn "
+                    f"{w.expert_hidden}"
                 )
         for name, (k, n) in products.items():
             if not fp8_matmul_mosaic.fits(k, n):
-                raise ValueError(
-                    f"fp8_impl='mosaic' takes products whose contraction is a multiple of "
+                return (
+                    f"takes products whose contraction is a multiple of "
                     f"{fp8_matmul_mosaic.K_TILE} and output a multiple of {tma_ring.TILE}; "
                     f"got the {name} product {k} -> {n}"
                 )
+        return ""
 
     def _norm_fusion(self, few: bool) -> str:
         """Where the norm before the feed-forward moves into the products around it, before
@@ -609,8 +658,10 @@ class _Rule:
     def _moe(self, tokens: int) -> str:
         cfg, w = self.widths.config, self.widths
         impl = self.options.moe_impl
-        if self.fp8 and self.options.fp8_impl == "mosaic":  # `_check_fp8_mosaic` took it
+        if self.fp8_kernels:  # `_fp8_mosaic_misfit` took the experts' widths
             return "fp8_mosaic"
+        if self.k_major:  # XLA's product of every expert reads K-major values; ragged_dot not
+            return "dense"
         fits = tma_ring.fits(cfg.d_model, w.expert_hidden)
         if impl == "mosaic" and not fits:
             raise ValueError(
