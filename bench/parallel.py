@@ -9,10 +9,11 @@ dInfer's LLaDA-MoE setting (gen 1024, block 64, vicinity 16/16 with 4 warm-up st
 tokens per forward).
 
     python -m bench.parallel [--sizes 1 2] [--models dense moe] [--weights dtype fp8]
-        [--variants default fp8_impl=mosaic] [--routing model|spread] [--dinfer] [--tiny]
+        [--variants default fp8_impl=scaled] [--routing model|spread] [--dinfer] [--tiny]
 
 `--weights`: each model under each weight form (`fp8`: projections and experts in e4m3,
-split as the bf16 ones are; `auto` runs their products `scaled`). `--variants`: each a set
+split as the bf16 ones are; `auto` runs them in the fp8 kernels on Hopper GPUs, each
+device's share K-major). `--variants`: each a set
 of kernel options (`bench.common.parse_options`; `default`: none) run at every size, each
 row carrying its `options` and its speedup over one device under the same options.
 `--routing spread`: LLaDA-MoE's tokens spread as a trained router's (`bench.common.
