@@ -122,6 +122,7 @@ def measure(name: str, tiny: bool, prompt_len: int, gen_len: int, layers=None) -
     config = with_layers(model_config(name, tiny), layers)
     model, _ = bench_model(config)
     quantised = dataclasses.replace(model, params=fp8.quantize_params(model.params), weights="fp8")
+    quantised = quantised.with_options()  # the layout `auto` holds on this device
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, min(1000, config.mask_token_id), prompt_len).tolist()
     ids = np.array([prompt + [config.mask_token_id] * gen_len])

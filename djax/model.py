@@ -274,7 +274,16 @@ def convert(
     generation_defaults(src)  # copied along: a bad one is refused now, not at every load
     checkpoint.open_checked(src, config, dtype, allow_pickle)
     with folders.staged(target) as staging:
-        model = load(src, dtype, weights=weights, allow_pickle=allow_pickle, progress=progress)
+        # `dequant` holds the values as stored (`auto` may hold them K-major on this
+        # device): checkpoints keep the layout `abstract_params` describes
+        model = load(
+            src,
+            dtype,
+            weights=weights,
+            allow_pickle=allow_pickle,
+            progress=progress,
+            fp8_impl="dequant",
+        )
         for name in MODEL_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, staging / name)

@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from test_kernel_choice import GENERATION, HOPPER, LLADA_8B, LLADA_MOE
 
 import djax
+from djax import engine, programs
 from djax.config import DENSE, MOE, ModelConfig
 from djax.kernel_options import KernelOptions
 from djax.kernels import fp8_matmul_mosaic, tma_ring
@@ -91,6 +92,10 @@ def test_auto_takes_the_fp8_kernels_only_where_they_run_and_fit():
         assert not auto.k_major and auto.block.layers.qkv == "xla"
         assert auto.block.layers.mlp != "fp8_mosaic" and auto.block.layers.fp8 == "scaled"
         assert not holds_k_major(options, device, config, dtype, "fp8")
+    odd = LLADA_MOE.replace(expert_hidden=1088)  # a multiple of 64, not of 128
+    odd_auto = resolve(KernelOptions(), HOPPER, odd, jnp.bfloat16, GENERATION, weights="fp8")
+    assert not odd_auto.k_major and odd_auto.block.layers.fp8 == "scaled"
+    assert odd_auto.block.layers.moe == odd_auto.refresh.layers.moe == "mosaic"  # converted
     assert holds_k_major(KernelOptions(), HOPPER, LLADA_MOE, jnp.bfloat16, "fp8")
     assert not holds_k_major(KernelOptions(), HOPPER, LLADA_MOE, jnp.bfloat16, "dtype")
     with pytest.raises(ValueError, match="fp8_impl='mosaic' takes .* 1000"):
@@ -802,3 +807,31 @@ def test_the_kernels_under_a_mesh_of_gpus(tmp_path, family, mesh_kind):
         reference = djax.load(tmp_path, jnp.float32, mesh=tp, weights="fp8", fp8_impl="mosaic")
     tokens = djax.generate(mosaic, prompts, config).answer_ids
     assert np.mean(tokens == djax.generate(reference, prompts, config).answer_ids) >= 0.75
+
+
+def test_convert_to_fp8_on_hopper_stores_the_checkpoint_layout(tmp_path, monkeypatch):
+    """`convert --weights fp8` on a Hopper GPU (pretended), where `auto` would hold the
+    values K-major, stores them in the checkpoints' layout."""
+    src = tmp_path / "src"
+    make_llada_dense(src, d_model=256, n_layers=1, n_heads=4, n_kv_heads=2, mlp_hidden=256)
+    monkeypatch.setattr(programs, "device_of", lambda mesh: HOPPER)
+    out = djax.convert(src, tmp_path / "out", jnp.bfloat16, progress=False, weights="fp8")
+    loaded = djax.load(out, jnp.bfloat16, fp8_impl="dequant")
+    assert not loaded.k_major
+    expected = abstract_params(loaded.config, jnp.bfloat16, "fp8")
+    assert loaded.params["attn_0"]["qkv"].shape == expected["attn_0"]["qkv"].shape
+
+
+def test_the_executable_cache_tells_the_layouts_apart(tmp_path, monkeypatch):
+    """Two models of the same options, one holding its values as stored, one K-major (a
+    fallback's state), each run a program of their own layout (`executable_key` reads no
+    params: it names `k_major`)."""
+    make_llada_dense(tmp_path, d_model=128, n_layers=1, n_heads=2, n_kv_heads=1, mlp_hidden=256)
+    stored = djax.load(tmp_path, jnp.float32, weights="fp8", fp8_impl="dequant")
+    held = dataclasses.replace(stored.with_options(fp8_impl="mosaic"), options=stored.options)
+    assert held.k_major and not stored.k_major and held.options == stored.options
+    monkeypatch.setattr(engine, "_EXECUTABLES", {})
+    config = djax.GenerationConfig(gen_length=8, block_length=8, steps=8, cache="dual")
+    a = djax.generate(stored, [[5, 6, 7, 8]], config).answer_ids
+    b = djax.generate(held, [[5, 6, 7, 8]], config).answer_ids
+    np.testing.assert_array_equal(a, b)

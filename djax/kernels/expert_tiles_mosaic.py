@@ -1,7 +1,7 @@
 """The routed experts' two products over token-expert pairs sorted by expert, as Pallas
 Mosaic GPU kernels (Hopper: TMA copies, WGMMA) whose row tiles each belong to one expert
 (`moe_impl="mosaic"`), taking weights of the rows' dtype or fp8 weights (converted in the
-kernel, or K-major by fp8 x fp8 WGMMA under `fp8_impl="mosaic"`).
+kernel, or K-major by fp8 x fp8 WGMMA where the fp8 x fp8 kernels run).
 
 A grouped matmul over fixed tiles of sorted rows computes a tile that straddles two
 experts once per expert, and runs every tile slot's whole contraction, used or not. Here
@@ -43,7 +43,7 @@ tile, `block_n` columns) and streams its expert's weight tiles through the ring 
   channel), with the product kept in fp32 until the scale.
 - fp8 x fp8 (`grouped_matmul_fp8`, `expert_mlp_fp8`; `moe="fp8_mosaic"`): Hopper's WGMMA
   takes 8-bit operands only K-major, so the weights come K-major ([experts, 2, ffn, model]
-  and [experts, model, ffn], as a model loaded with `fp8_impl="mosaic"` holds them) and the
+  and [experts, model, ffn], as a model holding its fp8 values K-major does) and the
   rows as e4m3: the token rows with a scale per row (`fp8_matmul_mosaic.quantize_rows`,
   before the gather), the activation with a scale per row of each 128-column tile
   (`fp8_matmul_mosaic.quantize_slices`), which the gate/up kernel writes itself: each CTA

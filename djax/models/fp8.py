@@ -293,7 +293,7 @@ def ragged_dot(x: Array, w: Weight, group_sizes: Array, impl: str = "no") -> Arr
     if w.k_major:
         raise ValueError(
             "ragged_dot: takes expert weights in their own layout; got a K-major weight (a "
-            "model loaded with fp8_impl='mosaic' runs its experts in moe='fp8_mosaic' or "
+            "model holding them so, Model.k_major, runs its experts in moe='fp8_mosaic' or "
             "'dense')"
         )
     ends = jnp.cumsum(group_sizes)

@@ -102,8 +102,8 @@ def _k_major(w: fp8.Weight) -> tuple[Array, Array]:
     ValueError for any other weight."""
     if not isinstance(w, Fp8Weight) or not w.k_major:
         raise ValueError(
-            "the fp8 Mosaic GPU products take K-major fp8 weights (a model loaded with "
-            f"fp8_impl='mosaic'); got {type(w).__name__} {w.shape}"
+            "the fp8 Mosaic GPU products take K-major fp8 weights (Model.k_major: "
+            f"fp8_impl 'mosaic', or 'auto' on Hopper GPUs); got {type(w).__name__} {w.shape}"
             + ("" if not isinstance(w, Fp8Weight) else " in its own layout")
         )
     return w.values, w.scale

@@ -10,7 +10,7 @@ function (`Kernels.moe`): `grouped` lays the token-expert pairs out by expert
 (`group_layout`, no sort) and runs `jax.lax.ragged_dot`; `mosaic` runs them, each
 expert's rows from a multiple of 8, through djax's expert-tile kernels
 (`djax.kernels.expert_tiles_mosaic`, 16-bit or fp8 weights), and `fp8_mosaic` runs them
-by fp8 x fp8 WGMMA on K-major fp8 weights (`fp8_impl="mosaic"`); `dense` runs every
+by fp8 x fp8 WGMMA on K-major fp8 weights (`Model.k_major`); `dense` runs every
 local expert on every token and weights the outputs (zero weight where not routed). The
 expert tiles take the pairs laid out by expert (`experts_grouped`) or, in forwards whose
 tokens fit one row tile (`Kernels.expert_rows="tokens"`: a block's), every token through
@@ -182,14 +182,14 @@ def mosaic_mlp(
     `align=ROW_ALIGN`), through the Mosaic GPU expert-tile kernels
     (`expert_tiles_mosaic.expert_mlp`, at its (gate/up, down) `tiles`, default `tiles_for`),
     `Fp8Weight`s given to them as values and scales (in their own layout: K-major ones,
-    as `fp8_impl="mosaic"` holds them, run in `fp8_mosaic_mlp`; a ValueError here).
+    as `Model.k_major` holds them, run in `fp8_mosaic_mlp`; a ValueError here).
     `source_rows` None: every token through each expert whose group size is not 0, in
     the every-token layout (`expert_tiles_mosaic.expert_mlp_every_token`: [experts, R,
     model])."""
     if any(isinstance(w, fp8.Fp8Weight) and w.k_major for w in (gate_up, down)):
         raise ValueError(
             "moe='mosaic' takes fp8 expert weights in their own layout; got K-major ones (a "
-            "model loaded with fp8_impl='mosaic' runs its experts in moe='fp8_mosaic')"
+            "model holding them so, Model.k_major, runs its experts in moe='fp8_mosaic' or 'dense')"
         )
     scales = ()
     if isinstance(gate_up, fp8.Fp8Weight) and isinstance(down, fp8.Fp8Weight):
@@ -213,15 +213,15 @@ def fp8_mosaic_mlp(
 ) -> Array:
     """`mosaic_mlp`'s contract by fp8 x fp8 WGMMA (`expert_tiles_mosaic.expert_mlp_fp8`, at
     its (gate/up, down) `tiles`, default `fp8_tiles_for`): K-major `Fp8Weight`s (a model
-    loaded with `fp8_impl="mosaic"`), the rows quantised per row (or as the norm quantised
+    holding them so, `Model.k_major`), the rows quantised per row (or as the norm quantised
     them, `QuantizedRows`); a ValueError for other weights. `source_rows` None: the
     every-token layout (`expert_tiles_mosaic.expert_mlp_fp8_every_token`), as
     `mosaic_mlp`'s."""
     for w in (gate_up, down):
         if not isinstance(w, fp8.Fp8Weight) or not w.k_major:
             raise ValueError(
-                "moe='fp8_mosaic' takes K-major fp8 expert weights (a model loaded with "
-                f"fp8_impl='mosaic'); got {type(w).__name__} {w.shape}"
+                "moe='fp8_mosaic' takes K-major fp8 expert weights (Model.k_major: "
+                f"fp8_impl 'mosaic', or 'auto' on Hopper GPUs); got {type(w).__name__} {w.shape}"
                 + (" in its own layout" if isinstance(w, fp8.Fp8Weight) else "")
             )
     weights = (gate_up.values, gate_up.scale, down.values, down.scale)
