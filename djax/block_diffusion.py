@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from djax import decoders, engine
-from djax.diffusion import Plan, Rows, block_call, row_keys
+from djax.diffusion import Plan, Rows, block_call
 from djax.generation import GenerationConfig
 from djax.kv_cache import init_buffers
 from djax.model import Model
@@ -139,13 +139,16 @@ def predict(
     temperature: Array | None,
     keys: Array,
     axis_name: str | None,
+    filters: decoders.Filters | None = None,
 ) -> tuple[Array, Array]:
     """Token and confidence [b, B] from a block's final hidden states, the logits made whole
-    or a vocabulary chunk at a time (`DecoderSpec.chunk_for`). Mask id -1: no vocabulary
-    entry is excluded, so the mask token may be predicted. `apply` runs a module method."""
+    or a vocabulary chunk at a time (`DecoderSpec.chunk_for`; `filters` need them whole).
+    Mask id -1: no vocabulary entry is excluded, so the mask token may be predicted.
+    `apply` runs a module method."""
+    decoders.check_filters(filters, chunk)
     if chunk is None:
         logits = apply(hidden, method="logits")
-        return decoders.predict(logits, temperature, keys, -1, axis_name)
+        return decoders.predict(logits, temperature, keys, -1, axis_name, filters)
     return decoders.predict_chunked(
         lambda start: apply(hidden, start, chunk, method="logits"),
         vocab_local,
@@ -189,6 +192,7 @@ class _Blocks:
         self.key_valid, self.positions, self.axis_name = key_valid, positions, axis
         self.threshold = rows.threshold[:, None]
         self.temperature = rows.temperature if plan.sampling else None
+        self.filters = rows.filters(plan.sampling)
         self.vocab_local = params["lm_head"].shape[1]
         self.chunk = plan.decoder.chunk_for(self.vocab_local)
         self.answer_start = answer_start
@@ -253,6 +257,7 @@ class _Blocks:
             self.temperature,
             keys,
             self.axis_name,
+            self.filters,
         )
 
     def step(self, state: State, with_previous: bool = False) -> State:
@@ -401,6 +406,7 @@ def run_causal_block_call(
     vocab_local = params["lm_head"].shape[1]
     chunk = plan.decoder.chunk_for(vocab_local)
     temperature = rows.temperature if plan.sampling else None
+    filters = rows.filters(plan.sampling)
     threshold = rows.threshold[:, None]
     steps = rows.block_steps
     bound = steps if plan.decoder.name in FIXED_STEP_DECODERS else jnp.full_like(steps, b)
@@ -415,7 +421,7 @@ def run_causal_block_call(
         masked = (block == plan.mask_id) & active[:, None]
         split = jax.vmap(lambda key: jax.random.split(jax.random.wrap_key_data(key), 3))(keys)
         token, confidence = predict(
-            apply, hidden, vocab_local, chunk, temperature, split[:, 1], axis_name
+            apply, hidden, vocab_local, chunk, temperature, split[:, 1], axis_name, filters
         )
         k = decoders.fixed_schedule(jnp.full_like(steps, b), steps, step)
         commit = choose(plan.decoder, confidence, masked, threshold, k, split[:, 2])
@@ -544,11 +550,7 @@ def generate(
     plan, notes = make_plan(model, config, rows)
     inputs = layout(rows, plan, model.config.pad_token_id)
     batch = len(rows)
-    per_row = Rows(
-        keys=row_keys(config.seed, batch),
-        threshold=np.full(batch, config.threshold, np.float32),
-        temperature=np.full(batch, config.temperature, np.float32),
-    )
+    per_row = engine.row_values(config, batch)
     placed = engine.place(model, [inputs["tokens"], inputs["key_valid"], inputs["positions"]])
     args = (model.params, *placed, engine.place(model, per_row))
     program, compile_seconds = engine.executable(model, plan, args, run_block_diffusion)

@@ -51,6 +51,9 @@ _HELP = {
     "vicinity_after": "positions after the block that the vicinity cache feeds",
     "vicinity_warmup": "first steps of the generation that run without the vicinity cache",
     "temperature": "sampling temperature, finite and >= 0 (0: argmax)",
+    "top_k": "a sampled token is one of the k most likely (0: any)",
+    "top_p": "a sampled token is one of the fewest most likely whose probability reaches p, "
+    "in (0, 1] (1: any)",
     "seed": "random seed, in [0, 2**32)",
     "stop_ids": "comma-separated token ids that end an answer",
     "early_stop": "stop a row after the block holding its first stop token",

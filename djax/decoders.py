@@ -189,6 +189,18 @@ def gumbel_noise(key: Array, positions: int, vocab_ids: Array, vocab_size: int) 
     return -jnp.log(-jnp.log(uniform))
 
 
+class Filters(NamedTuple):
+    """Per-row limits on what a sampled token may be, applied to the logits over the
+    temperature in the order top-k, then top-p: top_k [batch] int32, the k highest scores
+    (every score equal to the k-th kept too; 0: no limit); top_p [batch] fp32, the fewest
+    highest scores whose probability, renormalised over what top-k kept, reaches p (a
+    score is kept when the scores above it hold less than p; 1: no limit). Rows at
+    temperature 0 take the argmax, which both keep."""
+
+    top_k: Array
+    top_p: Array
+
+
 def _choosable(
     logits: Array,
     local_ids: Array,
@@ -197,10 +209,12 @@ def _choosable(
     mask_id: int,
     axis_name: str | None,
     vocab_local: int,
+    filters: Filters | None = None,
 ) -> Array:
     """The scores a prediction maximises at this device's vocabulary ids `local_ids`
     [width] of `logits` [batch, positions, width]: the logits (the mask id at -inf), over
-    the row's temperature plus Gumbel noise where it is above 0."""
+    the row's temperature plus Gumbel noise where it is above 0, -inf where the row's
+    `filters` leave a score out (`local_ids` must then be this device's whole vocabulary)."""
     offset = _vocab_offset(vocab_local, axis_name)
     choosable = jnp.where(local_ids == mask_id - offset, NEG_INF, logits)
     if temperature is None:
@@ -209,8 +223,110 @@ def _choosable(
     positions = logits.shape[1]
     noise = jax.vmap(lambda key: gumbel_noise(key, positions, offset + local_ids, vocab_size))(keys)
     t = temperature[:, None, None]
-    sampled = choosable / jnp.where(t > 0, t, 1.0) + noise
-    return jnp.where(t > 0, sampled, choosable)
+    scaled = choosable / jnp.where(t > 0, t, 1.0)
+    if filters is not None:
+        scaled = filtered(scaled, filters, axis_name)
+    return jnp.where(t > 0, scaled + noise, choosable)
+
+
+# ---------------------------------------------------------------- top-k and top-p
+
+# A pass of the threshold search counts (or sums) at this many thresholds at once, so the
+# 2**32 float32 orders take ceil(32 / log2(17)) = 8 passes.
+_SEARCH_WAYS = 16
+_SEARCH_PASSES = 8
+_SIGN = np.uint32(0x80000000)
+
+
+def _order(x: Array) -> Array:
+    """float32 -> uint32 that orders as the floats do (-inf lowest; no NaNs)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >= _SIGN, ~bits, bits | _SIGN)
+
+
+def _highest_reaching(
+    order: Array, weight: Array, target: Array, lo: Array, hi: Array, axis_name: str | None
+) -> Array:
+    """The largest u in [lo, hi) with sum(weight[order >= u]) >= target, per position.
+
+    order [..., vocab] uint32 (`_order`), weight [..., vocab] >= 0; target, lo, hi [...]
+    uint32 bounds where the sum at lo reaches `target` and the sum at hi does not (hi
+    exclusive). Each pass sums the weight above `_SEARCH_WAYS` thresholds evenly inside
+    [lo, hi) (over the mesh's vocabulary shards too) and keeps the sub-interval holding the
+    boundary: exact after `_SEARCH_PASSES` passes."""
+    ways = jnp.arange(1, _SEARCH_WAYS + 1, dtype=jnp.uint32)
+
+    def one_pass(_, bounds):
+        lo, hi = bounds
+        width = hi - lo
+        step = width // (_SEARCH_WAYS + 1) + (width % (_SEARCH_WAYS + 1) > 0)
+        offset = step[..., None] * ways  # <= 16 * ceil(2**32 / 17) < 2**32
+        t = jnp.where(offset < width[..., None], lo[..., None] + offset, hi[..., None])
+        above = order[..., None, :] >= t[..., :, None]  # [..., ways, vocab]
+        mass = jnp.sum(jnp.where(above, weight[..., None, :], 0), axis=-1)
+        if axis_name is not None:
+            mass = jax.lax.psum(mass, axis_name)
+        reaches = mass >= target[..., None]
+        # thresholds rise with j, so those that reach come first
+        new_lo = jnp.max(jnp.where(reaches, t, lo[..., None]), axis=-1)
+        new_hi = jnp.min(jnp.where(reaches, hi[..., None], t), axis=-1)
+        return new_lo, new_hi
+
+    lo, _ = jax.lax.fori_loop(0, _SEARCH_PASSES, one_pass, (lo, hi))
+    return lo
+
+
+def check_filters(filters: Filters | None, chunk: int | None) -> None:
+    """Filters need a step's whole logits: a ValueError where the logits come in chunks."""
+    if filters is not None and chunk is not None:
+        raise ValueError(
+            f"top_k/top_p need a step's whole logits; this program computes them {chunk} "
+            "vocabulary ids at a time (logits_chunk): give logits_chunk=0"
+        )
+
+
+def filtered(scaled: Array, filters: Filters, axis_name: str | None = None) -> Array:
+    """`scaled` [batch, positions, vocab_local] (logits over the temperature, -inf where a
+    token may never be chosen) at -inf wherever the row's `filters` leave a token out;
+    the vocabulary may be split over the mesh axis `axis_name`. The thresholds are found
+    by counting (top-k) and summing probabilities (top-p) above candidate thresholds over
+    the whole vocabulary, a few passes over the logits, and only when some row filters."""
+    top_k = filters.top_k[:, None]
+    top_p = filters.top_p[:, None]
+
+    def thresholds() -> Array:
+        order = _order(scaled)
+        finite = scaled > NEG_INF
+        big = jnp.uint32(np.iinfo(np.uint32).max)
+        lo = jnp.min(jnp.where(finite, order, big), axis=-1)
+        hi = jnp.max(jnp.where(finite, order, jnp.uint32(0)), axis=-1)
+        top = jnp.max(scaled, axis=-1)
+        if axis_name is not None:
+            lo = jax.lax.pmin(lo, axis_name)
+            hi = jax.lax.pmax(hi, axis_name)
+            top = jax.lax.pmax(top, axis_name)
+        hi = hi + (hi < big)  # exclusive (a +inf score keeps the whole range)
+        # top-k: the k-th highest score, counted over the whole vocabulary
+        ones = finite.astype(jnp.float32)
+        k = jnp.where(top_k > 0, top_k, 1).astype(jnp.float32)
+        k_th = _highest_reaching(order, ones, k * jnp.ones_like(top), lo, hi, axis_name)
+        k_th = jnp.where(top_k > 0, k_th, lo)
+        # top-p over what top-k kept: the highest u whose scores at or above it hold at
+        # least 1 - p of the kept mass below... found as the lowest score whose scores
+        # strictly above hold less than p, i.e. one below the highest u holding >= p.
+        kept = order >= k_th[..., None]
+        weight = jnp.where(kept & finite, jnp.exp(scaled - top[..., None]), 0.0)
+        total = jnp.sum(weight, axis=-1)
+        if axis_name is not None:
+            total = jax.lax.psum(total, axis_name)
+        reaching = _highest_reaching(order, weight, top_p * total, k_th, hi, axis_name)
+        p_th = jnp.where(top_p < 1, reaching, k_th)
+        return jnp.maximum(k_th, p_th)
+
+    active = jnp.any((filters.top_k > 0) | (filters.top_p < 1))
+    floor = jnp.zeros(scaled.shape[:-1], jnp.uint32)
+    threshold = jax.lax.cond(active, thresholds, lambda: floor)
+    return jnp.where(_order(scaled) >= threshold[..., None], scaled, NEG_INF)
 
 
 def predict(
@@ -219,17 +335,22 @@ def predict(
     keys: Array | None,
     mask_id: int,
     axis_name: str | None = None,
+    filters: Filters | None = None,
 ) -> tuple[Array, Array]:
     """Token and confidence at each position.
 
     logits: [batch, block, vocab_local] fp32; temperature: [batch] fp32 (0: argmax for that
     row), or None when every row takes the argmax; keys: [batch] PRNG keys, one per row, so
-    a row's sample never depends on its batch-mates. Returns token [batch, block] int32
-    (never the mask id) and confidence = softmax(logits)[token] [batch, block] fp32.
+    a row's sample never depends on its batch-mates; filters: the rows' top-k and top-p
+    (`Filters`), or None for none. Returns token [batch, block] int32 (never the mask id)
+    and confidence = softmax(logits)[token] [batch, block] fp32 (of the logits as they
+    are: the filters change which token is drawn, not its confidence).
     """
     vocab_local = logits.shape[-1]
     local_ids = jnp.arange(vocab_local)
-    choosable = _choosable(logits, local_ids, temperature, keys, mask_id, axis_name, vocab_local)
+    choosable = _choosable(
+        logits, local_ids, temperature, keys, mask_id, axis_name, vocab_local, filters
+    )
     token, logit, normaliser = _top_and_logsumexp(choosable, logits, axis_name)
     return token, jnp.exp(logit - normaliser)
 

@@ -89,12 +89,22 @@ class Rows(NamedTuple):
     """Per-row values of a program. keys: [batch, 2] uint32 PRNG key data, one stream per
     row; threshold: [batch] fp32 τ (τ_high of `hierarchy`); temperature: [batch] fp32, 0 for
     the argmax; block_steps: [batch] int32, each row's steps a block where the server sets
-    them (block diffusion's fixed-steps decoders), else None."""
+    them (block diffusion's fixed-steps decoders), else None; top_k [batch] int32 and top_p
+    [batch] fp32: each row's limits on its sampled tokens (`decoders.Filters`; 0 and 1: none),
+    or both None for a program that samples unfiltered."""
 
     keys: Array
     threshold: Array
     temperature: Array
     block_steps: Any = None
+    top_k: Any = None
+    top_p: Any = None
+
+    def filters(self, sampling: bool) -> decoders.Filters | None:
+        """The rows' `decoders.Filters` in a program that samples (`Plan.sampling`), else None."""
+        if not sampling or self.top_k is None:
+            return None
+        return decoders.Filters(self.top_k, self.top_p)
 
 
 class Slots(NamedTuple):
@@ -228,8 +238,10 @@ class _Generation:
         self.key_valid, self.positions, self.axis_name = key_valid, positions, axis_name
         self.threshold = rows.threshold[:, None]
         self.temperature = rows.temperature if plan.sampling else None
+        self.filters = rows.filters(plan.sampling)
         self.vocab_local = params["lm_head"].shape[1]
         self.chunk = plan.decoder.chunk_for(self.vocab_local, plan.smoothing)
+        decoders.check_filters(self.filters, self.chunk)
 
     def _apply(self, *args, **kwargs):
         return self.module.apply({"params": self.params}, *args, **kwargs)
@@ -343,7 +355,12 @@ class _Generation:
                     state.credit, logits, masked, spec, state.step_in_block == 0, self.axis_name
                 )
             token, confidence = decoders.predict(
-                decode_logits, self.temperature, keys[:, 1], plan.mask_id, self.axis_name
+                decode_logits,
+                self.temperature,
+                keys[:, 1],
+                plan.mask_id,
+                self.axis_name,
+                self.filters,
             )
             if plan.smoothing:
                 soft = self._apply(

@@ -243,14 +243,27 @@ def program_args(
     the row arrays placed on the model's mesh when it has one. The program donates the
     tokens. Row i draws from `fold_in(key(config.seed), i)`."""
     inputs = build_inputs(rows, plan, model.config.pad_token_id)
-    batch = len(rows)
-    per_row = Rows(
+    per_row = row_values(config, len(rows))
+    placed = place(model, [inputs["tokens"], inputs["key_valid"], inputs["positions"]])
+    return (model.params, *placed, place(model, per_row))
+
+
+def row_values(config: GenerationConfig, batch: int) -> Rows:
+    """`config`'s per-row values for `batch` rows: row i's key `fold_in(key(config.seed),
+    i)`, its threshold and temperature, and its top_k and top_p where they filter (else
+    none: a program without filters)."""
+    filters = {}
+    if config.filters_sampling:
+        filters = {
+            "top_k": np.full(batch, config.top_k, np.int32),
+            "top_p": np.full(batch, config.top_p, np.float32),
+        }
+    return Rows(
         keys=row_keys(config.seed, batch),
         threshold=np.full(batch, config.threshold, np.float32),
         temperature=np.full(batch, config.temperature, np.float32),
+        **filters,
     )
-    placed = place(model, [inputs["tokens"], inputs["key_valid"], inputs["positions"]])
-    return (model.params, *placed, place(model, per_row))
 
 
 def place(model: Model, arrays: Any) -> Any:

@@ -29,7 +29,11 @@ class GenerationConfig:
     of `hierarchy`; low_threshold: τ_low of `hierarchy`; factor: f of `factor`; credit_*: α,
     γ, β of `credit`. cache: one of `POLICIES`; refresh_every: extra refresh every k steps
     within a block (0: never); vicinity_*: window and warm-up of `vicinity`. temperature: 0
-    is argmax, else finite and > 0. seed: in [0, 2**32). stop_ids: ids that end an answer
+    is argmax, else finite and > 0. top_k: a sampled token is one of the k most likely (ties
+    with the k-th kept; 0: any); top_p: one of the fewest most likely tokens whose
+    probability, after top_k, reaches p (in (0, 1]; 1: any); both act on the distribution
+    at `temperature` (above 0) and need the whole vocabulary's logits at once
+    (`logits_chunk` 0). seed: in [0, 2**32). stop_ids: ids that end an answer
     (default: the model's EOS and end-of-turn). early_stop: stop a row after the block
     holding its first stop token. smoothing: iteration smoothing (soft embeddings of masked
     positions). logits_chunk: a step computes its logits this many vocabulary ids at a time,
@@ -58,6 +62,8 @@ class GenerationConfig:
     vicinity_after: int = 16
     vicinity_warmup: int = 4
     temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
     seed: int = 0
     stop_ids: tuple[int, ...] | None = None
     early_stop: bool = True
@@ -68,6 +74,11 @@ class GenerationConfig:
 
     def __post_init__(self):
         _check_options(self)
+
+    @property
+    def filters_sampling(self) -> bool:
+        """Whether top_k or top_p limits the sampled tokens (at a temperature above 0)."""
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
 
     def decoder_spec(self):
         """The `djax.decoders.DecoderSpec` of this config."""
@@ -143,6 +154,16 @@ def _check_options(c: GenerationConfig) -> None:
         and math.isfinite(c.temperature)
         and c.temperature >= 0,
         f"temperature={c.temperature!r}; expected a finite number ≥ 0",
+    )
+    need(_is_int(c.top_k) and c.top_k >= 0, f"top_k={c.top_k!r}; expected an int ≥ 0 (0: off)")
+    need(
+        isinstance(c.top_p, int | float) and not isinstance(c.top_p, bool) and 0 < c.top_p <= 1,
+        f"top_p={c.top_p!r}; expected a number in (0, 1] (1: off)",
+    )
+    need(
+        not c.filters_sampling or c.logits_chunk == 0,
+        f"top_k={c.top_k}, top_p={c.top_p} need a step's whole logits; logits_chunk="
+        f"{c.logits_chunk} computes them in chunks: give logits_chunk=0",
     )
     need(
         _is_int(c.seed) and 0 <= c.seed < SEED_LIMIT,

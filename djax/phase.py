@@ -88,7 +88,8 @@ class Decoding(NamedTuple):
     """Rows' decoding state, by row. block: [rows, block_len] int32, the block's tokens (no
     mask id once it is decoded); keys: [rows, 2] uint32; threshold, temperature: [rows]
     fp32; step_in_block: [rows] int32, steps the block has taken; block_masks: [rows] int32,
-    its masks when it started (the fixed-steps schedule)."""
+    its masks when it started (the fixed-steps schedule); top_k [rows] int32 and top_p
+    [rows] fp32: the limits on its sampled tokens (`decoders.Filters`)."""
 
     block: Array
     keys: Array
@@ -96,6 +97,8 @@ class Decoding(NamedTuple):
     temperature: Array
     step_in_block: Array
     block_masks: Array
+    top_k: Array
+    top_p: Array
 
     def concat(self, other: Decoding) -> Decoding:
         return Decoding(
@@ -124,7 +127,8 @@ class Stream(NamedTuple):
     the slot `carry_from` [refresh_rows] int32 names (the one it decoded in, which the host
     may move it from: the refresh rewrites every K/V of the row) before the call's writes
     (the host may not have read them yet), or -1 (a new row: the host's tokens and keys);
-    keys [refresh_rows, 2] uint32, threshold and temperature [refresh_rows] fp32."""
+    keys [refresh_rows, 2] uint32, threshold and temperature [refresh_rows] fp32, top_k
+    [refresh_rows] int32 and top_p [refresh_rows] fp32."""
 
     tokens: Array
     positions: Array
@@ -137,6 +141,8 @@ class Stream(NamedTuple):
     keys: Array
     threshold: Array
     temperature: Array
+    top_k: Array
+    top_p: Array
 
 
 class Refresh(NamedTuple):
@@ -153,6 +159,8 @@ class Refresh(NamedTuple):
     keys: np.ndarray
     threshold: float
     temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
 
 
 for _kind in (Decoding, Pool, Stream):
@@ -174,6 +182,8 @@ def pool_shapes(config: ModelConfig, slots: int, pool_len: int, block_len: int, 
         per_slot(np.float32),
         per_slot(np.int32),
         per_slot(np.int32),
+        per_slot(np.int32),
+        per_slot(np.float32),
     )
     kvs = tuple((kv, kv) for _ in range(config.n_layers))
     return Pool(kvs, of((slots, pool_len), bool), of((slots, block_len), np.int32), rows)
@@ -187,6 +197,7 @@ def empty_pool(config: ModelConfig, slots: int, pool_len: int, block_len: int, d
     pool.key_valid[:, 0] = True
     pool.rows.block[:] = config.pad_token_id
     pool.rows.threshold[:] = 1.0
+    pool.rows.top_p[:] = 1.0
     return pool
 
 
@@ -210,6 +221,8 @@ def pack_stream(plan: PhasePlan, rows: list[Refresh], pad_id: int) -> Stream:
     keys = np.zeros((r_max, 2), np.uint32)
     threshold = np.ones(r_max, np.float32)
     temperature = np.zeros(r_max, np.float32)
+    top_k = np.zeros(r_max, np.int32)
+    top_p = np.ones(r_max, np.float32)
     at = 0
     for i, r in enumerate(rows):
         length = len(r.tokens)
@@ -226,6 +239,7 @@ def pack_stream(plan: PhasePlan, rows: list[Refresh], pad_id: int) -> Stream:
         carry_at[i] = -1 if r.carry_at < 0 else at + r.carry_at
         carry_from[i] = r.carry_from
         threshold[i], temperature[i] = r.threshold, r.temperature
+        top_k[i], top_p[i] = r.top_k, r.top_p
         at += length
     return Stream(
         tokens,
@@ -239,6 +253,8 @@ def pack_stream(plan: PhasePlan, rows: list[Refresh], pad_id: int) -> Stream:
         keys,
         threshold,
         temperature,
+        top_k,
+        top_p,
     )
 
 
@@ -292,7 +308,16 @@ def run_phase_call(
         r_masks = jnp.sum(r_block == plan.mask_id, axis=1, dtype=jnp.int32)
         r_zero = jnp.zeros_like(r_masks)
         rows = rows.concat(
-            Decoding(r_block, stream.keys, stream.threshold, stream.temperature, r_zero, r_masks)
+            Decoding(
+                r_block,
+                stream.keys,
+                stream.threshold,
+                stream.temperature,
+                r_zero,
+                r_masks,
+                stream.top_k,
+                stream.top_p,
+            )
         )
         step_hidden = jnp.concatenate([step_hidden, refresh_hidden], axis=0)
         pool_kv, key_valid = _write_stream(pool, pool_kv, new_kv, stream, plan)
@@ -367,6 +392,8 @@ def _decode(
     temperature = rows.temperature if plan.sampling else None
     vocab_local = params["lm_head"].shape[1]
     chunk = spec.chunk_for(vocab_local)
+    # the server refuses filters where the logits come in chunks
+    filters = decoders.Filters(rows.top_k, rows.top_p) if plan.sampling and chunk is None else None
     logits_at = lambda start, width: module.apply(  # noqa: E731
         {"params": params}, hidden, start, width, method="logits"
     )
@@ -382,7 +409,7 @@ def _decode(
         )
     else:
         token, confidence = decoders.predict(
-            logits_at(0, None), temperature, keys[:, 1], plan.mask_id, axis_name
+            logits_at(0, None), temperature, keys[:, 1], plan.mask_id, axis_name, filters
         )
     k = None
     if spec.fixed_steps:
@@ -446,7 +473,7 @@ def pool_specs(n_layers: int, mesh: Any) -> Pool:
     """`PartitionSpec`s of a pool on `mesh`: K/V split by kv head over the model axis as
     every K/V buffer is (`djax.sharding`), the rest whole on every device."""
     kv = P(None, None, sharding.model_axis(mesh), None)
-    return Pool(tuple((kv, kv) for _ in range(n_layers)), P(), P(), Decoding(*(P(),) * 6))
+    return Pool(tuple((kv, kv) for _ in range(n_layers)), P(), P(), Decoding(*(P(),) * 8))
 
 
 def pool_bytes(model: Any, shapes: Pool) -> int:

@@ -9,7 +9,16 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from djax.decoders import DecoderSpec, credit_update, gumbel_noise, predict, predict_chunked
+from djax.decoders import (
+    DecoderSpec,
+    Filters,
+    check_filters,
+    credit_update,
+    filtered,
+    gumbel_noise,
+    predict,
+    predict_chunked,
+)
 
 MASK = 5
 VOCAB = 64
@@ -188,3 +197,118 @@ def test_which_decoders_take_chunks():
     assert DecoderSpec("threshold", logits_chunk=0).chunk_for(64) is None
     assert DecoderSpec("credit", logits_chunk=16).chunk_for(64) is None
     assert DecoderSpec("hierarchy", logits_chunk=16).chunk_for(64, smoothing=True) is None
+
+
+# ---------------------------------------------------------------- top-k and top-p
+
+
+def _kept(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """The ids top-k then top-p keep of one position's scores (fp64, sorted by hand): the
+    k highest and every score equal to the k-th; then those the scores above which hold
+    less than p of what top-k kept."""
+    s = scaled.astype(np.float64)
+    keep = np.isfinite(s)
+    if top_k > 0:
+        keep &= s >= np.sort(s[keep])[::-1][min(top_k, keep.sum()) - 1]
+    if top_p < 1:
+        w = np.where(keep, np.exp(s - s[keep].max()), 0.0)
+        w /= w.sum()
+        above = np.array([w[s > x].sum() for x in s])
+        keep &= above < top_p
+    return keep
+
+
+FILTER_CASES = [(0, 1.0), (1, 1.0), (5, 1.0), (64, 1.0), (0, 0.5), (0, 0.9), (3, 0.5), (8, 0.95)]
+
+
+@pytest.mark.parametrize("top_k, top_p", FILTER_CASES)
+def test_filters_keep_the_highest_scores(top_k, top_p):
+    """`filtered` keeps exactly what sorting by hand keeps, per position: logits with ties
+    at the k-th score (all kept), the mask id (never kept) and a row far from zero; the
+    other rows of the batch take no filter."""
+    logits = _logits(4)
+    logits[0, 3, :8] = 2.5  # an 8-way tie: top_k 3 or 5 keeps all eight
+    scaled = np.where(np.arange(VOCAB) == MASK, -np.inf, logits / 0.8).astype(np.float32)
+    filters = Filters(jnp.array([top_k, 0], jnp.int32), jnp.array([top_p, 1.0], jnp.float32))
+    out = np.asarray(jax.jit(filtered)(jnp.asarray(scaled), filters))
+    for b in range(2):
+        for q in range(scaled.shape[1]):
+            expected = _kept(scaled[b, q], top_k, top_p) if b == 0 else np.isfinite(scaled[b, q])
+            np.testing.assert_array_equal(np.isfinite(out[b, q]), expected, err_msg=f"{b}, {q}")
+            kept = np.isfinite(out[b, q])
+            np.testing.assert_array_equal(out[b, q][kept], scaled[b, q][kept])
+    if top_k in (3, 5) and top_p == 1.0:
+        assert np.isfinite(out[0, 3, :8]).all() or MASK < 8  # the tie, less the mask id
+
+
+def test_a_filtered_sample_is_the_gumbel_argmax_over_the_kept():
+    """`predict` with filters draws the token with the highest score + Gumbel noise among
+    the kept ids (the noise `gumbel_noise` draws for the whole vocabulary); the confidence
+    stays softmax(logits)[token]; top_k 1 and a tiny top_p give the argmax whatever the
+    temperature; neutral filters give the unfiltered draw bit for bit."""
+    logits = _logits(5)
+    keys = jax.random.split(jax.random.key(7), 2)
+    t = jnp.array([1.3, 0.6], jnp.float32)
+    filters = Filters(jnp.array([4, 0], jnp.int32), jnp.array([1.0, 0.7], jnp.float32))
+    token, confidence = jax.jit(lambda x: predict(x, t, keys, MASK, None, filters))(
+        jnp.asarray(logits)
+    )
+    for b in range(2):
+        noise = np.asarray(gumbel_noise(keys[b], logits.shape[1], jnp.arange(VOCAB), VOCAB))
+        for q in range(logits.shape[1]):
+            scaled = np.where(np.arange(VOCAB) == MASK, -np.inf, logits[b, q] / float(t[b]))
+            kept = _kept(scaled.astype(np.float32), int(filters.top_k[b]), float(filters.top_p[b]))
+            assert token[b, q] == np.argmax(np.where(kept, scaled + noise[q], -np.inf))
+    x = logits.astype(np.float64)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    expected = np.take_along_axis(p, np.asarray(token)[..., None], axis=-1)[..., 0]
+    # fp32 logits near 500 (a row of `_logits`) are 3e-5 apart: their differences are that
+    # coarse where the token is not the argmax
+    np.testing.assert_allclose(confidence, expected, rtol=1e-4)
+    greedy = predict(jnp.asarray(logits), None, None, MASK)[0]
+    for narrow in (
+        Filters(jnp.ones(2, jnp.int32), jnp.ones(2)),
+        Filters(jnp.zeros(2, jnp.int32), jnp.full(2, 1e-6)),
+    ):
+        np.testing.assert_array_equal(
+            predict(jnp.asarray(logits), t, keys, MASK, None, narrow)[0], greedy
+        )
+    neutral = Filters(jnp.zeros(2, jnp.int32), jnp.ones(2, jnp.float32))
+    free = predict(jnp.asarray(logits), t, keys, MASK)
+    np.testing.assert_array_equal(
+        predict(jnp.asarray(logits), t, keys, MASK, None, neutral)[0], free[0]
+    )
+    assert not (np.asarray(free[0]) == np.asarray(token)).all()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.8), (3, 0.6)])
+def test_filters_over_a_split_vocabulary_match_one_device(top_k, top_p):
+    """Each of 4 devices holds a quarter of the vocabulary: counts and probability sums
+    above each candidate threshold are summed over the mesh, so the sample is one
+    device's."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    logits = jnp.asarray(_logits(6))
+    keys = jax.random.split(jax.random.key(9), 2)
+    t = jnp.array([0.9, 1.4], jnp.float32)
+    filters = Filters(jnp.full(2, top_k, jnp.int32), jnp.full(2, top_p, jnp.float32))
+    whole = jax.jit(lambda x: predict(x, t, keys, MASK, None, filters))(logits)
+    split = jax.jit(
+        jax.shard_map(
+            lambda x: predict(x, t, keys, MASK, "model", filters),
+            mesh=mesh,
+            in_specs=P(None, None, "model"),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )(logits)
+    np.testing.assert_array_equal(split[0], whole[0])
+    np.testing.assert_allclose(split[1], whole[1], rtol=1e-6)
+
+
+def test_filters_need_whole_logits():
+    filters = Filters(jnp.ones(2, jnp.int32), jnp.ones(2, jnp.float32))
+    with pytest.raises(ValueError, match="top_k/top_p need a step's whole logits; .* 16 vocab"):
+        check_filters(filters, 16)
+    check_filters(filters, None)
+    check_filters(None, 16)

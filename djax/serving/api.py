@@ -446,6 +446,15 @@ def create_app(
                 "without sampling): expected 0",
                 param="temperature",
             )
+        top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)  # -1: none
+        top_p = defaults.top_p if body.top_p is None else body.top_p
+        if temperature > 0 and (top_k > 0 or top_p < 1) and defaults.logits_chunk:
+            raise p.ProtocolError(
+                f"top_k={top_k}, top_p={top_p}: this server computes a step's logits "
+                f"{defaults.logits_chunk} vocabulary ids at a time (--logits-chunk), and the "
+                "filters need them whole: expected top_k 0 and top_p 1",
+                param="top_p" if top_p < 1 else "top_k",
+            )
         seed = secrets.randbelow(p.SEED_LIMIT) if body.seed is None else body.seed
         request_id = f"{format_.prefix}-{uuid.uuid4().hex}"
         generations = [
@@ -457,6 +466,8 @@ def create_app(
                     prompt_ids=tuple(prompts[i // body.n]),
                     max_tokens=max_tokens,
                     temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
                     seed=(seed + i) % p.SEED_LIMIT,
                     threshold=body.threshold,
                     ignore_eos=body.ignore_eos,

@@ -390,6 +390,7 @@ class ServingEngine:
             raise ValueError(f"temperature={request.temperature}; expected a finite value ≥ 0")
         if request.temperature > 0 and not self.config.sampling:
             raise ValueError(f"temperature={request.temperature}; this server serves only 0")
+        check_filters(request, self.config.generation.logits_chunk)
         threshold = self.config.generation.threshold
         if request.threshold is not None:
             if not 0 < request.threshold <= 1:
@@ -571,6 +572,8 @@ class ServingEngine:
         keys = np.zeros((batch, 2), np.uint32)
         threshold = np.ones(batch, np.float32)
         temperature = np.zeros(batch, np.float32)
+        top_k = np.zeros(batch, np.int32)
+        top_p = np.ones(batch, np.float32)
         index = np.full(batch, self.config.max_batch, np.int32)
         carry_at = np.full(batch, -1, np.int32)
         for i, row in enumerate(rows):
@@ -582,16 +585,26 @@ class ServingEngine:
             later = row.answer_length - len(row.committed) - (row.in_flight + 1) * block
             self.layout.fill(arrays, i, context, 0 if self.layout.causal else later)
             keys[i], threshold[i], temperature[i] = row.keys, row.threshold, row.request.temperature
+            top_k[i], top_p[i] = row.request.top_k, row.request.top_p
             index[i] = row.slot
         inputs = [arrays["tokens"], arrays["key_valid"], arrays["positions"]]
         steps = self._block_steps(rows, batch) if self.layout.causal else None
+        per_row = Rows(keys, threshold, temperature, steps, *self._filters(top_k, top_p))
         return (
             self.model.params,
             *djax_engine.place(self.model, inputs),
-            djax_engine.place(self.model, Rows(keys, threshold, temperature, steps)),
+            djax_engine.place(self.model, per_row),
             djax_engine.place(self.model, Slots(index, carry_at)),
             self._carried,
         )
+
+    def _filters(self, top_k: np.ndarray, top_p: np.ndarray) -> tuple:
+        """The rows' top_k and top_p for `Rows`, or none (None, None) where the server's
+        logits come in chunks (their requests are refused filters, `check_filters`): every
+        sampling call of a server passes the same, so one program serves all its rows."""
+        if self.config.generation.logits_chunk:
+            return None, None
+        return top_k, top_p
 
     def _block_steps(self, rows: list[_Row], batch: int) -> np.ndarray:
         """[batch] int32: each row's steps a block under block diffusion, the server's
@@ -1044,6 +1057,10 @@ class ServingEngine:
             np.array([r.threshold for r in padded], np.float32),
             np.array([r.request.temperature for r in padded], np.float32),
             steps,
+            *self._filters(
+                np.array([r.request.top_k for r in padded], np.int32),
+                np.array([r.request.top_p for r in padded], np.float32),
+            ),
         )
         placed = djax_engine.place(
             self.model, [inputs["tokens"], inputs["key_valid"], inputs["positions"]]
@@ -1058,6 +1075,21 @@ class ServingEngine:
 # A Hopper GPU's bf16 matrix rate over its memory bandwidth (~990 TFLOP/s / 3.35 TB/s),
 # FLOP per byte: the compute that takes as long as reading a byte.
 RIDGE_FLOP_PER_BYTE = 300
+
+
+def check_filters(request: EngineRequest, logits_chunk: int) -> None:
+    """A ValueError naming a request's top_k or top_p that are not valid limits, or that
+    filter where the server computes its logits in chunks (`logits_chunk`)."""
+    top_k, top_p = request.top_k, request.top_p
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"top_k={top_k!r}; expected an int ≥ 0 (0: none)")
+    if not (isinstance(top_p, int | float) and not isinstance(top_p, bool) and 0 < top_p <= 1):
+        raise ValueError(f"top_p={top_p!r}; expected a number in (0, 1] (1: none)")
+    if logits_chunk and request.temperature > 0 and (top_k > 0 or top_p < 1):
+        raise ValueError(
+            f"top_k={top_k}, top_p={top_p}: this server computes a step's logits in chunks "
+            f"of {logits_chunk} ids, and the filters need them whole"
+        )
 
 
 def weight_read_tokens(model: Model) -> int:

@@ -254,6 +254,8 @@ class PhaseEngine(ServingEngine):
             row.keys,
             row.threshold,
             row.request.temperature,
+            row.request.top_k,
+            row.request.top_p,
         )
 
     def _warm_up(self) -> None:

@@ -7,12 +7,13 @@ chunks and error bodies.
 `SEED_LIMIT`). Fields OpenAI defines that djax cannot honour (`logprobs`, `best_of` > 1,
 `echo`, `suffix`, tools and functions, a `response_format` other than text) are refused
 with a 400 naming the field, as are the sampling controls djax does not apply (OpenAI's
-`top_p`, `frequency_penalty`, `presence_penalty`, `logit_bias`, and the `top_k`, `min_p`
-and `repetition_penalty` other servers take) unless they hold their neutral value
-(`SAMPLING_CONTROLS`): a sampled token is drawn from the whole distribution at
-`temperature`, and a request must not silently get other sampling than it asked for.
-Fields it does not know are ignored. djax's own fields: `threshold` (τ of the threshold
-decoder) and `ignore_eos` (keep denoising past stop tokens up to max_tokens).
+`frequency_penalty`, `presence_penalty`, `logit_bias`, and the `min_p` and
+`repetition_penalty` other servers take) unless they hold their neutral value
+(`SAMPLING_CONTROLS`): a request must not silently get other sampling than it asked for.
+`top_p` (in (0, 1]) and `top_k` (an int ≥ 1; 0 and -1 mean none, as other servers take
+them) limit a sampled token to the most likely ones (`djax.decoders.Filters`). Fields it
+does not know are ignored. djax's own fields: `threshold` (τ of the threshold decoder)
+and `ignore_eos` (keep denoising past stop tokens up to max_tokens).
 """
 
 from __future__ import annotations
@@ -43,8 +44,6 @@ FinishReason = Literal["stop", "length"]
 # Sampling controls djax does not apply, each with the values that leave sampling as it is
 # (None, the field left out, too): a request holding another value is refused.
 SAMPLING_CONTROLS: dict[str, tuple[float, ...]] = {
-    "top_p": (1,),
-    "top_k": (0, -1),
     "min_p": (0,),
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
@@ -120,8 +119,8 @@ class _GenerationRequest(BaseModel):
     top_logprobs: Any = None
     best_of: Any = None
     echo: Any = False
-    top_p: Any = None
-    top_k: Any = None
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)
     min_p: Any = None
     frequency_penalty: Any = None
     presence_penalty: Any = None
