@@ -5,10 +5,11 @@ Three roles in one script:
 
     python -m bench.serve --model dense|moe|llada2_mini [--tiny]
         [--schedulers continuous phase static] [--rates 2 4 8 inf] [--requests 500] [--seed 0]
-        [--max-batch 32] [--equal N] [--weights dtype|fp8]
+        [--max-batch 32] [--equal N] [--weights dtype|fp8] [--temperature T] [--top-k K]
+        [--top-p P]
     python -m bench.serve server --model dense|moe|llada2_mini [--tiny]
         --scheduler continuous|phase|static --port P [--max-batch N] [--routing spread|model]
-        [--weights dtype|fp8]
+        [--weights dtype|fp8] [--sampling]
     python -m bench.serve plot RESULT.json [RESULT.json ...]
 
 The client (the default role) starts one server per scheduler (`server` role, this Python, as a
@@ -39,7 +40,9 @@ draws divided by the rate. A rate such as `0.85x` is that fraction of the first 
 saturation requests/s in this run (`--schedulers static continuous --rates inf 0.85x`: near
 the static scheduler's capacity). Requests stream (a chunk per committed block that made text, usage
 in the last) with `ignore_eos`, so every answer is exactly `max_tokens` long; an answer of
-another length counts as failed. Time to first chunk: to the first chunk with a choice.
+another length counts as failed. Requests are greedy unless `--temperature` (then the
+server compiles its sampling programs too), with `--top-k`/`--top-p` in every request
+(the result's `sampling`). Time to first chunk: to the first chunk with a choice.
 `--equal N` adds, after the rates, N requests of prompt 128 / answer 256, all at t = 0 (rate
 `equal`): continuous batching against the static scheduler's full batches. The static
 scheduler compiles each batch shape the first time it meets it, so by default (`--warm-pass`)
@@ -285,7 +288,20 @@ def server_figures(before: dict, after: dict, makespan: float) -> dict:
     }
 
 
-async def send(client, model: str, request: TraceRequest, t0: float) -> RequestRecord:
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """What every request of a trace asks of sampling: its temperature (0: greedy, the
+    default; above 0 the server compiles its sampling programs too) and its top_k and
+    top_p (0 and 1: none)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+async def send(
+    client, model: str, request: TraceRequest, t0: float, sampling: Sampling = Sampling()
+) -> RequestRecord:
     """Stream one completion; times in seconds from `t0` (perf_counter)."""
     await asyncio.sleep(max(0.0, t0 + request.arrival - time.perf_counter()))
     start = time.perf_counter() - t0
@@ -296,10 +312,11 @@ async def send(client, model: str, request: TraceRequest, t0: float) -> RequestR
             model=model,
             prompt=list(request.prompt_ids),
             max_tokens=request.max_tokens,
-            temperature=0.0,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
+            extra_body={"ignore_eos": True, "top_k": sampling.top_k},
         )
         async for chunk in stream:
             if chunk.choices and first is None:
@@ -316,7 +333,9 @@ async def send(client, model: str, request: TraceRequest, t0: float) -> RequestR
     return RequestRecord(start, first, time.perf_counter() - t0, tokens, error)
 
 
-async def run_trace(base_url: str, model: str, trace: Sequence[TraceRequest]):
+async def run_trace(
+    base_url: str, model: str, trace: Sequence[TraceRequest], sampling: Sampling = Sampling()
+):
     """Send every request at its arrival time; (records, makespan in seconds)."""
     from openai import AsyncOpenAI
 
@@ -324,7 +343,7 @@ async def run_trace(base_url: str, model: str, trace: Sequence[TraceRequest]):
         base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=3600.0
     ) as client:
         t0 = time.perf_counter()
-        records = await asyncio.gather(*(send(client, model, r, t0) for r in trace))
+        records = await asyncio.gather(*(send(client, model, r, t0, sampling) for r in trace))
     return records, max(r.end for r in records)
 
 
@@ -406,6 +425,7 @@ def start_server(args, scheduler: str, port: int, log: Path) -> subprocess.Popen
     command += ["--scheduler", scheduler, "--port", str(port)]
     command += ["--max-batch", str(args.max_batch), "--routing", args.routing]
     command += ["--weights", args.weights]
+    command += ["--sampling"] if args.temperature > 0 else []
     command += ["--tiny"] if args.tiny else []
     with log.open("w") as out:
         return subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
@@ -488,6 +508,7 @@ def run_client(args) -> None:
             rate = round(rate.fraction * capacity[0], 3)
         return rate_label(rate), make_trace(args.requests, rate, vocabulary, args.seed, lengths)
 
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
     runs: list = list(args.rates)
     if args.equal:
         runs.append(("equal", equal_trace(args.equal, vocabulary, args.seed, lengths)))
@@ -505,6 +526,7 @@ def run_client(args) -> None:
                 "max_batch": args.max_batch,
                 "routing": args.routing if config.is_moe else None,
                 "weights": args.weights,
+                "sampling": dataclasses.asdict(sampling),
                 "tiny": args.tiny,
                 "servers": servers,
                 "results": rows,
@@ -531,11 +553,11 @@ def run_client(args) -> None:
                 label, trace = run
                 if scheduler in args.warm_pass:  # compiles the shapes this trace meets first
                     warm = trace[: args.warm_requests]
-                    asyncio.run(run_trace(base_url, served_model_name(args.model), warm))
+                    asyncio.run(run_trace(base_url, served_model_name(args.model), warm, sampling))
                 before = scrape(base_url)
                 with Sampler(base_url, args.sample_every) as sampler:
                     records, makespan = asyncio.run(
-                        run_trace(base_url, served_model_name(args.model), trace)
+                        run_trace(base_url, served_model_name(args.model), trace, sampling)
                     )
                 after = scrape(base_url)
                 errors = sorted({r.error for r in records if r.error})
@@ -637,7 +659,7 @@ def run_server(args) -> None:
         scheduler=args.scheduler,
         max_batch=args.max_batch,
         max_seq_len=lengths.max_sequence,
-        sampling=False,  # the trace is greedy: no sampling programs to compile
+        sampling=args.sampling,  # a greedy trace compiles no sampling programs
     )
     serve(model, serve_config, port=args.port, model_name=served_model_name(args.model))
 
@@ -758,6 +780,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     if role == "server":
         parser.add_argument("--scheduler", choices=SCHEDULERS, required=True)
         parser.add_argument("--port", type=int, required=True)
+        parser.add_argument("--sampling", action="store_true", help="serve temperature > 0")
         return parser.parse_args(argv[1:], argparse.Namespace(role=role))
     parser.add_argument("--schedulers", nargs="+", choices=SCHEDULERS, default=list(SCHEDULERS))
     parser.add_argument(
@@ -768,6 +791,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         help="requests/s; inf: all at t=0",
     )
     parser.add_argument("--requests", type=int, default=500)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="every request's (0: greedy)"
+    )
+    parser.add_argument("--top-k", type=int, default=0, help="every request's (0: none)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's (1: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--equal", type=int, metavar="N", help="after the rates: N requests 128/256 at t=0"

@@ -6,7 +6,8 @@ the (token, confidence) reduction then combines per-device maxima and sums with
 `pmax`/`psum` instead of gathering full logits, and stays exact.
 
 Semantics: confidence is softmax(clean logits)[token]; the
-prediction is argmax at temperature 0, a Gumbel-max sample of softmax(logits / T) above;
+prediction is argmax at temperature 0, a Gumbel-max sample of softmax(logits / T) above,
+limited to the ids a row's top-k and top-p keep (`Filters`, `filtered`; whole logits only);
 the mask id is never predicted, so it is never committed.
 
 `predict` takes a step's whole logits; `predict_chunked` computes them a vocabulary chunk at
@@ -249,9 +250,9 @@ def _highest_reaching(
 ) -> Array:
     """The largest u in [lo, hi) with sum(weight[order >= u]) >= target, per position.
 
-    order [..., vocab] uint32 (`_order`), weight [..., vocab] >= 0; target, lo, hi [...]
-    uint32 bounds where the sum at lo reaches `target` and the sum at hi does not (hi
-    exclusive). Each pass sums the weight above `_SEARCH_WAYS` thresholds evenly inside
+    order [..., vocab] uint32 (`_order`), weight [..., vocab] fp32 >= 0, target [...] fp32;
+    lo, hi [...] uint32 bounds where the sum at lo reaches `target` and the sum at hi does
+    not (hi exclusive). Each pass sums the weight above `_SEARCH_WAYS` thresholds evenly inside
     [lo, hi) (over the mesh's vocabulary shards too) and keeps the sub-interval holding the
     boundary: exact after `_SEARCH_PASSES` passes."""
     ways = jnp.arange(1, _SEARCH_WAYS + 1, dtype=jnp.uint32)
@@ -311,9 +312,9 @@ def filtered(scaled: Array, filters: Filters, axis_name: str | None = None) -> A
         k = jnp.where(top_k > 0, top_k, 1).astype(jnp.float32)
         k_th = _highest_reaching(order, ones, k * jnp.ones_like(top), lo, hi, axis_name)
         k_th = jnp.where(top_k > 0, k_th, lo)
-        # top-p over what top-k kept: the highest u whose scores at or above it hold at
-        # least 1 - p of the kept mass below... found as the lowest score whose scores
-        # strictly above hold less than p, i.e. one below the highest u holding >= p.
+        # top-p over what top-k kept: a score is kept when the scores strictly above it
+        # hold less than p of the kept mass, i.e. when it is at or above the highest u
+        # whose scores at or above it hold at least p of that mass
         kept = order >= k_th[..., None]
         weight = jnp.where(kept & finite, jnp.exp(scaled - top[..., None]), 0.0)
         total = jnp.sum(weight, axis=-1)

@@ -580,9 +580,9 @@ def test_serve_rate_as_a_fraction_of_capacity():
 
 
 def test_serve_end_to_end(tmp_path):
-    """The client against a real tiny server on the CPU serving fp8 weights: one
-    scheduler, one rate, a few requests, every one answered in full, no compile during the
-    run, a clean exit."""
+    """The client against a real tiny server on the CPU serving fp8 weights, sampled
+    requests with top_p: one scheduler, one rate, a few requests, every one answered in
+    full, no compile during the run, a clean exit."""
     import json
     import os
     import subprocess
@@ -594,12 +594,13 @@ def test_serve_end_to_end(tmp_path):
     command = [sys.executable, "-m", "bench.serve", "--model", "dense", "--tiny"]
     command += ["--schedulers", "continuous", "--rates", "inf", "0.5x", "--requests", "3"]
     command += ["--max-batch", "2", "--ready-timeout", "120", "--sample-every", "0.2"]
-    command += ["--weights", "fp8"]
+    command += ["--weights", "fp8", "--temperature", "1.5", "--top-p", "0.8"]
     subprocess.run(command, cwd=repo, env=env, check=True, timeout=300)
     (result,) = tmp_path.glob("serve_*.json")
     assert result.name.startswith("serve_dense_fp8_")
     record = json.loads(result.read_text())
     assert record["weights"] == "fp8"
+    assert record["sampling"] == {"temperature": 1.5, "top_k": 0, "top_p": 0.8}
     row, half = record["results"]
     assert (row["scheduler"], row["request_rate"], row["requests"]) == ("continuous", "inf", 3)
     assert half["request_rate"] == round(0.5 * row["requests_per_s"], 3)
@@ -613,13 +614,14 @@ def test_serve_end_to_end(tmp_path):
     assert record["servers"]["continuous"]["clean_exit"], record["servers"]
     server = record["servers"]["continuous"]
     assert server["memory_budget_bytes"] == 0  # a CPU has no budget
-    # batches 1 and 2 (--max-batch 2) at each sequence bucket of the tiny trace, greedy only
+    # batches 1 and 2 (--max-batch 2) at each sequence bucket of the tiny trace
     from bench.common import SETTING
     from bench.serve import TINY_LENGTHS
     from djax.serving.layout import seq_buckets
 
     buckets = seq_buckets(TINY_LENGTHS.max_sequence, SETTING.block_length)
-    assert server["programs_at_ready"] == 2 * len(buckets) == 4, server
+    # greedy and sampling programs of each
+    assert server["programs_at_ready"] == 2 * 2 * len(buckets) == 8, server
     assert (tmp_path / "serve_dense_continuous.log").exists()
 
 

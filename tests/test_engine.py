@@ -112,6 +112,23 @@ def test_ragged_batch_rows_match_rows_alone(dense_model, cache):
         np.testing.assert_array_equal(batch.answer_ids[i], alone.answer_ids[0])
 
 
+def test_top_k_and_top_p_limit_the_samples(dense_model):
+    """top_k 1 and a tiny top_p sample the greedy answer at any temperature; looser ones
+    sample otherwise than the unfiltered draw of the same seed, and deterministically."""
+    greedy = djax.generate(dense_model, PROMPTS, BASE).answer_ids
+    hot = dataclasses.replace(BASE, temperature=20.0, seed=3)
+    for narrow in ({"top_k": 1}, {"top_p": 1e-6}, {"top_k": 1, "top_p": 0.5}):
+        out = djax.generate(dense_model, PROMPTS, dataclasses.replace(hot, **narrow))
+        np.testing.assert_array_equal(out.answer_ids, greedy)
+    free = djax.generate(dense_model, PROMPTS, hot).answer_ids
+    assert not (free == greedy).all()
+    for loose in ({"top_k": 3}, {"top_p": 0.5}):
+        config = dataclasses.replace(hot, **loose)
+        first = djax.generate(dense_model, PROMPTS, config).answer_ids
+        np.testing.assert_array_equal(djax.generate(dense_model, PROMPTS, config).answer_ids, first)
+        assert not (first == free).all() and not (first == greedy).all()
+
+
 def test_early_stop_fills_eos_and_skips_blocks(dense_model):
     # Stopping on a token the model emits in its first block shows the mechanism without a
     # trained model: the row ends there, the rest is EOS, no later block runs.

@@ -317,6 +317,11 @@ def test_sampling_follows_the_seed(llada2_small):
     greedy = djax.generate(llada2_small, PROMPTS[:2], dataclasses.replace(config, temperature=0))
     np.testing.assert_array_equal(a.answer_ids, b.answer_ids)
     assert (a.answer_ids != c.answer_ids).any() and (a.answer_ids != greedy.answer_ids).any()
+    # top_k 1 keeps only the argmax; top_k 3 draws otherwise than the unfiltered sample
+    narrow = djax.generate(llada2_small, PROMPTS[:2], dataclasses.replace(config, top_k=1))
+    np.testing.assert_array_equal(narrow.answer_ids, greedy.answer_ids)
+    three = djax.generate(llada2_small, PROMPTS[:2], dataclasses.replace(config, top_k=3))
+    assert (three.answer_ids != a.answer_ids).any()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.5])

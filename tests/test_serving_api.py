@@ -520,9 +520,11 @@ def test_stop_string_held_back_then_released(client, engine):
         ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "not supported"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
-        ("/v1/completions", {"prompt": "x", "top_p": 0.9}, "top_p", "top_p=0.9; djax draws"),
-        ("/v1/completions", {"prompt": "x", "top_p": True}, "top_p", "expected 1 or no top_p"),
-        ("/v1/completions", {"prompt": "x", "top_k": 40}, "top_k", "expected 0 or -1"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", "greater than 0"),
+        ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p", "less than or equal to 1"),
+        ("/v1/completions", {"prompt": "x", "top_p": True}, "top_p", "valid number"),
+        ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k", "greater than or equal to -1"),
+        ("/v1/completions", {"prompt": "x", "top_k": 4.5}, "top_k", "valid integer"),
         ("/v1/completions", {"prompt": "x", "min_p": 0.1}, "min_p", "not supported"),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 1}, "presence_penalty", "=1;"),
         (
@@ -608,8 +610,35 @@ def test_malformed_bodies_are_400(url, engine, raw):
 def test_the_openai_client_sees_bad_requests(client):
     with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
         client.completions.create(model=NAME, prompt="x", logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="top_p is not supported: top_p=0.5"):
-        client.completions.create(model=NAME, prompt="x", top_p=0.5)
+    with pytest.raises(openai.BadRequestError, match="min_p is not supported: min_p=0.5"):
+        client.completions.create(model=NAME, prompt="x", extra_body={"min_p": 0.5})
+
+
+def test_top_k_and_top_p_reach_the_engine(client, engine):
+    """`top_p` and `top_k` (OpenAI's field, and the one other servers take, -1 meaning
+    none) go to the engine as they are; left out, the server's defaults."""
+    client.completions.create(model=NAME, prompt="x", top_p=0.9, extra_body={"top_k": 40})
+    client.completions.create(model=NAME, prompt="x", extra_body={"top_k": -1})
+    client.completions.create(model=NAME, prompt="x")
+    got = [(r.top_k, r.top_p) for r in engine.submitted]
+    assert got == [(40, pytest.approx(0.9)), (0, 1.0), (0, 1.0)]
+
+
+def test_a_server_with_chunked_logits_refuses_filters(url, engine):
+    """Filters need a step's whole logits: a server computing them in chunks names the
+    field (and serves greedy requests, where the filters change nothing)."""
+    config = engine.config
+    chunked = dataclasses.replace(config.generation, logits_chunk=48)
+    engine.config = dataclasses.replace(config, generation=chunked)
+    try:
+        response = post(url, "/v1/completions", {"prompt": "x", "top_k": 5})
+        assert_error(response, 400, param="top_k", mentions="--logits-chunk")
+        response = post(url, "/v1/completions", {"prompt": "x", "top_p": 0.5})
+        assert_error(response, 400, param="top_p", mentions="filters need them whole")
+        greedy = {"prompt": "x", "top_p": 0.5, "temperature": 0}
+        assert post(url, "/v1/completions", greedy).status_code == 200
+    finally:
+        engine.config = config
 
 
 def test_neutral_sampling_controls_are_served(url, engine):

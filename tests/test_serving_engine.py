@@ -164,6 +164,38 @@ def test_sampled_tokens_follow_the_seed_alone(demo_model, generation, continuous
         assert got.tokens("s") == expected
 
 
+def test_filtered_samples_follow_generate(demo_model, generation, continuous):
+    """Requests with top_k or top_p (beside an unfiltered one in the same calls) get the
+    tokens generate draws with the same filters and seed (at temperature 5 the demo model's
+    filtered and unfiltered draws differ); top_k 1 at any temperature is the greedy
+    answer."""
+    cases = [(3, 1.0), (0, 0.6), (0, 1.0)]
+    ids = _ids(demo_model, "999+1=")
+    got = Collector()
+    for i, (top_k, top_p) in enumerate(cases):
+        continuous.submit(EngineRequest(f"f{i}", ids, 16, 5.0, top_k, top_p, 3), got.sink(f"f{i}"))
+    got.wait(len(cases))
+    answers = [got.tokens(f"f{i}") for i in range(len(cases))]
+    for answer, (top_k, top_p) in zip(answers, cases, strict=True):
+        filters = {"top_k": top_k, "top_p": top_p}
+        assert answer == _alone(demo_model, generation, ids, 16, temperature=5.0, seed=3, **filters)
+    assert answers[0] != answers[2] and answers[1] != answers[2]
+    continuous.submit(EngineRequest("g", ids, 16, 20.0, 1, seed=5), got.sink("g"))
+    got.wait(1)
+    assert got.tokens("g") == _alone(demo_model, generation, ids, 16)
+
+
+def test_a_server_with_chunked_logits_refuses_filters(demo_model, generation):
+    engine = _engine(demo_model, dataclasses.replace(generation, logits_chunk=48), max_batch=1)
+    try:
+        ids = _ids(demo_model, "12+34=")
+        with pytest.raises(ValueError, match="computes a step's logits in chunks of 48 ids"):
+            engine.submit(EngineRequest("x", ids, 8, 1.0, top_p=0.5), lambda event: None)
+        engine.submit(EngineRequest("y", ids, 8, 0.0, top_p=0.5), lambda event: None)  # greedy
+    finally:
+        engine.stop()
+
+
 def test_device_memory_gauges_follow_the_calls(demo_model, continuous, monkeypatch):
     """After a block call is read the engine sets the device memory gauges from the
     device's figures (the CPU reports none, so they are faked here)."""
@@ -232,6 +264,8 @@ def test_bad_requests_are_refused_by_name(demo_model, continuous):
         (EngineRequest("x", (*ids, 2), 8), "mask id 2"),
         (EngineRequest("x", ids, 8, temperature=float("nan")), "temperature=nan"),
         (EngineRequest("x", ids, 8, threshold=1.5), "threshold=1.5"),
+        (EngineRequest("x", ids, 8, top_k=-1), "top_k=-1; expected an int ≥ 0"),
+        (EngineRequest("x", ids, 8, top_p=0.0), "top_p=0.0; expected a number in (0, 1]"),
     ]
     for request, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):

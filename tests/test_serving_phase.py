@@ -474,6 +474,18 @@ def test_sampled_tokens_do_not_depend_on_a_slower_batch_mate(phased, continuous)
     assert answers[1:] == answers[:1] * 3
 
 
+def test_filtered_samples_match_the_continuous_engine(phased, continuous):
+    """Requests with top_k or top_p get the same tokens under phase as under continuous
+    (whose tokens are generate's, `test_serving_engine`); the pool keeps each slot's
+    filters."""
+    requests = [
+        EngineRequest("k", (0, 11, 12), 24, 1.5, 3, 1.0, seed=3, threshold=0.5, ignore_eos=True),
+        EngineRequest("p", (0, 7, 9, 11), 24, 2.0, 0, 0.7, seed=5, threshold=0.5, ignore_eos=True),
+        EngineRequest("u", (0, 13, 8), 16, 1.5, seed=8, threshold=0.5, ignore_eos=True),
+    ]
+    assert _serve_all(phased, requests) == _serve_all(continuous, requests)
+
+
 def test_cancel_mid_generation_frees_the_slot(phased, continuous):
     """A request cancelled after its first block gets nothing more; the request waiting
     for its slot refreshes into it and, like its running mate, gets the continuous

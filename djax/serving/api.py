@@ -448,10 +448,11 @@ def create_app(
             )
         top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)  # -1: none
         top_p = defaults.top_p if body.top_p is None else body.top_p
-        if temperature > 0 and (top_k > 0 or top_p < 1) and defaults.logits_chunk:
+        chunk = engine.config.generation.logits_chunk
+        if temperature > 0 and (top_k > 0 or top_p < 1) and chunk:
             raise p.ProtocolError(
                 f"top_k={top_k}, top_p={top_p}: this server computes a step's logits "
-                f"{defaults.logits_chunk} vocabulary ids at a time (--logits-chunk), and the "
+                f"{chunk} vocabulary ids at a time (--logits-chunk), and the "
                 "filters need them whole: expected top_k 0 and top_p 1",
                 param="top_p" if top_p < 1 else "top_k",
             )
