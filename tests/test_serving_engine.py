@@ -173,14 +173,15 @@ def test_filtered_samples_follow_generate(demo_model, generation, continuous):
     ids = _ids(demo_model, "999+1=")
     got = Collector()
     for i, (top_k, top_p) in enumerate(cases):
-        continuous.submit(EngineRequest(f"f{i}", ids, 16, 5.0, top_k, top_p, 3), got.sink(f"f{i}"))
+        request = EngineRequest(f"f{i}", ids, 16, 5.0, seed=3, top_k=top_k, top_p=top_p)
+        continuous.submit(request, got.sink(f"f{i}"))
     got.wait(len(cases))
     answers = [got.tokens(f"f{i}") for i in range(len(cases))]
     for answer, (top_k, top_p) in zip(answers, cases, strict=True):
         filters = {"top_k": top_k, "top_p": top_p}
         assert answer == _alone(demo_model, generation, ids, 16, temperature=5.0, seed=3, **filters)
     assert answers[0] != answers[2] and answers[1] != answers[2]
-    continuous.submit(EngineRequest("g", ids, 16, 20.0, 1, seed=5), got.sink("g"))
+    continuous.submit(EngineRequest("g", ids, 16, 20.0, seed=5, top_k=1), got.sink("g"))
     got.wait(1)
     assert got.tokens("g") == _alone(demo_model, generation, ids, 16)
 

@@ -479,8 +479,8 @@ def test_filtered_samples_match_the_continuous_engine(phased, continuous):
     (whose tokens are generate's, `test_serving_engine`); the pool keeps each slot's
     filters."""
     requests = [
-        EngineRequest("k", (0, 11, 12), 24, 1.5, 3, 1.0, seed=3, threshold=0.5, ignore_eos=True),
-        EngineRequest("p", (0, 7, 9, 11), 24, 2.0, 0, 0.7, seed=5, threshold=0.5, ignore_eos=True),
+        EngineRequest("k", (0, 11, 12), 24, 1.5, 3, 0.5, True, top_k=3),
+        EngineRequest("p", (0, 7, 9, 11), 24, 2.0, 5, 0.5, True, top_p=0.7),
         EngineRequest("u", (0, 13, 8), 16, 1.5, seed=8, threshold=0.5, ignore_eos=True),
     ]
     assert _serve_all(phased, requests) == _serve_all(continuous, requests)
@@ -653,11 +653,11 @@ def test_what_the_phase_scheduler_cannot_serve_is_refused_by_name(dense_model):
 
 def _pool_bytes(model, slots, pool_len, block, kv_shards=1):
     """A pool's bytes on a device, counted by hand: K/V of every layer (this device's kv
-    heads), valid keys, then per slot its block's positions and tokens, keys and four
-    scalars."""
+    heads), valid keys, then per slot its block's positions and tokens, keys and six
+    scalars (threshold, temperature, step, masks, top_k, top_p)."""
     cfg = model.config
     kv = 2 * cfg.n_layers * slots * pool_len * cfg.n_kv_heads // kv_shards * cfg.head_dim * 4
-    return kv + slots * pool_len + slots * (2 * block * 4 + 2 * 4 + 4 * 4)
+    return kv + slots * pool_len + slots * (2 * block * 4 + 2 * 4 + 6 * 4)
 
 
 def test_a_pool_over_the_memory_budget_stops_the_warm_up_before_compiling(dense_model, caplog):

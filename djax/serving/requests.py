@@ -17,21 +17,21 @@ from typing import Literal, NamedTuple, Protocol
 class EngineRequest:
     """One generation. prompt_ids: the tokenised prompt (chat template applied);
     max_tokens: answer tokens wanted (≥ 1; the engine denoises whole blocks and never returns
-    more); temperature: 0 is argmax; top_k (0: none) and top_p (1: none): the limits on a
-    sampled token (`djax.decoders.Filters`; at temperature 0 they change nothing); seed: the
-    request's own randomness (its tokens never depend on its batch-mates); threshold: τ of
-    the threshold decoder, None for the server's default; ignore_eos: keep denoising past
-    stop tokens up to max_tokens (for benchmarks with fixed output lengths)."""
+    more); temperature: 0 is argmax; seed: the request's own randomness (its tokens never
+    depend on its batch-mates); threshold: τ of the threshold decoder, None for the
+    server's default; ignore_eos: keep denoising past stop tokens up to max_tokens (for
+    benchmarks with fixed output lengths); top_k (0: none) and top_p (1: none): the limits
+    on a sampled token (`djax.decoders.Filters`; at temperature 0 they change nothing)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
     max_tokens: int
     temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
     seed: int = 0
     threshold: float | None = None
     ignore_eos: bool = False
+    top_k: int = 0
+    top_p: float = 1.0
 
 
 class BlockCommitted(NamedTuple):
