@@ -45,6 +45,16 @@ def _expected(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return token, np.take_along_axis(p, token[..., None], axis=-1)[..., 0]
 
 
+def _on_four_devices(fn, logits):
+    """`fn` under shard_map over 4 devices, each holding a quarter of the vocabulary (the
+    last axis of `logits`); its outputs whole on every device."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
+    sharded = jax.shard_map(
+        fn, mesh=mesh, in_specs=P(None, None, "model"), out_specs=P(), check_vma=False
+    )
+    return jax.jit(sharded)(logits)
+
+
 def test_token_and_confidence_in_one_pass():
     logits = _logits(0)
     token, confidence = jax.jit(lambda x: predict(x, None, None, MASK))(jnp.asarray(logits))
@@ -59,20 +69,11 @@ def test_split_vocabulary_matches_one_device(temperature):
     """Each of 4 devices holds a quarter of the vocabulary: the combined token and
     confidence equal one device's (Gumbel noise drawn over the whole vocabulary); rows may
     differ in temperature, 0 taking the argmax."""
-    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
     logits = jnp.asarray(_logits(1))
     keys = jax.random.split(jax.random.key(3), 2)
     t = None if temperature is None else jnp.asarray(temperature, jnp.float32)
     whole = jax.jit(lambda x: predict(x, t, keys, MASK))(logits)
-    split = jax.jit(
-        jax.shard_map(
-            lambda x: predict(x, t, keys, MASK, "model"),
-            mesh=mesh,
-            in_specs=P(None, None, "model"),
-            out_specs=P(),
-            check_vma=False,
-        )
-    )(logits)
+    split = _on_four_devices(lambda x: predict(x, t, keys, MASK, "model"), logits)
     np.testing.assert_array_equal(split[0], whole[0])
     np.testing.assert_allclose(split[1], whole[1], rtol=1e-6)
     if temperature is None:
@@ -170,20 +171,13 @@ def test_chunked_prediction_matches_the_whole(chunk, temperature):
 def test_chunks_of_a_split_vocabulary_match_one_device(temperature):
     """4 devices, each its 16 ids in chunks of 6: their combined statistics give one
     device's whole-vocabulary token and confidence."""
-    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
     logits = jnp.asarray(_logits(1))
     keys = jax.random.split(jax.random.key(3), 2)
     t = None if temperature is None else jnp.asarray(temperature, jnp.float32)
     whole = jax.jit(lambda x: predict(x, t, keys, MASK))(logits)
-    split = jax.jit(
-        jax.shard_map(
-            lambda x: predict_chunked(_chunks_of(x, 6), VOCAB // 4, 6, t, keys, MASK, "model"),
-            mesh=mesh,
-            in_specs=P(None, None, "model"),
-            out_specs=P(),
-            check_vma=False,
-        )
-    )(logits)
+    split = _on_four_devices(
+        lambda x: predict_chunked(_chunks_of(x, 6), VOCAB // 4, 6, t, keys, MASK, "model"), logits
+    )
     np.testing.assert_array_equal(split[0], whole[0])
     np.testing.assert_allclose(split[1], whole[1], rtol=1e-6)
 
@@ -291,21 +285,12 @@ def test_filters_over_a_split_vocabulary_match_one_device(top_k, top_p):
     """Each of 4 devices holds a quarter of the vocabulary: counts and probability sums
     above each candidate threshold are summed over the mesh, so the sample is one
     device's."""
-    mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
     logits = jnp.asarray(_logits(6))
     keys = jax.random.split(jax.random.key(9), 2)
     t = jnp.array([0.9, 1.4], jnp.float32)
     filters = Filters(jnp.full(2, top_k, jnp.int32), jnp.full(2, top_p, jnp.float32))
     whole = jax.jit(lambda x: predict(x, t, keys, MASK, None, filters))(logits)
-    split = jax.jit(
-        jax.shard_map(
-            lambda x: predict(x, t, keys, MASK, "model", filters),
-            mesh=mesh,
-            in_specs=P(None, None, "model"),
-            out_specs=P(),
-            check_vma=False,
-        )
-    )(logits)
+    split = _on_four_devices(lambda x: predict(x, t, keys, MASK, "model", filters), logits)
     np.testing.assert_array_equal(split[0], whole[0])
     np.testing.assert_allclose(split[1], whole[1], rtol=1e-6)
 
