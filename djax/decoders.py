@@ -225,7 +225,11 @@ def _choosable(
     noise = jax.vmap(lambda key: gumbel_noise(key, positions, offset + local_ids, vocab_size))(keys)
     t = temperature[:, None, None]
     scaled = choosable / jnp.where(t > 0, t, 1.0)
-    if filters is not None:
+    if filters is not None:  # rows at temperature 0 take the argmax: no passes for them
+        sampled = temperature > 0
+        filters = Filters(
+            jnp.where(sampled, filters.top_k, 0), jnp.where(sampled, filters.top_p, 1.0)
+        )
         scaled = filtered(scaled, filters, axis_name)
     return jnp.where(t > 0, scaled + noise, choosable)
 
@@ -240,8 +244,10 @@ _SIGN = np.uint32(0x80000000)
 
 
 def _order(x: Array) -> Array:
-    """float32 -> uint32 that orders as the floats do (-inf lowest; no NaNs)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    """float32 -> uint32 that orders as the floats do (-inf lowest; no NaNs; -0 as +0,
+    so that equal scores tie)."""
+    x = x.astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0), x), jnp.uint32)
     return jnp.where(bits >= _SIGN, ~bits, bits | _SIGN)
 
 
@@ -267,8 +273,9 @@ def _highest_reaching(
         mass = jnp.sum(jnp.where(above, weight[..., None, :], 0), axis=-1)
         if axis_name is not None:
             mass = jax.lax.psum(mass, axis_name)
-        reaches = mass >= target[..., None]
-        # thresholds rise with j, so those that reach come first
+        # thresholds rise with j, so those that reach come first; hi never does (a
+        # target of 0, top_p flushed to zero, would otherwise leave no score at all)
+        reaches = (mass >= target[..., None]) & (t < hi[..., None])
         new_lo = jnp.max(jnp.where(reaches, t, lo[..., None]), axis=-1)
         new_hi = jnp.min(jnp.where(reaches, hi[..., None], t), axis=-1)
         return new_lo, new_hi

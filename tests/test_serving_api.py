@@ -525,6 +525,7 @@ def test_stop_string_held_back_then_released(client, engine):
         ("/v1/completions", {"prompt": "x", "top_p": True}, "top_p", "valid number"),
         ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k", "greater than or equal to -1"),
         ("/v1/completions", {"prompt": "x", "top_k": 4.5}, "top_k", "valid integer"),
+        ("/v1/completions", {"prompt": "x", "top_k": 2**31}, "top_k", "less than 2147483648"),
         ("/v1/completions", {"prompt": "x", "min_p": 0.1}, "min_p", "not supported"),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 1}, "presence_penalty", "=1;"),
         (

@@ -266,6 +266,7 @@ def test_bad_requests_are_refused_by_name(demo_model, continuous):
         (EngineRequest("x", ids, 8, temperature=float("nan")), "temperature=nan"),
         (EngineRequest("x", ids, 8, threshold=1.5), "threshold=1.5"),
         (EngineRequest("x", ids, 8, top_k=-1), "top_k=-1; expected an int ≥ 0"),
+        (EngineRequest("x", ids, 8, top_k=2**31), "top_k=2147483648; expected an int ≥ 0 b"),
         (EngineRequest("x", ids, 8, top_p=0.0), "top_p=0.0; expected a number in (0, 1]"),
     ]
     for request, message in cases:
@@ -531,6 +532,27 @@ def test_static_scheduler_runs_whole_batches(demo_model, generation):
             assert got.tokens(f"r{b}{i}") == _alone(demo_model, generation, ids, 16)
 
 
+def test_static_batches_apply_each_rows_filters(demo_model, generation):
+    """A static batch of filtered and unfiltered sampled rows (and a greedy one) gives each
+    the tokens generate draws alone with its filters and seed."""
+    engine = _engine(demo_model, generation, scheduler="static", max_batch=4)
+    cases = [(3, 1.0, 5.0), (0, 0.6, 5.0), (0, 1.0, 5.0), (2, 0.5, 0.0)]
+    ids = _ids(demo_model, "999+1=")
+    got = Collector()
+    try:
+        for i, (top_k, top_p, t) in enumerate(cases):
+            request = EngineRequest(f"s{i}", ids, 16, t, seed=3, top_k=top_k, top_p=top_p)
+            engine.submit(request, got.sink(f"s{i}"))
+        got.wait(len(cases))
+    finally:
+        engine.stop()
+    answers = [got.tokens(f"s{i}") for i in range(len(cases))]
+    for answer, (top_k, top_p, t) in zip(answers, cases, strict=True):
+        changes = {"temperature": t, "seed": 3, "top_k": top_k, "top_p": top_p}
+        assert answer == _alone(demo_model, generation, ids, 16, **changes)
+    assert answers[0] != answers[2] and answers[1] != answers[2]
+
+
 def test_static_batches_only_rows_whose_longest_prompt_and_answer_fit(demo_model, generation):
     """A long prompt with a short answer and a short prompt with a long answer each fit the
     longest sequence alone but not together: they run as two batches, each answered as
@@ -693,6 +715,10 @@ def test_serve_config_refuses_what_it_cannot_serve(generation):
         ({"memory_fraction": float("nan")}, "memory_fraction=nan"),
         ({"memory_fraction": "0.5"}, "memory_fraction='0.5'"),
         ({"memory_bytes": 0}, "memory_bytes=0; expected a positive int or None"),
+        (
+            {"generation": dataclasses.replace(generation, top_p=0.9, logits_chunk=48)},
+            r"top_k=0, top_p=0.9 \(the requests' defaults\) need a step's whole logits",
+        ),
     ]
     for options, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -164,6 +164,11 @@ class ServeConfig:
             raise ValueError("smoothing=True is not served; it needs the whole generation")
         if g.temperature > 0 and not self.sampling:
             raise ValueError(f"temperature={g.temperature} needs sampling=True")
+        if g.logits_chunk and self.sampling and (g.top_k > 0 or g.top_p < 1):
+            raise ValueError(  # else every sampled request left at the defaults is refused
+                f"top_k={g.top_k}, top_p={g.top_p} (the requests' defaults) need a step's "
+                f"whole logits; logits_chunk={g.logits_chunk} computes them in chunks"
+            )
 
     @property
     def steps_per_block(self) -> int:
@@ -1081,8 +1086,8 @@ def check_filters(request: EngineRequest, logits_chunk: int) -> None:
     """A ValueError naming a request's top_k or top_p that are not valid limits, or that
     filter where the server computes its logits in chunks (`logits_chunk`)."""
     top_k, top_p = request.top_k, request.top_p
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
-        raise ValueError(f"top_k={top_k!r}; expected an int ≥ 0 (0: none)")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k < 2**31:
+        raise ValueError(f"top_k={top_k!r}; expected an int ≥ 0 below 2**31 (0: none)")
     if not (isinstance(top_p, int | float) and not isinstance(top_p, bool) and 0 < top_p <= 1):
         raise ValueError(f"top_p={top_p!r}; expected a number in (0, 1] (1: none)")
     if logits_chunk and request.temperature > 0 and (top_k > 0 or top_p < 1):

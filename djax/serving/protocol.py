@@ -120,7 +120,7 @@ class _GenerationRequest(BaseModel):
     best_of: Any = None
     echo: Any = False
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)  # the device holds it as int32
     min_p: Any = None
     frequency_penalty: Any = None
     presence_penalty: Any = None
@@ -177,8 +177,8 @@ class _GenerationRequest(BaseModel):
             raise _refuse(
                 "unsupported",
                 "{field} is not supported: {field}={value}; djax draws each sampled token "
-                "from the whole distribution at `temperature`; expected {neutral} or no "
-                "{field}",
+                "at `temperature` within `top_k` and `top_p` alone; expected {neutral} or "
+                "no {field}",
                 field=info.field_name,
                 value=json.dumps(value, default=str),  # as the client wrote it
                 neutral=" or ".join(str(v) for v in neutral),
