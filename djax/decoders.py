@@ -317,7 +317,7 @@ def filtered(scaled: Array, filters: Filters, axis_name: str | None = None) -> A
         # top-k: the k-th highest score, counted over the whole vocabulary
         ones = finite.astype(jnp.float32)
         k = jnp.where(top_k > 0, top_k, 1).astype(jnp.float32)
-        k_th = _highest_reaching(order, ones, k * jnp.ones_like(top), lo, hi, axis_name)
+        k_th = _highest_reaching(order, ones, jnp.broadcast_to(k, top.shape), lo, hi, axis_name)
         k_th = jnp.where(top_k > 0, k_th, lo)
         # top-p over what top-k kept: a score is kept when the scores strictly above it
         # hold less than p of the kept mass, i.e. when it is at or above the highest u

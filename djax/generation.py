@@ -77,8 +77,8 @@ class GenerationConfig:
 
     @property
     def filters_sampling(self) -> bool:
-        """Whether top_k or top_p limits the sampled tokens (at a temperature above 0)."""
-        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
+        """Whether top_k or top_p limits the sampled tokens (`samples_filtered`)."""
+        return samples_filtered(self.temperature, self.top_k, self.top_p)
 
     def decoder_spec(self):
         """The `djax.decoders.DecoderSpec` of this config."""
@@ -105,6 +105,12 @@ class GenerationConfig:
             self.vicinity_after,
             self.vicinity_warmup,
         )
+
+
+def samples_filtered(temperature: float, top_k: int, top_p: float) -> bool:
+    """Whether a row at `temperature` with these `top_k` and `top_p` draws from a filtered
+    distribution (at temperature 0 the filters change nothing)."""
+    return temperature > 0 and (top_k > 0 or top_p < 1)
 
 
 def _is_int(value: object) -> bool:

@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from djax.engine import tokenize
+from djax.generation import samples_filtered
 from djax.model import Model
 from djax.serving import protocol as p
 from djax.serving.detokenize import Detokenizer
@@ -449,7 +450,7 @@ def create_app(
         top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)  # -1: none
         top_p = defaults.top_p if body.top_p is None else body.top_p
         chunk = engine.config.generation.logits_chunk
-        if temperature > 0 and (top_k > 0 or top_p < 1) and chunk:
+        if chunk and samples_filtered(temperature, top_k, top_p):
             raise p.ProtocolError(
                 f"top_k={top_k}, top_p={top_p}: this server computes a step's logits "
                 f"{chunk} vocabulary ids at a time (--logits-chunk), and the "

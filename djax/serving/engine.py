@@ -47,7 +47,7 @@ import numpy as np
 from djax import block_diffusion
 from djax import engine as djax_engine
 from djax.diffusion import Carried, Plan, Rows, Slots, row_keys, run_block_call, run_generation
-from djax.generation import GenerationConfig
+from djax.generation import GenerationConfig, samples_filtered
 from djax.model import Model
 from djax.models.sparse_attention import plan_sparse
 from djax.serving import layout, memory
@@ -1090,7 +1090,7 @@ def check_filters(request: EngineRequest, logits_chunk: int) -> None:
         raise ValueError(f"top_k={top_k!r}; expected an int ≥ 0 below 2**31 (0: none)")
     if not (isinstance(top_p, int | float) and not isinstance(top_p, bool) and 0 < top_p <= 1):
         raise ValueError(f"top_p={top_p!r}; expected a number in (0, 1] (1: none)")
-    if logits_chunk and request.temperature > 0 and (top_k > 0 or top_p < 1):
+    if logits_chunk and samples_filtered(request.temperature, top_k, top_p):
         raise ValueError(
             f"top_k={top_k}, top_p={top_p}: this server computes a step's logits in chunks "
             f"of {logits_chunk} ids, and the filters need them whole"
