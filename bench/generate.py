@@ -33,7 +33,7 @@ experts by `spread_grouped_routing`, keeping each token's groups. Results:
 
     python -m bench.generate [--models dense moe llada2_mini] [--batch 1 8] [--variants
         default norm_impl=xla] [--steps 64 32] [--routing model|spread] [--no-threshold]
-        [--tiny]
+        [--sampling greedy temperature=0.7,top_p=0.9] [--tiny]
 
 Each `--variants` entry is a set of module options (`default`: the engine's own choices),
 run in turn on the same weights. The threshold decoder runs with the dual cache at the first
@@ -44,6 +44,11 @@ of forward, inside the generation: both counts do the same refreshes
 forward, and what is left of a run over its refreshes is one refresh (`splits`; under
 block diffusion both do the same prefill and first steps, and the split is the block forward
 alone).
+
+Each `--sampling` entry runs every case again with those sampling fields of
+`GenerationConfig` (`greedy`, the default: temperature 0; or `temperature=T[,top_k=K]
+[,top_p=P]`), its rows labelled `sampling`; a run with any sampled entry saves as
+`generate_sampling_<device>.json`, so the greedy baselines stay as they are.
 """
 
 from __future__ import annotations
@@ -185,6 +190,7 @@ def forward_splits(rows: list[dict]) -> list[dict]:
                 "batch",
                 "cache",
                 "decoder",
+                "sampling",
                 "refreshes",
             )
             if a["steps"] <= b["steps"] or any(a[k] != b[k] for k in same):
@@ -201,6 +207,31 @@ def forward_splits(rows: list[dict]) -> list[dict]:
                 split["refresh_ms"] = 1e3 * refresh_s
             found.append(split)
     return found
+
+
+SAMPLING_FIELDS = {"temperature": float, "top_k": int, "top_p": float}
+
+
+def parse_sampling(text: str) -> dict[str, float | int]:
+    """A `--sampling` entry: `greedy` ({}), or `temperature=T[,top_k=K][,top_p=P]` with a
+    temperature above 0 (the filters act on sampled rows only)."""
+    if text == "greedy":
+        return {}
+    fields = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or key not in SAMPLING_FIELDS:
+            raise argparse.ArgumentTypeError(
+                f"sampling {text!r}; expected 'greedy' or temperature=T[,top_k=K][,top_p=P]"
+            )
+        try:
+            fields[key] = SAMPLING_FIELDS[key](value)
+        except ValueError:
+            message = f"sampling {text!r}: {key}={value!r} is not a number"
+            raise argparse.ArgumentTypeError(message) from None
+    if not fields.get("temperature", 0) > 0:
+        raise argparse.ArgumentTypeError(f"sampling {text!r}: expected a temperature above 0")
+    return fields
 
 
 def positive(text: str) -> int:
@@ -236,6 +267,13 @@ def main() -> None:
         help="the threshold decoder's row (--no-threshold: the setting's rows alone)",
     )
     parser.add_argument(
+        "--sampling",
+        nargs="+",
+        type=parse_sampling,
+        default=[{}],
+        help="sampling fields per run: greedy, or temperature=T[,top_k=K][,top_p=P]",
+    )
+    parser.add_argument(
         "--weights",
         nargs="+",
         choices=WEIGHTS,
@@ -256,6 +294,8 @@ def main() -> None:
     base = SETTING
     rows = []
     suffix = "fp8" if "fp8" in args.weights else None
+    if any(args.sampling):
+        suffix = "sampling" if suffix is None else f"{suffix}_sampling"
     for (model_name, config), weights in itertools.product(configs.items(), args.weights):
         model, _ = bench_model(config, 1, (("moe_impl", args.moe_impl),), weights)
         for options in variants:
@@ -264,9 +304,12 @@ def main() -> None:
             variant = model.with_options(**options)
             for prompt_len in args.prompts:
                 for batch in args.batch:
-                    for case in cases(config, base, args.caches, args.steps, args.threshold):
+                    runs = cases(config, base, args.caches, args.steps, args.threshold)
+                    for case, sampling in itertools.product(runs, args.sampling):
+                        case = dataclasses.replace(case, **sampling)
                         row = run_case(variant, prompt_len, batch, case, ceilings, args.repeats)
                         labels = {"model": model_name, "weights": weights, "options": options}
+                        labels["sampling"] = sampling or "greedy"
                         rows.append(labels | row)
                         print(rows[-1])
                         # saved after every row: a run cut short keeps the rows it measured

@@ -873,3 +873,48 @@ def test_compile_rows_name_where_the_lowering_went():
     assert any("lower" in entry["function"] for entry in hot), hot
     assert all(entry["calls"] >= 1 and entry["own_s"] <= entry["cumulative_s"] for entry in hot)
     assert "lowering_profile" not in compile_bench.phases(model, 8)
+
+
+def test_generate_sampling_entries_parse_and_refuse_what_cannot_sample():
+    import argparse
+
+    from bench.generate import parse_sampling
+
+    assert parse_sampling("greedy") == {}
+    spec = parse_sampling("temperature=0.7,top_k=50,top_p=0.9")
+    assert spec == {"temperature": 0.7, "top_k": 50, "top_p": 0.9}
+    assert isinstance(spec["top_k"], int)
+    for bad in ("top_p=0.9", "temperature=0", "temperature=x", "temp=1", "temperature"):
+        with pytest.raises(argparse.ArgumentTypeError, match="sampling"):
+            parse_sampling(bad)
+
+
+def test_generate_runs_each_case_under_each_sampling_entry(tmp_path, monkeypatch):
+    """`--sampling greedy temperature=0.7,top_p=0.9`: each case twice, its rows labelled,
+    saved as `generate_sampling_…` (the greedy baseline file untouched); the sampled run's
+    GenerationConfig carries the fields."""
+    import json
+    import sys
+
+    from bench import generate as bench_generate
+
+    seen = []
+    real_run_case = bench_generate.run_case
+
+    def run_case(model, prompt_len, batch, config, ceilings, repeats):
+        seen.append((config.temperature, config.top_p))
+        return real_run_case(model, prompt_len, batch, config, ceilings, repeats)
+
+    monkeypatch.setattr(bench_generate, "run_case", run_case)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["bench.generate", "--models", "dense", "--tiny", "--prompts", "16"]
+    argv += ["--caches", "dual", "--steps", "16", "--no-threshold", "--repeats", "1"]
+    argv += ["--sampling", "greedy", "temperature=0.7,top_p=0.9"]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_generate.main()
+    assert seen == [(0.0, 1.0), (0.7, 0.9)]
+    [path] = tmp_path.iterdir()
+    assert path.name.startswith("generate_sampling_cpu")
+    rows = json.loads(path.read_text())["results"]
+    assert [r["sampling"] for r in rows] == ["greedy", {"temperature": 0.7, "top_p": 0.9}]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
