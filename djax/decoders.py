@@ -269,8 +269,16 @@ def _highest_reaching(
         step = width // (_SEARCH_WAYS + 1) + (width % (_SEARCH_WAYS + 1) > 0)
         offset = step[..., None] * ways  # <= 16 * ceil(2**32 / 17) < 2**32
         t = jnp.where(offset < width[..., None], lo[..., None] + offset, hi[..., None])
-        above = order[..., None, :] >= t[..., :, None]  # [..., ways, vocab]
-        mass = jnp.sum(jnp.where(above, weight[..., None, :], 0), axis=-1)
+        # one sum per threshold over the same operands: XLA fuses the siblings into one
+        # kernel that reads the logits once a pass (a sum over a [..., ways, vocab]
+        # broadcast reads them once a threshold)
+        mass = jnp.stack(
+            [
+                jnp.sum(jnp.where(order >= t[..., j, None], weight, 0), axis=-1)
+                for j in range(ways.size)
+            ],
+            axis=-1,
+        )
         if axis_name is not None:
             mass = jax.lax.psum(mass, axis_name)
         # thresholds rise with j, so those that reach come first; hi never does (a
