@@ -199,7 +199,10 @@ class State:
     """The loop carry. keys: [batch] PRNG keys; kv: per-layer (keys, values) or None
     (`none` policy); credit:
     [batch, block, vocab_local] or None; soft: expected embeddings of the block's masked
-    positions from the previous step [batch, block, model] or None; kept: per layer, the
+    positions from the previous step [batch, block, model] or None; row_steps: under
+    iteration smoothing, the steps each row has taken as it would alone [batch] int32 (every
+    block's first step, then the steps its block held masks), which set its smoothing weight
+    and annealed threshold, else None; kept: per layer, the
     keys its kv heads attend to in the block's cached steps (`KeptKV`: the last refresh's
     choice, its rows outside the cached window gathered, the window's rows in its last
     slots, rewritten by each cached step), or None (dense attention). Under sparse
@@ -218,6 +221,7 @@ class State:
     block_masks: Array
     credit: Any
     soft: Any
+    row_steps: Any
     kept: tuple[KeptKV, ...] | None = None
 
 
@@ -259,7 +263,7 @@ class _Generation:
         if not self.plan.smoothing:
             return x
         offset = block_start - start
-        weight = jnp.minimum(0.15 + 0.02 * state.step, 0.3).astype(x.dtype)
+        weight = jnp.minimum(0.15 + 0.02 * state.row_steps, 0.3).astype(x.dtype)[:, None, None]
         block_x = jax.lax.dynamic_slice_in_dim(x, offset, self.plan.block_len, axis=1)
         masked = self.block_tokens(state.tokens, block_start) == self.plan.mask_id
         block_x = jnp.where(masked[..., None], block_x + weight * state.soft, block_x)
@@ -368,7 +372,7 @@ class _Generation:
                 )
         threshold = self.threshold
         if plan.smoothing:
-            threshold = jnp.maximum(1.0 - 0.02 * state.step, threshold)
+            threshold = jnp.maximum(1.0 - 0.02 * state.row_steps[:, None], threshold)
         k = None
         if spec.fixed_steps:
             k = decoders.fixed_schedule(
@@ -383,12 +387,16 @@ class _Generation:
         # A row whose block holds no mask takes no step of its own: its keys stay, as they
         # would alone, so its draws never depend on how many steps its batch-mates take.
         stepped = jnp.any(masked, axis=1)
+        row_steps = state.row_steps
+        if row_steps is not None:  # alone, a row takes each block's first step and those
+            row_steps = row_steps + (stepped | (state.step_in_block == 0))  # with masks
         return dataclasses.replace(
             state,
             tokens=tokens,
             keys=jnp.where(stepped, keys[:, 0], state.keys),
             credit=credit,
             soft=soft,
+            row_steps=row_steps,
             step=state.step + 1,
             step_in_block=state.step_in_block + 1,
         )
@@ -448,12 +456,13 @@ def initial_state(
     kv = None
     if plan.cache.cached:
         kv = init_buffers(params, module.config.n_layers, batch, plan.seq_len, dtype)
-    credit = soft = None
+    credit = soft = row_steps = None
     if plan.decoder.name == "credit":
         vocab_local = params["lm_head"].shape[1]
         credit = jnp.zeros((batch, plan.block_len, vocab_local), jnp.float32)
     if plan.smoothing:
         soft = jnp.zeros((batch, plan.block_len, module.config.d_model), dtype)
+        row_steps = jnp.zeros((batch,), jnp.int32)
     kept = None
     if plan.sparse is not None:  # a cached policy: `kv` holds every layer's buffers
         n, width = plan.sparse.keys, plan.forward_window
@@ -471,6 +480,7 @@ def initial_state(
         block_masks=jnp.zeros((batch,), jnp.int32),
         credit=credit,
         soft=soft,
+        row_steps=row_steps,
         kept=kept,
     )
 

@@ -3,7 +3,7 @@ README's generation options, the decoders' and cache policies' docstrings): the 
 forward read straight from the HF tensors, every cache policy with explicitly variable-length
 inputs, every deterministic decoder written row by row, early stop and iteration smoothing.
 Rows are unpadded, each at its own offsets; all rows advance in lockstep, block by block,
-step by step, as the spec says."""
+step by step, as the spec says; iteration smoothing counts each row's own steps."""
 
 from __future__ import annotations
 
@@ -170,6 +170,9 @@ def reference_generate(
     per_block = (steps or gen_length) // n_blocks
     stopped = [False] * rows
     t = forwards = refreshes = 0
+    # each row's steps as it would take them alone (every block's first step, then those
+    # its block held masks): smoothing's weight and threshold follow them, not the batch's
+    row_t = [0] * rows
     for b in range(n_blocks):
         if early_stop and all(stopped):
             break
@@ -205,7 +208,7 @@ def reference_generate(
                 x = model.emb[seq[lo:hi]].copy()
                 masked = seq[st : st + block] == mask_id
                 if smoothing:
-                    w = min(0.15 + 0.02 * t, 0.3)
+                    w = min(0.15 + 0.02 * row_t[r], 0.3)
                     for i in np.flatnonzero(masked):
                         x[st - lo + i] += w * soft[r][i]
                 logits, new_cache = model.forward(x, lo, size, None if refresh else caches[r])
@@ -225,7 +228,7 @@ def reference_generate(
                 chosen[:, mask_id] = -np.inf
                 token = chosen.argmax(-1)
                 conf = softmax(z_dec)[np.arange(block), token]
-                step_tau = max(1 - 0.02 * t, tau) if smoothing else tau
+                step_tau = max(1 - 0.02 * row_t[r], tau) if smoothing else tau
                 m = masks_at_start[r]
                 k = m // per_block + int(j < m % per_block)
                 commit = commit_rows(
@@ -234,6 +237,7 @@ def reference_generate(
                 seq[st : st + block] = np.where(commit, token, seq[st : st + block])
                 if smoothing:
                     soft[r] = softmax(z) @ model.emb
+                row_t[r] += int(j == 0 or masked.any())
             t += 1
             j += 1
         for r in range(rows):

@@ -112,6 +112,17 @@ def test_ragged_batch_rows_match_rows_alone(dense_model, cache):
         np.testing.assert_array_equal(batch.answer_ids[i], alone.answer_ids[0])
 
 
+@pytest.mark.parametrize("decoder", ["threshold", "low_confidence"])
+def test_smoothed_batch_rows_match_rows_alone(dense_model, decoder):
+    """Iteration smoothing's weight and annealed threshold follow each row's own steps: a
+    row whose batch-mates take more steps in a block gets the tokens it gets alone."""
+    config = dataclasses.replace(BASE, smoothing=True, decoder=decoder, cache="dual")
+    batch = djax.generate(dense_model, PROMPTS, config)
+    for i, prompt in enumerate(PROMPTS):
+        alone = djax.generate(dense_model, [prompt], config)
+        np.testing.assert_array_equal(batch.answer_ids[i], alone.answer_ids[0])
+
+
 def test_top_k_and_top_p_limit_the_samples(dense_model):
     """top_k 1 and a tiny top_p sample the greedy answer at any temperature; looser ones
     sample otherwise than the unfiltered draw of the same seed, and deterministically."""
