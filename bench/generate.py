@@ -231,6 +231,10 @@ def parse_sampling(text: str) -> dict[str, float | int]:
             raise argparse.ArgumentTypeError(message) from None
     if not fields.get("temperature", 0) > 0:
         raise argparse.ArgumentTypeError(f"sampling {text!r}: expected a temperature above 0")
+    try:  # GenerationConfig's own checks (a finite temperature, top_p in (0, 1], ...)
+        dataclasses.replace(SETTING, **fields)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"sampling {text!r}: {err}") from None
     return fields
 
 

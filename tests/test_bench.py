@@ -884,7 +884,9 @@ def test_generate_sampling_entries_parse_and_refuse_what_cannot_sample():
     spec = parse_sampling("temperature=0.7,top_k=50,top_p=0.9")
     assert spec == {"temperature": 0.7, "top_k": 50, "top_p": 0.9}
     assert isinstance(spec["top_k"], int)
-    for bad in ("top_p=0.9", "temperature=0", "temperature=x", "temp=1", "temperature"):
+    bad_ones = ("top_p=0.9", "temperature=0", "temperature=x", "temp=1", "temperature")
+    bad_ones += ("temperature=inf", "temperature=1,top_p=1.5", "temperature=1,top_p=0")
+    for bad in (*bad_ones, "temperature=1,top_k=-3"):
         with pytest.raises(argparse.ArgumentTypeError, match="sampling"):
             parse_sampling(bad)
 
@@ -918,3 +920,25 @@ def test_generate_runs_each_case_under_each_sampling_entry(tmp_path, monkeypatch
     rows = json.loads(path.read_text())["results"]
     assert [r["sampling"] for r in rows] == ["greedy", {"temperature": 0.7, "top_p": 0.9}]
     assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_filter_sums_probe_times_each_form_and_restores_the_search(tmp_path, monkeypatch):
+    """Each form is traced on its own (not the first form's trace of `filtered`), so a wrong
+    form shows as a different kept set; the engine's search is put back afterwards."""
+    import json
+    import sys
+
+    from bench.probes import filter_sums
+
+    keeps_all = lambda order, weight, target, lo, hi, axis_name: lo  # noqa: E731
+    forms = {"column 16x8": filter_sums.search(filter_sums.column, 16, 8), "all": keeps_all}
+    monkeypatch.setattr(filter_sums, "FORMS", forms)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["filter_sums", "--batches", "1", "--repeats", "1", "--vocab", "1024"]
+    monkeypatch.setattr(sys, "argv", argv)
+    own = filter_sums.decoders._highest_reaching
+    filter_sums.main()
+    assert filter_sums.decoders._highest_reaching is own
+    [path] = tmp_path.iterdir()
+    rows = json.loads(path.read_text())["results"]
+    assert [r["same_kept_set"] for r in rows] == [True, False]

@@ -112,7 +112,7 @@ def test_ragged_batch_rows_match_rows_alone(dense_model, cache):
         np.testing.assert_array_equal(batch.answer_ids[i], alone.answer_ids[0])
 
 
-@pytest.mark.parametrize("decoder", ["threshold", "low_confidence"])
+@pytest.mark.parametrize("decoder", ["threshold", "factor"])
 def test_smoothed_batch_rows_match_rows_alone(dense_model, decoder):
     """Iteration smoothing's weight and annealed threshold follow each row's own steps: a
     row whose batch-mates take more steps in a block gets the tokens it gets alone."""

@@ -119,7 +119,8 @@ def main() -> None:
             reference = None
             for name, form in FORMS.items():
                 decoders._highest_reaching = form
-                run = jax.jit(decoders.filtered)
+                # a new function per form: jit would reuse its trace of `filtered` itself
+                run = jax.jit(lambda x, f: decoders.filtered(x, f))
                 kept = jax.block_until_ready(run(scaled, filters))
                 reference = kept if reference is None else reference
                 seconds = []
