@@ -300,43 +300,51 @@ def filtered(scaled: Array, filters: Filters, axis_name: str | None = None) -> A
     token may never be chosen) at -inf wherever the row's `filters` leave a token out;
     the vocabulary may be split over the mesh axis `axis_name`. The thresholds are found
     by counting (top-k) and summing probabilities (top-p) above candidate thresholds over
-    the whole vocabulary, a few passes over the logits, and only when some row filters."""
+    the whole vocabulary, a few passes over the logits each, a search only when some row
+    of the call asks for it."""
     top_k = filters.top_k[:, None]
     top_p = filters.top_p[:, None]
+    order = _order(scaled)
 
     def thresholds() -> Array:
-        order = _order(scaled)
         finite = scaled > NEG_INF
         big = jnp.uint32(np.iinfo(np.uint32).max)
         lo = jnp.min(jnp.where(finite, order, big), axis=-1)
         hi = jnp.max(jnp.where(finite, order, jnp.uint32(0)), axis=-1)
-        top = jnp.max(scaled, axis=-1)
         if axis_name is not None:
             lo = jax.lax.pmin(lo, axis_name)
             hi = jax.lax.pmax(hi, axis_name)
-            top = jax.lax.pmax(top, axis_name)
         hi = hi + (hi < big)  # exclusive (a +inf score keeps the whole range)
-        # top-k: the k-th highest score, counted over the whole vocabulary
-        ones = finite.astype(jnp.float32)
-        k = jnp.where(top_k > 0, top_k, 1).astype(jnp.float32)
-        k_th = _highest_reaching(order, ones, jnp.broadcast_to(k, top.shape), lo, hi, axis_name)
-        k_th = jnp.where(top_k > 0, k_th, lo)
+
+        def top_k_th() -> Array:  # the k-th highest score, counted over the whole vocabulary
+            ones = finite.astype(jnp.float32)
+            k = jnp.broadcast_to(jnp.where(top_k > 0, top_k, 1).astype(jnp.float32), lo.shape)
+            return jnp.where(top_k > 0, _highest_reaching(order, ones, k, lo, hi, axis_name), lo)
+
         # top-p over what top-k kept: a score is kept when the scores strictly above it
         # hold less than p of the kept mass, i.e. when it is at or above the highest u
         # whose scores at or above it hold at least p of that mass
-        kept = order >= k_th[..., None]
-        weight = jnp.where(kept & finite, jnp.exp(scaled - top[..., None]), 0.0)
-        total = jnp.sum(weight, axis=-1)
-        if axis_name is not None:
-            total = jax.lax.psum(total, axis_name)
-        reaching = _highest_reaching(order, weight, top_p * total, k_th, hi, axis_name)
-        p_th = jnp.where(top_p < 1, reaching, k_th)
-        return jnp.maximum(k_th, p_th)
+        def top_p_th(k_th: Array) -> Array:
+            top = jnp.max(scaled, axis=-1)
+            if axis_name is not None:
+                top = jax.lax.pmax(top, axis_name)
+            kept = order >= k_th[..., None]
+            weight = jnp.where(kept & finite, jnp.exp(scaled - top[..., None]), 0.0)
+            total = jnp.sum(weight, axis=-1)
+            if axis_name is not None:
+                total = jax.lax.psum(total, axis_name)
+            reaching = _highest_reaching(order, weight, top_p * total, k_th, hi, axis_name)
+            return jnp.where(top_p < 1, reaching, k_th)
+
+        # each search runs only where some row asks for it (a client sending top_p alone
+        # runs no top-k passes)
+        k_th = jax.lax.cond(jnp.any(filters.top_k > 0), top_k_th, lambda: lo)
+        return jax.lax.cond(jnp.any(filters.top_p < 1), top_p_th, lambda k_th: k_th, k_th)
 
     active = jnp.any((filters.top_k > 0) | (filters.top_p < 1))
     floor = jnp.zeros(scaled.shape[:-1], jnp.uint32)
     threshold = jax.lax.cond(active, thresholds, lambda: floor)
-    return jnp.where(_order(scaled) >= threshold[..., None], scaled, NEG_INF)
+    return jnp.where(order >= threshold[..., None], scaled, NEG_INF)
 
 
 def predict(
