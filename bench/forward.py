@@ -9,12 +9,16 @@ back to back inside one compiled loop (as the engine runs them). Cases:
              the K/V buffer read is reported beside it).
 MoE runs both expert paths; dense runs both attention implementations.
 
-    python -m bench.forward [--models dense moe] [--tiny]
+    python -m bench.forward [--models dense moe] [--tiny] [--profile]
+
+`--profile`: each row also holds where its forward's device time goes, per forward, with
+the kernels of one forward in order (`profile`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 
 import jax
@@ -27,6 +31,7 @@ from bench.common import (
     time_in_program,
     weight_bytes,
 )
+from bench.profile import profile_in_program
 from djax import programs
 from djax.kernel_options import KernelOptions
 from djax.models import init_params
@@ -102,7 +107,9 @@ def _inputs(config, seq: int, dtype):
     return x, positions
 
 
-def time_refresh(module, params, config, seq: int, iters: int) -> float:
+def refresh_program(module, config, seq: int) -> tuple:
+    """A refresh's loop step and its first state: a whole-sequence forward of `seq` tokens
+    with logits for the last block."""
     x, positions = _inputs(config, seq, module.dtype)
     valid = jnp.ones((1, seq), bool)
 
@@ -113,7 +120,7 @@ def time_refresh(module, params, config, seq: int, iters: int) -> float:
         logits = module.apply({"params": params}, hidden, method="logits")
         return x + (1e-6 * jnp.mean(logits)).astype(x.dtype)
 
-    return time_in_program(step, x, iters, params)
+    return step, x
 
 
 def random_kv(config, seq: int, dtype) -> tuple:
@@ -128,12 +135,13 @@ def random_kv(config, seq: int, dtype) -> tuple:
     )
 
 
-def time_block(module, params, config, kv_len: int, iters: int) -> float:
+def block_program(module, config, kv_len: int) -> tuple:
+    """A block forward's loop step and its first state: 32 tokens against a K/V buffer of
+    `kv_len` positions, writing their K/V into it (the state: tokens' input and buffers)."""
     x, _ = _inputs(config, BLOCK, module.dtype)
     start = kv_len - 2 * BLOCK
     positions = (start + jnp.arange(BLOCK, dtype=jnp.int32))[None]
     valid = jnp.ones((1, kv_len), bool)
-    kv = random_kv(config, kv_len, module.dtype)
 
     def step(carry, params):
         x, kv = carry
@@ -143,7 +151,20 @@ def time_block(module, params, config, kv_len: int, iters: int) -> float:
         logits = module.apply({"params": params}, hidden, method="logits")
         return x + (1e-6 * jnp.mean(logits)).astype(x.dtype), kv
 
-    return time_in_program(step, (x, kv), iters, params, donate=True)
+    return step, (x, random_kv(config, kv_len, module.dtype))
+
+
+def timed(program, params, iters: int, profile: bool, donate: bool = False) -> dict:
+    """`ms` of one step of `program` (`refresh_program` or `block_program`'s pair), and with
+    `profile` its `profile` (`bench.profile.profile_in_program`, on a fresh state)."""
+    step, state = program()
+    row = {"ms": 1e3 * time_in_program(step, state, iters, params, donate=donate)}
+    if profile:
+        step, state = program()
+        summary = profile_in_program(step, state, iters, params, donate=donate)
+        keep = ("busy_us_per_step", "kernels_us_per_step", "last_step_kernels", "error")
+        row["profile"] = {k: v for k, v in summary.items() if k in keep}
+    return row
 
 
 def ragged_dot_kernels(module, params, config) -> list[str]:
@@ -186,6 +207,12 @@ def main() -> None:
     parser.add_argument("--attention-impls", nargs="+", default=["xla", "cudnn"])
     parser.add_argument("--moe-impls", nargs="+", default=["xla", "mosaic"])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="each row also holds where its forward spends its device time, with its "
+        "kernels in order (bench.profile.profile_in_program)",
+    )
     args = parser.parse_args()
     dtype = jnp.bfloat16
     ceilings = measure_ceilings(args.tiny)
@@ -206,20 +233,23 @@ def main() -> None:
                 continue
             module = module_for(config, dtype, options, args.seqs, args.kv_len)
             for seq in args.seqs:
-                ms = 1e3 * time_refresh(module, params, config, seq, args.iters)
+                program = functools.partial(refresh_program, module, config, seq)
+                timing = timed(program, params, args.iters, args.profile)
                 floor = 1e3 * refresh_flops(config, params, seq) / ceilings["matmul_flops_per_s"]
                 rows.append(
                     {
                         "model": name,
                         "case": f"refresh {seq}",
                         **options,
-                        "ms": ms,
+                        **timing,
                         "floor_ms": floor,
                         "floor": "flops / matmul rate",
-                        "roofline_pct": 100 * floor / ms,
+                        "roofline_pct": 100 * floor / timing["ms"],
                     }
                 )
-            ms = 1e3 * time_block(module, params, config, args.kv_len, args.iters)
+            program = functools.partial(block_program, module, config, args.kv_len)
+            timing = timed(program, params, args.iters, args.profile, donate=True)
+            ms = timing["ms"]
             floor = 1e3 * w_bytes / ceilings["hbm_bytes_per_s"]
             read_floor = 1e3 * w_bytes / ceilings["hbm_read_bytes_per_s"]
             kv_ms = 1e3 * kv_bytes(config, args.kv_len, dtype) / ceilings["hbm_bytes_per_s"]
@@ -228,7 +258,7 @@ def main() -> None:
                     "model": name,
                     "case": f"block {BLOCK} vs kv {args.kv_len}",
                     **options,
-                    "ms": ms,
+                    **timing,
                     "floor_ms": floor,
                     "floor": "weight bytes / bandwidth",
                     "kv_read_ms": kv_ms,

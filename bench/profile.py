@@ -194,9 +194,10 @@ def profile_in_program(step, state, iters: int, *operands, donate: bool = False)
     """Where one call of `compile_loop`'s program (`iters` steps of `step`) spends its
     device time: `summarize` of the first device in its trace, with the busy time of each
     category and of each of the most costly kernels per step (`busy_us_per_step`,
-    `kernels_us_per_step`). On a GPU the loop compiles with `TRACED_COMMAND_BUFFERS`, so the
-    loop body's kernels show one by one; a trace without device events (a CPU's) gives
-    `summarize`'s error."""
+    `kernels_us_per_step`), and the last step's kernels in order, [name, µs] each
+    (`last_step_kernels`: a step's events, the trace's last `1 / iters` of them). On a GPU
+    the loop compiles with `TRACED_COMMAND_BUFFERS`, so the loop body's kernels show one by
+    one; a trace without device events (a CPU's) gives `summarize`'s error."""
     options = xla_options.compiler_options(jax.default_backend())
     if jax.default_backend() == "gpu":
         options = {**options, "xla_gpu_enable_command_buffer": TRACED_COMMAND_BUFFERS}
@@ -217,6 +218,10 @@ def profile_in_program(step, state, iters: int, *operands, donate: bool = False)
     summary["kernels_us_per_step"] = {
         name: us / iters for name, us in summary["top_kernels_us"].items()
     }
+    ordered = sorted(events, key=lambda e: e["ts"])
+    summary["last_step_kernels"] = [
+        [e.get("name", ""), e["dur"]] for e in ordered[len(ordered) - len(ordered) // iters :]
+    ]
     return summary
 
 
