@@ -436,10 +436,17 @@ def commit_top_k(score: Array, masked: Array, k: Array) -> Array:
     return masked & (ranked < k[:, None])
 
 
+def most_confident(confidence: Array, masked: Array) -> Array:
+    """The single most confident masked position of each row (ties: the lower position);
+    none in a row without masks. [batch, block] -> [batch, block] bool."""
+    best = jnp.argmax(jnp.where(masked, confidence, NEG_INF), axis=-1)
+    return masked & (jnp.arange(masked.shape[-1]) == best[:, None])
+
+
 def commit_threshold(confidence: Array, masked: Array, threshold: Array | float) -> Array:
-    """Masked positions with confidence ≥ τ; if none, the single most confident one."""
-    best = jnp.max(jnp.where(masked, confidence, NEG_INF), axis=-1, keepdims=True)
-    return masked & (confidence >= jnp.minimum(threshold, best - 1e-5))
+    """Masked positions with confidence ≥ τ, and the most confident one whatever its
+    confidence (so a row with masks always commits)."""
+    return (masked & (confidence >= threshold)) | most_confident(confidence, masked)
 
 
 def commit_factor(confidence: Array, masked: Array, factor: float) -> Array:
@@ -468,7 +475,7 @@ def commit_hierarchy(confidence: Array, masked: Array, high: Array | float, low:
     )
     run_best = masked & ~jnp.any(same_run & beats, axis=-1)
     commit = (run_best & (confidence > low)) | (masked & (confidence > high))
-    return commit | commit_top_k(confidence, masked, jnp.ones(masked.shape[0], jnp.int32))
+    return commit | most_confident(confidence, masked)
 
 
 def fixed_schedule(masks_at_start: Array, steps: int, step: Array) -> Array:

@@ -14,11 +14,14 @@ from djax.decoders import (
     Filters,
     check_filters,
     credit_update,
+    decide,
     filtered,
     gumbel_noise,
     predict,
     predict_chunked,
 )
+
+from numpy_reference import commit_rows
 
 MASK = 5
 VOCAB = 64
@@ -355,3 +358,51 @@ def test_filters_need_whole_logits():
         check_filters(filters, 16)
     check_filters(filters, None)
     check_filters(None, 16)
+
+
+def _confidence_cases() -> tuple[np.ndarray, np.ndarray]:
+    """[8, 12] confidences and masks with the cases a commit rule can get wrong: confidences
+    all below 1e-5 (a near-uniform distribution over a 126k vocabulary), near ties below
+    τ = 0.9 (within 1e-6 of the best), exact ties (the lower position first), a tie at τ
+    itself, a row without masks, a row with one mask, and random rows."""
+    rng = np.random.default_rng(3)
+    conf = rng.uniform(0, 1, (8, 12)).astype(np.float32)
+    masked = rng.uniform(size=(8, 12)) < 0.7
+    conf[0] = 8e-6 + 1e-8 * np.arange(12)[::-1]
+    masked[0] = True
+    conf[1] = 0.5
+    conf[1, 3], conf[1, 7] = 0.500001, 0.5000005
+    masked[1] = True
+    conf[2, :] = 0.3
+    masked[2] = True
+    conf[3, [2, 9]] = 0.9
+    masked[3, [2, 9]] = True
+    masked[4] = False
+    masked[5] = False
+    masked[5, 6] = True
+    return conf, masked
+
+
+@pytest.mark.parametrize("name", ["low_confidence", "threshold", "credit", "factor", "hierarchy"])
+def test_commit_rules_match_the_reference(name):
+    """Every commit rule against the plainly written numpy one, row by row: threshold and
+    credit commit every masked position at or above τ and the single most confident one
+    (never its near ties), so a row of near-uniform confidences commits one position."""
+    conf, masked = _confidence_cases()
+    k = np.array([1, 2, 3, 1, 2, 1, 4, 2], np.int32)
+    commit = np.asarray(
+        decide(
+            DecoderSpec(name, factor=1.0, low_threshold=0.4),
+            jnp.asarray(conf),
+            jnp.asarray(masked),
+            threshold=jnp.full((8, 1), 0.9, jnp.float32),
+            k=jnp.asarray(k),
+        )
+    )
+    for row in range(8):
+        expected = commit_rows(name, conf[row], masked[row], k=int(k[row]), tau=0.9, low=0.4)
+        np.testing.assert_array_equal(commit[row], expected, err_msg=f"row {row}")
+    if name in ("threshold", "credit"):
+        assert commit[0].sum() == 1 and commit[0, 0]  # all below 1e-5: the best alone
+        assert commit[1].sum() == 1 and commit[1, 3]  # near ties of the best stay masked
+        assert commit[2].sum() == 1 and commit[2, 0]  # exact ties: the lowest position
