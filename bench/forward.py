@@ -3,16 +3,22 @@
 Random bf16 weights are built directly on the device. Times are medians of forwards run
 back to back inside one compiled loop (as the engine runs them). Cases:
   refresh S: a whole-sequence forward over S tokens with logits for one 32-token block
-             (floor: FLOPs / measured matmul rate);
+             (floor: the longer of FLOPs / measured matmul rate and the weights' bytes /
+             measured read rate, as `bench.generate`'s limit counts a forward);
   block:     a 32-token forward attending to a K/V buffer of `--kv-len` positions, writing
              its K/V into the buffer (floor: bytes of weights read / measured bandwidth;
              the K/V buffer read is reported beside it).
-MoE runs both expert paths; dense runs both attention implementations.
+Each MoE model runs under every `--moe-impls` entry, each dense one under every
+`--attention-impls` entry.
 
-    python -m bench.forward [--models dense moe] [--tiny] [--profile]
+    python -m bench.forward [--models dense moe] [--seqs 384 1280] [--kv-len 1280]
+                            [--attention-impls ...] [--moe-impls ...] [--routing spread]
+                            [--profile] [--tiny]
 
 `--profile`: each row also holds where its forward's device time goes, per forward, with
-the kernels of one forward in order (`profile`).
+the kernels of one forward in order (`profile`). `--routing spread`: LLaDA-MoE's tokens
+spread over the experts as a trained router's are (`bench.common.use_routing`); results
+`forward_spread_<device>.json`.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import (
+    ROUTINGS,
     measure_ceilings,
     model_config,
     save,
     time_in_program,
+    use_routing,
     weight_bytes,
 )
 from bench.profile import profile_in_program
@@ -207,6 +215,7 @@ def main() -> None:
     parser.add_argument("--attention-impls", nargs="+", default=["xla", "cudnn"])
     parser.add_argument("--moe-impls", nargs="+", default=["xla", "mosaic"])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
+    parser.add_argument("--routing", choices=ROUTINGS, default="model", help="see use_routing")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -214,6 +223,7 @@ def main() -> None:
         "kernels in order (bench.profile.profile_in_program)",
     )
     args = parser.parse_args()
+    use_routing(args.routing)
     dtype = jnp.bfloat16
     ceilings = measure_ceilings(args.tiny)
     print({k: f"{v:.3e}" for k, v in ceilings.items()})
@@ -235,16 +245,19 @@ def main() -> None:
             for seq in args.seqs:
                 program = functools.partial(refresh_program, module, config, seq)
                 timing = timed(program, params, args.iters, args.profile)
-                floor = 1e3 * refresh_flops(config, params, seq) / ceilings["matmul_flops_per_s"]
+                flops = 1e3 * refresh_flops(config, params, seq) / ceilings["matmul_flops_per_s"]
+                read = 1e3 * w_bytes / ceilings["hbm_read_bytes_per_s"]
                 rows.append(
                     {
                         "model": name,
                         "case": f"refresh {seq}",
                         **options,
                         **timing,
-                        "floor_ms": floor,
-                        "floor": "flops / matmul rate",
-                        "roofline_pct": 100 * floor / timing["ms"],
+                        "floor_ms": max(flops, read),
+                        "floor": "flops / matmul rate" if flops >= read else "weights / read rate",
+                        "flops_floor_ms": flops,
+                        "read_floor_ms": read,
+                        "roofline_pct": 100 * max(flops, read) / timing["ms"],
                     }
                 )
             program = functools.partial(block_program, module, config, args.kv_len)
@@ -278,7 +291,8 @@ def main() -> None:
         del params
     for row in rows:
         print(row)
-    save("forward", {"ceilings": ceilings, "results": rows})
+    name = "forward_spread" if args.routing == "spread" else "forward"
+    save(name, {"ceilings": ceilings, "routing": args.routing, "results": rows})
 
 
 if __name__ == "__main__":
