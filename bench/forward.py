@@ -102,11 +102,11 @@ def kv_bytes(config, kv_len: int, dtype) -> int:
     )
 
 
-def module_for(config, dtype, options: dict, seqs: list[int], kv_len: int):
-    """The module with `options` resolved for block forwards of one sequence over `kv_len`
-    positions and refreshes of the longest of `seqs`."""
+def module_for(config, dtype, options: dict, seqs: list[int]):
+    """The module with `options` resolved as the engine resolves them for one sequence:
+    block forwards of `BLOCK` rows, refreshes of the longest of `seqs`."""
     kernels = programs.kernel_choice(
-        KernelOptions(**options), config, dtype, Shapes(1, kv_len, max(seqs), BLOCK)
+        KernelOptions(**options), config, dtype, Shapes(1, BLOCK, max(seqs), BLOCK)
     )
     return programs.local_module(config, dtype, kernels, None)
 
@@ -230,7 +230,7 @@ def main() -> None:
             gpu_only = "cudnn" in options.values() or "mosaic" in options.values()
             if gpu_only and jax.default_backend() != "gpu":
                 continue
-            module = module_for(config, dtype, options, args.seqs, args.kv_len)
+            module = module_for(config, dtype, options, args.seqs)
             for seq in args.seqs:
                 program = functools.partial(refresh_program, module, config, seq)
                 timing = timed(program, params, args.iters, args.profile)
@@ -241,6 +241,7 @@ def main() -> None:
                         "model": name,
                         "case": f"refresh {seq}",
                         **options,
+                        "kernels": module.kernels.explain(),
                         **timing,
                         "floor_ms": max(flops, read),
                         "floor": "flops / matmul rate" if flops >= read else "weights / read rate",
@@ -260,6 +261,7 @@ def main() -> None:
                     "model": name,
                     "case": f"block {BLOCK} vs kv {args.kv_len}",
                     **options,
+                    "kernels": module.kernels.explain(),
                     **timing,
                     "floor_ms": floor,
                     "floor": "weight bytes / bandwidth",
@@ -272,7 +274,7 @@ def main() -> None:
             )
         extra = {}
         if config.is_moe:
-            module = module_for(config, dtype, {"moe_impl": "xla"}, [RAGGED_ROWS], args.kv_len)
+            module = module_for(config, dtype, {"moe_impl": "xla"}, [RAGGED_ROWS])
             extra["ragged_dot_hlo_ops"] = ragged_dot_kernels(module, params, config)
         add({"model": name, "weight_bytes": w_bytes, **extra})
         del params
