@@ -11,8 +11,13 @@ import sys
 
 # Without an accelerator plugin the suite runs on the CPU, compiling a few hundred small
 # programs that each run for milliseconds: XLA's quick CPU compile (no LLVM optimisation,
-# the loop emitters instead of the fusion emitters) builds them in far less time.
-QUICK_CPU_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# the loop emitters instead of the fusion emitters) builds them in far less time, and one
+# LLVM module a program (no parallel codegen: `pytest -n auto` already keeps every core
+# busy, and splitting a small program's module costs more CPU than it saves).
+QUICK_CPU_COMPILE = (
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    " --xla_cpu_parallel_codegen_split_count=1"
+)
 
 
 def suite_xla_flags() -> str:
