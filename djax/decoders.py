@@ -424,23 +424,30 @@ def probabilities(logits: Array, axis_name: str | None = None) -> Array:
 # ---------------------------------------------------------------- commit rules
 
 
-def _rank(score: Array) -> Array:
-    """0 for the highest score of each row, ties broken by lower position."""
-    order = jnp.argsort(-score, axis=-1, stable=True)
+def _rank(score: Array, masked: Array) -> Array:
+    """Each row's masked positions ranked from 0 by descending score (a NaN score as -inf),
+    ties broken by the lower position; the unmasked positions after all of them."""
+    key = jnp.where(jnp.isnan(score), jnp.inf, -score)
+    key = jnp.where(masked, key, jnp.nan)  # a sort puts NaN keys last, in position order
+    order = jnp.argsort(key, axis=-1, stable=True)
     return jnp.argsort(order, axis=-1, stable=True)
 
 
 def commit_top_k(score: Array, masked: Array, k: Array) -> Array:
     """The k highest-scoring masked positions of each row. score: [batch, block]; k: [batch]."""
-    ranked = _rank(jnp.where(masked, score, NEG_INF))
-    return masked & (ranked < k[:, None])
+    return masked & (_rank(score, masked) < k[:, None])
 
 
 def most_confident(confidence: Array, masked: Array) -> Array:
-    """The single most confident masked position of each row (ties: the lower position);
-    none in a row without masks. [batch, block] -> [batch, block] bool."""
-    best = jnp.argmax(jnp.where(masked, confidence, NEG_INF), axis=-1)
-    return masked & (jnp.arange(masked.shape[-1]) == best[:, None])
+    """The single most confident masked position of each row (ties, -inf ones included: the
+    lower position); a NaN confidence is never chosen, so a row whose masked confidences
+    are all NaN, or that holds no mask, gets none. [batch, block] -> [batch, block] bool."""
+    choosable = masked & ~jnp.isnan(confidence)
+    best = jnp.argmax(jnp.where(choosable, confidence, NEG_INF), axis=-1)
+    # every choosable confidence -inf: argmax names position 0, maybe not a choosable one
+    held = jnp.take_along_axis(choosable, best[:, None], axis=-1)[:, 0]
+    best = jnp.where(held, best, jnp.argmax(choosable, axis=-1))
+    return choosable & (jnp.arange(masked.shape[-1]) == best[:, None])
 
 
 def commit_threshold(confidence: Array, masked: Array, threshold: Array | float) -> Array:

@@ -411,7 +411,8 @@ def generate(
 def stalled_rows(answers: np.ndarray, mask_id: int, vocab_size: int) -> dict[int, int]:
     """Rows whose answer still holds mask ids or ids outside the vocabulary after the
     generation, each with how many: what a denoising step leaves when its logits are not
-    finite (no decoder commits a NaN confidence, and an arg-max over NaNs names no token).
+    finite (the threshold rules never commit a NaN confidence, and a position another rule
+    commits gets the mask id back: an arg-max over NaNs names no token).
     answers: [batch, gen_length] int. Returns {row: bad positions}, empty when all is well."""
     bad = (answers == mask_id) | (answers < 0) | (answers >= vocab_size)
     return {int(row): int(n) for row, n in enumerate(bad.sum(axis=1)) if n}

@@ -360,14 +360,18 @@ def test_filters_need_whole_logits():
     check_filters(None, 16)
 
 
+TAU = 0.875  # exactly a float32 and a float64: the reference compares in either
+
+
 def _confidence_cases() -> tuple[np.ndarray, np.ndarray]:
-    """[8, 12] confidences and masks with the cases a commit rule can get wrong: confidences
-    all below 1e-5 (a near-uniform distribution over a 126k vocabulary), near ties below
-    τ = 0.9 (within 1e-6 of the best), exact ties (the lower position first), a tie at τ
-    itself, a row without masks, a row with one mask, and random rows."""
+    """[10, 12] confidences and masks with the cases a commit rule can get wrong: confidences
+    all below 1e-5 (a near-uniform distribution over a 126k vocabulary), near ties below τ
+    (within 1e-6 of the best), exact ties (the lower position first), one at τ itself and
+    one a float32 step below it, a row without masks, a row with one mask, a row whose
+    masked confidences are all -inf (position 0 unmasked), and random rows."""
     rng = np.random.default_rng(3)
-    conf = rng.uniform(0, 1, (8, 12)).astype(np.float32)
-    masked = rng.uniform(size=(8, 12)) < 0.7
+    conf = rng.uniform(0, 1, (10, 12)).astype(np.float32)
+    masked = rng.uniform(size=(10, 12)) < 0.7
     conf[0] = 8e-6 + 1e-8 * np.arange(12)[::-1]
     masked[0] = True
     conf[1] = 0.5
@@ -375,11 +379,16 @@ def _confidence_cases() -> tuple[np.ndarray, np.ndarray]:
     masked[1] = True
     conf[2, :] = 0.3
     masked[2] = True
-    conf[3, [2, 9]] = 0.9
+    conf[3, :] = 0.1
+    conf[3, 2] = TAU
+    conf[3, 9] = np.nextafter(np.float32(TAU), np.float32(0))
     masked[3, [2, 9]] = True
     masked[4] = False
     masked[5] = False
     masked[5, 6] = True
+    conf[8] = -np.inf
+    masked[8] = True
+    masked[8, 0] = False
     return conf, masked
 
 
@@ -387,22 +396,34 @@ def _confidence_cases() -> tuple[np.ndarray, np.ndarray]:
 def test_commit_rules_match_the_reference(name):
     """Every commit rule against the plainly written numpy one, row by row: threshold and
     credit commit every masked position at or above τ and the single most confident one
-    (never its near ties), so a row of near-uniform confidences commits one position."""
+    (never its near ties, nor a confidence a float32 step below τ), so a row of
+    near-uniform confidences commits one position; τ as a row array or one float."""
     conf, masked = _confidence_cases()
-    k = np.array([1, 2, 3, 1, 2, 1, 4, 2], np.int32)
-    commit = np.asarray(
-        decide(
-            DecoderSpec(name, factor=1.0, low_threshold=0.4),
-            jnp.asarray(conf),
-            jnp.asarray(masked),
-            threshold=jnp.full((8, 1), 0.9, jnp.float32),
-            k=jnp.asarray(k),
+    k = np.array([1, 2, 3, 1, 2, 1, 4, 2, 1, 3], np.int32)
+    spec = DecoderSpec(name, factor=1.0, low_threshold=0.4)
+    for threshold in (jnp.full((10, 1), TAU, jnp.float32), TAU):
+        commit = np.asarray(
+            decide(spec, jnp.asarray(conf), jnp.asarray(masked), threshold=threshold, k=k)
         )
-    )
-    for row in range(8):
-        expected = commit_rows(name, conf[row], masked[row], k=int(k[row]), tau=0.9, low=0.4)
-        np.testing.assert_array_equal(commit[row], expected, err_msg=f"row {row}")
+        for row in range(10):
+            expected = commit_rows(name, conf[row], masked[row], k=int(k[row]), tau=TAU, low=0.4)
+            np.testing.assert_array_equal(commit[row], expected, err_msg=f"row {row}")
     if name in ("threshold", "credit"):
         assert commit[0].sum() == 1 and commit[0, 0]  # all below 1e-5: the best alone
         assert commit[1].sum() == 1 and commit[1, 3]  # near ties of the best stay masked
         assert commit[2].sum() == 1 and commit[2, 0]  # exact ties: the lowest position
+        assert commit[3].tolist() == [i == 2 for i in range(12)]  # τ in, a step below out
+        assert commit[8].sum() == 1 and commit[8, 1]  # all -inf: the first masked
+
+
+@pytest.mark.parametrize("name", ["threshold", "hierarchy"])
+def test_a_nan_confidence_is_never_committed(name):
+    """NaN logits give NaN confidences: the rules pass over them (the generation then stops
+    with its stalled-rows error), and a row's other masked positions commit as usual."""
+    conf = np.full((2, 6), np.nan, np.float32)
+    conf[1, 4] = 0.2
+    masked = np.ones((2, 6), bool)
+    commit = np.asarray(
+        decide(DecoderSpec(name), jnp.asarray(conf), jnp.asarray(masked), threshold=TAU, k=None)
+    )
+    assert commit.tolist() == [[False] * 6, [i == 4 for i in range(6)]]

@@ -289,8 +289,9 @@ def test_request_errors(dense_model):
 
 @pytest.mark.parametrize("decoder", ["threshold", "low_confidence"])
 def test_non_finite_logits_stop_with_an_error(dense_model, decoder):
-    # NaN logits give NaN confidences, which no commit rule takes: without the step bound
-    # the denoising loop would never end.
+    # NaN logits give NaN confidences, which the threshold rules never commit, and the mask
+    # id as the token, which a fixed-steps rule commits back: without the step bound the
+    # denoising loop would never end.
     params = dict(dense_model.params, lm_head=jnp.full_like(dense_model.params["lm_head"], jnp.nan))
     broken = dataclasses.replace(dense_model, params=params)
     config = dataclasses.replace(BASE, decoder=decoder)
