@@ -855,6 +855,16 @@ def test_profile_in_program_gives_each_step_its_share(monkeypatch):
     assert summary["kernels_us_per_step"] == {"nvjet_gemm": 6.0, "loop_add_fusion": 3.0}
     assert summary["busy_us_per_step"]["matmul"] == 6.0
     assert summary["busy_us_per_step"]["idle gaps"] == 1.0
+    # two steps of two kernels, listed out of order: the last step's kernels in time order
+    steps = [
+        {"name": "gemm_b", "ts": 130, "dur": 20, "args": {}},
+        {"name": "rope_a", "ts": 0, "dur": 10, "args": {}},
+        {"name": "rope_b", "ts": 100, "dur": 11, "args": {}},
+        {"name": "gemm_a", "ts": 30, "dur": 21, "args": {}},
+    ]
+    monkeypatch.setattr(profile, "newest_trace_events", lambda folder: {"/device:GPU:0": steps})
+    summary = profile.profile_in_program(add, jnp.zeros(2), 2, jnp.float32(1))
+    assert summary["last_step_kernels"] == [["rope_b", 11], ["gemm_b", 20]]
 
 
 def test_compile_rows_name_where_the_lowering_went():
