@@ -91,6 +91,21 @@ def _compiled_programs_freed():
     gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def _no_compile_cache_left_behind():
+    """A test that turns JAX's persistent compilation cache on (an in-process
+    `bench.generate` run does) turns it off again when it ends, so the tests after it in
+    the worker neither write executables to a folder nor read them back (the suite must not
+    depend on a warm cache, and writing one costs compile time)."""
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    if jax.config.jax_compilation_cache_dir != before:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
+
+
 @pytest.fixture(scope="session")
 def dense_folder(tmp_path_factory):
     """LLaDA dense, GQA (4 heads, 2 kv heads), weights in two safetensors shards."""

@@ -228,3 +228,16 @@ def test_compile_cache_folder_is_private_and_capped(tmp_path, monkeypatch):
         jax.config.update("jax_compilation_cache_dir", previous[0])
         jax.config.update("jax_compilation_cache_max_size", previous[1])
     assert folder.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_test_may_turn_the_compile_cache_on(tmp_path):
+    """An in-process bench run turns JAX's persistent compilation cache on for its
+    process; the suite's fixture (`_no_compile_cache_left_behind`) turns it off after the
+    test, which the next test checks."""
+    assert jax.config.jax_compilation_cache_dir is None
+    engine.enable_compile_cache(str(tmp_path / "xla"))
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+
+
+def test_the_next_test_finds_the_compile_cache_off():
+    assert jax.config.jax_compilation_cache_dir is None
