@@ -246,9 +246,7 @@ def main() -> None:
                         "kernels": module.kernels.explain(),
                         **timing,
                         "floor_ms": floor,
-                        "floor": "flops / matmul rate"
-                        if flops >= read_floor
-                        else "weights / read rate",
+                        "floor": bound,
                         "flops_floor_ms": flops,
                         "read_floor_ms": read_floor,
                         "roofline_pct": 100 * floor / timing["ms"],
