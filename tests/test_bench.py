@@ -952,3 +952,22 @@ def test_filter_sums_probe_times_each_form_and_restores_the_search(tmp_path, mon
     [path] = tmp_path.iterdir()
     rows = json.loads(path.read_text())["results"]
     assert [r["same_kept_set"] for r in rows] == [True, False]
+
+
+def test_sparse_call_probe_finds_large_copies():
+    """`bench.probes.sparse_call.large_copies` names every copy of at least 1 MB in an HLO
+    text, with its bytes, and nothing smaller."""
+    from bench.probes.sparse_call import large_copies
+
+    hlo = "\n".join(
+        [
+            "  %copy.3 = bf16[16,1184,32,128]{3,2,1,0} copy(bf16[16,1184,32,128]{3,2,1,0} %p)",
+            "  %copy-start.1 = f32[512,1024]{1,0} copy-start(%q)",
+            "  %copy.4 = f32[8,8]{1,0} copy(%r)",
+            "  %add.1 = bf16[1024,1024]{1,0} add(%a, %b)",
+        ]
+    )
+    assert large_copies(hlo) == [
+        {"op": "copy", "shape": "bf16[16,1184,32,128]", "mb": 148.0},
+        {"op": "copy-start", "shape": "f32[512,1024]", "mb": 2.0},
+    ]
