@@ -32,10 +32,9 @@ The `_tiled` and `_norm` products end with a verdict line each (`verdict`, also 
 the Mosaic GPU partials, the fastest named.
 
 Each kernel runs at its default tiles (`tiles_for`); `--sweep` adds the Mosaic GPU kernels
-(split-K, SwiGLU, residual product, the fused q/k/v and RoPE kernel's ring and cluster) at
-every tiling of SWEEP_GRIDS (QKV_ROPE_STAGES x QKV_ROPE_SPLITS) that fits, and ends with the
-fastest per product (also under `fastest` in the results): what each kernel's `tiles_for`
-should take. Each call
+(split-K, SwiGLU, residual product, the fused q/k/v and RoPE kernel's ring) at every tiling
+of SWEEP_GRIDS (QKV_ROPE_STAGES) that fits, and ends with the fastest per product (also
+under `fastest` in the results): what each kernel's `tiles_for` should take. Each call
 cycles through enough copies of the weight (>= 256 MB) that none is still in the L2 cache
 when it is read again, as inside a forward. Device time per product from profiler traces
 (µs, summed over its kernels, the Mosaic GPU kernels' row padding included where the rows
@@ -105,7 +104,6 @@ SWEEP_GRIDS = {
 SQUARES_TILES = 32  # columns per tile of sums of squares (`residual_norm_mosaic.add_scaled`'s)
 # --sweep: the fused q/k/v and RoPE kernel's ring stages (its block_n is head_dim, block_k 64)
 QKV_ROPE_STAGES = (3, 4, 5, 6)
-QKV_ROPE_SPLITS = (1, 2)  # the fused kernel's contraction over clusters of 1 or 2 CTAs
 BUFFER, START = 384, 128  # qkv_rope: the dual cache's K/V buffer at the setting, the first block
 
 
@@ -344,11 +342,10 @@ def qkv_rope_inputs(cfg, rows: int, key) -> tuple:
     return x, w, buffers, positions, cos, sin, bounds, scales
 
 
-def qkv_rope_forms(cfg, sweep: bool = False, tiny: bool = False) -> dict:
+def qkv_rope_forms(cfg, sweep: bool = False) -> dict:
     """The paths from normed rows to attention's inputs, each (x, w, buffers, positions,
     cos, sin, bounds, scales) -> (q, keys, values); with `sweep` also the fused kernel at
-    each ring depth of QKV_ROPE_STAGES, its contraction whole and (compiled, not `tiny`)
-    split over clusters of each size in QKV_ROPE_SPLITS."""
+    each ring depth of QKV_ROPE_STAGES."""
     ops = rope_write_mosaic.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
     window = layers.Window(START)
 
@@ -382,11 +379,9 @@ def qkv_rope_forms(cfg, sweep: bool = False, tiny: bool = False) -> dict:
         "mosaic + epilogue": epilogue,
         "mosaic + xla rope": xla_epilogue,
     }
-    splits = (1,) if tiny else QKV_ROPE_SPLITS  # clusters run compiled only
-    for stages, split in itertools.product(QKV_ROPE_STAGES if sweep else (), splits):
-        tiles = Tiles(block_n=cfg.head_dim, block_k=64, splits=split, stages=stages)
-        label = f"mosaic st{stages}" + (f" split{split}" if split > 1 else "")
-        forms[label] = functools.partial(fused, tiles=tiles)
+    for stages in QKV_ROPE_STAGES if sweep else ():
+        tiles = Tiles(block_n=cfg.head_dim, block_k=64, splits=1, stages=stages)
+        forms[f"mosaic st{stages}"] = functools.partial(fused, tiles=tiles)
     return forms
 
 
@@ -398,7 +393,7 @@ def qkv_rope_rows(cfg, rows: int, calls: int, tiny: bool, sweep: bool) -> list[d
     )
     copies = max(1, -(-COLD_BYTES // w.nbytes)) if not tiny else 1
     ws = [w * (1 + i / 64) for i in range(copies)]
-    forms = qkv_rope_forms(cfg, sweep, tiny)
+    forms = qkv_rope_forms(cfg, sweep)
     f32 = [a.astype(jnp.float32) for a in (x, w)]
     reference = forms["xla"](*f32, buffers, positions, cos, sin, bounds, scales)
     found = []

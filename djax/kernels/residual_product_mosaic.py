@@ -48,20 +48,53 @@ def fits(k: int, n: int) -> bool:
     return tma_ring.fits(k, n) and n // NARROW <= MAX_COLUMN_TILES
 
 
+def _f32_swizzled() -> tuple:
+    """The transforms of a partial product's tile [64, block_n] fp32 in shared memory:
+    swizzled in 32-column (128-byte) tiles, so an accumulator is stored and read in its
+    own layout without bank conflicts."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return (
+        plgpu.TilingTransform((8, tma_ring.SWIZZLE // 4)),
+        plgpu.SwizzleTransform(tma_ring.SWIZZLE),
+    )
+
+
+# The contraction slices a cluster's CTAs may share (`Tiles.splits`): cluster sizes every
+# Hopper GPU launches.
+CLUSTER_SPLITS = (1, 2, 4)
+
+
 def check_tiles(tiles: Tiles, k: int, n: int) -> None:
     """Raise a ValueError naming `tiles` unless the kernel takes them for a `k -> n` product
-    of 16-bit values: `splits` in `tma_ring.CLUSTER_SPLITS`, at most `MAX_COLUMN_TILES`
-    column tiles, and the ring with the epilogue's tiles (the residual, h, `h * scale`, and
-    with splits the fp32 partial product a cluster's CTAs share), the scale and the sums of
-    squares within shared memory (`Tiles.check`)."""
-    if tiles.splits not in tma_ring.CLUSTER_SPLITS or n // tiles.block_n > MAX_COLUMN_TILES:
+    of 16-bit values: `splits` in `CLUSTER_SPLITS`, at most `MAX_COLUMN_TILES` column tiles,
+    and the ring with the epilogue's tiles (the residual, h, `h * scale`, and with splits
+    the fp32 partial product a cluster's CTAs share), the scale and the sums of squares
+    within shared memory (`Tiles.check`)."""
+    if tiles.splits not in CLUSTER_SPLITS or n // tiles.block_n > MAX_COLUMN_TILES:
         raise ValueError(
-            f"{tiles}: the residual product takes splits in {tma_ring.CLUSTER_SPLITS} and at most "
+            f"{tiles}: the residual product takes splits in {CLUSTER_SPLITS} and at most "
             f"{MAX_COLUMN_TILES} column tiles"
         )
     partial = ROW_TILE * tiles.block_n * 4 if tiles.splits > 1 else 0
     epilogue = ROW_TILE * tiles.block_n * 2 * 3 + n * 2 + ROW_TILE * 4 + partial
     tiles.check(k, n, weights=1, out_bytes=0, extra=epilogue)
+
+
+def _cluster_sync() -> None:
+    """Inside a kernel run in clusters: every thread of the cluster's CTAs waits here until
+    all have arrived, their earlier shared-memory writes then visible to all of them
+    (`barrier.cluster` arrive with release, wait with acquire semantics)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @plgpu.inline_mgpu()
+    def sync(_launch_ctx):
+        from jax._src.lib.mlir.dialects import nvvm
+
+        nvvm.cluster_arrive(aligned=True)  # release: this thread's writes before it
+        nvvm.cluster_wait(aligned=True)  # acquire: the cluster's writes before its arrivals
+
+    sync()
 
 
 def scaled_rows_tile(residual, y, scale_smem, column_tile, dtype, interpreting: bool):
@@ -141,7 +174,7 @@ def _kernel(
             epilogue(product)
             return
         partial_smem[...] = product
-        tma_ring.cluster_sync()  # every slice's partial product is in its CTA's shared memory
+        _cluster_sync()  # every slice's partial product is in its CTA's shared memory
 
         @pl.when(split == 0)
         def _sum():
@@ -151,7 +184,7 @@ def _kernel(
                 total = total + peer_partial[...]
             epilogue(total)
 
-        tma_ring.cluster_sync()  # the first CTA has read the others' shared memory: they may end
+        _cluster_sync()  # the first CTA has read the others' shared memory: they may end
 
     tma_ring.stream(
         x_gmem, [lambda ks: w_gmem.at[ks, cols]], ring, tiles, split * steps, steps, rows, finish
@@ -250,7 +283,7 @@ def residual_product(
             plgpu.SMEM((ROW_TILE,), jnp.float32),  # the sums of squares
             # with splits: this CTA's partial product, read by its cluster's first CTA
             *(
-                [plgpu.SMEM(tile, jnp.float32, transforms=tma_ring.f32_swizzled())]
+                [plgpu.SMEM(tile, jnp.float32, transforms=_f32_swizzled())]
                 if tiles.splits > 1
                 else []
             ),

@@ -56,12 +56,6 @@ HEAD_DIMS = (64, 128)  # WGMMA column tiles a head fills: one CTA's accumulator
 PART_ALIGN = 8  # a rotary half [64, n] is whole `VECTOR`-wide vectors for 128 threads
 VECTOR = 4  # values a thread holds per vector in the epilogue's strided layout
 MAX_SPLITS = 4  # the most partial products `rope_and_write` sums (their tiles share memory)
-# Grids of at most this many programs (row tiles x kv heads x head slots) split each program's
-# contraction over the CTAs of a cluster of CLUSTER (`tiles_for`): twice as many CTAs still
-# run in one wave on the smallest Hopper GPU (an H100 PCIe's 114 SMs), where the unsplit grid
-# leaves most SMs without a weight stream of their own (LLaDA-MoE's 48 programs).
-SPLIT_PROGRAMS = 56
-CLUSTER = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,51 +110,10 @@ def fits(t: int, model: int, head_dim: int, rotary_dim: int) -> bool:
     return model % tma_ring.TILE == 0 and window_fits(t, head_dim, rotary_dim)
 
 
-def programs(b: int, t: int, kv_heads: int, slots: int) -> int:
-    """The CTAs (or clusters) of a window of `b` sequences of `t` rows: one per row tile of
-    `64 // t` sequences, kv head and head slot (`slots` = group + 2)."""
-    return pl.cdiv(b, ROW_TILE // t) * kv_heads * slots
-
-
-def tiles_for(head_dim: int, grid: int, steps: int, clusters: bool) -> Tiles:
-    """A head's columns in 64-wide contraction steps through 4 slots (the fastest ring of
-    `bench.kernels.mosaic --products qkv_rope --sweep` at LLaDA-8B's heads). A grid of at
-    most `SPLIT_PROGRAMS` programs whose `steps` divide by `CLUSTER` splits each program's
-    contraction over a cluster of `CLUSTER` CTAs where clusters run (`clusters`: compiled
-    kernels; Mosaic GPU's interpreter has none)."""
-    split = clusters and grid <= SPLIT_PROGRAMS and steps % CLUSTER == 0
-    return Tiles(block_n=head_dim, block_k=tma_ring.TILE, splits=CLUSTER if split else 1, stages=4)
-
-
-def _check_product_tiles(tiles: Tiles, d: int, interpreting: bool) -> None:
-    """Raise a ValueError naming `tiles` unless a q/k/v product over heads of `d` features
-    takes them: `block_n` = d, `splits` in `tma_ring.CLUSTER_SPLITS`, and one split where
-    the kernel runs in Mosaic GPU's interpreter (no clusters there)."""
-    if tiles.block_n != d or tiles.splits not in tma_ring.CLUSTER_SPLITS:
-        raise ValueError(
-            f"{tiles}: the q/k/v product takes block_n = head_dim = {d} and splits in "
-            f"{tma_ring.CLUSTER_SPLITS}"
-        )
-    if interpreting and tiles.splits > 1:
-        raise ValueError(
-            f"{tiles}: splits > 1 (a cluster's CTAs reading each other's shared memory) has "
-            "no Mosaic GPU interpreter; it runs compiled, on a Hopper GPU"
-        )
-
-
-def _partial_scratch(tiles: Tiles, d: int) -> list:
-    """With a split contraction, the fp32 partial product [64, d] each CTA of a cluster leaves
-    in its shared memory for the first to add (none otherwise)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    if tiles.splits == 1:
-        return []
-    return [plgpu.SMEM((ROW_TILE, d), jnp.float32, transforms=tma_ring.f32_swizzled())]
-
-
-def _partial_bytes(tiles: Tiles, d: int) -> int:
-    """Shared memory of `_partial_scratch`."""
-    return ROW_TILE * d * 4 if tiles.splits > 1 else 0
+def tiles_for(head_dim: int) -> Tiles:
+    """A head's columns in 64-wide steps through 4 slots (the fastest ring of
+    `bench.kernels.mosaic --products qkv_rope --sweep` at LLaDA-8B's heads)."""
+    return Tiles(block_n=head_dim, block_k=tma_ring.TILE, splits=1, stages=4)
 
 
 def _read(ref, interpreting: bool) -> Array:
@@ -222,29 +175,12 @@ def _kernel(
     (updated in place), then the output q [b * t, kv * group * d]; else the outputs q, keys
     and values [b * t, kv * d]; then scratch: the source's (the ring, or the partials' tiles
     and their barriers), the output tile, the buffer's rows, cos, sin, the scales, and
-    barriers (with `tiles.splits` > 1, last the CTA's fp32 partial product: the
-    contraction split over a cluster's CTAs, whose first adds the others' partial products
-    from their shared memory and alone runs the epilogue and its copies). `half`: the
-    features of a rotary half (rotary / 2). `fp8`: x [m, model] and
+    barriers. `half`: the features of a rotary half (rotary / 2). `fp8`: x [m, model] and
     w [kv * (group + 2) * d, model] (K-major) e4m3, followed by their scales, x's [1, m] per
     row and w's [1, kv * (group + 2) * d] per column, applied to the fp32 product; the
     source's scratch ends with the two scales' tiles and their barriers (and, in Mosaic
     GPU's interpreter, `fp8_matmul_mosaic.k_major_multiply`'s untransposed tile)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    clustered = splits is None and tiles.splits > 1
-    split = jax.lax.axis_index("split") if clustered else 0
-
-    def lead(cond):
-        """`cond`, and with a split contraction, this CTA is its cluster's first."""
-        return cond & (split == 0) if clustered else cond
-
-    def leading(body):
-        """`body` run by the CTA that finishes the tile: the only one, or a cluster's first."""
-        if clustered:
-            pl.when(split == 0)(body)
-        else:
-            body()
 
     if splits is None and fp8:
         (x_gmem, w_gmem, x_scale_gmem, w_scale_gmem), refs = refs[:4], refs[4:]
@@ -259,7 +195,6 @@ def _kernel(
     else:
         q_gmem, keys_gmem, values_gmem, *scratch = refs
     *source, out_smem, cached_smem, cos_smem, sin_smem, scales_smem, bars, cached_bars = scratch
-    partial_smem = source.pop() if clustered else None
     d, slots = out_smem.shape[1], group + 2
     cta = jax.lax.axis_index("cta")
     row_tile, kv_head, slot = cta // (kv_heads * slots), cta // slots % kv_heads, cta % slots
@@ -282,7 +217,7 @@ def _kernel(
                 partials_gmem.at[i, rows, slot_cols], partials_smem.at[i], partials_bars.at[i]
             )
 
-    @pl.when(lead(slot <= group))  # queries and keys: every copy a CTA starts, it waits for
+    @pl.when(slot <= group)  # queries and keys: every copy a CTA starts, it waits for
     def _tables():
         plgpu.copy_gmem_to_smem(cos_gmem.at[rows], cos_smem, bars.at[0])
         plgpu.copy_gmem_to_smem(sin_gmem.at[rows], sin_smem, bars.at[1])
@@ -292,7 +227,7 @@ def _kernel(
     if buffered:  # the buffer's rows under each sequence's window, kept outside the range
         for index, buf in ((group, keys_gmem), (group + 1, values_gmem)):
 
-            @pl.when(lead(slot == index))
+            @pl.when(slot == index)
             def _fetch(buf=buf):
                 for i, seq in sequences():
 
@@ -369,37 +304,11 @@ def _kernel(
         if buffered:  # keys and values
             pl.when(slot >= group)(keep_cached)
 
-    def summed(done):
-        """`done` on the product: with a split contraction, run by the cluster's first CTA on
-        the sum of its CTAs' partial products (each left in its CTA's shared memory), in
-        split order; the others wait until it has read theirs."""
-        if not clustered:
-            return done
-
-        def finish_split(product):
-            partial_smem[...] = product
-            tma_ring.cluster_sync()  # every CTA's partial product is in its shared memory
-
-            @pl.when(split == 0)
-            def _sum():
-                total = product
-                for peer in range(1, tiles.splits):
-                    total = total + plgpu.cluster_ref(partial_smem, {"split": peer})[...]
-                done(total)
-
-            tma_ring.cluster_sync()  # the first CTA has read the others': they may end
-
-        return finish_split
-
-    first_step = split * steps
     if splits is None and fp8:
         untransposed = source.pop() if interpreting else None
         *ring, x_scale_smem, w_scale_smem, scale_bars = source
-
-        @leading
-        def _scales():
-            plgpu.copy_gmem_to_smem(x_scale_gmem.at[:, rows], x_scale_smem, scale_bars.at[0])
-            plgpu.copy_gmem_to_smem(w_scale_gmem.at[:, slot_cols], w_scale_smem, scale_bars.at[1])
+        plgpu.copy_gmem_to_smem(x_scale_gmem.at[:, rows], x_scale_smem, scale_bars.at[0])
+        plgpu.copy_gmem_to_smem(w_scale_gmem.at[:, slot_cols], w_scale_smem, scale_bars.at[1])
 
         def finish_scaled(product):
             plgpu.barrier_wait(scale_bars.at[0])
@@ -411,13 +320,12 @@ def _kernel(
 
         w_tile = lambda ks: w_gmem.at[slot_cols, ks]  # noqa: E731
         multiply = fp8_matmul_mosaic.k_major_multiply(untransposed)
-        done = summed(finish_scaled)
         tma_ring.stream(
-            x_gmem, [w_tile], ring, tiles, first_step, steps, rows, done, multiply=multiply
+            x_gmem, [w_tile], ring, tiles, 0, steps, rows, finish_scaled, multiply=multiply
         )
     elif splits is None:
         w_tile = lambda ks: w_gmem.at[ks, slot_cols]  # noqa: E731
-        tma_ring.stream(x_gmem, [w_tile], source, tiles, first_step, steps, rows, summed(finish))
+        tma_ring.stream(x_gmem, [w_tile], source, tiles, 0, steps, rows, finish)
     else:  # summed in order, as `handoff.add_slices` sums them
         slices = []
         for i in range(splits):
@@ -428,14 +336,14 @@ def _kernel(
     for i, seq in sequences():
         tile_rows = out_smem.at[pl.ds(i * t, t)]
 
-        @pl.when(lead((seq < seqs) & (slot < group)))
+        @pl.when((seq < seqs) & (slot < group))
         def _query(tile_rows=tile_rows, seq=seq):
             cols = pl.ds((kv_head * group + slot) * d, d)
             plgpu.copy_smem_to_gmem(tile_rows, q_gmem.at[pl.ds(seq * t, t), cols])
 
         for index, buf in ((group, keys_gmem), (group + 1, values_gmem)):
 
-            @pl.when(lead((seq < seqs) & (slot == index)))
+            @pl.when((seq < seqs) & (slot == index))
             def _kv(tile_rows=tile_rows, seq=seq, buf=buf):
                 plgpu.copy_smem_to_gmem(tile_rows, buf.at[pl.ds(seq * s + base, t), head_cols])
 
@@ -469,8 +377,7 @@ def _check(name, lead, kv_heads, d, cos, sin, buffers, scales, ops, dtype, more)
 def _run(source, source_scratch, shape, dtype, cos, sin, buffers, bounds, scales, ops, **static):
     """The kernel over a window of `shape` (b, t, kv_heads, group, d) with `dtype` rows:
     `source` its product's input arrays, `source_scratch` their scratch; `static` the rest
-    of `_kernel`'s keywords (tiles, steps, splits, interpret; with `tiles.splits` > 1 the
-    grid runs in clusters of that many CTAs). Returns (q, keys, values)."""
+    of `_kernel`'s keywords (tiles, steps, splits, interpret). Returns (q, keys, values)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, t, kv_heads, group, d = shape
@@ -519,17 +426,10 @@ def _run(source, source_scratch, shape, dtype, cos, sin, buffers, bounds, scales
     def body(*refs):  # the scratch in a scope, as `plgpu.kernel` allocates it
         pl.run_scoped(functools.partial(kernel, *refs), *scratch)
 
-    tiles = static["tiles"]
-    cluster = {}
-    if tiles is not None and tiles.splits > 1:
-        cluster = {"cluster": (tiles.splits,), "cluster_names": ("split",)}
-
     outs = pl.kernel(
         body,
         out_type=out_type,
-        mesh=plgpu.Mesh(
-            grid=(programs(b, t, kv_heads, group + 2),), grid_names=("cta",), **cluster
-        ),
+        mesh=plgpu.Mesh(grid=(pl.cdiv(b, per_tile) * kv_heads * (group + 2),), grid_names=("cta",)),
         interpret=params or False,
         name="qkv_rope_mosaic" if static["splits"] is None else "rope_mosaic",
     )(*inputs)
@@ -565,9 +465,8 @@ def project_rope_and_write(
     x: [b, t, model] normed window rows; w: [model, kv_heads, group + 2, head_dim], both bf16
     or both fp16 (`fits`); the rest as `rope_and_write`. Returns (q [b, t, kv_heads, group,
     head_dim], keys, values). The product is rounded to x's dtype before the head ops.
-    `tiles`: the ring (default `tiles_for`; `block_n` must be head_dim; `splits` > 1 splits
-    the contraction over a cluster's CTAs, compiled only); `interpret`: run in Mosaic GPU's
-    interpreter (default: exactly off GPUs, as the CPU tests do).
+    `tiles`: the ring (default `tiles_for`; `block_n` must be head_dim); `interpret`: run in
+    Mosaic GPU's interpreter (default: exactly off GPUs, as the CPU tests do).
     """
     name = "rope_write_mosaic.project_rope_and_write"
     if x.ndim != 3 or w.ndim != 4 or w.shape[0] != x.shape[-1] or w.shape[2] < 3:
@@ -579,16 +478,14 @@ def project_rope_and_write(
     (b, t, model), (kv_heads, slots, d) = x.shape, w.shape[1:]
     more = [] if model % tma_ring.TILE == 0 else [f"model width {model}, not a multiple of 64"]
     _check(name, (b, t), kv_heads, d, cos, sin, buffers, scales, ops, x.dtype, more)
-    interpreting = tma_ring.interpret_params(interpret) is not None
-    grid = programs(b, t, kv_heads, slots)
-    tiles = tiles or tiles_for(d, grid, model // tma_ring.TILE, not interpreting)
-    _check_product_tiles(tiles, d, interpreting)
+    tiles = tiles or tiles_for(d)
+    if tiles.block_n != d or tiles.splits != 1:
+        raise ValueError(f"{tiles}: the q/k/v product takes block_n = head_dim = {d}, splits=1")
     rotary = 2 * cos.shape[-1]
-    extra = _epilogue_bytes(d, rotary, x.dtype) + _partial_bytes(tiles, d)
-    tiles.check(model, d, weights=1, out_bytes=0, extra=extra)
+    tiles.check(model, d, weights=1, out_bytes=0, extra=_epilogue_bytes(d, rotary, x.dtype))
     return _run(
         [x.reshape(b * t, model), w.reshape(model, -1)],
-        tma_ring.ring_scratch(tiles, x.dtype, weights=1) + _partial_scratch(tiles, d),
+        tma_ring.ring_scratch(tiles, x.dtype, weights=1),
         (b, t, kv_heads, slots - 2, d),
         x.dtype,
         cos,
@@ -598,17 +495,16 @@ def project_rope_and_write(
         scales,
         ops,
         tiles=tiles,
-        steps=model // (tiles.block_k * tiles.splits),
+        steps=model // tiles.block_k,
         splits=None,
         interpret=interpret,
     )
 
 
-def fp8_tiles_for(head_dim: int, grid: int, steps: int, clusters: bool) -> Tiles:
+def fp8_tiles_for(head_dim: int) -> Tiles:
     """`tiles_for`'s ring at one byte a value: 128-wide contraction steps (the 8-bit
-    swizzled row, `steps` of them), as many bytes a step as the 16-bit ring's 64."""
-    tiles = tiles_for(head_dim, grid, steps, clusters)
-    return dataclasses.replace(tiles, block_k=fp8_matmul_mosaic.K_TILE)
+    swizzled row), as many bytes a step as the 16-bit ring's 64."""
+    return dataclasses.replace(tiles_for(head_dim), block_k=fp8_matmul_mosaic.K_TILE)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "ops", "tiles", "interpret"))
@@ -636,8 +532,8 @@ def project_rope_and_write_fp8(
     head_dim, model] e4m3 (a K-major q/k/v `Fp8Weight`'s values), w_scale [kv_heads, group
     + 2, head_dim] fp32; model a multiple of 128; the rest as `rope_and_write`, with
     buffers and q/k scales of `dtype` (bf16 or fp16). Returns (q, keys, values) of `dtype`.
-    `tiles`: the ring (default `fp8_tiles_for`; `block_n` and `splits` as
-    `project_rope_and_write` takes them); `interpret` as `project_rope_and_write`'s.
+    `tiles`: the ring (default `fp8_tiles_for`; `block_n` must be head_dim); `interpret`
+    as `project_rope_and_write`'s.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -651,12 +547,12 @@ def project_rope_and_write_fp8(
         )
     (b, t, model), (kv_heads, slots, d, _) = xq.shape, w_t.shape
     _check(name, (b, t), kv_heads, d, cos, sin, buffers, scales, ops, jnp.dtype(dtype), [])
+    tiles = tiles or fp8_tiles_for(d)
+    if tiles.block_n != d or tiles.splits != 1:
+        raise ValueError(f"{tiles}: the q/k/v product takes block_n = head_dim = {d}, splits=1")
     interpreting = tma_ring.interpret_params(interpret) is not None
-    grid = programs(b, t, kv_heads, slots)
-    tiles = tiles or fp8_tiles_for(d, grid, model // fp8_matmul_mosaic.K_TILE, not interpreting)
-    _check_product_tiles(tiles, d, interpreting)
     scale_bytes = (ROW_TILE + d) * 4 + (tiles.block_k * d if interpreting else 0)
-    extra = _epilogue_bytes(d, 2 * cos.shape[-1], dtype) + scale_bytes + _partial_bytes(tiles, d)
+    extra = _epilogue_bytes(d, 2 * cos.shape[-1], dtype) + scale_bytes
     tiles.check(model, d, weights=1, out_bytes=0, extra=extra, itemsize=1)
     source_scratch = [
         *tma_ring.ring_scratch(tiles, fp8_matmul_mosaic.FP8, weights=1, k_major=True),
@@ -666,7 +562,6 @@ def project_rope_and_write_fp8(
     ]
     if interpreting:  # `fp8_matmul_mosaic.k_major_multiply`'s untransposed weight tile
         source_scratch.append(plgpu.SMEM((tiles.block_k, d), fp8_matmul_mosaic.FP8))
-    source_scratch += _partial_scratch(tiles, d)
     m = b * t
     source = [
         xq.reshape(m, model),
@@ -686,7 +581,7 @@ def project_rope_and_write_fp8(
         scales,
         ops,
         tiles=tiles,
-        steps=model // (tiles.block_k * tiles.splits),
+        steps=model // tiles.block_k,
         splits=None,
         fp8=True,
         interpret=interpret,

@@ -49,9 +49,6 @@ TILE = SWIZZLE // 2  # block_n (but for NARROW) and block_k are multiples of thi
 NARROW = 32  # the one narrower block_n, swizzled at 64 bytes
 # Shared memory a CTA's slots and output tile may take (of the 227 KiB a Hopper block has).
 SHARED_MEMORY = 224 * 1024
-# The contraction slices a cluster's CTAs may share (`Tiles.splits` of the kernels that
-# split a tile's contraction over a cluster): cluster sizes every Hopper GPU launches.
-CLUSTER_SPLITS = (1, 2, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,34 +349,6 @@ def stream(
 
     acc = plgpu.ACC(acc_shape, jnp.float32)
     pl.run_scoped(scope, *([acc] * count))
-
-
-def f32_swizzled() -> tuple:
-    """The transforms of a partial product's tile [64, block_n] fp32 in shared memory:
-    swizzled in 32-column (128-byte) tiles, so an accumulator is stored and read in its
-    own layout without bank conflicts."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return (
-        plgpu.TilingTransform((8, SWIZZLE // 4)),
-        plgpu.SwizzleTransform(SWIZZLE),
-    )
-
-
-def cluster_sync() -> None:
-    """Inside a kernel run in clusters: every thread of the cluster's CTAs waits here until
-    all have arrived, their earlier shared-memory writes then visible to all of them
-    (`barrier.cluster` arrive with release, wait with acquire semantics)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    @plgpu.inline_mgpu()
-    def sync(_launch_ctx):
-        from jax._src.lib.mlir.dialects import nvvm
-
-        nvvm.cluster_arrive(aligned=True)  # release: this thread's writes before it
-        nvvm.cluster_wait(aligned=True)  # acquire: the cluster's writes before its arrivals
-
-    sync()
 
 
 def accumulator(value: Array, interpreting: bool) -> Array:

@@ -18,9 +18,7 @@ WGMMA). Rules of `auto`:
 - The q/k/v product runs inside the RoPE kernel (`qkv="rope"`,
   `rope_write_mosaic.project_rope_and_write`, or `project_rope_and_write_fp8` for an fp8
   weight where the fp8 x fp8 kernels run) where both would run and the heads make at least
-  `MIN_FUSED_PROGRAMS` CTAs per row tile (a grid of few, as LLaDA-MoE's, splits each
-  one's contraction over a cluster of CTAs: `rope_write_mosaic.tiles_for`); elsewhere the
-  RoPE kernel finishes the product
+  `MIN_FUSED_PROGRAMS` CTAs per row tile; elsewhere the RoPE kernel finishes the product
   made apart (`rope_write_mosaic.rope_and_write`, fp8 products included). It takes
   windows of a multiple of 8 positions up to 64 (`rope_write_mosaic.fits`: block windows,
   and whole sequences that short, but for block diffusion, whose whole-sequence choice
