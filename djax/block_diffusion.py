@@ -546,7 +546,7 @@ def generate(
     """`djax.generate` for a block-diffusion family (same arguments and result)."""
     engine.enable_compile_cache()
     rows = engine.tokenize(model, prompts, chat)
-    engine._check_prompts(model, rows)
+    engine.check_prompts(model, rows, config.gen_length)
     plan, notes = make_plan(model, config, rows)
     inputs = layout(rows, plan, model.config.pad_token_id)
     batch = len(rows)

@@ -78,17 +78,22 @@ class SafetensorsStore:
         if not files:
             raise CheckpointError(f"{folder}: no *.safetensors files found")
         self._entries: dict[str, tuple[np.memmap, str, tuple[int, ...], int, int]] = {}
+        self._files: dict[str, Path] = {}  # the file each tensor is read from
+        owners = {name: folder / file for name, file in (weight_map or {}).items()}
         for path in files:
             if not path.is_file():
                 raise CheckpointError(f"{path}: listed in {index.name} but missing")
-            self._read_header(path)
+            self._read_header(path, owners)
         for name, file in (weight_map or {}).items():
             if name not in self._entries:
                 raise CheckpointError(
                     f"{index}: tensor {name!r} is listed in {file} but that file does not hold it"
                 )
 
-    def _read_header(self, path: Path) -> None:
+    def _read_header(self, path: Path, owners: dict[str, Path]) -> None:
+        """Take `path`'s tensors: those the index places in another file (`owners`: tensor
+        name -> its file) are skipped; a tensor another file already gave (neither placed
+        by the index) is a CheckpointError naming both files, never silently replaced."""
         file_size = path.stat().st_size
         with open(path, "rb") as fh:
             prefix = fh.read(8)
@@ -122,6 +127,14 @@ class SafetensorsStore:
         }
         data = np.memmap(path, dtype=np.uint8, mode="r") if entries else None
         for name, (dtype, shape, begin, end) in entries.items():
+            if owners.get(name, path) != path:
+                continue
+            if name in self._files:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} is also in {self._files[name]}; expected each "
+                    "tensor in one file (or an index naming the file that holds it)"
+                )
+            self._files[name] = path
             self._entries[name] = (data, dtype, shape, 8 + size + begin, 8 + size + end)
 
     def names(self) -> list[str]:

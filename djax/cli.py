@@ -484,14 +484,16 @@ def run_generate(
 
     if args.explain:
         first = next(iter(prompt_io.batches(records, args.batch_size)))
-        explanation = _explain(model, [r.prompt for r in first], config, chat)
+        with _named_prompts(first):
+            explanation = _explain(model, [r.prompt for r in first], config, chat)
         if args.json:
             result["kernels"] = explanation
         else:
             print(explanation, flush=True)
     with tqdm(total=len(records), unit="prompt", file=sys.stderr, disable=not show_progress) as bar:
         for batch in prompt_io.batches(records, args.batch_size):
-            out = djax.generate(model, [r.prompt for r in batch], config, chat=chat)
+            with _named_prompts(batch):
+                out = djax.generate(model, [r.prompt for r in batch], config, chat=chat)
             stats = dataclasses.asdict(out.stats)
             texts = out.texts or [None] * len(batch)
             with stops.deferred():
@@ -520,11 +522,24 @@ def run_generate(
     return result
 
 
+@contextlib.contextmanager
+def _named_prompts(batch: list[prompt_io.PromptRecord]) -> Iterator[None]:
+    """A prompt the engine refuses (`engine.PromptError`, which counts prompts within the
+    batch) named by its record's id, as the user's file or `--prompt` order gives it."""
+    from djax import engine
+
+    try:
+        yield
+    except engine.PromptError as err:
+        raise ValueError(f"prompt id {batch[err.index].id!r} {err.detail}") from None
+
+
 def _explain(model: Any, prompts: list[Any], config: GenerationConfig, chat: bool) -> str:
     """`djax.engine.explain` for the program that generates `prompts`."""
     from djax import engine
 
     rows = engine.tokenize(model, prompts, chat)
+    engine.check_prompts(model, rows, engine.answer_length(config))
     plan, _ = engine.make_plan(model, config, len(rows), max(len(r) for r in rows))
     return engine.explain(model, plan)
 

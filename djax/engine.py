@@ -93,6 +93,16 @@ def prompt_bucket(length: int, limit: int) -> int:
     return min(bucket, limit) if bucket > length else length
 
 
+class PromptError(ValueError):
+    """A prompt that cannot be generated for: `index`, its place in the prompts given;
+    `detail`, what is wrong with it (the message is `prompt {index} {detail}`), so a caller
+    holding its own names for the prompts (`djax generate`'s record ids) can say which."""
+
+    def __init__(self, index: int, detail: str):
+        super().__init__(f"prompt {index} {detail}")
+        self.index, self.detail = index, detail
+
+
 def is_conversation(prompt: Any) -> bool:
     """Whether `prompt` is a chat conversation: a non-empty list of `{"role": ...,
     "content": ...}` messages (what the chat template takes)."""
@@ -125,9 +135,13 @@ def tokenize(model: Model, prompts: Sequence[Any], chat: bool) -> list[list[int]
                 )
             if chat or conversation:
                 messages = prompt if conversation else [{"role": "user", "content": prompt}]
-                text = model.tokenizer.apply_chat_template(
-                    list(messages), add_generation_prompt=True, tokenize=False
-                )
+                try:
+                    text = model.tokenizer.apply_chat_template(
+                        list(messages), add_generation_prompt=True, tokenize=False
+                    )
+                except Exception as err:  # the model's own template code: any error it raises
+                    detail = f"{type(err).__name__}: {err}"
+                    raise PromptError(i, f"is refused by the chat template ({detail})") from None
                 ids = model.tokenizer(text, add_special_tokens=False)["input_ids"]
             else:
                 ids = model.tokenizer(prompt)["input_ids"]
@@ -141,22 +155,37 @@ def tokenize(model: Model, prompts: Sequence[Any], chat: bool) -> list[list[int]
                 raise ValueError("chat=True needs string prompts; got token ids")
             ids = [int(t) for t in prompt]
         if not ids:
-            raise ValueError(f"prompt {i} is empty; expected at least one token")
+            raise PromptError(i, "is empty; expected at least one token")
         rows.append(list(ids))
     return rows
 
 
-def _check_prompts(model: Model, rows: list[list[int]]) -> None:
+def check_prompts(model: Model, rows: list[list[int]], gen_length: int) -> None:
+    """A `PromptError` for the first prompt (token ids) holding the mask id or an id outside
+    the vocabulary, or too long for `gen_length` answer positions in the model's longest
+    sequence."""
     cfg = model.config
     for i, ids in enumerate(rows):
         if cfg.mask_token_id in ids:
-            raise ValueError(
-                f"prompt {i} contains the mask id {cfg.mask_token_id} at position "
-                f"{ids.index(cfg.mask_token_id)}; masks are only for the answer"
+            raise PromptError(
+                i,
+                f"contains the mask id {cfg.mask_token_id} at position "
+                f"{ids.index(cfg.mask_token_id)}; masks are only for the answer",
             )
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside [0, {cfg.vocab_size})")
+            raise PromptError(i, f"has token id {bad[0]} outside [0, {cfg.vocab_size})")
+        if len(ids) + gen_length > cfg.max_seq_len:
+            raise PromptError(
+                i,
+                f"({len(ids)} tokens) + gen_length ({gen_length}) = {len(ids) + gen_length} "
+                f"exceeds the model's maximum sequence length {cfg.max_seq_len}",
+            )
+
+
+def answer_length(config: GenerationConfig) -> int:
+    """The answer positions a generation runs: `gen_length` rounded up to whole blocks."""
+    return config.block_length * math.ceil(config.gen_length / config.block_length)
 
 
 def make_plan(
@@ -165,9 +194,8 @@ def make_plan(
     """The static plan for a request, and notes on adjustments made to it."""
     notes = []
     block = config.block_length
-    gen = config.gen_length
-    if gen % block:
-        gen = block * math.ceil(gen / block)
+    gen = answer_length(config)
+    if gen != config.gen_length:
         notes.append(
             f"gen_length {config.gen_length} is not a multiple of block_length "
             f"{block}; rounded up to {gen}"
@@ -398,7 +426,7 @@ def generate(
         return block_diffusion.generate(model, prompts, config, chat=chat)
     enable_compile_cache()
     rows = tokenize(model, prompts, chat)
-    _check_prompts(model, rows)
+    check_prompts(model, rows, answer_length(config))
     plan, notes = make_plan(model, config, len(rows), max(len(r) for r in rows))
     args = program_args(model, plan, rows, config)
     program, compile_seconds = executable(model, plan, args)

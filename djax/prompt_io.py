@@ -4,9 +4,13 @@ A prompt is a `PromptRecord`: an `id` and either a string `prompt` or a chat con
 (`messages`, a list of `{"role", "content"}` dicts). Sources: `--prompt` texts (ids 0, 1,
 ...), a prompts file (one prompt per line; the id is the 1-based line number) or a JSONL
 file (one JSON object per line with `prompt` or `messages` and an optional `id`, by default
-the line number). Answers are appended to an output JSONL file one record per prompt, a
-whole batch per write, so an interrupted job keeps every finished batch and a second run
-skips the ids the file already holds.
+the line number). Lines end at a line feed (or CR LF) only: a form feed, U+2028 or any other
+character Python's `splitlines` would also break at stays inside its line. A conversation's
+turns take the roles and contents `djax serve` takes (`ROLES`; a string, or a list of text
+parts joined), and reach the chat template as `template_turn` gives them. Answers are
+appended to an output JSONL file one record per prompt, a whole batch per write, so an
+interrupted job keeps every finished batch and a second run skips the ids the file already
+holds.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+# A chat turn's roles, as the OpenAI API names them (`djax serve` takes the same); a
+# `developer` turn reaches the chat template as a `system` turn (`template_turn`).
+ROLES = ("system", "developer", "user", "assistant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +45,31 @@ class PromptRecord:
         return {"id": self.id, key: self.prompt}
 
 
+def turn_text(content: Any) -> str | None:
+    """A chat turn's content as text: a string as it is, a list of text parts
+    (`{"type": "text", "text": ...}`) joined; None for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def template_turn(role: str, text: str) -> dict[str, str]:
+    """A turn as the chat template takes it: `developer` given as `system`."""
+    return {"role": "system" if role == "developer" else role, "content": text}
+
+
+def _lines(text: str) -> list[str]:
+    """`text`'s lines, broken at line feeds only (`_text` reads CR LF as one), without the
+    empty one after a final line feed."""
+    lines = text.split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
+
+
 def from_texts(texts: Sequence[str]) -> list[PromptRecord]:
     """`--prompt` texts, ids 0, 1, ..."""
     return [PromptRecord(i, text) for i, text in enumerate(texts)]
@@ -55,7 +88,7 @@ def _text(path: str | Path) -> str:
 def read_prompts_file(path: str | Path) -> list[PromptRecord]:
     """One prompt per non-blank line, its id the 1-based line number; raises ValueError when
     the file holds no prompt."""
-    lines = _text(path).splitlines()
+    lines = _lines(_text(path))
     records = [PromptRecord(n, line) for n, line in enumerate(lines, 1) if line.strip()]
     if not records:
         raise ValueError(f"{path} holds no prompts; expected one prompt per line")
@@ -68,7 +101,7 @@ def read_jsonl(path: str | Path) -> list[PromptRecord]:
     1-based line number). Raises ValueError naming the file and line of a bad record, a
     repeated id, or a file without records."""
     records, seen = [], set()
-    for n, line in enumerate(_text(path).splitlines(), 1):
+    for n, line in enumerate(_lines(_text(path)), 1):
         if not line.strip():
             continue
         where = f"{path}:{n}"
@@ -98,13 +131,23 @@ def _record(item: Any, line: int, where: str) -> PromptRecord:
             raise ValueError(f'{where}: "prompt" must be a non-empty string')
         return PromptRecord(id_, prompt)
     messages = item["messages"]
-    if not (
-        isinstance(messages, list)
-        and messages
-        and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages)
-    ):
+    if not isinstance(messages, list) or not messages:
         raise ValueError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}}')
-    return PromptRecord(id_, messages)
+    turns = []
+    for j, message in enumerate(messages):
+        turn = message if isinstance(message, dict) else {}
+        if turn.get("role") not in ROLES:
+            raise ValueError(
+                f"{where}: messages[{j}] has role {turn.get('role')!r}; expected one of {ROLES}"
+            )
+        text = turn_text(turn.get("content"))
+        if text is None:
+            raise ValueError(
+                f"{where}: messages[{j}] has content {turn.get('content')!r:.60}; expected a "
+                'string or a list of text parts ({"type": "text", "text": ...})'
+            )
+        turns.append(template_turn(turn["role"], text))
+    return PromptRecord(id_, turns)
 
 
 def finished_ids(path: str | Path) -> set[str | int]:
@@ -124,7 +167,7 @@ def finished_ids(path: str | Path) -> set[str | int]:
     text = _text(path)
     if text and not text.endswith("\n"):
         raise ValueError(f"{path}: the last line is cut short; remove it to resume")
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(_lines(text), 1):
         try:
             item = json.loads(line)
         except json.JSONDecodeError:

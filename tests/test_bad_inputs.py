@@ -2,6 +2,8 @@
 fragment of the one-line message on stderr (never a traceback); each API row is a call with
 the exception it raises and a fragment of its message."""
 
+import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -31,6 +33,11 @@ def files(tmp: Path) -> dict[str, str]:
         "not_ours.jsonl": "some notes\n",
         "cut_short.jsonl": '{"id": 0, "answer": "2"}\n{"id": 1, "ans',
         "good.jsonl": '{"id": "a", "prompt": "1+1="}\n',
+        "null_content.jsonl": '{"messages": [{"role": "user", "content": null}]}\n',
+        "tool_role.jsonl": '{"messages": [{"role": "tool", "content": "4"}]}\n',
+        "part_list.jsonl": '{"messages": [{"role": "user", "content": [{"text": "1+1="}]}]}\n',
+        "mask_line.txt": "1+1=\n2+2=\n3+<|mdm_mask|>=\n",
+        "long_line.txt": "1+1=\n" + "9" * 300 + "\n",
     }
     for name, text in contents.items():
         (tmp / name).write_text(text)
@@ -78,7 +85,27 @@ CLI_ROWS = [
     (["generate", "--input-jsonl", "{no_prompt.jsonl}"], {}, 2, 'with "prompt" or "messages"'),
     (["generate", "--input-jsonl", "{both.jsonl}"], {}, 2, 'with "prompt" or "messages"'),
     (["generate", "--input-jsonl", "{empty_prompt.jsonl}"], {}, 2, "must be a non-empty string"),
-    (["generate", "--input-jsonl", "{bad_messages.jsonl}"], {}, 2, '"messages" must be'),
+    (["generate", "--input-jsonl", "{bad_messages.jsonl}"], {}, 2, "[0] has role None; expected"),
+    (
+        ["generate", "--input-jsonl", "{null_content.jsonl}"],
+        {},
+        2,
+        "null_content.jsonl:1: messages[0] has content None; expected a string or a list of text",
+    ),
+    (["generate", "--input-jsonl", "{tool_role.jsonl}"], {}, 2, "messages[0] has role 'tool'"),
+    (["generate", "--input-jsonl", "{part_list.jsonl}"], {}, 2, "[0] has content [{'text'"),
+    (
+        ["generate", "--prompts-file", "{mask_line.txt}", "--batch-size", "2"],
+        {},
+        2,
+        "prompt id 3 contains the mask id 2 at position",
+    ),
+    (
+        ["generate", "--prompts-file", "{long_line.txt}", "--explain"],
+        {},
+        2,
+        "prompt id 2 (",
+    ),
     (["generate", "--input-jsonl", "{repeated.jsonl}"], {}, 2, "id 'a' repeats"),
     (["generate", "--input-jsonl", "{bool_id.jsonl}"], {}, 2, "id True; expected a string"),
     (["generate", "--input-jsonl", "{empty.jsonl}"], {}, 2, "holds no records"),
@@ -147,8 +174,25 @@ def demo_model():
 
 SMALL = {"gen_length": 8, "block_length": 8}
 
+
+def refusing_template(model):
+    """`model` with a chat template that raises (as templates do on a turn they refuse)."""
+    tokenizer = copy.deepcopy(model.tokenizer)
+    tokenizer.chat_template = "{{ raise_exception('no such turn') }}"
+    return dataclasses.replace(model, tokenizer=tokenizer)
+
+
 # (call taking the demo model, exception type, message fragment)
 API_ROWS = [
+    (
+        lambda m: djax.generate(
+            refusing_template(m),
+            ["1+1=", [{"role": "user", "content": "2+2="}]],
+            djax.GenerationConfig(**SMALL),
+        ),
+        ValueError,
+        "prompt 1 is refused by the chat template (TemplateError: no such turn)",
+    ),
     (
         lambda m: djax.load(DEMO, atention_impl="xla"),
         TypeError,

@@ -241,3 +241,23 @@ def test_abstract_params_from_one_layer_of_each_kind_are_the_whole_model_s(name,
     assert sorted(got) == sorted(full) and len(got) > 4 * config.n_layers
     described = jax.tree.map(lambda a: (a.shape, a.dtype), got)
     assert described == jax.tree.map(lambda a: (a.shape, a.dtype), full)
+
+
+def test_a_tensor_in_two_files_is_refused_unless_an_index_places_it(tmp_path):
+    """Two safetensors files holding one tensor name (a stale copy beside a checkpoint) are
+    refused, naming both; with an index, the file it names is read and the other's copy
+    left alone."""
+    save_file(
+        {"a": np.ones((2,), np.float32), "b": np.zeros((3,), np.float32)},
+        tmp_path / "m.safetensors",
+    )
+    save_file({"a": np.full((2,), 7, np.float32)}, tmp_path / "stale.safetensors")
+    with pytest.raises(CheckpointError, match=r"tensor 'a' is also in .*m\.safetensors"):
+        SafetensorsStore(tmp_path)
+    index = {"weight_map": {"a": "m.safetensors", "b": "m.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    store = SafetensorsStore(tmp_path)
+    np.testing.assert_array_equal(store.view("a"), np.ones((2,), np.float32))
+    index["weight_map"]["a"] = "stale.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    np.testing.assert_array_equal(SafetensorsStore(tmp_path).view("a"), np.full((2,), 7))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import djax
+from djax import prompt_io
 from djax.cli import main
 
 ROOT = Path(__file__).parents[1]
@@ -109,6 +110,43 @@ def test_jsonl_in_and_out_resumes(capsys, tmp_path):
     assert "wrote 1 answers" in captured.out
     records = read_jsonl(outputs)
     assert [r["id"] for r in records] == ["add", 2, 7, 9] and records[3]["answer"] == "3"
+
+
+def test_lines_break_at_line_feeds_only(tmp_path):
+    """A prompt holding a form feed, U+0085, U+2028 or U+2029 stays one prompt (with its id the
+    line number), a JSONL record holding one raw stays readable, and an output file whose
+    answers hold them (written raw: `ensure_ascii=False`) resumes."""
+    odd = "a\x0cb\x85c\u2028d\u2029e"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"1+1=\r\n{odd}\n\n3+3=\n", encoding="utf-8")
+    records = prompt_io.read_prompts_file(prompts)
+    assert [(r.id, r.prompt) for r in records] == [(1, "1+1="), (2, odd), (4, "3+3=")]
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text(json.dumps({"id": "x", "prompt": odd}, ensure_ascii=False) + "\n")
+    assert [(r.id, r.prompt) for r in prompt_io.read_jsonl(inputs)] == [("x", odd)]
+    outputs = tmp_path / "out.jsonl"
+    prompt_io.append_records(outputs, [{"id": "x", "answer": odd}, {"id": 5, "answer": "2"}])
+    assert "c\u2028d\u2029e" in outputs.read_text(encoding="utf-8")  # raw, as JSON allows
+    assert prompt_io.finished_ids(outputs) == {"x", 5}
+
+
+def test_conversation_turns_as_the_server_takes_them(tmp_path):
+    """A JSONL conversation's turns: text parts joined, `developer` given to the template as
+    `system`; the answer's record holds the turns the template got."""
+    inputs = tmp_path / "in.jsonl"
+    turns = [
+        {"role": "developer", "content": "answer briefly"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "1+"}, {"type": "text", "text": "1="}],
+        },
+    ]
+    write_jsonl(inputs, [{"id": "c", "messages": turns}])
+    (record,) = prompt_io.read_jsonl(inputs)
+    assert record.prompt == [
+        {"role": "system", "content": "answer briefly"},
+        {"role": "user", "content": "1+1="},
+    ]
 
 
 def test_quiet_and_verbose(capsys, tmp_path):

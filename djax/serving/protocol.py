@@ -32,6 +32,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from djax import prompt_io
+
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16  # `n`
 MAX_PROMPTS = 64  # a completions request's batch
@@ -269,27 +271,22 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal[prompt_io.ROLES]
     content: str
 
     @field_validator("content", mode="plain")
     @classmethod
     def _text(cls, value: Any) -> str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in value
-        ):
-            return "".join(p["text"] for p in value)
-        raise _refuse(
-            "content_type",
-            'expected a string or a list of text parts ({"type": "text", "text": ...})',
-        )
+        text = prompt_io.turn_text(value)
+        if text is None:
+            raise _refuse(
+                "content_type",
+                'expected a string or a list of text parts ({"type": "text", "text": ...})',
+            )
+        return text
 
     def template_turn(self) -> dict[str, str]:
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.content}
+        return prompt_io.template_turn(self.role, self.content)
 
 
 class ChatCompletionRequest(_GenerationRequest):
