@@ -572,8 +572,9 @@ def _output(
             f"vocabulary [0, {vocab}): the model's logits are not finite (check the weights "
             "and dtype for NaN/inf)"
         )
-    masked = {i: int(n) for i, n in enumerate((answers == plan.mask_id).sum(1)) if n}
-    if masked:
+    kept = np.arange(answers.shape[1]) < engine.answer_lengths(answers, plan.stop_ids)[:, None]
+    masked = {i: int(n) for i, n in enumerate(((answers == plan.mask_id) & kept).sum(1)) if n}
+    if masked:  # in the answers returned, cut at their stops
         notes = [
             *notes,
             f"rows {masked} (row: positions) kept the mask id: the model predicted the mask "

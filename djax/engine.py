@@ -461,6 +461,13 @@ def _output(
     return generation_output(model, answers, plan.stop_ids, out, seconds, compile_seconds, notes)
 
 
+def answer_lengths(answers: np.ndarray, stop_ids: Sequence[int]) -> np.ndarray:
+    """Each row's answer length [batch]: the positions of `answers` [batch, gen] before its
+    first stop id (all of them where it has none)."""
+    stops = np.isin(answers, stop_ids)
+    return np.where(stops.any(axis=1), stops.argmax(axis=1), answers.shape[1])
+
+
 def generation_output(
     model: Model,
     answers: np.ndarray,
@@ -473,8 +480,7 @@ def generation_output(
     """A finished generation as `generate` returns it: each row's answer [batch, gen] cut
     before its first stop id, decoded when the model has a tokenizer, and the counters of
     the program's `out` (forwards, refreshes, blocks: the most of any shard)."""
-    stops = np.isin(answers, stop_ids)
-    lengths = np.where(stops.any(axis=1), stops.argmax(axis=1), answers.shape[1])
+    lengths = answer_lengths(answers, stop_ids)
     token_ids = [answers[i, :n].tolist() for i, n in enumerate(lengths)]
     texts = None
     if model.tokenizer is not None:

@@ -67,6 +67,11 @@ def llada2_config(r: _Reader) -> ModelConfig:
     n_kv = r.get("num_key_value_heads", int)
     n_layers = r.get("num_hidden_layers", int)
     vocab = r.get("vocab_size", int)
+    if "num_experts" in r.hf and r.hf["num_experts"] is None:  # `get` reads null as absent
+        raise ConfigError(
+            f"{r.source}: num_experts=None is not supported (LLaDA2 reads it as a dense MLP in "
+            "every layer, which djax does not build); expected the expert count"
+        )
     n_experts = r.get("num_experts", int, 16)
     top_k = r.get("num_experts_per_tok", int, 2)
     groups = r.get("n_group", int, 8)

@@ -90,6 +90,7 @@ def test_config_defaults_are_the_llada2_class_defaults():
         ({"first_k_dense_replace": 4}, "first_k_dense_replace=4"),
         ({"num_key_value_heads": None}, "'num_key_value_heads' is missing"),
         ({"partial_rotary_factor": 0.1}, "partial_rotary_factor=0.1"),
+        ({"num_experts": None}, "num_experts=None is not supported"),
     ],
 )
 def test_config_refusals(change, message):
@@ -307,6 +308,12 @@ def test_a_predicted_mask_token_keeps_the_position_masked(tmp_path):
         out = djax.generate(model, [prompt], config)
         assert out.token_ids[0] == reference.generate(prompt, 12, 8, 8)
         assert MASK_ID in out.token_ids[0] and "kept the mask id" in out.notes[0]
+    # The note counts the masks of the answer returned, cut at its stop: not those after it.
+    config = _config(decoder="low_confidence", gen_length=12, steps=16, stop_ids=(110,))
+    stopped = djax.generate(model, [list(range(20, 40))], config)
+    kept = stopped.token_ids[0].count(MASK_ID)
+    assert (stopped.answer_ids[0] == MASK_ID).sum() > kept > 0  # masks past the stop too
+    assert f"rows {{0: {kept}}} (row: positions) kept the mask id" in stopped.notes[0]
 
 
 def test_sampling_follows_the_seed(llada2_small):
