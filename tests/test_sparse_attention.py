@@ -648,3 +648,19 @@ def test_kernel_path_on_gpu(b):
     assert float(jnp.linalg.norm(ours - ref) / jnp.linalg.norm(ref)) <= 1e-2
     for head in (3, 5):
         assert float(jnp.abs(ours[0, :, head] - ref[0, :, head]).max()) <= 0.05
+
+
+def test_kept_counts_are_exact_past_two_million_keys():
+    """At 2,149,633 keys and keep 0.999 (999/1000), `p · count` passes int32's range:
+    `choose` still keeps exactly `row_keys`' count (the block included), where forming the
+    product kept none."""
+    seq, block_len = 2_149_633, 4
+    rule = plan_sparse(0.999, 0, seq, block_len)
+    assert rule.keys == reference_row_keys(0.999, 0, seq, block_len) == 2_147_488
+    keys = jax.random.normal(jax.random.key(0), (1, seq, 1, 1))
+    q_block = jnp.ones((1, block_len, 1, 1, 1))
+    valid = jnp.ones((1, seq), bool)
+    positions = jnp.arange(seq, dtype=jnp.int32)[None]
+    chosen = jax.jit(choose, static_argnums=0)(rule, q_block, keys, valid, positions, seq - 4)
+    assert int((chosen >= 0).sum()) == rule.keys
+    assert set(range(seq - 4, seq)) <= set(np.asarray(chosen[0, 0]).tolist())

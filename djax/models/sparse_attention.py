@@ -16,8 +16,8 @@ The rule, per layer and per kv head (query heads that share a kv head share its 
 program's padded length or on the other rows of the batch, so a row keeps the same keys
 whatever bucket its batch-mates put it in. `keep` is taken as the exact fraction `p/q`
 nearest to it with `q ≤ 1000` (`keep_fraction`: 0.1 is 1/10, 0.25 is 1/4), and
-`ceil(keep · count)` is the integer `(p · count + q − 1) // q`: no float product rounds it
-(ceil(0.1 · 70) is 7).
+`ceil(keep · count)` is computed in integers, exactly: no float product rounds it
+(ceil(0.1 · 70) is 7), and no int32 product overflows (`choose` never forms `p · count`).
 
 What is read when. A cached step recomputes only its window's K/V (`CachePolicy.window`:
 the block under `dual`, the block and everything after it under `prefix`, the block's
@@ -73,8 +73,7 @@ from djax.kernels.tma_ring import ROW_ALIGN
 Array = jax.Array
 
 RECENT = 64  # default `recent`: positions before the block every head keeps
-MAX_DENOMINATOR = 1000  # of `keep_fraction`: p · count stays in int32 below ~2M keys
-INT32_MAX = 2**31 - 1
+MAX_DENOMINATOR = 1000  # of `keep_fraction`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,11 +117,6 @@ def plan_sparse(keep: float, recent: int, seq_len: int, block_len: int) -> Spars
     `seq_len` keys drops none, no shorter row drops any."""
     if keep >= 1:
         return None
-    if keep_fraction(keep).numerator * seq_len > INT32_MAX:
-        raise ValueError(
-            f"attention_sparsity={keep} over {seq_len} positions: its kept-key count "
-            f"overflows int32; expected a sequence below {INT32_MAX // MAX_DENOMINATOR}"
-        )
     keys = kept_keys(keep, recent, seq_len, block_len)
     if keys >= seq_len:
         return None
@@ -166,7 +160,10 @@ def choose(
     _, index = jax.lax.top_k(score, rule.keys)  # by score: the forced ones first
     fraction = keep_fraction(rule.keep)
     count = jnp.sum(key_valid, axis=1, dtype=jnp.int32)  # [b]
-    by_score = (fraction.numerator * count + fraction.denominator - 1) // fraction.denominator
+    p, q = fraction.numerator, fraction.denominator
+    # ceil(p · count / q) with no product past count or p · q (<= 10**6): exact in int32
+    # for every count a position array holds (p · count itself overflows from ~2M keys)
+    by_score = count // q * p + ((count % q) * p + q - 1) // q
     n_row = jnp.minimum(count, by_score + block_len + rule.recent)
     rank = jnp.arange(rule.keys, dtype=jnp.int32)
     index = jnp.where(rank < n_row[:, None, None], index.astype(jnp.int32), -1)
@@ -178,9 +175,10 @@ class KeptKV(NamedTuple):
     [b, slots, kv_heads, d] (the K/V buffers' layout), `slots = kept_slots(n, block_len,
     width)`: the last `width` slots hold the window's rows `[start, start + width)` in order (the
     refresh's, until a cached step writes its own into them: `window_slots`); the slots
-    before them hold each head's kept rows outside the window, in ascending position, then
-    invalid ones. valid [b, kv_heads, slots] bool: which slots each head attends to (a kept
-    valid row outside the window; a window row the head kept that is a valid key)."""
+    before them hold each head's kept rows outside the window in ascending position, with
+    invalid slots before and after them. valid [b, kv_heads, slots] bool: which slots each
+    head attends to (a kept valid row outside the window; a window row the head kept that
+    is a valid key)."""
 
     keys: Array
     values: Array
@@ -241,7 +239,8 @@ def compact(
     most `n − block_len` of a head's rows lie outside the window (more would not fit);
     keys and values [b, s, kv_heads, d] (the buffers as the refresh wrote them), key_valid
     [b, s] bool. Returns `kept_slots(n, block_len, width)` slots per head: the kept rows
-    outside the window in ascending position, then invalid slots, then the window's `width`
+    outside the window in ascending position (invalid slots before them where fewer than
+    `n − block_len` lie outside, and after them up to the count), then the window's `width`
     rows, which each head attends to where it kept them and they are valid keys."""
     b, kv_heads, n = chosen.shape
     outside_slots = kept_slots(n, block_len, width) - width
