@@ -85,6 +85,7 @@ def assert_error(response, status, param=None, code=None, mentions=None):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     kinds = {400: "invalid_request_error", 404: "invalid_request_error", 503: "server_error"}
+    kinds[500] = "server_error"
     kinds[413] = "invalid_request_error"
     assert error["type"] == kinds[status]
     assert error["param"] == param
@@ -727,6 +728,47 @@ def test_failed_stream_sends_an_error_chunk_then_done(url, engine):
     assert events[0]["choices"][0]["text"] == "34"
     assert events[1]["error"]["type"] == "server_error" and "device lost" in str(events[1])
     assert events[2:] == ["[DONE]"]
+
+
+def test_an_error_of_the_server_s_own_fails_the_request_and_never_hangs(
+    url, engine, model, monkeypatch
+):
+    """A choice whose handling raises (the tokenizer's decode of an id past its own
+    vocabulary, as SentencePiece tokenizers raise) fails its request with a 500 naming the
+    error, whole or streamed, and the engine is told to drop the row: the request is never
+    left waiting."""
+    decode = model.tokenizer.decode
+
+    def strict_decode(ids, **kwargs):
+        if 120 in list(ids):
+            raise IndexError("piece id is out of range")
+        return decode(ids, **kwargs)
+
+    monkeypatch.setattr(model.tokenizer, "decode", strict_decode)
+    engine.script = lambda request, block: [
+        BlockCommitted((40, 41)),
+        BlockCommitted((120,)),
+        Finished("length", 3),
+    ]
+    response = post(url, "/v1/completions", {"prompt": "x"})
+    assert_error(response, 500, mentions="IndexError: piece id is out of range")
+    body = {"prompt": "x", "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as response:
+        events = sse_events(response)
+    assert events[-2]["error"]["type"] == "server_error" and "IndexError" in str(events[-2])
+    assert events[-1] == "[DONE]"
+    assert engine.cancelled == [request.request_id for request in engine.submitted]
+
+
+def test_a_failed_request_counts_every_choice_as_an_error(url, engine, server):
+    """`djax_requests_total{reason="error"}` counts each of a failed request's `n` choices,
+    none of them as aborted, whichever choice's failure the server read first."""
+    metrics = server[3]
+    errors, aborted = metrics.requests.labels("error")._value.get(), metrics.aborted._value.get()
+    engine.script = lambda request, block: [Failed("device lost")]
+    assert post(url, "/v1/completions", {"prompt": "x", "n": 3}).status_code == 500
+    wait_for(lambda: metrics.requests.labels("error")._value.get() == errors + 3)
+    assert metrics.aborted._value.get() == aborted
 
 
 def wait_for(condition, seconds=3.0):

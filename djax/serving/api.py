@@ -52,7 +52,8 @@ class _ClientGone(Exception):
 
 
 class _EngineFailed(Exception):
-    """The engine sent `Failed` for this request."""
+    """The request failed: the engine sent `Failed` for it, or the server's own handling of
+    a choice raised (`_Generation.texts`)."""
 
 
 class _Generation:
@@ -79,6 +80,7 @@ class _Generation:
         self.finish_reason: p.FinishReason | None = None
         self.completion_tokens = 0
         self.ended = False  # finished, failed or stopped: the engine holds it no more
+        self.request_failed = False  # another choice of its request failed (`_merged`)
         self._loop = asyncio.get_running_loop()
 
     def on_event(self, event: Event) -> None:
@@ -92,8 +94,10 @@ class _Generation:
     async def texts(self, watcher: asyncio.Future) -> AsyncIterator[str]:
         """The answer's new text, one piece per committed block that made some; then sets
         `finish_reason` and `completion_tokens`. Raises _ClientGone once `watcher` (the
-        request's disconnect watch) is done, _EngineFailed on a `Failed` event. Unless the
-        answer ended, the engine is told to drop the choice and it counts as aborted."""
+        request's disconnect watch) is done, _EngineFailed on a `Failed` event or on an error
+        of its own (the tokenizer's decode, say: the request fails rather than hangs). Unless
+        the answer ended, the engine is told to drop the choice, which counts as an error
+        where its request failed and as aborted otherwise."""
         try:
             while self.finish_reason is None:
                 event = await _next(self.queue, watcher)
@@ -107,11 +111,19 @@ class _Generation:
                     if first and self.times_ttft:
                         self.metrics.ttft.observe(time.perf_counter() - self.arrival)
                     yield text
+        except (_ClientGone, _EngineFailed):
+            raise
+        except Exception as err:  # any error of the server's own: fail the request, never hang
+            self.request_failed = True
+            raise _EngineFailed(f"{type(err).__name__}: {err}") from err
         finally:
             self.metrics.generated_tokens.inc(self.completion_tokens)
             if not self.ended:
                 self.engine.cancel(self.request.request_id)
-                self.metrics.aborted.inc()
+                if self.request_failed:
+                    self.metrics.requests.labels("error").inc()
+                else:
+                    self.metrics.aborted.inc()
 
     def _take(self, event: BlockCommitted | Finished) -> str:
         """The text an event makes final; the answer's tokens: under a stop string those up
@@ -163,6 +175,9 @@ async def _merged(
         while running:
             index, item = await queue.get()
             if isinstance(item, Exception):
+                if isinstance(item, _EngineFailed):  # the request fails: its choices are errors
+                    for generation in generations:
+                        generation.request_failed = True
                 raise item
             if item is None:
                 running -= 1
