@@ -140,6 +140,13 @@ def family_of(hf: dict[str, Any], source: str) -> str:
     return ARCHITECTURES[known[0]]
 
 
+def _mask_id(r: _Reader) -> int:
+    """config.json's mask id, or -1 (then the tokenizer's, `resolve_token_ids`) where the key
+    is absent, null or an empty list."""
+    value = r.first_id("mask_token_id") if "mask_token_id" in r.hf else None
+    return -1 if value is None else value
+
+
 def from_hf_dict(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Build a `ModelConfig` from an HF config dict (token ids not yet resolved from the
     tokenizer: see `resolve_token_ids`)."""
@@ -274,7 +281,7 @@ def _dense_config(r: _Reader) -> ModelConfig:
         rope_theta=r.get("rope_theta", float, 10000.0),
         rms_norm_eps=r.get("rms_norm_eps", float, 1e-5),
         max_seq_len=r.get("max_sequence_length", int, 4096),
-        mask_token_id=r.first_id("mask_token_id") if "mask_token_id" in r.hf else -1,
+        mask_token_id=_mask_id(r),
         eos_token_id=eos,
         pad_token_id=eos if pad is None else pad,
         bos_token_id=r.first_id("bos_token_id"),
@@ -351,7 +358,7 @@ def _moe_config(r: _Reader) -> ModelConfig:
         rope_theta=r.get("rope_theta", float, 10000.0),
         rms_norm_eps=r.get("rms_norm_eps", float, 1e-6),
         max_seq_len=r.get("max_position_embeddings", int, 4096),
-        mask_token_id=r.first_id("mask_token_id") if "mask_token_id" in r.hf else -1,
+        mask_token_id=_mask_id(r),
         eos_token_id=eos,
         pad_token_id=eos if pad is None else pad,
         bos_token_id=r.first_id("bos_token_id"),

@@ -127,7 +127,7 @@ def read_config(folder: str | Path, tokenizer: Any | None) -> ModelConfig:
     folder = Path(folder)
     hf = load_hf_config(folder)
     source = str(folder / "config.json")
-    if "quantization_config" in hf:
+    if hf.get("quantization_config") is not None:  # null: not quantised
         quant = hf["quantization_config"]
         method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else quant
         raise ConfigError(

@@ -114,3 +114,7 @@ def test_token_ids_from_tokenizer():
         resolve_token_ids(from_hf_dict(MOE), None, "x")
     with pytest.raises(ConfigError, match="mask_token_id=500 is outside the vocabulary"):
         resolve_token_ids(from_hf_dict({**DENSE, "mask_token_id": 500}), tok, "x")
+    for config in (DENSE, MOE):  # a null or empty mask id is an absent one: the tokenizer's
+        for unset in (None, []):
+            cfg = resolve_token_ids(from_hf_dict({**config, "mask_token_id": unset}), tok, "x")
+            assert cfg.mask_token_id == tok.mask_token_id

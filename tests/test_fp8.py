@@ -24,6 +24,7 @@ from djax.cli import build_parser, main
 from djax.config import ConfigError
 from djax.demo import default_model_path, task
 from djax.kernel_options import KernelOptions
+from djax.kernels import fp8_matmul_mosaic
 from djax.models import fp8
 from djax.models.kernel_choice import Device, resolve
 from djax.models.llada_moe import experts_dense, experts_grouped, ragged_mlp
@@ -78,6 +79,20 @@ def test_round_trip_is_within_e4m3_precision(shape, axes):
     zero = np.max(np.abs(w), axis=axes) == 0
     np.testing.assert_array_equal(peak[~zero], 448.0)
     assert np.all(back[np.broadcast_to(np.expand_dims(zero, axes), w.shape)] == 0)
+
+
+def test_channels_of_tiny_weights_quantise_without_nan():
+    """A channel whose largest |w| is far below fp32's normal range over 448 (a scale that
+    would be subnormal, which XLA flushes to 0) takes the least normal scale: no NaN or inf
+    values, and its weights come back within e4m3's precision of that scale."""
+    w = jnp.asarray(np.array([[1e-36, 0.0, -3e-37], [0.5, -1.0, 0.25]], np.float32).T)
+    values, scale = fp8.quantize(w, (0,))
+    assert np.asarray(scale)[0] == fp8_matmul_mosaic.MIN_SCALE
+    assert np.isfinite(np.asarray(values, np.float32)).all()
+    back = np.asarray(fp8.dequantize(values, scale, (0,), jnp.float32))
+    assert back[1, 0] == 0.0
+    np.testing.assert_allclose(back[:, 0], np.asarray(w)[:, 0], rtol=0.07)
+    np.testing.assert_allclose(back[:, 1], np.asarray(w)[:, 1], rtol=0.07)
 
 
 def test_quantize_params_keeps_embeddings_norms_and_router(moe_model):
@@ -375,6 +390,9 @@ def test_prequantised_checkpoint_is_refused(dense_folder, tmp_path):
     with pytest.raises(ConfigError, match="quantization_config"):
         djax.convert(folder, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+    config["quantization_config"] = None  # null: no quantised weights declared
+    (folder / "config.json").write_text(json.dumps(config))
+    assert djax.load(folder).config == djax.load(dense_folder[0]).config
 
 
 def test_cli_weights_flags(dense_folder, tmp_path, capsys):

@@ -64,12 +64,18 @@ def quantize(w: Array, axes: tuple[int, ...]) -> tuple[Array, Array]:
     return e4m3_values(wf, scale), jnp.squeeze(scale, axes)
 
 
+# The least scale: fp32's least normal. A smaller one is a subnormal, which XLA flushes to
+# 0 (the values would become w / 0: 448, or NaN for zeros).
+MIN_SCALE = float(jnp.finfo(jnp.float32).tiny)
+
+
 def scale_of(peak: Array) -> Array:
     """`quantize`'s scale of values whose max |value| is `peak` (fp32): `peak / 448` as
     `peak` times 1/448 rounded to fp32 (what XLA's compiler makes of the division by a
     constant, on every backend; written so, a Mosaic GPU kernel rounds it the same way),
-    1 where `peak` is 0. Also inside a Mosaic GPU kernel (`residual_norm_mosaic`)."""
-    return jnp.where(peak > 0, peak * (1 / E4M3_MAX), 1.0)
+    at least `MIN_SCALE` (a peak below ~5e-36 then maps below 448, never to NaN), 1 where
+    `peak` is 0. Also inside a Mosaic GPU kernel (`residual_norm_mosaic`)."""
+    return jnp.where(peak > 0, jnp.maximum(peak * (1 / E4M3_MAX), MIN_SCALE), 1.0)
 
 
 def e4m3_values(wf: Array, scale: Array) -> Array:
