@@ -344,7 +344,7 @@ def executable_key(model: Model, plan: Plan, args: tuple, run: RowProgram) -> tu
     shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args[1:]))
     options = xla_options.compiler_options(jax.default_backend())
     key = (run.__name__, model.config, str(model.dtype), model.weights, model.k_major)
-    key += (model.options, id(model.mesh), plan)
+    key += (model.options, id(model.mesh), plan, program_cache.config_values())
     return key + (shapes, *sorted(options.items()))
 
 

@@ -21,10 +21,12 @@ deleted first. A saved program that cannot be read or lowered is deleted and sav
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
 import importlib.metadata
+import math
 import os
 import tempfile
 import warnings
@@ -70,12 +72,18 @@ def max_bytes() -> int:
         size = float(number) * _UNITS[unit]
     except ValueError:
         size = -1.0
-    if not size >= 0:
+    if not 0 <= size < math.inf:
         raise ValueError(
             f"{MAX_SIZE_VARIABLE}={os.environ[MAX_SIZE_VARIABLE]!r}; expected a size in bytes "
             "such as 2147483648 or 2G"
         )
     return int(size)
+
+
+def config_values() -> tuple:
+    """Every `jax.config` value, by name: what a traced program may depend on beside its
+    arguments (the PRNG's partitioning, matmul precision, x64...)."""
+    return tuple(sorted((k, repr(v)) for k, v in jax.config.values.items()))
 
 
 def program_key(description: tuple, args: tuple) -> str:
@@ -89,7 +97,7 @@ def program_key(description: tuple, args: tuple) -> str:
         jax.__version__,
         jaxlib.__version__,
         importlib.metadata.version("flax"),
-        sorted((k, repr(v)) for k, v in jax.config.values.items()),
+        config_values(),
         [(d.platform, d.device_kind, d.id) for d in jax.devices()],
         description,
         str(tree),
@@ -115,7 +123,7 @@ def lower(
             return jax.jit(exported.call, donate_argnums=donate_argnums).lower(*args)
         except Exception as err:
             _warn(f"{path}: the saved program does not lower ({err}); exporting it again")
-            path.unlink(missing_ok=True)
+            _delete(path)
     try:
         exported = jax.export.export(program, disabled_checks=_CHECKS)(*args)
     except Exception as err:  # tracing errors recur, and surface, in the direct lowering
@@ -130,16 +138,17 @@ def _warn(message: str) -> None:
 
 
 def _read(path: Path) -> jax.export.Exported | None:
-    """The saved program, its use recorded in its modification time (for eviction); a
-    damaged one is deleted."""
+    """The saved program, its use recorded in its modification time (for eviction) where
+    the folder allows it (a read-only cache is read all the same); a damaged one is deleted."""
     try:
         blob = path.read_bytes()
-        os.utime(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as err:
         _warn(f"{path}: cannot read the saved program ({err}); exporting it again")
         return None
+    with contextlib.suppress(OSError):  # a read-only folder: no eviction order, no harm
+        os.utime(path)
     for call_target, module in _RUNTIMES.items():
         if call_target in blob:
             importlib.import_module(module)
@@ -147,8 +156,17 @@ def _read(path: Path) -> jax.export.Exported | None:
         return jax.export.deserialize(bytearray(blob))
     except Exception as err:  # a truncated or foreign file: delete it and export again
         _warn(f"{path}: unreadable saved program ({err}); deleting it and exporting it again")
-        path.unlink(missing_ok=True)
+        _delete(path)
         return None
+
+
+def _delete(path: Path) -> None:
+    """Delete a saved program; where the folder does not allow it, warn and go on (the
+    program is exported again, and saved if the folder takes it)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as err:
+        _warn(f"{path}: cannot delete the saved program ({err}); leaving it")
 
 
 def _write(path: Path, blob: bytes) -> None:

@@ -4,6 +4,7 @@ same tokens as the program lowered directly, and a new key for anything that cha
 import os
 import re
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -194,7 +195,7 @@ def test_max_size_variable(monkeypatch, value, size):
     assert program_cache.max_bytes() == size
 
 
-@pytest.mark.parametrize("value", ["lots", "-1G", "G"])
+@pytest.mark.parametrize("value", ["lots", "-1G", "G", "inf", "nanM"])
 def test_bad_max_size_is_refused(monkeypatch, value):
     monkeypatch.setenv(program_cache.MAX_SIZE_VARIABLE, value)
     with pytest.raises(ValueError, match=f"DJAX_COMPILE_CACHE_MAX_SIZE={value!r}; expected"):
@@ -245,3 +246,46 @@ def test_a_test_may_turn_the_compile_cache_on(tmp_path):
 
 def test_the_next_test_finds_the_compile_cache_off():
     assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_a_read_only_cache_is_read_and_an_undeletable_program_is_left(
+    dense_model, tmp_path, monkeypatch
+):
+    """A saved program is read back where its use cannot be recorded (a read-only folder:
+    `os.utime` refused), with no warning and no export; a damaged one that cannot be
+    deleted is left with a warning, and the program is exported again, not failed."""
+    plan, program = _setup(dense_model)
+    _lower(dense_model, plan, program, str(tmp_path))
+    (path,) = (tmp_path / program_cache.FOLDER).iterdir()
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "utime", read_only)
+    with monkeypatch.context() as refusing, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _refuse_export(refusing)
+        _lower(dense_model, plan, program, str(tmp_path))
+    path.write_bytes(path.read_bytes()[:100])
+    monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: read_only())
+    with pytest.warns(UserWarning) as caught:
+        lowered = _lower(dense_model, plan, program, str(tmp_path))
+    assert any("cannot delete the saved program" in str(w.message) for w in caught)
+    assert _tokens(lowered, dense_model, plan).shape == (1, plan.seq_len)
+
+
+def test_the_in_process_key_follows_jax_config(dense_model):
+    """A `jax.config` value a traced program may depend on (here the PRNG's partitioning,
+    which changes sampled tokens) is part of the in-process executable's key, as of the
+    saved program's."""
+    plan, _ = _setup(dense_model)
+    args = engine.program_args(dense_model, plan, ROWS, CONFIG)
+    before = engine.executable_key(dense_model, plan, args, run_generation)
+    flag = jax.config.jax_threefry_partitionable
+    try:
+        jax.config.update("jax_threefry_partitionable", not flag)
+        after = engine.executable_key(dense_model, plan, args, run_generation)
+    finally:
+        jax.config.update("jax_threefry_partitionable", flag)
+    assert before != after
+    assert engine.executable_key(dense_model, plan, args, run_generation) == before
