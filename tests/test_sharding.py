@@ -151,7 +151,8 @@ def test_data_parallel_rows(dense4):
 
 def test_the_memory_estimate_counts_the_expert_axis_s_shards(moe_model, tmp_path):
     """Each device holds 1/n of the kv heads and of the vocabulary under expert parallelism
-    as under tensor parallelism: the fallback estimate divides by either axis."""
+    as under tensor parallelism: the fallback estimate divides by either axis; and its share
+    of the rows under data parallelism."""
     from djax.serving.memory import estimate_call_bytes
 
     by = {
@@ -166,6 +167,14 @@ def test_the_memory_estimate_counts_the_expert_axis_s_shards(moe_model, tmp_path
     }
     alone = estimate_call_bytes(moe_model, 4, 256, 8, None)
     assert by["tensor_parallel"] == by["expert_parallel"] < alone
+    # Under data parallelism each device holds its share of the batch's rows, as the
+    # per-device budget counts them: two rows on two devices cost one row on one.
+    data = djax.load(moe_model.path, dtype=jnp.float32, mesh=make_mesh(data_parallel=2))
+    one_row = djax.load(moe_model.path, dtype=jnp.float32)
+    assert estimate_call_bytes(data, 2, 256, 8, None) == estimate_call_bytes(
+        one_row, 1, 256, 8, None
+    )
+    assert estimate_call_bytes(data, 3, 256, 8, 64) == estimate_call_bytes(one_row, 2, 256, 8, 64)
 
 
 def test_mesh_errors(moe_model):

@@ -104,19 +104,21 @@ def analysed_call_bytes(compiled: Any, weights: int) -> int | None:
 def estimate_call_bytes(
     model: Model, batch: int, seq: int, block_length: int, logits_chunk: int | None
 ) -> int:
-    """The fallback for a backend without memory analysis: a call's K/V buffers (keys and
-    values of every layer, [batch, seq, kv_heads, head_dim] in the model's dtype, this
-    device's heads) plus its step's fp32 logits ([batch, block_length, chunk], the chunk
-    being `logits_chunk` ids or this device's whole vocabulary when None). Other
-    activations are not counted."""
+    """The fallback for a backend without memory analysis, per device as the budget is: a
+    call's K/V buffers (keys and values of every layer, [rows, seq, kv_heads, head_dim] in
+    the model's dtype, this device's rows of `batch` and its heads) plus its step's fp32
+    logits ([rows, block_length, chunk], the chunk being `logits_chunk` ids or this
+    device's whole vocabulary when None). Other activations are not counted."""
     cfg = model.config
     shards = 1 if model.mesh is None else model.mesh.shape[sharding.model_axis(model.mesh)]
+    data = 1 if model.mesh is None else model.mesh.shape[sharding.DATA]
+    rows = -(-batch // data)  # the data axis splits the batch
     kv_heads = max(cfg.n_kv_heads // shards, 1)
     itemsize = jax.numpy.dtype(model.dtype).itemsize
-    kv = 2 * cfg.n_layers * batch * seq * kv_heads * cfg.head_dim * itemsize
+    kv = 2 * cfg.n_layers * rows * seq * kv_heads * cfg.head_dim * itemsize
     vocab = cfg.vocab_size // shards
     vocab = vocab if logits_chunk is None else min(logits_chunk, vocab)
-    return kv + 4 * batch * block_length * vocab
+    return kv + 4 * rows * block_length * vocab
 
 
 @dataclasses.dataclass
