@@ -22,6 +22,7 @@ deleted first. A saved program that cannot be read or lowered is deleted and sav
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import hashlib
 import importlib
@@ -80,10 +81,18 @@ def max_bytes() -> int:
     return int(size)
 
 
+_PLAIN = {bool, int, float, str, type(None)}  # hashable config values, with enums
+
+
 def config_values() -> tuple:
-    """Every `jax.config` value, by name: what a traced program may depend on beside its
-    arguments (the PRNG's partitioning, matmul precision, x64...)."""
-    return tuple(sorted((k, repr(v)) for k, v in jax.config.values.items()))
+    """Every `jax.config` value, by name, in jax's order (values other than plain ones and
+    enums as their repr, so the tuple hashes): what a traced program may depend on beside
+    its arguments (the PRNG's partitioning, matmul precision, x64...). Part of the
+    in-process key of every block call, so nothing is sorted or printed that need not be."""
+    return tuple(
+        (name, value if type(value) in _PLAIN or isinstance(value, enum.Enum) else repr(value))
+        for name, value in jax.config.values.items()
+    )
 
 
 def program_key(description: tuple, args: tuple) -> str:
