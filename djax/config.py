@@ -143,7 +143,7 @@ def family_of(hf: dict[str, Any], source: str) -> str:
 def _mask_id(r: _Reader) -> int:
     """config.json's mask id, or -1 (then the tokenizer's, `resolve_token_ids`) where the key
     is absent, null or an empty list."""
-    value = r.first_id("mask_token_id") if "mask_token_id" in r.hf else None
+    value = r.first_id("mask_token_id")
     return -1 if value is None else value
 
 
