@@ -339,10 +339,17 @@ def lower(
     )
 
 
+def compiler_options(model: Model, platform: str | None = None) -> dict:
+    """The XLA options `model`'s programs compile with on `platform` (default: JAX's
+    backend), by its weights and whether it has experts (`xla_options.compiler_options`)."""
+    platform = platform or jax.default_backend()
+    return xla_options.compiler_options(platform, model.weights, model.config.is_moe)
+
+
 def executable_key(model: Model, plan: Plan, args: tuple, run: RowProgram) -> tuple:
     """What identifies a compiled program in this process."""
     shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args[1:]))
-    options = xla_options.compiler_options(jax.default_backend())
+    options = compiler_options(model)
     key = (run.__name__, model.config, str(model.dtype), model.weights, model.k_major)
     key += (model.options, id(model.mesh), plan, program_cache.config_values())
     return key + (shapes, *sorted(options.items()))
@@ -382,7 +389,7 @@ def executable(
 
 
 def _compile(model: Model, plan: Plan, args: tuple, run: RowProgram, kernels: KernelChoice) -> Any:
-    options = xla_options.compiler_options(jax.default_backend())
+    options = compiler_options(model)
     return xla_options.compile_lowered(lower(model, plan, args, run, kernels), options)
 
 

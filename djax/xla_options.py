@@ -36,6 +36,18 @@ DEFAULTS: dict[str, dict[str, Value]] = {
     "gpu": dict(COMMAND_BUFFER_LOOPS),
 }
 
+# On GPUs, for a model of fp8 weights without experts: XLA's Triton GEMM fusions off, so its
+# fp8 products (refreshes, forwards of more than a block's rows) are cuBLASLt's, whose
+# algorithms XLA's autotuner times without compiling a Triton kernel per candidate tiling.
+# Autotuning those fusions took most of such a program's compile (a serving block program of
+# LLaDA-8B: minutes where bf16 takes seconds) for cuBLASLt's speed; with experts (LLaDA-MoE)
+# the fusions are faster, so they stay. Turning autotuning off instead
+# (`xla_gpu_autotune_level=0`) leaves fp8 products on untimed defaults, several times slower.
+# Figures: bench/NOTES.md ("fp8 weights", the fp8 programs' compile).
+FP8_WITHOUT_EXPERTS: dict[str, dict[str, Value]] = {
+    "gpu": {"xla_gpu_enable_triton_gemm": False},
+}
+
 
 def _value(text: str) -> Value:
     """XLA wants bools and ints typed: "true" -> True, "4" -> 4, anything else a string."""
@@ -56,10 +68,17 @@ def parse(text: str) -> dict[str, Value]:
     return options
 
 
-def compiler_options(platform: str) -> dict[str, Value]:
-    """The options for a new compile on `platform` ("cpu", "gpu", ...): djax's defaults,
-    then the user's `DJAX_XLA_OPTIONS` over them."""
-    return {**DEFAULTS.get(platform, {}), **parse(os.environ.get(ENV, ""))}
+def compiler_options(
+    platform: str, weights: str = "dtype", experts: bool = False
+) -> dict[str, Value]:
+    """The options for a new compile on `platform` ("cpu", "gpu", ...) of a model of
+    `weights` ("dtype" or "fp8") with or without `experts`: djax's defaults, with fp8
+    weights and no experts `FP8_WITHOUT_EXPERTS`'s, then the user's `DJAX_XLA_OPTIONS` over
+    them."""
+    options = dict(DEFAULTS.get(platform, {}))
+    if weights == "fp8" and not experts:
+        options.update(FP8_WITHOUT_EXPERTS.get(platform, {}))
+    return {**options, **parse(os.environ.get(ENV, ""))}
 
 
 def compile_lowered(lowered: Any, options: dict[str, Value]) -> Any:

@@ -1,5 +1,7 @@
 """The engine's XLA compiler options and the DJAX_XLA_OPTIONS override."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,13 +35,44 @@ def test_environment_overrides_the_defaults(monkeypatch):
     assert merged["xla_gpu_enable_command_buffer"] == defaults["xla_gpu_enable_command_buffer"]
 
 
+def test_fp8_models_without_experts_compile_without_triton_gemms(monkeypatch):
+    """On GPUs a model of fp8 weights and no experts compiles with XLA's Triton GEMM fusions
+    off; bf16 models, MoE models and other platforms keep the defaults; DJAX_XLA_OPTIONS
+    still has the last word."""
+    monkeypatch.delenv(xla_options.ENV, raising=False)
+    gpu = xla_options.DEFAULTS["gpu"]
+    fp8_dense = xla_options.compiler_options("gpu", "fp8", experts=False)
+    assert fp8_dense == {**gpu, "xla_gpu_enable_triton_gemm": False}
+    assert xla_options.compiler_options("gpu", "fp8", experts=True) == gpu
+    assert xla_options.compiler_options("gpu", "dtype", experts=False) == gpu
+    assert xla_options.compiler_options("cpu", "fp8", experts=False) == {}
+    monkeypatch.setenv(xla_options.ENV, "xla_gpu_enable_triton_gemm=true")
+    assert xla_options.compiler_options("gpu", "fp8")["xla_gpu_enable_triton_gemm"] is True
+
+
+def test_engine_options_follow_the_model(dense_model, moe_model):
+    """`engine.compiler_options` reads the model's weights and experts: the same model as
+    fp8 takes the fp8 options, and the in-process program key holds them."""
+    from djax import engine
+
+    fp8_dense = dataclasses.replace(dense_model, weights="fp8")
+    fp8_moe = dataclasses.replace(moe_model, weights="fp8")
+    assert engine.compiler_options(fp8_dense, "gpu")["xla_gpu_enable_triton_gemm"] is False
+    assert "xla_gpu_enable_triton_gemm" not in engine.compiler_options(fp8_moe, "gpu")
+    assert "xla_gpu_enable_triton_gemm" not in engine.compiler_options(dense_model, "gpu")
+    assert engine.compiler_options(fp8_dense) == xla_options.compiler_options(
+        jax.default_backend(), "fp8"
+    )
+
+
 @pytest.mark.parametrize("platform", sorted(xla_options.DEFAULTS))
 def test_defaults_are_options_this_jax_knows(platform):
     """XLA's debug options are shared by all backends: a CPU compile rejects a misspelt name
     or enum value that a GPU compile would."""
     lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(3))
-    out = lowered.compile(xla_options.DEFAULTS[platform])(jnp.ones(3))
-    np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
+    for options in (xla_options.DEFAULTS, xla_options.FP8_WITHOUT_EXPERTS):
+        out = lowered.compile(options.get(platform, {}))(jnp.ones(3))
+        np.testing.assert_array_equal(out, [2.0, 2.0, 2.0])
     with pytest.raises(Exception, match="NOT_A_COMMAND"):
         lowered.compile({"xla_gpu_enable_command_buffer": "FUSION,NOT_A_COMMAND"})
 

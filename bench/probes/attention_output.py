@@ -64,7 +64,18 @@ RELEASE = "fence.proxy.async.global;\n\tfence.acq_rel.gpu;"
 ACQUIRE = "fence.proxy.async.global;"
 
 
-def joined(q, keys, values, key_valid, w, att: AttentionTiles, prod: Tiles, fences: bool = True):
+def joined(
+    q,
+    keys,
+    values,
+    key_valid,
+    w,
+    att: AttentionTiles,
+    prod: Tiles,
+    fences: bool = True,
+    memory_scope: str = "sys",
+    wait: bool = True,
+):
     """(attention output [1, t, n, d], the output product's fp32 slices [splits, t, N]) of
     q [1, t, n, d] against keys and values [1, s, n, d] (key_valid [1, s]) and w [n d, N],
     in one kernel: `att` the attention CTAs' tiles (one split, one warpgroup), `prod` the
@@ -139,7 +150,7 @@ def joined(q, keys, values, key_valid, w, att: AttentionTiles, prod: Tiles, fenc
             )
             if fences:
                 _fence(RELEASE)
-            pl.semaphore_signal(done.at[cta // heads_per_split], 1)
+            plgpu.semaphore_signal(done.at[cta // heads_per_split], 1, memory_scope=memory_scope)
 
         @pl.when(cta >= attention_ctas)
         def _product():
@@ -159,7 +170,10 @@ def joined(q, keys, values, key_valid, w, att: AttentionTiles, prod: Tiles, fenc
             ahead = min(prod.stages, heads_per_split)
             for step in range(ahead):
                 fetch_w(step, step)
-            plgpu.semaphore_wait(done.at[split], heads_per_split, decrement=False)
+            if wait:
+                plgpu.semaphore_wait(
+                    done.at[split], heads_per_split, decrement=False, memory_scope=memory_scope
+                )
             if fences:
                 _fence(ACQUIRE)
             for step in range(ahead):
@@ -225,34 +239,20 @@ def main() -> None:
     w = (jax.random.normal(key[3], (n * d, width), jnp.float32) * 0.02).astype(jnp.bfloat16)
     valid = jnp.ones((1, args.keys), bool)
     forms = {"apart": apart}
-    for att, prod, fences in (
-        (
-            AttentionTiles(block_k=64, stages=2),
-            Tiles(block_n=64, block_k=d, splits=2, stages=3),
-            True,
-        ),
-        (
-            AttentionTiles(block_k=128, stages=2),
-            Tiles(block_n=64, block_k=d, splits=2, stages=4),
-            True,
-        ),
-        (
-            AttentionTiles(block_k=64, stages=2),
-            Tiles(block_n=128, block_k=d, splits=4, stages=3),
-            True,
-        ),
-        (
-            AttentionTiles(block_k=64, stages=2),
-            Tiles(block_n=64, block_k=d, splits=2, stages=3),
-            False,
-        ),
+    att64 = AttentionTiles(block_k=64, stages=2)
+    prod64 = Tiles(block_n=64, block_k=d, splits=2, stages=3)
+    for att, prod, options in (
+        (att64, prod64, {}),
+        (AttentionTiles(block_k=128, stages=2), dataclasses.replace(prod64, stages=4), {}),
+        (att64, Tiles(block_n=128, block_k=d, splits=4, stages=3), {}),
+        (att64, prod64, {"fences": False}),
+        (att64, prod64, {"memory_scope": "gpu"}),
+        (att64, prod64, {"wait": False}),
     ):
-        label = (
-            f"joined att {att.block_k}x{att.stages} prod n{prod.block_n} s{prod.splits} "
-            f"x{prod.stages}" + ("" if fences else " no fences")
-        )
-        forms[label] = functools.partial(joined, att=att, prod=prod, fences=fences)
-    reference_o, reference_parts = jax.jit(apart)(q, k, v, valid)
+        label = f"joined att {att.block_k}x{att.stages} prod n{prod.block_n} s{prod.splits} "
+        label += f"x{prod.stages}" + "".join(f" {k}={v}" for k, v in options.items())
+        forms[label] = functools.partial(joined, att=att, prod=prod, **options)
+    reference_o, reference_parts = jax.jit(apart)(q, k, v, valid, w)
     reference_sum = np.asarray(reference_parts.sum(0))
     rows = []
     for label, form in forms.items():
