@@ -339,11 +339,12 @@ def lower(
     )
 
 
-def compiler_options(model: Model, platform: str | None = None) -> dict:
+def compiler_options(model: Model, platform: str | None = None, loops: bool = True) -> dict:
     """The XLA options `model`'s programs compile with on `platform` (default: JAX's
-    backend), by its weights and whether it has experts (`xla_options.compiler_options`)."""
+    backend), by its weights and whether it has experts, for programs with forward `loops`
+    or not (`xla_options.compiler_options`)."""
     platform = platform or jax.default_backend()
-    return xla_options.compiler_options(platform, model.weights, model.config.is_moe)
+    return xla_options.compiler_options(platform, model.weights, model.config.is_moe, loops)
 
 
 def executable_key(model: Model, plan: Plan, args: tuple, run: RowProgram) -> tuple:

@@ -69,13 +69,14 @@ def parse(text: str) -> dict[str, Value]:
 
 
 def compiler_options(
-    platform: str, weights: str = "dtype", experts: bool = False
+    platform: str, weights: str = "dtype", experts: bool = False, loops: bool = True
 ) -> dict[str, Value]:
     """The options for a new compile on `platform` ("cpu", "gpu", ...) of a model of
-    `weights` ("dtype" or "fp8") with or without `experts`: djax's defaults, with fp8
-    weights and no experts `FP8_WITHOUT_EXPERTS`'s, then the user's `DJAX_XLA_OPTIONS` over
-    them."""
-    options = dict(DEFAULTS.get(platform, {}))
+    `weights` ("dtype" or "fp8") with or without `experts`: djax's defaults (`DEFAULTS`,
+    for programs that run their forwards in loops, `loops`; the phase scheduler's
+    one-forward call takes XLA's own), with fp8 weights and no experts
+    `FP8_WITHOUT_EXPERTS`'s, then the user's `DJAX_XLA_OPTIONS` over them."""
+    options = dict(DEFAULTS.get(platform, {})) if loops else {}
     if weights == "fp8" and not experts:
         options.update(FP8_WITHOUT_EXPERTS.get(platform, {}))
     return {**options, **parse(os.environ.get(ENV, ""))}

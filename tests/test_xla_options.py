@@ -46,8 +46,12 @@ def test_fp8_models_without_experts_compile_without_triton_gemms(monkeypatch):
     assert xla_options.compiler_options("gpu", "fp8", experts=True) == gpu
     assert xla_options.compiler_options("gpu", "dtype", experts=False) == gpu
     assert xla_options.compiler_options("cpu", "fp8", experts=False) == {}
+    one_forward = xla_options.compiler_options("gpu", "fp8", experts=False, loops=False)
+    assert one_forward == {"xla_gpu_enable_triton_gemm": False}  # no loop graphs
+    assert xla_options.compiler_options("gpu", loops=False) == {}
     monkeypatch.setenv(xla_options.ENV, "xla_gpu_enable_triton_gemm=true")
     assert xla_options.compiler_options("gpu", "fp8")["xla_gpu_enable_triton_gemm"] is True
+    assert xla_options.compiler_options("gpu", loops=False) == {"xla_gpu_enable_triton_gemm": True}
 
 
 def test_engine_options_follow_the_model(dense_model, moe_model):
@@ -87,3 +91,16 @@ def test_engine_compiles_with_the_options(dense_model, monkeypatch):
     monkeypatch.setenv(xla_options.ENV, "xla_no_such_option=1")
     with pytest.raises(Exception, match="xla_no_such_option"):
         djax.generate(dense_model, prompt, CONFIG)
+
+
+def test_phase_programs_compile_with_the_options(dense_model, monkeypatch):
+    """The phase scheduler's programs take DJAX_XLA_OPTIONS as every other program does: an
+    option XLA does not know fails its warm-up, named."""
+    from djax.serving.engine import ServeConfig, make_engine
+    from djax.serving.metrics import ServerMetrics
+
+    config = ServeConfig(generation=CONFIG, scheduler="phase", max_batch=2, max_seq_len=32)
+    engine = make_engine(dense_model, config, ServerMetrics())
+    monkeypatch.setenv(xla_options.ENV, "xla_no_such_option=1")
+    with pytest.raises(ValueError, match="DJAX_XLA_OPTIONS: .*xla_no_such_option"):
+        engine._warm_up()

@@ -41,7 +41,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from djax import phase
+from djax import engine as djax_engine
+from djax import phase, xla_options
 from djax.serving import layout, memory
 from djax.serving.engine import STALL_SECONDS, ServingEngine, _mib, _Row
 from djax.serving.requests import Failed
@@ -286,7 +287,10 @@ class PhaseEngine(ServingEngine):
             kernels = phase.phase_kernels(self.model, plan)
             program = phase.phase_program(self.model, plan, kernels)
             stream = self._stream_arrays(plan, [], []) if plan.stream else None
-            compiled = program.lower(self.model.params, self._pool, stream).compile()
+            lowered = program.lower(self.model.params, self._pool, stream)
+            # one forward, no loop: XLA's defaults, with the model's and the user's options
+            options = djax_engine.compiler_options(self.model, loops=False)
+            compiled = xla_options.compile_lowered(lowered, options)
             self.metrics.compiles.inc()
             self._plans[shape], self._programs[shape] = plan, compiled
             return memory.analysed_call_bytes(compiled, self._weight_bytes)
