@@ -28,7 +28,6 @@ import jax
 
 from bench.common import SETTING, bench_model, model_config, save
 from djax import engine, program_cache
-from djax.xla_options import compiler_options
 
 EVENTS: collections.Counter = collections.Counter()
 DURATIONS: collections.defaultdict = collections.defaultdict(float)
@@ -75,7 +74,7 @@ def phases(model, prompt_len: int, profile: bool = False) -> dict:
     if profiler:
         profiler.disable()
     lowered_at = time.perf_counter()
-    compiled = lowered.compile(compiler_options(jax.default_backend()))
+    compiled = lowered.compile(engine.compiler_options(model, engine.kernel_choice(model, plan)))
     compiled_at = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     first_at = time.perf_counter()

@@ -339,18 +339,24 @@ def lower(
     )
 
 
-def compiler_options(model: Model, platform: str | None = None, loops: bool = True) -> dict:
-    """The XLA options `model`'s programs compile with on `platform` (default: JAX's
-    backend), by its weights and whether it has experts, for programs with forward `loops`
-    or not (`xla_options.compiler_options`)."""
+def compiler_options(
+    model: Model, kernels: KernelChoice, platform: str | None = None, loops: bool = True
+) -> dict:
+    """The XLA options a program of `model` resolved to `kernels` compiles with on
+    `platform` (default: JAX's backend), with forward `loops` or not: by the path of the
+    fp8 products it leaves to XLA and whether the model has expert layers
+    (`xla_options.compiler_options`)."""
     platform = platform or jax.default_backend()
-    return xla_options.compiler_options(platform, model.weights, model.config.is_moe, loops)
+    experts = any(model.config.moe_layers)
+    return xla_options.compiler_options(platform, kernels.xla_fp8, experts, loops)
 
 
 def executable_key(model: Model, plan: Plan, args: tuple, run: RowProgram) -> tuple:
-    """What identifies a compiled program in this process."""
+    """What identifies a compiled program in this process. The options that follow the
+    model and its kernel choice (`compiler_options`) are fixed by the key's other parts;
+    the platform's defaults and the user's `DJAX_XLA_OPTIONS` are in it."""
     shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args[1:]))
-    options = compiler_options(model)
+    options = xla_options.compiler_options(jax.default_backend())
     key = (run.__name__, model.config, str(model.dtype), model.weights, model.k_major)
     key += (model.options, id(model.mesh), plan, program_cache.config_values())
     return key + (shapes, *sorted(options.items()))
@@ -390,7 +396,7 @@ def executable(
 
 
 def _compile(model: Model, plan: Plan, args: tuple, run: RowProgram, kernels: KernelChoice) -> Any:
-    options = compiler_options(model)
+    options = compiler_options(model, kernels)
     return xla_options.compile_lowered(lower(model, plan, args, run, kernels), options)
 
 

@@ -1,7 +1,9 @@
 """XLA compiler options the engine compiles its programs with.
 
 `DEFAULTS` holds the options djax sets itself, per backend platform, each chosen from a
-measured sweep (`bench/flags.py`, results in `bench/results/flags_*`). A user can add or
+measured sweep (`bench/flags.py`, results in `bench/results/flags_*`), and
+`FP8_WITHOUT_EXPERTS` those it adds for fp8 products in models without experts
+(`compiler_options` says which program takes which). A user can add or
 override options through the `DJAX_XLA_OPTIONS` environment variable, read at each new
 compile: `name=value` pairs separated by spaces (commas inside a value are kept), e.g.
 
@@ -36,8 +38,9 @@ DEFAULTS: dict[str, dict[str, Value]] = {
     "gpu": dict(COMMAND_BUFFER_LOOPS),
 }
 
-# On GPUs, for a model of fp8 weights without experts: XLA's Triton GEMM fusions off, so its
-# fp8 products (refreshes, forwards of more than a block's rows) are cuBLASLt's, whose
+# On GPUs, for a model of fp8 weights without experts whose fp8 products XLA runs as fp8 x
+# fp8 (`scaled`): XLA's Triton GEMM fusions off, so those products (refreshes, forwards of
+# more than a block's rows) are cuBLASLt's, whose
 # algorithms XLA's autotuner times without compiling a Triton kernel per candidate tiling.
 # Autotuning those fusions took most of such a program's compile (a serving block program of
 # LLaDA-8B: minutes where bf16 takes seconds) for cuBLASLt's speed; with experts (LLaDA-MoE)
@@ -69,15 +72,17 @@ def parse(text: str) -> dict[str, Value]:
 
 
 def compiler_options(
-    platform: str, weights: str = "dtype", experts: bool = False, loops: bool = True
+    platform: str, fp8: str = "no", experts: bool = False, loops: bool = True
 ) -> dict[str, Value]:
-    """The options for a new compile on `platform` ("cpu", "gpu", ...) of a model of
-    `weights` ("dtype" or "fp8") with or without `experts`: djax's defaults (`DEFAULTS`,
-    for programs that run their forwards in loops, `loops`; the phase scheduler's
-    one-forward call takes XLA's own), with fp8 weights and no experts
-    `FP8_WITHOUT_EXPERTS`'s, then the user's `DJAX_XLA_OPTIONS` over them."""
+    """The options for a new compile on `platform` ("cpu", "gpu", ...) of a program whose
+    fp8 products left to XLA take `fp8` (`Kernels.fp8`: "no" without fp8 weights,
+    "scaled" or "dequant"), of a model with or without expert layers (`experts`): djax's
+    defaults (`DEFAULTS`, for programs that run their forwards in loops, `loops`; the phase
+    scheduler's one-forward call takes XLA's own), with `scaled` fp8 products and no experts
+    `FP8_WITHOUT_EXPERTS`'s (`dequant` keeps the Triton fusions that fold its conversion into
+    the product), then the user's `DJAX_XLA_OPTIONS` over them."""
     options = dict(DEFAULTS.get(platform, {})) if loops else {}
-    if weights == "fp8" and not experts:
+    if fp8 == "scaled" and not experts:
         options.update(FP8_WITHOUT_EXPERTS.get(platform, {}))
     return {**options, **parse(os.environ.get(ENV, ""))}
 

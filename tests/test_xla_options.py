@@ -35,38 +35,51 @@ def test_environment_overrides_the_defaults(monkeypatch):
     assert merged["xla_gpu_enable_command_buffer"] == defaults["xla_gpu_enable_command_buffer"]
 
 
-def test_fp8_models_without_experts_compile_without_triton_gemms(monkeypatch):
-    """On GPUs a model of fp8 weights and no experts compiles with XLA's Triton GEMM fusions
-    off; bf16 models, MoE models and other platforms keep the defaults; DJAX_XLA_OPTIONS
-    still has the last word."""
+def test_scaled_fp8_products_without_experts_compile_without_triton_gemms(monkeypatch):
+    """On GPUs a program whose fp8 products XLA runs as fp8 x fp8 (`scaled`), in a model
+    without experts, compiles with XLA's Triton GEMM fusions off; `dequant` (whose
+    conversion only a Triton fusion folds into the product), bf16, MoE models and other
+    platforms keep the defaults; programs without loops take no loop defaults;
+    DJAX_XLA_OPTIONS still has the last word."""
     monkeypatch.delenv(xla_options.ENV, raising=False)
     gpu = xla_options.DEFAULTS["gpu"]
-    fp8_dense = xla_options.compiler_options("gpu", "fp8", experts=False)
-    assert fp8_dense == {**gpu, "xla_gpu_enable_triton_gemm": False}
-    assert xla_options.compiler_options("gpu", "fp8", experts=True) == gpu
-    assert xla_options.compiler_options("gpu", "dtype", experts=False) == gpu
-    assert xla_options.compiler_options("cpu", "fp8", experts=False) == {}
-    one_forward = xla_options.compiler_options("gpu", "fp8", experts=False, loops=False)
+    scaled = xla_options.compiler_options("gpu", "scaled", experts=False)
+    assert scaled == {**gpu, "xla_gpu_enable_triton_gemm": False}
+    assert xla_options.compiler_options("gpu", "scaled", experts=True) == gpu
+    assert xla_options.compiler_options("gpu", "dequant", experts=False) == gpu
+    assert xla_options.compiler_options("gpu", "no", experts=False) == gpu
+    assert xla_options.compiler_options("cpu", "scaled", experts=False) == {}
+    one_forward = xla_options.compiler_options("gpu", "scaled", experts=False, loops=False)
     assert one_forward == {"xla_gpu_enable_triton_gemm": False}  # no loop graphs
     assert xla_options.compiler_options("gpu", loops=False) == {}
     monkeypatch.setenv(xla_options.ENV, "xla_gpu_enable_triton_gemm=true")
-    assert xla_options.compiler_options("gpu", "fp8")["xla_gpu_enable_triton_gemm"] is True
+    assert xla_options.compiler_options("gpu", "scaled")["xla_gpu_enable_triton_gemm"] is True
     assert xla_options.compiler_options("gpu", loops=False) == {"xla_gpu_enable_triton_gemm": True}
 
 
-def test_engine_options_follow_the_model(dense_model, moe_model):
-    """`engine.compiler_options` reads the model's weights and experts: the same model as
-    fp8 takes the fp8 options, and the in-process program key holds them."""
+def test_engine_options_follow_the_kernel_choice(dense_model, moe_model):
+    """`engine.compiler_options` takes the fp8 path from the program's kernel choice and
+    whether the model has expert layers (not only an expert count) from its config."""
     from djax import engine
+    from djax.models.kernel_choice import ForwardKernels, KernelChoice, Kernels
 
-    fp8_dense = dataclasses.replace(dense_model, weights="fp8")
-    fp8_moe = dataclasses.replace(moe_model, weights="fp8")
-    assert engine.compiler_options(fp8_dense, "gpu")["xla_gpu_enable_triton_gemm"] is False
-    assert "xla_gpu_enable_triton_gemm" not in engine.compiler_options(fp8_moe, "gpu")
-    assert "xla_gpu_enable_triton_gemm" not in engine.compiler_options(dense_model, "gpu")
-    assert engine.compiler_options(fp8_dense) == xla_options.compiler_options(
-        jax.default_backend(), "fp8"
+    scaled = Kernels(fp8="scaled")
+    scaled = KernelChoice(ForwardKernels(scaled, scaled), ForwardKernels(scaled, scaled), "fp8")
+    assert scaled.xla_fp8 == "scaled" and KernelChoice.xla("fp8").xla_fp8 == "dequant"
+    options = engine.compiler_options(dense_model, scaled, "gpu")
+    assert options["xla_gpu_enable_triton_gemm"] is False
+    for model, kernels in [
+        (moe_model, scaled),  # expert layers
+        (dense_model, KernelChoice.xla("fp8")),  # dequant
+        (dense_model, KernelChoice()),  # bf16
+    ]:
+        assert "xla_gpu_enable_triton_gemm" not in engine.compiler_options(model, kernels, "gpu")
+    no_expert_layers = dataclasses.replace(
+        moe_model.config, moe_layers=(False,) * moe_model.config.n_layers
     )
+    assert no_expert_layers.is_moe  # an expert count, no expert layer
+    model = dataclasses.replace(moe_model, config=no_expert_layers)
+    assert engine.compiler_options(model, scaled, "gpu")["xla_gpu_enable_triton_gemm"] is False
 
 
 @pytest.mark.parametrize("platform", sorted(xla_options.DEFAULTS))

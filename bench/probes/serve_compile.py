@@ -15,7 +15,11 @@ options of its leg (`DJAX_XLA_OPTIONS`, over djax's own). A row holds the leg's 
 the leg's log hold the autotuner's warning.
 
     python -m bench.probes.serve_compile [--model dense] [--batches 1 4] [--seq 1024]
-        [--legs dtype:default fp8:default fp8:xla_gpu_autotune_level=0] [--tiny]
+        [--legs dtype:default fp8:xla_gpu_enable_triton_gemm=true fp8:default] [--tiny]
+
+A leg's options are `DJAX_XLA_OPTIONS` over djax's own (`djax.xla_options`): since the
+answer below, djax's own compile dense fp8 programs with Triton GEMM fusions off, so the
+slow form is `fp8:xla_gpu_enable_triton_gemm=true` (the first run's `fp8:default`).
 
 Answer: see `bench/NOTES.md` ("fp8 weights", the fp8 servers' warm-up).
 """
@@ -80,8 +84,9 @@ def main() -> None:
     parser.add_argument(
         "--legs",
         nargs="+",
-        default=["dtype:default", "fp8:default", "fp8:xla_gpu_autotune_level=0"],
-        help="WEIGHTS:OPTIONS, OPTIONS `default` or XLA options joined by commas",
+        default=["dtype:default", "fp8:xla_gpu_enable_triton_gemm=true", "fp8:default"],
+        help="WEIGHTS:OPTIONS, OPTIONS `default` (djax's own) or XLA options over djax's "
+        "joined by commas",
     )
     parser.add_argument("--tiny", action="store_true", help="the tiny config (a CPU's smoke test)")
     parser.add_argument("--leg", help=argparse.SUPPRESS)  # internal: run one leg

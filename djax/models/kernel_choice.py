@@ -247,6 +247,12 @@ class KernelChoice:
         kernels = Kernels(fp8="dequant" if weights == "fp8" else "no")
         return cls(ForwardKernels(kernels, kernels), ForwardKernels(kernels, kernels), weights)
 
+    @property
+    def xla_fp8(self) -> str:
+        """XLA's path for the fp8 products the program leaves to it (`Kernels.fp8`: one for
+        the whole program; "no" without fp8 weights)."""
+        return self.refresh.layers.fp8
+
     def explain(self) -> str:
         """The choice as one line per forward (`part=path, ...`), and a line for the last
         layer's kept rows where they differ; with fp8 weights a last line names them and

@@ -289,7 +289,7 @@ class PhaseEngine(ServingEngine):
             stream = self._stream_arrays(plan, [], []) if plan.stream else None
             lowered = program.lower(self.model.params, self._pool, stream)
             # one forward, no loop: XLA's defaults, with the model's and the user's options
-            options = djax_engine.compiler_options(self.model, loops=False)
+            options = djax_engine.compiler_options(self.model, kernels.products, loops=False)
             compiled = xla_options.compile_lowered(lowered, options)
             self.metrics.compiles.inc()
             self._plans[shape], self._programs[shape] = plan, compiled
