@@ -2,12 +2,15 @@
 gen 256, block 32, dual cache, 4 tokens per forward), on one device or a TP/EP mesh.
 
 Each variant is the set of XLA options the engine compiles with (`djax.xla_options`), on
-top of XLA's own defaults; every variant compiles its own programs. For each
+top of XLA's own defaults; every variant compiles its own programs. `engine` is what djax
+ships: its `DEFAULTS` and, for fp8 models, the fp8 rule (`FP8_WITHOUT_EXPERTS`); every other
+variant replaces both (so `command_buffer_loops` is the engine's without the fp8 rule). For each
 one: tokens/s, ms per forward and the block-forward ms by difference (`bench.parallel`),
 and the tokens of the generation, which must equal the default variant's (an option that
 changes the answer is reported, not hidden).
 
     python -m bench.flags [--models dense moe] [--variants engine ...] [--devices N]
+        [--weights dtype|fp8] [--routing model|spread]
         [--with "OPTION=VALUE ..."] [--extra "NAME=OPTION=VALUE ..."] [--tiny]
 """
 
@@ -20,7 +23,7 @@ import os
 import jax
 import numpy as np
 
-from bench.common import SETTING, bench_model, model_config, save
+from bench.common import ROUTINGS, SETTING, bench_model, model_config, save, use_routing
 from bench.parallel import measure
 from djax import xla_options
 
@@ -52,8 +55,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--moe-impl", default="auto")
+    parser.add_argument("--weights", choices=["dtype", "fp8"], default="dtype")
+    parser.add_argument("--routing", choices=ROUTINGS, default="model", help="see use_routing")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
+    use_routing(args.routing)
     common = xla_options.parse(args.common)
     variants = {
         name: VARIANTS[name] if name == "engine" else {**common, **VARIANTS[name]}
@@ -65,16 +71,25 @@ def main() -> None:
     prompt = np.arange(10, 10 + args.prompt_len).tolist()
     platform = jax.default_backend()
     os.environ.pop(xla_options.ENV, None)
+    shipped = {
+        table: dict(getattr(xla_options, table).get(platform, {}))
+        for table in ("DEFAULTS", "FP8_WITHOUT_EXPERTS")
+    }
     rows = []
     for name in args.models:
         config = model_config(name, args.tiny)
         module_options = (("moe_impl", args.moe_impl),) if config.is_moe else ()
-        model, split = bench_model(config, args.devices, module_options)
+        model, split = bench_model(config, args.devices, module_options, args.weights)
         reference = None
         for label, options in variants.items():
-            xla_options.DEFAULTS[platform] = options
+            engine = label == "engine"
+            xla_options.DEFAULTS[platform] = shipped["DEFAULTS"] if engine else options
+            xla_options.FP8_WITHOUT_EXPERTS[platform] = (
+                shipped["FP8_WITHOUT_EXPERTS"] if engine else {}
+            )
             row = {
                 "model": name,
+                "weights": args.weights,
                 "variant": label,
                 "options": options,
                 "devices": args.devices,
@@ -90,7 +105,10 @@ def main() -> None:
             print(row, flush=True)
             rows.append(row)
         del model
-    save("flags", {"setting": dataclasses.asdict(SETTING), "options": vars(args), "results": rows})
+    payload = {"setting": dataclasses.asdict(SETTING), "options": vars(args), "results": rows}
+    spread = "spread" if args.routing == "spread" else None
+    setting = "_".join(x for x in (spread, "fp8" if args.weights == "fp8" else None) if x)
+    save("flags", payload, setting or None)
 
 
 if __name__ == "__main__":

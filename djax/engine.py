@@ -352,14 +352,13 @@ def compiler_options(
 
 
 def executable_key(model: Model, plan: Plan, args: tuple, run: RowProgram) -> tuple:
-    """What identifies a compiled program in this process. The options that follow the
-    model and its kernel choice (`compiler_options`) are fixed by the key's other parts;
-    the platform's defaults and the user's `DJAX_XLA_OPTIONS` are in it."""
+    """What identifies a compiled program in this process. Its XLA options
+    (`compiler_options`) follow from the model and the kernel choice its other parts fix,
+    and from what `xla_options.tables` holds, which the key holds too."""
     shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args[1:]))
-    options = xla_options.compiler_options(jax.default_backend())
     key = (run.__name__, model.config, str(model.dtype), model.weights, model.k_major)
     key += (model.options, id(model.mesh), plan, program_cache.config_values())
-    return key + (shapes, *sorted(options.items()))
+    return key + (shapes, xla_options.tables(jax.default_backend()))
 
 
 def executable(

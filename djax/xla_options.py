@@ -87,6 +87,15 @@ def compiler_options(
     return {**options, **parse(os.environ.get(ENV, ""))}
 
 
+def tables(platform: str) -> tuple:
+    """Everything the options of a compile on `platform` are chosen from besides the program
+    itself (its model and kernel choice): djax's tables for the platform and the user's
+    `DJAX_XLA_OPTIONS`, as a hashable tuple, for an in-process program key."""
+    chosen_from = (DEFAULTS, FP8_WITHOUT_EXPERTS)
+    ours = tuple(tuple(sorted(table.get(platform, {}).items())) for table in chosen_from)
+    return (*ours, tuple(sorted(parse(os.environ.get(ENV, "")).items())))
+
+
 def compile_lowered(lowered: Any, options: dict[str, Value]) -> Any:
     """`lowered.compile(options)`, where an option XLA rejects (an unknown name, a value of
     the wrong type or outside its enum) raises a one-line ValueError naming it and where it

@@ -117,3 +117,20 @@ def test_phase_programs_compile_with_the_options(dense_model, monkeypatch):
     monkeypatch.setenv(xla_options.ENV, "xla_no_such_option=1")
     with pytest.raises(ValueError, match="DJAX_XLA_OPTIONS: .*xla_no_such_option"):
         engine._warm_up()
+
+
+def test_program_key_holds_the_option_tables(dense_model, monkeypatch):
+    """The in-process program key changes with djax's option tables (a bench swapping the
+    fp8 rule) and with DJAX_XLA_OPTIONS, so no program compiled under other options is
+    reused."""
+    from djax import engine
+
+    plan, _ = engine.make_plan(dense_model, CONFIG, 1, 3)
+    args = engine.program_args(dense_model, plan, [[5, 6, 7]], CONFIG)
+    key = engine.executable_key(dense_model, plan, args, engine.run_generation)
+    platform = jax.default_backend()
+    monkeypatch.setitem(xla_options.FP8_WITHOUT_EXPERTS, platform, {"xla_gpu_x": True})
+    swapped = engine.executable_key(dense_model, plan, args, engine.run_generation)
+    monkeypatch.setenv(xla_options.ENV, "xla_gpu_graph_min_graph_size=3")
+    by_user = engine.executable_key(dense_model, plan, args, engine.run_generation)
+    assert len({key, swapped, by_user}) == 3
