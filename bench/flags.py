@@ -83,15 +83,16 @@ def main() -> None:
         reference = None
         for label, options in variants.items():
             engine = label == "engine"
-            xla_options.DEFAULTS[platform] = shipped["DEFAULTS"] if engine else options
-            xla_options.FP8_WITHOUT_EXPERTS[platform] = (
-                shipped["FP8_WITHOUT_EXPERTS"] if engine else {}
-            )
+            options = shipped["DEFAULTS"] if engine else options
+            fp8_rule = shipped["FP8_WITHOUT_EXPERTS"] if engine else {}
+            xla_options.DEFAULTS[platform] = options
+            xla_options.FP8_WITHOUT_EXPERTS[platform] = fp8_rule
             row = {
                 "model": name,
                 "weights": args.weights,
                 "variant": label,
                 "options": options,
+                "fp8_rule": fp8_rule,
                 "devices": args.devices,
                 **split,
             }
