@@ -562,6 +562,23 @@ def is_converted(folder: str | Path) -> bool:
     return (Path(folder) / MARKER).is_file()
 
 
+def convert_wrote(folder: str | Path, kept: Iterable[str] = ()) -> bool:
+    """Whether `folder` is what `djax convert` writes, so `--overwrite` may replace it: a
+    marker that is a JSON object with a `format_version`, the params folder, and no entry
+    beside them but `kept` (the model files convert copies along). A folder that merely
+    holds a file named like the marker is not."""
+    folder = Path(folder)
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(marker, dict) or "format_version" not in marker:
+        return False
+    allowed = {MARKER, PARAMS_DIR, *kept}
+    entries = {p.name for p in folder.iterdir()}
+    return (folder / PARAMS_DIR).is_dir() and entries <= allowed
+
+
 def check_complete(folder: str | Path) -> None:
     """Refuse a folder an interrupted `djax convert` (or orbax save) left behind."""
     folder = Path(folder)

@@ -414,7 +414,14 @@ def _unfinished(args: argparse.Namespace, records: list[prompt_io.PromptRecord])
         raise ValueError(
             f"--output-jsonl {args.output_jsonl} is the prompts' own file; expected another file"
         )
-    done = prompt_io.finished_ids(args.output_jsonl)
+    done = prompt_io.finished(args.output_jsonl)
+    for r in records:
+        if r.id in done and done[r.id] != r.prompt:
+            raise ValueError(
+                f"{args.output_jsonl} holds an answer for id {r.id!r} to another prompt "
+                f"({done[r.id]!r:.60} against {r.prompt!r:.60}); expected the prompts of the "
+                "run that wrote it, or another --output-jsonl"
+            )
     todo = [r for r in records if r.id not in done]
     if len(todo) < len(records):
         log.warning(

@@ -8,12 +8,13 @@ destination, while it is replaced, `.<destination name>.djax-old-<random>`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,17 +74,33 @@ def leftovers(dst: Path) -> list[Path]:
     )
 
 
-def replace(staging: Path, dst: Path) -> None:
-    """Move `staging` to `dst`. An existing `dst` is renamed aside, the new folder renamed
-    in, and only then the old one deleted; SIGINT and SIGTERM (main thread) take effect
-    once all that is done. A stop that reached `staged`'s block before, but whose exception
-    was lost (Python drops one raised inside a garbage-collector callback), is raised
-    again here instead: nothing is replaced after a stop."""
+def replace(staging: Path, dst: Path, replaceable: Callable[[Path], bool] | None = None) -> None:
+    """Move `staging` to `dst`. Without `replaceable` only an absent or empty `dst` is
+    taken (a rename, which refuses anything else: FileExistsError naming `dst`). With it, a
+    `dst` for which `replaceable(dst)` holds is renamed aside, the new folder renamed in,
+    and only then the old one deleted; any other `dst` is refused (FileExistsError), so a
+    folder that appeared since the caller's own checks is never deleted. SIGINT and SIGTERM
+    (main thread) take effect once all that is done. A stop that reached `staged`'s block
+    before, but whose exception was lost (Python drops one raised inside a garbage-collector
+    callback), is raised again here instead: nothing is replaced after a stop."""
     with _signals_deferred():
         _raise_lost_stop(staging)
-        if not dst.exists():
-            os.rename(staging, dst)
+        if not dst.exists() or replaceable is None or not any(dst.iterdir()):
+            try:
+                os.rename(staging, dst)
+            except OSError as err:
+                if err.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                    raise
+                raise FileExistsError(
+                    f"output {str(dst)!r} appeared and holds files since the convert began; "
+                    "it was left as it is"
+                ) from None
             return
+        if not replaceable(dst):
+            raise FileExistsError(
+                f"output {str(dst)!r} changed since the convert began and is no longer a "
+                "folder it may replace; it was left as it is"
+            )
         aside = dst.parent / f".{dst.name}.djax-old-{secrets.token_hex(4)}"
         os.rename(dst, aside)
         try:

@@ -32,6 +32,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# Characters orbax's save reads as a pattern in a folder's path (it globs the save folder).
+GLOB_CHARACTERS = "[]*?"
 # What `convert` copies beside the weights: the config, the tokenizer and generation
 # defaults, and the demo model's training record (`djax.demo`).
 MODEL_FILES = ("config.json", *TOKENIZER_FILES, "demo.json")
@@ -246,19 +248,29 @@ def convert(
     if checkpoint.is_converted(src):
         raise ConfigError(f"{src}: already a djax checkpoint; nothing to convert")
     target = folders.check_apart(src, dst)
+    pattern = sorted(set(GLOB_CHARACTERS) & set(str(target)))
+    if pattern:
+        raise ValueError(
+            f"output {str(dst)!r}: its path holds {''.join(pattern)!r}, which orbax's save "
+            "reads as a file pattern; expected a path without any of [ ] * ?"
+        )
     if target.exists() and not target.is_dir():
         raise FileExistsError(f"output {str(dst)!r} is a file; expected a folder")
+
+    def replaceable(folder: Path) -> bool:
+        return checkpoint.convert_wrote(folder, MODEL_FILES)
+
     if target.is_dir() and any(target.iterdir()):
         if not overwrite:
             raise FileExistsError(
                 f"output folder {str(dst)!r} is not empty; pass "
                 "overwrite=True (CLI: --overwrite) to replace it"
             )
-        if not checkpoint.is_converted(target):
+        if not replaceable(target):
             raise FileExistsError(
-                f"output folder {str(dst)!r} holds files and no {checkpoint.MARKER}: it is not "
-                "a folder djax convert wrote, and overwrite replaces only those; empty it or "
-                "choose another"
+                f"output folder {str(dst)!r} is not a folder djax convert wrote (its "
+                f"{checkpoint.MARKER}, {checkpoint.PARAMS_DIR}/ and the model files, nothing "
+                "else), and overwrite replaces only those; empty it or choose another"
             )
     left = folders.leftovers(target)
     if left:
@@ -295,7 +307,7 @@ def convert(
         }
         checkpoint.save_orbax(staging, model.params, metadata)
         checkpoint.check_orbax(staging, abstract_params(config, dtype, weights))
-        folders.replace(staging, target)
+        folders.replace(staging, target, replaceable if overwrite else None)
     return dst
 
 

@@ -15,6 +15,7 @@ holds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -71,18 +72,35 @@ def _lines(text: str) -> list[str]:
 
 
 def from_texts(texts: Sequence[str]) -> list[PromptRecord]:
-    """`--prompt` texts, ids 0, 1, ..."""
+    """`--prompt` texts, ids 0, 1, ...; ValueError naming a text that is not valid Unicode
+    (bytes the shell passed that are not UTF-8)."""
+    for i, text in enumerate(texts):
+        _check_unicode(text, f"--prompt {i}")
     return [PromptRecord(i, text) for i, text in enumerate(texts)]
 
 
-def _text(path: str | Path) -> str:
-    """A file's UTF-8 text; ValueError naming the file where it is not UTF-8."""
+def _check_unicode(text: str, where: str) -> None:
+    """ValueError naming `where` when `text` holds a lone surrogate (from a JSON escape such
+    as "\\ud800", or bytes that are not UTF-8 on the command line): no tokenizer takes it."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{where}: character {err.start} ({text[err.start]!r}) is not valid Unicode; "
+            "expected UTF-8 text"
+        ) from None
+
+
+def _text(path: str | Path) -> str:
+    """A file's UTF-8 text, CR LF read as a line feed (a lone CR stays in its line) and a
+    leading byte-order mark dropped; ValueError naming the file where it is not UTF-8."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(
             f"{path}: byte {err.start} is not UTF-8 ({err.reason}); expected a UTF-8 text file"
         ) from None
+    return text.removeprefix("\ufeff").replace("\r\n", "\n")
 
 
 def read_prompts_file(path: str | Path) -> list[PromptRecord]:
@@ -129,6 +147,7 @@ def _record(item: Any, line: int, where: str) -> PromptRecord:
         prompt = item["prompt"]
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f'{where}: "prompt" must be a non-empty string')
+        _check_unicode(prompt, where)
         return PromptRecord(id_, prompt)
     messages = item["messages"]
     if not isinstance(messages, list) or not messages:
@@ -146,15 +165,22 @@ def _record(item: Any, line: int, where: str) -> PromptRecord:
                 f"{where}: messages[{j}] has content {turn.get('content')!r:.60}; expected a "
                 'string or a list of text parts ({"type": "text", "text": ...})'
             )
+        _check_unicode(text, f"{where}: messages[{j}]")
         turns.append(template_turn(turn["role"], text))
     return PromptRecord(id_, turns)
 
 
-def finished_ids(path: str | Path) -> set[str | int]:
-    """The ids of the records an output JSONL file already holds (none when it does not
-    exist yet). Raises ValueError naming the line of anything that is not such a record, so
-    a file that is not djax's output is never appended to, and naming a folder the file
-    could not be created in because it does not exist (found before any work is done)."""
+# The fields every record of a djax output file holds beside its prompt or messages.
+OUTPUT_FIELDS = ("id", "answer", "token_ids")
+
+
+def finished(path: str | Path) -> dict[str | int, str | list]:
+    """The records an output JSONL file already holds, as {id: its prompt or messages}
+    (none when it does not exist yet). Raises ValueError naming the line of anything that
+    is not such a record (an object with `OUTPUT_FIELDS` and one of `prompt` and
+    `messages`), so a file that is not djax's output, a prompts file among them, is never
+    appended to, and naming a folder the file could not be created in because it does not
+    exist (found before any work is done)."""
     path = Path(path)
     if not path.exists():
         if not path.parent.is_dir():
@@ -162,8 +188,10 @@ def finished_ids(path: str | Path) -> set[str | int]:
                 f"{path}: its folder {str(path.parent)!r} does not exist; expected an output "
                 "file in an existing folder"
             )
-        return set()
-    ids = set()
+        return {}
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; expected an output file (JSONL)")
+    done = {}
     text = _text(path)
     if text and not text.endswith("\n"):
         raise ValueError(f"{path}: the last line is cut short; remove it to resume")
@@ -172,12 +200,14 @@ def finished_ids(path: str | Path) -> set[str | int]:
             item = json.loads(line)
         except json.JSONDecodeError:
             item = None
-        if not isinstance(item, dict) or "id" not in item:
+        ok = isinstance(item, dict) and all(k in item for k in OUTPUT_FIELDS)
+        if not ok or ("prompt" in item) == ("messages" in item):
             raise ValueError(
-                f"{path}:{n}: not a djax output record; expected a JSON object with an id"
+                f"{path}:{n}: not a djax output record; expected a JSON object with "
+                f"{', '.join(OUTPUT_FIELDS)} and a prompt or messages"
             )
-        ids.add(item["id"])
-    return ids
+        done[item["id"]] = item.get("prompt", item.get("messages"))
+    return done
 
 
 def batches(records: Sequence[PromptRecord], size: int) -> Iterator[list[PromptRecord]]:
@@ -187,9 +217,26 @@ def batches(records: Sequence[PromptRecord], size: int) -> Iterator[list[PromptR
 
 
 def append_records(path: str | Path, records: Iterable[dict[str, Any]]) -> None:
-    """Append `records` to a JSONL file in one write, then flush and sync it to disk."""
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    """Append `records` to a JSONL file in one unbuffered write, then sync it to disk; a
+    write that fails (a full disk) is cut back to the file's length before it, so the file
+    stays whole and a later run resumes from it."""
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of `data` to `fd` (os.write may take part of it at a time)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

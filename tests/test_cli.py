@@ -1,6 +1,7 @@
 """The `djax` command: generation on the shipped demo model, options, batches, JSONL in and
 out, resuming, signals, start-up imports, conversion, errors."""
 
+import errno
 import json
 import os
 import signal
@@ -125,9 +126,82 @@ def test_lines_break_at_line_feeds_only(tmp_path):
     inputs.write_text(json.dumps({"id": "x", "prompt": odd}, ensure_ascii=False) + "\n")
     assert [(r.id, r.prompt) for r in prompt_io.read_jsonl(inputs)] == [("x", odd)]
     outputs = tmp_path / "out.jsonl"
-    prompt_io.append_records(outputs, [{"id": "x", "answer": odd}, {"id": 5, "answer": "2"}])
+    records = [
+        {"id": "x", "prompt": odd, "answer": odd, "token_ids": [1]},
+        {"id": 5, "prompt": "1+1=", "answer": "2", "token_ids": [2]},
+    ]
+    prompt_io.append_records(outputs, records)
     assert "c\u2028d\u2029e" in outputs.read_text(encoding="utf-8")  # raw, as JSON allows
-    assert prompt_io.finished_ids(outputs) == {"x", 5}
+    assert prompt_io.finished(outputs) == {"x": odd, 5: "1+1="}
+
+
+def test_a_lone_cr_stays_in_its_line_and_a_bom_is_dropped(tmp_path):
+    """CR LF ends a line, a lone CR does not (the README's rule; universal newlines broke
+    there and shifted every later id), and a UTF-8 byte-order mark is not part of prompt 1."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes("\ufeff1+1=\r\na\rb\nc\n".encode())
+    records = prompt_io.read_prompts_file(prompts)
+    assert [(r.id, r.prompt) for r in records] == [(1, "1+1="), (2, "a\rb"), (3, "c")]
+
+
+def test_resume_refuses_an_id_answered_for_another_prompt(tmp_path, capsys):
+    """A prompts file's ids are its line numbers: a second file written to the same output
+    is refused naming the id, where its prompts were skipped as answered."""
+    a, b, out = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "out.jsonl"
+    a.write_text("1+1=\n2+2=\n")
+    b.write_text("5+5=\n6+6=\n")
+    assert main(["generate", "--prompts-file", str(a), "--output-jsonl", str(out), "-q"]) == 0
+    before = out.read_bytes()
+    assert main(["generate", "--prompts-file", str(b), "--output-jsonl", str(out), "-q"]) == 2
+    assert "holds an answer for id 1 to another prompt" in capsys.readouterr().err
+    assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "line", ['{"id": 1, "prompt": "1+1="}', '{"id": 1, "answer": "2", "token_ids": [5]}']
+)
+def test_a_file_that_is_not_djax_output_is_never_appended_to(tmp_path, capsys, line):
+    """A prompts JSONL (an id and a prompt, no answer) or a record without its prompt is not
+    djax's output: refused, unchanged."""
+    other = tmp_path / "other.jsonl"
+    other.write_text(line + "\n")
+    assert main(["generate", "--prompt", "2+2=", "--output-jsonl", str(other), "-q"]) == 2
+    assert "not a djax output record" in capsys.readouterr().err
+    assert other.read_text() == line + "\n"
+
+
+def test_a_failed_append_is_cut_back_so_the_file_resumes(tmp_path, monkeypatch):
+    """A write that fails halfway (a full disk) leaves the output as it was before it, so the
+    next run resumes instead of refusing a cut line."""
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--prompt", "1+1=", "--output-jsonl", str(out), "-q"]
+    write = prompt_io._write_all
+
+    def half_then_full(fd, data):
+        write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prompt_io, "_write_all", half_then_full)
+    assert main(args) == 2
+    assert out.read_bytes() == b""
+    monkeypatch.undo()
+    assert main(args) == 0
+    assert [json.loads(x)["answer"] for x in out.read_text().splitlines()] == ["2"]
+
+
+@pytest.mark.parametrize("where", ["jsonl", "argv"])
+def test_a_lone_surrogate_is_refused_naming_where(tmp_path, capsys, where):
+    """Text that is not valid Unicode (a JSON escape of a lone surrogate, or command-line
+    bytes that are not UTF-8) is refused naming its line or --prompt, not by the tokenizer's
+    TypeError."""
+    if where == "jsonl":
+        path = tmp_path / "in.jsonl"
+        path.write_text('{"prompt": "1+1=\\ud800"}\n')
+        assert main(["generate", "--input-jsonl", str(path), "-q"]) == 2
+        assert f"{path}:1: character 4" in capsys.readouterr().err
+    else:
+        assert main(["generate", "--prompt", "1+1=\udcff", "-q"]) == 2
+        assert "--prompt 0: character 4" in capsys.readouterr().err
 
 
 def test_conversation_turns_as_the_server_takes_them(tmp_path):

@@ -374,10 +374,61 @@ def test_overwrite_replaces_only_a_folder_convert_wrote(root):
     mine.mkdir()
     (mine / "notes.txt").write_text("precious")
     before = tree_digest(root)
-    with pytest.raises(FileExistsError, match="no djax.json: it is not a folder djax convert"):
+    with pytest.raises(FileExistsError, match="is not a folder djax convert wrote"):
         djax.convert(root / "model", mine, overwrite=True, progress=False)
     assert main(["convert", str(root / "model"), str(mine), "--overwrite", "-q"]) == 2
     assert tree_digest(root) == before
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: (d / "djax.json").write_text('{"my": "settings"}'),  # a marker of its own
+        lambda d: (d / "train.py").write_text("precious"),  # beside what convert wrote
+    ],
+)
+def test_overwrite_needs_what_convert_wrote_and_nothing_else(root, change):
+    """A folder merely holding a file named djax.json, or a converted folder holding a file
+    of the user's own, is refused under --overwrite, untouched."""
+    change(root / "old")
+    before = tree_digest(root)
+    with pytest.raises(FileExistsError, match="is not a folder djax convert wrote"):
+        djax.convert(root / "model", root / "old", overwrite=True, progress=False)
+    assert tree_digest(root) == before
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_that_appears_during_a_convert_is_never_deleted(root, monkeypatch, overwrite):
+    """The destination is checked before the load; a folder of the user's own that appears
+    there meanwhile (or a second convert's) is refused at the rename, untouched, and the
+    staging folder is removed."""
+    dst = root / "new"
+    save = checkpoint.save_orbax
+
+    def appearing(folder, params, metadata):
+        dst.mkdir()
+        (dst / "notes.txt").write_text("precious")
+        return save(folder, params, metadata)
+
+    monkeypatch.setattr(checkpoint, "save_orbax", appearing)
+    with pytest.raises(FileExistsError, match="left as it is"):
+        djax.convert(root / "model", dst, jnp.float32, overwrite=overwrite, progress=False)
+    assert [p.name for p in dst.iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in root.iterdir()) == ["model", "new", "old"]  # no staging
+
+
+@pytest.mark.parametrize("name", ["runs[1]", "a*b", "q?"])
+def test_a_destination_path_orbax_would_read_as_a_pattern_is_refused(root, name, monkeypatch):
+    """orbax's save globs its folder: '[', ']', '*' or '?' in the destination's path made it
+    fail after the whole load; refused first, naming the characters."""
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the destination was checked")
+
+    monkeypatch.setattr(djax.model, "load", no_loading)
+    with pytest.raises(ValueError, match="reads as a file pattern"):
+        djax.convert(root / "model", root / name / "demo", progress=False)
+    assert not (root / name).exists()
 
 
 def test_overwrite_replaces_only_after_the_new_folder_is_complete(root, monkeypatch):
