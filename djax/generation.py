@@ -28,16 +28,16 @@ class GenerationConfig:
     token per step). decoder: one of `DECODERS`; threshold: τ of `threshold`/`credit`, τ_high
     of `hierarchy`; low_threshold: τ_low of `hierarchy`; factor: f of `factor`; credit_*: α,
     γ, β of `credit`. cache: one of `POLICIES`; refresh_every: extra refresh every k steps
-    within a block (0: never); vicinity_*: window and warm-up of `vicinity`. temperature: 0
-    is argmax, else finite and > 0. top_k: a sampled token is one of the k most likely (ties
-    with the k-th kept; 0: any); top_p: one of the fewest most likely tokens whose
-    probability, after top_k, reaches p (in (0, 1]; 1: any); both act on the distribution
-    at `temperature` (above 0) and need the whole vocabulary's logits at once
-    (`logits_chunk` 0). seed: in [0, 2**32). stop_ids: ids that end an answer
-    (default: the model's EOS and end-of-turn). early_stop: stop a row after the block
-    holding its first stop token. smoothing: iteration smoothing (soft embeddings of masked
-    positions). logits_chunk: a step computes its logits this many vocabulary ids at a time,
-    keeping only running statistics (`djax.decoders.predict_chunked`); 0 computes them
+    within a block (0: never); vicinity_*: window and warm-up of `vicinity`. temperature: 0 is
+    argmax (so is any below `GREEDY_BELOW`, held as 0), else finite and > 0. top_k: a sampled
+    token is one of the k most likely (ties with the k-th kept; 0: any); top_p: one of the
+    fewest most likely tokens whose probability, after top_k, reaches p (in (0, 1]; 1: any);
+    both act on the distribution at `temperature` (above 0) and need the whole vocabulary's
+    logits at once (`logits_chunk` 0). seed: in [0, 2**32). stop_ids: ids that end an answer
+    (default: the model's EOS and end-of-turn). early_stop: stop a row after the block holding
+    its first stop token. smoothing: iteration smoothing (soft embeddings of masked positions).
+    logits_chunk: a step computes its logits this many vocabulary ids at a time, keeping only
+    running statistics (`djax.decoders.predict_chunked`); 0 computes them
     whole. `credit` and smoothing always take the whole vocabulary. attention_sparsity: the
     fraction in (0, 1] of a row's own key positions (its prompt and answer, whatever its
     batch-mates) each attention head keeps, by the attention mass the block put on them at
@@ -74,6 +74,8 @@ class GenerationConfig:
 
     def __post_init__(self):
         _check_options(self)
+        if self.temperature < GREEDY_BELOW:  # greedy, as vLLM takes such temperatures
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def filters_sampling(self) -> bool:
@@ -105,6 +107,12 @@ class GenerationConfig:
             self.vicinity_after,
             self.vicinity_warmup,
         )
+
+
+# A temperature below this decodes greedily (`GenerationConfig` and the server's requests
+# take it as 0): dividing logits by less overflows them, and the largest logits' tie then
+# picks the lowest id instead of the most likely.
+GREEDY_BELOW = 1e-5
 
 
 def samples_filtered(temperature: float, top_k: int, top_p: float) -> bool:

@@ -844,3 +844,57 @@ def test_disconnect_while_queued_cancels(url, engine, server):
     assert engine.cancelled == [engine.submitted[0].request_id]
     assert metrics.aborted._value.get() == aborted + 1
     engine.release.set()
+
+
+def test_a_long_prompt_without_max_tokens_gets_the_room_left(url, engine):
+    """No max_tokens and a prompt too long for the server's default answer (32 positions
+    of blocks of 8 against a maximum sequence of 128): the answer is capped at the whole
+    blocks left (100 + 24 = 124), as OpenAI and vLLM cap it; a prompt leaving no room is
+    refused naming the prompt, not max_tokens."""
+    response = post(url, "/v1/completions", {"prompt": [5] * 100})
+    assert response.status_code == 200, response.text
+    assert [r.max_tokens for r in engine.submitted] == [24]
+    response = post(url, "/v1/completions", {"prompt": [5] * 125})
+    error = assert_error(response, 400, param="prompt", code="context_length_exceeded")
+    assert "leaves no room" in error["message"] and "max_tokens" not in error["message"]
+
+
+@pytest.mark.parametrize(
+    "path, field, value",
+    [
+        ("/v1/completions", "logprobs", 0),  # the sampled tokens' own log-probabilities
+        ("/v1/completions", "stop_token_ids", [5]),
+        ("/v1/completions", "min_tokens", 8),
+        ("/v1/completions", "include_stop_str_in_output", True),
+        ("/v1/completions", "guided_json", {"type": "object"}),
+        ("/v1/completions", "skip_special_tokens", False),
+        ("/v1/chat/completions", "continue_final_message", True),
+        ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": True}),
+    ],
+)
+def test_fields_that_would_change_the_answer_are_refused(url, engine, path, field, value):
+    """OpenAI's `logprobs: 0` and vLLM's fields that change the answer are refused naming
+    the field, where they were silently ignored; their neutral values are taken."""
+    turn = {"role": "user", "content": "x"}
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [turn]}
+    response = post(url, path, body | {field: value})
+    assert response.status_code == 400 and field in response.json()["error"]["message"]
+    neutral = {"stop_token_ids": [], "min_tokens": 0, "skip_special_tokens": True}
+    assert post(url, "/v1/completions", {"prompt": "x"} | neutral).status_code == 200
+    assert len(engine.submitted) == 1  # only the neutral request ran
+
+
+def test_stream_options_need_stream(url, engine):
+    body = {"prompt": "x", "stream_options": {"include_usage": True}}
+    response = post(url, "/v1/completions", body)
+    assert response.status_code == 400 and "stream_options" in response.json()["error"]["message"]
+    assert not engine.submitted
+
+
+def test_a_tiny_temperature_decodes_greedily(url, engine):
+    """A temperature below GREEDY_BELOW is greedy decoding (dividing logits by 1e-37
+    overflowed them and the tie picked the lowest id), in a request and in a config."""
+    assert post(url, "/v1/completions", {"prompt": "x", "temperature": 1e-37}).status_code == 200
+    assert engine.submitted[-1].temperature == 0.0
+    assert GenerationConfig(temperature=1e-7).temperature == 0.0
+    assert GenerationConfig(temperature=1e-5).temperature == 1e-5

@@ -425,6 +425,23 @@ def create_app(
                 code="context_length_exceeded",
             )
 
+    def default_answer(ids: list[int], param: str) -> int:
+        """The answer tokens of a request that names none: the server's default
+        (`--gen-length`), or as many as fit after a prompt too long for it (as OpenAI and
+        vLLM cap an answer at the context left); a prompt that leaves no room is refused."""
+        limit = engine.max_sequence
+        tokens = min(defaults.gen_length, limit - len(ids))
+        while tokens >= 1 and len(ids) + engine.answer_length(tokens, len(ids)) > limit:
+            tokens -= 1
+        if tokens < 1:
+            raise p.ProtocolError(
+                f"the prompt ({len(ids)} tokens) leaves no room for an answer in this "
+                f"server's maximum sequence of {limit} tokens; shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return tokens
+
     async def generate(
         http_request: Request,
         body: p.CompletionRequest | p.ChatCompletionRequest,
@@ -443,11 +460,15 @@ def create_app(
                 status=503,
                 kind="server_error",
             )
-        max_tokens = body.answer_tokens or defaults.gen_length
+        max_tokens = []  # each prompt's
         for k, ids in enumerate(prompts):
             named = param if len(prompts) == 1 else f"{param}.{k}"
             check_prompt(ids, named)
-            check_length(ids, max_tokens, named)
+            if body.answer_tokens is None:
+                max_tokens.append(default_answer(ids, named))
+            else:
+                check_length(ids, body.answer_tokens, named)
+                max_tokens.append(body.answer_tokens)
         count = len(prompts) * body.n
         if count > engine.config.max_queue:  # never admitted whole: not worth a retry
             raise p.ProtocolError(
@@ -481,7 +502,7 @@ def create_app(
                 EngineRequest(
                     request_id=request_id if count == 1 else f"{request_id}-{i}",
                     prompt_ids=tuple(prompts[i // body.n]),
-                    max_tokens=max_tokens,
+                    max_tokens=max_tokens[i // body.n],
                     temperature=temperature,
                     top_k=top_k,
                     top_p=top_p,

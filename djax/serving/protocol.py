@@ -10,10 +10,14 @@ with a 400 naming the field, as are the sampling controls djax does not apply (O
 `frequency_penalty`, `presence_penalty`, `logit_bias`, and the `min_p` and
 `repetition_penalty` other servers take) unless they hold their neutral value
 (`SAMPLING_CONTROLS`): a request must not silently get other sampling than it asked for.
-`top_p` (in (0, 1]) and `top_k` (an int ≥ 1; 0 and -1 mean none, as other servers take
-them) limit a sampled token to the most likely ones (`djax.decoders.Filters`). Fields it
-does not know are ignored. djax's own fields: `threshold` (τ of the threshold decoder)
-and `ignore_eos` (keep denoising past stop tokens up to max_tokens).
+`top_p` (in (0, 1]) and `top_k` (an int ≥ 1; 0 and -1 mean none, as other servers take them)
+limit a sampled token to the most likely ones (`djax.decoders.Filters`); a `temperature`
+below `djax.generation.GREEDY_BELOW` decodes greedily. vLLM's fields that change the answer
+(`stop_token_ids`, `min_tokens`, guided decoding, `continue_final_message`, ...:
+`VLLM_CONTROLS`, `VLLM_CHAT_CONTROLS`) are refused unless neutral, and `stream_options`
+without `stream`. Other fields it does not know are ignored. djax's own fields: `threshold`
+(τ of the threshold decoder) and `ignore_eos` (keep denoising past stop tokens up to
+max_tokens).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from djax import prompt_io
+from djax.generation import GREEDY_BELOW
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16  # `n`
@@ -42,6 +47,29 @@ SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT)
 BODY_BYTES_PER_TOKEN = 32  # `body_limit`: generous for text (~4 bytes a token) and ids
 
 FinishReason = Literal["stop", "length"]
+
+# vLLM's request fields that change the answer, which djax does not apply, each with the
+# values that leave it as it is (None, the field left out, too): another value is refused.
+VLLM_CONTROLS: dict[str, tuple[Any, ...]] = {
+    "stop_token_ids": ([],),
+    "min_tokens": (0,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "prompt_logprobs": (0,),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "use_beam_search": (False,),
+}
+# The chat endpoint's too.
+VLLM_CHAT_CONTROLS: dict[str, tuple[Any, ...]] = {
+    "continue_final_message": (False,),
+    "add_generation_prompt": (True,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+}
 
 # Sampling controls djax does not apply, each with the values that leave sampling as it is
 # (None, the field left out, too): a request holding another value is refused.
@@ -163,12 +191,48 @@ class _GenerationRequest(BaseModel):
             )
         return value
 
-    @field_validator("logprobs", "top_logprobs", mode="plain")
+    @field_validator("logprobs", mode="plain")
     @classmethod
-    def _no_logprobs(cls, value: Any, info) -> Any:
-        if value not in (None, False, 0):
-            raise _unsupported(info.field_name, "djax returns no log-probabilities")
+    def _no_logprobs(cls, value: Any) -> Any:
+        # completions' `logprobs: 0` asks for the sampled tokens' own log-probabilities
+        if value is not None and value is not False:
+            raise _unsupported("logprobs", "djax returns no log-probabilities")
         return None
+
+    @field_validator("top_logprobs", mode="plain")
+    @classmethod
+    def _no_top_logprobs(cls, value: Any) -> Any:
+        if value is not None and not (type(value) is int and value == 0):
+            raise _unsupported("top_logprobs", "djax returns no log-probabilities")
+        return None
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_below(cls, value: float | None) -> float | None:
+        return 0.0 if value is not None and value < GREEDY_BELOW else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_vllm_controls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            controls = VLLM_CONTROLS | (VLLM_CHAT_CONTROLS if "messages" in data else {})
+            for field, neutral in controls.items():
+                value = data.get(field)
+                if value is not None and not any(_same(value, v) for v in neutral):
+                    raise _refuse(
+                        "unsupported",
+                        "{field} is not supported: {field}={value}; expected {neutral}",
+                        field=field,
+                        value=json.dumps(value, default=str)[:80],
+                        neutral=" or ".join(json.dumps(v) for v in (*neutral, None)),
+                    )
+        return data
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> Any:
+        if self.stream_options is not None and not self.stream:
+            raise _refuse("stream_options", "stream_options is only allowed when stream is true")
+        return self
 
     @field_validator(*SAMPLING_CONTROLS, mode="plain")
     @classmethod
@@ -257,6 +321,11 @@ class CompletionRequest(_GenerationRequest):
         if value not in (None, ""):
             raise _unsupported("suffix", "djax completes after the prompt only")
         return None
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """`value` is `neutral`, of its JSON type (so 0 is not false, nor 1 true)."""
+    return type(value) is type(neutral) and value == neutral
 
 
 def _is_ids(value: Any) -> bool:
