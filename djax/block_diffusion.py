@@ -499,12 +499,7 @@ def make_plan(
         prefix = b * math.ceil(engine.prompt_bucket(prefix, max(limit - gen, prefix)) / b)
     if config.cache != "none":
         prefix = max(prefix, b)
-    stop_ids = config.stop_ids if config.stop_ids is not None else model.config.stop_token_ids
-    outside = [t for t in stop_ids if not 0 <= t < model.config.vocab_size]
-    if outside:
-        raise ValueError(
-            f"stop_ids {outside} outside the model's vocabulary [0, {model.config.vocab_size})"
-        )
+    stop_ids = engine.plan_stop_ids(model, config)
     plan = BlockPlan(
         batch=len(rows),
         prefix_len=prefix,
@@ -517,7 +512,7 @@ def make_plan(
         cached=config.cache != "none",
         mask_id=model.config.mask_token_id,
         fill_id=model.config.eos_token_id,
-        stop_ids=tuple(stop_ids),
+        stop_ids=stop_ids,
         early_stop=config.early_stop,
         sampling=config.temperature > 0,
     )

@@ -146,10 +146,14 @@ def tokenize(model: Model, prompts: Sequence[Any], chat: bool) -> list[list[int]
             else:
                 ids = model.tokenizer(prompt)["input_ids"]
         else:
-            if not all(isinstance(t, int | np.integer) for t in prompt):
+            listed = isinstance(prompt, list | tuple) or (
+                isinstance(prompt, np.ndarray) and prompt.ndim == 1
+            )
+            if not listed or not all(_is_token_id(t) for t in prompt):
                 raise TypeError(
-                    f"prompt {i} is {prompt!r:.60}; expected a string, token ids or a list of "
-                    '{"role", "content"} messages'
+                    f"prompt {i} is {prompt!r:.60}; expected a string, a list of token ids "
+                    '(ints) or a list of {"role", "content"} messages (one prompt\'s ids go '
+                    "in a list of their own: prompts=[[id, ...]])"
                 )
             if chat:
                 raise ValueError("chat=True needs string prompts; got token ids")
@@ -158,6 +162,27 @@ def tokenize(model: Model, prompts: Sequence[Any], chat: bool) -> list[list[int]
             raise PromptError(i, "is empty; expected at least one token")
         rows.append(list(ids))
     return rows
+
+
+def plan_stop_ids(model: Model, config: GenerationConfig) -> tuple[int, ...]:
+    """The ids that end an answer (`config.stop_ids`, default the model's); a ValueError for
+    one outside the vocabulary or the mask id (never an answer's token under LLaDA, and a
+    block diffusion block may keep it: as a stop it would cut the answer there)."""
+    cfg = model.config
+    stop_ids = config.stop_ids if config.stop_ids is not None else cfg.stop_token_ids
+    outside = [t for t in stop_ids if not 0 <= t < cfg.vocab_size]
+    if outside:
+        raise ValueError(f"stop_ids {outside} outside the model's vocabulary [0, {cfg.vocab_size})")
+    if cfg.mask_token_id in stop_ids:
+        raise ValueError(
+            f"stop_ids holds the mask id {cfg.mask_token_id}; expected ids an answer can end on"
+        )
+    return tuple(stop_ids)
+
+
+def _is_token_id(value: Any) -> bool:
+    """An int or numpy integer, not a bool."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def check_prompts(model: Model, rows: list[list[int]], gen_length: int) -> None:
@@ -215,12 +240,7 @@ def make_plan(
             f"{limit}"
         )
     bucket = prompt_bucket(prompt_len, limit - gen)
-    stop_ids = config.stop_ids if config.stop_ids is not None else model.config.stop_token_ids
-    outside = [t for t in stop_ids if not 0 <= t < model.config.vocab_size]
-    if outside:
-        raise ValueError(
-            f"stop_ids {outside} outside the model's vocabulary [0, {model.config.vocab_size})"
-        )
+    stop_ids = plan_stop_ids(model, config)
     plan = Plan(
         batch=batch,
         prompt_len=bucket,
@@ -231,7 +251,7 @@ def make_plan(
         cache=config.cache_policy(),
         mask_id=model.config.mask_token_id,
         fill_id=model.config.eos_token_id,
-        stop_ids=tuple(stop_ids),
+        stop_ids=stop_ids,
         early_stop=config.early_stop,
         smoothing=config.smoothing,
         sampling=config.temperature > 0,

@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 FIXED_DECODERS = ("low_confidence", "random")
 DECODERS = (*FIXED_DECODERS, "threshold", "factor", "credit", "hierarchy")
 POLICIES = ("none", "prefix", "dual", "vicinity")
@@ -73,6 +75,13 @@ class GenerationConfig:
     attention_window: int = 64
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):  # numpy scalars as the Python values they hold
+            value = getattr(self, field.name)
+            if isinstance(value, np.generic):
+                object.__setattr__(self, field.name, value.item())
+            elif isinstance(value, tuple) and any(isinstance(v, np.generic) for v in value):
+                plain = tuple(v.item() if isinstance(v, np.generic) else v for v in value)
+                object.__setattr__(self, field.name, plain)
         _check_options(self)
         if self.temperature < GREEDY_BELOW:  # greedy, as vLLM takes such temperatures
             object.__setattr__(self, "temperature", 0.0)

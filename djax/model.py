@@ -90,6 +90,23 @@ class Model:
         )
 
 
+# The dtypes a model computes (and `convert` stores) in.
+COMPUTE_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float16)))
+
+
+def compute_dtype(dtype: Any) -> Any:
+    """`dtype` as a numpy dtype, one of `COMPUTE_DTYPES`; a ValueError naming it otherwise
+    (an integer dtype failed inside the random init, an 8-bit float generated nothing)."""
+    try:
+        checked = jnp.dtype(dtype)
+    except TypeError:
+        checked = None
+    if checked not in COMPUTE_DTYPES:
+        names = ", ".join(d.name for d in COMPUTE_DTYPES)
+        raise ValueError(f"dtype={dtype!r}; expected one of {names}")
+    return checked
+
+
 def default_dtype() -> Any:
     """bf16 on accelerators, fp32 on the CPU (where bf16 matmuls are slow and tests want fp32)."""
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -179,7 +196,7 @@ def load(
             "model folder or one written by `djax convert`"
         )
     checkpoint.check_complete(folder)
-    dtype = jnp.dtype(dtype or default_dtype())
+    dtype = compute_dtype(dtype or default_dtype())
     tokenizer = load_tokenizer(folder)
     config = read_config(folder, tokenizer)
     if checkpoint.is_converted(folder):
@@ -281,7 +298,7 @@ def convert(
             dst,
             ", ".join(p.name for p in left),
         )
-    dtype = jnp.dtype(dtype)
+    dtype = compute_dtype(dtype)
     config = read_config(src, load_tokenizer(src))
     generation_defaults(src)  # copied along: a bad one is refused now, not at every load
     checkpoint.open_checked(src, config, dtype, allow_pickle)
@@ -329,9 +346,15 @@ def forward_logits(
     ids = np.asarray(token_ids)
     if ids.ndim == 1:
         ids = ids[None]
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or not ids.size:
         raise ValueError(
-            f"token_ids has shape {ids.shape} and dtype {ids.dtype}; expected [batch, seq] integers"
+            f"token_ids has shape {ids.shape} and dtype {ids.dtype}; expected [batch, seq] "
+            "integers, at least one of each"
+        )
+    if ids.shape[1] > model.config.max_seq_len:
+        raise ValueError(
+            f"token_ids holds {ids.shape[1]} positions; expected at most the model's maximum "
+            f"sequence length {model.config.max_seq_len}"
         )
     if ids.size and (ids.min() < 0 or ids.max() >= model.config.vocab_size):
         raise ValueError(

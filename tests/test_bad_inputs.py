@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import djax
@@ -247,9 +249,67 @@ API_ROWS = [
     (
         lambda m: djax.generate(m, [[{"role": "user"}]], djax.GenerationConfig(**SMALL)),
         TypeError,
-        "prompt 0 is [{'role': 'user'}]; expected a string, token ids or a list of",
+        "prompt 0 is [{'role': 'user'}]; expected a string, a list of token ids (ints) or",
+    ),
+    # one prompt's ids without their own list; bytes; booleans (once taken as ids 1 and 0)
+    (
+        lambda m: djax.generate(m, [62, 63, 66], djax.GenerationConfig(**SMALL)),
+        TypeError,
+        "prompt 0 is 62; expected a string, a list of token ids",
+    ),
+    (
+        lambda m: djax.generate(m, [b"1+1="], djax.GenerationConfig(**SMALL)),
+        TypeError,
+        "prompt 0 is b'1+1='; expected",
+    ),
+    (
+        lambda m: djax.generate(m, [[True, False, 5]], djax.GenerationConfig(**SMALL)),
+        TypeError,
+        "prompt 0 is [True, False, 5]; expected",
+    ),
+    (
+        lambda m: djax.generate(
+            m, ["1+1="], djax.GenerationConfig(**SMALL, stop_ids=(m.config.mask_token_id,))
+        ),
+        ValueError,
+        "stop_ids holds the mask id",
+    ),
+    (
+        lambda m: djax.load(DEMO, dtype=jnp.int32),
+        ValueError,
+        "; expected one of float32, bfloat16, float16",
+    ),
+    (
+        lambda m: djax.load(DEMO, dtype=jnp.float8_e4m3fn),
+        ValueError,
+        "; expected one of float32, bfloat16, float16",
+    ),
+    (lambda m: djax.load(DEMO, dtype="fast"), ValueError, "dtype='fast'; expected one of"),
+    (
+        lambda m: djax.forward_logits(m, np.zeros((1, 0), np.int32)),
+        ValueError,
+        "token_ids has shape (1, 0) and dtype int32; expected [batch, seq] integers, at least",
+    ),
+    (
+        lambda m: djax.forward_logits(m, np.full((1, m.config.max_seq_len + 1), 5)),
+        ValueError,
+        "expected at most the model's maximum sequence length",
     ),
 ]
+
+
+def test_numpy_scalars_in_a_generation_config():
+    """numpy scalars (as prompts' ids may be) are taken as the Python values they hold."""
+    config = djax.GenerationConfig(
+        seed=np.int64(3),
+        gen_length=np.int64(16),
+        threshold=np.float32(0.5),
+        stop_ids=(np.int64(5),),
+    )
+    assert (config.seed, config.gen_length, config.threshold, config.stop_ids) == (3, 16, 0.5, (5,))
+    assert type(config.seed) is int and type(config.stop_ids[0]) is int
+    with pytest.raises(ValueError, match="seed=True"):
+        djax.GenerationConfig(seed=np.bool_(True))
 
 
 @pytest.mark.parametrize("call, error, message", API_ROWS)
