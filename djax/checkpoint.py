@@ -125,6 +125,7 @@ class SafetensorsStore:
             for name, info in header.items()
             if name != "__metadata__"
         }
+        _check_apart(path, entries)
         data = np.memmap(path, dtype=np.uint8, mode="r") if entries else None
         for name, (dtype, shape, begin, end) in entries.items():
             if owners.get(name, path) != path:
@@ -205,6 +206,20 @@ def _check_entry(
     return dtype, tuple(shape), begin, end
 
 
+def _check_apart(path: Path, entries: dict[str, tuple]) -> None:
+    """A CheckpointError naming two tensors whose bytes overlap (the safetensors library
+    refuses such a file too; read as it is, one tensor would take the other's bytes)."""
+    spans = sorted(
+        (begin, end, name) for name, (_, _, begin, end) in entries.items() if end > begin
+    )
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise CheckpointError(
+                f"{path}: tensors {first!r} and {second!r} share bytes of the data; expected "
+                "each tensor's data_offsets apart from every other's"
+            )
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -216,6 +231,7 @@ class TorchBinStore:
         import torch
 
         self._tensors: dict[str, Any] = {}
+        self._files: dict[str, Path] = {}
         for path in sorted(Path(folder).glob("pytorch_model*.bin")):
             try:
                 tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -227,7 +243,14 @@ class TorchBinStore:
                 raise CheckpointError(
                     f"{path}: holds a {type(tensors).__name__}; expected a dict of tensors"
                 )
-            self._tensors.update(tensors)
+            for name, tensor in tensors.items():
+                if name in self._files:
+                    raise CheckpointError(
+                        f"{path}: tensor {name!r} is also in {self._files[name]}; expected "
+                        "each tensor in one file"
+                    )
+                self._files[name] = path
+                self._tensors[name] = tensor
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -236,6 +259,13 @@ class TorchBinStore:
         import torch
 
         tensor = self._tensors[name]
+        readable = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in readable:
+            what = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise CheckpointError(
+                f"{self._files[name]}: {name!r} is a {what}; expected a float tensor "
+                "(float32, float16, bfloat16 or float64)"
+            )
         if tensor.dtype == torch.bfloat16:
             return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return tensor.numpy()

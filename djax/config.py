@@ -191,11 +191,13 @@ class _Reader:
             return default
         value = self.hf[key]
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            value = float(value) if abs(value) < 2**1023 else math.inf
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ConfigError(
                 f"{self.source}: key '{key}'={value!r} should be of type {kind.__name__}"
             )
+        if kind is float and not math.isfinite(value):
+            raise ConfigError(f"{self.source}: key '{key}'={self.hf[key]!r} should be finite")
         return value
 
     def first_id(self, key: str) -> int | None:
@@ -310,7 +312,7 @@ def _moe_config(r: _Reader) -> ModelConfig:
     expert_hidden = r.get("expert_intermediate_size", int, None) or r.get(
         "moe_intermediate_size", int
     )
-    head_dim = r.get("head_dim", int, d_model // n_heads)
+    head_dim = r.get("head_dim", int, None)
     r.positive(
         hidden_size=d_model,
         num_attention_heads=n_heads,
@@ -321,6 +323,7 @@ def _moe_config(r: _Reader) -> ModelConfig:
         num_experts_per_tok=top_k,
         expert_intermediate_size=expert_hidden,
     )
+    head_dim = d_model // n_heads if head_dim is None else head_dim
     if top_k > n_experts:
         raise ConfigError(
             f"{r.source}: num_experts_per_tok={top_k} exceeds num_experts={n_experts}"
@@ -370,7 +373,9 @@ def _moe_config(r: _Reader) -> ModelConfig:
         experts_per_token=top_k,
         expert_hidden=expert_hidden,
         shared_expert_hidden=r.get("shared_expert_intermediate_size", int, 0) or 0,
-        norm_topk_prob=r.get("norm_topk_prob", bool, False),
+        # The LLaDA-MoE reference's MoE block never renormalises its top-k weights, whatever
+        # config.json's `norm_topk_prob` says (it hard-codes False), so neither does djax.
+        norm_topk_prob=False,
         router_expert_bias=r.get("moe_router_enable_expert_bias", bool, False),
         moe_layers=moe_layers,
     )

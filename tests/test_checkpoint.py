@@ -261,3 +261,70 @@ def test_a_tensor_in_two_files_is_refused_unless_an_index_places_it(tmp_path):
     index["weight_map"]["a"] = "stale.safetensors"
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     np.testing.assert_array_equal(SafetensorsStore(tmp_path).view("a"), np.full((2,), 7))
+
+
+# --- from a review of HF loading: files whose bytes or tensors djax read wrongly -----------
+
+Q0 = "model.transformer.blocks.0.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def dense_hf(tmp_path_factory):
+    from torch_reference import make_llada_dense
+
+    folder = tmp_path_factory.mktemp("dense_hf")
+    make_llada_dense(folder, n_kv_heads=2, seed=1)
+    return folder
+
+
+def _as_bin(src, dst):
+    """`src` copied to `dst` without its safetensors file; its tensors, for .bin files."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    (dst / "model.safetensors").unlink()
+    return {k: torch.from_numpy(v) for k, v in tensors.items()}
+
+
+def test_overlapping_safetensors_offsets_are_refused(dense_hf, tmp_path):
+    """Two header entries over the same bytes (the safetensors library refuses the file):
+    refused naming both, where ff_norm loaded attn_norm's bytes."""
+    import struct
+
+    folder = tmp_path / "m"
+    shutil.copytree(dense_hf, folder)
+    path = folder / "model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    same = header["model.transformer.blocks.0.attn_norm.weight"]["data_offsets"]
+    header["model.transformer.blocks.0.ff_norm.weight"]["data_offsets"] = same
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    with pytest.raises(CheckpointError, match="ff_norm.*share bytes|share bytes"):
+        djax.load(folder)
+
+
+def test_a_tensor_in_two_bin_files_is_refused(dense_hf, tmp_path):
+    """A stale pytorch_model.bin beside the shards: refused naming the tensor and both
+    files, as the safetensors reader does, where the file sorting last won silently."""
+    folder = tmp_path / "m"
+    tensors = _as_bin(dense_hf, folder)
+    torch.save(tensors, folder / "pytorch_model-00001-of-00001.bin")
+    torch.save({**tensors, Q0: torch.zeros_like(tensors[Q0])}, folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="pytorch_model.bin: tensor .* is also in"):
+        djax.load(folder, allow_pickle=True)
+
+
+@pytest.mark.parametrize("value", ["int", "fp8"])
+def test_bin_values_djax_cannot_read_are_checkpoint_errors(dense_hf, tmp_path, value):
+    """A .bin value that is not a float tensor is a CheckpointError naming the file and the
+    tensor, where it was an AttributeError or torch's TypeError."""
+    folder = tmp_path / "m"
+    tensors = _as_bin(dense_hf, folder)
+    bad = 3 if value == "int" else tensors[Q0].to(torch.float8_e4m3fn)
+    torch.save({**tensors, Q0: bad}, folder / "pytorch_model.bin")
+    with pytest.raises(
+        CheckpointError, match="pytorch_model.bin: 'model.transformer.blocks.0.q_proj"
+    ):
+        djax.load(folder, allow_pickle=True)

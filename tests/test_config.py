@@ -86,11 +86,24 @@ def test_dense_config_errors(change, message):
         ({"moe_router_score_function": "sigmoid"}, "moe_router_score_function='sigmoid' is not"),
         ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5 is not supported"),
         ({"attention_bias": True}, "attention_bias=True is not supported"),
+        # a ConfigError naming the key, where these were a ZeroDivisionError, an
+        # OverflowError or a ValueError naming neither file nor key
+        ({"num_attention_heads": 0}, "key 'num_attention_heads'=0 must be positive"),
+        ({"partial_rotary_factor": float("nan")}, "key 'partial_rotary_factor'=nan should be"),
+        ({"partial_rotary_factor": float("inf")}, "key 'partial_rotary_factor'=inf should be"),
+        ({"rope_theta": 10**400}, "key 'rope_theta'=1000000000"),
+        ({"clip_qkv": float("nan")}, "key 'clip_qkv'=nan should be finite"),
     ],
 )
 def test_moe_config_errors(change, message):
     with pytest.raises(ConfigError, match=message):
         from_hf_dict({**MOE, **change}, "my/config.json")
+
+
+def test_llada_moe_never_renormalises_its_top_k_weights():
+    """The LLaDA-MoE reference's MoE block hard-codes norm_topk_prob=False whatever
+    config.json says (OLMoE, which it was copied from, reads it)."""
+    assert not from_hf_dict({**MOE, "norm_topk_prob": True}).norm_topk_prob
 
 
 def test_error_names_the_file(tmp_path):
