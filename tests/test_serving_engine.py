@@ -866,3 +866,20 @@ def test_rows_are_compared_by_identity():
     assert rows[0] == rows[0] and rows[0] != rows[1]
     assert rows[1] not in [rows[0]] and rows[1] in [rows[0], rows[1]]
     assert len({rows[0], rows[1]}) == 2  # hashable, by identity
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "phase"])
+def test_a_stop_during_warm_up_ends_the_engine_promptly(demo_model, scheduler):
+    """SIGTERM or Ctrl-C while the engine compiles (`serve` calls `stop(drain=True)`): with
+    nothing in flight the engine compiles no more programs and ends, never ready, where it
+    went on through every program first (and the process with it)."""
+    generation = djax.GenerationConfig(**demo.generation_defaults())
+    config = ServeConfig(generation, scheduler=scheduler, max_batch=32, max_seq_len=64)
+    engine = make_engine(demo_model, config, ServerMetrics())
+    engine.start()
+    time.sleep(1.0)
+    assert not engine.ready  # still compiling
+    engine.stop(drain=True, timeout=8)
+    alive = engine._thread.is_alive()
+    engine.join()
+    assert not alive and not engine.ready and engine.failure is None

@@ -213,7 +213,8 @@ def quantize_params(params: dict, shardings: dict | None = None) -> dict:
     """A params dict with every fp8 weight (`contraction_axes`) quantised: its values under
     its name, its scale under `<name>_scale`; other params as they are. Each weight is
     quantised by its own jitted call (placed per `shardings`, a pytree like the result, when
-    given), so at most one weight is held twice."""
+    given). `params` stays whole with the caller meanwhile, so a load that quantises while
+    loading holds the model in its dtype beside its fp8 copy at the end."""
     out: dict = {}
     for key, value in params.items():
         if isinstance(value, dict):

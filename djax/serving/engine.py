@@ -484,6 +484,15 @@ class ServingEngine:
         self._call_seconds += seconds
         return out
 
+    def _end_before_ready(self) -> None:
+        """The engine stopped during its warm-up: rows submitted meanwhile fail."""
+        log.info("stopped before ready: the warm-up ended at the stop")
+        with self._lock:
+            for row in [*self._waiting, *self._running]:
+                if not row.done:
+                    self._finish(row, Failed("the server stopped before it was ready"))
+            self._waiting.clear()
+
     def _fail_rows(self, rows: list[_Row], err: Exception) -> None:
         log.exception("a device call failed")
         with self._lock:
@@ -496,6 +505,9 @@ class ServingEngine:
     def _main(self) -> None:
         try:
             self._warm_up()
+            if self._stopping:  # stopped while warming up: end without serving
+                self._end_before_ready()
+                return
             self._ready = True
             log.info("ready: %s scheduler", self.config.scheduler)
             self._serve()
@@ -692,6 +704,8 @@ class ServingEngine:
         def compile_chain(chain: tuple[int, bool]) -> None:
             seq, sampling = chain
             for batch in self.batch_buckets:
+                if self._stopping:  # stopped while warming up: compile no more
+                    return
                 with table:
                     if self.memory.never_fits(batch, seq):
                         return
@@ -707,6 +721,8 @@ class ServingEngine:
         workers = max(1, min(len(chains), (os.cpu_count() or 2) // 2, 8))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             list(pool.map(compile_chain, chains))
+        if self._stopping:
+            return
         self._measured = True
         smallest = (self.batch_buckets[0], self.seq_buckets[0])
         if not self.memory.fits(*smallest):

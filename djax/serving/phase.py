@@ -283,6 +283,8 @@ class PhaseEngine(ServingEngine):
         ]
 
         def compile_one(shape: tuple[int, int, bool]) -> int | None:
+            if self._stopping:  # stopped while warming up: compile no more
+                return None
             plan = self._plan(*shape)
             kernels = phase.phase_kernels(self.model, plan)
             program = phase.phase_program(self.model, plan, kernels)
@@ -298,6 +300,8 @@ class PhaseEngine(ServingEngine):
         workers = max(1, min(len(shapes), (os.cpu_count() or 2) // 2, 8))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             analysed = [n for n in pool.map(compile_one, shapes) if n is not None]
+        if self._stopping:
+            return
         largest = max(analysed, default=0)
         self._measured = True
         if self.memory.limit is not None and largest > self.memory.limit:
