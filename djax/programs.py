@@ -134,7 +134,8 @@ def forward_program(
         out_specs=P(None, None, sharding.model_axis(mesh)),
         check_vma=False,
     )
-    return jax.jit(program)
+    # gathered onto every device, so each process (of a multi-host mesh) can read them
+    return jax.jit(program, out_shardings=NamedSharding(mesh, P()))
 
 
 def donated(run: Any, mesh: Mesh | None = None) -> tuple[int, ...]:

@@ -82,11 +82,29 @@ def make_mesh(
             f"{n * data_parallel} devices; {len(devices)} are available"
         )
     grid = np.array(devices[: n * data_parallel]).reshape(data_parallel, n)
+    left_out = sorted({d.process_index for d in devices} - {d.process_index for d in grid.flat})
+    if left_out:
+        raise ValueError(
+            f"a mesh of data_parallel={data_parallel} x model={n} takes {n * data_parallel} of "
+            f"the {len(devices)} devices and none of process(es) {left_out}, which could not "
+            "run it; expected sizes whose product covers every process's devices (raise "
+            "data_parallel)"
+        )
     return Mesh(grid, (DATA, EXPERT if expert_parallel > 1 else MODEL))
 
 
+MESH_AXES = ((DATA, MODEL), (DATA, EXPERT))
+
+
 def model_axis(mesh: Mesh) -> str:
-    """The name of the model-parallel axis (`"model"` or `"expert"`)."""
+    """The name of the model-parallel axis (`"model"` or `"expert"`); a ValueError for a
+    mesh whose axes are not `MESH_AXES`' (a hand-built mesh's axes in another order or
+    under other names would be read wrongly)."""
+    if tuple(mesh.axis_names) not in MESH_AXES:
+        raise ValueError(
+            f"mesh axes {tuple(mesh.axis_names)}; expected one of {MESH_AXES} (data first): "
+            "build the mesh with djax.make_mesh"
+        )
     return mesh.axis_names[1]
 
 

@@ -194,6 +194,39 @@ def test_mesh_errors(moe_model):
     assert len(jax.devices()) == 8
 
 
+@pytest.mark.parametrize(
+    "grid, axes",
+    [((2, 2), ("model", "data")), ((4,), ("model",)), ((2, 2), ("dp", "tp"))],
+)
+def test_a_mesh_of_other_axes_is_refused_by_name(dense4, grid, axes):
+    """A hand-built mesh whose axes are not djax's (data first, then model or expert) is a
+    ValueError naming them: ("model", "data") was read with "data" as the model axis and
+    gave wrong tokens, silently; the others an IndexError or a KeyError."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(grid), axes)
+    with pytest.raises(ValueError, match="expected one of .*build the mesh with djax.make_mesh"):
+        djax.load(dense4, jnp.float32, mesh=mesh)
+
+
+def test_a_mesh_leaving_a_process_out_is_refused():
+    """Multi-host: a mesh over process 0's devices alone leaves process 1 nothing to run
+    (it failed deep inside the load); refused naming the sizes and the process."""
+    import types
+
+    devices = [types.SimpleNamespace(process_index=i // 2, id=i) for i in range(4)]
+    with pytest.raises(ValueError, match=r"none of process\(es\) \[1\]"):
+        make_mesh(tensor_parallel=2, devices=devices)
+
+
+def test_forward_logits_under_a_mesh_are_whole_on_every_device(dense4):
+    """The forward's logits are gathered onto every device (a multi-host process reads
+    them from its own), not left split over the vocabulary."""
+    model = djax.load(dense4, jnp.float32, mesh=make_mesh(tensor_parallel=2))
+    logits = djax.forward_logits(model, np.array([[5, 6, 7, 8]]))
+    assert logits.sharding.is_fully_replicated
+
+
 def test_split_kv_attention_under_tensor_parallel(tmp_path, monkeypatch):
     """Under `shard_map` the split-K/V kernel gets each device's own heads (q [b, t, 2, d]
     and K/V [b, s, 1, d] of 4 heads and 2 kv heads over 2 devices). Mosaic GPU's interpreter
