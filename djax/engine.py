@@ -156,7 +156,7 @@ def tokenize(model: Model, prompts: Sequence[Any], chat: bool) -> list[list[int]
                     "in a list of their own: prompts=[[id, ...]])"
                 )
             if chat:
-                raise ValueError("chat=True needs string prompts; got token ids")
+                raise PromptError(i, "is token ids; chat=True takes strings or messages")
             ids = [int(t) for t in prompt]
         if not ids:
             raise PromptError(i, "is empty; expected at least one token")
@@ -453,6 +453,11 @@ def generate(
     template) or lists of token ids. Rows of different lengths are left-padded, padding keys masked.
     """
     config = config or GenerationConfig()
+    if not isinstance(config, GenerationConfig):
+        raise TypeError(
+            f"config is a {type(config).__name__}; expected a djax.GenerationConfig "
+            "(GenerationConfig(**fields) from a dict)"
+        )
     if model.config.block_diffusion:  # LLaDA2: block by block, block-causal
         from djax import block_diffusion
 

@@ -251,6 +251,16 @@ API_ROWS = [
         TypeError,
         "prompt 0 is [{'role': 'user'}]; expected a string, a list of token ids (ints) or",
     ),
+    (
+        lambda m: djax.generate(m, ["1+1=", [5, 6]], djax.GenerationConfig(**SMALL), chat=True),
+        ValueError,
+        "prompt 1 is token ids; chat=True takes strings or messages",
+    ),
+    (
+        lambda m: djax.generate(m, ["1+1="], {"gen_length": 8}),
+        TypeError,
+        "config is a dict; expected a djax.GenerationConfig",
+    ),
     # one prompt's ids without their own list; bytes; booleans (once taken as ids 1 and 0)
     (
         lambda m: djax.generate(m, [62, 63, 66], djax.GenerationConfig(**SMALL)),
