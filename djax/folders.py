@@ -85,7 +85,7 @@ def replace(staging: Path, dst: Path, replaceable: Callable[[Path], bool] | None
     callback), is raised again here instead: nothing is replaced after a stop."""
     with _signals_deferred():
         _raise_lost_stop(staging)
-        if not dst.exists() or replaceable is None or not any(dst.iterdir()):
+        if not dst.is_dir() or replaceable is None or not any(dst.iterdir()):
             try:
                 os.rename(staging, dst)
             except OSError as err:

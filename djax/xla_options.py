@@ -40,13 +40,12 @@ DEFAULTS: dict[str, dict[str, Value]] = {
 
 # On GPUs, for a model of fp8 weights without experts whose fp8 products XLA runs as fp8 x
 # fp8 (`scaled`): XLA's Triton GEMM fusions off, so those products (refreshes, forwards of
-# more than a block's rows) are cuBLASLt's, whose
-# algorithms XLA's autotuner times without compiling a Triton kernel per candidate tiling.
-# Autotuning those fusions took most of such a program's compile (a serving block program of
-# LLaDA-8B: minutes where bf16 takes seconds) for cuBLASLt's speed; with experts (LLaDA-MoE)
-# the fusions are faster, so they stay. Turning autotuning off instead
-# (`xla_gpu_autotune_level=0`) leaves fp8 products on untimed defaults, several times slower.
-# Figures: bench/NOTES.md ("fp8 weights", the fp8 programs' compile).
+# more than a block's rows) are cuBLASLt's, whose algorithms XLA's autotuner times without
+# compiling a Triton kernel per candidate tiling. Autotuning those fusions took most of such
+# a program's compile, for cuBLASLt's speed; with experts (LLaDA-MoE) the fusions run
+# faster, so they stay. Autotuning off instead (`xla_gpu_autotune_level=0`) leaves fp8
+# products on untimed defaults, several times slower. Figures: bench/NOTES.md ("fp8
+# weights", the fp8 programs' compile).
 FP8_WITHOUT_EXPERTS: dict[str, dict[str, Value]] = {
     "gpu": {"xla_gpu_enable_triton_gemm": False},
 }

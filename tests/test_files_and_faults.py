@@ -398,22 +398,27 @@ def test_overwrite_needs_what_convert_wrote_and_nothing_else(root, change):
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_a_folder_that_appears_during_a_convert_is_never_deleted(root, monkeypatch, overwrite):
-    """The destination is checked before the load; a folder of the user's own that appears
-    there meanwhile (or a second convert's) is refused at the rename, untouched, and the
-    staging folder is removed."""
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_what_appears_during_a_convert_is_never_deleted(root, monkeypatch, overwrite, kind):
+    """The destination is checked before the load; a folder (or a file) of the user's own
+    that appears there meanwhile (or a second convert's) is refused at the rename,
+    untouched, and the staging folder is removed."""
     dst = root / "new"
     save = checkpoint.save_orbax
 
     def appearing(folder, params, metadata):
-        dst.mkdir()
-        (dst / "notes.txt").write_text("precious")
+        if kind == "folder":
+            dst.mkdir()
+            (dst / "notes.txt").write_text("precious")
+        else:
+            dst.write_text("precious")
         return save(folder, params, metadata)
 
     monkeypatch.setattr(checkpoint, "save_orbax", appearing)
     with pytest.raises(FileExistsError, match="left as it is"):
         djax.convert(root / "model", dst, jnp.float32, overwrite=overwrite, progress=False)
-    assert [p.name for p in dst.iterdir()] == ["notes.txt"]
+    kept = dst / "notes.txt" if kind == "folder" else dst
+    assert kept.read_text() == "precious"
     assert sorted(p.name for p in root.iterdir()) == ["model", "new", "old"]  # no staging
 
 

@@ -347,10 +347,7 @@ class ServingEngine:
         with self._lock:
             self._stopping = True
             if not drain:
-                for row in [*self._waiting, *self._running]:
-                    if not row.done:
-                        self._finish(row, Failed("the server is shutting down"))
-                self._waiting.clear()
+                self._fail_pending("the server is shutting down")
             self._lock.notify()
         self.join(timeout)
 
@@ -484,14 +481,13 @@ class ServingEngine:
         self._call_seconds += seconds
         return out
 
-    def _end_before_ready(self) -> None:
-        """The engine stopped during its warm-up: rows submitted meanwhile fail."""
-        log.info("stopped before ready: the warm-up ended at the stop")
-        with self._lock:
-            for row in [*self._waiting, *self._running]:
-                if not row.done:
-                    self._finish(row, Failed("the server stopped before it was ready"))
-            self._waiting.clear()
+    def _fail_pending(self, reason: str) -> None:
+        """Fail every waiting and running row not yet done with `reason` and empty the
+        queue (the lock held)."""
+        for row in [*self._waiting, *self._running]:
+            if not row.done:
+                self._finish(row, Failed(reason))
+        self._waiting.clear()
 
     def _fail_rows(self, rows: list[_Row], err: Exception) -> None:
         log.exception("a device call failed")
@@ -506,7 +502,9 @@ class ServingEngine:
         try:
             self._warm_up()
             if self._stopping:  # stopped while warming up: end without serving
-                self._end_before_ready()
+                log.info("stopped before ready: the warm-up ended at the stop")
+                with self._lock:
+                    self._fail_pending("the server stopped before it was ready")
                 return
             self._ready = True
             log.info("ready: %s scheduler", self.config.scheduler)
@@ -516,10 +514,7 @@ class ServingEngine:
             self.failure = err
             with self._lock:
                 self._stopping = True
-                for row in [*self._waiting, *self._running]:
-                    if not row.done:
-                        self._finish(row, Failed(f"the engine stopped: {err}"))
-                self._waiting.clear()
+                self._fail_pending(f"the engine stopped: {err}")
                 self._running.clear()
                 self.metrics.queue_depth.set(0)
                 self.metrics.running_rows.set(0)
