@@ -1,12 +1,16 @@
-"""Sparse attention (`attention_sparsity`): the block forward's speed at the LLaDA-8B shape, and
-the demo model's accuracy, against dense attention.
+"""Sparse attention (`attention_sparsity`): the block forward's speed at the LLaDA-8B or
+LLaDA-MoE shape, and the demo model's accuracy, against dense attention.
 
     python -m bench.sparse [--parts speed accuracy] [--prompt-lens 1024 4096 8192] [--batches 1]
+                           [--shape dense|moe] [--routing spread|model]
                            [--keep 0.25] [--recents 64] [--profile]
                            [--keeps 1.0 0.5 0.25 0.1] [--window 8]
                            [--tiny]
 
-speed: random bf16 LLaDA-8B weights built on the device; for each prompt length P, a
+speed: random bf16 weights of `--shape` (LLaDA-8B's shape, `dense`, the default; or
+LLaDA-MoE's, `moe`, its tokens routed as `--routing` says: `spread` by default, as a trained
+router spreads a block's tokens over the experts, `bench.common.use_routing`) built on the
+device; for each prompt length P, a
 32-token dual-cache block forward (the block at position P, gen 256: P + 256 keys) with
 dense attention and with each head attending to its `keys = ceil(keep·S) + 32 + R` chosen
 positions (block, the R before it, the rest drawn at random: the speed does not depend on
@@ -22,7 +26,8 @@ busy µs per category and per costly kernel, from a trace of one timed loop).
 Hopper GPU: the sparse forward's kept rows and its window's in one kernel call,
 `sparse_attention.attend_kept`). Also the
 refresh of one row (a whole-sequence forward over S keeping the block) with and without
-choosing the keys, for the choice's cost. Saved as `sparse_speed_<device>.json`.
+choosing the keys, for the choice's cost. Saved as `sparse_speed_<device>.json`
+(`sparse_speed_moe_<device>.json` for `--shape moe`; the rows name the model and routing).
 
 accuracy: the demo model on held-out demo problems (`djax.demo.task`, as `bench.decoders`),
 `low_confidence` (one token per step: most of a block's steps reuse the cache) and
@@ -40,7 +45,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from bench.common import model_config, save, time_in_program
+from bench.common import ROUTINGS, model_config, save, time_in_program, use_routing
 from bench.decoders import add_demo_arguments, demo_payload, demo_problems, evaluate
 from bench.forward import random_kv
 from bench.profile import profile_in_program
@@ -170,6 +175,7 @@ def speed_rows(args, config, params, dtype, batch: int, prompt_len: int) -> list
             profile = {"dense_profile": profiles["dense"], "sparse_profile": profiles[recent]}
         row = {
             "case": f"batch {batch}, block {BLOCK} at {prompt_len}, {seq} keys, recent {recent}",
+            "model": args.shape,
             "batch": batch,
             "sparse": dataclasses.asdict(rule),
             "prompt_len": prompt_len,
@@ -188,8 +194,12 @@ def speed_rows(args, config, params, dtype, batch: int, prompt_len: int) -> list
 
 def speed(args) -> None:
     dtype = jnp.bfloat16
-    config = model_config("dense", args.tiny)
+    config = model_config(args.shape, args.tiny)
+    routing = args.routing if config.is_moe else None
+    if routing is not None:
+        use_routing(routing)
     params = init_params(config, dtype, seed=0)
+    payload = {"model": args.shape, "routing": routing, "tiny": args.tiny, "block": BLOCK}
     rows = []
     for batch in args.batches:
         for prompt_len in args.prompt_lens:
@@ -197,8 +207,8 @@ def speed(args) -> None:
             # saved after every row: a run cut short keeps the rows it measured
             save(
                 "sparse",
-                {"model": "dense", "tiny": args.tiny, "block": BLOCK, "gen": GEN, "results": rows},
-                setting="speed",
+                {**payload, "gen": GEN, "results": rows},
+                setting="speed" if args.shape == "dense" else f"speed_{args.shape}",
             )
 
 
@@ -245,6 +255,10 @@ def main(argv: list[str] | None = None) -> None:
         "--parts", nargs="+", default=["speed", "accuracy"], choices=["speed", "accuracy"]
     )
     p.add_argument("--prompt-lens", nargs="+", type=int, default=[1024, 4096, 8192])
+    p.add_argument("--shape", choices=("dense", "moe"), default="dense", help="speed: the model")
+    p.add_argument(
+        "--routing", choices=ROUTINGS, default="spread", help="speed, moe: see use_routing"
+    )
     p.add_argument("--batches", nargs="+", type=int, default=[1], help="speed: rows a forward")
     p.add_argument("--keep", type=float, default=0.25, help="speed: the keep fraction")
     p.add_argument(

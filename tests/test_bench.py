@@ -971,3 +971,31 @@ def test_sparse_call_probe_finds_large_copies():
         {"op": "copy", "shape": "bf16[16,1184,32,128]", "mb": 148.0},
         {"op": "copy-start", "shape": "f32[512,1024]", "mb": 2.0},
     ]
+
+
+def test_sparse_speed_runs_the_llada_moe_shape(tmp_path):
+    """`python -m bench.sparse --parts speed --shape moe --tiny`: the tiny LLaDA-MoE's block
+    forward dense and sparse, its tokens spread over the experts, saved under the shape's own
+    name (not over the LLaDA-8B rows) with the model and routing in the file and every row."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OUT": str(tmp_path)}
+    command = [sys.executable, "-m", "bench.sparse", "--parts", "speed", "--shape", "moe"]
+    command += ["--tiny", "--prompt-lens", "64", "--batches", "2", "--iters", "2"]
+    command += ["--refresh-iters", "0"]
+    done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    [path] = tmp_path.iterdir()
+    assert path.name.startswith("sparse_speed_moe_cpu")
+    result = json.loads(path.read_text())
+    assert (result["model"], result["routing"]) == ("moe", "spread")
+    [row] = result["results"]
+    assert (row["model"], row["batch"], row["prompt_len"], row["keys"]) == ("moe", 2, 64, 320)
+    assert row["sparse"] == {"keep": 0.25, "recent": 64, "keys": 176}
+    assert row["dense_ms"] > 0 and row["sparse_ms"] > 0
+    assert row["speedup"] == row["dense_ms"] / row["sparse_ms"]
