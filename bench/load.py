@@ -2,7 +2,8 @@
 holding bf16 weights against the same weights converted to fp8, and, for context, the HF
 folder they were converted from, loaded as bf16 and quantised to fp8 as it is loaded.
 
-    python -m bench.load [--models dense moe] [--repeats 3] [--profile] [--scratch DIR] [--tiny]
+    python -m bench.load [--models dense moe] [--repeats 3] [--cache warm|cold]
+        [--readahead on [off]] [--cases converted_bf16 ...] [--profile] [--scratch DIR] [--tiny]
 
 Per model (`bench.common`: LLaDA-8B's or LLaDA-MoE's shape, random bf16 weights built on
 the device), one preparing process writes the weights as an HF folder
@@ -25,20 +26,30 @@ cache). Each repeat runs every case once, the order rotated by one case per repe
 no case always runs first or last. A case's figure is the median of its samples; all
 samples are kept.
 
-Before every load (timed or profiled) the bench reads each file of the case's folder through
-once (`read_through`), so that the load finds them in the OS page cache where the host
-keeps them: then the load figures are deserialisation and host-to-device copies, the same
-for every case. Whether the cache held them is not checked (the bench's folders and the
-loads' host copies need not all fit): each sample keeps `warm_s`, the read-through's
-seconds, beside the load, and a read-through as slow as the disk says the cache did not
-keep the files (bench/NOTES.md, "Load copies").
+The state of the page cache is set before every load (timed or profiled), `--cache`:
+
+- `warm` (the default): each file of the case's folder is read through once
+  (`read_through`), so that the load finds them in the OS page cache where the host keeps
+  them; then the load figures are deserialisation and host-to-device copies. Whether the
+  cache held them is not checked (the bench's folders and the loads' host copies need not
+  all fit): a read-through as slow as the disk says it did not (bench/NOTES.md, "Load
+  copies").
+- `cold`: every file of the folder has its cached pages dropped (`drop_cached`:
+  `posix_fadvise(DONTNEED)`, no privileges needed), so the load reads the disk, as the
+  first load after a download or a reboot does.
+
+Each sample keeps `cache_s`, the seconds that took. `--readahead on off` also loads each
+case with `djax.readahead.start` replaced by a no-op in the child (cases named
+`<case>_no_readahead`): the loader without its read-ahead of the weight files, beside it in
+one run. `--cases` picks cases (default all four).
 
 The figure of merit is `fp8_over_bf16`, the converted fp8 load's median over the
-converted bf16 load's. A model's row: `seconds` (`write_hf`, `convert_bf16`, `convert_fp8`),
-`folder_bytes` (each folder's bytes on disk), per case `loads` (`median_s`, `samples_s`,
-`import_s`, `backend_s`, `warm_s`, the `weights` loaded; with `--profile`, `profiled`: one
-more load under cProfile, after the timed ones and not among them, with its slowest
-functions by cumulative time), `fp8_over_bf16` and `hf_fp8_over_hf_bf16`.
+converted bf16 load's. A model's row: `cache`, `seconds` (`write_hf`, `convert_bf16`,
+`convert_fp8`), `folder_bytes` (each folder's bytes on disk), per case `loads` (`median_s`,
+`samples_s`, `import_s`, `backend_s`, `cache_s`, the `weights` loaded; with `--profile`,
+`profiled`: one more load under cProfile, after the timed ones and not among them, with its
+slowest functions by cumulative time), and the ratios of the pairs it loaded:
+`fp8_over_bf16` (`_no_readahead` too) and `hf_fp8_over_hf_bf16`.
 
 Disk: the folders live under a fresh folder made inside `--scratch` (default: the system's
 temporary folder), one model at a time, and are deleted when the model is done and, on any
@@ -53,6 +64,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import shutil
 import statistics
@@ -81,6 +93,15 @@ LOAD = (
     "import sys, time; t = time.perf_counter(); "
     "from bench.load import timed_load; timed_load(t, *sys.argv[1:])"
 )
+NO_READAHEAD = "_no_readahead"  # a case's name loaded without the loader's read-ahead
+RATIOS = {  # ratio name -> (numerator case, denominator case)
+    "fp8_over_bf16": ("converted_fp8", "converted_bf16"),
+    "fp8_over_bf16" + NO_READAHEAD: (
+        "converted_fp8" + NO_READAHEAD,
+        "converted_bf16" + NO_READAHEAD,
+    ),
+    "hf_fp8_over_hf_bf16": ("hf_fp8", "hf_bf16"),
+}
 
 
 def prepare(name: str, tiny: str, folder: str) -> None:
@@ -103,17 +124,24 @@ def prepare(name: str, tiny: str, folder: str) -> None:
     print(json.dumps({key: round(value, 3) for key, value in seconds.items()}))
 
 
-def timed_load(started: float, folder: str, weights: str, profile: str = "0") -> None:
+def timed_load(
+    started: float, folder: str, weights: str, profile: str = "0", readahead: str = "1"
+) -> None:
     """In a fresh process: the seconds of importing, starting the backend and
     `djax.load(folder)` until its params are on the device, printed as JSON; `profile`
     "1": the load runs under cProfile and its `PROFILE_TOP` functions by cumulative time
-    come with it (`profile`: "module:line(function)" -> seconds)."""
+    come with it (`profile`: "module:line(function)" -> seconds); `readahead` "0": the
+    load without its read-ahead of the weight files (`djax.readahead.start` a no-op)."""
     import jax
     import orbax.checkpoint  # noqa: F401  (read by `load` for a converted folder)
     import safetensors.numpy  # noqa: F401  (read by `load` for an HF folder)
 
     import djax
     import djax.model  # noqa: F401
+    from djax import readahead as djax_readahead
+
+    if readahead == "0":
+        djax_readahead.start = lambda paths: []
 
     imported = time.perf_counter()
     jax.devices()
@@ -170,6 +198,29 @@ def read_through(folder: Path, chunk: int = 64 << 20) -> int:
     return total
 
 
+def drop_cached(folder: Path) -> None:
+    """Drop the page cache's clean pages of every file under `folder`
+    (`posix_fadvise(DONTNEED)`: advice, no privileges, no byte of any file changes), so the
+    next read of them reads the disk."""
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def set_cache(folder: Path, cache: str) -> float:
+    """Put `folder`'s files in the page cache state `cache` (`warm`: read through; `cold`:
+    dropped); the seconds it took."""
+    start = time.perf_counter()
+    if cache == "warm":
+        read_through(folder)
+    else:
+        drop_cached(folder)
+    return round(time.perf_counter() - start, 3)
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
@@ -180,42 +231,61 @@ def rotated(cases: list[str], repeat: int) -> list[str]:
     return cases[shift:] + cases[:shift]
 
 
-def measure(name: str, tiny: bool, repeats: int, work: Path, profile: bool = False) -> dict:
+def measure(
+    name: str,
+    tiny: bool,
+    repeats: int,
+    work: Path,
+    profile: bool = False,
+    cases: tuple[str, ...] = tuple(CASES),
+    cache: str = "warm",
+    readahead: tuple[str, ...] = ("on",),
+) -> dict:
     """One model's row: prepare its folders under `work`, then `repeats` rotated rounds of
-    fresh-process loads of every case, then with `profile` one profiled load of each."""
-    row: dict = {"model": name, "dtype": DTYPE, "repeats": repeats}
+    fresh-process loads of every case (and, with "off" in `readahead`, of every case without
+    the loader's read-ahead), each after `set_cache(folder, cache)`, then with `profile` one
+    profiled load of each."""
+    row: dict = {"model": name, "dtype": DTYPE, "repeats": repeats, "cache": cache}
     row["seconds"] = run_child(PREPARE, name, "1" if tiny else "0", str(work))
     row["folder_bytes"] = {folder: folder_bytes(work / folder) for folder in FOLDERS}
-    samples: dict[str, list[dict]] = {case: [] for case in CASES}
+    # label -> (folder, weights, readahead "1"/"0")
+    runs = {
+        case + ("" if mode == "on" else NO_READAHEAD): (*CASES[case], "1" if mode == "on" else "0")
+        for mode in readahead
+        for case in cases
+    }
+    samples: dict[str, list[dict]] = {label: [] for label in runs}
     for repeat in range(repeats):
-        for case in rotated(list(CASES), repeat):
-            folder, weights = CASES[case]
-            start = time.perf_counter()
-            read_through(work / folder)
-            warm = time.perf_counter() - start
-            sample = {**run_child(LOAD, str(work / folder), weights), "warm_s": round(warm, 3)}
-            samples[case].append(sample)
-            print(f"{name} {case} (repeat {repeat + 1}): {sample}", flush=True)
+        for label in rotated(list(runs), repeat):
+            folder, weights, ahead = runs[label]
+            cache_s = set_cache(work / folder, cache)
+            sample = {
+                **run_child(LOAD, str(work / folder), weights, "0", ahead),
+                "cache_s": cache_s,
+            }
+            samples[label].append(sample)
+            print(f"{name} {label} (repeat {repeat + 1}): {sample}", flush=True)
     row["loads"] = {}
-    for case, runs in samples.items():
-        loads = [run["load_s"] for run in runs]
-        row["loads"][case] = {
+    for label, done in samples.items():
+        loads = [run["load_s"] for run in done]
+        row["loads"][label] = {
             "median_s": statistics.median(loads),
             "samples_s": loads,
-            "import_s": [run["import_s"] for run in runs],
-            "backend_s": [run["backend_s"] for run in runs],
-            "warm_s": [run["warm_s"] for run in runs],
-            "weights": runs[0]["weights"],
+            "import_s": [run["import_s"] for run in done],
+            "backend_s": [run["backend_s"] for run in done],
+            "cache_s": [run["cache_s"] for run in done],
+            "weights": done[0]["weights"],
         }
-    medians = {case: row["loads"][case]["median_s"] for case in CASES}
-    row["fp8_over_bf16"] = round(medians["converted_fp8"] / medians["converted_bf16"], 4)
-    row["hf_fp8_over_hf_bf16"] = round(medians["hf_fp8"] / medians["hf_bf16"], 4)
+    medians = {label: row["loads"][label]["median_s"] for label in runs}
+    for ratio, (top, bottom) in RATIOS.items():
+        if top in medians and bottom in medians:
+            row[ratio] = round(medians[top] / medians[bottom], 4)
     if profile:  # after the timed loads: cProfile slows what it watches
-        for case, (folder, weights) in CASES.items():
-            read_through(work / folder)
-            sample = run_child(LOAD, str(work / folder), weights, "1")
-            row["loads"][case]["profiled"] = sample
-            print(f"{name} {case} (profiled): {sample}", flush=True)
+        for label, (folder, weights, ahead) in runs.items():
+            set_cache(work / folder, cache)
+            sample = run_child(LOAD, str(work / folder), weights, "1", ahead)
+            row["loads"][label]["profiled"] = sample
+            print(f"{name} {label} (profiled): {sample}", flush=True)
     return row
 
 
@@ -246,6 +316,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--profile", action="store_true", help="then one load of each case under cProfile"
     )
+    p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    p.add_argument("--cache", choices=["warm", "cold"], default="warm", help="see the docstring")
+    p.add_argument(
+        "--readahead", nargs="+", choices=["on", "off"], default=["on"], help="see the docstring"
+    )
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = p.parse_args(argv)
     rows = []
@@ -253,10 +328,21 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for name in args.models:
             work = Path(tempfile.mkdtemp(prefix=f"{name}_", dir=root))
-            rows.append(measure(name, args.tiny, args.repeats, work, args.profile))
+            rows.append(
+                measure(
+                    name,
+                    args.tiny,
+                    args.repeats,
+                    work,
+                    args.profile,
+                    tuple(args.cases),
+                    args.cache,
+                    tuple(dict.fromkeys(args.readahead)),
+                )
+            )
             shutil.rmtree(work)  # before the next model's folders are written
             medians = {case: v["median_s"] for case, v in rows[-1]["loads"].items()}
-            print(f"{name}: {medians}, fp8/bf16 {rows[-1]['fp8_over_bf16']}", flush=True)
+            print(f"{name}: {medians}, fp8/bf16 {rows[-1].get('fp8_over_bf16')}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if root.exists():

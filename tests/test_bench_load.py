@@ -30,12 +30,48 @@ def test_load_bench_times_every_case_and_deletes_only_its_folders(tmp_path, monk
     assert set(row["loads"]) == {"converted_bf16", "converted_fp8", "hf_bf16", "hf_fp8"}
     for case, load in row["loads"].items():
         assert len(load["samples_s"]) == 1 and load["median_s"] == load["samples_s"][0] > 0
-        assert load["import_s"][0] > 0 and load["warm_s"][0] >= 0, case
+        assert load["import_s"][0] > 0 and load["cache_s"][0] >= 0, case
         assert load["weights"] == ("fp8" if case.endswith("fp8") else "dtype"), case
     medians = {case: load["median_s"] for case, load in row["loads"].items()}
     ratio = medians["converted_fp8"] / medians["converted_bf16"]
     assert row["fp8_over_bf16"] == pytest.approx(ratio, abs=1e-4)
+    assert row["cache"] == "warm" and "fp8_over_bf16_no_readahead" not in row
     assert "dense converted_fp8 (repeat 1)" in capsys.readouterr().out
+
+
+def test_load_bench_loads_cold_with_and_without_the_read_ahead(tmp_path, monkeypatch):
+    """`--cache cold --readahead on off --cases ...`: only the cases asked for, each also
+    without the loader's read-ahead, the folders' pages dropped (not read) before each load,
+    and the ratio of each pair."""
+    dropped = []
+    real_drop = bench_load.drop_cached
+    monkeypatch.setattr(bench_load, "drop_cached", lambda f: (dropped.append(f.name), real_drop(f)))
+    monkeypatch.setattr(bench_load, "read_through", lambda f: pytest.fail("read through"))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    argv = ["--tiny", "--repeats", "1", "--scratch", str(tmp_path), "--cache", "cold"]
+    bench_load.main(
+        [*argv, "--readahead", "on", "off", "--cases", "converted_bf16", "converted_fp8"]
+    )
+    (path,) = (tmp_path / "out").glob("load_*.json")
+    (row,) = json.loads(path.read_text())["results"]
+    assert row["cache"] == "cold"
+    labels = {"converted_bf16", "converted_fp8"}
+    labels |= {f"{label}_no_readahead" for label in labels}
+    assert set(row["loads"]) == labels
+    assert sorted(dropped) == sorted(["converted_bf16", "converted_fp8"] * 2)
+    for label, load in row["loads"].items():
+        assert load["weights"] == ("fp8" if "fp8" in label else "dtype"), label
+    loads = {label: load["median_s"] for label, load in row["loads"].items()}
+    ratio = loads["converted_fp8_no_readahead"] / loads["converted_bf16_no_readahead"]
+    assert row["fp8_over_bf16_no_readahead"] == pytest.approx(ratio, abs=1e-4)
+    assert "hf_fp8_over_hf_bf16" not in row
+
+
+def test_drop_cached_changes_no_file(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.bin").write_bytes(b"\x01" * 5000)
+    bench_load.drop_cached(tmp_path)
+    assert (tmp_path / "a" / "x.bin").read_bytes() == b"\x01" * 5000
 
 
 def test_read_through_reads_every_file_of_a_folder(tmp_path):
