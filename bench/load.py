@@ -2,7 +2,7 @@
 holding bf16 weights against the same weights converted to fp8, and, for context, the HF
 folder they were converted from, loaded as bf16 and quantised to fp8 as it is loaded.
 
-    python -m bench.load [--models dense moe] [--repeats 3] [--cache warm|cold]
+    python -m bench.load [--models dense moe] [--repeats 3] [--cache warm [cold]]
         [--readahead on [off]] [--cases converted_bf16 ...] [--profile] [--scratch DIR] [--tiny]
 
 Per model (`bench.common`: LLaDA-8B's or LLaDA-MoE's shape, random bf16 weights built on
@@ -26,7 +26,8 @@ cache). Each repeat runs every case once, the order rotated by one case per repe
 no case always runs first or last. A case's figure is the median of its samples; all
 samples are kept.
 
-The state of the page cache is set before every load (timed or profiled), `--cache`:
+The state of the page cache is set before every load (timed or profiled), `--cache` (one
+or both; cases loaded cold are named `<case>_cold`):
 
 - `warm` (the default): each file of the case's folder is read through once
   (`read_through`), so that the load finds them in the OS page cache where the host keeps
@@ -40,8 +41,8 @@ The state of the page cache is set before every load (timed or profiled), `--cac
 
 Each sample keeps `cache_s`, the seconds that took. `--readahead on off` also loads each
 case with `djax.readahead.start` replaced by a no-op in the child (cases named
-`<case>_no_readahead`): the loader without its read-ahead of the weight files, beside it in
-one run. `--cases` picks cases (default all four).
+`<case>[_cold]_no_readahead`): the loader without its read-ahead of the weight files, beside
+it in one run. `--cases` picks cases (default all four).
 
 The figure of merit is `fp8_over_bf16`, the converted fp8 load's median over the
 converted bf16 load's. A model's row: `cache`, `seconds` (`write_hf`, `convert_bf16`,
@@ -49,7 +50,8 @@ converted bf16 load's. A model's row: `cache`, `seconds` (`write_hf`, `convert_b
 `samples_s`, `import_s`, `backend_s`, `cache_s`, the `weights` loaded; with `--profile`,
 `profiled`: one more load under cProfile, after the timed ones and not among them, with its
 slowest functions by cumulative time), and the ratios of the pairs it loaded:
-`fp8_over_bf16` (`_no_readahead` too) and `hf_fp8_over_hf_bf16`.
+`fp8_over_bf16` and `hf_fp8_over_hf_bf16`, each with the suffix of its variant
+(`fp8_over_bf16_cold_no_readahead`).
 
 Disk: the folders live under a fresh folder made inside `--scratch` (default: the system's
 temporary folder), one model at a time, and are deleted when the model is done and, on any
@@ -94,12 +96,9 @@ LOAD = (
     "from bench.load import timed_load; timed_load(t, *sys.argv[1:])"
 )
 NO_READAHEAD = "_no_readahead"  # a case's name loaded without the loader's read-ahead
-RATIOS = {  # ratio name -> (numerator case, denominator case)
+COLD = "_cold"  # a case's name loaded with its folder's pages dropped
+RATIOS = {  # ratio name -> (numerator case, denominator case), before a variant's suffix
     "fp8_over_bf16": ("converted_fp8", "converted_bf16"),
-    "fp8_over_bf16" + NO_READAHEAD: (
-        "converted_fp8" + NO_READAHEAD,
-        "converted_bf16" + NO_READAHEAD,
-    ),
     "hf_fp8_over_hf_bf16": ("hf_fp8", "hf_bf16"),
 }
 
@@ -238,26 +237,34 @@ def measure(
     work: Path,
     profile: bool = False,
     cases: tuple[str, ...] = tuple(CASES),
-    cache: str = "warm",
+    caches: tuple[str, ...] = ("warm",),
     readahead: tuple[str, ...] = ("on",),
 ) -> dict:
     """One model's row: prepare its folders under `work`, then `repeats` rotated rounds of
-    fresh-process loads of every case (and, with "off" in `readahead`, of every case without
-    the loader's read-ahead), each after `set_cache(folder, cache)`, then with `profile` one
-    profiled load of each."""
-    row: dict = {"model": name, "dtype": DTYPE, "repeats": repeats, "cache": cache}
+    fresh-process loads of every case in every page cache state of `caches` (and, with "off"
+    in `readahead`, without the loader's read-ahead too), each after `set_cache`, then with
+    `profile` one profiled load of each."""
+    row: dict = {"model": name, "dtype": DTYPE, "repeats": repeats, "caches": list(caches)}
     row["seconds"] = run_child(PREPARE, name, "1" if tiny else "0", str(work))
     row["folder_bytes"] = {folder: folder_bytes(work / folder) for folder in FOLDERS}
-    # label -> (folder, weights, readahead "1"/"0")
-    runs = {
-        case + ("" if mode == "on" else NO_READAHEAD): (*CASES[case], "1" if mode == "on" else "0")
+    variants = {  # suffix -> (cache, readahead "1"/"0")
+        ("" if cache == "warm" else COLD) + ("" if mode == "on" else NO_READAHEAD): (
+            cache,
+            "1" if mode == "on" else "0",
+        )
+        for cache in caches
         for mode in readahead
+    }
+    # label -> (folder, weights, cache, readahead)
+    runs = {
+        case + suffix: (*CASES[case], *variant)
+        for suffix, variant in variants.items()
         for case in cases
     }
     samples: dict[str, list[dict]] = {label: [] for label in runs}
     for repeat in range(repeats):
         for label in rotated(list(runs), repeat):
-            folder, weights, ahead = runs[label]
+            folder, weights, cache, ahead = runs[label]
             cache_s = set_cache(work / folder, cache)
             sample = {
                 **run_child(LOAD, str(work / folder), weights, "0", ahead),
@@ -277,11 +284,12 @@ def measure(
             "weights": done[0]["weights"],
         }
     medians = {label: row["loads"][label]["median_s"] for label in runs}
-    for ratio, (top, bottom) in RATIOS.items():
-        if top in medians and bottom in medians:
-            row[ratio] = round(medians[top] / medians[bottom], 4)
+    for suffix in variants:
+        for ratio, (top, bottom) in RATIOS.items():
+            if top + suffix in medians and bottom + suffix in medians:
+                row[ratio + suffix] = round(medians[top + suffix] / medians[bottom + suffix], 4)
     if profile:  # after the timed loads: cProfile slows what it watches
-        for label, (folder, weights, ahead) in runs.items():
+        for label, (folder, weights, cache, ahead) in runs.items():
             set_cache(work / folder, cache)
             sample = run_child(LOAD, str(work / folder), weights, "1", ahead)
             row["loads"][label]["profiled"] = sample
@@ -317,7 +325,9 @@ def main(argv: list[str] | None = None) -> None:
         "--profile", action="store_true", help="then one load of each case under cProfile"
     )
     p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
-    p.add_argument("--cache", choices=["warm", "cold"], default="warm", help="see the docstring")
+    p.add_argument(
+        "--cache", nargs="+", choices=["warm", "cold"], default=["warm"], help="see the docstring"
+    )
     p.add_argument(
         "--readahead", nargs="+", choices=["on", "off"], default=["on"], help="see the docstring"
     )
@@ -336,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
                     work,
                     args.profile,
                     tuple(args.cases),
-                    args.cache,
+                    tuple(dict.fromkeys(args.cache)),
                     tuple(dict.fromkeys(args.readahead)),
                 )
             )

@@ -35,7 +35,7 @@ def test_load_bench_times_every_case_and_deletes_only_its_folders(tmp_path, monk
     medians = {case: load["median_s"] for case, load in row["loads"].items()}
     ratio = medians["converted_fp8"] / medians["converted_bf16"]
     assert row["fp8_over_bf16"] == pytest.approx(ratio, abs=1e-4)
-    assert row["cache"] == "warm" and "fp8_over_bf16_no_readahead" not in row
+    assert row["caches"] == ["warm"] and "fp8_over_bf16_no_readahead" not in row
     assert "dense converted_fp8 (repeat 1)" in capsys.readouterr().out
 
 
@@ -54,17 +54,18 @@ def test_load_bench_loads_cold_with_and_without_the_read_ahead(tmp_path, monkeyp
     )
     (path,) = (tmp_path / "out").glob("load_*.json")
     (row,) = json.loads(path.read_text())["results"]
-    assert row["cache"] == "cold"
-    labels = {"converted_bf16", "converted_fp8"}
+    assert row["caches"] == ["cold"]
+    labels = {"converted_bf16_cold", "converted_fp8_cold"}
     labels |= {f"{label}_no_readahead" for label in labels}
     assert set(row["loads"]) == labels
     assert sorted(dropped) == sorted(["converted_bf16", "converted_fp8"] * 2)
     for label, load in row["loads"].items():
         assert load["weights"] == ("fp8" if "fp8" in label else "dtype"), label
     loads = {label: load["median_s"] for label, load in row["loads"].items()}
-    ratio = loads["converted_fp8_no_readahead"] / loads["converted_bf16_no_readahead"]
-    assert row["fp8_over_bf16_no_readahead"] == pytest.approx(ratio, abs=1e-4)
-    assert "hf_fp8_over_hf_bf16" not in row
+    for suffix in ("_cold", "_cold_no_readahead"):
+        ratio = loads[f"converted_fp8{suffix}"] / loads[f"converted_bf16{suffix}"]
+        assert row[f"fp8_over_bf16{suffix}"] == pytest.approx(ratio, abs=1e-4)
+    assert "fp8_over_bf16" not in row and "hf_fp8_over_hf_bf16_cold" not in row
 
 
 def test_drop_cached_changes_no_file(tmp_path):
