@@ -3,7 +3,7 @@ holding bf16 weights against the same weights converted to fp8, and, for context
 folder they were converted from, loaded as bf16 and quantised to fp8 as it is loaded.
 
     python -m bench.load [--models dense moe] [--repeats 3] [--cache warm [cold]]
-        [--readahead on [off]] [--cases converted_bf16 ...] [--profile] [--scratch DIR] [--tiny]
+        [--cases converted_bf16 ...] [--profile] [--scratch DIR] [--tiny]
 
 Per model (`bench.common`: LLaDA-8B's or LLaDA-MoE's shape, random bf16 weights built on
 the device), one preparing process writes the weights as an HF folder
@@ -39,10 +39,8 @@ or both; cases loaded cold are named `<case>_cold`):
   `posix_fadvise(DONTNEED)`, no privileges needed), so the load reads the disk, as the
   first load after a download or a reboot does.
 
-Each sample keeps `cache_s`, the seconds that took. `--readahead on off` also loads each
-case with `djax.readahead.start` replaced by a no-op in the child (cases named
-`<case>[_cold]_no_readahead`): the loader without its read-ahead of the weight files, beside
-it in one run. `--cases` picks cases (default all four).
+Each sample keeps `cache_s`, the seconds that took. `--cases` picks cases (default all
+four).
 
 The figure of merit is `fp8_over_bf16`, the converted fp8 load's median over the
 converted bf16 load's. A model's row: `cache`, `seconds` (`write_hf`, `convert_bf16`,
@@ -50,8 +48,8 @@ converted bf16 load's. A model's row: `cache`, `seconds` (`write_hf`, `convert_b
 `samples_s`, `import_s`, `backend_s`, `cache_s`, the `weights` loaded; with `--profile`,
 `profiled`: one more load under cProfile, after the timed ones and not among them, with its
 slowest functions by cumulative time), and the ratios of the pairs it loaded:
-`fp8_over_bf16` and `hf_fp8_over_hf_bf16`, each with the suffix of its variant
-(`fp8_over_bf16_cold_no_readahead`).
+`fp8_over_bf16` and `hf_fp8_over_hf_bf16`, and the same of the cold loads
+(`fp8_over_bf16_cold`).
 
 Disk: the folders live under a fresh folder made inside `--scratch` (default: the system's
 temporary folder), one model at a time, and are deleted when the model is done and, on any
@@ -95,7 +93,6 @@ LOAD = (
     "import sys, time; t = time.perf_counter(); "
     "from bench.load import timed_load; timed_load(t, *sys.argv[1:])"
 )
-NO_READAHEAD = "_no_readahead"  # a case's name loaded without the loader's read-ahead
 COLD = "_cold"  # a case's name loaded with its folder's pages dropped
 RATIOS = {  # ratio name -> (numerator case, denominator case), before a variant's suffix
     "fp8_over_bf16": ("converted_fp8", "converted_bf16"),
@@ -123,24 +120,17 @@ def prepare(name: str, tiny: str, folder: str) -> None:
     print(json.dumps({key: round(value, 3) for key, value in seconds.items()}))
 
 
-def timed_load(
-    started: float, folder: str, weights: str, profile: str = "0", readahead: str = "1"
-) -> None:
+def timed_load(started: float, folder: str, weights: str, profile: str = "0") -> None:
     """In a fresh process: the seconds of importing, starting the backend and
     `djax.load(folder)` until its params are on the device, printed as JSON; `profile`
     "1": the load runs under cProfile and its `PROFILE_TOP` functions by cumulative time
-    come with it (`profile`: "module:line(function)" -> seconds); `readahead` "0": the
-    load without its read-ahead of the weight files (`djax.readahead.start` a no-op)."""
+    come with it (`profile`: "module:line(function)" -> seconds)."""
     import jax
     import orbax.checkpoint  # noqa: F401  (read by `load` for a converted folder)
     import safetensors.numpy  # noqa: F401  (read by `load` for an HF folder)
 
     import djax
     import djax.model  # noqa: F401
-    from djax import readahead as djax_readahead
-
-    if readahead == "0":
-        djax_readahead.start = lambda paths: []
 
     imported = time.perf_counter()
     jax.devices()
@@ -238,38 +228,24 @@ def measure(
     profile: bool = False,
     cases: tuple[str, ...] = tuple(CASES),
     caches: tuple[str, ...] = ("warm",),
-    readahead: tuple[str, ...] = ("on",),
 ) -> dict:
     """One model's row: prepare its folders under `work`, then `repeats` rotated rounds of
-    fresh-process loads of every case in every page cache state of `caches` (and, with "off"
-    in `readahead`, without the loader's read-ahead too), each after `set_cache`, then with
-    `profile` one profiled load of each."""
+    fresh-process loads of every case in every page cache state of `caches`, each after
+    `set_cache`, then with `profile` one profiled load of each."""
     row: dict = {"model": name, "dtype": DTYPE, "repeats": repeats, "caches": list(caches)}
     row["seconds"] = run_child(PREPARE, name, "1" if tiny else "0", str(work))
     row["folder_bytes"] = {folder: folder_bytes(work / folder) for folder in FOLDERS}
-    variants = {  # suffix -> (cache, readahead "1"/"0")
-        ("" if cache == "warm" else COLD) + ("" if mode == "on" else NO_READAHEAD): (
-            cache,
-            "1" if mode == "on" else "0",
-        )
-        for cache in caches
-        for mode in readahead
-    }
-    # label -> (folder, weights, cache, readahead)
+    suffixes = {cache: "" if cache == "warm" else COLD for cache in caches}
+    # label -> (folder, weights, cache)
     runs = {
-        case + suffix: (*CASES[case], *variant)
-        for suffix, variant in variants.items()
-        for case in cases
+        case + suffix: (*CASES[case], cache) for cache, suffix in suffixes.items() for case in cases
     }
     samples: dict[str, list[dict]] = {label: [] for label in runs}
     for repeat in range(repeats):
         for label in rotated(list(runs), repeat):
-            folder, weights, cache, ahead = runs[label]
+            folder, weights, cache = runs[label]
             cache_s = set_cache(work / folder, cache)
-            sample = {
-                **run_child(LOAD, str(work / folder), weights, "0", ahead),
-                "cache_s": cache_s,
-            }
+            sample = {**run_child(LOAD, str(work / folder), weights), "cache_s": cache_s}
             samples[label].append(sample)
             print(f"{name} {label} (repeat {repeat + 1}): {sample}", flush=True)
     row["loads"] = {}
@@ -284,14 +260,14 @@ def measure(
             "weights": done[0]["weights"],
         }
     medians = {label: row["loads"][label]["median_s"] for label in runs}
-    for suffix in variants:
+    for suffix in suffixes.values():
         for ratio, (top, bottom) in RATIOS.items():
             if top + suffix in medians and bottom + suffix in medians:
                 row[ratio + suffix] = round(medians[top + suffix] / medians[bottom + suffix], 4)
     if profile:  # after the timed loads: cProfile slows what it watches
-        for label, (folder, weights, cache, ahead) in runs.items():
+        for label, (folder, weights, cache) in runs.items():
             set_cache(work / folder, cache)
-            sample = run_child(LOAD, str(work / folder), weights, "1", ahead)
+            sample = run_child(LOAD, str(work / folder), weights, "1")
             row["loads"][label]["profiled"] = sample
             print(f"{name} {label} (profiled): {sample}", flush=True)
     return row
@@ -328,9 +304,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--cache", nargs="+", choices=["warm", "cold"], default=["warm"], help="see the docstring"
     )
-    p.add_argument(
-        "--readahead", nargs="+", choices=["on", "off"], default=["on"], help="see the docstring"
-    )
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
     args = p.parse_args(argv)
     rows = []
@@ -347,7 +320,6 @@ def main(argv: list[str] | None = None) -> None:
                     args.profile,
                     tuple(args.cases),
                     tuple(dict.fromkeys(args.cache)),
-                    tuple(dict.fromkeys(args.readahead)),
                 )
             )
             shutil.rmtree(work)  # before the next model's folders are written

@@ -592,16 +592,6 @@ def is_converted(folder: str | Path) -> bool:
     return (Path(folder) / MARKER).is_file()
 
 
-def weight_files(folder: str | Path) -> list[Path]:
-    """The files a load of `folder` reads its weights from: every file of a converted
-    folder's checkpoint, else the HF folder's `*.safetensors` files, or where it has none
-    its `pytorch_model*.bin` ones (what `open_store` reads)."""
-    folder = Path(folder)
-    if is_converted(folder):
-        return sorted(p for p in (folder / PARAMS_DIR).rglob("*") if p.is_file())
-    return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
-
-
 def convert_wrote(folder: str | Path, kept: Iterable[str] = ()) -> bool:
     """Whether `folder` is what `djax convert` writes, so `--overwrite` may replace it: a
     marker that is a JSON object with a `format_version`, the params folder, and no entry

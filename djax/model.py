@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from djax import checkpoint, folders, programs, readahead, sharding
+from djax import checkpoint, folders, programs, sharding
 from djax.config import ConfigError, ModelConfig, from_hf_dict, load_hf_config, resolve_token_ids
 from djax.generation import generation_defaults
 from djax.kernel_options import KernelOptions
@@ -197,8 +197,6 @@ def load(
         )
     checkpoint.check_complete(folder)
     dtype = compute_dtype(dtype or default_dtype())
-    if jax.process_count() == 1:  # each process of several reads only its own shards
-        readahead.start(checkpoint.weight_files(folder))
     tokenizer = load_tokenizer(folder)
     config = read_config(folder, tokenizer)
     if checkpoint.is_converted(folder):

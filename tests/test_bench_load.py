@@ -35,37 +35,39 @@ def test_load_bench_times_every_case_and_deletes_only_its_folders(tmp_path, monk
     medians = {case: load["median_s"] for case, load in row["loads"].items()}
     ratio = medians["converted_fp8"] / medians["converted_bf16"]
     assert row["fp8_over_bf16"] == pytest.approx(ratio, abs=1e-4)
-    assert row["caches"] == ["warm"] and "fp8_over_bf16_no_readahead" not in row
+    assert row["caches"] == ["warm"] and "fp8_over_bf16_cold" not in row
     assert "dense converted_fp8 (repeat 1)" in capsys.readouterr().out
 
 
-def test_load_bench_loads_cold_with_and_without_the_read_ahead(tmp_path, monkeypatch):
-    """`--cache cold --readahead on off --cases ...`: only the cases asked for, each also
-    without the loader's read-ahead, the folders' pages dropped (not read) before each load,
-    and the ratio of each pair."""
-    dropped = []
-    real_drop = bench_load.drop_cached
-    monkeypatch.setattr(bench_load, "drop_cached", lambda f: (dropped.append(f.name), real_drop(f)))
-    monkeypatch.setattr(bench_load, "read_through", lambda f: pytest.fail("read through"))
-    monkeypatch.setenv("OUT", str(tmp_path / "out"))
-    argv = ["--tiny", "--repeats", "1", "--scratch", str(tmp_path), "--cache", "cold"]
-    bench_load.main(
-        [*argv, "--readahead", "on", "off", "--cases", "converted_bf16", "converted_fp8"]
+def test_load_bench_loads_warm_and_cold_cases_in_one_run(tmp_path, monkeypatch):
+    """`--cache warm cold --cases ...`: only the cases asked for, each read through before
+    its warm load and its pages dropped (not read) before its cold one, and the ratio of
+    each pair."""
+    events = []
+    real_drop, real_read = bench_load.drop_cached, bench_load.read_through
+    monkeypatch.setattr(
+        bench_load, "drop_cached", lambda f: (events.append(("drop", f.name)), real_drop(f))
     )
+    monkeypatch.setattr(
+        bench_load, "read_through", lambda f: (events.append(("read", f.name)), real_read(f))[1]
+    )
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    argv = ["--tiny", "--repeats", "1", "--scratch", str(tmp_path), "--cache", "warm", "cold"]
+    bench_load.main([*argv, "--cases", "converted_bf16", "converted_fp8"])
     (path,) = (tmp_path / "out").glob("load_*.json")
     (row,) = json.loads(path.read_text())["results"]
-    assert row["caches"] == ["cold"]
-    labels = {"converted_bf16_cold", "converted_fp8_cold"}
-    labels |= {f"{label}_no_readahead" for label in labels}
+    assert row["caches"] == ["warm", "cold"]
+    labels = {"converted_bf16", "converted_fp8", "converted_bf16_cold", "converted_fp8_cold"}
     assert set(row["loads"]) == labels
-    assert sorted(dropped) == sorted(["converted_bf16", "converted_fp8"] * 2)
+    folders = ["converted_bf16", "converted_fp8"]
+    assert sorted(events) == sorted([("drop", f) for f in folders] + [("read", f) for f in folders])
     for label, load in row["loads"].items():
         assert load["weights"] == ("fp8" if "fp8" in label else "dtype"), label
     loads = {label: load["median_s"] for label, load in row["loads"].items()}
-    for suffix in ("_cold", "_cold_no_readahead"):
+    for suffix in ("", "_cold"):
         ratio = loads[f"converted_fp8{suffix}"] / loads[f"converted_bf16{suffix}"]
         assert row[f"fp8_over_bf16{suffix}"] == pytest.approx(ratio, abs=1e-4)
-    assert "fp8_over_bf16" not in row and "hf_fp8_over_hf_bf16_cold" not in row
+    assert "hf_fp8_over_hf_bf16" not in row and "hf_fp8_over_hf_bf16_cold" not in row
 
 
 def test_drop_cached_changes_no_file(tmp_path):

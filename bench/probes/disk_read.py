@@ -7,6 +7,17 @@ page cache keep a folder of that size there at all, how fast does the disk read 
 reader and with several, and does asking the kernel to read a file ahead
 (`posix_fadvise(WILLNEED)`) fill the cache faster than reading it?
 
+Answer (H100 machine, c3e6077, `bench/results/disk_read_NVIDIA_H100_80GB_HBM3.json`; 16 GB in
+8 files): the disk reads at ~2 GB/s, and neither several readers (1.98 GB/s) nor asking for
+the files ahead (1.71 GB/s) reads it faster. Read again right away, the same 16 GB came at
+6.96 GB/s, yet the kernel's `Cached` stayed at 17.3 GB through every case: what kept them is
+below the guest (the virtual disk's host), not its page cache, and it does not keep the
+bench's 16 + 8.5 GB folders between alternating loads (`bench.load`'s read-throughs there run
+at ~1.5 GB/s). So a load on this machine reads at the disk's rate warm or cold, and a
+read-ahead in the loader cannot help it: one was built (`posix_fadvise(WILLNEED)` of the
+weight files from `djax.load`'s start), measured beside the loader without it and removed
+(bench/NOTES.md, "Load copies").
+
 Method. `--files` files of `--gb` GB in all are written under a fresh folder in `--scratch`
 (random bytes, so no layer below can compress them) and flushed to the disk (`fsync`);
 then, each timed, with every file's cached pages dropped first (`posix_fadvise(DONTNEED)`,
