@@ -999,3 +999,21 @@ def test_sparse_speed_runs_the_llada_moe_shape(tmp_path):
     assert row["sparse"] == {"keep": 0.25, "recent": 64, "keys": 176}
     assert row["dense_ms"] > 0 and row["sparse_ms"] > 0
     assert row["speedup"] == row["dense_ms"] / row["sparse_ms"]
+
+
+def test_load_phases_groups_whole_layers_and_keeps_every_param():
+    """`bench.probes.load_phases.groups_of`: every param in exactly one group, a layer's
+    params never split, the params of no layer in the first group, at most `count` groups."""
+    from bench.probes.load_phases import groups_of
+
+    names = sorted(
+        ["embed", "lm_head", "norm"] + [f"{p}_{i}" for p in ("attn", "mlp") for i in range(10)]
+    )
+    for count in (1, 3, 4, 10, 20):
+        groups = groups_of(names, count)
+        assert len(groups) <= count and sorted(sum(groups, [])) == names
+        assert {"embed", "lm_head", "norm"} <= set(groups[0])
+        for i in range(10):
+            (holder,) = [g for g in groups if f"attn_{i}" in g]
+            assert f"mlp_{i}" in holder
+    assert len(groups_of(names, 4)) == 4

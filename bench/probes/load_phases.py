@@ -1,0 +1,179 @@
+"""Probe: where does a cold load of a converted checkpoint spend what its bytes do not explain?
+
+Question. On the H100 machine a cold load (cached pages dropped) of LLaDA-8B's converted
+folder took 13.5-14.0 s in bf16 (16.0 GB) and 10.0-10.3 s in fp8 (8.5 GB), where its disk
+reads ~2 GB/s, 8.0 / 4.3 s of bytes (bench/NOTES.md, "Load copies"): ~5.7 s a load in
+both formats go elsewhere, and issue 28 asks the fp8 load for at most 0.6x the bf16 one.
+Are the reads and the host-to-device copies of orbax's restore serial (read, then copy),
+and would a restore that copies one array while reading the next take them back?
+
+Method. At the LLaDA-8B shape (or `--tiny`), random weights built on the device in each
+format (`dtype`, `fp8`) are written with `checkpoint.save_orbax`, as `djax convert` writes
+them, into a fresh folder under `--scratch`. Then, per format, each phase timed with the
+checkpoint's cached pages dropped first (`posix_fadvise(DONTNEED)`) unless it says "warm":
+
+- `read`: orbax restores every array into host memory (numpy), no device: the reads;
+- `put` (warm: the host arrays of `read`): `jax.device_put` of them, the copies alone;
+- `restore`: orbax restores into device arrays, as `djax.load` does (`restore_orbax`'s
+  call, without djax's checks);
+- `load`: `checkpoint.restore_orbax`, the whole converted load after the config (the
+  checks, the fingerprints), the figure `bench.load` times in a fresh process;
+- `overlapped`: the arrays in `--groups` groups of whole layers, each group restored into
+  host memory by a reader thread while the one before it is copied to the device: reads
+  and copies overlapped by hand.
+
+One small restore runs first, so the process's one-time costs (tensorstore's and orbax's
+first calls) fall in no phase. Predicted before any run: `restore` ~ `read` + `put` (serial)
+and `overlapped` ~ max(`read`, `put`) plus a group's copy.
+
+    python -m bench.probes.load_phases [--weights dtype fp8] [--groups 8] [--scratch DIR]
+        [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import model_config, save
+from djax import checkpoint
+from djax.models import abstract_params, init_params
+
+DTYPE = jnp.bfloat16
+
+
+def drop_cached(folder: Path) -> None:
+    """Drop the page cache's clean pages of every file under `folder` (advice only)."""
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def restore(folder: Path, names: list[str], abstract: dict, device: bool) -> dict:
+    """The params `names` of the checkpoint under `folder`, restored into device arrays
+    (`device`) or into host numpy arrays."""
+    import orbax.checkpoint as ocp
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    item = {name: abstract[name] for name in names}
+    if device:
+        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=sharding), item)
+    else:
+        restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    handler = ocp.PyTreeCheckpointHandler()
+    with ocp.Checkpointer(handler) as reader:
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        return reader.restore(folder / checkpoint.PARAMS_DIR, args=args)
+
+
+def groups_of(names: list[str], count: int) -> list[list[str]]:
+    """`names` (sorted param names, `<part>_<layer>` for a layer's) cut into at most `count`
+    groups of whole layers, the other params (embedding, head, norms) in the first."""
+    layer_of = {n: int(n.rpartition("_")[2]) for n in names if n.rpartition("_")[2].isdigit()}
+    layers = sorted(set(layer_of.values()))
+    per = max(1, -(-len(layers) // count))
+    cuts = [layers[i : i + per] for i in range(0, len(layers), per)]
+    groups = [[n for n in names if layer_of.get(n) in set(cut)] for cut in cuts]
+    groups[0] = [n for n in names if n not in layer_of] + groups[0]
+    return groups
+
+
+def overlapped(folder: Path, groups: list[list[str]], abstract: dict) -> float:
+    """Seconds to restore `groups` into host memory in a reader thread while the main thread
+    copies each finished group to the device."""
+    ready: queue.Queue = queue.Queue(maxsize=2)
+
+    def reader():
+        for group in groups:
+            ready.put(restore(folder, group, abstract, device=False))
+        ready.put(None)
+
+    start = time.perf_counter()
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    placed = []
+    while (host := ready.get()) is not None:
+        placed.append(jax.device_put(host))
+    jax.block_until_ready(placed)
+    thread.join()
+    return time.perf_counter() - start
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return time.perf_counter() - start, out
+
+
+def measure(config, weights: str, work: Path, groups: int) -> dict:
+    folder = work / weights
+    folder.mkdir()
+    params = init_params(config, DTYPE, seed=0, weights=weights)
+    checkpoint.save_orbax(folder, params, {"dtype": jnp.dtype(DTYPE).name, "weights": weights})
+    del params
+    abstract = abstract_params(config, DTYPE, weights)
+    names = sorted(abstract)
+    row = {"weights": weights, "arrays": len(names), "folder_bytes": folder_bytes(folder)}
+    seconds = {}
+
+    def cold(phase: str, fn) -> object:
+        drop_cached(folder)
+        seconds[phase], out = timed(fn)
+        return out
+
+    host = cold("read", lambda: restore(folder, names, abstract, device=False))
+    seconds["put"] = timed(lambda: jax.device_put(host))[0]  # warm: `read`'s host arrays
+    host = None
+    cold("restore", lambda: restore(folder, names, abstract, device=True))
+    cold("load", lambda: checkpoint.restore_orbax(folder, config, DTYPE, None, weights))
+    cut = groups_of(names, groups)
+    drop_cached(folder)
+    seconds["overlapped"] = overlapped(folder, cut, abstract)
+    row.update(groups=len(cut), seconds=seconds)
+    row["gb_per_s"] = {k: row["folder_bytes"] / 1e9 / s for k, s in seconds.items()}
+    print(row, flush=True)
+    shutil.rmtree(folder)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--weights", nargs="+", choices=["dtype", "fp8"], default=["dtype", "fp8"])
+    p.add_argument("--groups", type=int, default=8, help="groups of layers `overlapped` uses")
+    p.add_argument("--scratch", default=None, help="an existing folder (default: the temp one)")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
+    args = p.parse_args(argv)
+    config = model_config("dense", args.tiny)
+    work = Path(tempfile.mkdtemp(prefix="djax_load_phases_", dir=args.scratch))
+    try:
+        warm = model_config("dense", tiny=True)  # the process's first restore, untimed
+        (work / "warm").mkdir()
+        checkpoint.save_orbax(work / "warm", init_params(warm, DTYPE, seed=0), {})
+        restore(
+            work / "warm", sorted(abstract_params(warm, DTYPE)), abstract_params(warm, DTYPE), True
+        )
+        rows = [measure(config, weights, work, args.groups) for weights in args.weights]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    save("load_phases", {"model": "dense", "tiny": args.tiny, "results": rows})
+
+
+if __name__ == "__main__":
+    main()
