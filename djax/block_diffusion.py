@@ -83,6 +83,14 @@ class BlockPlan:
     def seq_len(self) -> int:
         return self.prefix_len + self.n_blocks * self.block_len
 
+    def describe(self) -> str:
+        """The program's shape in one line (`djax generate --explain`)."""
+        return (
+            f"batch {self.batch}, prompt blocks {self.prefix_len}, gen {self.gen_length} in "
+            f"{self.n_blocks} blocks of {self.block_len} (block diffusion), cache "
+            f"{'dual' if self.cached else 'none'}"
+        )
+
     @property
     def forward_window(self) -> int:
         """The positions a block forward feeds (the kernels' block shapes): a block under
@@ -488,10 +496,13 @@ def make_plan(
     if config.steps is not None:
         uneven = [(i, n) for i, n in enumerate(blocks) if config.steps % n]
         if uneven:
-            raise ValueError(
-                f"steps={config.steps} is the total over each row's generated blocks and must "
-                f"split evenly: (row, generated blocks) {uneven} (a row generates "
-                f"ceil((prompt_len % block_length + gen_length) / block_length) blocks)"
+            i, n = uneven[0]
+            raise engine.PromptError(
+                i,
+                f"generates {n} blocks, over which steps={config.steps} (the total over each "
+                "row's generated blocks) does not split evenly (a row generates "
+                f"ceil((prompt_len % block_length + gen_length) / block_length) blocks: "
+                f"{lengths[i]} prompt tokens here)",
             )
     prefix = max(n // b for n in lengths) * b
     prefill = prefix > 0 and config.cache != "none"

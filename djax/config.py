@@ -75,6 +75,7 @@ class ModelConfig:
     expert_groups: int = 1  # LLaDA2's group-limited routing: experts in this many groups,
     groups_per_token: int = 1  # of which each token's experts come from this many
     routed_scaling: float = 1.0  # LLaDA2: the routed experts' weights times this
+    extra_eos_ids: tuple[int, ...] = ()  # config.json's EOS ids after the first (a list)
 
     @property
     def is_moe(self) -> bool:
@@ -91,11 +92,12 @@ class ModelConfig:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """EOS and end-of-turn: the ids that end an answer."""
-        ids = [self.eos_token_id]
-        if self.eot_token_id is not None and self.eot_token_id != self.eos_token_id:
+        """EOS (every id of config.json's list, where it lists several) and end-of-turn: the
+        ids that end an answer."""
+        ids = [self.eos_token_id, *self.extra_eos_ids]
+        if self.eot_token_id is not None:
             ids.append(self.eot_token_id)
-        return tuple(ids)
+        return tuple(dict.fromkeys(ids))
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -200,14 +202,23 @@ class _Reader:
             raise ConfigError(f"{self.source}: key '{key}'={self.hf[key]!r} should be finite")
         return value
 
-    def first_id(self, key: str) -> int | None:
-        """An id key that may hold an int or a list of ints (HF allows both)."""
+    def ids(self, key: str) -> tuple[int, ...]:
+        """An id key that may hold an int or a list of ints (HF allows both), every one
+        checked; () where it is absent, null or an empty list."""
         value = self.hf.get(key)
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ConfigError(f"{self.source}: key '{key}'={value!r} should be an integer id")
-        return value
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        for item in values:
+            if not isinstance(item, int) or isinstance(item, bool):
+                raise ConfigError(
+                    f"{self.source}: key '{key}'={value!r} should be an integer id or a list "
+                    "of them"
+                )
+        return tuple(values)
+
+    def first_id(self, key: str) -> int | None:
+        """The first id of an id key (`ids`), or None."""
+        ids = self.ids(key)
+        return ids[0] if ids else None
 
     def refuse(self, key: str, supported: Any, why: str) -> None:
         """Raise if `key` is present with a value other than `supported`."""
@@ -285,6 +296,7 @@ def _dense_config(r: _Reader) -> ModelConfig:
         max_seq_len=r.get("max_sequence_length", int, 4096),
         mask_token_id=_mask_id(r),
         eos_token_id=eos,
+        extra_eos_ids=r.ids("eos_token_id")[1:],
         pad_token_id=eos if pad is None else pad,
         bos_token_id=r.first_id("bos_token_id"),
         eot_token_id=r.first_id("eot_token_id"),
@@ -363,6 +375,7 @@ def _moe_config(r: _Reader) -> ModelConfig:
         max_seq_len=r.get("max_position_embeddings", int, 4096),
         mask_token_id=_mask_id(r),
         eos_token_id=eos,
+        extra_eos_ids=r.ids("eos_token_id")[1:],
         pad_token_id=eos if pad is None else pad,
         bos_token_id=r.first_id("bos_token_id"),
         eot_token_id=r.first_id("eot_token_id"),
@@ -438,12 +451,17 @@ def resolve_token_ids(config: ModelConfig, tokenizer: Any | None, source: str) -
         if bos is not None:
             changes["bos_token_id"] = bos
     resolved = config.replace(**changes)
-    for name in ("mask_token_id", "eos_token_id", "pad_token_id"):
-        value = getattr(resolved, name)
+    named = [(n, getattr(resolved, n)) for n in ("mask_token_id", "eos_token_id", "pad_token_id")]
+    for name, value in named + [("eos_token_id", i) for i in resolved.extra_eos_ids]:
         if not 0 <= value < resolved.vocab_size:
             raise ConfigError(
                 f"{source}: {name}={value} is outside the vocabulary [0, {resolved.vocab_size})"
             )
+    if resolved.mask_token_id in resolved.extra_eos_ids:
+        raise ConfigError(
+            f"{source}: mask_token_id={resolved.mask_token_id} is among the EOS ids "
+            f"{list(resolved.stop_token_ids)}; expected an id of its own"
+        )
     if resolved.mask_token_id in (resolved.eos_token_id, resolved.pad_token_id):
         raise ConfigError(
             f"{source}: mask_token_id={resolved.mask_token_id} is also the EOS or padding id "

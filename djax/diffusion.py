@@ -76,6 +76,18 @@ class Plan:
     def n_blocks(self) -> int:
         return self.gen_length // self.block_len
 
+    def describe(self) -> str:
+        """The program's shape in one line (`djax generate --explain`)."""
+        sparse = (
+            f", sparse attention: at most {self.sparse.keys} of {self.seq_len} keys per head"
+            if self.sparse
+            else ""
+        )
+        return (
+            f"batch {self.batch}, prompt {self.prompt_len}, gen {self.gen_length}, "
+            f"block {self.block_len}, cache {self.cache.name}{sparse}"
+        )
+
     @property
     def forward_window(self) -> int:
         """The positions a cached forward feeds: the cache policy's window (the whole

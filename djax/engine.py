@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from djax import program_cache, programs, xla_options
+from djax import program_cache, programs, prompt_io, xla_options
 from djax.diffusion import Plan, Rows, row_keys, run_generation
 from djax.generation import FIXED_DECODERS, GenerationConfig
 from djax.model import Model
@@ -134,7 +134,11 @@ def tokenize(model: Model, prompts: Sequence[Any], chat: bool) -> list[list[int]
                     f"{model.path}: has no tokenizer; pass token-id lists instead of strings"
                 )
             if chat or conversation:
-                messages = prompt if conversation else [{"role": "user", "content": prompt}]
+                messages = (
+                    [_chat_turn(i, j, m) for j, m in enumerate(prompt)]
+                    if conversation
+                    else [{"role": "user", "content": prompt}]
+                )
                 try:
                     text = model.tokenizer.apply_chat_template(
                         list(messages), add_generation_prompt=True, tokenize=False
@@ -162,6 +166,22 @@ def tokenize(model: Model, prompts: Sequence[Any], chat: bool) -> list[list[int]
             raise PromptError(i, "is empty; expected at least one token")
         rows.append(list(ids))
     return rows
+
+
+def _chat_turn(i: int, j: int, message: Mapping) -> dict[str, str]:
+    """Message `j` of prompt `i` as the chat template takes it, as the CLI and the server
+    give it: its content text (a string, or a list of text parts joined), `developer` as
+    `system`; a PromptError for a role that is not a string or content that is not text."""
+    role, content = message["role"], message["content"]
+    text = prompt_io.turn_text(content)
+    if not isinstance(role, str) or text is None:
+        raise PromptError(
+            i,
+            f"has message {j} with role {role!r:.40} and content {content!r:.60}; expected a "
+            'role string and text content (a string or a list of {"type": "text", "text"} '
+            "parts)",
+        )
+    return prompt_io.template_turn(role, text)
 
 
 def plan_stop_ids(model: Model, config: GenerationConfig) -> tuple[int, ...]:
@@ -419,21 +439,16 @@ def _compile(model: Model, plan: Plan, args: tuple, run: RowProgram, kernels: Ke
     return xla_options.compile_lowered(lower(model, plan, args, run, kernels), options)
 
 
-def explain(model: Model, plan: Plan) -> str:
-    """The device, the kernel options and what they resolve to for a program of `plan`,
-    as lines of text (`djax generate --explain`)."""
+def explain(model: Model, plan: Any) -> str:
+    """The device, the kernel options and what they resolve to for a program of `plan`
+    (a `Plan`, or block diffusion's `BlockPlan`), as lines of text (`djax generate
+    --explain`)."""
     options = ", ".join(f"{name}={value}" for name, value in model.options.items())
     return "\n".join(
         [
             f"device: {programs.device_of(model.mesh)}",
             f"kernel options: {options}",
-            f"batch {plan.batch}, prompt {plan.prompt_len}, gen {plan.gen_length}, "
-            f"block {plan.block_len}, cache {plan.cache.name}"
-            + (
-                f", sparse attention: at most {plan.sparse.keys} of {plan.seq_len} keys per head"
-                if plan.sparse
-                else ""
-            ),
+            plan.describe(),
             kernel_choice(model, plan).explain(),
         ]
     )

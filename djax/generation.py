@@ -153,7 +153,14 @@ def _check_options(c: GenerationConfig) -> None:
         c.steps is None or (_is_int(c.steps) and c.steps > 0),
         f"steps={c.steps!r}; expected a positive int or None",
     )
-    for name in ("threshold", "low_threshold", "factor", "credit_alpha", "credit_gamma"):
+    for name in (
+        "threshold",
+        "low_threshold",
+        "factor",
+        "credit_alpha",
+        "credit_gamma",
+        "credit_beta",
+    ):
         value = getattr(c, name)
         need(
             isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value),

@@ -131,6 +131,7 @@ def llada2_config(r: _Reader) -> ModelConfig:
         max_seq_len=r.get("max_position_embeddings", int, 16384),
         mask_token_id=_id(r, "mask_token_id"),
         eos_token_id=_id(r, "eos_token_id"),
+        extra_eos_ids=r.ids("eos_token_id")[1:],
         pad_token_id=_id(r, "pad_token_id"),
         bos_token_id=r.first_id("bos_token_id"),
         eot_token_id=r.first_id("eot_token_id"),

@@ -79,6 +79,14 @@ def from_texts(texts: Sequence[str]) -> list[PromptRecord]:
     return [PromptRecord(i, text) for i, text in enumerate(texts)]
 
 
+def _check_id(id_: Any, where: str) -> None:
+    """ValueError naming `where` unless `id_` is a string of valid Unicode or an int."""
+    if not isinstance(id_, str | int) or isinstance(id_, bool):
+        raise ValueError(f"{where}: id {id_!r}; expected a string or an int")
+    if isinstance(id_, str):
+        _check_unicode(id_, f"{where}: id")
+
+
 def _check_unicode(text: str, where: str) -> None:
     """ValueError naming `where` when `text` holds a lone surrogate (from a JSON escape such
     as "\\ud800", or bytes that are not UTF-8 on the command line): no tokenizer takes it."""
@@ -141,8 +149,7 @@ def _record(item: Any, line: int, where: str) -> PromptRecord:
     if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
         raise ValueError(f'{where}: expected an object with "prompt" or "messages"')
     id_ = item.get("id", line)
-    if not isinstance(id_, str | int) or isinstance(id_, bool):
-        raise ValueError(f"{where}: id {id_!r}; expected a string or an int")
+    _check_id(id_, where)
     if "prompt" in item:
         prompt = item["prompt"]
         if not isinstance(prompt, str) or not prompt:
@@ -191,6 +198,17 @@ def finished(path: str | Path) -> dict[str | int, str | list]:
         return {}
     if path.is_dir():
         raise ValueError(f"{path} is a folder; expected an output file (JSONL)")
+    if not path.is_file():  # a pipe, a terminal, a device: no file to append to and read back
+        raise ValueError(
+            f"{path} is not a regular file; expected an output file (JSONL), which djax "
+            "appends to and reads back to resume (--json prints the results instead)"
+        )
+    stream = _stream_of(path)
+    if stream:
+        raise ValueError(
+            f"{path} is this run's {stream}, where djax prints too; expected an output file "
+            "of its own (--json prints the results instead)"
+        )
     done = {}
     text = _text(path)
     if text and not text.endswith("\n"):
@@ -206,8 +224,23 @@ def finished(path: str | Path) -> dict[str | int, str | list]:
                 f"{path}:{n}: not a djax output record; expected a JSON object with "
                 f"{', '.join(OUTPUT_FIELDS)} and a prompt or messages"
             )
+        _check_id(item["id"], f"{path}:{n}")
         done[item["id"]] = item.get("prompt", item.get("messages"))
     return done
+
+
+def _stream_of(path: Path) -> str | None:
+    """ "standard output" or "standard error" where `path` is the file this process writes
+    that stream to (a shell's `> file` given as `/dev/stdout`), else None."""
+    here = path.stat()
+    for fd, name in ((1, "standard output"), (2, "standard error")):
+        try:
+            stream = os.fstat(fd)
+        except OSError:
+            continue
+        if (stream.st_dev, stream.st_ino) == (here.st_dev, here.st_ino):
+            return name
+    return None
 
 
 def batches(records: Sequence[PromptRecord], size: int) -> Iterator[list[PromptRecord]]:

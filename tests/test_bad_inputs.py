@@ -320,6 +320,9 @@ def test_numpy_scalars_in_a_generation_config():
     assert type(config.seed) is int and type(config.stop_ids[0]) is int
     with pytest.raises(ValueError, match="seed=True"):
         djax.GenerationConfig(seed=np.bool_(True))
+    for bad in (True, None, "0.8", float("nan")):  # checked as the other numbers are
+        with pytest.raises(ValueError, match=r"credit_beta=.*; expected a finite number"):
+            djax.GenerationConfig(credit_beta=bad)
 
 
 @pytest.mark.parametrize("call, error, message", API_ROWS)
@@ -337,6 +340,24 @@ def test_unknown_xla_option_through_the_api(demo_model, monkeypatch):
         "DJAX_XLA_OPTIONS: While setting option xla_gpu_autotune_level, 'high' is not a "
         "valid int32 value."
     )
+
+
+def test_a_conversation_s_turns_as_the_cli_and_server_take_them(demo_model):
+    """A message's content as a list of text parts is joined (it reached the chat template
+    as the list's repr), `developer` is given as `system`; content that is not text, or a
+    role that is not a string, is a PromptError naming the prompt and the message."""
+    from djax import engine
+
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "347+2958="}]
+    halves = [{"type": "text", "text": "347+"}, {"type": "text", "text": "2958="}]
+    parts = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": halves}]
+    assert engine.tokenize(demo_model, [parts], True) == engine.tokenize(demo_model, [plain], True)
+    for bad in (None, 5, [{"type": "image_url", "image_url": "x"}]):
+        turns = [plain[0], {"role": "user", "content": bad}]
+        with pytest.raises(engine.PromptError, match="prompt 1 has message 1 with role 'user'"):
+            engine.tokenize(demo_model, ["1+1=", turns], True)
+    with pytest.raises(engine.PromptError, match="has message 0 with role 3"):
+        engine.tokenize(demo_model, [[{"role": 3, "content": "x"}]], True)
 
 
 def test_a_conversation_is_a_prompt(demo_model):

@@ -204,6 +204,49 @@ def test_a_lone_surrogate_is_refused_naming_where(tmp_path, capsys, where):
         assert "--prompt 0: character 4" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "record, where",
+    [
+        ('{"id": [1], "prompt": "1+1=", "answer": "2", "token_ids": [5]}', "out"),
+        ('{"id": "a\\ud800", "prompt": "1+1=", "answer": "2", "token_ids": [5]}', "out"),
+        ('{"id": "a\\ud800", "prompt": "1+1="}', "in"),
+    ],
+)
+def test_a_bad_id_is_refused_naming_its_line_before_any_work(tmp_path, capsys, record, where):
+    """An id that is not a string or an int (in the output file being resumed), or a string
+    that is not valid Unicode (in either file), is refused naming the file and line before
+    the model loads (it failed as a bare "unhashable type", or only when the answer was
+    written)."""
+    path = tmp_path / f"{where}.jsonl"
+    path.write_text(record + "\n")
+    out = path if where == "out" else tmp_path / "out.jsonl"
+    source = ["--prompt", "1+1="] if where == "out" else ["--input-jsonl", str(path)]
+    assert main(["generate", *source, "--output-jsonl", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert f"{path}:1: id" in captured.err and "model:" not in captured.out
+    assert path.read_text() == record + "\n"
+
+
+@pytest.mark.parametrize("stdout", ["file", "pipe"])
+def test_output_jsonl_refuses_the_run_s_own_stdout(tmp_path, stdout):
+    """`--output-jsonl /dev/stdout` is refused before any work: redirected to a file, djax's
+    own lines would overwrite the records; piped, reading it back to resume would hang."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DJAX_COMPILE_CACHE": str(tmp_path / "c")}
+    command = [sys.executable, "-m", "djax.cli", "generate", "--prompt", "1+1="]
+    command += ["--output-jsonl", "/dev/stdout"]
+    if stdout == "file":
+        with open(tmp_path / "out.txt", "w") as file:
+            done = subprocess.run(
+                command, stdout=file, stderr=subprocess.PIPE, env=env, text=True, timeout=120
+            )
+        expected = "is this run's standard output"
+        assert (tmp_path / "out.txt").read_text() == ""
+    else:
+        done = subprocess.run(command, capture_output=True, env=env, text=True, timeout=120)
+        expected = "is not a regular file"
+    assert done.returncode == 2 and expected in done.stderr, done.stderr
+
+
 def test_conversation_turns_as_the_server_takes_them(tmp_path):
     """A JSONL conversation's turns: text parts joined, `developer` given to the template as
     `system`; the answer's record holds the turns the template got."""

@@ -131,3 +131,20 @@ def test_token_ids_from_tokenizer():
         for unset in (None, []):
             cfg = resolve_token_ids(from_hf_dict({**config, "mask_token_id": unset}), tok, "x")
             assert cfg.mask_token_id == tok.mask_token_id
+
+
+def test_every_eos_id_of_a_list_ends_an_answer():
+    """HF allows `eos_token_id` to be a list: every id of it is a stop id (it kept the first
+    only), and every one is checked as an id inside the vocabulary, not the mask id."""
+    tok = build_char_tokenizer()
+    for config in (DENSE, MOE):
+        cfg = resolve_token_ids(from_hf_dict({**config, "eos_token_id": [1, 50, 1]}), tok, "x")
+        assert cfg.eos_token_id == 1
+        assert cfg.stop_token_ids == (1, 50, cfg.eot_token_id)
+        for bad in ("x", True, 1.5):
+            with pytest.raises(ConfigError, match="should be an integer id or a list of them"):
+                from_hf_dict({**config, "eos_token_id": [1, bad]}, "my/config.json")
+        with pytest.raises(ConfigError, match="eos_token_id=999 is outside the vocabulary"):
+            resolve_token_ids(from_hf_dict({**config, "eos_token_id": [1, 999]}), tok, "x")
+        with pytest.raises(ConfigError, match="mask_token_id=2 is among the EOS ids"):
+            resolve_token_ids(from_hf_dict({**config, "eos_token_id": [1, 2]}), tok, "x")

@@ -357,7 +357,7 @@ def test_other_decoders_fill_every_block(llada2_small, decoder):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"steps": 5}, r"steps=5 is the total over each row's generated blocks"),
+        ({"steps": 5}, r"prompt 0 generates \d blocks, over which steps=5 \(the total over"),
         ({"decoder": "credit"}, "decoder='credit' is not available for block diffusion"),
         ({"cache": "prefix"}, "cache='prefix'"),
         ({"refresh_every": 2}, "refresh_every=2"),
@@ -551,3 +551,39 @@ def test_cached_steps_take_the_block_kernels_and_give_xlas_tokens(tmp_path):
     assert block_windows == [8]  # traced once: the block
     np.testing.assert_array_equal(ours.answer_ids, ref.answer_ids)
     assert (ours.stats.forwards, ours.stats.refreshes) == (ref.stats.forwards, ref.stats.refreshes)
+
+
+def test_explain_plans_the_program_block_diffusion_runs(llada2_small, capsys):
+    """`djax generate --explain` on a block-diffusion model describes and checks the program
+    `djax.generate` runs (block diffusion's own plan): a run it accepts is accepted with
+    `--explain` too (steps split over each row's generated blocks), the answer is not
+    rounded to whole blocks, and an option it refuses is refused before anything prints."""
+    from djax.cli import main
+
+    model = ["generate", "--model", llada2_small.path, "--block-length", "4"]
+    run = [*model, "--prompt", "abcde", "--gen-length", "8", "--decoder", "low_confidence"]
+    run += ["--steps", "3", "--json"]
+    assert main(run) == 0
+    capsys.readouterr()
+    assert main([*run, "--explain"]) == 0, capsys.readouterr().err
+    odd = [*model, "--prompt", "abcdefghij", "--gen-length", "30", "--explain"]
+    assert main(odd) == 0
+    out = capsys.readouterr().out
+    assert "gen 30 in " in out and "(block diffusion), cache dual" in out
+    assert "block forward:" in out
+    assert main([*odd, "--cache", "prefix"]) == 2
+    captured = capsys.readouterr()
+    assert "cache='prefix'" in captured.err and "block diffusion" not in captured.out
+
+
+def test_uneven_steps_name_the_prompt_by_its_id(llada2_small, tmp_path, capsys):
+    """A prompt whose generated blocks `--steps` does not split over is named by its record
+    id (a PromptError), not by its row in the batch."""
+    from djax.cli import main
+
+    (tmp_path / "p.txt").write_text("abcd\n\nabcde\n")  # ids 1 and 3 (line numbers)
+    args = ["generate", "--model", llada2_small.path, "--prompts-file", str(tmp_path / "p.txt")]
+    args += ["--gen-length", "8", "--block-length", "4", "--decoder", "low_confidence"]
+    assert main([*args, "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "prompt id 3 generates 3 blocks, over which steps=4" in err, err
