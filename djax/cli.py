@@ -405,8 +405,38 @@ def _totals(stats: list[dict[str, Any]]) -> dict[str, Any]:
     return summed
 
 
-def _unfinished(args: argparse.Namespace, records: list[prompt_io.PromptRecord]) -> list:
-    """`records` less those whose ids `--output-jsonl` already holds (a warning says so)."""
+def _settings(args: argparse.Namespace, path: str, config: GenerationConfig, chat: bool) -> dict:
+    """What an answer was asked with, as output records keep it (JSON values): the model
+    folder, its weight format and dtype as asked, the chat template's use and the generation
+    config."""
+    settings = {
+        "model": str(Path(path).resolve()),
+        "weights": args.weights,
+        "dtype": args.dtype,
+        "chat": chat,
+        "generation": dataclasses.asdict(config),
+    }
+    return json.loads(json.dumps(settings))
+
+
+def _differences(old: dict, new: dict) -> str:
+    """The settings that differ, as "name old -> new" (generation fields by their own name)."""
+
+    def flat(settings: dict) -> dict:
+        rest = {k: v for k, v in settings.items() if k != "generation"}
+        return rest | settings.get("generation", {})
+
+    old, new = flat(old), flat(new)
+    keys = [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+    return ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
+
+
+def _unfinished(
+    args: argparse.Namespace, records: list[prompt_io.PromptRecord], settings: dict
+) -> list:
+    """`records` less those whose ids `--output-jsonl` already holds (a warning says so);
+    a ValueError where the file answered an id for another prompt or with other
+    `settings`."""
     if not args.output_jsonl:
         return records
     source = args.input_jsonl or args.prompts_file
@@ -416,11 +446,20 @@ def _unfinished(args: argparse.Namespace, records: list[prompt_io.PromptRecord])
         )
     done = prompt_io.finished(args.output_jsonl)
     for r in records:
-        if r.id in done and done[r.id] != r.prompt:
+        if r.id not in done:
+            continue
+        prompt, written_with = done[r.id]
+        if prompt != r.prompt:
             raise ValueError(
                 f"{args.output_jsonl} holds an answer for id {r.id!r} to another prompt "
-                f"({done[r.id]!r:.60} against {r.prompt!r:.60}); expected the prompts of the "
+                f"({prompt!r:.60} against {r.prompt!r:.60}); expected the prompts of the "
                 "run that wrote it, or another --output-jsonl"
+            )
+        if written_with is not None and written_with != settings:
+            raise ValueError(
+                f"{args.output_jsonl} holds an answer for id {r.id!r} generated with other "
+                f"settings ({_differences(written_with, settings)}); expected the settings "
+                "of the run that wrote it, or another --output-jsonl"
             )
     todo = [r for r in records if r.id not in done]
     if len(todo) < len(records):
@@ -471,7 +510,9 @@ def run_generate(
     path = args.model or str(demo.default_model_path())
     label = demo.describe(path)  # None unless the folder holds a demo model
     config = _generation_config(args, generation_defaults(path))
-    records = _unfinished(args, _records(args, bool(label)))
+    chat = bool(label) if args.chat is None else args.chat
+    settings = _settings(args, path, config, chat)
+    records = _unfinished(args, _records(args, bool(label)), settings)
     progress = progress or Progress(len(records))
     progress.total = len(records)
     result = {"model": f"{path} ({label})" if label else path, "notes": [], "stats": {}}
@@ -482,7 +523,6 @@ def run_generate(
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
     show_progress = show_progress and not args.quiet
     model = _load(args, path, show_progress)
-    chat = bool(label) if args.chat is None else args.chat
     if not args.json:
         print(f"model: {result['model']}", flush=True)
     from tqdm import tqdm
@@ -508,7 +548,8 @@ def run_generate(
                     prompt_io.append_records(
                         args.output_jsonl,
                         (
-                            r.fields() | {"answer": t, "token_ids": ids, "stats": stats}
+                            r.fields()
+                            | {"answer": t, "token_ids": ids, "stats": stats, "settings": settings}
                             for r, t, ids in zip(batch, texts, out.token_ids, strict=True)
                         ),
                     )

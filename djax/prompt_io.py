@@ -21,7 +21,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # A chat turn's roles, as the OpenAI API names them (`djax serve` takes the same); a
 # `developer` turn reaches the chat template as a `system` turn (`template_turn`).
@@ -181,9 +181,17 @@ def _record(item: Any, line: int, where: str) -> PromptRecord:
 OUTPUT_FIELDS = ("id", "answer", "token_ids")
 
 
-def finished(path: str | Path) -> dict[str | int, str | list]:
-    """The records an output JSONL file already holds, as {id: its prompt or messages}
-    (none when it does not exist yet). Raises ValueError naming the line of anything that
+class Answered(NamedTuple):
+    """What an output record says of an answered prompt: the prompt (text or messages) and
+    the settings it was generated with (None in records written before djax kept them)."""
+
+    prompt: str | list
+    settings: dict | None
+
+
+def finished(path: str | Path) -> dict[str | int, Answered]:
+    """The records an output JSONL file already holds, as {id: `Answered`} (none when it
+    does not exist yet). Raises ValueError naming the line of anything that
     is not such a record (an object with `OUTPUT_FIELDS` and one of `prompt` and
     `messages`), so a file that is not djax's output, a prompts file among them, is never
     appended to, and naming a folder the file could not be created in because it does not
@@ -225,7 +233,7 @@ def finished(path: str | Path) -> dict[str | int, str | list]:
                 f"{', '.join(OUTPUT_FIELDS)} and a prompt or messages"
             )
         _check_id(item["id"], f"{path}:{n}")
-        done[item["id"]] = item.get("prompt", item.get("messages"))
+        done[item["id"]] = Answered(item.get("prompt", item.get("messages")), item.get("settings"))
     return done
 
 

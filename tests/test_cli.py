@@ -132,7 +132,7 @@ def test_lines_break_at_line_feeds_only(tmp_path):
     ]
     prompt_io.append_records(outputs, records)
     assert "c\u2028d\u2029e" in outputs.read_text(encoding="utf-8")  # raw, as JSON allows
-    assert prompt_io.finished(outputs) == {"x": odd, 5: "1+1="}
+    assert prompt_io.finished(outputs) == {"x": (odd, None), 5: ("1+1=", None)}
 
 
 def test_a_lone_cr_stays_in_its_line_and_a_bom_is_dropped(tmp_path):
@@ -142,6 +142,30 @@ def test_a_lone_cr_stays_in_its_line_and_a_bom_is_dropped(tmp_path):
     prompts.write_bytes("\ufeff1+1=\r\na\rb\nc\n".encode())
     records = prompt_io.read_prompts_file(prompts)
     assert [(r.id, r.prompt) for r in records] == [(1, "1+1="), (2, "a\rb"), (3, "c")]
+
+
+def test_resume_refuses_answers_generated_with_other_settings(tmp_path, capsys):
+    """Each output record keeps what its answer was asked with (model, weights, dtype,
+    chat, generation config); a run with other settings is refused naming what differs
+    (it skipped the ids and kept the old answers as if they were the new settings'); the
+    same settings resume; records without settings (older files) are taken as they are."""
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "--prompt", "347+2958=", "--output-jsonl", str(out), "-q"]
+    assert main(args) == 0
+    (record,) = read_jsonl(out)
+    settings = record["settings"]
+    assert settings["model"] == str(djax.demo.default_model_path().resolve())
+    assert settings["chat"] is True and settings["generation"]["gen_length"] == 32
+    before = out.read_bytes()
+    assert main([*args, "--gen-length", "16", "--temperature", "1.0"]) == 2
+    err = capsys.readouterr().err
+    assert "generated with other settings (gen_length 32 -> 16, " in err
+    assert "temperature 0.0 -> 1.0" in err and out.read_bytes() == before
+    assert main([*args, "--prompt", "1+1="]) == 0  # the same settings: id 1 is new
+    assert [r["answer"] for r in read_jsonl(out)] == ["3305", "2"]
+    del record["settings"]
+    out.write_text(json.dumps(record) + "\n")
+    assert main([*args, "--gen-length", "16"]) == 0  # an older record: nothing to compare
 
 
 def test_resume_refuses_an_id_answered_for_another_prompt(tmp_path, capsys):
