@@ -16,6 +16,7 @@ import numpy as np
 
 FIXED_DECODERS = ("low_confidence", "random")
 DECODERS = (*FIXED_DECODERS, "threshold", "factor", "credit", "hierarchy")
+THRESHOLD_DECODERS = ("threshold", "credit", "hierarchy")  # those whose commits τ sets
 POLICIES = ("none", "prefix", "dual", "vicinity")
 SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT): what `jax.random.key` takes on every backend
 

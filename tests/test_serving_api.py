@@ -175,6 +175,20 @@ def test_a_greedy_server_names_temperature(url, engine):
     assert_error(response, 400, param="temperature", mentions="greedily")
 
 
+def test_a_threshold_is_refused_where_the_server_s_decoder_takes_none(url, engine):
+    """A request's `threshold` steers the decoders that commit by τ; on a server of another
+    decoder it was taken and did nothing: a 400 naming it."""
+    config = engine.config
+    fixed = dataclasses.replace(config.generation, decoder="low_confidence")
+    engine.config = dataclasses.replace(config, generation=fixed)
+    try:
+        response = post(url, "/v1/completions", {"prompt": "x", "threshold": 0.01})
+    finally:
+        engine.config = config
+    assert_error(response, 400, param="threshold", mentions="with 'low_confidence', which takes")
+    assert engine.submitted == []
+
+
 def test_health_follows_readiness_and_draining(url, engine, server):
     app = server[2]
     engine.ready = False
@@ -345,13 +359,14 @@ def test_a_batch_of_prompts_gets_n_choices_each(url, engine, model):
     assert_error(response, 400, param="prompt.1", code="context_length_exceeded")
 
 
-def test_more_choices_than_the_queue_holds_are_400(url, engine, monkeypatch):
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_queue=2))
-    response = post(url, "/v1/completions", {"prompt": "x", "n": 3})
-    assert_error(
-        response, 400, param="n", mentions="n=3 = 3 choices exceed this server's queue of 2"
-    )
+def test_more_choices_than_the_rows_and_queue_hold_are_400(url, engine, monkeypatch):
+    config = dataclasses.replace(engine.config, max_batch=2, max_queue=2)
+    monkeypatch.setattr(engine, "config", config)
+    response = post(url, "/v1/completions", {"prompt": "x", "n": 5})
+    mentions = "n=5 = 5 choices exceed this server's 2 rows and queue of 2"
+    assert_error(response, 400, param="n", mentions=mentions)
     assert engine.submitted == []
+    assert post(url, "/v1/completions", {"prompt": "x", "n": 4}).status_code == 200
 
 
 def test_a_full_queue_takes_back_the_choices_it_admitted(url, engine, monkeypatch):
@@ -868,8 +883,19 @@ def test_a_long_prompt_without_max_tokens_gets_the_room_left(url, engine):
         ("/v1/completions", "include_stop_str_in_output", True),
         ("/v1/completions", "guided_json", {"type": "object"}),
         ("/v1/completions", "skip_special_tokens", False),
+        ("/v1/completions", "prompt_logprobs", 0),  # vLLM: each prompt token's own
+        ("/v1/completions", "allowed_token_ids", [5]),
+        ("/v1/completions", "bad_words", ["The"]),
+        ("/v1/completions", "truncate_prompt_tokens", 1),
+        ("/v1/completions", "add_special_tokens", False),
+        ("/v1/completions", "regex", "[0-9]+"),  # SGLang's constrained decoding
+        ("/v1/completions", "json_schema", '{"type": "object"}'),
+        ("/v1/completions", "ebnf", 'root ::= "a"'),
+        ("/v1/completions", "no_stop_trim", True),
         ("/v1/chat/completions", "continue_final_message", True),
         ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": True}),
+        ("/v1/chat/completions", "add_special_tokens", True),
+        ("/v1/chat/completions", "documents", [{"title": "t", "text": "d"}]),
     ],
 )
 def test_fields_that_would_change_the_answer_are_refused(url, engine, path, field, value):
@@ -878,17 +904,28 @@ def test_fields_that_would_change_the_answer_are_refused(url, engine, path, fiel
     turn = {"role": "user", "content": "x"}
     body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [turn]}
     response = post(url, path, body | {field: value})
-    assert response.status_code == 400 and field in response.json()["error"]["message"]
+    assert_error(response, 400, param=field, mentions=field)
     neutral = {"stop_token_ids": [], "min_tokens": 0, "skip_special_tokens": True}
+    neutral |= {"add_special_tokens": True, "bad_words": [], "no_stop_trim": False}
     assert post(url, "/v1/completions", {"prompt": "x"} | neutral).status_code == 200
-    assert len(engine.submitted) == 1  # only the neutral request ran
+    chat = {"messages": [turn], "add_special_tokens": False, "documents": []}
+    assert post(url, "/v1/chat/completions", chat).status_code == 200
+    assert len(engine.submitted) == 2  # only the neutral requests ran
 
 
 def test_stream_options_need_stream(url, engine):
     body = {"prompt": "x", "stream_options": {"include_usage": True}}
     response = post(url, "/v1/completions", body)
-    assert response.status_code == 400 and "stream_options" in response.json()["error"]["message"]
+    assert_error(response, 400, param="stream_options", mentions="only allowed when stream")
     assert not engine.submitted
+
+
+def test_an_empty_model_name_is_the_served_model(url, engine):
+    """`"model": ""` (some clients' default) asks for the served model, as vLLM takes it;
+    another name is a 404."""
+    assert post(url, "/v1/completions", {"prompt": "x", "model": ""}).status_code == 200
+    response = post(url, "/v1/completions", {"prompt": "x", "model": "other"})
+    assert_error(response, 404, param="model", code="model_not_found")
 
 
 def test_a_tiny_temperature_decodes_greedily(url, engine):

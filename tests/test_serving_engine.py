@@ -275,18 +275,26 @@ def test_bad_requests_are_refused_by_name(demo_model, continuous):
 
 
 def test_queue_bound_and_answer_length(demo_model, generation):
-    """Past max_queue waiting requests, submit raises QueueFull with a retry hint."""
+    """Past max_queue requests waiting beyond the free batch rows, submit raises QueueFull
+    with a retry hint: rows about to start do not count (an idle server with free rows
+    refused a burst larger than its queue)."""
     config = ServeConfig(generation=generation, max_batch=1, max_queue=2, max_seq_len=64)
     engine = make_engine(demo_model, config, ServerMetrics())  # not started: nothing runs
     ids = _ids(demo_model, "12+34=")
-    engine.submit(EngineRequest("a", ids, 8), lambda e: None)
-    engine.submit(EngineRequest("b", ids, 8), lambda e: None)
+    for name in "abc":  # one for the free row, two for the queue
+        engine.submit(EngineRequest(name, ids, 8), lambda e: None)
     with pytest.raises(QueueFull) as full:
-        engine.submit(EngineRequest("c", ids, 8), lambda e: None)
+        engine.submit(EngineRequest("d", ids, 8), lambda e: None)
     assert full.value.retry_after >= 1
     engine.cancel("a")
-    engine.submit(EngineRequest("c", ids, 8), lambda e: None)
+    engine.submit(EngineRequest("d", ids, 8), lambda e: None)
     assert engine.answer_length(9, 5) == 16 and engine.answer_length(8, 5) == 8
+    wide = ServeConfig(generation=generation, max_batch=4, max_queue=1, max_seq_len=64)
+    engine = make_engine(demo_model, wide, ServerMetrics())
+    for i in range(5):  # four free rows and a queue of one: a burst of five is taken
+        engine.submit(EngineRequest(f"w{i}", ids, 8), lambda e: None)
+    with pytest.raises(QueueFull):
+        engine.submit(EngineRequest("w5", ids, 8), lambda e: None)
 
 
 def test_a_failing_call_fails_its_rows_only(demo_model, generation, monkeypatch):

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from djax.engine import tokenize
-from djax.generation import samples_filtered
+from djax.generation import THRESHOLD_DECODERS, samples_filtered
 from djax.model import Model
 from djax.serving import protocol as p
 from djax.serving.detokenize import Detokenizer
@@ -391,7 +391,7 @@ def create_app(
         return JSONResponse(error.body(), status_code=500)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
+        if name and name != model_name:  # none or "" (as vLLM takes it): the served model
             raise p.ProtocolError(
                 f"the model {name!r} does not exist; this server serves {model_name!r}",
                 status=404,
@@ -470,11 +470,21 @@ def create_app(
                 check_length(ids, body.answer_tokens, named)
                 max_tokens.append(body.answer_tokens)
         count = len(prompts) * body.n
-        if count > engine.config.max_queue:  # never admitted whole: not worth a retry
+        room = engine.config.max_queue + engine.config.max_batch
+        if count > room:  # never admitted whole: not worth a retry
             raise p.ProtocolError(
                 f"{len(prompts)} prompt(s) x n={body.n} = {count} choices exceed this server's "
-                f"queue of {engine.config.max_queue} requests (djax serve --max-queue)",
+                f"{engine.config.max_batch} rows and queue of {engine.config.max_queue} "
+                "requests (djax serve --max-batch, --max-queue)",
                 param="n" if body.n > 1 else param,
+            )
+        decoder = engine.config.generation.decoder
+        if body.threshold is not None and decoder not in THRESHOLD_DECODERS:
+            raise p.ProtocolError(
+                f"threshold={body.threshold}; this server decodes with {decoder!r}, "
+                f"which takes no threshold (only {', '.join(THRESHOLD_DECODERS)} do): "
+                "expected none",
+                param="threshold",
             )
         temperature = defaults.temperature if body.temperature is None else body.temperature
         if temperature > 0 and not engine.config.sampling:

@@ -314,7 +314,7 @@ class ServingEngine:
                 raise EngineStopped("the engine is stopping or has stopped")
             if request.request_id in self._by_id:
                 raise ValueError(f"request_id={request.request_id!r} is already queued")
-            if len(self._waiting) >= self.config.max_queue:
+            if len(self._waiting) - self._free_rows() >= self.config.max_queue:
                 raise QueueFull(len(self._waiting), self._retry_after())
             self._waiting.append(row)
             self._by_id[request.request_id] = row
@@ -459,6 +459,12 @@ class ServingEngine:
         if self._by_id.get(row.request.request_id) is row:
             del self._by_id[row.request.request_id]
         self._emit(row, event)
+
+    def _free_rows(self) -> int:
+        """Batch rows no live row holds (lock held): queued rows up to this many are about to
+        start, not waiting beyond the rows (`ServeConfig.max_queue`)."""
+        live = sum(not (r.done or r.cancelled) for r in self._running)
+        return max(0, self.config.max_batch - live)
 
     def _count_running(self) -> None:
         """Set the running-rows gauge to the running rows neither finished nor cancelled

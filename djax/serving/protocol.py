@@ -12,10 +12,11 @@ with a 400 naming the field, as are the sampling controls djax does not apply (O
 (`SAMPLING_CONTROLS`): a request must not silently get other sampling than it asked for.
 `top_p` (in (0, 1]) and `top_k` (an int ≥ 1; 0 and -1 mean none, as other servers take them)
 limit a sampled token to the most likely ones (`djax.decoders.Filters`); a `temperature`
-below `djax.generation.GREEDY_BELOW` decodes greedily. vLLM's fields that change the answer
-(`stop_token_ids`, `min_tokens`, guided decoding, `continue_final_message`, ...:
-`VLLM_CONTROLS`, `VLLM_CHAT_CONTROLS`) are refused unless neutral, and `stream_options`
-without `stream`. Other fields it does not know are ignored. djax's own fields: `threshold`
+below `djax.generation.GREEDY_BELOW` decodes greedily. vLLM's and SGLang's fields that
+change the answer (`stop_token_ids`, `min_tokens`, guided decoding and grammars,
+`allowed_token_ids`, `continue_final_message`, ...: `SERVER_CONTROLS`,
+`SERVER_CHAT_CONTROLS`) are refused unless neutral, and `stream_options` without `stream`.
+Other fields it does not know are ignored. djax's own fields: `threshold`
 (τ of the threshold decoder) and `ignore_eos` (keep denoising past stop tokens up to
 max_tokens).
 """
@@ -48,27 +49,39 @@ BODY_BYTES_PER_TOKEN = 32  # `body_limit`: generous for text (~4 bytes a token) 
 
 FinishReason = Literal["stop", "length"]
 
-# vLLM's request fields that change the answer, which djax does not apply, each with the
-# values that leave it as it is (None, the field left out, too): another value is refused.
-VLLM_CONTROLS: dict[str, tuple[Any, ...]] = {
+# vLLM's and SGLang's request fields that change the answer, which djax does not apply,
+# each with the values that leave it as djax answers (None, the field left out, too):
+# another value is refused. `prompt_logprobs` has none: vLLM returns the prompt's
+# log-probabilities for any value, 0 included.
+SERVER_CONTROLS: dict[str, tuple[Any, ...]] = {
     "stop_token_ids": ([],),
     "min_tokens": (0,),
     "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
-    "prompt_logprobs": (0,),
+    "prompt_logprobs": (),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
     "use_beam_search": (False,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "truncate_prompt_tokens": (),
+    "add_special_tokens": (True,),  # completions tokenise with the tokenizer's specials
+    "regex": (),  # SGLang's constrained decoding
+    "json_schema": (),
+    "ebnf": (),
+    "no_stop_trim": (False,),
 }
-# The chat endpoint's too.
-VLLM_CHAT_CONTROLS: dict[str, tuple[Any, ...]] = {
+# The chat endpoint's too (over the above where both name a field).
+SERVER_CHAT_CONTROLS: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (False,),
     "add_generation_prompt": (True,),
     "chat_template": (),
     "chat_template_kwargs": ({},),
+    "documents": ([],),
+    "add_special_tokens": (False,),  # the chat template writes the specials itself
 }
 
 # Sampling controls djax does not apply, each with the values that leave sampling as it is
@@ -213,9 +226,9 @@ class _GenerationRequest(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_vllm_controls(cls, data: Any) -> Any:
+    def _no_server_controls(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            controls = VLLM_CONTROLS | (VLLM_CHAT_CONTROLS if "messages" in data else {})
+            controls = SERVER_CONTROLS | (SERVER_CHAT_CONTROLS if "messages" in data else {})
             for field, neutral in controls.items():
                 value = data.get(field)
                 if value is not None and not any(_same(value, v) for v in neutral):
@@ -231,7 +244,11 @@ class _GenerationRequest(BaseModel):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> Any:
         if self.stream_options is not None and not self.stream:
-            raise _refuse("stream_options", "stream_options is only allowed when stream is true")
+            raise _refuse(
+                "stream_options",
+                "stream_options is only allowed when stream is true",
+                field="stream_options",
+            )
         return self
 
     @field_validator(*SAMPLING_CONTROLS, mode="plain")
@@ -431,8 +448,10 @@ def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
         first = err.errors(include_url=False)[0]
         if first["type"] == "json_invalid":
             raise ProtocolError(f"the body is not valid JSON: {first['msg']}") from None
-        param = ".".join(str(part) for part in first["loc"]) or None
-        where = f"{param}: " if param else "the body: "
+        loc = ".".join(str(part) for part in first["loc"])
+        # a check of the whole body names its field in the error's context
+        param = loc or (first.get("ctx") or {}).get("field")
+        where = f"{loc}: " if loc else "the body: "
         raise ProtocolError(where + first["msg"], param=param) from None
 
 
