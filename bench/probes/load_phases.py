@@ -33,7 +33,6 @@ and `overlapped` ~ max(`read`, `put`) plus a group's copy.
 from __future__ import annotations
 
 import argparse
-import os
 import queue
 import shutil
 import tempfile
@@ -46,24 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import model_config, save
+from bench.load import drop_cached, folder_bytes
 from djax import checkpoint
 from djax.models import abstract_params, init_params
 
 DTYPE = jnp.bfloat16
-
-
-def drop_cached(folder: Path) -> None:
-    """Drop the page cache's clean pages of every file under `folder` (advice only)."""
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def restore(folder: Path, names: list[str], abstract: dict, device: bool) -> dict:
