@@ -35,7 +35,7 @@ log = logging.getLogger("djax")
 DEFAULT_BATCH_SIZE = 32
 
 _HELP = {
-    "gen_length": "answer positions, rounded up to a multiple of --block-length",
+    "gen_length": "answer positions (LLaDA, LLaDA-MoE: rounded up to a multiple of --block-length)",
     "block_length": "positions per block, decoded left to right",
     "steps": "total steps of the fixed-steps decoders (low_confidence, random)",
     "decoder": "which masked positions a step commits",
@@ -65,8 +65,6 @@ _HELP = {
 }
 # Where a field's dataclass default is not what a user gets.
 _DEFAULT_TEXT = {
-    "gen_length": "%s; the demo model's own when --model is not given",
-    "block_length": "%s; the demo model's own when --model is not given",
     "steps": "--gen-length, one token per step",
     "stop_ids": "the model's EOS and end-of-turn ids",
 }
@@ -91,7 +89,12 @@ def _field_type(field: dataclasses.Field) -> Any:
 def _add_generation_options(parser: argparse.ArgumentParser) -> None:
     """One option per `GenerationConfig` field; unset options stay None so the model's own
     defaults (the demo model's answer layout) can fill them."""
-    group = parser.add_argument_group("generation (djax.GenerationConfig)")
+    group = parser.add_argument_group(
+        "generation (djax.GenerationConfig)",
+        "an option left out takes the model folder's generation_config.json value where it "
+        "sets one (the demo model's sets its answer layout: --gen-length 32 --block-length 8), "
+        "else the default shown",
+    )
     for field in dataclasses.fields(GenerationConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = _field_type(field)
@@ -139,7 +142,7 @@ def _logging_options() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     group = parent.add_mutually_exclusive_group()
     group.add_argument(
-        "-v", "--verbose", action="store_true", help="also log each step and batch (INFO)"
+        "-v", "--verbose", action="store_true", help="also log each batch's stats (INFO)"
     )
     group.add_argument(
         "-q", "--quiet", action="store_true", help="log errors only (no warnings, no progress)"
