@@ -142,7 +142,10 @@ def _logging_options() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     group = parent.add_mutually_exclusive_group()
     group.add_argument(
-        "-v", "--verbose", action="store_true", help="also log each batch's stats (INFO)"
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="more messages (INFO): generate logs each batch's stats",
     )
     group.add_argument(
         "-q", "--quiet", action="store_true", help="log errors only (no warnings, no progress)"
@@ -267,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.set_defaults(subcommands=commands.choices)  # name -> its parser, for its errors
 
     gen = commands.add_parser(
         "generate",
@@ -646,14 +650,25 @@ def _convert(args: argparse.Namespace) -> None:
         args.dtype,
         overwrite=args.overwrite,
         allow_pickle=args.allow_pickle,
-        progress=not args.quiet,
+        progress=not args.quiet and sys.stderr.isatty(),  # a bar only where one is seen
         weights=args.weights,
     )
     print(f"wrote {out}")
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's arguments; one the command does not take is refused by the
+    command's own parser (`djax generate: error: unrecognized arguments: ... (djax generate
+    --help lists the options)`), which lists them, not by the top level's, which does not."""
+    args, extras = build_parser().parse_known_args(argv)
+    if extras:
+        args.subcommands[args.command].error(f"unrecognized arguments: {' '.join(extras)}")
+    del args.subcommands
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     _configure_logging(args)
     if args.command == "serve":  # uvicorn handles SIGINT and SIGTERM itself: it drains
         from djax.serving import cli as serving_cli

@@ -469,29 +469,38 @@ def readme_blocks(section: str, language: str) -> list[str]:
     return [block.split("```")[0] for block in text.split(f"```{language}\n")[1:]]
 
 
-def test_readme_cli_examples(tmp_path, monkeypatch, capsys):
-    """Every command of the README's demo examples runs as written."""
-    import shlex
-
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "prompts.txt").write_text("1+1=\nsort 3,1\nreverse abc\n")
-    write_jsonl(
-        tmp_path / "prompts.jsonl",
-        [
-            {"id": "q1", "prompt": "12+345="},
-            {"id": "q2", "messages": [{"role": "user", "content": "sort 3,9,1"}]},
-        ],
+def test_readme_cli_examples(tmp_path):
+    """The README's demo examples run as written, in a shell (the prompts files they write
+    first, the conversion of the demo model and generating from its folder included)."""
+    block = readme_blocks("The CLI", "bash")[1]
+    assert block.count("djax generate") == 5 and "djax convert" in block
+    shims = f'djax() {{ "{sys.executable}" -m djax.cli "$@"; }}\n'
+    shims += f'python() {{ "{sys.executable}" "$@"; }}\nset -e\n'
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DJAX_COMPILE_CACHE": str(tmp_path / "c")}
+    done = subprocess.run(
+        ["bash", "-c", shims + block], cwd=tmp_path, env=env, capture_output=True, text=True
     )
-    commands = readme_blocks("The CLI", "bash")[1].strip().splitlines()
-    assert len(commands) == 4
-    for line in commands:
-        argv = shlex.split(line, comments=True)
-        assert argv[0] == "djax" and main(argv[1:]) == 0, line
-    assert [r["answer"] for r in read_jsonl(tmp_path / "answers.jsonl")] == ["357", "1,3,9"]
-    assert "3305" in capsys.readouterr().out
+    assert done.returncode == 0, done.stderr
+    answers = [r["answer"] for r in read_jsonl(tmp_path / "answers.jsonl")]
+    assert answers == ["357", "1,3,9"]
+    assert done.stdout.count("3305") == 2  # the first example and the converted folder's
+    assert (tmp_path / "demo-djax" / "djax.json").is_file()
 
 
 def test_readme_demo_python_example(capsys):
     (example,) = readme_blocks("The Python API", "python")
     exec(compile(example, "README.md", "exec"), {})
     assert capsys.readouterr().out.startswith("['3305', '1,3,9']")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "convert"])
+def test_an_unknown_option_is_refused_by_its_command(command, capsys):
+    """A misspelt option is refused by the command's own parser, whose --help lists the
+    options (the top level's, `djax --help`, named none of them)."""
+    folders = ["src", "dst"] if command == "convert" else []
+    with pytest.raises(SystemExit) as exited:
+        main([command, *folders, "--gen-lenght=8"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"djax {command}: error: unrecognized arguments: --gen-lenght=8" in err
+    assert f"(djax {command} --help lists the options)" in err
