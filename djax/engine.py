@@ -465,7 +465,8 @@ def generate(
 
     prompts: strings (tokenised; `chat=True` applies the tokenizer's chat template),
     conversations (lists of `{"role", "content"}` messages, always through the chat
-    template) or lists of token ids. Rows of different lengths are left-padded, padding keys masked.
+    template; content a string or a list of text parts, `developer` given as `system`) or
+    lists of token ids. Rows of different lengths are left-padded, padding keys masked.
     """
     config = config or GenerationConfig()
     if not isinstance(config, GenerationConfig):
