@@ -356,7 +356,7 @@ def forward_logits(
             f"token_ids holds {ids.shape[1]} positions; expected at most the model's maximum "
             f"sequence length {model.config.max_seq_len}"
         )
-    if ids.size and (ids.min() < 0 or ids.max() >= model.config.vocab_size):
+    if ids.min() < 0 or ids.max() >= model.config.vocab_size:
         raise ValueError(
             f"token_ids hold values in [{ids.min()}, {ids.max()}]; expected ids in "
             f"[0, {model.config.vocab_size})"

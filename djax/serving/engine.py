@@ -460,18 +460,19 @@ class ServingEngine:
             del self._by_id[row.request.request_id]
         self._emit(row, event)
 
+    def _live_rows(self) -> int:
+        """The running rows neither finished nor cancelled (lock held): a row stops counting
+        when it ends, not when the scheduler next frees its slot."""
+        return sum(not (r.done or r.cancelled) for r in self._running)
+
     def _free_rows(self) -> int:
         """Batch rows no live row holds (lock held): queued rows up to this many are about to
         start, not waiting beyond the rows (`ServeConfig.max_queue`)."""
-        live = sum(not (r.done or r.cancelled) for r in self._running)
-        return max(0, self.config.max_batch - live)
+        return max(0, self.config.max_batch - self._live_rows())
 
     def _count_running(self) -> None:
-        """Set the running-rows gauge to the running rows neither finished nor cancelled
-        (lock held): a row stops counting when it ends, not when the scheduler next frees
-        its slot."""
-        running = sum(not (r.done or r.cancelled) for r in self._running)
-        self.metrics.running_rows.set(running)
+        """Set the running-rows gauge to the live rows (lock held)."""
+        self.metrics.running_rows.set(self._live_rows())
 
     def _timed_call(self, program: Any, args: tuple) -> dict:
         """Run a static batch's call and wait for it; its host outputs."""
