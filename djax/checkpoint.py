@@ -697,14 +697,8 @@ def restore_orbax(
             f"{folder / MARKER}: format_version={version!r}; this djax reads {FORMAT_VERSION}"
         )
     _check_file_sizes(folder, marker.get("files"))
-    abstract = abstract_params(config, dtype, weights)
-    check_orbax(folder, abstract)
-    default = SingleDeviceSharding(jax.local_devices()[0])
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        abstract,
-        shardings if shardings else jax.tree.map(lambda _: default, abstract),
-    )
+    check_orbax(folder, abstract_params(config, dtype, weights))
+    target = restored_avals(config, dtype, shardings, weights)
     as_stored = abstract_params(config, _stored_dtype(folder, marker, dtype), weights)
     stored = _stored_dtypes(target, as_stored)
     programs = compile_scans(target, stored)  # compiled while the params are read
@@ -724,6 +718,20 @@ def restore_orbax(
             f"{folder / PARAMS_DIR}: param {bad} holds NaN or inf values; expected finite weights"
         )
     return params
+
+
+def restored_avals(
+    config: ModelConfig, dtype: Any, shardings: dict | None = None, weights: str = "dtype"
+) -> dict:
+    """The params `restore_orbax` returns, as `jax.ShapeDtypeStruct`s with their shardings
+    (`shardings`, or the first local device's)."""
+    abstract = abstract_params(config, dtype, weights)
+    default = SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        abstract,
+        shardings if shardings else jax.tree.map(lambda _: default, abstract),
+    )
 
 
 def _stored_dtype(folder: Path, marker: dict, default: Any) -> Any:

@@ -209,6 +209,10 @@ def load(
             )
         weights = stored
         shardings = _shardings(config, dtype, mesh, weights)
+        k_major = programs.holds_k_major(kernel_options, config, dtype, mesh, weights)
+        if k_major:  # its program compiles while the params are read
+            avals = checkpoint.restored_avals(config, dtype, shardings, weights)
+            layout = _k_major_layout(avals, config, dtype, mesh, weights).compile_ahead(avals)
         params = checkpoint.restore_orbax(folder, config, dtype, shardings, weights)
     else:
         weights = weights or "dtype"
@@ -217,9 +221,11 @@ def load(
         params = checkpoint.load_hf_params(folder, config, dtype, shardings, allow_pickle, bar)
         if weights == "fp8":
             params = fp8.quantize_params(params, _shardings(config, dtype, mesh, weights))
-    k_major = programs.holds_k_major(kernel_options, config, dtype, mesh, weights)
+        k_major = programs.holds_k_major(kernel_options, config, dtype, mesh, weights)
+        if k_major:
+            layout = _k_major_layout(params, config, dtype, mesh, weights)
     if k_major:
-        params = fp8.to_layout(params, True, _shardings(config, dtype, mesh, weights, True))
+        params = layout(params)
     return Model(
         config, params, tokenizer, dtype, str(folder), mesh, kernel_options, weights, k_major
     )
@@ -229,6 +235,13 @@ def _shardings(
     config: ModelConfig, dtype: Any, mesh: Any, weights: str, k_major: bool = False
 ) -> dict | None:
     return None if mesh is None else sharding.param_shardings(config, dtype, mesh, weights, k_major)
+
+
+def _k_major_layout(
+    params: dict, config: ModelConfig, dtype: Any, mesh: Any, weights: str
+) -> fp8.Layout:
+    """The move of a load's fp8 values (`params`: arrays or avals) K-major."""
+    return fp8.Layout.of(params, True, _shardings(config, dtype, mesh, weights, True))
 
 
 def _progress_bar(description: str):

@@ -467,3 +467,101 @@ def test_random_fp8_params_are_quantised_random_params(dense_model):
     back = fp8.dequantize(params["attn_0"]["qkv"], params["attn_0"]["qkv_scale"], (0,), jnp.float32)
     assert np.max(np.abs(np.asarray(back) - w)) <= E4M3_RELATIVE * np.max(np.abs(w))
     assert ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max == fp8.E4M3_MAX
+
+
+class _CountedProgram:
+    """A jitted program that counts its calls (`lower` passes through untouched)."""
+
+    def __init__(self, program):
+        self.program, self.calls = program, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.program(*args)
+
+    def lower(self, *args):
+        return self.program.lower(*args)
+
+
+def _counted(layout: fp8.Layout) -> fp8.Layout:
+    return dataclasses.replace(layout, program=_CountedProgram(layout.program))
+
+
+def test_layout_compiled_ahead_moves_what_it_was_compiled_for():
+    """`Layout.compile_ahead` compiles the move for the abstract params; params that match
+    run that program (the jitted one never called), others the jitted one; either way each
+    moved value is its K-major transpose, bit for bit, and every other param the same
+    array."""
+    rng = np.random.default_rng(3)
+    params = fp8.quantize_params(
+        {
+            "attn_0": {"qkv": jnp.asarray(rng.standard_normal((64, 3, 2, 32)), jnp.float32)},
+            "ff_0": {"down": jnp.asarray(rng.standard_normal((128, 64)), jnp.float32)},
+            "embed": jnp.ones((8, 64), jnp.float32),
+        }
+    )
+    avals = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params
+    )
+    layout = _counted(fp8.Layout.of(avals, True)).compile_ahead(avals)
+    assert layout.paths == (("attn_0", "qkv"), ("ff_0", "down"))
+    moved = layout(params)
+    assert layout.program.calls == 0
+    np.testing.assert_array_equal(
+        np.asarray(moved["attn_0"]["qkv"]).view(np.uint8),
+        np.asarray(params["attn_0"]["qkv"]).view(np.uint8).transpose(1, 2, 3, 0),
+    )
+    np.testing.assert_array_equal(
+        np.asarray(moved["ff_0"]["down"]).view(np.uint8),
+        np.asarray(params["ff_0"]["down"]).view(np.uint8).T,
+    )
+    assert moved["embed"] is params["embed"]
+    assert moved["ff_0"]["down_scale"] is params["ff_0"]["down_scale"]
+    assert params["ff_0"]["down"].shape == (128, 64)  # the input tree is left as it was
+    other = fp8.quantize_params({"ff_0": {"down": jnp.ones((256, 64), jnp.float32)}})
+    avals = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), other
+    )
+    mismatched = _counted(fp8.Layout.of(other, True)).compile_ahead(
+        {
+            "ff_0": {
+                "down": jax.ShapeDtypeStruct((128, 64), fp8.FP8),
+                "down_scale": avals["ff_0"]["down_scale"],
+            }
+        }
+    )
+    assert mismatched(other)["ff_0"]["down"].shape == (64, 256)
+    assert mismatched.program.calls == 1
+
+
+def test_load_held_k_major_moves_the_values_compiled_while_reading(
+    moe_folder, tmp_path, monkeypatch
+):
+    """Where a converted fp8 model is held K-major (`holds_k_major`, forced here: on the CPU
+    it never is), `djax.load` moves its values with the program it compiled while the
+    params were read: the same params as `to_layout` of the plain load, and the same
+    logits."""
+    out = tmp_path / "fp8"
+    djax.convert(moe_folder[0], out, jnp.float32, progress=False, weights="fp8")
+    plain = djax.load(out, jnp.float32)
+    made = []
+
+    def of(*args, **kwargs):
+        made.append(_counted(of.original(*args, **kwargs)))
+        return made[-1]
+
+    of.original = fp8.Layout.of
+    monkeypatch.setattr(fp8.Layout, "of", of)
+    monkeypatch.setattr(djax.programs, "holds_k_major", lambda *args: True)
+    held = djax.load(out, jnp.float32)
+    assert held.k_major and len(made) == 1 and made[0].program.calls == 0
+    expected = fp8.to_layout(plain.params, True)
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(held.params), jax.tree.leaves(expected), strict=True
+    ):
+        assert a.shape == b.shape, path
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    ids = _ids(plain.config.vocab_size, (2, 10))
+    np.testing.assert_allclose(
+        djax.forward_logits(held, ids), djax.forward_logits(plain, ids), rtol=1e-5, atol=1e-5
+    )

@@ -61,6 +61,7 @@ __all__ = [
     "dequantize",
     "quantize_params",
     "to_layout",
+    "Layout",
 ]
 
 Array = jax.Array
@@ -164,35 +165,94 @@ def k_major_order(name: str, ndim: int) -> tuple[int, ...] | None:
 def to_layout(params: dict, k_major: bool, shardings: dict | None = None) -> dict:
     """fp8 params (`quantize_params`' layout, or K-major) with the fp8 values
     (`k_major_order`: the dense products' and the experts') K-major (`k_major`) or in
-    their own layout; every other param as it is. Each weight is moved by its own jitted
-    call into a new array (the old ones are freed once `params` is dropped), placed per
-    `shardings` (a pytree like the result, in the new layout: `sharding.param_shardings`)
-    when given. The dict does not record its layout: the caller (`djax.load`,
-    `Model.with_options`) knows the layout it holds."""
+    their own layout; every other param as it is (the same array). The values move in
+    one program (`Layout`) into new arrays, placed per `shardings` (a pytree like the
+    result, in the new layout: `sharding.param_shardings`) when given; the old ones are
+    freed once `params` is dropped. The dict does not record its layout: the caller
+    (`djax.load`, `Model.with_options`) knows the layout it holds."""
+    return Layout.of(params, k_major, shardings)(params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The move of a params tree's fp8 values into a layout (`to_layout`'s rule) as one
+    jitted program over the moved values alone (keyed by their paths in the tree).
+    `compile_ahead` compiles it for the params an abstract tree describes
+    (shapes, dtypes, shardings) on a thread, to overlap the read of the params; a call on
+    params whose values are not the ones compiled for runs the jitted program."""
+
+    paths: tuple[tuple[str, ...], ...]
+    program: Any  # jitted: {path: values} -> {path: values moved}
+    compiled: Any = None  # a Future of `program` compiled for `avals`, or None
+    avals: Any = None
+
+    @classmethod
+    def of(cls, params: dict, k_major: bool, shardings: dict | None = None) -> Layout:
+        """The move of `params` (arrays or `jax.ShapeDtypeStruct`s) into `k_major`."""
+        moves = _moves(params, k_major, shardings, ())
+        orders = {path: order for path, (order, _) in moves.items()}
+        placed = None if shardings is None else {path: s for path, (_, s) in moves.items()}
+
+        def move(values: dict) -> dict:
+            return {path: jnp.transpose(v, orders[path]) for path, v in values.items()}
+
+        return cls(tuple(moves), jax.jit(move, out_shardings=placed))
+
+    def compile_ahead(self, abstract: dict) -> Layout:
+        """This move, its program compiling on a thread for the params `abstract`
+        describes (`jax.ShapeDtypeStruct`s with shardings)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        avals = _avals(_values(abstract, self.paths))
+        pool = ThreadPoolExecutor(max_workers=1)
+        compiled = pool.submit(lambda: self.program.lower(_values(abstract, self.paths)).compile())
+        pool.shutdown(wait=False)
+        return dataclasses.replace(self, compiled=compiled, avals=avals)
+
+    def __call__(self, params: dict) -> dict:
+        values = _values(params, self.paths)
+        program = self.program
+        if self.compiled is not None and _avals(values) == self.avals:
+            program = self.compiled.result()
+        out = _copy_dicts(params)
+        for path, moved in program(values).items():
+            _leaf_parent(out, path)[path[-1]] = moved
+        return out
+
+
+def _moves(params: dict, k_major: bool, shardings: dict | None, prefix: tuple) -> dict:
+    """{path: (axis order, sharding or None)} of the fp8 values `to_layout` moves."""
     out: dict = {}
     for key, value in params.items():
         placed = None if shardings is None else shardings[key]
         if isinstance(value, dict):
-            out[key] = to_layout(value, k_major, placed)
+            out.update(_moves(value, k_major, placed, prefix + (key,)))
             continue
-        order = k_major_order(key, value.ndim) if scale_name(key) in params else None
+        order = k_major_order(key, len(value.shape)) if scale_name(key) in params else None
         if order is None:
-            out[key] = value
             continue
         if not k_major:
-            order = tuple(order.index(i) for i in range(value.ndim))  # the inverse
-        out[key] = _transposer(order, placed)(value)
+            order = tuple(order.index(i) for i in range(len(order)))  # the inverse
+        out[prefix + (key,)] = (order, placed)
     return out
 
 
-_TRANSPOSERS: dict = {}
+def _values(params: dict, paths: tuple) -> dict:
+    return {path: _leaf_parent(params, path)[path[-1]] for path in paths}
 
 
-def _transposer(order: tuple[int, ...], sharding: Any) -> Any:
-    key = (order, sharding)
-    if key not in _TRANSPOSERS:
-        _TRANSPOSERS[key] = jax.jit(lambda w: jnp.transpose(w, order), out_shardings=sharding)
-    return _TRANSPOSERS[key]
+def _leaf_parent(tree: dict, path: tuple) -> dict:
+    for key in path[:-1]:
+        tree = tree[key]
+    return tree
+
+
+def _copy_dicts(tree: dict) -> dict:
+    return {k: _copy_dicts(v) if isinstance(v, dict) else v for k, v in tree.items()}
+
+
+def _avals(values: dict) -> dict:
+    return {path: (v.shape, jnp.dtype(v.dtype), v.sharding) for path, v in values.items()}
 
 
 def scale_name(name: str) -> str:
