@@ -20,21 +20,30 @@ checkpoint's cached pages dropped first (`posix_fadvise(DONTNEED)`) unless it sa
   checks, the fingerprints), the figure `bench.load` times in a fresh process;
 - `overlapped`: the arrays in `--groups` groups of whole layers, each group restored into
   host memory by a reader thread while the one before it is copied to the device: reads
-  and copies overlapped by hand.
+  and copies overlapped by hand;
+- `steps`: `djax.load` of the folder (its `config.json` written beside the checkpoint) in
+  a fresh Python process, as `bench.load` times it, with the start and end of each of its
+  steps (seconds from the call; `steps` in the row): the restore, the scans' programs
+  compiled ahead and waited for, the scans, the fp8 values' move and its program's wait.
+  A fresh process pays what this one paid before its first phase.
 
 One small restore runs first, so the process's one-time costs (tensorstore's and orbax's
 first calls) fall in no phase. Predicted before any run: `restore` ~ `read` + `put` (serial)
 and `overlapped` ~ max(`read`, `put`) plus a group's copy.
 
-    python -m bench.probes.load_phases [--weights dtype fp8] [--groups 8] [--scratch DIR]
-        [--tiny]
+    python -m bench.probes.load_phases [--weights dtype fp8] [--phases read ... steps]
+        [--groups 8] [--scratch DIR] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import queue
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -44,12 +53,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import model_config, save
+from bench.common import MODELS, TINY, model_config, save
 from bench.load import drop_cached, folder_bytes
 from djax import checkpoint
 from djax.models import abstract_params, init_params
 
 DTYPE = jnp.bfloat16
+PHASES = ("read", "restore", "load", "overlapped", "steps")
 
 
 def restore(folder: Path, names: list[str], abstract: dict, device: bool) -> dict:
@@ -108,7 +118,67 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def measure(config, weights: str, work: Path, groups: int) -> dict:
+def timeline(folder: Path) -> dict:
+    """In this (fresh) process: `djax.load(folder)`'s seconds (`load`) and, by step, its
+    calls' first start, last end (seconds from the load's start), count and seconds."""
+    from djax import checkpoint, model
+    from djax.models import fp8
+
+    spans: dict = {}
+    start = time.perf_counter()
+
+    def timed_call(name: str, fn):
+        def call(*args, **kwargs):
+            begin = time.perf_counter()
+            out = fn(*args, **kwargs)
+            end = time.perf_counter()
+            span = spans.setdefault(name, {"first": begin - start, "calls": 0, "seconds": 0.0})
+            span.update(last=end - start, calls=span["calls"] + 1)
+            span["seconds"] += end - begin
+            return out
+
+        return call
+
+    class TimedFuture:
+        def __init__(self, future, name):
+            self.result = timed_call(name, future.result)
+
+    compile_scans = checkpoint.compile_scans
+
+    def scans_ahead(*args):
+        return timed_call("wait for a scan program", compile_scans(*args))
+
+    compile_ahead = fp8.Layout.compile_ahead
+
+    def layout_ahead(self, abstract):
+        layout = compile_ahead(self, abstract)
+        waited = TimedFuture(layout.compiled, "wait for the move's program")
+        return dataclasses.replace(layout, compiled=waited)
+
+    checkpoint.check_orbax = timed_call("check_orbax", checkpoint.check_orbax)
+    checkpoint.compile_scans = timed_call("compile_scans (start)", scans_ahead)
+    checkpoint._scanned = timed_call("scans", checkpoint._scanned)
+    reader = checkpoint._checkpointer
+
+    def checkpointer():
+        made = reader()
+        made.restore = timed_call("orbax restore", made.restore)
+        return made
+
+    checkpoint._checkpointer = checkpointer
+    fp8.Layout.compile_ahead = timed_call("compile the move (start)", layout_ahead)
+    fp8.Layout.__call__ = timed_call("fp8 values moved", fp8.Layout.__call__)
+    model.checkpoint.restore_orbax = timed_call("restore_orbax", checkpoint.restore_orbax)
+    jax.devices()
+    start = time.perf_counter()
+    jax.block_until_ready(model.load(folder).params)
+    spans["load"] = time.perf_counter() - start
+    return spans
+
+
+def measure(
+    config, weights: str, work: Path, groups: int, hf_config: dict, phases: list[str]
+) -> dict:
     folder = work / weights
     folder.mkdir()
     params = init_params(config, DTYPE, seed=0, weights=weights)
@@ -124,15 +194,27 @@ def measure(config, weights: str, work: Path, groups: int) -> dict:
         seconds[phase], out = timed(fn)
         return out
 
-    host = cold("read", lambda: restore(folder, names, abstract, device=False))
-    seconds["put"] = timed(lambda: jax.device_put(host))[0]  # warm: `read`'s host arrays
-    host = None
-    cold("restore", lambda: restore(folder, names, abstract, device=True))
-    cold("load", lambda: checkpoint.restore_orbax(folder, config, DTYPE, None, weights))
-    cut = groups_of(names, groups)
-    drop_cached(folder)
-    seconds["overlapped"] = overlapped(folder, cut, abstract)
-    row.update(groups=len(cut), seconds=seconds)
+    if "read" in phases:
+        host = cold("read", lambda: restore(folder, names, abstract, device=False))
+        seconds["put"] = timed(lambda: jax.device_put(host))[0]  # warm: `read`'s host arrays
+        host = None
+    if "restore" in phases:
+        cold("restore", lambda: restore(folder, names, abstract, device=True))
+    if "load" in phases:
+        cold("load", lambda: checkpoint.restore_orbax(folder, config, DTYPE, None, weights))
+    if "overlapped" in phases:
+        cut = groups_of(names, groups)
+        drop_cached(folder)
+        seconds["overlapped"] = overlapped(folder, cut, abstract)
+        row["groups"] = len(cut)
+    if "steps" in phases:
+        (folder / "config.json").write_text(json.dumps(hf_config))
+        drop_cached(folder)
+        child = [sys.executable, "-m", "bench.probes.load_phases", "--child", str(folder)]
+        steps = json.loads(subprocess.run(child, check=True, capture_output=True).stdout)
+        seconds["steps"] = steps.pop("load")
+        row["steps"] = steps
+    row["seconds"] = seconds
     row["gb_per_s"] = {k: row["folder_bytes"] / 1e9 / s for k, s in seconds.items()}
     print(row, flush=True)
     shutil.rmtree(folder)
@@ -142,10 +224,18 @@ def measure(config, weights: str, work: Path, groups: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--weights", nargs="+", choices=["dtype", "fp8"], default=["dtype", "fp8"])
+    p.add_argument(
+        "--phases", nargs="+", choices=PHASES, default=list(PHASES), help="(read also times put)"
+    )
     p.add_argument("--groups", type=int, default=8, help="groups of layers `overlapped` uses")
     p.add_argument("--scratch", default=None, help="an existing folder (default: the temp one)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # `steps`' fresh process
     args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(timeline(Path(args.child))))
+        return
+    hf_config = TINY["dense"] if args.tiny else MODELS["dense"]
     config = model_config("dense", args.tiny)
     work = Path(tempfile.mkdtemp(prefix="djax_load_phases_", dir=args.scratch))
     try:
@@ -155,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         restore(
             work / "warm", sorted(abstract_params(warm, DTYPE)), abstract_params(warm, DTYPE), True
         )
-        rows = [measure(config, weights, work, args.groups) for weights in args.weights]
+        rows = [measure(config, w, work, args.groups, hf_config, args.phases) for w in args.weights]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     save("load_phases", {"model": "dense", "tiny": args.tiny, "results": rows})
