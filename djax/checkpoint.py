@@ -395,22 +395,24 @@ def _scan_key(a: Any, stored: Any) -> tuple:
 
 def compile_scans(abstract: dict, stored: dict[str, Any]) -> Callable[[Any], dict]:
     """Start compiling `_scan` for every distinct (shape, dtype, sharding, stored dtype) of
-    the params `abstract` describes (`jax.ShapeDtypeStruct`s with shardings), on threads
-    (compiles run outside the GIL), so they overlap whatever runs meanwhile (the read of
-    the params). Returns a function of a key (`_scan_key`) that waits for its program
-    (None for a key not compiled here)."""
+    the params `abstract` describes (`jax.ShapeDtypeStruct`s with shardings): each lowered
+    here, then compiled on a thread (XLA's compile runs outside the GIL, a lowering does
+    not: lowered on threads, they would hold up the read they are to overlap). Returns a
+    function of a key (`_scan_key`) that waits for its program (None for a key not
+    compiled here)."""
     keys = {
         _scan_key(a, stored.get(_param_name(path)))
         for path, a in jax.tree_util.tree_flatten_with_path(abstract)[0]
     }
 
-    def build(key: tuple) -> Any:
+    def lowered(key: tuple) -> Any:
         shape, dtype, sharding, as_stored = key
         spec = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-        return _scan.lower(spec, stored=as_stored).compile()
+        return _scan.lower(spec, stored=as_stored)
 
+    programs = {key: lowered(key) for key in keys}
     pool = ThreadPoolExecutor(max_workers=min(len(keys), os.cpu_count() or 1) or 1)
-    futures = {key: pool.submit(build, key) for key in keys}
+    futures = {key: pool.submit(program.compile) for key, program in programs.items()}
     pool.shutdown(wait=False)
     return lambda key: futures[key].result() if key in futures else None
 

@@ -199,15 +199,16 @@ class Layout:
         return cls(tuple(moves), jax.jit(move, out_shardings=placed))
 
     def compile_ahead(self, abstract: dict) -> Layout:
-        """This move, its program compiling on a thread for the params `abstract`
-        describes (`jax.ShapeDtypeStruct`s with shardings)."""
+        """This move, its program lowered here and compiling on a thread for the params
+        `abstract` describes (`jax.ShapeDtypeStruct`s with shardings)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        avals = _avals(_values(abstract, self.paths))
+        values = _values(abstract, self.paths)
+        lowered = self.program.lower(values)  # here: a lowering holds the GIL, XLA does not
         pool = ThreadPoolExecutor(max_workers=1)
-        compiled = pool.submit(lambda: self.program.lower(_values(abstract, self.paths)).compile())
+        compiled = pool.submit(lowered.compile)
         pool.shutdown(wait=False)
-        return dataclasses.replace(self, compiled=compiled, avals=avals)
+        return dataclasses.replace(self, compiled=compiled, avals=_avals(values))
 
     def __call__(self, params: dict) -> dict:
         values = _values(params, self.paths)
