@@ -699,8 +699,8 @@ def restore_orbax(
             f"{folder / MARKER}: format_version={version!r}; this djax reads {FORMAT_VERSION}"
         )
     _check_file_sizes(folder, marker.get("files"))
-    check_orbax(folder, abstract_params(config, dtype, weights))
     target = restored_avals(config, dtype, shardings, weights)
+    check_orbax(folder, target)
     as_stored = abstract_params(config, _stored_dtype(folder, marker, dtype), weights)
     stored = _stored_dtypes(target, as_stored)
     programs = compile_scans(target, stored)  # compiled while the params are read
