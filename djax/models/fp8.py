@@ -189,14 +189,16 @@ class Layout:
     @classmethod
     def of(cls, params: dict, k_major: bool, shardings: dict | None = None) -> Layout:
         """The move of `params` (arrays or `jax.ShapeDtypeStruct`s) into `k_major`."""
-        moves = _moves(params, k_major, shardings, ())
-        orders = {path: order for path, (order, _) in moves.items()}
-        placed = None if shardings is None else {path: s for path, (_, s) in moves.items()}
+        moves = tuple(_moves(params, k_major, shardings, ()).items())
+        if moves not in _PROGRAMS:  # one jitted program per move: its compiles are kept
+            orders = {path: order for path, (order, _) in moves}
+            placed = None if shardings is None else {path: s for path, (_, s) in moves}
 
-        def move(values: dict) -> dict:
-            return {path: jnp.transpose(v, orders[path]) for path, v in values.items()}
+            def move(values: dict) -> dict:
+                return {path: jnp.transpose(v, orders[path]) for path, v in values.items()}
 
-        return cls(tuple(moves), jax.jit(move, out_shardings=placed))
+            _PROGRAMS[moves] = jax.jit(move, out_shardings=placed)
+        return cls(tuple(path for path, _ in moves), _PROGRAMS[moves])
 
     def compile_ahead(self, abstract: dict) -> Layout:
         """This move, its program lowered here and compiling on a thread for the params
@@ -219,6 +221,9 @@ class Layout:
         for path, moved in program(values).items():
             _leaf_parent(out, path)[path[-1]] = moved
         return out
+
+
+_PROGRAMS: dict = {}
 
 
 def _moves(params: dict, k_major: bool, shardings: dict | None, prefix: tuple) -> dict:
