@@ -7,6 +7,7 @@ import re
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 from conftest import needs_devices
@@ -891,3 +892,22 @@ def test_a_stop_during_warm_up_ends_the_engine_promptly(demo_model, scheduler):
     alive = engine._thread.is_alive()
     engine.join()
     assert not alive and not engine.ready and engine.failure is None
+
+
+def test_a_started_engine_keeps_its_programs_in_the_compile_cache(
+    demo_model, generation, tmp_path, monkeypatch
+):
+    """`start` turns on the persistent compile cache (`$DJAX_COMPILE_CACHE`), as
+    `djax.generate` does: the programs the engine compiles are saved there, for the next
+    start to read back."""
+    monkeypatch.setenv("DJAX_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setattr(djax.engine, "_EXECUTABLES", {})  # nothing compiled in this process
+    engine = _engine(demo_model, generation, scheduler="static", max_batch=1)
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+    got = Collector()
+    request = EngineRequest("r", _ids(demo_model, PROMPTS[0]), 8, ignore_eos=True)
+    engine.submit(request, got.sink("r"))
+    got.wait(1)
+    engine.stop()
+    assert len(got.tokens("r")) == 8
+    assert list((tmp_path / "programs").iterdir())  # the block program, saved

@@ -336,7 +336,10 @@ class ServingEngine:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Compile every program and start serving, in the engine's thread."""
+        """Compile every program and start serving, in the engine's thread, through the
+        persistent compile cache (`djax.engine.enable_compile_cache`, as `djax.generate`),
+        so that a later start reads its programs back."""
+        djax_engine.enable_compile_cache()
         self._thread = threading.Thread(target=self._main, name="djax-engine", daemon=True)
         self._thread.start()
 
