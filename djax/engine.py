@@ -81,10 +81,12 @@ def enable_compile_cache(directory: str | None = None) -> None:
                 f"compile cache {directory}: {err}; compiling without a cache", stacklevel=3
             )
             return
-    jax.config.update("jax_compilation_cache_dir", directory)
+    # The folder last: JAX sets its cache up at the first compile after it is named, reading
+    # the size then (a thread compiling in between would get an unbounded cache).
     jax.config.update("jax_compilation_cache_max_size", limit)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_dir", directory)
 
 
 def prompt_bucket(length: int, limit: int) -> int:

@@ -137,6 +137,34 @@ def test_user_errors_exit_2(served, capsys, tmp_path):
             parse(["--scheduler", scheduler])
 
 
+def test_a_bad_compile_cache_setting_fails_before_the_load_and_the_socket(
+    served, capsys, tmp_path, monkeypatch
+):
+    """`djax serve` turns the compile cache on before it loads the model (whose programs
+    then use it): a malformed cache size fails at once, exit 2, nothing loaded; `serve`
+    itself fails before it opens its socket."""
+    from djax.serving import server
+
+    monkeypatch.setenv("DJAX_COMPILE_CACHE", str(tmp_path / "xla"))
+    monkeypatch.setenv("DJAX_COMPILE_CACHE_MAX_SIZE", "lots")
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(djax_cli, "_load", load)
+    assert cli.run(parse([])) == 2
+    assert "DJAX_COMPILE_CACHE_MAX_SIZE" in capsys.readouterr().err
+    assert served == []
+    port = free_port()
+    monkeypatch.undo()  # the real serve again, the bad size still set
+    monkeypatch.setenv("DJAX_COMPILE_CACHE", str(tmp_path / "xla"))
+    monkeypatch.setenv("DJAX_COMPILE_CACHE_MAX_SIZE", "lots")
+    with pytest.raises(ValueError, match="DJAX_COMPILE_CACHE_MAX_SIZE"):
+        server.serve(None, None, port=port)
+    with socket.socket() as again:  # no socket of serve's is left listening on the port
+        again.bind(("127.0.0.1", port))
+
+
 def test_the_scheduler_choices_are_the_engines():
     """The option lists the engine's schedulers (written out, so `djax --help` imports no
     jax), the engine's default first."""

@@ -25,7 +25,9 @@ checkpoint's cached pages dropped first (`posix_fadvise(DONTNEED)`) unless it sa
   a fresh Python process, as `bench.load` times it, with the start and end of each of its
   steps (seconds from the call; `steps` in the row): the restore, the scans' programs
   compiled ahead and waited for, the scans, the fp8 values' move and its program's wait.
-  A fresh process pays what this one paid before its first phase.
+  A fresh process pays what this one paid before its first phase. The move is timed to
+  its end on the device. This process does not preallocate JAX's pool (from 2026-11-28
+  on), so the child finds the device as a load does.
 
 One small restore runs first, so the process's one-time costs (tensorstore's and orbax's
 first calls) fall in no phase. Predicted before any run: `restore` ~ `read` + `put` (serial)
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import queue
 import shutil
 import subprocess
@@ -59,6 +62,7 @@ from djax import checkpoint
 from djax.models import abstract_params, init_params
 
 DTYPE = jnp.bfloat16
+CHILD_ENV: dict = {}  # the steps' child's environment: this process's as it started
 PHASES = ("read", "restore", "load", "overlapped", "steps")
 
 
@@ -167,7 +171,8 @@ def timeline(folder: Path) -> dict:
 
     checkpoint._checkpointer = checkpointer
     fp8.Layout.compile_ahead = timed_call("compile the move (start)", layout_ahead)
-    fp8.Layout.__call__ = timed_call("fp8 values moved", fp8.Layout.__call__)
+    move = fp8.Layout.__call__
+    fp8.Layout.__call__ = timed_call("fp8 values moved", lambda *a: jax.block_until_ready(move(*a)))
     model.checkpoint.restore_orbax = timed_call("restore_orbax", checkpoint.restore_orbax)
     jax.devices()
     start = time.perf_counter()
@@ -211,7 +216,10 @@ def measure(
         (folder / "config.json").write_text(json.dumps(hf_config))
         drop_cached(folder)
         child = [sys.executable, "-m", "bench.probes.load_phases", "--child", str(folder)]
-        steps = json.loads(subprocess.run(child, check=True, capture_output=True).stdout)
+        done = subprocess.run(child, capture_output=True, text=True, env=CHILD_ENV or None)
+        if done.returncode != 0:
+            raise RuntimeError(f"load_phases: the steps' child failed:\n{done.stderr}")
+        steps = json.loads(done.stdout.strip().splitlines()[-1])
         seconds["steps"] = steps.pop("load")
         row["steps"] = steps
     row["seconds"] = seconds
@@ -236,6 +244,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(timeline(Path(args.child))))
         return
     hf_config = TINY["dense"] if args.tiny else MODELS["dense"]
+    # This process takes device memory as it goes, so the steps' child (a fresh process, as
+    # `bench.load`'s) finds the device as a load does: JAX's default pool free to take.
+    CHILD_ENV.update(os.environ)
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     config = model_config("dense", args.tiny)
     work = Path(tempfile.mkdtemp(prefix="djax_load_phases_", dir=args.scratch))
     try:

@@ -135,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
             phase_tokens=args.phase_tokens,
         )
         name = args.served_model_name or (DEMO_NAME if label else Path(path).name)
+        from djax.engine import enable_compile_cache
+
+        enable_compile_cache()  # a bad cache setting fails now, and the load's programs use it
         model = _load(args, path, progress=False)
         serve(
             model,

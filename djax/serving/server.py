@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 from fastapi import FastAPI
 
+from djax import engine as djax_engine
 from djax.model import Model
 from djax.serving.api import create_app
 from djax.serving.metrics import ServerMetrics
@@ -101,10 +102,11 @@ def serve(
     ready. An engine that fails (in its warm-up, say) ends the server: RuntimeError naming
     why. model_name: the id clients use (default: the model folder's name); api_key: the
     key every request but `/health` and `/metrics` must bear (`create_app`; None: open)."""
-    sock = listen(host, port)
+    djax_engine.enable_compile_cache()  # before the socket: a bad setting leaves none open
     name = model_name or default_model_name(model)
     engine, app = _build(model, config, name, api_key)
     server = _Server(app, log_level)
+    sock = listen(host, port)
     engine.start()
     threading.Thread(
         target=freeze_when_ready, args=(engine,), name="djax-freeze", daemon=True
