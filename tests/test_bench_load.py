@@ -2,18 +2,56 @@
 fresh processes, the result written, and only its own folders deleted."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
 from bench import load as bench_load
 
 
-def test_load_bench_times_every_case_and_deletes_only_its_folders(tmp_path, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """The tiny dense model's folders and seconds from one real preparing process, which
+    the two end-to-end runs below share (it is the same for both: a fresh process writing
+    and converting the same random weights)."""
+    work = tmp_path_factory.mktemp("prepared")
+    seconds = bench_load.run_child(bench_load.PREPARE, "dense", "1", str(work))
+    return work, seconds
+
+
+@pytest.fixture
+def prepare_once(prepared, monkeypatch):
+    """`run_child` as the bench's own for the loads; its preparing child (asked for the tiny
+    dense model, into the bench's folder) is `prepared`'s, copied into that folder."""
+    work, seconds = prepared
+    real = bench_load.run_child
+    asked = []
+
+    def run_child(program, *args):
+        if program != bench_load.PREPARE:
+            return real(program, *args)
+        asked.append(args)
+        assert args[:2] == ("dense", "1") and not any(Path(args[2]).iterdir()), args
+        for folder in bench_load.FOLDERS:
+            shutil.copytree(work / folder, Path(args[2]) / folder)
+        return dict(seconds)
+
+    monkeypatch.setattr(bench_load, "run_child", run_child)
+    return asked
+
+
+def test_load_bench_times_every_case_and_deletes_only_its_folders(
+    tmp_path, monkeypatch, capsys, prepare_once
+):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     (scratch / "keep.txt").write_text("a user's file")
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     bench_load.main(["--tiny", "--repeats", "1", "--scratch", str(scratch)])
+    # prepared once, inside the bench's own folder
+    ((*_, work),) = prepare_once
+    assert Path(work).parent.parent == scratch
     # the bench's own folder (HF, bf16 and fp8 folders inside) is gone, the user's file not
     assert [p.name for p in scratch.iterdir()] == ["keep.txt"]
     (path,) = (tmp_path / "out").glob("load_*.json")
@@ -39,7 +77,7 @@ def test_load_bench_times_every_case_and_deletes_only_its_folders(tmp_path, monk
     assert "dense converted_fp8 (repeat 1)" in capsys.readouterr().out
 
 
-def test_load_bench_loads_warm_and_cold_cases_in_one_run(tmp_path, monkeypatch):
+def test_load_bench_loads_warm_and_cold_cases_in_one_run(tmp_path, monkeypatch, prepare_once):
     """`--cache warm cold --cases ...`: only the cases asked for, each read through before
     its warm load and its pages dropped (not read) before its cold one, and the ratio of
     each pair."""
