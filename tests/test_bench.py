@@ -1017,3 +1017,34 @@ def test_load_phases_groups_whole_layers_and_keeps_every_param():
             (holder,) = [g for g in groups if f"attn_{i}" in g]
             assert f"mlp_{i}" in holder
     assert len(groups_of(names, 4)) == 4
+
+
+def test_load_phases_steps_time_a_fresh_process_s_load(tmp_path, monkeypatch):
+    """`load_phases --phases steps` loads the tiny fp8 folder in a fresh process and names
+    the load's steps in order, each inside the load (the restore inside `restore_orbax`,
+    the scans after the restore), with the whole load's seconds."""
+    import json
+
+    import jax
+    import jax.numpy as jnp
+
+    from bench.common import model_config
+    from bench.probes import load_phases
+    from djax.models import abstract_params
+
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")  # main sets it: restored after
+    monkeypatch.setattr(load_phases, "CHILD_ENV", {})
+    args = ["--tiny", "--weights", "fp8", "--phases", "steps", "--scratch", str(tmp_path)]
+    load_phases.main(args)
+    (path,) = (tmp_path / "out").glob("load_phases_*.json")
+    [row] = json.loads(path.read_text())["results"]
+    steps, load = row["steps"], row["seconds"]["steps"]
+    assert {"check_orbax", "orbax restore", "scans", "restore_orbax"} <= set(steps)
+    for span in steps.values():
+        assert 0 <= span["first"] <= span["last"] <= load and span["calls"] >= 1
+    whole, restore, scans = steps["restore_orbax"], steps["orbax restore"], steps["scans"]
+    assert whole["first"] <= restore["first"] and restore["last"] <= scans["first"]
+    assert scans["last"] <= whole["last"]
+    leaves = jax.tree.leaves(abstract_params(model_config("dense", True), jnp.bfloat16, "fp8"))
+    assert steps["wait for a scan program"]["calls"] == len(leaves)  # a program for every param
