@@ -551,9 +551,7 @@ def generate(
 ) -> engine.GenerationOutput:
     """`djax.generate` for a block-diffusion family (same arguments and result)."""
     engine.enable_compile_cache()
-    rows = engine.tokenize(model, prompts, chat)
-    engine.check_prompts(model, rows, config.gen_length)
-    plan, notes = make_plan(model, config, rows)
+    rows, plan, notes = engine.plan_prompts(model, prompts, config, chat)
     inputs = layout(rows, plan, model.config.pad_token_id)
     batch = len(rows)
     per_row = engine.row_values(config, batch)

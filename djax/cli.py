@@ -590,18 +590,12 @@ def _named_prompts(batch: list[prompt_io.PromptRecord]) -> Iterator[None]:
 
 
 def _explain(model: Any, prompts: list[Any], config: GenerationConfig, chat: bool) -> str:
-    """`djax.engine.explain` for the program that generates `prompts`: planned as
-    `djax.generate` plans it (block diffusion's own plan for its families), so explaining
-    never changes whether a run is accepted."""
-    from djax import block_diffusion, engine
+    """`djax.engine.explain` for the program that generates `prompts`, planned as
+    `djax.generate` plans it (`engine.plan_prompts`), so explaining never changes whether a
+    run is accepted."""
+    from djax import engine
 
-    rows = engine.tokenize(model, prompts, chat)
-    if model.config.block_diffusion:
-        engine.check_prompts(model, rows, config.gen_length)
-        plan, _ = block_diffusion.make_plan(model, config, rows)
-    else:
-        engine.check_prompts(model, rows, engine.answer_length(config))
-        plan, _ = engine.make_plan(model, config, len(rows), max(len(r) for r in rows))
+    _, plan, _ = engine.plan_prompts(model, prompts, config, chat)
     return engine.explain(model, plan)
 
 

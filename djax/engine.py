@@ -481,15 +481,31 @@ def generate(
 
         return block_diffusion.generate(model, prompts, config, chat=chat)
     enable_compile_cache()
-    rows = tokenize(model, prompts, chat)
-    check_prompts(model, rows, answer_length(config))
-    plan, notes = make_plan(model, config, len(rows), max(len(r) for r in rows))
+    rows, plan, notes = plan_prompts(model, prompts, config, chat)
     args = program_args(model, plan, rows, config)
     program, compile_seconds = executable(model, plan, args)
     start = time.perf_counter()
     out = jax.block_until_ready(program(*args))
     seconds = time.perf_counter() - start
     return _output(model, plan, out, seconds, compile_seconds, notes)
+
+
+def plan_prompts(
+    model: Model, prompts: Sequence[Any], config: GenerationConfig, chat: bool = False
+) -> tuple[list[list[int]], Any, list[str]]:
+    """The prompts as token rows (`tokenize`), checked against the model's length, and the
+    plan `generate` runs them with (a `Plan`, or block diffusion's `BlockPlan` for its
+    families) with its notes; `djax generate --explain` plans through it too."""
+    rows = tokenize(model, prompts, chat)
+    if model.config.block_diffusion:
+        from djax import block_diffusion
+
+        check_prompts(model, rows, config.gen_length)
+        plan, notes = block_diffusion.make_plan(model, config, rows)
+    else:
+        check_prompts(model, rows, answer_length(config))
+        plan, notes = make_plan(model, config, len(rows), max(len(r) for r in rows))
+    return rows, plan, notes
 
 
 def stalled_rows(answers: np.ndarray, mask_id: int, vocab_size: int) -> dict[int, int]:
