@@ -457,15 +457,11 @@ def resolve_token_ids(config: ModelConfig, tokenizer: Any | None, source: str) -
             raise ConfigError(
                 f"{source}: {name}={value} is outside the vocabulary [0, {resolved.vocab_size})"
             )
-    if resolved.mask_token_id in resolved.extra_eos_ids:
-        raise ConfigError(
-            f"{source}: mask_token_id={resolved.mask_token_id} is among the EOS ids "
-            f"{list(resolved.stop_token_ids)}; expected an id of its own"
-        )
-    if resolved.mask_token_id in (resolved.eos_token_id, resolved.pad_token_id):
+    eos_ids = [resolved.eos_token_id, *resolved.extra_eos_ids]
+    if resolved.mask_token_id in (*eos_ids, resolved.pad_token_id):
         raise ConfigError(
             f"{source}: mask_token_id={resolved.mask_token_id} is also the EOS or padding id "
-            f"(eos {resolved.eos_token_id}, pad {resolved.pad_token_id}); expected an id of its "
-            "own (an answer's masks would read as finished or as padding)"
+            f"(eos {eos_ids if len(eos_ids) > 1 else eos_ids[0]}, pad {resolved.pad_token_id}); "
+            "expected an id of its own (an answer's masks would read as finished or as padding)"
         )
     return resolved

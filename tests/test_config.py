@@ -146,5 +146,6 @@ def test_every_eos_id_of_a_list_ends_an_answer():
                 from_hf_dict({**config, "eos_token_id": [1, bad]}, "my/config.json")
         with pytest.raises(ConfigError, match="eos_token_id=999 is outside the vocabulary"):
             resolve_token_ids(from_hf_dict({**config, "eos_token_id": [1, 999]}), tok, "x")
-        with pytest.raises(ConfigError, match="mask_token_id=2 is among the EOS ids"):
+        among = r"mask_token_id=2 is also the EOS or padding id \(eos \[1, 2\]"
+        with pytest.raises(ConfigError, match=among):
             resolve_token_ids(from_hf_dict({**config, "eos_token_id": [1, 2]}), tok, "x")
