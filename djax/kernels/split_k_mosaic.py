@@ -24,41 +24,28 @@ Array = jax.Array
 
 # The fewest CTAs `tiles_for` aims at: one wave on a GPU of ~132 SMs.
 MIN_CTAS = 96
-# The most slices `tiles_for` cuts a contraction into for 128-column tiles.
-WIDE_SPLITS = 4
 
 
 def tiles_for(m: int, k: int, n: int) -> Tiles:
-    """128-column tiles in 64-wide steps (4 stages), the contraction cut into the fewest
-    slices (up to `WIDE_SPLITS`) that give `MIN_CTAS` CTAs; where that many do not reach
-    it, 64-column tiles in up to 128-wide steps, cut into the fewest slices (up to 8) that
-    reach it. Slices are whole numbers of at least 2 steps. At LLaDA-8B's block products:
-    q/k/v (4096 -> 12288) 96 tiles unsplit, the attention output (4096 -> 4096) and down
-    (12288 -> 4096) products 32 tiles x 4 slices; LLaDA-MoE's output product (2048 ->
-    2048) 32 narrow tiles x 4 slices."""
-    if n % 128 == 0:
-        block_k = tma_ring.largest_block(k, 64)
-        splits = _fewest_splits(n // 128, k, block_k, WIDE_SPLITS)
-        if n // 128 * splits >= MIN_CTAS:
-            return Tiles(block_n=128, block_k=block_k, splits=splits, stages=4)
+    """128-column tiles in 64-wide steps (4 stages) where they alone give `MIN_CTAS`
+    column tiles; else 64-column tiles in up to 128-wide steps (4 stages), the contraction
+    cut into the fewest slices (up to 8, of at least 2 steps) that reach `MIN_CTAS`. At
+    LLaDA-8B's block products: q/k/v (4096 -> 12288) 96 tiles unsplit, the attention
+    output (4096 -> 4096) and down (12288 -> 4096) products 64 tiles x 2 slices (among
+    the fastest tilings of `bench.kernels.mosaic --sweep`)."""
+    if n % 128 == 0 and n // 128 >= MIN_CTAS:
+        return Tiles(block_n=128, block_k=tma_ring.largest_block(k, 64), splits=1, stages=4)
+    block_n = tma_ring.TILE
     block_k = tma_ring.largest_block(k, 128)
-    splits = _fewest_splits(n // tma_ring.TILE, k, block_k, 8)
-    return Tiles(block_n=tma_ring.TILE, block_k=block_k, splits=splits, stages=4)
-
-
-def _fewest_splits(column_tiles: int, k: int, block_k: int, most: int) -> int:
-    """Slices of the contraction, doubled from 1 while `column_tiles * slices` is short of
-    `MIN_CTAS`, up to `most`, and while each slice keeps a whole number of at least 2
-    `block_k` steps."""
     splits = 1
     while (
-        column_tiles * splits < MIN_CTAS
-        and splits < most
+        (n // block_n) * splits < MIN_CTAS
         and k % (splits * 2 * block_k) == 0
         and k // (splits * 2 * block_k) >= 2
+        and splits < 8
     ):
         splits *= 2
-    return splits
+    return Tiles(block_n=block_n, block_k=block_k, splits=splits, stages=4)
 
 
 def _kernel(x_gmem, w_gmem, out_gmem, *ring_and_out, tiles, steps, m, column_tiles):

@@ -176,8 +176,8 @@ def test_tiles_for_llada_8b():
     tiles = [fp8_matmul_mosaic.tiles_for(32, k, n) for k, n in LLADA_8B]
     assert tiles == [
         Tiles(block_n=128, block_k=128, splits=1, stages=4),
-        Tiles(block_n=128, block_k=128, splits=4, stages=4),
-        Tiles(block_n=128, block_k=128, splits=4, stages=4),
+        Tiles(block_n=64, block_k=256, splits=2, stages=4),
+        Tiles(block_n=64, block_k=256, splits=2, stages=4),
         Tiles(block_n=128, block_k=128, splits=1, stages=4),
     ]
     for (k, n), t in zip(LLADA_8B, tiles, strict=True):
