@@ -1,6 +1,9 @@
 """The profile summary the benchmark notes quote: categories, idle gaps, idle time bordering
 collectives, per device."""
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -289,6 +292,18 @@ def test_generate_runs_the_llada2_mini_shape_end_to_end(tmp_path):
         # 8 blocks of 2 steps: 1 prefill, 8 first steps, 8 others
         assert (row["forwards"], row["refreshes"], row["blocks"]) == (17, 1, 8)
         assert set(row["experts_hit"]) == {"prefill", "block", "block_and_previous"}
+
+
+def test_readme_figures_name_result_files_that_exist():
+    """Every result file the README names by its path under bench/results/ is in the
+    repository: a figure never cites a file a later run or cleanup removed."""
+    root = Path(__file__).resolve().parents[1]
+    named = set(
+        re.findall(r"bench/results/[\w./-]+\.(?:json|log)", (root / "README.md").read_text())
+    )
+    assert named, "the README names no result file"
+    missing = sorted(path for path in named if not (root / path).is_file())
+    assert not missing, f"README.md names result files that do not exist: {missing}"
 
 
 def test_save_keeps_one_file_per_suite_and_device(tmp_path, monkeypatch):
