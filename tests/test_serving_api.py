@@ -892,6 +892,11 @@ def test_a_long_prompt_without_max_tokens_gets_the_room_left(url, engine):
         ("/v1/completions", "json_schema", '{"type": "object"}'),
         ("/v1/completions", "ebnf", 'root ::= "a"'),
         ("/v1/completions", "no_stop_trim", True),
+        ("/v1/completions", "stop_regex", "[0-9]"),  # SGLang: stop on a regex match
+        ("/v1/chat/completions", "stop_regex", ["\\d"]),
+        ("/v1/completions", "logits_processors", ["my_module.MyProcessor"]),  # vLLM
+        ("/v1/completions", "lora_path", "my-adapter"),  # SGLang: another adapter's answer
+        ("/v1/completions", "custom_logit_processor", '{"callable": "x"}'),  # SGLang
         ("/v1/chat/completions", "continue_final_message", True),
         ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": True}),
         ("/v1/chat/completions", "add_special_tokens", True),
@@ -918,6 +923,40 @@ def test_stream_options_need_stream(url, engine):
     response = post(url, "/v1/completions", body)
     assert_error(response, 400, param="stream_options", mentions="only allowed when stream")
     assert not engine.submitted
+
+
+def test_continuous_usage_stats_are_refused(url, engine):
+    """vLLM's and SGLang's `stream_options.continuous_usage_stats` asks for `usage` in every
+    chunk; djax sends it once, so the field is refused naming it, rather than ignored."""
+    body = {"prompt": "x", "stream": True}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    response = post(url, "/v1/completions", body | {"stream_options": options})
+    assert_error(
+        response,
+        400,
+        param="stream_options.continuous_usage_stats",
+        mentions="continuous_usage_stats",
+    )
+    assert not engine.submitted
+    options["continuous_usage_stats"] = False
+    assert post(url, "/v1/completions", body | {"stream_options": options}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "field, value, mentions",
+    [
+        ("max_tokens", 0, "max_tokens=0: Input should be greater than or equal to 1"),
+        ("temperature", -1, "temperature=-1: Input should be greater than or equal to 0"),
+        ("seed", 2**32, f"seed={2**32}: Input should be less than"),
+        ("max_tokens", 16.5, "max_tokens=16.5: Input should be a valid integer"),
+        ("stream", "yes", 'stream="yes": Input should be a valid boolean'),
+    ],
+)
+def test_a_bad_value_is_named_in_the_message(url, engine, field, value, mentions):
+    """A value that fails a field's type or bounds is quoted as the client sent it,
+    beside what was expected."""
+    response = post(url, "/v1/completions", {"prompt": "x", field: value})
+    assert_error(response, 400, param=field, mentions=mentions)
 
 
 def test_an_empty_model_name_is_the_served_model(url, engine):

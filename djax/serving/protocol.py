@@ -24,6 +24,7 @@ max_tokens).
 from __future__ import annotations
 
 import json
+import typing
 from typing import Any, Literal
 
 from pydantic import (
@@ -35,7 +36,7 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, core_schema
 
 from djax import prompt_io
 from djax.generation import GREEDY_BELOW
@@ -46,6 +47,9 @@ MAX_PROMPTS = 64  # a completions request's batch
 PROMPT_TYPES = "expected a string, a list of token ids, or a list of those"
 SEED_LIMIT = 2**32  # seeds are in [0, SEED_LIMIT)
 BODY_BYTES_PER_TOKEN = 32  # `body_limit`: generous for text (~4 bytes a token) and ids
+# pydantic's own error kinds, whose messages say what was expected but not what was sent
+# (`parse` adds it); djax's own (`_refuse`) write the value where it helps
+_PYDANTIC_ERRORS = frozenset(typing.get_args(core_schema.ErrorType)) - {"missing"}
 
 FinishReason = Literal["stop", "length"]
 
@@ -73,6 +77,10 @@ SERVER_CONTROLS: dict[str, tuple[Any, ...]] = {
     "json_schema": (),
     "ebnf": (),
     "no_stop_trim": (False,),
+    "stop_regex": ([],),  # SGLang: ends the answer at a regex match
+    "logits_processors": ([],),  # vLLM: processors applied to each step's logits
+    "lora_path": (),  # SGLang: answers with a LoRA adapter
+    "custom_logit_processor": (),  # SGLang
 }
 # The chat endpoint's too (over the above where both name a field).
 SERVER_CHAT_CONTROLS: dict[str, tuple[Any, ...]] = {
@@ -140,6 +148,17 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's and SGLang's: usage in every chunk
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _usage_once(cls, value: bool) -> bool:
+        if value:
+            raise _unsupported(
+                "continuous_usage_stats",
+                "djax sends usage once, after the last chunk (include_usage); expected false",
+            )
+        return value
 
 
 class _GenerationRequest(BaseModel):
@@ -452,6 +471,8 @@ def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
         # a check of the whole body names its field in the error's context
         param = loc or (first.get("ctx") or {}).get("field")
         where = f"{loc}: " if loc else "the body: "
+        if loc and first["type"] in _PYDANTIC_ERRORS:  # the value, as the client wrote it
+            where = f"{loc}={json.dumps(first['input'], default=str)[:80]}: "
         raise ProtocolError(where + first["msg"], param=param) from None
 
 
