@@ -79,7 +79,8 @@ def _alone(model, generation, ids, max_tokens, **changes):
 
 def test_staggered_requests_equal_generate_alone(demo_model, generation, continuous):
     """Five requests, mixed max_tokens, arriving while others run on 2 rows: each gets the
-    tokens generate gives it alone, and a Finished with the right reason and count."""
+    tokens generate gives it alone, and a Finished with the right reason and count (a stop
+    token counted as one of the answer's tokens)."""
     got = Collector()
     max_tokens = [24, 16, 24, 16, 24]
     rows = [_ids(demo_model, prompt) for prompt in PROMPTS]
@@ -98,7 +99,8 @@ def test_staggered_requests_equal_generate_alone(demo_model, generation, continu
         expected = alone[max_tokens[i]][i]
         assert got.tokens(f"r{i}") == expected, prompt
         end = got.events[f"r{i}"][-1]
-        assert end == Finished("stop" if len(expected) < max_tokens[i] else "length", len(expected))
+        stopped = len(expected) < max_tokens[i]  # the stop token counts (vLLM's usage)
+        assert end == Finished("stop" if stopped else "length", len(expected) + stopped)
     assert demo_model.tokenizer.decode(got.tokens("r0")) == "3305"
 
 
@@ -316,7 +318,7 @@ def test_a_failing_call_fails_its_rows_only(demo_model, generation, monkeypatch)
     got.wait(2)
     assert isinstance(got.events["bad"][-1], Failed)
     assert "injected device fault" in got.events["bad"][-1].message
-    assert got.events["good"][-1] == Finished("stop", 2)
+    assert got.events["good"][-1] == Finished("stop", 3)  # "46" and the stop token
     compiled = engine.metrics.compiles._value.get()
     engine.stop()
     assert compiled == 2  # the warm-up's programs (batch 1, seq 64, with and without sampling)

@@ -927,7 +927,8 @@ class ServingEngine:
 
     def _block_events(self, row: _Row, tokens: list[int]) -> list[tuple[_Row, Event]]:
         """Commit a row's next block; its events: the tokens up to the first stop token and
-        max_tokens, then `Finished` when the request is done (lock held)."""
+        max_tokens, then `Finished` when the request is done (lock held), whose count of
+        answer tokens includes the stop token that ended it (inside max_tokens)."""
         cfg = self.model.config
         # Block diffusion keeps a mask id its model predicted (as `djax.generate` does); a
         # LLaDA block holds none once decoded.
@@ -951,8 +952,8 @@ class ServingEngine:
         room = request.max_tokens - sent
         keep = tokens[: min(room, len(tokens) if stop_at is None else stop_at)]
         events: list[tuple[_Row, Event]] = [(row, BlockCommitted(tuple(keep)))]
-        if stop_at is not None and stop_at < room:
-            events.append((row, Finished("stop", sent + len(keep))))
+        if stop_at is not None and stop_at < room:  # the stop token counts, as vLLM counts it
+            events.append((row, Finished("stop", sent + len(keep) + 1)))
         elif sent + len(tokens) >= request.max_tokens:
             events.append((row, Finished("length", sent + len(keep))))
         row.done = isinstance(events[-1][1], Finished)

@@ -42,7 +42,9 @@ class BlockCommitted(NamedTuple):
 
 
 class Finished(NamedTuple):
-    """The request is done: `stop` (a stop token was generated) or `length` (max_tokens)."""
+    """The request is done: `stop` (a stop token was generated) or `length` (max_tokens);
+    `completion_tokens` counts the answer's tokens and the stop token that ended it (sent
+    in no `BlockCommitted`), as vLLM's usage counts a generated EOS."""
 
     reason: Literal["stop", "length"]
     completion_tokens: int
