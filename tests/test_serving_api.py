@@ -534,6 +534,12 @@ def test_stop_string_held_back_then_released(client, engine):
         ("/v1/completions", {"prompt": "x", "n": True}, "n", "n=true"),
         ("/v1/completions", {"prompt": "x", "logprobs": 3}, "logprobs", "not supported"),
         ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "not supported"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "best_of": 1, "n": 2},
+            "best_of",
+            "best_of=1 is less than n=2",
+        ),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p", "greater than 0"),

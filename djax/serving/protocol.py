@@ -308,7 +308,19 @@ class _GenerationRequest(BaseModel):
     def _no_best_of(cls, value: Any) -> Any:
         if value not in (None, 1):
             raise _unsupported("best_of", "djax returns its one answer (best_of=1)")
-        return None
+        return value
+
+    @model_validator(mode="after")
+    def _best_of_covers_n(self) -> Any:
+        """OpenAI's rule: best_of candidates yield the n answers, so best_of >= n."""
+        if self.best_of is not None and self.best_of < self.n:
+            raise _refuse(
+                "best_of",
+                f"best_of={self.best_of} is less than n={self.n}; expected best_of >= n, or "
+                "best_of left out",
+                field="best_of",
+            )
+        return self
 
     @field_validator("echo", mode="plain")
     @classmethod
