@@ -26,8 +26,15 @@ from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from djax import __version__, prompt_io
-from djax.config import WEIGHTS
-from djax.generation import DECODERS, POLICIES, GenerationConfig, generation_defaults
+from djax.config import LLADA2, WEIGHTS, ConfigError, family_of, load_hf_config
+from djax.generation import (
+    DECODERS,
+    FIXED_DECODERS,
+    POLICIES,
+    THRESHOLD_DECODERS,
+    GenerationConfig,
+    generation_defaults,
+)
 from djax.kernel_options import KERNEL_OPTIONS
 
 log = logging.getLogger("djax")
@@ -135,6 +142,49 @@ def _positive_int(text: str) -> int:
 def _generation_config(args: argparse.Namespace, defaults: dict[str, Any]) -> GenerationConfig:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig)}
     return GenerationConfig(**(defaults | {k: v for k, v in given.items() if v is not None}))
+
+
+# The generation options only some decoders or cache policies read: (the config field that
+# chooses, the choices that read it). `steps` is read by every decoder under block diffusion.
+_READ_BY = {
+    "steps": ("decoder", FIXED_DECODERS),
+    "threshold": ("decoder", THRESHOLD_DECODERS),
+    "low_threshold": ("decoder", ("hierarchy",)),
+    "factor": ("decoder", ("factor",)),
+    "credit_alpha": ("decoder", ("credit",)),
+    "credit_gamma": ("decoder", ("credit",)),
+    "credit_beta": ("decoder", ("credit",)),
+    "vicinity_before": ("cache", ("vicinity",)),
+    "vicinity_after": ("cache", ("vicinity",)),
+    "vicinity_warmup": ("cache", ("vicinity",)),
+}
+
+
+def _block_diffusion(path: str) -> bool | None:
+    """Whether the model folder's config.json names a block-diffusion family (LLaDA2);
+    None where it cannot be read (the load says why)."""
+    try:
+        return family_of(load_hf_config(path), "config.json") == LLADA2
+    except ConfigError:
+        return None
+
+
+def _check_options_read(args: argparse.Namespace, config: GenerationConfig, path: str) -> None:
+    """A ValueError naming a generation option given on the command line that the decoder or
+    cache policy chosen never reads (the answer would be the same without it), as the server
+    refuses a `threshold` its decoder takes none of."""
+    for name, (chooser, readers) in _READ_BY.items():
+        value, chosen = getattr(args, name), getattr(config, chooser)
+        if value is None or chosen in readers:
+            continue
+        if name == "steps" and _block_diffusion(path) is not False:
+            continue  # block diffusion splits steps over the blocks under every decoder
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(
+            f"{flag} {value} is read only by --{chooser} {'|'.join(readers)}; --{chooser} "
+            f"{chosen} never reads it, so it would not change the answers: expected no "
+            f"{flag}, or another --{chooser}"
+        )
 
 
 def _logging_options() -> argparse.ArgumentParser:
@@ -517,6 +567,7 @@ def run_generate(
     path = args.model or str(demo.default_model_path())
     label = demo.describe(path)  # None unless the folder holds a demo model
     config = _generation_config(args, generation_defaults(path))
+    _check_options_read(args, config, path)
     chat = bool(label) if args.chat is None else args.chat
     settings = _settings(args, path, config, chat)
     records = _unfinished(args, _records(args, bool(label)), settings)

@@ -130,6 +130,8 @@ def tokenize(model: Model, prompts: Sequence[Any], chat: bool) -> list[list[int]
     rows = []
     for i, prompt in enumerate(prompts):
         conversation = is_conversation(prompt)
+        if isinstance(prompt, str) and not prompt:  # a chat template would wrap it in tokens
+            raise PromptError(i, "is an empty string; expected text")
         if isinstance(prompt, str) or conversation:
             if model.tokenizer is None:
                 raise ValueError(

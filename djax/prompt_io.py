@@ -72,9 +72,12 @@ def _lines(text: str) -> list[str]:
 
 
 def from_texts(texts: Sequence[str]) -> list[PromptRecord]:
-    """`--prompt` texts, ids 0, 1, ...; ValueError naming a text that is not valid Unicode
-    (bytes the shell passed that are not UTF-8)."""
+    """`--prompt` texts, ids 0, 1, ...; ValueError naming a text that is empty (as a JSONL
+    record's `"prompt": ""` is refused) or not valid Unicode (bytes the shell passed that
+    are not UTF-8)."""
     for i, text in enumerate(texts):
+        if not text:
+            raise ValueError(f"--prompt {i} is empty; expected a non-empty prompt")
         _check_unicode(text, f"--prompt {i}")
     return [PromptRecord(i, text) for i, text in enumerate(texts)]
 

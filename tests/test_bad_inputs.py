@@ -77,6 +77,17 @@ CLI_ROWS = [
     ([*GEN, "--attention-sparsity", "0.5", "--cache", "none"], {}, 2, "cache='none' has none"),
     ([*GEN, "--gen-length", "256"], {}, 2, "exceeds the model's maximum sequence length 128"),
     ([*GEN, "--batch-size", "0"], {}, 2, "'0' is not a positive int"),
+    ([*GEN, "--steps", "8"], {}, 2, "--steps 8 is read only by --decoder low_confidence|random"),
+    (
+        [*GEN, "--decoder", "low_confidence", "--threshold", "0.5"],
+        {},
+        2,
+        "--threshold 0.5 is read only by --decoder threshold|credit|hierarchy; --decoder "
+        "low_confidence never reads it",
+    ),
+    ([*GEN, "--factor", "2"], {}, 2, "--decoder threshold never reads it"),
+    ([*GEN, "--vicinity-before", "4"], {}, 2, "--cache dual never reads it"),
+    (["generate", "--prompt", "1+1=", "--prompt", ""], {}, 2, "--prompt 1 is empty; expected"),
     ([*GEN, "--tensor-parallel", "-2"], {}, 2, "'-2' is not a positive int"),
     ([*GEN, "--model", "{missing}"], {}, 2, "is not a folder"),
     ([*GEN, "--prompts-file", "x"], {}, 2, "not allowed with argument --prompt"),
@@ -358,6 +369,16 @@ def test_a_conversation_s_turns_as_the_cli_and_server_take_them(demo_model):
             engine.tokenize(demo_model, ["1+1=", turns], True)
     with pytest.raises(engine.PromptError, match="has message 0 with role 3"):
         engine.tokenize(demo_model, [[{"role": 3, "content": "x"}]], True)
+
+
+def test_an_empty_string_prompt_is_refused_with_or_without_chat(demo_model):
+    """An empty string is refused as an empty id list is, also where the chat template
+    would have wrapped it in tokens of its own."""
+    from djax import engine
+
+    for chat in (True, False):
+        with pytest.raises(engine.PromptError, match="prompt 1 is an empty string"):
+            engine.tokenize(demo_model, ["1+1=", ""], chat)
 
 
 def test_a_conversation_is_a_prompt(demo_model):

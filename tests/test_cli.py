@@ -59,6 +59,25 @@ def test_generate_options_reach_the_config(capsys, dense_folder):
     assert result["stats"]["forwards"] == 8 and result["stats"]["refreshes"] == 8
 
 
+def test_options_the_decoder_never_reads_are_refused_only_where_unread(tmp_path):
+    """`--steps` with a decoder that commits by its own rule changes nothing under LLaDA and
+    is refused naming it; under block diffusion every decoder splits steps over the blocks,
+    so it passes there. Options left out, or read by the chosen decoder, always pass."""
+    from djax.cli import _check_options_read, parse
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LLaDA2MoeModelLM"]}))
+    args = parse(["generate", "--steps", "8"])
+    config = djax.GenerationConfig(steps=8)
+    _check_options_read(args, config, str(tmp_path))  # block diffusion reads it
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LLaDAModelLM"]}))
+    with pytest.raises(ValueError, match="--steps 8 is read only by --decoder"):
+        _check_options_read(args, config, str(tmp_path))
+    fixed = parse(["generate", "--steps", "8", "--decoder", "random", "--threshold", "0.5"])
+    with pytest.raises(ValueError, match="--threshold 0.5 is read only by"):
+        _check_options_read(fixed, djax.GenerationConfig(decoder="random"), str(tmp_path))
+    _check_options_read(parse(["generate"]), djax.GenerationConfig(), str(tmp_path))
+
+
 def test_prompts_file_runs_in_batches(capsys, tmp_path):
     prompts = ["1+1=", "2+2=", "", "30+4=", "sort 3,1", "reverse abc"]
     (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
