@@ -443,12 +443,15 @@ def _records(args: argparse.Namespace, demo_model: bool) -> list[prompt_io.Promp
 
 @dataclasses.dataclass
 class Progress:
-    """What a generate run has done so far: records finished and their batches' stats."""
+    """What a generate run has done so far: records finished and their batches' stats, and
+    under `--json` the result being built (`run_generate`'s, its answers those of the
+    finished batches)."""
 
     total: int
     done: int = 0
     written: int = 0
     stats: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    result: dict[str, Any] | None = None
 
 
 def _totals(stats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -576,6 +579,7 @@ def run_generate(
     result = {"model": f"{path} ({label})" if label else path, "notes": [], "stats": {}}
     if args.json:
         result |= {"prompts": [], "texts": [], "token_ids": []}
+        progress.result = result
     if not records:
         return result
     show_progress = sys.stderr.isatty() if args.progress is None else args.progress
@@ -615,13 +619,13 @@ def run_generate(
                 elif not args.json:
                     for r, text in zip(batch, texts, strict=True):
                         print(f"\n> {_shown(r)}\n{text}", flush=True)
+                if args.json:
+                    result["prompts"] += [r.prompt for r in batch]
+                    result["texts"] += texts
+                    result["token_ids"] += out.token_ids
+                result["notes"] += [n for n in out.notes if n not in result["notes"]]
                 progress.stats.append(stats)
                 progress.done += len(batch)
-            if args.json:
-                result["prompts"] += [r.prompt for r in batch]
-                result["texts"] += texts
-                result["token_ids"] += out.token_ids
-            result["notes"] += [n for n in out.notes if n not in result["notes"]]
             log.info("batch of %d: %s", len(batch), _stats_line(stats))
             bar.update(len(batch))
     result["stats"] = _totals(progress.stats)
@@ -729,6 +733,12 @@ def main(argv: list[str] | None = None) -> int:
             _print_result(args, result, progress)
     except Stopped as stop:
         print(f"djax: {_stopped_line(args, stop.signum, progress)}", file=sys.stderr)
+        if progress.result is not None:  # --json: the finished batches' answers
+            stopped = {
+                "stats": _totals(progress.stats),
+                "stopped": signal.Signals(stop.signum).name,
+            }
+            print(json.dumps(progress.result | stopped, indent=2))
         return 128 + stop.signum
     except (ValueError, TypeError, OSError) as err:
         print(f"djax: error: {err}", file=sys.stderr)

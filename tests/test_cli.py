@@ -446,6 +446,32 @@ def test_help_lists_choices_and_examples(capsys):
     assert "--batch-size N" in text and "(default: 32)" in text
 
 
+def test_a_stop_under_json_prints_the_finished_batches(capsys, monkeypatch):
+    """A stop signal under `--json` prints the JSON of the batches that finished (with
+    `"stopped"`) after the one stderr line, where it printed nothing: the answers on stdout
+    are those of whole batches, as `--output-jsonl` keeps them."""
+    import djax
+    from djax import cli
+
+    real, calls = djax.generate, []
+
+    def stopped_at_the_second_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise cli.Stopped(signal.SIGINT)  # as the handler raises it mid-batch
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(djax, "generate", stopped_at_the_second_batch)
+    argv = ["generate", "--prompt", "1+1=", "--prompt", "2+3=", "--prompt", "4+4="]
+    assert main([*argv, "--batch-size", "2", "--json"]) == 130
+    out, err = capsys.readouterr()
+    assert err.strip() == "djax: stopped by SIGINT after 2 of 3 prompts"
+    result = json.loads(out)
+    assert result["stopped"] == "SIGINT" and result["prompts"] == ["1+1=", "2+3="]
+    assert len(result["texts"]) == len(result["token_ids"]) == 2
+    assert result["stats"]["batches"] == 1
+
+
 # One signal a command: `main` stops generate and convert by the same handler for both,
 # so SIGINT here and SIGTERM in test_files_and_faults' interrupted convert cover each.
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130)])
