@@ -23,6 +23,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from djax.generation import GenerationConfig
+
 # A chat turn's roles, as the OpenAI API names them (`djax serve` takes the same); a
 # `developer` turn reaches the chat template as a `system` turn (`template_turn`).
 ROLES = ("system", "developer", "user", "assistant")
@@ -148,9 +150,24 @@ def read_jsonl(path: str | Path) -> list[PromptRecord]:
     return records
 
 
+# Keys no input record may hold: generation options (`GenerationConfig`'s and the API's),
+# which `djax generate` takes from its command line alone, one config for every record: a
+# record's own would be ignored. Other keys (an eval file's metadata) are.
+OPTION_KEYS = frozenset(
+    {f.name for f in dataclasses.fields(GenerationConfig)}
+    | {"max_tokens", "max_completion_tokens", "stop", "n"}
+)
+
+
 def _record(item: Any, line: int, where: str) -> PromptRecord:
     if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
         raise ValueError(f'{where}: expected an object with "prompt" or "messages"')
+    options = sorted(OPTION_KEYS & item.keys())
+    if options:
+        raise ValueError(
+            f'{where}: holds "{options[0]}", a generation option; every record runs with '
+            "the command line's options (djax generate --help): expected no such key"
+        )
     id_ = item.get("id", line)
     _check_id(id_, where)
     if "prompt" in item:

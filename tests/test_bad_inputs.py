@@ -35,6 +35,8 @@ def files(tmp: Path) -> dict[str, str]:
         "not_ours.jsonl": "some notes\n",
         "cut_short.jsonl": '{"id": 0, "answer": "2"}\n{"id": 1, "ans',
         "good.jsonl": '{"id": "a", "prompt": "1+1="}\n',
+        "record_options.jsonl": '{"prompt": "1+1=", "source": "gsm8k"}\n'
+        '{"prompt": "2+2=", "temperature": 1.0}\n',
         "null_content.jsonl": '{"messages": [{"role": "user", "content": null}]}\n',
         "tool_role.jsonl": '{"messages": [{"role": "tool", "content": "4"}]}\n',
         "part_list.jsonl": '{"messages": [{"role": "user", "content": [{"text": "1+1="}]}]}\n',
@@ -122,6 +124,12 @@ CLI_ROWS = [
     (["generate", "--input-jsonl", "{repeated.jsonl}"], {}, 2, "id 'a' repeats"),
     (["generate", "--input-jsonl", "{bool_id.jsonl}"], {}, 2, "id True; expected a string"),
     (["generate", "--input-jsonl", "{empty.jsonl}"], {}, 2, "holds no records"),
+    (
+        ["generate", "--input-jsonl", "{record_options.jsonl}"],
+        {},
+        2,
+        'record_options.jsonl:2: holds "temperature", a generation option; every record runs',
+    ),
     ([*GEN, "--output-jsonl", "{not_ours.jsonl}"], {}, 2, "not_ours.jsonl:1: not a djax output"),
     ([*GEN, "--output-jsonl", "{cut_short.jsonl}"], {}, 2, "the last line is cut short"),
     (["generate", "--prompts-file", "{binary.txt}"], {}, 2, "binary.txt: byte 5 is not UTF-8"),
