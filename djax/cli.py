@@ -428,10 +428,15 @@ class StopSignals:
 
 
 def _records(args: argparse.Namespace, demo_model: bool) -> list[prompt_io.PromptRecord]:
-    if args.prompts_file:
-        return prompt_io.read_prompts_file(args.prompts_file)
-    if args.input_jsonl:
-        return prompt_io.read_jsonl(args.input_jsonl)
+    for flag, path, read in (
+        ("--prompts-file", args.prompts_file, prompt_io.read_prompts_file),
+        ("--input-jsonl", args.input_jsonl, prompt_io.read_jsonl),
+    ):
+        if path:
+            try:
+                return read(path)
+            except OSError as err:  # the OS's words, with the flag that named the file
+                raise OSError(f"{flag} {path}: {err.strerror or err}") from None
     if args.prompt:
         return prompt_io.from_texts(args.prompt)
     if demo_model:

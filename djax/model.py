@@ -189,6 +189,8 @@ def load(
     kernel_options = KernelOptions.from_keywords(options)
     if weights is not None:
         fp8.check_weights(weights)
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh={mesh!r:.60}; expected a jax.sharding.Mesh (djax.make_mesh) or None")
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(

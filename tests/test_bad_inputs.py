@@ -95,7 +95,8 @@ CLI_ROWS = [
     ([*GEN, "--prompts-file", "x"], {}, 2, "not allowed with argument --prompt"),
     ([*GEN, "--json", "--output-jsonl", "x"], {}, 2, "not allowed with argument --json"),
     (["generate", "--prompts-file", "{empty.txt}"], {}, 2, "holds no prompts"),
-    (["generate", "--prompts-file", "{missing}"], {}, 2, "No such file"),
+    (["generate", "--prompts-file", "{missing}"], {}, 2, "--prompts-file {missing}: No such file"),
+    (["generate", "--input-jsonl", "{missing}"], {}, 2, "--input-jsonl {missing}: No such file"),
     (["generate", "--input-jsonl", "{not_json.jsonl}"], {}, 2, "not_json.jsonl:2: not JSON"),
     (["generate", "--input-jsonl", "{no_prompt.jsonl}"], {}, 2, 'with "prompt" or "messages"'),
     (["generate", "--input-jsonl", "{both.jsonl}"], {}, 2, 'with "prompt" or "messages"'),
@@ -167,6 +168,8 @@ def test_cli_rejects(args, env, status, message, tmp_path, capsys, monkeypatch):
     except SystemExit as exit:  # argparse's own errors
         code = exit.code
     err = capsys.readouterr().err
+    for name, path in paths.items():  # a file's placeholder in the message: its path
+        message = message.replace("{" + name + "}", path)
     assert code == status
     assert message in err and "Traceback" not in err
     lines = [line for line in err.splitlines() if line.startswith("djax")]
@@ -226,6 +229,7 @@ API_ROWS = [
     (lambda m: m.with_options(mlp_imp="xla"), TypeError, "did you mean 'mlp_impl'?"),
     (lambda m: m.with_options(rope_impl="triton"), ValueError, "rope_impl='triton'"),
     (lambda m: djax.load("/no/such/folder"), FileNotFoundError, "is not a folder"),
+    (lambda m: djax.load(DEMO, mesh="cpu"), TypeError, "mesh='cpu'; expected a jax.sharding"),
     (lambda m: djax.GenerationConfig(seed=2**32), ValueError, "seed=4294967296; expected"),
     (lambda m: djax.GenerationConfig(seed=-1), ValueError, "seed=-1; expected"),
     (lambda m: djax.GenerationConfig(smoothing="no"), ValueError, "smoothing='no'; expected True"),
