@@ -163,3 +163,15 @@ def test_chunked_logits_answer_as_the_whole_vocabulary(demo_model, decoder, temp
         for c in (0, 48)
     )
     np.testing.assert_array_equal(chunked.answer_ids, whole.answer_ids)
+
+
+def test_the_package_requires_what_the_chat_path_imports():
+    """`pip install -e .` alone runs the chat template (the demo's `djax generate`): jinja2,
+    which transformers imports lazily and requires of no one, is a requirement of djax's own
+    (the test extras' torch brought it along, hiding its absence)."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    core = [Requirement(r) for r in requires("djax") or []]
+    assert "jinja2" in {r.name.lower() for r in core if r.marker is None}  # not an extra's
