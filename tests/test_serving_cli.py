@@ -142,8 +142,11 @@ def test_a_bad_compile_cache_setting_fails_before_the_load_and_the_socket(
 ):
     """`djax serve` turns the compile cache on before it loads the model (whose programs
     then use it): a malformed cache size fails at once, exit 2, nothing loaded; `serve`
-    itself fails before it opens its socket."""
+    itself fails (building its engine) before it opens its socket."""
+    import djax
+    from djax import demo
     from djax.serving import server
+    from djax.serving.engine import ServeConfig, ServingEngine
 
     monkeypatch.setenv("DJAX_COMPILE_CACHE", str(tmp_path / "xla"))
     monkeypatch.setenv("DJAX_COMPILE_CACHE_MAX_SIZE", "lots")
@@ -155,12 +158,19 @@ def test_a_bad_compile_cache_setting_fails_before_the_load_and_the_socket(
     assert cli.run(parse([])) == 2
     assert "DJAX_COMPILE_CACHE_MAX_SIZE" in capsys.readouterr().err
     assert served == []
+    model = djax.load(demo.default_model_path())
+    config = ServeConfig(djax.GenerationConfig(**demo.generation_defaults()))
     port = free_port()
     monkeypatch.undo()  # the real serve again, the bad size still set
     monkeypatch.setenv("DJAX_COMPILE_CACHE", str(tmp_path / "xla"))
     monkeypatch.setenv("DJAX_COMPILE_CACHE_MAX_SIZE", "lots")
+
+    def start(self):
+        raise AssertionError("the engine started")
+
+    monkeypatch.setattr(ServingEngine, "start", start)  # a failure, not a server, if late
     with pytest.raises(ValueError, match="DJAX_COMPILE_CACHE_MAX_SIZE"):
-        server.serve(None, None, port=port)
+        server.serve(model, config, port=port)
     with socket.socket() as again:  # no socket of serve's is left listening on the port
         again.bind(("127.0.0.1", port))
 

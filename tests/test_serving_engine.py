@@ -899,9 +899,9 @@ def test_a_stop_during_warm_up_ends_the_engine_promptly(demo_model, scheduler):
 def test_a_started_engine_keeps_its_programs_in_the_compile_cache(
     demo_model, generation, tmp_path, monkeypatch
 ):
-    """`start` turns on the persistent compile cache (`$DJAX_COMPILE_CACHE`), as
-    `djax.generate` does: the programs the engine compiles are saved there, for the next
-    start to read back."""
+    """An engine turns on the persistent compile cache (`$DJAX_COMPILE_CACHE`), as
+    `djax.generate` does: the programs it compiles are saved there, for the next start to
+    read back."""
     monkeypatch.setenv("DJAX_COMPILE_CACHE", str(tmp_path))
     monkeypatch.setattr(djax.engine, "_EXECUTABLES", {})  # nothing compiled in this process
     engine = _engine(demo_model, generation, scheduler="static", max_batch=1)

@@ -102,7 +102,8 @@ def main() -> None:
         weights, _, options = spec.partition(":")
         if weights not in ("dtype", "fp8") or not options:
             raise SystemExit(f"bench.probes.serve_compile: leg {spec!r}; expected WEIGHTS:OPTIONS")
-        env = {k: v for k, v in os.environ.items() if k != "DJAX_COMPILE_CACHE"}
+        # no compile cache (empty turns djax's off: the serving engine would turn it on)
+        env = os.environ | {"DJAX_COMPILE_CACHE": ""}
         if options != "default":
             env["DJAX_XLA_OPTIONS"] = " ".join(options.split(","))
         command = [sys.executable, "-m", "bench.probes.serve_compile", "--leg", weights]

@@ -223,6 +223,10 @@ class ServingEngine:
     `djax.serving.requests.Engine`."""
 
     def __init__(self, model: Model, config: ServeConfig, metrics: ServerMetrics):
+        # Its programs compile through the persistent compile cache, as `djax.generate`'s do,
+        # so that a later engine reads them back; a bad cache setting fails here, before
+        # anything is served (`serve` builds the engine before it opens its socket).
+        djax_engine.enable_compile_cache()
         cfg = model.config
         g = config.generation
         if cfg.block_diffusion:
@@ -336,10 +340,7 @@ class ServingEngine:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Compile every program and start serving, in the engine's thread, through the
-        persistent compile cache (`djax.engine.enable_compile_cache`, as `djax.generate`),
-        so that a later start reads its programs back."""
-        djax_engine.enable_compile_cache()
+        """Compile every program and start serving, in the engine's thread."""
         self._thread = threading.Thread(target=self._main, name="djax-engine", daemon=True)
         self._thread.start()
 

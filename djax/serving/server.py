@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 import uvicorn
 from fastapi import FastAPI
 
-from djax import engine as djax_engine
 from djax.model import Model
 from djax.serving.api import create_app
 from djax.serving.metrics import ServerMetrics
@@ -102,9 +101,8 @@ def serve(
     ready. An engine that fails (in its warm-up, say) ends the server: RuntimeError naming
     why. model_name: the id clients use (default: the model folder's name); api_key: the
     key every request but `/health` and `/metrics` must bear (`create_app`; None: open)."""
-    djax_engine.enable_compile_cache()  # before the socket: a bad setting leaves none open
     name = model_name or default_model_name(model)
-    engine, app = _build(model, config, name, api_key)
+    engine, app = _build(model, config, name, api_key)  # a bad cache setting: no socket yet
     server = _Server(app, log_level)
     sock = listen(host, port)
     engine.start()
