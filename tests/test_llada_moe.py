@@ -2,6 +2,7 @@
 routing options, loading, and generation with every cache policy."""
 
 import dataclasses
+import functools
 import json
 import shutil
 
@@ -14,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 import djax
 from djax.checkpoint import CheckpointError
 from djax.config import from_hf_dict
-from djax.models.kernel_choice import Shapes
+from djax.models.kernel_choice import Kernels, Shapes
 from djax.models.llada_moe import (
     COUNT_CHUNK,
     PAIRWISE_MAX,
@@ -150,6 +151,26 @@ def test_expert_paths_split_over_devices_sum_to_whole():
             run(x, weights, experts, gate_up[s : s + 2], down[s : s + 2], s) for s in (0, 2, 4)
         )
         np.testing.assert_allclose(np.asarray(parts), np.asarray(whole), rtol=1e-5, atol=1e-5)
+
+
+def test_every_expert_local_skips_the_locality_test(moe_model):
+    """`first_expert=None` (every expert on this device, as a one-device MoEBlock passes it)
+    gives the result of `first_expert=0` bit for bit without testing where each pair's
+    expert lives: the one-device block's program (the grouped path, which tests locality
+    where experts are split) has no `expert - first >= 0` (the test `0 <= expert - first <
+    n_local`, dead work on one device)."""
+    x, weights, experts, gate_up, down = _routed_experts(3)
+    for run in (experts_dense, experts_grouped):
+        at_zero = run(x, weights, experts, gate_up, down, 0)
+        unsplit = run(x, weights, experts, gate_up, down, None)
+        np.testing.assert_array_equal(np.asarray(unsplit), np.asarray(at_zero), run.__name__)
+    cfg = moe_model.config
+    block = MoEBlock(cfg, jnp.float32)
+    rows = jnp.ones((1, 4, cfg.d_model), jnp.float32)
+    params = block.init(jax.random.key(0), rows)
+    grouped = functools.partial(block.apply, kernels=Kernels(moe="grouped"))
+    jaxpr = str(jax.make_jaxpr(grouped)(params, rows))
+    assert "= ge " not in jaxpr, jaxpr
 
 
 def _mlp_unwritten_tail(x, source_rows, gate_up, down, group_sizes):

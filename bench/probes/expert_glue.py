@@ -73,6 +73,7 @@ PATHS = {
     "fp8 mosaic tokens": (functools.partial(experts_by_token, mlp=fp8_mosaic_mlp), "fp8_k_major"),
 }
 TOKEN_PATHS_MAX = 64  # the most tokens the every-token paths take (one row tile)
+FIRST = None  # every expert on the one device, as a one-device MoEBlock passes it
 
 
 def k_major_fp8(gate_up, down) -> tuple:
@@ -136,7 +137,7 @@ def main() -> None:
         for name in args.paths:
             if name in PATHS and not (name.endswith(" tokens") and n > TOKEN_PATHS_MAX):
                 path, form = PATHS[name]
-                runs[name] = (jax.jit(path), (x, weights, experts, *weights_by_form[form], 0))
+                runs[name] = (jax.jit(path), (x, weights, experts, *weights_by_form[form], FIRST))
         for name, (fn, fn_args) in runs.items():
             us = kernel_us(fn, fn_args, 20)
             print(f"{n} tokens, {name}: {sum(us.values()):.1f} us", flush=True)

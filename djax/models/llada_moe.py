@@ -88,10 +88,10 @@ def experts_dense(
 
     x: [n, model]; weights, experts: [n, top_k]; gate_up: [local_experts, model, 2, ffn];
     down: [local_experts, ffn, model] (`Fp8Weight`s through `fp8_impl`); first_expert:
-    global id of local expert 0.
+    global id of local expert 0, or None where every expert is on this device.
     """
     n_local = gate_up.shape[0]
-    local = experts - first_expert
+    local, _ = _local_experts(experts, first_expert, n_local)
     onehot = (local[..., None] == jnp.arange(n_local)).astype(x.dtype)  # [n, top_k, e]
     combine = jnp.einsum("nk,nke->ne", weights.astype(x.dtype), onehot)
     h = fp8.einsum("nm,emcf->necf", x, gate_up, fp8_impl)
@@ -253,7 +253,7 @@ def experts_grouped(
     n, top_k = experts.shape
     n_local, d_model = gate_up.shape[:2]
     local, is_local = _local_experts(experts, first_expert, n_local)
-    key = jnp.where(is_local, local, n_local).reshape(-1)
+    key = (local if is_local is None else jnp.where(is_local, local, n_local)).reshape(-1)
     position, pair, group_sizes = group_layout(key, n_local, align)
     # The way back is a gather through `position`: XLA's scatter-adds (a bincount, an
     # `.at[token].add`) are slower.
@@ -261,19 +261,24 @@ def experts_grouped(
     return _weighted_sum(y, weights, is_local, x.dtype)  # rows past the groups: anything
 
 
-def _local_experts(experts: Array, first_expert: Any, n_local: int) -> tuple[Array, Array]:
+def _local_experts(experts: Array, first_expert: Any, n_local: int) -> tuple[Array, Array | None]:
     """Each pair's local expert (`experts - first_expert`) and whether it is on this device
-    (`0 <= local < n_local`), both [n, top_k]."""
+    (`0 <= local < n_local`), both [n, top_k]; with `first_expert` None (every expert on
+    this device) the experts as they are and None: no pair to test."""
+    if first_expert is None:
+        return experts, None
     local = experts - first_expert
     return local, (local >= 0) & (local < n_local)
 
 
-def _weighted_sum(y: Array, weights: Array, is_local: Array, dtype: Any) -> Array:
+def _weighted_sum(y: Array, weights: Array, is_local: Array | None, dtype: Any) -> Array:
     """Each token's pairs' outputs y [n, top_k, model] times their routing weights [n,
-    top_k], summed in fp32, as `dtype`; pairs not `is_local` count zero, whatever y holds
-    for them."""
-    y = jnp.where(is_local[..., None], y, 0)
-    pair_weight = jnp.where(is_local, weights, 0.0).astype(dtype)
+    top_k], summed in fp32, as `dtype`; pairs not `is_local` (where it is not None) count
+    zero, whatever y holds for them."""
+    if is_local is not None:
+        y = jnp.where(is_local[..., None], y, 0)
+        weights = jnp.where(is_local, weights, 0.0)
+    pair_weight = weights.astype(dtype)
     out = jnp.einsum("nk,nkm->nm", pair_weight, y, preferred_element_type=jnp.float32)
     return out.astype(dtype)
 
@@ -301,7 +306,8 @@ def experts_by_token(
     local, is_local = _local_experts(experts, first_expert, n_local)
     counts = jnp.sum(local.reshape(-1, 1) == jnp.arange(n_local), axis=0, dtype=jnp.int32)
     y = mlp(x, None, gate_up, down, counts)  # [n_local, R, model]
-    row = jnp.where(is_local, local, 0) * y.shape[1] + jnp.arange(n)[:, None]
+    held = local if is_local is None else jnp.where(is_local, local, 0)
+    row = held * y.shape[1] + jnp.arange(n)[:, None]
     y = y.reshape(-1, d_model)[row]  # [n, top_k, model]
     return _weighted_sum(y, weights, is_local, x.dtype)
 
@@ -357,7 +363,7 @@ class MoEBlock(nn.Module):
         with jax.named_scope("router"):
             weights, experts = self.route(flat, router, bias)
         tokens = flat if quantised is None else quantised.reshape(b * t, m)
-        first = 0 if local_e == e else jax.lax.axis_index(self.axis_name) * local_e
+        first = None if local_e == e else jax.lax.axis_index(self.axis_name) * local_e
         ragged = functools.partial(ragged_mlp, fp8_impl=kernels.fp8)
         tiled = {"mosaic": mosaic_mlp, "fp8_mosaic": fp8_mosaic_mlp}
         if kernels.moe in tiled and kernels.expert_rows == "tokens":
