@@ -647,6 +647,28 @@ def test_top_k_and_top_p_reach_the_engine(client, engine):
     assert got == [(40, pytest.approx(0.9)), (0, 1.0), (0, 1.0)]
 
 
+def test_priority_reaches_a_priority_server_and_is_refused_elsewhere(client, url, engine):
+    """vLLM's `priority`: under `--scheduling-policy priority` it reaches the engine as it is
+    (left out or null, 0); a first-come server takes 0 and refuses another value with a 400
+    that names it, submitting nothing; a value of the wrong type is refused by name."""
+    response = post(url, "/v1/completions", {"prompt": "x", "priority": 3})
+    assert_error(response, 400, param="priority", mentions="priority=3; this server admits")
+    assert post(url, "/v1/completions", {"prompt": "x", "priority": 0}).status_code == 200
+    assert_error(post(url, "/v1/completions", {"prompt": "x", "priority": "1"}), 400, "priority")
+    assert_error(post(url, "/v1/completions", {"prompt": "x", "priority": 1.5}), 400, "priority")
+    config = engine.config
+    engine.config = dataclasses.replace(config, scheduling_policy="priority")
+    try:
+        client.completions.create(model=NAME, prompt="x", extra_body={"priority": -2})
+        client.completions.create(model=NAME, prompt="x", extra_body={"priority": None})
+        client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "x"}], extra_body={"priority": 7}
+        )
+    finally:
+        engine.config = config
+    assert [r.priority for r in engine.submitted] == [0, -2, 0, 7]
+
+
 def test_a_server_with_chunked_logits_refuses_filters(url, engine):
     """Filters need a step's whole logits: a server computing them in chunks names the
     field (and serves greedy requests, where the filters change nothing)."""

@@ -175,18 +175,27 @@ def test_a_bad_compile_cache_setting_fails_before_the_load_and_the_socket(
         again.bind(("127.0.0.1", port))
 
 
-def test_the_scheduler_choices_are_the_engines():
-    """The option lists the engine's schedulers (written out, so `djax --help` imports no
-    jax), the engine's default first."""
-    from djax.serving.engine import SCHEDULERS, ServeConfig
+@pytest.mark.parametrize(
+    "flag, choices, field",
+    [
+        ("--scheduler", "SCHEDULERS", "scheduler"),
+        ("--scheduling-policy", "SCHEDULING_POLICIES", "scheduling_policy"),
+    ],
+)
+def test_the_scheduler_choices_are_the_engines(flag, choices, field):
+    """The options list the engine's schedulers and scheduling policies (written out, so
+    `djax --help` imports no jax), the engine's default first."""
+    from djax.serving import engine
+    from djax.serving.engine import ServeConfig
 
     (action,) = [
         a
         for command in build_parser()._subparsers._group_actions[0].choices.values()
         for a in command._actions
-        if "--scheduler" in a.option_strings
+        if flag in a.option_strings
     ]
-    assert tuple(action.choices) == SCHEDULERS and action.default == ServeConfig().scheduler
+    assert tuple(action.choices) == getattr(engine, choices)
+    assert action.default == getattr(ServeConfig(), field)
 
 
 # The demo model on one row, greedy only, sequences up to 64: one program to compile.

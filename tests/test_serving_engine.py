@@ -517,6 +517,45 @@ def test_the_serve_process_freezes_its_warm_heap(continuous):
     assert gc.get_freeze_count() == 0
 
 
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_waiting_requests_are_admitted_in_the_policy_s_order(demo_model, generation, policy):
+    """Requests queued before the engine starts, on one row, run one at a time in the
+    order they are admitted: under `priority` by priority, lower first, ties by arrival;
+    under `fcfs` by arrival (every priority 0 there, as the API refuses others)."""
+    config = ServeConfig(
+        generation=generation,
+        scheduling_policy=policy,
+        max_batch=1,
+        max_seq_len=64,
+        sampling=False,
+    )
+    engine = make_engine(demo_model, config, ServerMetrics())
+    ids = _ids(demo_model, "12+34=")
+    arrivals = {"a": 0, "b": 5, "c": -1, "d": 5, "e": 0}
+    ended, lock = [], threading.Lock()
+
+    def sink(name):
+        def on_event(event):
+            if isinstance(event, Finished | Failed):
+                with lock:
+                    ended.append(name)
+
+        return on_event
+
+    for name, priority in arrivals.items():
+        priority = priority if policy == "priority" else 0
+        engine.submit(EngineRequest(name, ids, 8, ignore_eos=True, priority=priority), sink(name))
+    engine.start()
+    try:
+        deadline = time.monotonic() + 300
+        while len(ended) < len(arrivals) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.stop()
+    expected = ["c", "a", "e", "b", "d"] if policy == "priority" else list(arrivals)
+    assert ended == expected
+
+
 def test_static_scheduler_runs_whole_batches(demo_model, generation):
     """Batches of different prompt lengths within one sequence bucket share one program
     (the prompt is left-padded to the bucket) and give `generate`'s tokens."""
@@ -713,6 +752,7 @@ def test_layout_puts_the_block_first():
 def test_serve_config_refuses_what_it_cannot_serve(generation):
     cases = [
         ({"scheduler": "fifo"}, "scheduler='fifo'"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy='lifo'; expected one of"),
         ({"max_batch": 0}, "max_batch=0"),
         ({"max_seq_len": 8}, "max_seq_len=8"),
         ({"generation": dataclasses.replace(generation, cache="prefix")}, "cache='prefix'"),

@@ -503,6 +503,13 @@ def create_app(
                 "filters need them whole: expected top_k 0 and top_p 1",
                 param="top_p" if top_p < 1 else "top_k",
             )
+        priority = body.priority or 0
+        if priority and engine.config.scheduling_policy != "priority":
+            raise p.ProtocolError(
+                f"priority={priority}; this server admits requests first come, first served "
+                "(started without --scheduling-policy priority): expected 0",
+                param="priority",
+            )
         seed = secrets.randbelow(p.SEED_LIMIT) if body.seed is None else body.seed
         request_id = f"{format_.prefix}-{uuid.uuid4().hex}"
         generations = [
@@ -519,6 +526,7 @@ def create_app(
                     seed=(seed + i) % p.SEED_LIMIT,
                     threshold=body.threshold,
                     ignore_eos=body.ignore_eos,
+                    priority=priority,
                 ),
                 Detokenizer(model.tokenizer, body.stop),
                 arrival,

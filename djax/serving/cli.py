@@ -50,6 +50,14 @@ def add_parser(
         "(default: continuous)",
     )
     serve.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=("fcfs", "priority"),  # engine.SCHEDULING_POLICIES
+        help="the order waiting requests get a row: fcfs, by arrival (a request's priority "
+        "must be 0); priority, by the request's priority field, lower first, then by arrival; "
+        "a running request keeps its row (default: fcfs)",
+    )
+    serve.add_argument(
         "--phase-tokens",
         type=int,
         default=0,
@@ -127,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         config = ServeConfig(
             generation=_generation_config(args, generation_defaults(path)),
             scheduler=args.scheduler,
+            scheduling_policy=args.scheduling_policy,
             max_batch=args.max_batch,
             max_queue=args.max_queue,
             max_seq_len=args.max_seq_len,

@@ -20,9 +20,13 @@ default `continuous`):
 - `phase`: one forward per device call, mixing some rows' refreshes with every other row's
   cached step over K/V kept on the device (`djax.serving.phase`, which builds on this
   module).
-- `static`: first-come batches of up to `max_batch` requests, each run to completion as one
-  whole-generation program (`diffusion.run_generation`, as `djax.generate` runs it); the
-  baseline continuous batching is measured against.
+- `static`: batches of up to `max_batch` requests in the queue's order, each run to
+  completion as one whole-generation program (`diffusion.run_generation`, as
+  `djax.generate` runs it); the baseline continuous batching is measured against.
+
+Waiting requests are admitted by arrival, or under `ServeConfig.scheduling_policy="priority"`
+by their priority, lower first, then arrival; a running request keeps its row (no
+preemption).
 
 Every program the continuous scheduler can need is compiled before the engine reports
 ready; the static scheduler compiles a batch shape the first time it meets it.
@@ -69,6 +73,9 @@ log = logging.getLogger("djax.serve")
 STALL_SECONDS = 0.02
 
 SCHEDULERS = ("continuous", "phase", "static")
+# The order waiting requests are admitted in: `fcfs` by arrival (a request's priority must
+# be 0), `priority` by priority, lower first, then by arrival (vLLM's `--scheduling-policy`).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 # How long an idle engine waits for requests arriving together to join the first one: up
@@ -101,7 +108,9 @@ class ServeConfig:
     `SCHEDULERS`: `continuous` (the default) answered sooner below saturation on the serve
     benchmark, `phase` serves more at saturation (the README's serve figures). max_batch:
     rows per device call;
-    max_queue: requests waiting beyond them.
+    max_queue: requests waiting beyond them. scheduling_policy: one of
+    `SCHEDULING_POLICIES`, the order waiting requests are admitted in; a running request
+    keeps its row whatever arrives (no preemption).
     max_seq_len: the longest prompt + answer served (None: the model's maximum); it bounds
     the compiled shapes. sampling: whether temperature > 0 is served (its programs are
     compiled at warm-up too). memory_fraction: the share of the memory JAX may allocate
@@ -115,6 +124,7 @@ class ServeConfig:
 
     generation: GenerationConfig = GenerationConfig()
     scheduler: str = "continuous"
+    scheduling_policy: str = "fcfs"
     max_batch: int = 32
     max_queue: int = 1024
     max_seq_len: int | None = None
@@ -127,6 +137,11 @@ class ServeConfig:
         g = self.generation
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={self.scheduler!r}; expected one of {SCHEDULERS}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy={self.scheduling_policy!r}; expected one of "
+                f"{SCHEDULING_POLICIES}"
+            )
         for name in ("max_batch", "max_queue"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -320,7 +335,7 @@ class ServingEngine:
                 raise ValueError(f"request_id={request.request_id!r} is already queued")
             if len(self._waiting) - self._free_rows() >= self.config.max_queue:
                 raise QueueFull(len(self._waiting), self._retry_after())
-            self._waiting.append(row)
+            self._enqueue(row)
             self._by_id[request.request_id] = row
             self.metrics.queue_depth.set(len(self._waiting))
             self._lock.notify()
@@ -536,11 +551,25 @@ class ServingEngine:
         else:
             self._serve_static()
 
+    def _enqueue(self, row: _Row) -> None:
+        """Put `row` in the waiting queue, which holds rows in the order they are admitted
+        (lock held): by arrival under `fcfs`; under `priority` after every waiting row of
+        the same or a lower priority value, before the first of a higher one."""
+        if self.config.scheduling_policy == "fcfs":
+            self._waiting.append(row)
+            return
+        priority = row.request.priority
+        at = next(
+            (i for i, w in enumerate(self._waiting) if w.request.priority > priority),
+            len(self._waiting),
+        )
+        self._waiting.insert(at, row)
+
     def _take_waiting(
         self, free: int, fits: Callable[[list[_Row]], bool] | None = None
     ) -> list[_Row]:
-        """Up to `free` waiting rows, first come first served, while `fits` the rows taken
-        with the next one (lock held)."""
+        """Up to `free` waiting rows, in the queue's order (`_enqueue`), while `fits` the
+        rows taken with the next one (lock held)."""
         rows: list[_Row] = []
         while self._waiting and len(rows) < free:
             if fits is not None and not fits([*rows, self._waiting[0]]):
@@ -777,8 +806,8 @@ class ServingEngine:
 
     def _next_rows(self) -> list[_Row]:
         """Drop the finished and cancelled rows (their slots free), admit waiting ones into
-        free slots while the running rows' round fits the memory budget (`_round_fits`;
-        first come first served: a request that does not fit waits for rows to finish); the
+        free slots while the running rows' round fits the memory budget (`_round_fits`; in
+        the queue's order: a request that does not fit waits for rows to finish); the
         rows with a block left to queue (lock held)."""
         running = []
         for row in self._running:
@@ -1013,8 +1042,8 @@ class ServingEngine:
             self._send(events)
 
     def _static_batch(self) -> list[_Row]:
-        """The oldest waiting row and, in arrival order, the waiting rows that can share its
-        program (`_static_fits`), up to `max_batch` (lock held)."""
+        """The first waiting row and, in the queue's order (`_enqueue`), the waiting rows that
+        can share its program (`_static_fits`), up to `max_batch` (lock held)."""
         rows: list[_Row] = []
         for row in list(self._waiting):
             if len(rows) == self.config.max_batch:

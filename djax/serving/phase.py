@@ -355,8 +355,8 @@ class PhaseEngine(ServingEngine):
                 self._read_phase(self._phase_calls.popleft())
 
     def _admit(self) -> None:
-        """Free the slots of finished and cancelled rows, give free slots to waiting rows,
-        first come first served, and queue for refresh the rows whose block has ended
+        """Free the slots of finished and cancelled rows, give free slots to waiting rows in
+        the queue's order (`_enqueue`), and queue for refresh the rows whose block has ended
         (lock held)."""
         running = []
         for row in self._running:

@@ -18,7 +18,9 @@ change the answer (`stop_token_ids`, `min_tokens`, guided decoding and grammars,
 `SERVER_CHAT_CONTROLS`) are refused unless neutral, and `stream_options` without `stream`.
 Other fields it does not know are ignored. djax's own fields: `threshold`
 (τ of the threshold decoder) and `ignore_eos` (keep denoising past stop tokens up to
-max_tokens).
+max_tokens); vLLM's `priority` (an int, default 0) orders the waiting requests, lower first,
+where the server runs `--scheduling-policy priority` (elsewhere another value than 0 is
+refused, as vLLM refuses it).
 """
 
 from __future__ import annotations
@@ -176,6 +178,7 @@ class _GenerationRequest(BaseModel):
     user: str | None = None
     threshold: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     ignore_eos: bool = False
+    priority: int | None = None  # vLLM's; None: 0
     n: int = 1
     logprobs: Any = None
     top_logprobs: Any = None

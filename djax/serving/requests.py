@@ -21,7 +21,9 @@ class EngineRequest:
     depend on its batch-mates); threshold: τ of the threshold decoder, None for the
     server's default; ignore_eos: keep denoising past stop tokens up to max_tokens (for
     benchmarks with fixed output lengths); top_k (0: none) and top_p (1: none): the limits
-    on a sampled token (`djax.decoders.Filters`; at temperature 0 they change nothing)."""
+    on a sampled token (`djax.decoders.Filters`; at temperature 0 they change nothing);
+    priority: where it waits for a row under the `priority` scheduling policy, lower
+    first (`ServeConfig.scheduling_policy`)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -32,6 +34,7 @@ class EngineRequest:
     ignore_eos: bool = False
     top_k: int = 0
     top_p: float = 1.0
+    priority: int = 0
 
 
 class BlockCommitted(NamedTuple):
