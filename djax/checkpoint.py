@@ -628,11 +628,30 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {line[:300]}"
 
 
+def _check_database(path: Path) -> None:
+    """Read the OCDBT database of the checkpoint at `path` (its manifest, its b-tree and
+    each array's zarr metadata) through tensorstore futures, each waited on in this
+    thread, so that a damaged database raises here and not inside orbax: orbax opens the
+    arrays concurrently in an asyncio loop that it closes at the first failure, and the
+    opens still under way then complete into the closed loop from tensorstore's threads,
+    each printing a `RuntimeError: Event loop is closed` traceback."""
+    if not (path / "manifest.ocdbt").is_file():
+        return  # no OCDBT database: orbax reports the checkpoint without opening one
+    import tensorstore as ts
+
+    base = {"driver": "file", "path": f"{path}/"}
+    database = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
+    keys = [k for k in database.list().result() if k.endswith((b"/.zarray", b"/zarr.json"))]
+    for read in [database.read(k) for k in keys]:
+        json.loads(read.result().value)
+
+
 def check_orbax(folder: str | Path, abstract: dict) -> None:
     """The checkpoint under `folder/djax_params` holds exactly the params `abstract`
     describes: the same names and shapes (read from its metadata; no array is read)."""
     path = Path(folder).absolute() / PARAMS_DIR
     try:
+        _check_database(path)
         with _checkpointer() as reader:  # closed: no orbax thread outlives the call
             tree = reader.metadata(path).item_metadata.tree
         stored = {

@@ -214,6 +214,13 @@ def damaged_orbax(root):
     return ["generate", "--model", root / "old", "--prompt", "1+2="]
 
 
+def zeroed_manifest(root):
+    """Same size, zero bytes: the OCDBT manifest every array of the checkpoint opens."""
+    manifest = root / "old" / checkpoint.PARAMS_DIR / "manifest.ocdbt"
+    manifest.write_bytes(bytes(manifest.stat().st_size))
+    return ["generate", "--model", root / "old", "--prompt", "hi"]
+
+
 def orbax_without_metadata(root):
     _forget_file_sizes(root / "old")
     shutil.rmtree(root / "old" / checkpoint.PARAMS_DIR / "ocdbt.process_0")
@@ -288,6 +295,7 @@ ROWS = [
     (truncated_orbax, CheckpointError, "djax_params/.*: \\d+ bytes; djax.json records \\d+"),
     (damaged_orbax, CheckpointError, "djax_params: param .* holds other bytes"),
     (orbax_without_metadata, CheckpointError, "djax_params: not a readable orbax checkpoint"),
+    (zeroed_manifest, CheckpointError, "djax_params: not a readable orbax .*manifest.ocdbt"),
     (leftover_staging, CheckpointError, "unfinished `djax convert` output"),
     (leftover_orbax_tmp, CheckpointError, "unfinished `djax convert` output"),
     (bad_generation_config, ConfigError, "generation_config.json: gen_length=-4"),
@@ -333,18 +341,32 @@ def test_bad_input_via_cli(root, setup, error, message, capsys):
     assert tree_digest(root) == before
 
 
-def test_cli_errors_print_no_traceback(root):
-    """One row through a real process: what a user sees on the terminal."""
-    argv = [str(a) for a in truncated_shard(root)]
-    run = subprocess.run(
-        [sys.executable, "-m", "djax.cli", *argv],
+def _run_cli(argv) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "djax.cli", *map(str, argv)],
         capture_output=True,
         text=True,
         timeout=120,
         env=os.environ | {"PYTHONPATH": str(ROOT)},
     )
+
+
+def test_cli_errors_print_no_traceback(root):
+    """One row through a real process: what a user sees on the terminal."""
+    run = _run_cli(truncated_shard(root))
     assert run.returncode == 2
     assert run.stderr.startswith("djax: error: ") and "Traceback" not in run.stderr
+
+
+def test_a_damaged_orbax_database_prints_only_the_error(root):
+    """Through a real process, up to its exit: no thread of orbax or tensorstore reports
+    the failed read after djax has reported it."""
+    run = _run_cli(zeroed_manifest(root))
+    assert run.returncode == 2
+    assert run.stderr.startswith("djax: error: ") and len(run.stderr.splitlines()) == 1, run.stderr
+    assert "not a readable orbax checkpoint" in run.stderr
+    assert "convert the model again" in run.stderr
+    assert "Traceback" not in run.stderr and "Event loop is closed" not in run.stderr
 
 
 def test_unwritable_destination_is_refused_before_loading(root, monkeypatch):
