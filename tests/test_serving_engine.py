@@ -271,6 +271,8 @@ def test_bad_requests_are_refused_by_name(demo_model, continuous):
         (EngineRequest("x", ids, 8, top_k=-1), "top_k=-1; expected an int ≥ 0"),
         (EngineRequest("x", ids, 8, top_k=2**31), "top_k=2147483648; expected an int ≥ 0 b"),
         (EngineRequest("x", ids, 8, top_p=0.0), "top_p=0.0; expected a number in (0, 1]"),
+        (EngineRequest("x", ids, 8, priority=True), "priority=True; expected an int"),
+        (EngineRequest("x", ids, 8, priority=1.5), "priority=1.5; expected an int"),
     ]
     for request, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -554,6 +556,14 @@ def test_waiting_requests_are_admitted_in_the_policy_s_order(demo_model, generat
         engine.stop()
     expected = ["c", "a", "e", "b", "d"] if policy == "priority" else list(arrivals)
     assert ended == expected
+    # Each choice's wait for its row is recorded once, as it gets the row.
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(engine.metrics.exposition().decode())
+        for sample in family.samples
+    }
+    assert samples["djax_queue_seconds_count"] == len(arrivals)
+    assert samples["djax_queue_seconds_sum"] > 0
 
 
 def test_static_scheduler_runs_whole_batches(demo_model, generation):

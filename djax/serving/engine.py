@@ -223,6 +223,7 @@ class _Row:
     in_flight: int = 0  # blocks dispatched whose tokens the host has not read (0 or 1)
     done: bool = False  # the engine has finished it (its last events may still be unsent)
     cancelled: bool = False  # the client dropped it: no more events
+    submitted: float = dataclasses.field(default_factory=time.monotonic)  # when it queued
 
     @property
     def context(self) -> np.ndarray:
@@ -400,6 +401,8 @@ class ServingEngine:
             raise ValueError(f"prompt contains the mask id {cfg.mask_token_id}")
         if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
             raise ValueError(f"max_tokens={request.max_tokens!r}; expected a positive int")
+        if not isinstance(request.priority, int) or isinstance(request.priority, bool):
+            raise ValueError(f"priority={request.priority!r}; expected an int")
         answer = self.answer_length(request.max_tokens, len(request.prompt_ids))
         if len(request.prompt_ids) + answer > self._max_sequence:
             raise ValueError(
@@ -576,7 +579,14 @@ class ServingEngine:
                 break
             rows.append(self._waiting.popleft())
         self.metrics.queue_depth.set(len(self._waiting))
+        self._observe_queue_time(rows)
         return rows
+
+    def _observe_queue_time(self, rows: list[_Row]) -> None:
+        """Record how long each of `rows`, just given a batch row, waited for it."""
+        now = time.monotonic()
+        for row in rows:
+            self.metrics.queue_time.observe(now - row.submitted)
 
     def _wait_for_work(self) -> bool:
         """Sleep until a request waits, then let the requests arriving with it join it (the
@@ -1052,6 +1062,7 @@ class ServingEngine:
                 self._waiting.remove(row)
                 rows.append(row)
         self.metrics.queue_depth.set(len(self._waiting))
+        self._observe_queue_time(rows)
         return rows
 
     def _static_fits(self, rows: list[_Row]) -> bool:

@@ -34,6 +34,12 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.queue_time = Histogram(
+            "djax_queue_seconds",
+            "a request's wait from its submission to a batch row (per choice)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.block_call = Histogram(
             "djax_block_call_seconds",
             "one device call (refresh and denoising steps of every row's block)",
