@@ -6,10 +6,10 @@ Three roles in one script:
     python -m bench.serve --model dense|moe|llada2_mini [--tiny]
         [--schedulers continuous phase static] [--rates 2 4 8 inf] [--requests 500] [--seed 0]
         [--max-batch 32] [--equal N] [--weights dtype|fp8] [--temperature T] [--top-k K]
-        [--top-p P]
+        [--top-p P] [--urgent-share F]
     python -m bench.serve server --model dense|moe|llada2_mini [--tiny]
         --scheduler continuous|phase|static --port P [--max-batch N] [--routing spread|model]
-        [--weights dtype|fp8] [--sampling]
+        [--weights dtype|fp8] [--sampling] [--scheduling-policy fcfs|priority]
     python -m bench.serve plot RESULT.json [RESULT.json ...]
 
 The client (the default role) starts one server per scheduler (`server` role, this Python, as a
@@ -50,6 +50,10 @@ it runs the first `--warm-requests` of each trace unmeasured before the measured
 full batches meet the shapes most batches of the trace have; the rows report the compiles
 left during the measured run). `--tiny` also
 shortens the lengths (`TINY_LENGTHS`: prompts up to 32 tokens, answers up to 64).
+`--urgent-share F` sends that share of each trace's requests (the same requests, drawn
+apart from the rest of the trace) with priority -1 to servers run with `--scheduling-policy
+priority`, the others with 0; each row then also holds `by_priority`, the latency figures
+of each priority's requests.
 
 Per scheduler and rate: answer tokens/s (answer tokens of the requests that succeeded / the
 makespan, first arrival to last answer), requests/s, p50/p99 end-to-end latency and time to
@@ -105,6 +109,7 @@ from djax.config import WEIGHTS
 REPO = Path(__file__).resolve().parent.parent
 SCHEDULERS = ("continuous", "phase", "static")
 TOKENS_PER_FORWARD = SETTING.gen_length // SETTING.steps
+URGENT = -1  # the priority of a trace's urgent requests (`--urgent-share`), ahead of 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,11 +136,13 @@ TINY_LENGTHS = Lengths(median=24, sigma=0.5, prompt=(8, 32), answer=(16, 64), eq
 
 @dataclasses.dataclass(frozen=True)
 class TraceRequest:
-    """One request of a trace: sent `arrival` seconds after the trace starts."""
+    """One request of a trace: sent `arrival` seconds after the trace starts, with its
+    `priority` (vLLM's field; lower is admitted first by a `priority` server)."""
 
     arrival: float
     prompt_ids: tuple[int, ...]
     max_tokens: int
+    priority: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +155,7 @@ class RequestRecord:
     end: float
     completion_tokens: int
     error: str | None = None
+    priority: int = 0
 
 
 def prompt_vocabulary(vocab_size: int, special_ids: Sequence[int]) -> np.ndarray:
@@ -164,11 +172,20 @@ def lognormal_lengths(
 
 
 def make_trace(
-    n: int, rate: float, vocabulary: np.ndarray, seed: int, lengths: Lengths = LENGTHS
+    n: int,
+    rate: float,
+    vocabulary: np.ndarray,
+    seed: int,
+    lengths: Lengths = LENGTHS,
+    urgent_share: float = 0.0,
 ) -> list[TraceRequest]:
     """The bench's trace: prompt and answer `lengths`, random prompts from
     `vocabulary`, Poisson arrivals at `rate` requests/s (math.inf: all at t = 0). The same
-    seed gives the same requests at every rate, their gaps scaled by 1 / rate."""
+    seed gives the same requests at every rate, their gaps scaled by 1 / rate.
+    `urgent_share`: that share of the requests (drawn apart, so the requests are the same
+    at every share) is sent with priority `URGENT`, the rest with 0."""
+    if not 0 <= urgent_share <= 1:
+        raise ValueError(f"urgent share {urgent_share}; expected a number in [0, 1]")
     if not rate > 0:
         raise ValueError(f"request rate {rate}; expected a positive number or inf")
     rng = np.random.default_rng(seed)
@@ -176,9 +193,14 @@ def make_trace(
     answer_lengths = lognormal_lengths(rng, n, lengths, lengths.answer)
     unit_gaps = rng.exponential(1.0, n)
     arrivals = np.concatenate([[0.0], np.cumsum(unit_gaps[:-1])]) / rate
-    return [
+    trace = [
         TraceRequest(float(arrival), tuple(rng.choice(vocabulary, length).tolist()), int(answer))
         for arrival, length, answer in zip(arrivals, prompt_lengths, answer_lengths, strict=True)
+    ]
+    urgent = np.random.default_rng((seed, 1)).random(n) < urgent_share
+    return [
+        dataclasses.replace(r, priority=URGENT) if u else r
+        for r, u in zip(trace, urgent, strict=True)
     ]
 
 
@@ -193,27 +215,44 @@ def equal_trace(
     ]
 
 
-def summarize(records: Sequence[RequestRecord], makespan: float) -> dict:
-    """Throughput and latency figures of one run. Percentiles (numpy's linear rule) and
-    tokens count the requests that succeeded; makespan: trace start to the last answer."""
+def _percentile(values, q):
+    return float(np.percentile(values, q)) if values else None
+
+
+def latencies(records: Sequence[RequestRecord]) -> dict:
+    """p50/p99 end-to-end latency and time to first chunk of the requests that succeeded
+    (numpy's linear rule), and how many there were and failed."""
     done = [r for r in records if r.error is None]
     latency = [r.end - r.start for r in done]
     ttft = [r.first_chunk - r.start for r in done]
-
-    def percentile(values, q):
-        return float(np.percentile(values, q)) if values else None
-
     return {
-        "output_tokens_per_s": sum(r.completion_tokens for r in done) / makespan,
-        "requests_per_s": len(done) / makespan,
-        "p50_latency_s": percentile(latency, 50),
-        "p99_latency_s": percentile(latency, 99),
-        "p50_ttft_s": percentile(ttft, 50),
-        "p99_ttft_s": percentile(ttft, 99),
+        "p50_latency_s": _percentile(latency, 50),
+        "p99_latency_s": _percentile(latency, 99),
+        "p50_ttft_s": _percentile(ttft, 50),
+        "p99_ttft_s": _percentile(ttft, 99),
         "failed": len(records) - len(done),
         "requests": len(records),
+    }
+
+
+def summarize(records: Sequence[RequestRecord], makespan: float) -> dict:
+    """Throughput and latency figures of one run. Percentiles (numpy's linear rule) and
+    tokens count the requests that succeeded; makespan: trace start to the last answer.
+    Where requests had priorities other than 0, also `by_priority`: `latencies` of each
+    priority's requests."""
+    done = [r for r in records if r.error is None]
+    summary = {
+        "output_tokens_per_s": sum(r.completion_tokens for r in done) / makespan,
+        "requests_per_s": len(done) / makespan,
+        **latencies(records),
         "makespan_s": makespan,
     }
+    priorities = sorted({r.priority for r in records})
+    if priorities != [0]:
+        summary["by_priority"] = {
+            str(p): latencies([r for r in records if r.priority == p]) for p in priorities
+        }
+    return summary
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -316,7 +355,8 @@ async def send(
             top_p=sampling.top_p,
             stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "top_k": sampling.top_k},
+            extra_body={"ignore_eos": True, "top_k": sampling.top_k}
+            | ({"priority": request.priority} if request.priority else {}),
         )
         async for chunk in stream:
             if chunk.choices and first is None:
@@ -330,7 +370,8 @@ async def send(
             error = f"{tokens} answer tokens, expected {request.max_tokens}"
     except Exception as e:  # any failure is the request's: it is counted, the run goes on
         error = f"{type(e).__name__}: {e}"
-    return RequestRecord(start, first, time.perf_counter() - t0, tokens, error)
+    end = time.perf_counter() - t0
+    return RequestRecord(start, first, end, tokens, error, request.priority)
 
 
 async def run_trace(
@@ -425,6 +466,7 @@ def start_server(args, scheduler: str, port: int, log: Path) -> subprocess.Popen
     command += ["--scheduler", scheduler, "--port", str(port)]
     command += ["--max-batch", str(args.max_batch), "--routing", args.routing]
     command += ["--weights", args.weights]
+    command += ["--scheduling-policy", "priority" if args.urgent_share else "fcfs"]
     command += ["--sampling"] if args.temperature > 0 else []
     command += ["--tiny"] if args.tiny else []
     with log.open("w") as out:
@@ -506,7 +548,8 @@ def run_client(args) -> None:
     def trace_at(rate: float | OfCapacity) -> tuple[float | str, list[TraceRequest]]:
         if isinstance(rate, OfCapacity):
             rate = round(rate.fraction * capacity[0], 3)
-        return rate_label(rate), make_trace(args.requests, rate, vocabulary, args.seed, lengths)
+        trace = make_trace(args.requests, rate, vocabulary, args.seed, lengths, args.urgent_share)
+        return rate_label(rate), trace
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     runs: list = list(args.rates)
@@ -605,6 +648,8 @@ def trace_parameters(args) -> dict:
             for r in args.rates
         ],
         "arrivals": "poisson (inf: all at t=0)",
+        "urgent_share": args.urgent_share,
+        "scheduling_policy": "priority" if args.urgent_share else "fcfs",
     }
     if args.equal:
         prompt, answer = lengths.equal
@@ -657,6 +702,7 @@ def run_server(args) -> None:
     serve_config = ServeConfig(
         generation=served_generation(lengths),
         scheduler=args.scheduler,
+        scheduling_policy=args.scheduling_policy,
         max_batch=args.max_batch,
         max_seq_len=lengths.max_sequence,
         sampling=args.sampling,  # a greedy trace compiles no sampling programs
@@ -781,6 +827,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         parser.add_argument("--scheduler", choices=SCHEDULERS, required=True)
         parser.add_argument("--port", type=int, required=True)
         parser.add_argument("--sampling", action="store_true", help="serve temperature > 0")
+        parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
         return parser.parse_args(argv[1:], argparse.Namespace(role=role))
     parser.add_argument("--schedulers", nargs="+", choices=SCHEDULERS, default=list(SCHEDULERS))
     parser.add_argument(
@@ -797,6 +844,14 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=0, help="every request's (0: none)")
     parser.add_argument("--top-p", type=float, default=1.0, help="every request's (1: none)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--urgent-share",
+        type=float,
+        default=0.0,
+        help="share of each trace's requests sent with priority -1 to servers run with "
+        "--scheduling-policy priority; rows then give each priority's latencies under "
+        "by_priority (default: 0, every request 0 and first come, first served)",
+    )
     parser.add_argument(
         "--equal", type=int, metavar="N", help="after the rates: N requests 128/256 at t=0"
     )

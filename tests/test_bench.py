@@ -1,6 +1,7 @@
 """The profile summary the benchmark notes quote: categories, idle gaps, idle time bordering
 collectives, per device."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -407,6 +408,23 @@ def test_serve_trace_is_seeded_clipped_and_poisson():
         make_trace(10, 0.0, vocabulary, seed=3)
 
 
+def test_serve_urgent_share_marks_requests_of_the_same_trace():
+    """`urgent_share` sends about that share of the requests with priority URGENT, the
+    rest 0, without changing any request's arrival, prompt or answer; the same seed marks
+    the same requests."""
+    from bench.serve import URGENT, make_trace
+
+    vocabulary = _vocabulary()
+    plain = make_trace(2000, 4.0, vocabulary, seed=3)
+    marked = make_trace(2000, 4.0, vocabulary, seed=3, urgent_share=0.1)
+    assert {r.priority for r in plain} == {0} and {r.priority for r in marked} == {URGENT, 0}
+    assert 150 <= sum(r.priority == URGENT for r in marked) <= 250
+    assert [dataclasses.replace(r, priority=0) for r in marked] == plain
+    assert marked == make_trace(2000, 4.0, vocabulary, seed=3, urgent_share=0.1)
+    with pytest.raises(ValueError, match="urgent share 1.5; expected a number in"):
+        make_trace(10, 4.0, vocabulary, seed=3, urgent_share=1.5)
+
+
 def test_serve_lengths_clip_to_their_bounds():
     import numpy as np
 
@@ -464,6 +482,21 @@ def test_serve_summary_of_hand_made_records():
     )
     none_done = summarize(records[3:], makespan=1.0)
     assert none_done["p99_latency_s"] is None and none_done["output_tokens_per_s"] == 0
+    assert "by_priority" not in summary  # every request at priority 0
+    urgent = [dataclasses.replace(r, priority=-1) for r in records[:2]]
+    by_priority = summarize([*urgent, *records[2:]], makespan=8.0)["by_priority"]
+    assert by_priority["-1"] == pytest.approx(
+        {
+            "p50_latency_s": 1.5,
+            "p99_latency_s": 1.0 + 0.99 * 1.0,
+            "p50_ttft_s": 0.375,
+            "p99_ttft_s": 0.25 + 0.99 * 0.25,
+            "failed": 0,
+            "requests": 2,
+        }
+    )
+    assert by_priority["0"]["requests"] == 2 and by_priority["0"]["failed"] == 1
+    assert by_priority["0"]["p50_latency_s"] == 4.0
 
 
 def test_serve_server_figures_from_two_scrapes():
