@@ -634,7 +634,14 @@ def _check_database(path: Path) -> None:
     thread, so that a damaged database raises here and not inside orbax: orbax opens the
     arrays concurrently in an asyncio loop that it closes at the first failure, and the
     opens still under way then complete into the closed loop from tensorstore's threads,
-    each printing a `RuntimeError: Event loop is closed` traceback."""
+    each printing a `RuntimeError: Event loop is closed` traceback. The arrays' metadata
+    files (`array_metadatas/`, JSON that orbax reads only as it restores, in that loop) are
+    parsed here too."""
+    for part in sorted((path / "array_metadatas").glob("*")):
+        try:
+            json.loads(part.read_bytes())
+        except ValueError as err:
+            raise ValueError(f"{part.name} in array_metadatas: {err}") from err
     if not (path / "manifest.ocdbt").is_file():
         return  # no OCDBT database: orbax reports the checkpoint without opening one
     import tensorstore as ts

@@ -221,6 +221,13 @@ def zeroed_manifest(root):
     return ["generate", "--model", root / "old", "--prompt", "hi"]
 
 
+def zeroed_array_metadatas(root):
+    """Same size, zero bytes: the arrays' metadata orbax reads only as it restores them."""
+    (part,) = (root / "old" / checkpoint.PARAMS_DIR / "array_metadatas").iterdir()
+    part.write_bytes(bytes(part.stat().st_size))
+    return ["generate", "--model", root / "old", "--prompt", "hi"]
+
+
 def orbax_without_metadata(root):
     _forget_file_sizes(root / "old")
     shutil.rmtree(root / "old" / checkpoint.PARAMS_DIR / "ocdbt.process_0")
@@ -296,6 +303,11 @@ ROWS = [
     (damaged_orbax, CheckpointError, "djax_params: param .* holds other bytes"),
     (orbax_without_metadata, CheckpointError, "djax_params: not a readable orbax checkpoint"),
     (zeroed_manifest, CheckpointError, "djax_params: not a readable orbax .*manifest.ocdbt"),
+    (
+        zeroed_array_metadatas,
+        CheckpointError,
+        "djax_params: not a readable orbax .*process_0 in array_metadatas",
+    ),
     (leftover_staging, CheckpointError, "unfinished `djax convert` output"),
     (leftover_orbax_tmp, CheckpointError, "unfinished `djax convert` output"),
     (bad_generation_config, ConfigError, "generation_config.json: gen_length=-4"),
@@ -358,10 +370,11 @@ def test_cli_errors_print_no_traceback(root):
     assert run.stderr.startswith("djax: error: ") and "Traceback" not in run.stderr
 
 
-def test_a_damaged_orbax_database_prints_only_the_error(root):
+@pytest.mark.parametrize("damage", [zeroed_manifest, zeroed_array_metadatas])
+def test_a_damaged_orbax_database_prints_only_the_error(root, damage):
     """Through a real process, up to its exit: no thread of orbax or tensorstore reports
     the failed read after djax has reported it."""
-    run = _run_cli(zeroed_manifest(root))
+    run = _run_cli(damage(root))
     assert run.returncode == 2
     assert run.stderr.startswith("djax: error: ") and len(run.stderr.splitlines()) == 1, run.stderr
     assert "not a readable orbax checkpoint" in run.stderr
