@@ -73,8 +73,9 @@ log = logging.getLogger("djax.serve")
 STALL_SECONDS = 0.02
 
 SCHEDULERS = ("continuous", "phase", "static")
-# The order waiting requests are admitted in: `fcfs` by arrival (a request's priority must
-# be 0), `priority` by priority, lower first, then by arrival (vLLM's `--scheduling-policy`).
+# The order waiting requests are admitted in: `fcfs` by arrival (priorities are not read; the
+# API refuses any but 0), `priority` by priority, lower first, then by arrival (vLLM's
+# `--scheduling-policy`).
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
