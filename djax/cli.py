@@ -229,6 +229,7 @@ def _add_model_options(gen: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--tensor-parallel",
+        "--tensor-parallel-size",  # vLLM's name
         type=_positive_int,
         default=1,
         metavar="N",

@@ -175,6 +175,20 @@ def test_a_bad_compile_cache_setting_fails_before_the_load_and_the_socket(
         again.bind(("127.0.0.1", port))
 
 
+def test_vllm_s_option_names_are_the_same_options():
+    """`--max-num-seqs`, `--max-model-len` and `--tensor-parallel-size` (vLLM's names) set
+    what `--max-batch`, `--max-seq-len` and `--tensor-parallel` set."""
+    parser = build_parser()
+    ours = parser.parse_args(
+        ["serve", "--max-batch", "4", "--max-seq-len", "96", "--tensor-parallel", "2"]
+    )
+    vllm = parser.parse_args(
+        ["serve", "--max-num-seqs", "4", "--max-model-len", "96", "--tensor-parallel-size", "2"]
+    )
+    assert vars(ours) == vars(vllm)
+    assert (vllm.max_batch, vllm.max_seq_len, vllm.tensor_parallel) == (4, 96, 2)
+
+
 @pytest.mark.parametrize(
     "flag, choices, field",
     [

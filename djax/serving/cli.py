@@ -65,7 +65,11 @@ def add_parser(
         "sequences (default: 0, room for two of the longest rows beside the steps)",
     )
     serve.add_argument(
-        "--max-batch", type=int, default=32, help="requests decoded together (default: 32)"
+        "--max-batch",
+        "--max-num-seqs",  # vLLM's name
+        type=int,
+        default=32,
+        help="requests decoded together (default: 32)",
     )
     serve.add_argument(
         "--max-queue",
@@ -75,6 +79,7 @@ def add_parser(
     )
     serve.add_argument(
         "--max-seq-len",
+        "--max-model-len",  # vLLM's name
         type=int,
         help="longest prompt + answer served (default: the model's maximum)",
     )
