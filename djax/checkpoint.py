@@ -764,14 +764,20 @@ def restored_avals(
 
 def _stored_dtype(folder: Path, marker: dict, default: Any) -> Any:
     """The dtype `djax convert` stored the params in (`djax.json`'s `dtype`; `default`
-    where a folder does not say)."""
+    where a folder does not say): a floating dtype, else a CheckpointError naming it."""
     name = marker.get("dtype", jnp.dtype(default).name)
     try:
-        return jnp.dtype(name)
+        dtype = jnp.dtype(name)
     except TypeError as err:
         raise CheckpointError(
             f"{folder / MARKER}: dtype={name!r} is not a dtype; convert the model again"
         ) from err
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise CheckpointError(
+            f"{folder / MARKER}: dtype={name!r}; expected the floating dtype the params are "
+            "stored in (as djax convert writes it); convert the model again"
+        )
+    return dtype
 
 
 def _stored_dtypes(params: dict, stored: dict) -> dict[str, Any]:

@@ -206,6 +206,14 @@ def _forget_file_sizes(folder: Path) -> None:
     (folder / checkpoint.MARKER).write_text(json.dumps(marker))
 
 
+def integer_marker_dtype(root):
+    """djax.json edited by hand to a dtype no params are stored in."""
+    marker = json.loads((root / "old" / checkpoint.MARKER).read_text())
+    marker["dtype"] = "int8"
+    (root / "old" / checkpoint.MARKER).write_text(json.dumps(marker))
+    return ["generate", "--model", root / "old", "--prompt", "1+2="]
+
+
 def damaged_orbax(root):
     """Same sizes, other bytes: found only by reading."""
     _forget_file_sizes(root / "old")
@@ -301,6 +309,7 @@ ROWS = [
     (index_leaves_folder, CheckpointError, "names the file '../model/model.safetensors'"),
     (truncated_orbax, CheckpointError, "djax_params/.*: \\d+ bytes; djax.json records \\d+"),
     (damaged_orbax, CheckpointError, "djax_params: param .* holds other bytes"),
+    (integer_marker_dtype, CheckpointError, "djax.json: dtype='int8'; expected the floating"),
     (orbax_without_metadata, CheckpointError, "djax_params: not a readable orbax checkpoint"),
     (zeroed_manifest, CheckpointError, "djax_params: not a readable orbax .*manifest.ocdbt"),
     (
