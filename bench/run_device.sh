@@ -2,10 +2,13 @@
 # Run benchmark stages on the GPU machine, each logged; results and logs land in $OUT.
 #   bash bench/run_device.sh STAGE [ARGS...]; STAGE: env | forward | generate | profile | parallel |
 #   decoders | flags | compile | memory | sparse | load | fp8_error | fp8_accuracy | serve | train |
-#   gputests | detach | collect,
+#   gputests | headlines | detach | collect,
 #   or kernels.NAME | probes.NAME
 #   (bench/kernels, bench/probes). gputests: the kernel tests on the GPU (the tests marked
-#   "needs a GPU" run there), their log kept as gputests.log with the results.
+#   "needs a GPU" run there), their log kept as gputests.log with the results. headlines: the
+#   README's headline generations (LLaDA-8B bf16 and fp8 at batch 1 and 8, LLaDA-MoE spread
+#   bf16 and fp8 at batch 1; medians of 3), into generate_fp8_<device>.json and
+#   generate_spread_fp8_<device>.json: re-run it when the code under them changes.
 # serve and gputests install the wheels of .whl/ first (bench/wheels.sh; carry .whl).
 # Longer than one device command (10 minutes): `detach STAGE [ARGS...]` starts the stage in its
 # own process session (it outlives the command while the machine stays held) with its results
@@ -75,6 +78,11 @@ case "$stage" in
       tests/test_kernel_choice.py tests/test_fp8.py tests/test_fp8_mosaic.py \
       tests/test_llada.py tests/test_llada_moe.py tests/test_sparse_attention.py "$@" 2>&1 \
       | tee "$log" ;;
+  headlines)
+    setting=(--prompts 128 --caches dual --steps 64 --no-threshold --weights dtype fp8 --repeats 3)
+    { python3 -m bench.generate --models dense --batch 1 8 "${setting[@]}" "$@" &&
+      python3 -m bench.generate --models moe --routing spread --batch 1 "${setting[@]}" "$@"
+    } 2>&1 | tee "$log" ;;
   train)
     python3 -m djax.demo.train "$@" 2>&1 | tee "$log" ;;
   *)
