@@ -33,7 +33,7 @@ the Mosaic GPU partials, the fastest named.
 
 Each kernel runs at its default tiles (`tiles_for`); `--sweep` adds the Mosaic GPU kernels
 (split-K, SwiGLU, residual product, the fused q/k/v and RoPE kernel's ring) at every tiling
-of SWEEP_GRIDS (QKV_ROPE_STAGES) that fits, and ends with the fastest per product (also
+of SWEEP_GRIDS (QKV_ROPE_RINGS) that fits, and ends with the fastest per product (also
 under `fastest` in the results): what each kernel's `tiles_for` should take. Each call
 cycles through enough copies of the weight (>= 256 MB) that none is still in the L2 cache
 when it is read again, as inside a forward. Device time per product from profiler traces
@@ -102,8 +102,8 @@ SWEEP_GRIDS = {
     ),
 }
 SQUARES_TILES = 32  # columns per tile of sums of squares (`residual_norm_mosaic.add_scaled`'s)
-# --sweep: the fused q/k/v and RoPE kernel's ring stages (its block_n is head_dim, block_k 64)
-QKV_ROPE_STAGES = (3, 4, 5, 6)
+# --sweep: the fused q/k/v and RoPE kernel's rings, (block_k, stages) (its block_n is head_dim)
+QKV_ROPE_RINGS = ((64, 3), (64, 4), (64, 5), (64, 6), (128, 2), (128, 3), (128, 4))
 BUFFER, START = 384, 128  # qkv_rope: the dual cache's K/V buffer at the setting, the first block
 
 
@@ -345,7 +345,7 @@ def qkv_rope_inputs(cfg, rows: int, key) -> tuple:
 def qkv_rope_forms(cfg, sweep: bool = False) -> dict:
     """The paths from normed rows to attention's inputs, each (x, w, buffers, positions,
     cos, sin, bounds, scales) -> (q, keys, values); with `sweep` also the fused kernel at
-    each ring depth of QKV_ROPE_STAGES."""
+    each ring of QKV_ROPE_RINGS whose contraction steps divide the model width."""
     ops = rope_write_mosaic.HeadOps(cfg.qk_norm, cfg.rms_norm_eps, cfg.clip_qkv)
     window = layers.Window(START)
 
@@ -379,9 +379,12 @@ def qkv_rope_forms(cfg, sweep: bool = False) -> dict:
         "mosaic + epilogue": epilogue,
         "mosaic + xla rope": xla_epilogue,
     }
-    for stages in QKV_ROPE_STAGES if sweep else ():
-        tiles = Tiles(block_n=cfg.head_dim, block_k=64, splits=1, stages=stages)
-        forms[f"mosaic st{stages}"] = functools.partial(fused, tiles=tiles)
+    for block_k, stages in QKV_ROPE_RINGS if sweep else ():
+        if cfg.d_model % block_k:
+            continue
+        tiles = Tiles(block_n=cfg.head_dim, block_k=block_k, splits=1, stages=stages)
+        label = f"mosaic st{stages}" if block_k == 64 else f"mosaic k{block_k} st{stages}"
+        forms[label] = functools.partial(fused, tiles=tiles)
     return forms
 
 

@@ -91,6 +91,24 @@ def test_matches_xla(name):
         np.testing.assert_array_equal(ours[2][:, untouched], buffers[1][:, untouched])
 
 
+@pytest.mark.parametrize("block_k, stages", [(128, 2), (128, 3), (64, 6)])
+def test_other_rings_match_xla(block_k, stages):
+    """The fused kernel at rings other than `tiles_for`'s (`bench.kernels.mosaic --sweep`
+    times them): 128-value contraction steps, and more stages than steps, give XLA's q,
+    keys and values."""
+    case = (2, 16, 256, 2, 1, 64, 64, 48, layers.Window(8), HeadOps(True, 1e-5))
+    x, w, positions, buffers, scales, bounds, cos, sin = _problem(case)
+    tiles = Tiles(block_n=64, block_k=block_k, splits=1, stages=stages)
+    ours = rope_write_mosaic.project_rope_and_write(
+        x, w, cos, sin, buffers, bounds, scales, case[-1], tiles=tiles
+    )
+    want = _xla(case, x, w, positions, buffers, scales)
+    for label, o, ref in zip(("q", "keys", "values"), ours, want, strict=True):
+        np.testing.assert_allclose(
+            o.astype(jnp.float32), ref.astype(jnp.float32), atol=2e-2, rtol=2e-2, err_msg=label
+        )
+
+
 @pytest.mark.parametrize(
     "name, splits",
     [
@@ -372,6 +390,13 @@ def test_compiled_kernel_on_gpu():
         )
         want = _xla(case, x, w, positions, buffers, scales)
         for o, ref in zip(ours, want, strict=True):
+            o, ref = (a.astype(jnp.float32) for a in (o, ref))
+            np.testing.assert_allclose(o, ref, atol=0.1, rtol=0.02)
+        ring = Tiles(block_n=case[5], block_k=128, splits=1, stages=3)  # the sweep's
+        fused = rope_write_mosaic.project_rope_and_write(
+            x, w, cos, sin, buffers, bounds, scales, ops, tiles=ring
+        )
+        for o, ref in zip(fused, want, strict=True):
             o, ref = (a.astype(jnp.float32) for a in (o, ref))
             np.testing.assert_allclose(o, ref, atol=0.1, rtol=0.02)
         model, (*_, rotary, _, window, _) = w.shape[0], case
