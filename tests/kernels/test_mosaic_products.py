@@ -64,6 +64,8 @@ def _rel_error(ours, ref):
         ((1, 32), None),  # a block's rows, `tiles_for`: one row tile read past x's end
         ((2, 35), Tiles(block_n=64, block_k=64, splits=2, stages=2)),  # 70 rows: 2 row tiles,
         # the second ragged, its rows padded to 72 for TMA
+        ((1, 32), Tiles(block_n=64, block_k=64, splits=1, stages=2)),  # 4 steps through 2
+        # slots: each slot refilled as the ring goes round
     ],
 )
 def test_partials_match_fp32_product(shape, tiles):
@@ -80,11 +82,15 @@ def test_partials_match_fp32_product(shape, tiles):
 
 
 @pytest.mark.parametrize(
-    "m, tiles",
-    [(32, None), (20, Tiles(block_n=64, block_k=64, splits=1, stages=2))],  # 20: padded to 24
+    "m, k, tiles",
+    [
+        (32, 128, None),
+        (20, 128, Tiles(block_n=64, block_k=64, splits=1, stages=2)),  # 20: padded to 24
+        (32, 256, Tiles(block_n=64, block_k=64, splits=1, stages=2)),  # 4 steps, 2 slots
+    ],
 )
-def test_swiglu_matches_einsum_and_activation(m, tiles):
-    x, w = _swiglu_problem(m, 128, 128, seed=1)
+def test_swiglu_matches_einsum_and_activation(m, k, tiles):
+    x, w = _swiglu_problem(m, k, 128, seed=1)
     ours = swiglu_mosaic.swiglu_matmul(x, w, tiles=tiles)
     assert ours.shape == (m, 128) and ours.dtype == BF16
     assert _rel_error(ours, swiglu_reference(x, w)) < 1e-2  # bf16 output
