@@ -953,21 +953,31 @@ def test_stream_options_need_stream(url, engine):
     assert not engine.submitted
 
 
-def test_continuous_usage_stats_are_refused(url, engine):
-    """vLLM's and SGLang's `stream_options.continuous_usage_stats` asks for `usage` in every
-    chunk; djax sends it once, so the field is refused naming it, rather than ignored."""
-    body = {"prompt": "x", "stream": True}
+def test_continuous_usage_stats_put_usage_in_every_chunk(url, engine):
+    """vLLM's `stream_options.continuous_usage_stats` (with include_usage): every chunk also
+    carries its choice's usage so far, its prompt's tokens and its answer's up to that
+    chunk; the last chunk still sums the request. Without include_usage it adds nothing."""
     options = {"include_usage": True, "continuous_usage_stats": True}
-    response = post(url, "/v1/completions", body | {"stream_options": options})
-    assert_error(
-        response,
-        400,
-        param="stream_options.continuous_usage_stats",
-        mentions="continuous_usage_stats",
-    )
-    assert not engine.submitted
-    options["continuous_usage_stats"] = False
-    assert post(url, "/v1/completions", body | {"stream_options": options}).status_code == 200
+    body = {"prompt": [[0, 62, 63]], "stream": True, "n": 2, "stream_options": options}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as response:
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    *chunks, total = events[:-1]
+    assert total["choices"] == [] and total["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2 * len(ANSWER),
+        "total_tokens": 3 + 2 * len(ANSWER),
+    }
+    for index in (0, 1):
+        mine = [c for c in chunks if c["choices"][0]["index"] == index]
+        counts = [c["usage"]["completion_tokens"] for c in mine]
+        assert counts == [8, 16, len(ANSWER), len(ANSWER)]  # blocks of 8, 8, 6, then the end
+        assert all(c["usage"]["prompt_tokens"] == 3 for c in mine)
+        assert all(c["usage"]["total_tokens"] == 3 + n for c, n in zip(mine, counts, strict=True))
+    options["include_usage"] = False  # as vLLM: continuous stats only beside include_usage
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as response:
+        events = sse_events(response)
+    assert all(e.get("usage") is None for e in events[:-1])
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -152,20 +153,26 @@ def _usage(generations: list[_Generation], prompt_tokens: int) -> p.Usage:
     return p.Usage.of(prompt_tokens, sum(g.completion_tokens for g in generations))
 
 
-async def _merged(
-    generations: list[_Generation], watcher: asyncio.Future
-) -> AsyncIterator[tuple[int, str | None]]:
-    """(choice index, new text) as the choices make it, and (index, None) as each ends;
+class _Piece(NamedTuple):
+    """A choice's new text (None: the choice ended) and its answer tokens up to it."""
+
+    index: int
+    text: str | None
+    tokens: int
+
+
+async def _merged(generations: list[_Generation], watcher: asyncio.Future) -> AsyncIterator[_Piece]:
+    """Each choice's new text as the choices make it, and a piece of text None as each ends;
     _ClientGone or _EngineFailed from any choice ends it, and the others are cancelled (each
     tells the engine to drop its row)."""
-    queue: asyncio.Queue[tuple[int, str | None | Exception]] = asyncio.Queue()
+    queue: asyncio.Queue[_Piece | tuple[int, Exception]] = asyncio.Queue()
 
     async def feed(index: int, generation: _Generation) -> None:
         try:
             async with contextlib.aclosing(generation.texts(watcher)) as texts:
-                async for text in texts:
-                    queue.put_nowait((index, text))
-            queue.put_nowait((index, None))
+                async for text in texts:  # its count is the text's until the next is taken
+                    queue.put_nowait(_Piece(index, text, generation.completion_tokens))
+            queue.put_nowait(_Piece(index, None, generation.completion_tokens))
         except (_ClientGone, _EngineFailed) as err:
             queue.put_nowait((index, err))
 
@@ -173,15 +180,16 @@ async def _merged(
     try:
         running = len(tasks)
         while running:
-            index, item = await queue.get()
-            if isinstance(item, Exception):
-                if isinstance(item, _EngineFailed):  # the request fails: its choices are errors
+            piece = await queue.get()
+            if not isinstance(piece, _Piece):
+                error = piece[1]
+                if isinstance(error, _EngineFailed):  # the request fails: its choices are errors
                     for generation in generations:
                         generation.request_failed = True
-                raise item
-            if item is None:
+                raise error
+            if piece.text is None:
                 running -= 1
-            yield index, item
+            yield piece
     finally:
         for task in tasks:
             task.cancel()
@@ -223,7 +231,13 @@ class _Format:
     def __init__(self, request_id: str, created: int, model: str):
         self.id, self.created, self.model = request_id, created, model
 
-    def chunk(self, index: int, text: str, finish_reason: p.FinishReason | None) -> BaseModel: ...
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        finish_reason: p.FinishReason | None,
+        usage: p.Usage | None = None,
+    ) -> BaseModel: ...
 
     def usage_chunk(self, usage: p.Usage) -> BaseModel: ...
 
@@ -238,9 +252,15 @@ class _CompletionFormat(_Format):
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def chunk(self, index: int, text: str, finish_reason: p.FinishReason | None) -> BaseModel:
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        finish_reason: p.FinishReason | None,
+        usage: p.Usage | None = None,
+    ) -> BaseModel:
         choice = p.CompletionChoice(index=index, text=text, finish_reason=finish_reason)
-        return self._of([choice], None)
+        return self._of([choice], usage)
 
     def usage_chunk(self, usage: p.Usage) -> BaseModel:
         return self._of([], usage)
@@ -262,14 +282,20 @@ class _ChatFormat(_Format):
         super().__init__(request_id, created, model)
         self._role_sent: set[int] = set()  # the choices whose first chunk went out
 
-    def chunk(self, index: int, text: str, finish_reason: p.FinishReason | None) -> BaseModel:
+    def chunk(
+        self,
+        index: int,
+        text: str,
+        finish_reason: p.FinishReason | None,
+        usage: p.Usage | None = None,
+    ) -> BaseModel:
         delta = p.Delta(content=text)
         if index not in self._role_sent:
             delta.role = "assistant"
             self._role_sent.add(index)
         choice = p.ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
         return p.ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=[choice]
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
         )
 
     def usage_chunk(self, usage: p.Usage) -> BaseModel:
@@ -539,7 +565,14 @@ def create_app(
         out = format_(request_id, int(time.time()), model_name)
         if body.stream:
             return StreamingResponse(
-                _stream(generations, out, http_request, body.include_usage, prompt_tokens),
+                _stream(
+                    generations,
+                    out,
+                    http_request,
+                    body.include_usage,
+                    body.continuous_usage,
+                    prompt_tokens,
+                ),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -577,16 +610,23 @@ def create_app(
         out: _Format,
         http_request: Request,
         include_usage: bool,
+        continuous_usage: bool,
         prompt_tokens: int,
     ) -> AsyncIterator[str]:
+        """The chunks of a streamed answer; with `continuous_usage` each also carries its
+        choice's usage so far (its prompt's tokens, its answer's up to the chunk)."""
         watcher = asyncio.ensure_future(_disconnected(http_request))
         try:
             async with contextlib.aclosing(_merged(generations, watcher)) as pieces:
-                async for index, text in pieces:
+                async for index, text, tokens in pieces:
+                    generation = generations[index]
+                    usage = None
+                    if continuous_usage:
+                        usage = p.Usage.of(len(generation.request.prompt_ids), tokens)
                     if text is None:  # the choice ended
-                        yield _sse(out.chunk(index, "", generations[index].finish_reason))
+                        yield _sse(out.chunk(index, "", generation.finish_reason, usage))
                     else:
-                        yield _sse(out.chunk(index, text, None))
+                        yield _sse(out.chunk(index, text, None, usage))
             metrics.e2e.observe(time.perf_counter() - generations[0].arrival)
             if include_usage:
                 yield _sse(out.usage_chunk(_usage(generations, prompt_tokens)))

@@ -150,17 +150,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's and SGLang's: usage in every chunk
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _usage_once(cls, value: bool) -> bool:
-        if value:
-            raise _unsupported(
-                "continuous_usage_stats",
-                "djax sends usage once, after the last chunk (include_usage); expected false",
-            )
-        return value
+    # vLLM's and SGLang's: with include_usage, every chunk also carries its choice's usage
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(BaseModel):
@@ -335,6 +326,11 @@ class _GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk too (vLLM's `continuous_usage_stats`, with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def answer_tokens(self) -> int | None:
@@ -527,8 +523,8 @@ class CompletionChoice(BaseModel):
 
 
 class Completion(BaseModel):
-    """A whole answer, or (streamed, `usage` None) one chunk of it; OpenAI names both
-    `text_completion`."""
+    """A whole answer, or (streamed) one chunk of it, its `usage` None but in the last and
+    under continuous usage stats; OpenAI names both `text_completion`."""
 
     id: str
     object: Literal["text_completion"] = "text_completion"
