@@ -953,7 +953,7 @@ def test_stream_options_need_stream(url, engine):
     assert not engine.submitted
 
 
-def test_continuous_usage_stats_put_usage_in_every_chunk(url, engine):
+def test_continuous_usage_stats_put_usage_in_every_chunk(url, engine, client):
     """vLLM's `stream_options.continuous_usage_stats` (with include_usage): every chunk also
     carries its choice's usage so far, its prompt's tokens and its answer's up to that
     chunk; the last chunk still sums the request. Without include_usage it adds nothing."""
@@ -974,6 +974,14 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(url, engine):
         assert counts == [8, 16, len(ANSWER), len(ANSWER)]  # blocks of 8, 8, 6, then the end
         assert all(c["usage"]["prompt_tokens"] == 3 for c in mine)
         assert all(c["usage"]["total_tokens"] == 3 + n for c, n in zip(mine, counts, strict=True))
+    chat = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options=options,
+    )
+    counts = [c.usage.completion_tokens for c in chat if c.choices]
+    assert counts == [8, 16, len(ANSWER), len(ANSWER)]
     options["include_usage"] = False  # as vLLM: continuous stats only beside include_usage
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as response:
         events = sse_events(response)
