@@ -231,13 +231,7 @@ class _Format:
     def __init__(self, request_id: str, created: int, model: str):
         self.id, self.created, self.model = request_id, created, model
 
-    def chunk(
-        self,
-        index: int,
-        text: str,
-        finish_reason: p.FinishReason | None,
-        usage: p.Usage | None = None,
-    ) -> BaseModel: ...
+    def chunk(self, index: int, text: str, finish_reason: p.FinishReason | None) -> BaseModel: ...
 
     def usage_chunk(self, usage: p.Usage) -> BaseModel: ...
 
@@ -252,15 +246,9 @@ class _CompletionFormat(_Format):
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def chunk(
-        self,
-        index: int,
-        text: str,
-        finish_reason: p.FinishReason | None,
-        usage: p.Usage | None = None,
-    ) -> BaseModel:
+    def chunk(self, index: int, text: str, finish_reason: p.FinishReason | None) -> BaseModel:
         choice = p.CompletionChoice(index=index, text=text, finish_reason=finish_reason)
-        return self._of([choice], usage)
+        return self._of([choice], None)
 
     def usage_chunk(self, usage: p.Usage) -> BaseModel:
         return self._of([], usage)
@@ -282,20 +270,14 @@ class _ChatFormat(_Format):
         super().__init__(request_id, created, model)
         self._role_sent: set[int] = set()  # the choices whose first chunk went out
 
-    def chunk(
-        self,
-        index: int,
-        text: str,
-        finish_reason: p.FinishReason | None,
-        usage: p.Usage | None = None,
-    ) -> BaseModel:
+    def chunk(self, index: int, text: str, finish_reason: p.FinishReason | None) -> BaseModel:
         delta = p.Delta(content=text)
         if index not in self._role_sent:
             delta.role = "assistant"
             self._role_sent.add(index)
         choice = p.ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)
         return p.ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+            id=self.id, created=self.created, model=self.model, choices=[choice]
         )
 
     def usage_chunk(self, usage: p.Usage) -> BaseModel:
@@ -620,13 +602,13 @@ def create_app(
             async with contextlib.aclosing(_merged(generations, watcher)) as pieces:
                 async for index, text, tokens in pieces:
                     generation = generations[index]
-                    usage = None
-                    if continuous_usage:
-                        usage = p.Usage.of(len(generation.request.prompt_ids), tokens)
                     if text is None:  # the choice ended
-                        yield _sse(out.chunk(index, "", generation.finish_reason, usage))
+                        chunk = out.chunk(index, "", generation.finish_reason)
                     else:
-                        yield _sse(out.chunk(index, text, None, usage))
+                        chunk = out.chunk(index, text, None)
+                    if continuous_usage:
+                        chunk.usage = p.Usage.of(len(generation.request.prompt_ids), tokens)
+                    yield _sse(chunk)
             metrics.e2e.observe(time.perf_counter() - generations[0].arrival)
             if include_usage:
                 yield _sse(out.usage_chunk(_usage(generations, prompt_tokens)))
